@@ -1,0 +1,450 @@
+"""The radix index over cached blocks: longest match, insert, leaf-first LRU eviction, TTL, pins.
+
+Blocks are the nodes. Each cached block links to its parent (the block before
+it in the prompt, or the scope digest for block 0), so the cached blocks of all
+prompts form a forest whose paths are shared prefixes:
+
+    scope ─ b0 ─ b1 ─ b2 ─ b3      (prompt A)
+                  └── b4 ─ b5      (prompt B shares b0, b1)
+
+Lookup is by chained key (one dict probe per block, no tree walk), and the
+parent link plus the stored token ids are verified on every hit, so a key
+collision is a miss. Only unreferenced, unpinned *leaves* are evictable
+(b3, b5 above); b1 becomes a candidate once b2..b5 are gone, so shared
+prefixes outlive one-off tails. Evictable leaves sit in a heap ordered by last
+access (lazy deletion: a stale entry is skipped when popped), O(log n) a step.
+
+Invariant that keeps `num_reclaimable_blocks` exact: whoever holds a cached
+block holds its ancestors too (a request acquires a matched prefix path; a
+block computed twice is merged into the cached copy), and pins cover paths.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from typing import Callable, NamedTuple, Optional, Sequence, Union
+
+from .block_pool import Block, BlockPool
+from .events import AllBlocksCleared, BlockRemoved, BlockStored, EventQueue
+from .keys import pack_tokens
+from .stats import CacheStats, CacheUsage
+
+Parent = Union[Block, bytes]
+
+
+class OutOfBlocksError(RuntimeError):
+    """Raised when referenced and pinned blocks leave too few to allocate."""
+
+
+class MatchResult(NamedTuple):
+    blocks: list[Block]
+    num_tokens: int
+
+
+class RadixCache:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        *,
+        max_pinned_blocks: Optional[int] = None,
+        clock: Callable[[], float] = time.monotonic,
+        events: Optional[EventQueue] = None,
+    ) -> None:
+        self.pool = BlockPool(num_blocks)
+        self.block_size = block_size
+        # Pins may never take the whole pool, or running requests could starve.
+        self.max_pinned_blocks = num_blocks // 2 if max_pinned_blocks is None else max_pinned_blocks
+        self.clock = clock
+        self.events = events
+        self.stats = CacheStats()
+        self._index: dict[bytes, Block] = {}
+        self._lru_heap: list[tuple[int, int]] = []  # (last_access, block_id)
+        self._expiry_heap: list[tuple[float, int, int]] = []  # (expire_at, last_access, block_id)
+        self._tick = 0
+        self._num_cached_unreferenced = 0
+        self._num_reclaimable = 0  # cached, unreferenced, unpinned
+        self._num_pinned = 0
+
+    # ----------------------------------------------------------------- lookup
+    def match(
+        self,
+        scope_digest: bytes,
+        keys: Sequence[bytes],
+        token_ids: Sequence[int],
+        *,
+        record_stats: bool = True,
+    ) -> MatchResult:
+        """Longest cached prefix of `token_ids`; never covers the last token (its logits are needed)."""
+        size = self.block_size
+        max_blocks = min(len(keys), max(len(token_ids) - 1, 0) // size)
+        now = self.clock()
+        blocks: list[Block] = []
+        previous: Parent = scope_digest
+        index = self._index
+        for i in range(max_blocks):
+            block = index.get(keys[i])
+            if block is None:
+                break
+            parent_ok = block.parent is previous if i else block.parent == previous
+            if not parent_ok or block.token_bytes != pack_tokens(token_ids[i * size : (i + 1) * size]):
+                self.stats.num_collisions += 1
+                break
+            if block.expire_at is not None and block.expire_at <= now:
+                break
+            blocks.append(block)
+            previous = block
+        if record_stats:
+            self.stats.record_query(len(token_ids), len(blocks) * size)
+        return MatchResult(blocks, len(blocks) * size)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._index
+
+    def get(self, key: bytes) -> Optional[Block]:
+        return self._index.get(key)
+
+    # ------------------------------------------------------ references and LRU
+    def acquire(self, blocks: Sequence[Block], ttl: Optional[float] = None) -> None:
+        """Reference a matched prefix path (root first); refreshes LRU position and TTL.
+
+        A block inserted without TTL never expires; `ttl` can lengthen, never
+        shorten, the lifetime of a prefix that has one.
+        """
+        now = self.clock()
+        for block in blocks:
+            assert block.key is not None, f"acquire expects cached blocks, got {block}"
+            if block.ref_count == 0:
+                self._num_cached_unreferenced -= 1
+                if block.pin_count == 0:
+                    self._num_reclaimable -= 1
+            block.ref_count += 1
+            self._touch(block)
+            if block.ttl is not None and ttl is not None:
+                block.ttl = max(block.ttl, ttl)  # the longest lifetime asked for wins
+            block.expire_at = None if block.ttl is None else now + block.ttl
+
+    def release(self, blocks: Sequence[Block]) -> None:
+        """Drop one reference from each block; tail first so tails age before their prefixes."""
+        now = self.clock()
+        for block in reversed(blocks):
+            assert block.ref_count > 0, f"release of unreferenced {block}"
+            block.ref_count -= 1
+            if block.ref_count:
+                continue
+            if block.key is None:
+                self.pool.free(block)
+                continue
+            self._num_cached_unreferenced += 1
+            if block.pin_count == 0:
+                self._num_reclaimable += 1
+            self._touch(block)
+            if block.ttl is not None:
+                block.expire_at = now + block.ttl  # the TTL counts from the last use
+            self._push_if_evictable(block)
+
+    def _touch(self, block: Block) -> None:
+        self._tick += 1
+        block.last_access = self._tick
+
+    @staticmethod
+    def _is_evictable(block: Block) -> bool:
+        return block.key is not None and block.ref_count == 0 and block.num_children == 0 and block.pin_count == 0
+
+    def _push_if_evictable(self, block: Block) -> None:
+        if not self._is_evictable(block):
+            return
+        heapq.heappush(self._lru_heap, (block.last_access, block.block_id))
+        if block.expire_at is not None:
+            heapq.heappush(self._expiry_heap, (block.expire_at, block.last_access, block.block_id))
+        # Stale entries pile up under churn; rebuild once they dominate.
+        if len(self._lru_heap) > 2 * self._num_reclaimable + 64:
+            self._compact_heaps()
+
+    def _compact_heaps(self) -> None:
+        blocks = self.pool.blocks
+        self._lru_heap = [e for e in set(self._lru_heap) if self._lru_entry_valid(blocks[e[1]], e[0])]
+        heapq.heapify(self._lru_heap)
+        self._expiry_heap = [
+            e for e in set(self._expiry_heap) if self._expiry_entry_valid(blocks[e[2]], e[0], e[1])
+        ]
+        heapq.heapify(self._expiry_heap)
+
+    def _lru_entry_valid(self, block: Block, last_access: int) -> bool:
+        return block.last_access == last_access and self._is_evictable(block)
+
+    def _expiry_entry_valid(self, block: Block, expire_at: float, last_access: int) -> bool:
+        return block.expire_at == expire_at and self._lru_entry_valid(block, last_access)
+
+    # ------------------------------------------------------------- allocation
+    @property
+    def num_reclaimable_blocks(self) -> int:
+        """Cached blocks eviction could free right now (unreferenced, unpinned)."""
+        return self._num_reclaimable
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        return num_blocks <= self.pool.num_free_blocks + self._num_reclaimable
+
+    def allocate(self, num_blocks: int) -> list[Block]:
+        """`num_blocks` private blocks (ref 1), evicting cold leaves if the free list is short."""
+        shortfall = num_blocks - self.pool.num_free_blocks
+        if shortfall > 0 and self.evict(shortfall) < shortfall:
+            raise OutOfBlocksError(
+                f"need {num_blocks} KV blocks but only {self.pool.num_free_blocks} can be freed; "
+                "running requests and pins hold the rest (raise the KV memory budget or lower max_num_seqs)"
+            )
+        return [self.pool.allocate() for _ in range(num_blocks)]
+
+    def evict(self, num_blocks: int) -> int:
+        """Free up to `num_blocks`: expired leaves first, then least recently used leaves."""
+        num_evicted = 0
+        while num_evicted < num_blocks:
+            block = self._pop_expired() or self._pop_lru()
+            if block is None:
+                break
+            self._uncache(block)
+            num_evicted += 1
+        return num_evicted
+
+    def expire(self) -> int:
+        """Reclaim every expired, unreferenced prefix now (leaves first, up the chain)."""
+        num_expired = 0
+        while (block := self._pop_expired()) is not None:
+            self._uncache(block)
+            num_expired += 1
+        return num_expired
+
+    def _pop_expired(self) -> Optional[Block]:
+        now = self.clock()
+        heap = self._expiry_heap
+        while heap and heap[0][0] <= now:
+            expire_at, last_access, block_id = heapq.heappop(heap)
+            block = self.pool.blocks[block_id]
+            if self._expiry_entry_valid(block, expire_at, last_access):
+                self.stats.num_expired_blocks += 1
+                return block
+        return None
+
+    def _pop_lru(self) -> Optional[Block]:
+        heap = self._lru_heap
+        while heap:
+            last_access, block_id = heapq.heappop(heap)
+            block = self.pool.blocks[block_id]
+            if self._lru_entry_valid(block, last_access):
+                self.stats.num_evicted_blocks += 1
+                self.stats.num_evicted_tokens += self.block_size
+                return block
+        return None
+
+    # ---------------------------------------------------------------- insert
+    def insert(
+        self,
+        block: Block,
+        key: bytes,
+        token_ids: Sequence[int],
+        parent: Parent,
+        ttl: Optional[float] = None,
+    ) -> Block:
+        """Register a full block whose KV is written; returns the block the caller should hold.
+
+        `parent` is the caller's previous block (or the scope digest for block 0).
+        If the same block was cached meanwhile by another request, the caller's
+        copy is released and the cached one returned (referenced for the caller),
+        so duplicates never linger and reference counts stay exact. A private
+        (uncacheable) parent or a key collision leaves the block private.
+        """
+        assert block.ref_count > 0, f"insert expects a block the caller holds, got {block}"
+        if block.key is not None:
+            return block
+        if isinstance(parent, Block) and parent.key is None:
+            return block
+        token_bytes = pack_tokens(token_ids)
+        existing = self._index.get(key)
+        if existing is not None:
+            same_parent = existing.parent is parent if isinstance(parent, Block) else existing.parent == parent
+            if not same_parent or existing.token_bytes != token_bytes:
+                self.stats.num_collisions += 1
+                return block
+            self.acquire([existing], ttl)
+            self.release([block])
+            self.stats.num_merged_blocks += 1
+            return existing
+        block.key = key
+        block.token_bytes = token_bytes
+        block.parent = parent
+        block.ttl = ttl
+        block.expire_at = None if ttl is None else self.clock() + ttl
+        if isinstance(parent, Block):
+            parent.num_children += 1
+        self._index[key] = block
+        self.stats.num_inserted_blocks += 1
+        if self.events is not None:
+            parent_key = parent.key if isinstance(parent, Block) else None
+            self.events.publish(BlockStored([key], parent_key, list(token_ids), self.block_size))
+        return block
+
+    def _uncache(self, block: Block, publish: bool = True) -> None:
+        """Drop a block from the index; it is freed now if unreferenced, else on release."""
+        del self._index[block.key]
+        if publish and self.events is not None:
+            self.events.publish(BlockRemoved([block.key]))
+        block.key = None
+        block.token_bytes = None
+        if block.pin_count:
+            self._num_pinned -= 1
+            block.pin_count = 0
+            pinned = True
+        else:
+            pinned = False
+        parent = block.parent
+        block.parent = None
+        block.num_children = 0
+        if block.ref_count == 0:
+            self._num_cached_unreferenced -= 1
+            if not pinned:
+                self._num_reclaimable -= 1
+            self.pool.free(block)
+        if isinstance(parent, Block) and parent.key is not None:
+            parent.num_children -= 1
+            self._push_if_evictable(parent)
+
+    # ------------------------------------------------------------------ pins
+    def _cached_path(self, keys: Sequence[bytes]) -> list[Block]:
+        path: list[Block] = []
+        for key in keys:
+            block = self._index.get(key)
+            if block is None or (path and block.parent is not path[-1]):
+                break
+            path.append(block)
+        return path
+
+    def pin(self, keys: Sequence[bytes]) -> int:
+        """Protect the cached prefix along `keys` from eviction; returns blocks pinned."""
+        path = self._cached_path(keys)
+        num_new = sum(1 for block in path if block.pin_count == 0)
+        if self._num_pinned + num_new > self.max_pinned_blocks:
+            raise ValueError(
+                f"pinning {num_new} more blocks would exceed max_pinned_blocks={self.max_pinned_blocks} "
+                f"({self._num_pinned} already pinned); unpin other prefixes or raise the cap"
+            )
+        for block in path:
+            if block.pin_count == 0:
+                self._num_pinned += 1
+                if block.ref_count == 0:
+                    self._num_reclaimable -= 1
+            block.pin_count += 1
+        return len(path)
+
+    def unpin(self, keys: Sequence[bytes]) -> int:
+        """Undo one `pin` of the cached prefix along `keys`; returns blocks unpinned."""
+        path = [block for block in self._cached_path(keys) if block.pin_count > 0]
+        for block in reversed(path):
+            block.pin_count -= 1
+            if block.pin_count == 0:
+                self._num_pinned -= 1
+                if block.ref_count == 0:
+                    self._num_reclaimable += 1
+                self._push_if_evictable(block)
+        return len(path)
+
+    # ----------------------------------------------------------------- clear
+    def clear(self, scope_digest: Optional[bytes] = None) -> int:
+        """Forget every cached block (of one scope, or all); referenced blocks turn private."""
+        if scope_digest is None:
+            victims = list(self._index.values())
+        else:
+            roots: dict[int, bytes] = {}
+            victims = [b for b in self._index.values() if self._scope_of(b, roots) == scope_digest]
+        for block in victims:
+            self._uncache(block, publish=scope_digest is not None)
+        if scope_digest is None and self.events is not None:
+            self.events.publish(AllBlocksCleared())
+        self._compact_heaps()
+        return len(victims)
+
+    def _scope_of(self, block: Block, memo: dict[int, bytes]) -> bytes:
+        chain: list[Block] = []
+        node: Parent = block
+        while isinstance(node, Block) and node.block_id not in memo:
+            chain.append(node)
+            node = node.parent
+        scope = memo[node.block_id] if isinstance(node, Block) else node
+        for visited in chain:
+            memo[visited.block_id] = scope
+        return scope
+
+    # ------------------------------------------------------------ inspection
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._index)
+
+    def usage(self) -> CacheUsage:
+        num_blocks = self.pool.num_blocks
+        num_free = self.pool.num_free_blocks
+        return CacheUsage(
+            num_blocks=num_blocks,
+            num_free_blocks=num_free,
+            num_cached_unreferenced_blocks=self._num_cached_unreferenced,
+            num_referenced_blocks=num_blocks - num_free - self._num_cached_unreferenced,
+            num_pinned_blocks=self._num_pinned,
+            num_cached_blocks=len(self._index),
+        )
+
+    def check_integrity(self) -> None:
+        """Assert every invariant of pool, index, heaps and counters (for tests)."""
+        blocks = self.pool.blocks
+        free_ids = {block.block_id for block in self.pool.free_list}
+        assert len(free_ids) == self.pool.num_free_blocks, "free list length is off"
+        children = [0] * len(blocks)
+        num_free = num_cached_unreferenced = num_referenced = num_reclaimable = num_pinned = 0
+        evictable: set[int] = set()
+        for block in blocks:
+            assert block.ref_count >= 0, f"negative ref count: {block}"
+            if block.key is None:
+                assert block.pin_count == 0 and block.num_children == 0, f"uncached block has state: {block}"
+                assert block.parent is None and block.token_bytes is None, f"uncached block keeps links: {block}"
+                if block.ref_count == 0:
+                    assert block.block_id in free_ids, f"{block} is lost: unreferenced, uncached, not free"
+                    num_free += 1
+                else:
+                    assert block.block_id not in free_ids, f"{block} is referenced but on the free list"
+                    num_referenced += 1
+                continue
+            assert block.block_id not in free_ids, f"cached {block} is on the free list"
+            assert self._index.get(block.key) is block, f"{block} is not indexed under its key"
+            parent = block.parent
+            if isinstance(parent, Block):
+                assert parent.key is not None, f"{block}'s parent {parent} is not cached"
+                children[parent.block_id] += 1
+                if block.ref_count:
+                    assert parent.ref_count, f"{block} is referenced but its parent {parent} is not"
+                if block.pin_count:
+                    assert parent.pin_count, f"{block} is pinned but its parent {parent} is not"
+            else:
+                assert isinstance(parent, bytes), f"{block} has no parent or scope"
+            if block.pin_count:
+                num_pinned += 1
+            if block.ref_count:
+                num_referenced += 1
+            else:
+                num_cached_unreferenced += 1
+                num_reclaimable += block.pin_count == 0
+        for block in blocks:
+            assert block.num_children == children[block.block_id], f"{block} child count is off"
+            if self._is_evictable(block):
+                evictable.add(block.block_id)
+        assert num_free + num_cached_unreferenced + num_referenced == len(blocks), "blocks unaccounted for"
+        assert len(self._index) == sum(1 for b in blocks if b.key is not None), "index holds stale keys"
+        assert num_cached_unreferenced == self._num_cached_unreferenced, "cached-unreferenced count is off"
+        assert num_reclaimable == self._num_reclaimable, "reclaimable count is off"
+        assert num_pinned == self._num_pinned <= self.max_pinned_blocks, "pinned count is off"
+        in_heap = {block_id for last, block_id in self._lru_heap if self._lru_entry_valid(blocks[block_id], last)}
+        assert in_heap == evictable, f"LRU heap holds {sorted(in_heap)}, evictable leaves are {sorted(evictable)}"
+        for expire_at, last, block_id in self._expiry_heap:
+            if self._expiry_entry_valid(blocks[block_id], expire_at, last):
+                assert block_id in evictable
+        for block_id in evictable:
+            if blocks[block_id].expire_at is not None:
+                block = blocks[block_id]
+                assert (block.expire_at, block.last_access, block_id) in self._expiry_heap, f"{block} lost its expiry"
