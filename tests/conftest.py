@@ -1,1 +1,32 @@
-"""Shared pytest configuration."""
+"""Suite-wide fixtures: one private model cache directory and small engines shared per module."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_model_cache(tmp_path_factory):
+    """Generate the built-in default model once per session into a temporary cache directory."""
+    cache_dir = tmp_path_factory.mktemp("prefixserve-home")
+    previous = os.environ.get("PREFIXSERVE_CACHE_DIR")
+    os.environ["PREFIXSERVE_CACHE_DIR"] = str(cache_dir)
+    yield cache_dir
+    if previous is None:
+        os.environ.pop("PREFIXSERVE_CACHE_DIR", None)
+    else:
+        os.environ["PREFIXSERVE_CACHE_DIR"] = previous
+
+
+SMALL_KV = 32 << 20  # 2,048 tokens of the default model in fp32: fast to allocate, plenty for tests
+
+
+def make_llm(**options):
+    from prefixserve import LLM
+
+    options.setdefault("dtype", "float32")
+    options.setdefault("kv_cache_memory_bytes", SMALL_KV)
+    options.setdefault("log_stats", False)
+    return LLM(**options)

@@ -1,0 +1,70 @@
+"""Engine configuration: one dataclass, validated once, never mutated afterwards.
+
+Option names follow vLLM's where one exists, so a vLLM user's flags carry over.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Optional
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+SCHEDULING_POLICIES = ("fcfs", "lpm")
+DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: Optional[str] = None  # a Hugging Face checkpoint directory; None = built-in prefixserve-tiny
+    dtype: str = "auto"  # auto: bfloat16 where the hardware runs it fast, else float32
+    device: str = "auto"  # auto: cuda when available, else cpu
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    prefix_hash: str = "sha256"  # or "xxh3_128" (faster, not collision resistant)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: Optional[int] = None  # None: the model's max_position_embeddings
+    kv_cache_memory_bytes: Optional[int] = None  # None: 2 GiB on CPU, a fraction of free memory on CUDA
+    gpu_memory_utilization: float = 0.9
+    scheduling_policy: str = "fcfs"  # or "lpm": longest cached prefix first, within a window
+    max_pinned_blocks: Optional[int] = None  # None: half the pool
+    prefix_ttl: Optional[float] = None  # seconds an unused cached prefix lives; None: until evicted
+    enable_kv_events: bool = False
+    seed: int = 0
+    log_stats: bool = True
+
+    def __post_init__(self) -> None:
+        def require(condition: bool, message: str) -> None:
+            if not condition:
+                raise ValueError(message)
+
+        require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        require(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
+        require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), f"block_size must be a power of two up to 128, got {self.block_size}")
+        require(self.max_num_seqs >= 1, f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        require(
+            self.max_num_batched_tokens >= self.block_size,
+            f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least block_size ({self.block_size})",
+        )
+        require(self.max_model_len is None or self.max_model_len >= 2, f"max_model_len must be at least 2, got {self.max_model_len}")
+        require(
+            self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+            f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}",
+        )
+        require(0.0 < self.gpu_memory_utilization <= 1.0, f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        require(
+            self.scheduling_policy in SCHEDULING_POLICIES,
+            f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}",
+        )
+        require(self.prefix_hash in ("sha256", "xxh3_128"), f"prefix_hash must be 'sha256' or 'xxh3_128', got {self.prefix_hash!r}")
+        require(self.prefix_ttl is None or self.prefix_ttl > 0, f"prefix_ttl must be positive seconds, got {self.prefix_ttl}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        """Build from keyword options, naming any unknown one and the valid names."""
+        known = {field.name for field in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine option(s) {unknown}; valid options are {sorted(known)}")
+        return cls(**kwargs)

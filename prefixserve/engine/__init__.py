@@ -1,0 +1,1 @@
+"""The engine: requests, scheduling, the model runner and the step loop."""

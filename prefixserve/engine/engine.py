@@ -1,0 +1,311 @@
+"""LLMEngine: the synchronous core. add_request, then step until done; a step is
+
+    schedule (plain Python) -> run the model (tensors) -> update requests and the cache
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+
+from ..cache import BlockKeyer, CacheScope, EventQueue, RadixCache
+from ..config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from ..model import IncrementalDecoder, Tokenizer, ensure_default_model, load_generation_eos, load_model
+from .outputs import RequestOutput
+from .request import Request
+from .runner import ModelRunner, kv_bytes_per_token
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+
+logger = logging.getLogger("prefixserve")
+
+PromptType = Union[str, list[int], dict[str, Any]]
+
+
+@dataclass
+class _TextState:
+    """Detokenization of one request's output, with stop strings cut off."""
+
+    prompt: Optional[str]
+    decoder: IncrementalDecoder
+    text: str = ""
+    num_emitted_chars: int = 0
+    num_emitted_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but no CUDA device is available; use device='cpu'")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model_path = Path(config.model) if config.model else ensure_default_model()
+        if not self.model_path.is_dir():
+            raise FileNotFoundError(
+                f"model directory {self.model_path} does not exist; pass a Hugging Face checkpoint "
+                "directory (config.json, *.safetensors, tokenizer.json) or model=None for the built-in default"
+            )
+        loaded = load_model(self.model_path, self.dtype, self.device)
+        self.model_config = loaded.config
+        self.tokenizer = Tokenizer.from_dir(self.model_path)
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(load_generation_eos(self.model_path))
+        self.max_model_len = self._resolve_max_model_len()
+        self.scope = CacheScope(loaded.model_fingerprint, self.tokenizer.fingerprint)
+        self.model_name = str(config.model) if config.model else "prefixserve-tiny"
+
+        bytes_per_token = kv_bytes_per_token(loaded.config, self.dtype)
+        budget = self._kv_budget(loaded)
+        num_blocks = budget // (bytes_per_token * config.block_size)
+        if num_blocks < 2:
+            raise ValueError(
+                f"a KV budget of {budget} bytes holds {num_blocks} blocks of {config.block_size} tokens "
+                f"({bytes_per_token} bytes a token); raise kv_cache_memory_bytes"
+            )
+        self.events = EventQueue() if config.enable_kv_events else None
+        self.cache = RadixCache(num_blocks, config.block_size, max_pinned_blocks=config.max_pinned_blocks,
+                                events=self.events)
+        self.keyer = BlockKeyer(config.block_size, config.prefix_hash)
+        self.scheduler = Scheduler(
+            self.cache,
+            self.keyer,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_prefix_caching=config.enable_prefix_caching,
+            policy=config.scheduling_policy,
+        )
+        self.runner = ModelRunner(loaded.model, loaded.config, num_blocks, config.block_size, self.dtype,
+                                  self.device, config.seed)
+        self._texts: dict[str, _TextState] = {}
+        self.num_prefill_tokens_computed = 0
+        self.num_generation_tokens = 0
+        weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+        self.startup_summary = (
+            f"model {self.model_name} ({loaded.config.architecture}), {self.dtype} on {self.device}; "
+            f"weights {weight_bytes / 2**20:.0f} MiB; KV {bytes_per_token} bytes/token; "
+            f"{num_blocks} blocks x {config.block_size} = {num_blocks * config.block_size} tokens fit "
+            f"({num_blocks * config.block_size * bytes_per_token / 2**20:.0f} MiB); "
+            f"prefix caching {'on' if config.enable_prefix_caching else 'off'}"
+        )
+        if config.log_stats:
+            logger.info(self.startup_summary)
+
+    # ------------------------------------------------------------- set-up
+    def _resolve_max_model_len(self) -> int:
+        limit = self.model_config.max_context_len
+        if self.config.max_model_len is None:
+            return limit
+        if self.config.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len={self.config.max_model_len} exceeds what the model supports ({limit}); "
+                f"use max_model_len <= {limit}"
+            )
+        return self.config.max_model_len
+
+    def _kv_budget(self, loaded) -> int:
+        if self.config.kv_cache_memory_bytes is not None:
+            return self.config.kv_cache_memory_bytes
+        if self.device.type != "cuda":
+            return DEFAULT_CPU_KV_CACHE_BYTES
+        return self._measure_cuda_budget(loaded)
+
+    def _measure_cuda_budget(self, loaded) -> int:
+        """Free device memory after weights and a measured activation peak, times the utilisation."""
+        from ..model import AttentionMetadata
+
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        num_tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
+        size = self.config.block_size
+        cfg = loaded.config
+        num_probe_blocks = -(-num_tokens // size)
+        shape = (num_probe_blocks, size, cfg.num_key_value_heads, cfg.head_dim)
+        probe_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                         torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(cfg.num_hidden_layers)]
+        meta = AttentionMetadata.build([num_tokens], [num_tokens], [list(range(num_probe_blocks))], size, self.device)
+        with torch.inference_mode():
+            ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+            hidden = loaded.model(ids, torch.arange(num_tokens, device=self.device), probe_caches, meta)
+            loaded.model.compute_logits(hidden[-min(num_tokens, self.config.max_num_seqs):])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del probe_caches, hidden
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free - torch.cuda.memory_allocated(self.device)
+        return max(int(total * self.config.gpu_memory_utilization) - used_by_others - peak, 0)
+
+    # ----------------------------------------------------------- requests
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int], Optional[str]]:
+        """(text or None, token ids, cache salt or None) of a string, token list or vLLM-style dict."""
+        cache_salt = None
+        if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
+            if unknown:
+                raise ValueError(f"unknown prompt field(s) {sorted(unknown)}; use 'prompt' or 'prompt_token_ids' and optional 'cache_salt'")
+            cache_salt = prompt.get("cache_salt")
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids' (list of ints)")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty; give at least one character or token id")
+            return prompt, self.tokenizer.encode(prompt), cache_salt
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return None, list(prompt), cache_salt
+        raise TypeError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def validate_token_ids(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty; give at least one character or token id")
+        vocab_size = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size}); check the tokenizer")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}, "
+                "which leaves no room to generate; shorten the prompt"
+            )
+
+    def add_request(
+        self,
+        prompt: PromptType,
+        params: Optional[SamplingParams] = None,
+        request_id: Optional[str] = None,
+        cache_salt: Optional[str] = None,
+        arrival_time: Optional[float] = None,
+    ) -> Request:
+        request = self.make_request(prompt, params, request_id, cache_salt, arrival_time)
+        self.submit(request)
+        return request
+
+    def make_request(self, prompt, params=None, request_id=None, cache_salt=None, arrival_time=None) -> Request:
+        """Tokenize and validate (raises ValueError with the fix); does not touch engine state."""
+        params = params or SamplingParams()
+        text, token_ids, prompt_salt = self.tokenize_prompt(prompt)
+        self.validate_token_ids(token_ids)
+        salt = cache_salt if cache_salt is not None else prompt_salt
+        scope = self.scope.with_salt(salt) if salt else self.scope
+        request = Request(
+            request_id=request_id or uuid.uuid4().hex,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            prompt=text,
+            scope_digest=scope.digest,
+            eos_token_ids=self.eos_token_ids,
+            max_model_len=self.max_model_len,
+            prefix_ttl=self.config.prefix_ttl,
+        )
+        if arrival_time is not None:
+            request.metrics.arrival_time = arrival_time
+        if params.seed is not None:
+            request.generator = torch.Generator().manual_seed(params.seed)
+        return request
+
+    def submit(self, request: Request) -> None:
+        """Queue a request built by `make_request`."""
+        if request.request_id in self._texts:
+            raise ValueError(f"request id {request.request_id!r} is already in use; give each request its own id")
+        self.scheduler.add_request(request)
+        self._texts[request.request_id] = _TextState(
+            request.prompt, IncrementalDecoder(self.tokenizer, request.prompt_token_ids),
+            stop=request.sampling_params.stop)
+
+    def abort_request(self, request_id: str) -> Optional[RequestOutput]:
+        request = self.scheduler.abort_request(request_id)
+        if request is None:
+            return None
+        return self._make_output(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # --------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        output = self.scheduler.schedule()
+        if output.is_empty:
+            return []
+        for request, num_new in output.scheduled:
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = time.monotonic()
+            if request.num_computed_tokens < request.num_prompt_tokens:
+                self.num_prefill_tokens_computed += min(num_new, request.num_prompt_tokens - request.num_computed_tokens)
+        sampled = self.runner.execute(output.scheduled)
+        updated = self.scheduler.update(output, sampled)
+        self.num_generation_tokens += len(updated)
+        now = time.monotonic()
+        outputs = []
+        for request in updated:
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            self._detokenize(request)
+            outputs.append(self._make_output(request))
+        return outputs
+
+    def _detokenize(self, request: Request) -> None:
+        state = self._texts[request.request_id]
+        new_ids = request.token_ids[request.num_prompt_tokens + state.num_emitted_tokens :]
+        state.num_emitted_tokens += len(new_ids)
+        if request.finish_reason == "stop" and request.stop_reason in request.token_ids[-1:] and new_ids:
+            new_ids = new_ids[:-1]  # an EOS / stop token is not part of the text
+        state.text += state.decoder.push(new_ids)
+        if request.is_finished:
+            state.text += state.decoder.flush()
+        if state.stop:
+            search_from = max(0, state.num_emitted_chars - max(map(len, state.stop)))
+            hits = [(state.text.find(stop, search_from), stop) for stop in state.stop]
+            hits = [(position, stop) for position, stop in hits if position >= 0]
+            if hits:
+                position, stop = min(hits)
+                state.text = state.text[:position]
+                self.scheduler.finish_request(request, "stop", stop)
+
+    def _make_output(self, request: Request) -> RequestOutput:
+        state = self._texts[request.request_id]
+        # While a stop string could still be forming at the end, hold those characters back.
+        visible = len(state.text)
+        if state.stop and not request.is_finished:
+            visible = max(state.num_emitted_chars, visible - max(map(len, state.stop)) + 1)
+        delta_text = state.text[state.num_emitted_chars : visible]
+        state.num_emitted_chars = max(state.num_emitted_chars, visible)
+        output_ids = request.output_token_ids
+        output = RequestOutput(
+            request_id=request.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=output_ids,
+            text=state.text[: state.num_emitted_chars],
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            finished=request.is_finished,
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+            delta_text=delta_text,
+            delta_token_ids=output_ids[-1:] if output_ids else [],
+            metrics=request.metrics,
+        )
+        if request.is_finished:
+            del self._texts[request.request_id]
+        return output

@@ -1,0 +1,31 @@
+"""What the engine hands back after each step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .request import RequestMetrics
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # output tokens so far
+    text: str  # output text so far (stop strings cut off)
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+    finished: bool
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort"
+    stop_reason: Optional[object] = None  # the stop string or stop token id, when one ended it
+    delta_text: str = ""  # text new since the previous output of this request
+    delta_token_ids: list[int] = field(default_factory=list)
+    metrics: Optional[RequestMetrics] = None
+
+    def __repr__(self) -> str:
+        return (
+            f"RequestOutput(request_id={self.request_id!r}, text={self.text!r}, "
+            f"num_cached_tokens={self.num_cached_tokens}, finished={self.finished}, "
+            f"finish_reason={self.finish_reason!r})"
+        )

@@ -1,0 +1,108 @@
+"""One request's state inside the engine.
+
+Following vLLM v1, a request only tracks `num_computed_tokens` catching up with
+its token count. A prefix hit starts it ahead; a prefill chunk moves it some
+way; a decode moves it by one; a preemption sets it back to zero. No phases.
+
+    token_ids:  [ prompt ................................ | output ... ]
+                 ^ cached (hit)  ^ computed so far         ^ len(token_ids)
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..cache import Block
+from .sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    finished_time: Optional[float] = None
+
+    @property
+    def ttft(self) -> Optional[float]:
+        """Seconds from arrival to the first output token."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> Optional[float]:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    scope_digest: bytes
+    prompt: Optional[str] = None  # the text, when the prompt came as text
+    eos_token_ids: frozenset[int] = frozenset()
+    max_model_len: int = 4096
+    prefix_ttl: Optional[float] = None
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # set at first admission; -1 = not yet looked up
+    blocks: list[Block] = field(default_factory=list)
+    block_keys: list[bytes] = field(default_factory=list)
+    num_inserted_blocks: int = 0  # leading blocks registered in the radix index
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort"
+    stop_reason: Optional[object] = None  # the stop string or token id that ended it
+    generator: Optional[object] = None  # torch.Generator for a seeded request (set by the engine)
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_output_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        params = self.sampling_params
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            self.finish("stop", token_id)
+        elif token_id in params.stop_token_ids:
+            self.finish("stop", token_id)
+        elif self.num_output_tokens >= params.max_tokens or self.num_tokens >= self.max_model_len:
+            self.finish("length")
+
+    def finish(self, reason: str, stop_reason: Optional[object] = None) -> None:
+        if self.status is RequestStatus.FINISHED:
+            return
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+        self.metrics.finished_time = time.monotonic()

@@ -1,0 +1,84 @@
+"""Tensor side of a step: lays out the batch, runs the model over the paged KV pool, samples.
+
+A step's batch is flat: the new tokens of every scheduled request one after the
+other, each request's rows being the last `num_new` positions of its context.
+
+    request A (prefill chunk, 5 new)   request B (decode)   request C (decode)
+    rows 0..4, positions 32..36        row 5, position 70   row 6, position 9
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from ..model import AttentionMetadata, LlamaForCausalLM, ModelConfig
+from .sampling import Sampler
+from .scheduler import ScheduledRequest
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    element_size = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * element_size
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        # Zeroed, not empty: padded gathers read unused slots, and 0 * NaN garbage would be NaN.
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(config.num_hidden_layers)
+        ]
+        self.sampler = Sampler(seed)
+
+    @torch.inference_mode()
+    def execute(self, scheduled: Sequence[ScheduledRequest]) -> list[Optional[int]]:
+        """Run one step; returns a sampled token per request, None for mid-prompt chunks."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_lens, seq_lens, block_tables = [], [], []
+        sample_rows, sampled_requests = [], []
+        for request, num_new in scheduled:
+            start = request.num_computed_tokens
+            end = start + num_new
+            input_ids += request.token_ids[start:end]
+            positions += range(start, end)
+            query_lens.append(num_new)
+            seq_lens.append(end)
+            block_tables.append([block.block_id for block in request.blocks])
+            # Logits only where the last known token was just computed: that row predicts the next.
+            if end == request.num_tokens:
+                sample_rows.append(len(input_ids) - 1)
+                sampled_requests.append(request)
+        meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size, self.device)
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.int64, device=self.device),
+            torch.tensor(positions, dtype=torch.int64, device=self.device),
+            self.kv_caches,
+            meta,
+        )
+        if not sample_rows:
+            return [None] * len(scheduled)
+        rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        tokens = self.sampler.sample(
+            logits,
+            [request.sampling_params for request in sampled_requests],
+            [request.generator for request in sampled_requests],
+        )
+        by_request = {id(request): token for request, token in zip(sampled_requests, tokens)}
+        return [by_request.get(id(request)) for request, _ in scheduled]

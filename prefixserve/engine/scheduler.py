@@ -1,0 +1,207 @@
+"""Continuous batching with chunked prefill over the prefix cache. Plain Python, no torch.
+
+Each step has a token budget (`max_num_batched_tokens`). Running requests are
+served first, oldest first, so decodes never wait behind a long prompt; what
+is left of the budget admits waiting requests, whose cached prefix costs
+nothing. A prompt longer than the budget is prefilled in chunks over several
+steps. When blocks run out, cold cached leaves are evicted (inside
+`RadixCache.allocate`); if that is not enough, the newest running request is
+preempted: its blocks are released and it is recomputed later, mostly from
+the cache, since its own full blocks stay cached.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import NamedTuple, Optional, Sequence
+
+from ..cache import Block, BlockKeyer, RadixCache
+from .request import Request, RequestStatus
+
+LPM_WINDOW = 64  # waiting requests ranked by cached prefix per step under "lpm"
+
+
+class ScheduledRequest(NamedTuple):
+    request: Request
+    num_new_tokens: int  # tokens computed this step, from request.num_computed_tokens on
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(item.num_new_tokens for item in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self,
+        cache: RadixCache,
+        keyer: BlockKeyer,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_prefix_caching: bool = True,
+        policy: str = "fcfs",
+    ) -> None:
+        self.cache = cache
+        self.keyer = keyer
+        self.block_size = cache.block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_prefix_caching = enable_prefix_caching
+        self.policy = policy
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------ admission
+    def add_request(self, request: Request) -> None:
+        needed = self._blocks_for(request.num_tokens + 1)
+        if needed > self.cache.pool.num_blocks:
+            raise ValueError(
+                f"prompt of {request.num_tokens} tokens needs {needed} KV blocks but the pool has "
+                f"{self.cache.pool.num_blocks}; raise kv_cache_memory_bytes or shorten the prompt"
+            )
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> Optional[Request]:
+        for queue in (self.running, self.waiting):
+            for request in queue:
+                if request.request_id == request_id:
+                    queue.remove(request)
+                    self._release(request)
+                    request.finish("abort")
+                    return request
+        return None
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            needed = self._blocks_for(request.num_computed_tokens + num_new) - len(request.blocks)
+            while not self.cache.can_allocate(needed) and self.running[-1] is not request:
+                output.preempted.append(self._preempt(self.running[-1]))
+            if not self.cache.can_allocate(needed):
+                output.preempted.append(self._preempt(request))
+                continue
+            request.blocks += self.cache.allocate(needed)
+            output.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+            index += 1
+        # A step that had to preempt admits nobody new: the pool is the bottleneck.
+        if not output.preempted:
+            self._admit_waiting(output, budget)
+        return output
+
+    def _admit_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request, hit = self._next_waiting()
+            num_cached = len(hit) * self.block_size
+            num_new = min(request.num_tokens - num_cached, budget)
+            needed = self._blocks_for(num_cached + num_new) - len(hit)
+            # Acquiring a cold hit takes it out of the reclaimable pool.
+            num_hit_reclaimable = sum(1 for block in hit if block.ref_count == 0 and block.pin_count == 0)
+            if not self.cache.can_allocate(needed + num_hit_reclaimable):
+                break
+            self.waiting.remove(request)
+            self.cache.acquire(hit, request.prefix_ttl)
+            request.blocks = hit + self.cache.allocate(needed)
+            request.num_computed_tokens = num_cached
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
+                self.cache.stats.record_query(request.num_prompt_tokens, num_cached)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            output.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+
+    def _next_waiting(self) -> tuple[Request, list[Block]]:
+        if self.policy == "fcfs":
+            return self.waiting[0], self._match(self.waiting[0])
+        window = [self.waiting[i] for i in range(min(LPM_WINDOW, len(self.waiting)))]
+        matches = [(len(hit := self._match(request)), -i, request, hit) for i, request in enumerate(window)]
+        _, _, request, hit = max(matches, key=lambda item: (item[0], item[1]))
+        return request, hit
+
+    def _match(self, request: Request) -> list[Block]:
+        if not self.enable_prefix_caching:
+            return []
+        self.keyer.extend(request.block_keys, request.scope_digest, request.token_ids)
+        return self.cache.match(request.scope_digest, request.block_keys, request.token_ids, record_stats=False).blocks
+
+    def _preempt(self, request: Request) -> Request:
+        self.running.remove(request)
+        self._release(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+        return request
+
+    def _release(self, request: Request) -> None:
+        self.cache.release(request.blocks)
+        request.blocks = []
+        request.num_inserted_blocks = 0
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # --------------------------------------------------------------- update
+    def update(self, output: SchedulerOutput, sampled_token_ids: Sequence[Optional[int]]) -> list[Request]:
+        """Advance each scheduled request; `sampled_token_ids[i]` is None for a mid-prompt chunk.
+
+        Returns the requests that produced a token or finished this step.
+        """
+        updated = []
+        for (request, num_new), token_id in zip(output.scheduled, sampled_token_ids):
+            if request.is_finished:  # aborted while the step ran
+                continue
+            request.num_computed_tokens += num_new
+            if self.enable_prefix_caching:
+                self._insert_full_blocks(request)
+            if token_id is None:
+                continue
+            request.append_output_token(token_id)
+            updated.append(request)
+            if request.is_finished:
+                self.finish_request(request, request.finish_reason, request.stop_reason)
+        return updated
+
+    def _insert_full_blocks(self, request: Request) -> None:
+        """Register blocks whose KV is now fully written, prompt and output alike."""
+        size = self.block_size
+        num_full = request.num_computed_tokens // size
+        if num_full <= request.num_inserted_blocks:
+            return
+        keys = self.keyer.extend(request.block_keys, request.scope_digest, request.token_ids)
+        blocks = request.blocks
+        for i in range(request.num_inserted_blocks, num_full):
+            parent = blocks[i - 1] if i else request.scope_digest
+            blocks[i] = self.cache.insert(blocks[i], keys[i], request.token_ids[i * size : (i + 1) * size], parent,
+                                          request.prefix_ttl)
+        request.num_inserted_blocks = num_full
+
+    def finish_request(self, request: Request, reason: str, stop_reason: Optional[object] = None) -> None:
+        """End a running request (also used by the engine for stop strings) and release its blocks."""
+        request.finish(reason, stop_reason)
+        if request in self.running:
+            self.running.remove(request)
+        self._release(request)

@@ -1,0 +1,78 @@
+"""The offline API: `LLM(model=None, **options).generate(prompts, params)`, as vLLM users know it."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Union
+
+from tqdm import tqdm
+
+from .config import EngineConfig
+from .engine.engine import LLMEngine, PromptType
+from .engine.outputs import RequestOutput
+from .engine.sampling_params import SamplingParams
+
+PROGRESS_THRESHOLD = 4  # more prompts than this get a progress bar
+
+
+class LLM:
+    def __init__(self, model: Optional[str] = None, **options: Any) -> None:
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **options))
+        self.tokenizer = self.engine.tokenizer
+        self._next_id = 0
+
+    def generate(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Outputs in prompt order; a prompt with n > 1 gives n outputs in a row."""
+        prompt_list = self._as_prompt_list(prompts)
+        if isinstance(params, (list, tuple)):
+            if len(params) != len(prompt_list):
+                raise ValueError(f"got {len(params)} SamplingParams for {len(prompt_list)} prompts; give one or one each")
+            param_list = list(params)
+        else:
+            param_list = [params or SamplingParams()] * len(prompt_list)
+        order: list[str] = []
+        for prompt, param in zip(prompt_list, param_list):
+            for sample in range(param.n):
+                sample_param = param
+                if param.n > 1 and param.seed is not None:
+                    sample_param = SamplingParams(**{**vars(param), "seed": param.seed + sample, "n": 1})
+                order.append(self.engine.add_request(prompt, sample_param, request_id=str(self._next_id)).request_id)
+                self._next_id += 1
+        return self._run(order, use_tqdm and len(order) > PROGRESS_THRESHOLD)
+
+    def chat(
+        self,
+        messages: Union[list[dict], list[list[dict]]],
+        params: Optional[SamplingParams] = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"}) or a list of them, rendered with the chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.encode_chat(conversation) for conversation in conversations]
+        return self.generate(prompts, params, use_tqdm)
+
+    def _run(self, order: list[str], show_progress: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(order), desc="generating", disable=not show_progress) as bar:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        return [finished[request_id] for request_id in order]
+
+    @staticmethod
+    def _as_prompt_list(prompts) -> list[PromptType]:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
+            return [list(prompts)]  # a single prompt given as token ids
+        if isinstance(prompts, (list, tuple)):
+            if not prompts:
+                raise ValueError("generate() needs at least one prompt")
+            return list(prompts)
+        raise TypeError(f"prompts must be a string, token ids, a dict or a list of those, got {type(prompts).__name__}")

@@ -1,0 +1,80 @@
+"""A cache hit never changes an output: cache on/off, cold/warm, batch mixes, chunk splits."""
+
+import random
+
+import pytest
+
+from prefixserve import SamplingParams
+
+from conftest import make_llm
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def token_prompts(seed=0):
+    rng = random.Random(seed)
+    system = [rng.randrange(10, 8000) for _ in range(70)]  # 4 full blocks + 6
+    return [system + [rng.randrange(10, 8000) for _ in range(rng.randrange(3, 30))] for _ in range(4)]
+
+
+@pytest.fixture(scope="module")
+def baseline():
+    llm = make_llm(enable_prefix_caching=False)
+    return [out.token_ids for out in llm.generate(token_prompts(), GREEDY, use_tqdm=False)]
+
+
+def test_cache_off_reports_no_hits(baseline):
+    llm = make_llm(enable_prefix_caching=False)
+    for _ in range(2):
+        outs = llm.generate(token_prompts(), GREEDY, use_tqdm=False)
+        assert [out.token_ids for out in outs] == baseline
+        assert all(out.num_cached_tokens == 0 for out in outs)
+
+
+def test_warm_cache_hits_and_keeps_outputs(baseline):
+    llm = make_llm()
+    cold = llm.generate(token_prompts(), GREEDY, use_tqdm=False)
+    assert [out.token_ids for out in cold] == baseline
+    warm = llm.generate(token_prompts(), GREEDY, use_tqdm=False)
+    assert [out.token_ids for out in warm] == baseline
+    for out in warm:  # every full block before the last prompt token is reused
+        assert out.num_cached_tokens == (len(out.prompt_token_ids) - 1) // 16 * 16
+    # Within the cold batch the shared 64-token system prompt was computed by all four at once
+    # (same step), so the hits show up only on the warm pass.
+    llm.engine.cache.check_integrity()
+
+
+def test_one_at_a_time_then_mixed_batch(baseline):
+    llm = make_llm()
+    prompts = token_prompts()
+    first = llm.generate([prompts[0]], GREEDY, use_tqdm=False)[0]
+    assert first.token_ids == baseline[0]
+    rest = llm.generate(prompts[1:], GREEDY, use_tqdm=False)
+    assert [out.token_ids for out in rest] == baseline[1:]
+    assert all(out.num_cached_tokens >= 64 for out in rest)
+
+
+@pytest.mark.parametrize("budget", [16, 17, 32, 45, 64])
+def test_chunked_prefill_at_and_inside_block_boundaries(baseline, budget):
+    llm = make_llm(max_num_batched_tokens=budget)
+    outs = llm.generate(token_prompts(), GREEDY, use_tqdm=False)
+    assert [out.token_ids for out in outs] == baseline
+    warm = llm.generate(token_prompts(), GREEDY, use_tqdm=False)
+    assert [out.token_ids for out in warm] == baseline
+    llm.engine.cache.check_integrity()
+
+
+def test_lpm_policy_gives_same_outputs(baseline):
+    llm = make_llm(scheduling_policy="lpm", max_num_seqs=2)
+    assert [out.token_ids for out in llm.generate(token_prompts(), GREEDY, use_tqdm=False)] == baseline
+
+
+def test_generated_output_blocks_are_cached_too():
+    llm = make_llm()
+    prompt = token_prompts(1)[0]
+    first = llm.generate([prompt], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
+    follow_up = prompt + first.token_ids + [17, 18, 19]
+    second = llm.generate([follow_up], GREEDY, use_tqdm=False)[0]
+    # The last output token's KV is never computed (nothing ran after it was sampled).
+    computed = len(prompt) + len(first.token_ids) - 1
+    assert second.num_cached_tokens == computed // 16 * 16

@@ -1,0 +1,61 @@
+"""Greedy tokens through LLM.generate equal transformers' greedy generate, token for token."""
+
+import shutil
+
+import pytest
+import torch
+
+from prefixserve import SamplingParams
+from prefixserve.model import ensure_default_model
+
+from conftest import make_llm
+from model_helpers import qwen2_config, write_random_checkpoint
+
+PROMPTS = [
+    "The quick brown fox",
+    "def fibonacci(n):\n    return",
+    "In 1905, Albert Einstein published four papers that",
+]
+NUM_TOKENS = 24
+
+
+def transformers_greedy(model_dir, prompt_ids, num_tokens):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outputs = []
+    with torch.inference_mode():
+        for ids in prompt_ids:
+            # An explicit mask: the BOS id may equal the pad id, which generate() would mask out.
+            input_ids = torch.tensor([ids])
+            generated = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                                       max_new_tokens=num_tokens, min_new_tokens=num_tokens, pad_token_id=0)
+            outputs.append(generated[0, len(ids):].tolist())
+    return outputs
+
+
+def check_against_transformers(model_dir, llm):
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
+    ours = llm.generate(PROMPTS, params, use_tqdm=False)
+    reference = transformers_greedy(model_dir, [out.prompt_token_ids for out in ours], NUM_TOKENS)
+    for out, expected in zip(ours, reference):
+        assert out.token_ids == expected
+        assert len(out.token_ids) == NUM_TOKENS and out.finish_reason == "length"
+
+
+def test_default_model_matches_transformers():
+    model_dir = ensure_default_model()
+    check_against_transformers(model_dir, make_llm())
+
+
+@pytest.fixture(scope="module")
+def qwen2_dir(tmp_path_factory):
+    directory = write_random_checkpoint(tmp_path_factory.mktemp("qwen2"), qwen2_config(), seed=3)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(ensure_default_model() / name, directory / name)
+    return directory
+
+
+def test_qwen2_style_checkpoint_matches_transformers(qwen2_dir):
+    llm = make_llm(model=str(qwen2_dir), max_num_batched_tokens=32)  # chunked prefill on the way
+    check_against_transformers(qwen2_dir, llm)
