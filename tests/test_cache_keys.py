@@ -64,3 +64,19 @@ def test_bad_arguments_name_the_fix():
         BlockKeyer(0)
     with pytest.raises(ValueError, match="model_fingerprint"):
         CacheScope("", "tok")
+
+
+def test_private_chain_forks_after_a_public_prefix():
+    keyer = BlockKeyer(block_size=4)
+    tokens = list(range(16))
+    tenant_a, tenant_b = SCOPE.with_salt("a").digest, SCOPE.with_salt("b").digest
+    public = keyer.keys(SCOPE.digest, tokens)
+    keys_a = keyer.keys(SCOPE.digest, tokens, private_from=(2, tenant_a))
+    keys_b = keyer.keys(SCOPE.digest, tokens, private_from=(2, tenant_b))
+    assert keys_a[:2] == keys_b[:2] == public[:2]  # the shared prefix is the public one
+    assert len({keys_a[2], keys_b[2], public[2]}) == 3 and keys_a[3] != keys_b[3]
+    # Incremental extension forks at the same place.
+    grown: list[bytes] = []
+    for end in (3, 9, 16):
+        keyer.extend(grown, SCOPE.digest, tokens[:end], (2, tenant_a))
+    assert grown == keys_a

@@ -18,9 +18,10 @@ import hashlib
 import sys
 from array import array
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence, Tuple
 
 HashFunction = Callable[[bytes], bytes]
+PrivateFrom = Tuple[int, bytes]  # (first private block index, private scope digest)
 
 _SCOPE_DOMAIN = b"prefixserve-scope-v1"
 
@@ -102,20 +103,36 @@ class BlockKeyer:
     def block_key(self, parent_key: bytes, block_token_ids: Sequence[int]) -> bytes:
         return self.hash_function(parent_key + pack_tokens(block_token_ids))
 
-    def keys(self, scope_digest: bytes, token_ids: Sequence[int]) -> list[bytes]:
+    def keys(self, scope_digest: bytes, token_ids: Sequence[int], private_from: Optional[PrivateFrom] = None) -> list[bytes]:
         """Keys of every full block of `token_ids`, in one pass."""
-        return self.extend([], scope_digest, token_ids)
+        return self.extend([], scope_digest, token_ids, private_from)
 
-    def extend(self, keys: list[bytes], scope_digest: bytes, token_ids: Sequence[int]) -> list[bytes]:
+    def extend(
+        self,
+        keys: list[bytes],
+        scope_digest: bytes,
+        token_ids: Sequence[int],
+        private_from: Optional[PrivateFrom] = None,
+    ) -> list[bytes]:
         """Append keys for blocks of `token_ids` that became full since `keys` was computed.
 
         `keys` must be the keys of a prefix of `token_ids` (as decode appends
         tokens, call this after each step); it is extended in place and returned.
+
+        `private_from` = (block index, private scope digest) re-scopes the chain
+        from that block on: blocks before it are keyed in the public scope (an
+        operator-declared shared system prompt every tenant may reuse), blocks
+        from it on also commit to the tenant's scope, so the chain forks there:
+
+            public scope ─ p0 ─ p1 ─┬─ H(p1 ‖ tenant A scope) ─ a2 ─ ...
+                                    └─ H(p1 ‖ tenant B scope) ─ b2 ─ ...
         """
         size = self.block_size
         hash_function = self.hash_function
         parent = keys[-1] if keys else scope_digest
         for start in range(len(keys) * size, len(token_ids) - size + 1, size):
+            if private_from is not None and start == private_from[0] * size:
+                parent = hash_function(parent + private_from[1])
             parent = hash_function(parent + pack_tokens(token_ids[start : start + size]))
             keys.append(parent)
         return keys

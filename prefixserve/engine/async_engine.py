@@ -36,6 +36,10 @@ class AsyncLLMEngine:
 
     # ---------------------------------------------------------- event loop side
     @property
+    def is_dead(self) -> bool:
+        return self._error is not None or not self._thread.is_alive()
+
+    @property
     def num_waiting(self) -> int:
         return len(self.engine.scheduler.waiting) + self._commands.qsize()
 

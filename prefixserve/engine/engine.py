@@ -28,6 +28,10 @@ logger = logging.getLogger("prefixserve")
 PromptType = Union[str, list[int], dict[str, Any]]
 
 
+class PromptTooLongError(ValueError):
+    """The prompt leaves no room to generate within max_model_len."""
+
+
 @dataclass
 class _TextState:
     """Detokenization of one request's output, with stop strings cut off."""
@@ -96,6 +100,7 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.model, loaded.config, num_blocks, config.block_size, self.dtype,
                                   self.device, config.seed)
         self._texts: dict[str, _TextState] = {}
+        self._shared_prefixes: list[list[int]] = []
         self.num_prefill_tokens_computed = 0
         self.num_generation_tokens = 0
         weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
@@ -185,7 +190,7 @@ class LLMEngine:
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size}); check the tokenizer")
         if len(token_ids) >= self.max_model_len:
-            raise ValueError(
+            raise PromptTooLongError(
                 f"the prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}, "
                 "which leaves no room to generate; shorten the prompt"
             )
@@ -208,13 +213,14 @@ class LLMEngine:
         text, token_ids, prompt_salt = self.tokenize_prompt(prompt)
         self.validate_token_ids(token_ids)
         salt = cache_salt if cache_salt is not None else prompt_salt
-        scope = self.scope.with_salt(salt) if salt else self.scope
+        scope_digest, private_from = self._scope_for(token_ids, salt)
         request = Request(
             request_id=request_id or uuid.uuid4().hex,
             prompt_token_ids=token_ids,
             sampling_params=params,
             prompt=text,
-            scope_digest=scope.digest,
+            scope_digest=scope_digest,
+            private_from=private_from,
             eos_token_ids=self.eos_token_ids,
             max_model_len=self.max_model_len,
             prefix_ttl=self.config.prefix_ttl,
@@ -224,6 +230,24 @@ class LLMEngine:
         if params.seed is not None:
             request.generator = torch.Generator().manual_seed(params.seed)
         return request
+
+    def declare_shared_prefix(self, token_ids: list[int]) -> int:
+        """Let every tenant (cache salt) reuse the full blocks of this public prefix; returns them."""
+        num_blocks = len(token_ids) // self.config.block_size
+        if num_blocks:
+            self._shared_prefixes.append(list(token_ids[: num_blocks * self.config.block_size]))
+            self._shared_prefixes.sort(key=len, reverse=True)
+        return num_blocks
+
+    def _scope_for(self, token_ids: list[int], salt: Optional[str]) -> tuple[bytes, Optional[tuple[int, bytes]]]:
+        """The scope digest of block 0 and, after a declared public prefix, where the tenant's chain forks."""
+        if not salt:
+            return self.scope.digest, None
+        private_digest = self.scope.with_salt(salt).digest
+        for prefix in self._shared_prefixes:  # longest first
+            if token_ids[: len(prefix)] == prefix:
+                return self.scope.digest, (len(prefix) // self.config.block_size, private_digest)
+        return private_digest, None
 
     def submit(self, request: Request) -> None:
         """Queue a request built by `make_request`."""

@@ -48,6 +48,9 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     scope_digest: bytes
+    # (block index, tenant scope digest): blocks from there on are private; those before are
+    # a declared public prefix keyed in `scope_digest`, the unsalted scope (see BlockKeyer.extend).
+    private_from: Optional[tuple[int, bytes]] = None
     prompt: Optional[str] = None  # the text, when the prompt came as text
     eos_token_ids: frozenset[int] = frozenset()
     max_model_len: int = 4096

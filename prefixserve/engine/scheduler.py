@@ -143,7 +143,7 @@ class Scheduler:
     def _match(self, request: Request) -> list[Block]:
         if not self.enable_prefix_caching:
             return []
-        self.keyer.extend(request.block_keys, request.scope_digest, request.token_ids)
+        self.keyer.extend(request.block_keys, request.scope_digest, request.token_ids, request.private_from)
         return self.cache.match(request.scope_digest, request.block_keys, request.token_ids, record_stats=False).blocks
 
     def _preempt(self, request: Request) -> Request:
@@ -191,7 +191,7 @@ class Scheduler:
         num_full = request.num_computed_tokens // size
         if num_full <= request.num_inserted_blocks:
             return
-        keys = self.keyer.extend(request.block_keys, request.scope_digest, request.token_ids)
+        keys = self.keyer.extend(request.block_keys, request.scope_digest, request.token_ids, request.private_from)
         blocks = request.blocks
         for i in range(request.num_inserted_blocks, num_full):
             parent = blocks[i - 1] if i else request.scope_digest

@@ -1,0 +1,84 @@
+"""Prometheus metrics, named under `prefixserve:` after vLLM's `vllm:` ones.
+
+Counters and gauges that the engine already keeps are read at scrape time by a
+collector (no double bookkeeping); latency histograms are observed per request.
+Each app owns its registry, so tests can run several servers in one process.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from ..engine.engine import LLMEngine
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0)
+
+
+class EngineCollector:
+    """Reads the engine's counters and gauges when Prometheus scrapes."""
+
+    def __init__(self, engine: LLMEngine, num_rejected: "list[int]") -> None:
+        self.engine = engine
+        self._num_rejected = num_rejected
+
+    def collect(self):
+        engine = self.engine
+        stats = engine.cache.stats
+        usage = engine.cache.usage()
+        scheduler = engine.scheduler
+
+        def counter(name, documentation, value):
+            family = CounterMetricFamily(f"prefixserve:{name}", documentation)
+            family.add_metric([], value)
+            return family
+
+        def gauge(name, documentation, value):
+            family = GaugeMetricFamily(f"prefixserve:{name}", documentation)
+            family.add_metric([], value)
+            return family
+
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.num_query_tokens)
+        yield counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.", stats.num_hit_tokens)
+        yield counter("prefix_cache_requests", "Requests looked up in the prefix cache.", stats.num_queries)
+        yield counter("prefix_cache_hit_requests", "Requests that reused at least one cached block.", stats.num_hit_queries)
+        yield gauge("prefix_cache_request_hit_rate", "Fraction of requests with a prefix hit.", stats.request_hit_rate)
+        yield gauge("prefix_cache_token_hit_rate", "Token-weighted prefix hit rate.", stats.token_hit_rate)
+        yield counter("prefill_tokens_computed", "Prompt tokens run through the model.", engine.num_prefill_tokens_computed)
+        yield counter("prefill_tokens_saved", "Prompt tokens whose prefill the cache skipped.", stats.num_hit_tokens)
+        yield counter("generation_tokens", "Output tokens generated.", engine.num_generation_tokens)
+        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks held by running requests.", usage.usage)
+        blocks = GaugeMetricFamily("prefixserve:kv_blocks", "KV blocks by state.", labels=["state"])
+        blocks.add_metric(["free"], usage.num_free_blocks)
+        blocks.add_metric(["cached"], usage.num_cached_unreferenced_blocks)
+        blocks.add_metric(["in_use"], usage.num_referenced_blocks)
+        blocks.add_metric(["pinned"], usage.num_pinned_blocks)
+        yield blocks
+        yield gauge("kv_blocks_total", "KV blocks in the pool.", usage.num_blocks)
+        yield counter("evicted_blocks", "Cached blocks evicted to make room.", stats.num_evicted_blocks)
+        yield counter("evicted_tokens", "Tokens of cached blocks evicted.", stats.num_evicted_tokens)
+        yield counter("expired_blocks", "Cached blocks reclaimed after their TTL.", stats.num_expired_blocks)
+        yield counter("num_preemptions", "Running requests preempted for lack of KV blocks.", scheduler.num_preemptions)
+        yield gauge("num_requests_running", "Requests in the running batch.", len(scheduler.running))
+        yield gauge("num_requests_waiting", "Requests waiting for admission.", len(scheduler.waiting))
+        yield counter("rejected_requests", "Requests refused with 429 because the queue was full.", self._num_rejected[0])
+
+
+class ServerMetrics:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.registry = CollectorRegistry()
+        self.num_rejected = [0]  # a cell the collector reads; bumped by the API on each 429
+        self.registry.register(EngineCollector(engine, self.num_rejected))
+        self.ttft = Histogram("prefixserve:time_to_first_token_seconds", "Time to first token.",
+                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.e2e_latency = Histogram("prefixserve:e2e_request_latency_seconds", "End-to-end request latency.",
+                                     buckets=LATENCY_BUCKETS, registry=self.registry)
+
+    def observe_finished(self, output) -> None:
+        metrics = output.metrics
+        if metrics is None:
+            return
+        if metrics.ttft is not None:
+            self.ttft.observe(metrics.ttft)
+        if metrics.e2e_latency is not None:
+            self.e2e_latency.observe(metrics.e2e_latency)
