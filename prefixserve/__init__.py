@@ -1,9 +1,31 @@
 """prefixserve: an LLM serving engine built around a token-exact, model-scoped prefix KV cache."""
 
-from .config import EngineConfig
-from .engine.outputs import RequestOutput
-from .engine.sampling_params import SamplingParams
-from .llm import LLM
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 __all__ = ["LLM", "EngineConfig", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
+
+# Imported on first use, so `prefixserve.cache` and `prefixserve.router` (plain Python) load
+# without paying for torch.
+_LAZY = {
+    "LLM": "prefixserve.llm",
+    "EngineConfig": "prefixserve.config",
+    "RequestOutput": "prefixserve.engine.outputs",
+    "SamplingParams": "prefixserve.engine.sampling_params",
+}
+
+if TYPE_CHECKING:
+    from .config import EngineConfig
+    from .engine.outputs import RequestOutput
+    from .engine.sampling_params import SamplingParams
+    from .llm import LLM
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'prefixserve' has no attribute {name!r}")

@@ -20,6 +20,24 @@ def private_model_cache(tmp_path_factory):
         os.environ["PREFIXSERVE_CACHE_DIR"] = previous
 
 
+@pytest.fixture(scope="session")
+def default_model_dir(private_model_cache):
+    """The built-in model's directory, generated once per session."""
+    from prefixserve.model import ensure_default_model
+
+    return ensure_default_model()
+
+
+@pytest.fixture(scope="session")
+def default_model(default_model_dir):
+    """The built-in model loaded in float32 on the CPU."""
+    import torch
+
+    from prefixserve.model import load_model
+
+    return load_model(default_model_dir, torch.float32, torch.device("cpu"))
+
+
 SMALL_KV = 32 << 20  # 2,048 tokens of the default model in fp32: fast to allocate, plenty for tests
 
 

@@ -1,0 +1,193 @@
+"""Llama / Mistral / Qwen2 decoder over a paged KV cache.
+
+Reads like the reference (transformers' modeling_llama) with three serving changes:
+  * tokens are flat [T, ...] (no batch axis); sequences are told apart by AttentionMetadata,
+  * q/k/v and gate/up are fused into one matmul each (load_weights maps the HF names),
+  * attention writes K/V into the paged cache and reads the context back from it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import AttentionMetadata, paged_attention, write_kv
+from .model_config import ModelConfig
+from .rope import RotaryEmbedding, apply_rotary
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [blocks, block_size, kv_heads, d]
+Rotary = tuple[torch.Tensor, torch.Tensor]   # (cos, sin) of this step's positions, shared by all layers
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 and cast back before the weight, as the reference does.
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+
+    def forward(self, x: torch.Tensor, rotary: Rotary, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)
+        # q and k heads are adjacent columns: rotate them in one pass (half the elementwise ops).
+        qk_size = self.q_size + self.kv_size
+        qk = qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(qk, *rotary).split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv_cache
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, rotary: Rotary, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rotary, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary = RotaryEmbedding(config)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with lm_head when the config says so. Call again after
+        ``to_empty()``: moving off the meta device replaces each parameter separately."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Final-normed hidden states [T, hidden] of the flat tokens input_ids [T] at positions [T]."""
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
+        x = self.embed_tokens(input_ids)
+        rotary = self.rotary(positions, x.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, rotary, kv_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [N, vocab]; pass only the rows whose next token is sampled."""
+        return self.lm_head(hidden).float()
+
+    # ---- weights -------------------------------------------------------------------------------
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into the (fused) parameters; checks names and shapes."""
+        targets = self._hf_targets()
+        loaded: set[str] = set()
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                if name not in targets:
+                    if _is_ignorable(name):
+                        continue
+                    raise ValueError(
+                        f"unexpected tensor {name!r} in checkpoint: this {self.config.architecture} "
+                        f"(layers={self.config.num_hidden_layers}, biases: qkv={self.config.attention_bias}, "
+                        f"o={self.config.o_proj_bias}, mlp={self.config.mlp_bias}) has no such parameter")
+                destination = targets[name]
+                if tuple(tensor.shape) != tuple(destination.shape):
+                    raise ValueError(
+                        f"shape mismatch for {name!r}: expected {tuple(destination.shape)} from "
+                        f"config.json, checkpoint has {tuple(tensor.shape)}")
+                destination.copy_(tensor)
+                loaded.add(name)
+        missing = sorted(set(targets) - loaded)
+        if self.config.tie_word_embeddings:
+            missing = [name for name in missing if name != "lm_head.weight"]
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors: {shown}")
+
+    def _hf_targets(self) -> dict[str, torch.Tensor]:
+        """HF parameter name -> the view of our parameter it fills."""
+        config = self.config
+        targets: dict[str, torch.Tensor] = {
+            "model.embed_tokens.weight": self.embed_tokens.weight,
+            "model.norm.weight": self.norm.weight,
+        }
+        if not config.tie_word_embeddings:
+            targets["lm_head.weight"] = self.lm_head.weight
+        else:
+            # Some tied checkpoints still ship lm_head.weight; it is the same tensor.
+            targets["lm_head.weight"] = self.embed_tokens.weight
+        for index, layer in enumerate(self.layers):
+            prefix = f"model.layers.{index}."
+            attn, mlp = layer.self_attn, layer.mlp
+            q_size, kv_size = attn.q_size, attn.kv_size
+            qkv = {"q_proj": (0, q_size), "k_proj": (q_size, kv_size), "v_proj": (q_size + kv_size, kv_size)}
+            for hf_name, (start, size) in qkv.items():
+                targets[f"{prefix}self_attn.{hf_name}.weight"] = attn.qkv_proj.weight.narrow(0, start, size)
+                if attn.qkv_proj.bias is not None:
+                    targets[f"{prefix}self_attn.{hf_name}.bias"] = attn.qkv_proj.bias.narrow(0, start, size)
+            targets[f"{prefix}self_attn.o_proj.weight"] = attn.o_proj.weight
+            if attn.o_proj.bias is not None:
+                targets[f"{prefix}self_attn.o_proj.bias"] = attn.o_proj.bias
+            size = config.intermediate_size
+            for hf_name, start in (("gate_proj", 0), ("up_proj", size)):
+                targets[f"{prefix}mlp.{hf_name}.weight"] = mlp.gate_up_proj.weight.narrow(0, start, size)
+                if mlp.gate_up_proj.bias is not None:
+                    targets[f"{prefix}mlp.{hf_name}.bias"] = mlp.gate_up_proj.bias.narrow(0, start, size)
+            targets[f"{prefix}mlp.down_proj.weight"] = mlp.down_proj.weight
+            if mlp.down_proj.bias is not None:
+                targets[f"{prefix}mlp.down_proj.bias"] = mlp.down_proj.bias
+            targets[f"{prefix}input_layernorm.weight"] = layer.input_layernorm.weight
+            targets[f"{prefix}post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
+        return targets
+
+
+def _is_ignorable(name: str) -> bool:
+    # Old checkpoints store the rotary inverse frequencies; we recompute them from the config.
+    return name.endswith("rotary_emb.inv_freq")

@@ -1,0 +1,169 @@
+"""ModelConfig: the fields of a Hugging Face ``config.json`` that the Llama family needs.
+
+Built once by ``ModelConfig.from_hf_dict``, validated, never mutated. Defaults for optional keys
+follow the transformers config classes, so a checkpoint means the same thing to both.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                  "num_attention_heads", "max_position_embeddings")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architectures: tuple[str, ...]
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    # None, or a dict with "rope_type" in SUPPORTED_ROPE_TYPES and that type's parameters.
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False       # bias on q/k/v projections
+    o_proj_bias: bool = False          # Llama's attention_bias covers o_proj too; Qwen2's does not
+    mlp_bias: bool = False
+    sliding_window: int | None = None  # Mistral; see max_context_len
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def architecture(self) -> str:
+        return self.architectures[0]
+
+    @property
+    def max_context_len(self) -> int:
+        """Longest context this implementation computes exactly like the reference.
+
+        Sliding-window attention is not implemented; within the window full causal attention is
+        identical to it, so the usable context is capped at the window instead.
+        """
+        if self.sliding_window:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict[str, Any]) -> "ModelConfig":
+        architectures = tuple(hf.get("architectures") or ())
+        if not architectures:
+            raise ValueError("config.json has no 'architectures'; add e.g. [\"LlamaForCausalLM\"]")
+        if architectures[0] not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {architectures[0]!r} in config.json; supported: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        for key in _REQUIRED_KEYS:
+            if hf.get(key) is None:
+                raise ValueError(f"config.json is missing {key!r}, which a {architectures[0]} needs")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"config.json hidden_act={hf['hidden_act']!r}; only 'silu' is supported")
+        is_qwen2 = architectures[0] == "Qwen2ForCausalLM"
+        heads = hf["num_attention_heads"]
+        theta, rope_scaling = _rope_fields(hf)
+        eos = hf.get("eos_token_id")
+        sliding_window = None
+        if architectures[0] == "MistralForCausalLM":
+            sliding_window = hf.get("sliding_window", 4096)
+        elif is_qwen2 and hf.get("use_sliding_window"):
+            sliding_window = hf.get("sliding_window")
+        return cls(
+            architectures=architectures,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            max_position_embeddings=hf["max_position_embeddings"],
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=True if is_qwen2 else bool(hf.get("attention_bias", False)),
+            o_proj_bias=False if is_qwen2 else bool(hf.get("attention_bias", False)),
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            sliding_window=sliding_window,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=tuple(eos if isinstance(eos, list) else ([] if eos is None else [eos])),
+            torch_dtype=hf.get("torch_dtype") or hf.get("dtype"),
+            extra=dict(hf),
+        )
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"config {name}={value!r}; it must be a positive integer")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"config num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}; fix one of them")
+        if self.head_dim % 2:
+            raise ValueError(f"config head_dim={self.head_dim} must be even for rotary embeddings")
+        if not self.rms_norm_eps > 0:
+            raise ValueError(f"config rms_norm_eps={self.rms_norm_eps}; it must be > 0")
+        if not self.rope_theta > 0:
+            raise ValueError(f"config rope_theta={self.rope_theta}; it must be > 0")
+        if self.rope_scaling is not None:
+            _check_rope_scaling(self.rope_scaling)
+
+
+def _rope_fields(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) from either the transformers<5 keys or transformers 5's
+    ``rope_parameters`` (which carries rope_theta inside)."""
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", None) or hf.get("rope_theta") or 10000.0)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    params["rope_type"] = rope_type
+    if rope_type == "llama3":
+        # As transformers: the pre-training length defaults to max_position_embeddings.
+        params.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
+    return theta, params
+
+
+def _check_rope_scaling(scaling: dict[str, Any]) -> None:
+    rope_type = scaling.get("rope_type")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"config rope_scaling type {rope_type!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+    needed = {"linear": ("factor",),
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                         "original_max_position_embeddings")}[rope_type]
+    for key in needed:
+        if scaling.get(key) is None:
+            raise ValueError(f"config rope_scaling of type {rope_type!r} is missing {key!r}")
+    if rope_type == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+        raise ValueError("config rope_scaling needs high_freq_factor > low_freq_factor")
+
+
+def load_generation_eos(path: str | Path) -> list[int]:
+    """End-of-sequence ids: generation_config.json's eos_token_id, else config.json's; [] if none.
+
+    Lives here (no torch) so the tokenizer can use it; ``loader`` re-exports it.
+    """
+    for name in ("generation_config.json", "config.json"):
+        file = Path(path) / name
+        if file.is_file():
+            eos = json.loads(file.read_text()).get("eos_token_id")
+            if eos is not None:
+                return [int(token) for token in eos] if isinstance(eos, list) else [int(eos)]
+    return []

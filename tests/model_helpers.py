@@ -1,0 +1,118 @@
+"""Helpers shared by the tests/test_model_*.py files (fixtures live in conftest.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from prefixserve.model import AttentionMetadata, LlamaForCausalLM
+
+BLOCK_SIZE = 16
+
+
+# ---- small random checkpoints ------------------------------------------------------------------
+
+def write_random_checkpoint(directory: Path, config: dict, seed: int = 0) -> Path:
+    """config.json + model.safetensors with names and shapes taken from transformers' own model.
+
+    The scales keep logits well separated (std of a few units), so greedy decoding does not
+    depend on float noise; see prefixserve/model/default.py.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    with torch.device("meta"):
+        reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory))
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, param in sorted(reference.state_dict().items()):
+        if name == "lm_head.weight" and config.get("tie_word_embeddings"):
+            continue
+        shape = tuple(param.shape)
+        if name.endswith("norm.weight"):
+            std, mean = 0.1, 1.0
+        elif name.endswith(".bias"):
+            std, mean = 0.1, 0.0
+        elif name == "model.embed_tokens.weight":
+            std, mean = (0.3 if config.get("tie_word_embeddings") else 1.0), 0.0
+        elif name == "lm_head.weight":
+            std, mean = 0.3, 0.0
+        else:
+            sharpen = 2.0 if (".q_proj." in name or ".k_proj." in name) else 1.0
+            std, mean = sharpen / math.sqrt(shape[1]), 0.0
+        tensors[name] = mean + std * torch.randn(shape, generator=generator)
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return directory
+
+
+def qwen2_config(vocab_size: int = 8192) -> dict:
+    """Qwen2 style: q/k/v bias, tied embeddings, GQA 6/2, explicit head_dim (6 * 32 != hidden)."""
+    return {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": vocab_size,
+        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 32,
+        "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "tie_word_embeddings": True, "hidden_act": "silu", "bos_token_id": 0, "eos_token_id": 1,
+        "torch_dtype": "float32",
+    }
+
+
+def llama3_config(vocab_size: int = 8192) -> dict:
+    """Llama 3.1 style rope scaling; original_max_position_embeddings is small so that the
+    ~40-token test prompts exercise all three frequency bands of the llama3 formula."""
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab_size,
+        "hidden_size": 128, "intermediate_size": 320, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 1, "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+        "tie_word_embeddings": False, "hidden_act": "silu", "bos_token_id": 0, "eos_token_id": 1,
+        "torch_dtype": "float32",
+    }
+
+
+# ---- running our model over a paged cache --------------------------------------------------------
+
+class PagedSequences:
+    """Owns per-layer KV caches and runs steps for several sequences with given block tables."""
+
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int = 64, block_size: int = BLOCK_SIZE):
+        config = model.config
+        param = model.embed_tokens.weight
+        shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        self.model = model
+        self.block_size = block_size
+        self.kv_caches = [(torch.zeros(shape, dtype=param.dtype), torch.zeros(shape, dtype=param.dtype))
+                          for _ in range(config.num_hidden_layers)]
+
+    @torch.inference_mode()
+    def step(self, chunks: list[list[int]], contexts_before: list[int],
+             tables: list[list[int]]) -> torch.Tensor:
+        """Run one step; chunk i continues a sequence that already has contexts_before[i] tokens
+        cached. Returns float32 logits for every input token, flat [sum(len(chunk)), vocab]."""
+        query_lens = [len(chunk) for chunk in chunks]
+        seq_lens = [before + query_len for before, query_len in zip(contexts_before, query_lens)]
+        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size)
+        input_ids = torch.tensor([token for chunk in chunks for token in chunk])
+        positions = torch.tensor([p for before, n in zip(contexts_before, query_lens)
+                                  for p in range(before, before + n)])
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        return self.model.compute_logits(hidden)
+
+
+def greedy_paged(model: LlamaForCausalLM, prompt: list[int], num_tokens: int, table: list[int]) -> list[int]:
+    """Greedy decoding: one prefill step, then one-token decode steps, all through the paged cache."""
+    runner = PagedSequences(model)
+    logits = runner.step([prompt], [0], [table])
+    output = [int(logits[-1].argmax())]
+    while len(output) < num_tokens:
+        context = len(prompt) + len(output) - 1
+        logits = runner.step([[output[-1]]], [context], [table])
+        output.append(int(logits[-1].argmax()))
+    return output
