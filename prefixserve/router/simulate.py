@@ -1,0 +1,544 @@
+"""Replay a trace over N simulated replicas, each running the real RadixCache, and compare routing policies.
+
+Granularity: a trace block id stands for `trace.block_size` (512) real tokens.
+Each replica runs `RadixCache(capacity_blocks, block_size=1)` whose "tokens"
+are block ids, with chained keys from `BlockKeyer(1)`: key_i = H(key_{i-1}, id_i),
+key_{-1} = the digest of one fixed CacheScope. So capacity is counted in trace
+blocks, and the cache keeps its own rules: the partial tail block is never
+cached, and the last block is never a hit (the engine recomputes the last token).
+
+Replica model: one prefill at a time, decode in a batch.
+
+    arrival ─route─> FCFS queue ─wait─> prefill ─first token─> decode ─> done
+                                 │             │                        │
+                     match, acquire, allocate  insert full prompt      release
+                                               blocks into the index   all blocks
+
+    TTFT = queue wait + prefill seconds; blocks are held from prefill start to done.
+
+Prefill is exclusive (it is compute bound). A decoding request lasts
+output x decode_seconds_per_token and overlaps later prefills (as chunked
+prefill lets it); each decoded token adds decode_seconds_per_token /
+decode_batch_size of GPU work to the replica's busy time and load. The load a
+policy sees is the replica's estimated outstanding work in seconds: queued
+prefills (costed with their predicted hit), the rest of the running prefill
+and the GPU share of the remaining decodes. This file is one concept (the
+replay and its report) but longer than most: the CLI and plots live here so
+`prefixserve simulate` has one entry point, `main(argv)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import itertools
+import json
+import math
+import sys
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Optional, Sequence
+
+from tqdm import tqdm
+
+from prefixserve.cache import Block, BlockKeyer, CacheScope, RadixCache
+
+from .policies import POLICIES, PolicyOptions, RouteRequest, RoutingPolicy, make_policy
+from .traces import AgentTraceConfig, Trace, TraceRequest, generate_agent_trace, load_mooncake
+
+# Llama-3-8B in bf16 keeps 128 KiB of KV per token; an 80 GB H100 has about 64 GiB left after
+# weights and activations: 512 Ki tokens, i.e. about 1,000 blocks of 512 tokens per replica.
+DEFAULT_CAPACITY_BLOCKS = 1000
+TRACE_SCOPE = CacheScope("trace-replay", "trace-block-ids")
+BOUND_NAME = "infinite_cache_bound"
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds a replica spends per request. Defaults: Llama-3-8B, bf16, one H100 (about 17k prefill tok/s)."""
+
+    prefill_seconds_per_token: float = 6e-5
+    attention_seconds_per_token_pair: float = 1e-9  # each computed token attends to its whole context
+    decode_seconds_per_token: float = 0.02  # time between output tokens inside the running batch
+    decode_batch_size: float = 16.0  # typical sequences sharing a decode step (GPU share = 1 / this)
+    overhead_seconds: float = 0.005  # per request: scheduling, first sampling step
+    description: str = "default: Llama-3-8B bf16 on one H100 (estimated, not measured)"
+
+    def __post_init__(self) -> None:
+        for item in fields(self):
+            value = getattr(self, item.name)
+            if item.name != "description" and not (isinstance(value, (int, float)) and value >= 0):
+                raise ValueError(f"CostModel.{item.name} must be a non-negative number, got {value!r}")
+        if self.decode_batch_size < 1:
+            raise ValueError(f"CostModel.decode_batch_size must be at least 1, got {self.decode_batch_size}")
+
+    def prefill_seconds(self, num_prompt_tokens: int, num_cached_tokens: int) -> float:
+        computed = num_prompt_tokens - num_cached_tokens
+        # Token p attends to p + 1 positions; sum that over the computed positions [cached, prompt).
+        pairs = (num_prompt_tokens * (num_prompt_tokens + 1) - num_cached_tokens * (num_cached_tokens + 1)) / 2
+        return (self.overhead_seconds + computed * self.prefill_seconds_per_token
+                + pairs * self.attention_seconds_per_token_pair)
+
+    def decode_seconds(self, num_output_tokens: int) -> float:
+        return num_output_tokens * self.decode_seconds_per_token
+
+    def decode_work_seconds(self, num_output_tokens: int) -> float:
+        return num_output_tokens * self.decode_seconds_per_token / self.decode_batch_size
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CostModel":
+        path = Path(path)
+        try:
+            body = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise FileNotFoundError(f"cost model file {path} does not exist; write one with a calibrate run") from None
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}: not valid JSON ({error.msg}, line {error.lineno})") from None
+        known = {item.name for item in fields(cls)}
+        if not isinstance(body, dict):
+            raise ValueError(f"{path}: a cost model is a JSON object of {sorted(known)}")
+        if set(body) - known:
+            raise ValueError(f"{path}: unknown cost model field(s) {sorted(set(body) - known)}; "
+                             f"known fields are {sorted(known)}")
+        return cls(**body)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n", encoding="utf-8")
+
+
+@dataclass(frozen=True)
+class SimulationConfig:
+    num_replicas: int = 8
+    capacity_blocks: int = DEFAULT_CAPACITY_BLOCKS  # per replica, in trace blocks
+    cost: CostModel = field(default_factory=CostModel)
+    seed: int = 0
+    policy_options: Optional[PolicyOptions] = None  # None: seeded, kv_aware weighted from `cost`
+    progress: bool = False
+    check_integrity: bool = False  # tests: verify every replica's cache after the replay
+
+    def __post_init__(self) -> None:
+        if self.num_replicas < 1:
+            raise ValueError(f"num_replicas (--replicas) must be at least 1, got {self.num_replicas}")
+        if self.capacity_blocks < 1:
+            raise ValueError(f"capacity_blocks (--capacity-blocks) must be at least 1, got {self.capacity_blocks}")
+
+    def options_for(self) -> PolicyOptions:
+        """Policy options scaled to the cost model, so scaling every cost cannot change a routing decision."""
+        if self.policy_options is not None:
+            return self.policy_options
+        per_token = self.cost.prefill_seconds_per_token
+        return PolicyOptions(seed=self.seed, miss_token_seconds=3 * per_token, balance_slack_seconds=8192 * per_token)
+
+
+@dataclass
+class SimulationResult:
+    policy: str
+    num_requests: int
+    num_input_tokens: int
+    num_hit_tokens: int
+    load_imbalance: float = math.nan  # max / mean busy seconds over replicas
+    queue_p50: float = math.nan  # seconds
+    queue_p99: float = math.nan
+    ttft_p50: float = math.nan
+    ttft_p99: float = math.nan
+    num_failed_allocations: int = 0  # requests that found every block referenced: computed, not cached
+    num_evicted_blocks: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """Token-weighted: prompt tokens served from cache / prompt tokens."""
+        return self.num_hit_tokens / self.num_input_tokens if self.num_input_tokens else 0.0
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.num_input_tokens - self.num_hit_tokens
+
+    def metrics(self) -> dict[str, Optional[float]]:
+        values = {
+            "hit_rate": self.hit_rate, "prefill_tokens": self.num_prefill_tokens,
+            "load_imbalance": self.load_imbalance, "queue_p50_s": self.queue_p50, "queue_p99_s": self.queue_p99,
+            "ttft_p50_s": self.ttft_p50, "ttft_p99_s": self.ttft_p99, "num_requests": self.num_requests,
+            "num_failed_allocations": self.num_failed_allocations, "num_evicted_blocks": self.num_evicted_blocks,
+        }
+        return {name: None if isinstance(v, float) and math.isnan(v) else v for name, v in values.items()}
+
+
+def prepare_routes(trace: Trace) -> list[RouteRequest]:
+    """Chained keys of every request's full blocks, computed once and shared by all policy runs."""
+    keyer, scope = BlockKeyer(1), TRACE_SCOPE.digest
+    size = trace.block_size
+    return [RouteRequest(keyer.keys(scope, r.hash_ids[: r.input_length // size]), r.hash_ids, scope,
+                         len(r.hash_ids), size) for r in trace.requests]
+
+
+class _Job:
+    __slots__ = ("request", "route", "estimate", "start", "prefill_seconds", "blocks", "num_hit_blocks", "done_at")
+
+    def __init__(self, request: TraceRequest, route: RouteRequest, estimate: float) -> None:
+        self.request, self.route, self.estimate = request, route, estimate
+        self.start = self.prefill_seconds = self.done_at = 0.0
+        self.blocks: list[Block] = []
+        self.num_hit_blocks = 0
+
+
+class _Clock:
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class SimulatedReplica:
+    """One replica: the real cache, an FCFS prefill queue and a decode batch. A `ReplicaView`."""
+
+    def __init__(self, index: int, capacity_blocks: int, cost: CostModel, block_size: int, clock: _Clock) -> None:
+        self.name = f"replica-{index}"
+        self.cache = RadixCache(capacity_blocks, block_size=1, clock=clock)
+        self.cost, self.block_size, self.clock = cost, block_size, clock
+        self.queue: deque[_Job] = deque()
+        self.queued_work = 0.0
+        self.prefilling: Optional[_Job] = None
+        self.num_decoding = 0
+        self.decode_done_sum = 0.0  # sum of done_at over decoding jobs: their remaining time in O(1)
+        self.busy_seconds = 0.0
+        self.num_failed_allocations = 0
+        self._memo: tuple[Optional[RouteRequest], float, int] = (None, 0.0, 0)  # (request, time, hit)
+
+    # ------------------------------------------------------------ ReplicaView
+    def num_hit_blocks(self, request: RouteRequest) -> int:
+        """The prediction reads the replica's own index (record_stats=False): a perfect mirror."""
+        memo_request, memo_time, memo_hit = self._memo
+        if memo_request is request and memo_time == self.clock.now:
+            return memo_hit
+        hit = len(self.cache.match(request.scope_digest, request.keys, request.token_ids, record_stats=False).blocks)
+        self._memo = (request, self.clock.now, hit)
+        return hit
+
+    @property
+    def load(self) -> float:
+        now = self.clock.now
+        load = self.queued_work + (self.decode_done_sum - self.num_decoding * now) / self.cost.decode_batch_size
+        if self.prefilling is not None:
+            job = self.prefilling
+            load += job.start + job.prefill_seconds - now + self.cost.decode_work_seconds(job.request.output_length)
+        return max(load, 0.0)
+
+    # ------------------------------------------------------------- life cycle
+    def enqueue(self, request: TraceRequest, route: RouteRequest) -> _Job:
+        predicted = self.num_hit_blocks(route) * self.block_size
+        estimate = (self.cost.prefill_seconds(request.input_length, predicted)
+                    + self.cost.decode_work_seconds(request.output_length))
+        self._memo = (None, 0.0, 0)  # starting a prefill may evict: predict afresh
+        job = _Job(request, route, estimate)
+        self.queue.append(job)
+        self.queued_work += estimate
+        return job
+
+    def start_prefill(self) -> Optional[_Job]:
+        """Admit the head of the queue if idle; returns the job whose prefill started."""
+        if self.prefilling is not None or not self.queue:
+            return None
+        job = self.queue.popleft()
+        self.queued_work = self.queued_work - job.estimate if self.queue else 0.0
+        request, route, cache = job.request, job.route, self.cache
+        hit = cache.match(route.scope_digest, route.keys, route.token_ids)
+        cache.acquire(hit.blocks)
+        num_needed = -(-(request.input_length + request.output_length) // self.block_size) - len(hit.blocks)
+        if cache.can_allocate(num_needed):
+            job.blocks = hit.blocks + cache.allocate(num_needed)
+            job.num_hit_blocks = len(hit.blocks)
+        else:  # running requests hold every block: compute it all, cache nothing
+            cache.release(hit.blocks)
+            self.num_failed_allocations += 1
+        job.start = self.clock.now
+        job.prefill_seconds = self.cost.prefill_seconds(request.input_length, job.num_hit_blocks * self.block_size)
+        self.prefilling = job
+        return job
+
+    def finish_prefill(self, job: _Job) -> None:
+        """Register the full prompt blocks (the partial tail has no key) and join the decode batch."""
+        assert self.prefilling is job
+        cache, route = self.cache, job.route
+        if job.blocks:
+            parent: Block | bytes = route.scope_digest
+            for i in range(len(route.keys)):
+                if i >= job.num_hit_blocks:
+                    job.blocks[i] = cache.insert(job.blocks[i], route.keys[i], route.token_ids[i : i + 1], parent)
+                parent = job.blocks[i]
+        self.prefilling = None
+        job.done_at = self.clock.now + self.cost.decode_seconds(job.request.output_length)
+        self.num_decoding += 1
+        self.decode_done_sum += job.done_at
+        self.busy_seconds += job.prefill_seconds + self.cost.decode_work_seconds(job.request.output_length)
+
+    def finish(self, job: _Job) -> None:
+        self.cache.release(job.blocks)
+        job.blocks = []
+        self.num_decoding -= 1
+        self.decode_done_sum = self.decode_done_sum - job.done_at if self.num_decoding else 0.0
+
+
+_PREFILL_DONE, _DONE = 0, 1
+
+
+def simulate(trace: Trace, policy: str | RoutingPolicy, config: SimulationConfig = SimulationConfig(),
+             routes: Optional[Sequence[RouteRequest]] = None) -> SimulationResult:
+    """Replay `trace` over `config.num_replicas` replicas routed by `policy`.
+
+    A policy object keeps state (round robin's counter, power_of_two's sampler);
+    pass a name to start from a fresh one. `routes` (from `prepare_routes`)
+    saves rehashing the trace when several policies replay it.
+    """
+    if isinstance(policy, str):
+        policy = make_policy(policy, config.options_for())
+    routes = prepare_routes(trace) if routes is None else routes
+    if len(routes) != len(trace.requests):
+        raise ValueError(f"{len(routes)} routes for {len(trace.requests)} requests; use prepare_routes(trace)")
+    if any(later.arrival_time < earlier.arrival_time for earlier, later in zip(trace.requests, trace.requests[1:])):
+        raise ValueError("trace requests must be in arrival order; sort them by arrival_time")
+    clock = _Clock()
+    replicas = [SimulatedReplica(i, config.capacity_blocks, config.cost, trace.block_size, clock)
+                for i in range(config.num_replicas)]
+    events: list[tuple[float, int, int, int, _Job]] = []  # (time, sequence, kind, replica, job)
+    waits: list[float] = []
+    ttfts: list[float] = []
+    num_hit_tokens = 0
+    sequence = itertools.count()  # orders events at the same instant: first scheduled, first run
+
+    def start(index: int) -> None:
+        job = replicas[index].start_prefill()
+        if job is not None:
+            heapq.heappush(events, (job.start + job.prefill_seconds, next(sequence), _PREFILL_DONE, index, job))
+
+    def run_events(until: float) -> None:
+        nonlocal num_hit_tokens
+        while events and events[0][0] <= until:
+            clock.now, _, kind, index, job = heapq.heappop(events)
+            replica = replicas[index]
+            if kind == _PREFILL_DONE:
+                replica.finish_prefill(job)
+                num_hit_tokens += job.num_hit_blocks * trace.block_size
+                waits.append(job.start - job.request.arrival_time)
+                ttfts.append(job.start + job.prefill_seconds - job.request.arrival_time)
+                heapq.heappush(events, (job.done_at, next(sequence), _DONE, index, job))
+                start(index)
+            else:
+                replica.finish(job)
+
+    progress = tqdm(total=len(trace.requests), desc=policy.name, unit="req", disable=not config.progress, leave=False)
+    for request, route in zip(trace.requests, routes):
+        run_events(request.arrival_time)  # completions at the arrival instant happen first
+        clock.now = request.arrival_time
+        index = policy.choose(route, replicas)
+        replicas[index].enqueue(request, route)
+        start(index)
+        progress.update()
+    progress.close()
+    run_events(math.inf)
+    if config.check_integrity:
+        for replica in replicas:
+            replica.cache.check_integrity()
+            assert replica.cache.usage().num_referenced_blocks == 0, f"{replica.name} leaked block references"
+    busy = [replica.busy_seconds for replica in replicas]
+    mean_busy = sum(busy) / len(busy)
+    return SimulationResult(
+        policy=policy.name, num_requests=len(trace.requests), num_input_tokens=trace.num_input_tokens,
+        num_hit_tokens=num_hit_tokens, load_imbalance=max(busy) / mean_busy if mean_busy else 1.0,
+        queue_p50=_percentile(waits, 50), queue_p99=_percentile(waits, 99),
+        ttft_p50=_percentile(ttfts, 50), ttft_p99=_percentile(ttfts, 99),
+        num_failed_allocations=sum(replica.num_failed_allocations for replica in replicas),
+        num_evicted_blocks=sum(replica.cache.stats.num_evicted_blocks for replica in replicas),
+    )
+
+
+def _percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def infinite_cache_bound(trace: Trace, routes: Optional[Sequence[RouteRequest]] = None) -> SimulationResult:
+    """One shared cache that never evicts and sees every earlier prompt: no routing can beat its hit rate."""
+    routes = prepare_routes(trace) if routes is None else routes
+    seen: set[bytes] = set()
+    num_hit_blocks = 0
+    for route in routes:
+        limit = min(len(route.keys), route.num_blocks - 1)
+        hit = 0
+        while hit < limit and route.keys[hit] in seen:
+            hit += 1
+        num_hit_blocks += hit
+        seen.update(route.keys)
+    return SimulationResult(BOUND_NAME, len(trace.requests), trace.num_input_tokens, num_hit_blocks * trace.block_size)
+
+
+def compare_policies(trace: Trace, policies: Sequence[str], config: SimulationConfig = SimulationConfig(),
+                     routes: Optional[Sequence[RouteRequest]] = None) -> list[SimulationResult]:
+    """One result per policy, then the infinite-cache bound row."""
+    for name in policies:
+        make_policy(name)  # unknown names fail before any replay starts
+    routes = prepare_routes(trace) if routes is None else routes
+    return [simulate(trace, name, config, routes) for name in policies] + [infinite_cache_bound(trace, routes)]
+
+
+def capacity_sweep(trace: Trace, policies: Sequence[str], capacities: Sequence[int],
+                   config: SimulationConfig = SimulationConfig()) -> dict[int, list[SimulationResult]]:
+    """Hit rate against cache size: capacity -> results (bound row last, the same at every size)."""
+    routes = prepare_routes(trace)
+    return {capacity: compare_policies(trace, policies, replace(config, capacity_blocks=capacity), routes)
+            for capacity in capacities}
+
+
+# ------------------------------------------------------------------- report
+_COLUMNS = ("policy", "hit rate", "prefill tokens", "imbalance", "queue p50", "queue p99", "TTFT p50", "TTFT p99")
+
+
+def format_table(results: Sequence[SimulationResult]) -> str:
+    def seconds(value: float) -> str:
+        return "-" if math.isnan(value) else f"{value:.3f} s"
+
+    rows = [_COLUMNS] + [
+        (r.policy, f"{r.hit_rate:.1%}", f"{r.num_prefill_tokens:,}",
+         "-" if math.isnan(r.load_imbalance) else f"{r.load_imbalance:.2f}",
+         seconds(r.queue_p50), seconds(r.queue_p99), seconds(r.ttft_p50), seconds(r.ttft_p99))
+        for r in results
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
+    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+             for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def results_to_json(results: Sequence[SimulationResult]) -> dict[str, dict[str, Optional[float]]]:
+    return {r.policy: r.metrics() for r in results}
+
+
+def plot_policies(results: Sequence[SimulationResult], path: str | Path, title: str = "") -> None:
+    from matplotlib.figure import Figure  # no pyplot: no global backend state, Agg renders the PNG
+
+    policies = [r for r in results if r.policy != BOUND_NAME]
+    bound = next((r for r in results if r.policy == BOUND_NAME), None)
+    names = [r.policy for r in policies]
+    figure = Figure(figsize=(12, 8), layout="constrained")
+    axes = figure.subplots(2, 2)
+    panels = [
+        (axes[0][0], [r.hit_rate * 100 for r in policies], "token hit rate (%)"),
+        (axes[0][1], [r.num_prefill_tokens / 1e6 for r in policies], "prefill tokens computed (millions)"),
+        (axes[1][0], [r.load_imbalance for r in policies], "load imbalance (max / mean busy time)"),
+    ]
+    for axis, values, label in panels:
+        axis.bar(names, values, color="tab:blue")
+        axis.set_ylabel(label)
+        axis.tick_params(axis="x", rotation=20)
+    if bound is not None:
+        axes[0][0].axhline(bound.hit_rate * 100, color="black", linestyle="--", label="infinite shared cache")
+        axes[0][0].legend()
+    axis = axes[1][1]
+    positions = range(len(names))
+    axis.bar([p - 0.2 for p in positions], [r.ttft_p50 for r in policies], 0.4, label="TTFT p50")
+    axis.bar([p + 0.2 for p in positions], [r.ttft_p99 for r in policies], 0.4, label="TTFT p99")
+    axis.set_xticks(list(positions), names, rotation=20)
+    axis.set_ylabel("seconds")
+    axis.legend()
+    figure.suptitle(title or "routing policies")
+    figure.savefig(path, dpi=110)
+
+
+def plot_capacity_sweep(sweep: dict[int, list[SimulationResult]], path: str | Path, title: str = "") -> None:
+    from matplotlib.figure import Figure
+
+    capacities = sorted(sweep)
+    figure = Figure(figsize=(8, 5), layout="constrained")
+    axis = figure.subplots()
+    for name in [r.policy for r in sweep[capacities[0]]]:
+        rates = [next(r for r in sweep[c] if r.policy == name).hit_rate * 100 for c in capacities]
+        style = {"color": "black", "linestyle": "--"} if name == BOUND_NAME else {"marker": "o"}
+        axis.plot(capacities, rates, label=name, **style)
+    axis.set_xscale("log")
+    axis.set_xlabel("cache capacity per replica (blocks)")
+    axis.set_ylabel("token hit rate (%)")
+    axis.legend()
+    figure.suptitle(title or "hit rate vs cache size")
+    figure.savefig(path, dpi=110)
+
+
+# ---------------------------------------------------------------------- CLI
+def _parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="prefixserve simulate",
+                                     description="Replay a request trace over simulated replicas and compare routing policies.")
+    parser.add_argument("--trace", required=True, help="a Mooncake JSONL file, or 'agent' for the seeded agent workload")
+    parser.add_argument("--replicas", type=int, default=8)
+    parser.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated, from {', '.join(POLICIES)}")
+    parser.add_argument("--capacity-blocks", type=int, default=DEFAULT_CAPACITY_BLOCKS,
+                        help="KV cache per replica in trace blocks (default %(default)s: an 8B model on an 80 GB GPU)")
+    parser.add_argument("--costs", help="cost model JSON (CostModel.save / a calibrate run); default: built-in H100 estimate")
+    parser.add_argument("--json", help="write policy -> metric -> value here")
+    parser.add_argument("--plot", help="write a PNG comparing the policies here")
+    parser.add_argument("--sweep", choices=["capacity"], help="also sweep the cache size (hit rate vs capacity)")
+    parser.add_argument("--sweep-capacities", help="comma-separated block counts (default: capacity x 1/8 ... x4)")
+    parser.add_argument("--sweep-plot", help="PNG of the sweep (default: next to --plot, suffixed _sweep)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--limit", type=int, help="replay only the first N requests")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return parser.parse_args(argv)
+
+
+def _int_list(text: str, what: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"{what} must be comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{what} must list positive integers, got {text!r}")
+    return values
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = _parse_args(argv)
+    try:
+        policies = [name.strip() for name in args.policies.split(",") if name.strip()]
+        for name in policies:
+            make_policy(name)
+        cost = CostModel.load(args.costs) if args.costs else CostModel()
+        config = SimulationConfig(args.replicas, args.capacity_blocks, cost, args.seed, progress=not args.no_progress)
+        if args.trace == "agent":
+            trace = generate_agent_trace(AgentTraceConfig(seed=args.seed))
+        else:
+            trace = load_mooncake(args.trace, limit=args.limit)
+        if args.limit is not None:
+            trace = Trace(trace.requests[: args.limit], trace.block_size, trace.name)
+        capacities = (_int_list(args.sweep_capacities, "--sweep-capacities") if args.sweep_capacities
+                      else [max(1, args.capacity_blocks * factor // 8) for factor in (1, 2, 4, 8, 16, 32)])
+    except (OSError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    began = time.perf_counter()
+    results = compare_policies(trace, policies, config)
+    print(f"{trace.name}: {len(trace)} requests over {trace.duration:.0f} s, {config.num_replicas} replicas x "
+          f"{config.capacity_blocks} blocks of {trace.block_size} tokens ({time.perf_counter() - began:.1f} s)")
+    print(format_table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results_to_json(results), indent=2) + "\n", encoding="utf-8")
+    if args.plot:
+        plot_policies(results, args.plot, f"{trace.name}, {config.num_replicas} replicas")
+    if args.sweep == "capacity":
+        sweep = capacity_sweep(trace, policies, capacities, config)
+        for capacity, rows in sweep.items():
+            print(f"capacity {capacity}: " + ", ".join(f"{r.policy} {r.hit_rate:.1%}" for r in rows))
+        sweep_plot = args.sweep_plot or (str(Path(args.plot).with_name(Path(args.plot).stem + "_sweep.png"))
+                                         if args.plot else None)
+        if sweep_plot:
+            plot_capacity_sweep(sweep, sweep_plot, f"{trace.name}, {config.num_replicas} replicas")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""Routing policies on fake replica views: exact choices, ties, thresholds, ring stability."""
+
+import random
+from dataclasses import dataclass
+
+import pytest
+
+from prefixserve.cache import BlockKeyer, CacheScope, EventQueue, RadixCache
+from prefixserve.router.policies import (
+    POLICIES, ConsistentHash, KVAware, PolicyOptions, PrefixMirror, RouteRequest, make_policy,
+)
+
+SCOPE = CacheScope("model", "tokenizer").digest
+KEYER = BlockKeyer(1)
+
+
+@dataclass
+class FakeReplica:
+    name: str
+    load: float = 0.0
+    hits: int = 0
+
+    def num_hit_blocks(self, request):
+        return self.hits
+
+
+def request_of(block_ids, tokens_per_block=512):
+    """A request of full blocks only: one key per block id."""
+    return RouteRequest(KEYER.keys(SCOPE, block_ids), block_ids, SCOPE, len(block_ids), tokens_per_block)
+
+
+def fleet(loads, hits=None):
+    hits = hits or [0] * len(loads)
+    return [FakeReplica(f"r{i}", load, hit) for i, (load, hit) in enumerate(zip(loads, hits))]
+
+
+ANY = request_of([1, 2, 3])
+
+
+def test_registry_names_and_unknown_policy():
+    assert list(POLICIES) == ["round_robin", "least_loaded", "power_of_two", "consistent_hash", "kv_aware"]
+    with pytest.raises(ValueError, match="unknown routing policy 'fastest'; choose one of round_robin, "
+                                         "least_loaded, power_of_two, consistent_hash, kv_aware"):
+        make_policy("fastest")
+
+
+def test_round_robin_cycles_over_replicas():
+    policy = make_policy("round_robin")
+    replicas = fleet([5, 0, 0])
+    assert [policy.choose(ANY, replicas) for _ in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+
+
+def test_least_loaded_breaks_ties_by_lowest_index():
+    policy = make_policy("least_loaded")
+    assert policy.choose(ANY, fleet([2.0, 1.0, 1.0, 3.0])) == 1
+    assert policy.choose(ANY, fleet([0.0, 0.0])) == 0
+
+
+def test_power_of_two_is_seeded_and_takes_the_less_loaded_sample():
+    replicas = fleet([4.0, 3.0, 2.0, 1.0, 0.0, 5.0, 6.0, 7.0])
+    rng = random.Random(7)
+    expected = []
+    for _ in range(50):
+        first, second = sorted(rng.sample(range(8), 2))
+        expected.append(second if replicas[second].load < replicas[first].load else first)
+    policy = make_policy("power_of_two", PolicyOptions(seed=7))
+    assert [policy.choose(ANY, replicas) for _ in range(50)] == expected
+    rng = random.Random(7)
+    lower_of_each_pair = [min(rng.sample(range(8), 2)) for _ in range(20)]
+    tied = make_policy("power_of_two", PolicyOptions(seed=7))
+    assert [tied.choose(ANY, fleet([1.0] * 8)) for _ in range(20)] == lower_of_each_pair
+    assert make_policy("power_of_two").choose(ANY, fleet([3.0])) == 0
+
+
+def test_consistent_hash_uses_only_the_first_k_blocks():
+    policy = make_policy("consistent_hash", PolicyOptions(hash_prefix_blocks=4))
+    replicas = fleet([0.0] * 8)
+    base = policy.choose(request_of([1, 2, 3, 4, 5, 6]), replicas)
+    assert policy.choose(request_of([1, 2, 3, 4, 99]), replicas) == base
+    assert policy.choose(request_of([1, 2, 3, 4]), fleet([9.0] * 8)) == base  # load is ignored
+    choices = {policy.choose(request_of([1, 2, 3, first]), replicas) for first in range(40)}
+    assert len(choices) > 1  # the 4th block is part of the position
+
+
+def test_consistent_hash_moves_only_the_removed_replicas_prefixes():
+    policy = ConsistentHash(PolicyOptions(virtual_nodes=64))
+    replicas = fleet([0.0] * 8)
+    rng = random.Random(0)
+    requests = [request_of([rng.randrange(10**6) for _ in range(5)]) for _ in range(800)]
+    before = [replicas[policy.choose(r, replicas)].name for r in requests]
+    assert all(before.count(f"r{i}") > 40 for i in range(8))  # virtual nodes spread the ring
+    survivors = [replica for replica in replicas if replica.name != "r3"]
+    after = [survivors[policy.choose(r, survivors)].name for r in requests]
+    for old, new in zip(before, after):
+        if old != "r3":
+            assert new == old
+        else:
+            assert new != "r3"
+    assert len({new for old, new in zip(before, after) if old == "r3"}) > 1  # r3's share is spread out
+
+
+def test_consistent_hash_spreads_prompts_shorter_than_a_block_by_their_tokens():
+    policy = make_policy("consistent_hash")
+    replicas = fleet([0.0] * 8)
+    short = [RouteRequest([], [token, 7, 7], SCOPE, 1, 16) for token in range(50)]
+    choices = [policy.choose(request, replicas) for request in short]
+    assert len(set(choices)) > 1
+    assert [policy.choose(request, fleet([1.0] * 8)) for request in short] == choices
+    assert policy.choose(RouteRequest([], [], SCOPE, 0, 16), replicas) in range(8)
+
+
+def kv_options(block_seconds=0.1, threshold=1.5, slack=0.5):
+    return PolicyOptions(miss_token_seconds=block_seconds / 512, balance_threshold=threshold,
+                         balance_slack_seconds=slack)
+
+
+def test_kv_aware_minimises_missed_blocks_times_weight_plus_load():
+    policy = make_policy("kv_aware", kv_options(block_seconds=0.125))
+    request = request_of(list(range(10)))
+    # costs: 10 x 0.125 + 0 = 1.25;  7 x 0.125 + 0.25 = 1.125;  5 x 0.125 + 0.375 = 1.0
+    assert policy.choose(request, fleet([0.0, 0.25, 0.375], [0, 3, 5])) == 2
+    # costs 1.25, 1.125, 1.125: the tie goes to the lower index
+    assert policy.choose(request, fleet([0.0, 0.25, 0.5], [0, 3, 5])) == 1
+    assert policy.choose(request, fleet([0.0, 0.0, 0.0], [4, 4, 4])) == 0
+
+
+def test_kv_aware_weight_counts_tokens_not_blocks():
+    options = PolicyOptions(miss_token_seconds=0.001, balance_slack_seconds=100.0)
+    # one 16-token block is worth 0.016 s, one 512-token block 0.512 s
+    small = RouteRequest(KEYER.keys(SCOPE, [1, 2]), [1, 2], SCOPE, 2, 16)
+    large = RouteRequest(small.keys, small.token_ids, SCOPE, 2, 512)
+    replicas = fleet([0.1, 0.0], [1, 0])
+    assert make_policy("kv_aware", options).choose(small, replicas) == 1
+    assert make_policy("kv_aware", options).choose(large, replicas) == 0
+
+
+def test_kv_aware_falls_back_to_least_loaded_above_the_threshold():
+    policy = KVAware(kv_options(block_seconds=1.0, threshold=1.5, slack=2.5))
+    request = request_of(list(range(10)))
+    # mean load 1.0: the limit is 1.0 x 1.5 + 2.5 = 4.0, and 4.0 is not above it
+    assert policy.choose(request, fleet([4.0, 0.0, 0.0, 0.0], [9, 0, 0, 0])) == 0
+    assert policy.num_fallbacks == 0
+    # mean 1.0625: limit 4.09375 < 4.25, so the least-loaded replica (lowest index on a tie) wins
+    assert policy.choose(request, fleet([4.25, 0.0, 0.0, 0.0], [9, 0, 0, 0])) == 1
+    assert policy.num_fallbacks == 1
+
+
+def test_kv_aware_spreads_a_hot_prefix_once_its_replica_is_overloaded():
+    policy = KVAware(kv_options(block_seconds=1.0, threshold=1.5, slack=0.5))
+    replicas = fleet([0.0] * 4, [9, 0, 0, 0])  # only replica 0 holds the hot prefix
+    request = request_of(list(range(10)))
+    counts = [0] * 4
+    for _ in range(200):
+        index = policy.choose(request, replicas)
+        counts[index] += 1
+        replicas[index].load += 1.0
+        mean = sum(r.load for r in replicas) / 4
+        assert replicas[0].load <= mean * 1.5 + 0.5 + 1.0  # at most one request past the limit
+    assert counts[0] > counts[1] and min(counts) > 0
+    assert policy.num_fallbacks > 0
+
+
+def test_prefix_mirror_follows_the_replicas_events():
+    events = EventQueue()
+    cache = RadixCache(8, 1, events=events)
+    mirror = PrefixMirror()
+    ids = [10, 11, 12, 13]
+    keys = KEYER.keys(SCOPE, ids)
+    blocks = cache.allocate(4)
+    parent = SCOPE
+    for i, block in enumerate(blocks):
+        blocks[i] = cache.insert(block, keys[i], ids[i : i + 1], parent)
+        parent = blocks[i]
+    cache.release(blocks)
+    for event in events.drain():
+        mirror.apply(event)
+    request = RouteRequest(keys, ids, SCOPE, 4, 512)
+    assert mirror.num_hit_blocks(request) == 3  # the last block is always recomputed
+    assert mirror.num_hit_blocks(request) == len(cache.match(SCOPE, keys, ids, record_stats=False).blocks)
+    cache.evict(2)  # leaves first: blocks 3 and 2
+    for event in events.drain():
+        mirror.apply(event)
+    assert mirror.num_hit_blocks(request) == 2
+    cache.clear()
+    for event in events.drain():
+        mirror.apply(event)
+    assert mirror.num_hit_blocks(request) == 0

@@ -1,0 +1,209 @@
+"""The fleet simulator: exact small replays, the agent workload's policy ranking, traces, CLI."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from prefixserve.router.simulate import (
+    BOUND_NAME, CostModel, SimulationConfig, compare_policies, format_table, infinite_cache_bound, main,
+    prepare_routes, results_to_json, simulate,
+)
+from prefixserve.router.traces import (
+    AgentTraceConfig, Trace, TraceFormatError, TraceRequest, generate_agent_trace, load_mooncake,
+)
+
+TRACES = next(p for p in (Path(__file__).resolve().parents[1] / "shared/data/traces",
+                          Path(__file__).resolve().parents[2] / "shared/data/traces") if p.is_dir())
+CONVERSATION = TRACES / "mooncake_conversation_trace.jsonl"
+# 1 ms a prompt token, 10 ms an output token, no attention term or overhead, no decode batching.
+SIMPLE_COST = CostModel(prefill_seconds_per_token=0.001, attention_seconds_per_token_pair=0.0,
+                        decode_seconds_per_token=0.01, decode_batch_size=1.0, overhead_seconds=0.0)
+
+
+def one_replica(capacity_blocks=100):
+    return SimulationConfig(num_replicas=1, capacity_blocks=capacity_blocks, cost=SIMPLE_COST, check_integrity=True)
+
+
+# ---------------------------------------------------------------- exact replays
+def test_queued_request_waits_and_then_hits_the_prefix_the_first_one_inserted():
+    trace = Trace([
+        TraceRequest(0.0, 1800, 100, [1, 2, 3, 4]),  # 3 full blocks + a partial one
+        TraceRequest(1.0, 1300, 100, [1, 2, 5]),  # 2 full blocks: both hit (the last block 5 is partial)
+    ], block_size=512)
+    result = simulate(trace, "round_robin", one_replica())
+    assert result.num_hit_tokens == 1024
+    assert result.num_prefill_tokens == 1800 + 1300 - 1024
+    # the second waits for the first's prefill (1.8 s), then computes 276 tokens
+    assert result.queue_p50 == pytest.approx(0.4) and result.queue_p99 == pytest.approx(0.792)
+    assert result.ttft_p50 == pytest.approx((1.8 + 1.076) / 2)
+    assert result.load_imbalance == 1.0
+    bound = infinite_cache_bound(trace)
+    assert bound.num_hit_tokens == 1024 and math.isnan(bound.ttft_p50)
+
+
+def test_unsorted_trace_is_refused():
+    trace = Trace([TraceRequest(5.0, 100, 1, [1]), TraceRequest(1.0, 100, 1, [2])], 512)
+    with pytest.raises(ValueError, match="arrival order"):
+        simulate(trace, "round_robin", one_replica())
+
+
+def test_last_block_is_never_a_hit_even_when_full():
+    trace = Trace([TraceRequest(0.0, 1536, 0, [1, 2, 3]), TraceRequest(10.0, 1536, 0, [1, 2, 3])], 512)
+    assert simulate(trace, "kv_aware", one_replica()).num_hit_tokens == 1024
+    assert infinite_cache_bound(trace).num_hit_tokens == 1024
+
+
+def test_capacity_pressure_evicts_least_recently_used_leaves():
+    # 6 blocks: A and B fill the pool, C evicts all of A (leaf first), A again evicts all of B.
+    # C again hits blocks 7, 8 and needs one block for its recomputed last block: the LRU leaf is
+    # C's own old block 9 (A's blocks are newer), so 3 + 3 + 1 evictions.
+    a, b, c = [1, 2, 3], [4, 5, 6], [7, 8, 9]
+    trace = Trace([TraceRequest(10.0 * i, 1536, 0, ids) for i, ids in enumerate([a, b, c, a, c])], 512)
+    result = simulate(trace, "round_robin", one_replica(capacity_blocks=6))
+    assert result.num_evicted_blocks == 7
+    assert result.num_hit_tokens == 2 * 512
+    assert result.num_failed_allocations == 0
+
+
+def test_request_larger_than_the_cache_is_computed_without_caching():
+    trace = Trace([TraceRequest(0.0, 1800, 300, [1, 2, 3, 4]), TraceRequest(5.0, 1800, 300, [1, 2, 3, 4])], 512)
+    result = simulate(trace, "round_robin", one_replica(capacity_blocks=4))  # needs ceil(2100/512) = 5
+    assert result.num_failed_allocations == 2
+    assert result.num_hit_tokens == 0 and result.num_prefill_tokens == 3600
+
+
+def test_blocks_held_by_decoding_requests_cannot_be_evicted():
+    # B arrives while A decodes for 30 s holding 10 of the 11 blocks: 1 free block, B needs 4.
+    trace = Trace([TraceRequest(0.0, 1800, 3000, [1, 2, 3, 4]), TraceRequest(5.0, 1800, 100, [9, 8, 7, 6])], 512)
+    result = simulate(trace, "round_robin", one_replica(capacity_blocks=11))
+    assert result.num_failed_allocations == 1
+    assert result.num_evicted_blocks == 0
+
+
+# ------------------------------------------------------------- agent workload
+@pytest.fixture(scope="module")
+def agent_run():
+    trace = generate_agent_trace(AgentTraceConfig(seed=0))
+    results = compare_policies(trace, ["round_robin", "kv_aware"], SimulationConfig(num_replicas=8))
+    return trace, {result.policy: result for result in results}
+
+
+def test_kv_aware_beats_round_robin_on_agent_sessions(agent_run):
+    trace, results = agent_run
+    round_robin, kv_aware, bound = results["round_robin"], results["kv_aware"], results[BOUND_NAME]
+    # round robin scatters each session's turns, so most turns recompute history another replica holds
+    assert round_robin.num_prefill_tokens >= 4 * kv_aware.num_prefill_tokens
+    assert bound.hit_rate - 0.05 <= kv_aware.hit_rate <= bound.hit_rate
+    assert kv_aware.load_imbalance < 1.5
+    assert round_robin.hit_rate <= bound.hit_rate
+    assert kv_aware.num_requests == len(trace) and kv_aware.num_failed_allocations == 0
+
+
+def test_simulation_is_deterministic_for_a_seed():
+    first = generate_agent_trace(AgentTraceConfig(seed=3, num_sessions=30))
+    second = generate_agent_trace(AgentTraceConfig(seed=3, num_sessions=30))
+    assert first.requests == second.requests
+    assert first.requests != generate_agent_trace(AgentTraceConfig(seed=4, num_sessions=30)).requests
+    config = SimulationConfig(num_replicas=4, capacity_blocks=200, seed=5, check_integrity=True)
+    policies = ["power_of_two", "kv_aware", "least_loaded"]
+    runs = [[r.metrics() for r in compare_policies(trace, policies, config)] for trace in (first, second)]
+    assert runs[0] == runs[1]
+
+
+def test_agent_sessions_grow_and_share_system_prompts():
+    config = AgentTraceConfig(seed=1, num_sessions=12)
+    trace = generate_agent_trace(config)
+    by_session: dict[int, list[TraceRequest]] = {}
+    for request in trace.requests:
+        assert len(request.hash_ids) == math.ceil(request.input_length / config.block_size)
+        by_session.setdefault(request.session_id, []).append(request)
+    for turns in by_session.values():
+        for earlier, later in zip(turns, turns[1:]):
+            assert later.arrival_time - earlier.arrival_time >= config.turn_gap_seconds
+            num_full = earlier.input_length // config.block_size
+            assert later.hash_ids[:num_full] == earlier.hash_ids[:num_full]  # the whole history is resent
+    firsts = [turns[0].hash_ids[0] for turns in by_session.values()]
+    assert len(set(firsts)) <= config.num_system_prompts < len(firsts)
+
+
+# ---------------------------------------------------------------- Mooncake files
+def test_mooncake_loader_reads_the_first_lines():
+    trace = load_mooncake(CONVERSATION, limit=200)
+    assert len(trace) == 200 and trace.block_size == 512
+    first = trace.requests[0]
+    assert (first.arrival_time, first.input_length, first.output_length) == (0.0, 6758, 500)
+    assert first.hash_ids == list(range(14))
+    assert all(len(r.hash_ids) == math.ceil(r.input_length / 512) for r in trace.requests)
+    assert [r.arrival_time for r in trace.requests] == sorted(r.arrival_time for r in trace.requests)
+
+
+def test_infinite_cache_bound_of_the_conversation_trace_is_37_percent():
+    trace = load_mooncake(CONVERSATION)
+    assert len(trace) == 12031
+    assert infinite_cache_bound(trace, prepare_routes(trace)).hit_rate == pytest.approx(0.373, abs=0.002)
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]', "not valid JSON"),
+    ('{"timestamp": 0, "input_length": 10, "hash_ids": [1]}', "missing field(s) output_length"),
+    ('{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1]}', "expected ceil(600/512) = 2"),
+    ('{"timestamp": -1, "input_length": 10, "output_length": 1, "hash_ids": [1]}', "timestamp must be"),
+    ('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [-1]}', "hash_ids must be"),
+])
+def test_mooncake_loader_names_file_and_line_of_a_bad_row(tmp_path, line, message):
+    path = tmp_path / "trace.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n' + line + "\n")
+    with pytest.raises(TraceFormatError, match=rf"trace.jsonl:2: .*{message.replace('(', '.').replace(')', '.')}"):
+        load_mooncake(path)
+
+
+def test_missing_trace_file_says_where_traces_live(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist; the Mooncake traces live in shared/data/traces"):
+        load_mooncake(tmp_path / "nope.jsonl")
+
+
+# ------------------------------------------------------------------ costs, report, CLI
+def test_cost_model_round_trips_and_rejects_unknown_fields(tmp_path):
+    path = tmp_path / "costs.json"
+    SIMPLE_COST.save(path)
+    assert CostModel.load(path) == SIMPLE_COST
+    path.write_text('{"prefill_seconds_per_token": 1e-4, "seconds_per_token": 2}')
+    with pytest.raises(ValueError, match=r"unknown cost model field\(s\) \['seconds_per_token'\]"):
+        CostModel.load(path)
+    assert CostModel(prefill_seconds_per_token=0.001, attention_seconds_per_token_pair=1e-6,
+                     overhead_seconds=0.5).prefill_seconds(1000, 400) == pytest.approx(0.5 + 0.6 + 1e-6 * 420_300)
+    with pytest.raises(FileNotFoundError, match="calibrate"):
+        CostModel.load(tmp_path / "missing.json")
+
+
+def test_table_columns_line_up(agent_run):
+    _, results = agent_run
+    lines = format_table(list(results.values())).splitlines()
+    assert lines[0].split()[:3] == ["policy", "hit", "rate"]
+    assert len({len(line) for line in lines}) == 1
+    assert lines[-1].startswith(BOUND_NAME) and lines[-1].rstrip().endswith("-")
+    body = results_to_json(list(results.values()))
+    assert body[BOUND_NAME]["ttft_p50_s"] is None and 0 < body["kv_aware"]["hit_rate"] < 1
+
+
+def test_cli_writes_json_and_plots(tmp_path, capsys):
+    out_json, out_png = tmp_path / "out.json", tmp_path / "out.png"
+    code = main(["--trace", "agent", "--limit", "300", "--replicas", "4", "--policies", "kv_aware,round_robin",
+                 "--json", str(out_json), "--plot", str(out_png), "--sweep", "capacity",
+                 "--sweep-capacities", "50,400", "--no-progress"])
+    assert code == 0
+    body = json.loads(out_json.read_text())
+    assert list(body) == ["kv_aware", "round_robin", BOUND_NAME]
+    assert set(body["kv_aware"]) >= {"hit_rate", "prefill_tokens", "load_imbalance", "ttft_p99_s", "queue_p50_s"}
+    for png in (out_png, tmp_path / "out_sweep.png"):
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "capacity 50:" in capsys.readouterr().out
+
+
+def test_cli_reports_user_errors(tmp_path, capsys):
+    assert main(["--trace", "agent", "--policies", "kv_aware,fastest"]) == 2
+    assert "unknown routing policy 'fastest'; choose one of round_robin" in capsys.readouterr().err
+    assert main(["--trace", str(tmp_path / "missing.jsonl")]) == 2
+    assert "does not exist" in capsys.readouterr().err
