@@ -56,7 +56,6 @@ def measure(num_blocks: int, hash_function: str, progress: bool) -> dict[str, fl
     keyer = BlockKeyer(BLOCK_SIZE, hash_function)
     gc.collect()
     tracemalloc.start()
-    base = tracemalloc.get_traced_memory()[0]
     # One spare prompt's worth of blocks so insert/evict below never starves.
     cache = RadixCache(num_blocks + 2 * PROMPT_LEN // BLOCK_SIZE, BLOCK_SIZE)
     empty = tracemalloc.get_traced_memory()[0]

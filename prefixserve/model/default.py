@@ -112,7 +112,7 @@ def _init_scales() -> dict[str, float]:
     top-2 gaps of a unit or so) while each block's output stays comparable to the residual
     stream, so attention (context) and not only the last token decides the next token.
     """
-    hidden, layers = CONFIG["hidden_size"], CONFIG["num_hidden_layers"]
+    hidden = CONFIG["hidden_size"]
     return {
         "embed": 1.0,                      # residual stream starts at RMS 1
         "lm_head": 0.2,                    # after RMSNorm: logit std 0.2 * sqrt(512) ~ 4.5
