@@ -248,3 +248,17 @@ def test_clear_one_scope_or_all_with_events():
     finish(cache, running)
     cache.check_integrity()
     assert cache.usage().num_cached_blocks == 0
+
+
+def test_event_log_cursor_and_resync_signal():
+    events = EventQueue(max_events=3)
+    cache, keyer = make(num_blocks=12, events=events)
+    finish(cache, run(cache, keyer, range(9)))  # 2 BlockStored: seq 0, 1
+    got, cursor, complete = events.since(0)
+    assert [type(e) for e in got] == [BlockStored, BlockStored] and cursor == 2 and complete
+    assert events.since(cursor) == ([], 2, True)
+    cache.evict(2)  # 2 BlockRemoved: seq 2, 3; seq 0 falls off the bounded log
+    got, cursor2, complete = events.since(cursor)
+    assert [type(e) for e in got] == [BlockRemoved, BlockRemoved] and cursor2 == 4 and complete
+    assert events.since(0)[2] is False  # a reader at 0 missed a dropped event: resync
+    assert events.num_dropped == 1

@@ -207,3 +207,16 @@ def test_cli_reports_user_errors(tmp_path, capsys):
     assert "unknown routing policy 'fastest'; choose one of round_robin" in capsys.readouterr().err
     assert main(["--trace", str(tmp_path / "missing.jsonl")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_cli_needs_a_trace_unless_calibrating(capsys):
+    assert main([]) == 2
+    assert "--trace FILE (or 'agent') is required" in capsys.readouterr().err
+
+
+def test_calibrate_writes_a_cost_model_the_simulator_loads(tmp_path, default_model_dir):
+    path = tmp_path / "costs.json"
+    assert main(["--calibrate", str(path)]) == 0
+    cost = CostModel.load(path)
+    assert cost.prefill_seconds_per_token > 0 and cost.decode_seconds_per_token > 0
+    assert cost.description.startswith("calibrated: prefixserve-tiny")

@@ -7,8 +7,9 @@ resync from a full snapshot instead of trusting a partial stream.
 
 from __future__ import annotations
 
+import threading
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Optional, Union
 
 DEVICE_MEDIUM = "GPU"  # vLLM's name for the first tier, whatever the device really is
@@ -62,24 +63,43 @@ def event_from_dict(body: dict) -> KVEvent:
     return classes[kind](**body)
 
 
-@dataclass
 class EventQueue:
-    """Bounded FIFO of KV events, drained by one consumer."""
+    """Bounded log of KV events with sequence numbers.
 
-    max_events: int = 100_000
-    num_dropped: int = 0
-    _events: deque = field(default_factory=deque)
+    One consumer may `drain()`; any number may read `since(cursor)` without
+    consuming (a router polls each replica this way). Thread-safe: the engine
+    thread publishes while a server thread reads.
+    """
+
+    def __init__(self, max_events: int = 20_000) -> None:
+        self.max_events = max_events
+        self.num_dropped = 0
+        self.next_seq = 0  # sequence number the next event will get
+        self._events: deque[tuple[int, KVEvent]] = deque()
+        self._lock = threading.Lock()
 
     def publish(self, event: KVEvent) -> None:
-        if len(self._events) >= self.max_events:
-            self._events.popleft()
-            self.num_dropped += 1
-        self._events.append(event)
+        with self._lock:
+            if len(self._events) >= self.max_events:
+                self._events.popleft()
+                self.num_dropped += 1
+            self._events.append((self.next_seq, event))
+            self.next_seq += 1
 
     def drain(self) -> list[KVEvent]:
-        events = list(self._events)
-        self._events.clear()
-        return events
+        with self._lock:
+            events = [event for _, event in self._events]
+            self._events.clear()
+            return events
+
+    def since(self, cursor: int) -> tuple[list[KVEvent], int, bool]:
+        """(events numbered >= cursor, the next cursor, complete); not complete means events
+        the reader never saw were already dropped, so it must resync from a snapshot."""
+        with self._lock:
+            oldest = self._events[0][0] if self._events else self.next_seq
+            complete = oldest <= cursor <= self.next_seq
+            events = [event for seq, event in self._events if seq >= cursor]
+            return events, self.next_seq, complete
 
     def __len__(self) -> int:
         return len(self._events)

@@ -105,6 +105,10 @@ class RadixCache:
     def get(self, key: bytes) -> Optional[Block]:
         return self._index.get(key)
 
+    def keys(self) -> list[bytes]:
+        """Every cached block key (a snapshot for a router that resyncs)."""
+        return list(self._index)
+
     # ------------------------------------------------------ references and LRU
     def acquire(self, blocks: Sequence[Block], ttl: Optional[float] = None) -> None:
         """Reference a matched prefix path (root first); refreshes LRU position and TTL.

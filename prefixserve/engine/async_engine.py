@@ -8,6 +8,7 @@ and take effect between steps, so the model never runs under a lock.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import queue
 import threading
 from typing import AsyncIterator, Optional
@@ -78,6 +79,15 @@ class AsyncLLMEngine:
             if not finished:
                 self.abort(request.request_id)
 
+    async def call(self, function):
+        """Run `function(engine)` on the engine thread between steps (a consistent view); returns its result."""
+        if self.is_dead:
+            raise EngineDeadError(f"the engine loop stopped: {self._error!r}")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("call", (function, future)))
+        self._wake.set()
+        return await asyncio.wrap_future(future)
+
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
         self._wake.set()
@@ -110,7 +120,13 @@ class AsyncLLMEngine:
                 kind, payload = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
+            if kind == "call":
+                function, future = payload
+                try:
+                    future.set_result(function(self.engine))
+                except Exception as error:
+                    future.set_exception(error)
+            elif kind == "add":
                 try:
                     self.engine.submit(payload)
                 except ValueError as error:

@@ -15,6 +15,7 @@ from typing import Any, Optional, Union
 import torch
 
 from ..cache import BlockKeyer, CacheScope, EventQueue, RadixCache
+from ..cache.scoping import PromptScoper
 from ..config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from ..model import IncrementalDecoder, Tokenizer, ensure_default_model, load_generation_eos, load_model
 from .outputs import RequestOutput
@@ -75,6 +76,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(load_generation_eos(self.model_path))
         self.max_model_len = self._resolve_max_model_len()
         self.scope = CacheScope(loaded.model_fingerprint, self.tokenizer.fingerprint)
+        self.scoper = PromptScoper(self.scope, config.block_size)
         self.model_name = str(config.model) if config.model else "prefixserve-tiny"
 
         bytes_per_token = kv_bytes_per_token(loaded.config, self.dtype)
@@ -100,7 +102,6 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.model, loaded.config, num_blocks, config.block_size, self.dtype,
                                   self.device, config.seed)
         self._texts: dict[str, _TextState] = {}
-        self._shared_prefixes: list[list[int]] = []
         self.num_prefill_tokens_computed = 0
         self.num_generation_tokens = 0
         weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
@@ -213,7 +214,7 @@ class LLMEngine:
         text, token_ids, prompt_salt = self.tokenize_prompt(prompt)
         self.validate_token_ids(token_ids)
         salt = cache_salt if cache_salt is not None else prompt_salt
-        scope_digest, private_from = self._scope_for(token_ids, salt)
+        scope_digest, private_from = self.scoper.scope_for(token_ids, salt)
         request = Request(
             request_id=request_id or uuid.uuid4().hex,
             prompt_token_ids=token_ids,
@@ -233,21 +234,7 @@ class LLMEngine:
 
     def declare_shared_prefix(self, token_ids: list[int]) -> int:
         """Let every tenant (cache salt) reuse the full blocks of this public prefix; returns them."""
-        num_blocks = len(token_ids) // self.config.block_size
-        if num_blocks:
-            self._shared_prefixes.append(list(token_ids[: num_blocks * self.config.block_size]))
-            self._shared_prefixes.sort(key=len, reverse=True)
-        return num_blocks
-
-    def _scope_for(self, token_ids: list[int], salt: Optional[str]) -> tuple[bytes, Optional[tuple[int, bytes]]]:
-        """The scope digest of block 0 and, after a declared public prefix, where the tenant's chain forks."""
-        if not salt:
-            return self.scope.digest, None
-        private_digest = self.scope.with_salt(salt).digest
-        for prefix in self._shared_prefixes:  # longest first
-            if token_ids[: len(prefix)] == prefix:
-                return self.scope.digest, (len(prefix) // self.config.block_size, private_digest)
-        return private_digest, None
+        return self.scoper.declare_shared_prefix(token_ids)
 
     def submit(self, request: Request) -> None:
         """Queue a request built by `make_request`."""

@@ -421,14 +421,16 @@ def plot_capacity_sweep(sweep: dict[int, list[SimulationResult]], path: str | Pa
 def _parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="prefixserve simulate",
                                      description="Replay a request trace over simulated replicas and compare routing policies.")
-    parser.add_argument("--trace", required=True, help="a Mooncake JSONL file, or 'agent' for the seeded agent workload")
+    parser.add_argument("--trace", help="a Mooncake JSONL file, or 'agent' for the seeded agent workload")
+    parser.add_argument("--calibrate", metavar="COSTS_JSON",
+                        help="measure the real engine (built-in model) on this machine, write its cost model here, exit")
     parser.add_argument("--replicas", type=int, default=8)
     parser.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated, from {', '.join(POLICIES)}")
     parser.add_argument("--capacity-blocks", type=int, default=DEFAULT_CAPACITY_BLOCKS,
                         help="KV cache per replica in trace blocks (default %(default)s: an 8B model on an 80 GB GPU)")
     parser.add_argument("--costs", help="cost model JSON (CostModel.save / a calibrate run); default: built-in H100 estimate")
     parser.add_argument("--json", help="write policy -> metric -> value here")
-    parser.add_argument("--plot", help="write a PNG comparing the policies here")
+    parser.add_argument("--plot", default="simulate_policies.png", help="PNG comparing the policies (default %(default)s)")
     parser.add_argument("--sweep", choices=["capacity"], help="also sweep the cache size (hit rate vs capacity)")
     parser.add_argument("--sweep-capacities", help="comma-separated block counts (default: capacity x 1/8 ... x4)")
     parser.add_argument("--sweep-plot", help="PNG of the sweep (default: next to --plot, suffixed _sweep)")
@@ -450,6 +452,16 @@ def _int_list(text: str, what: str) -> list[int]:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = _parse_args(argv)
+    if args.calibrate:
+        from prefixserve.engine.calibrate import measure_costs  # the one path here that needs torch
+
+        cost = CostModel(**measure_costs())
+        cost.save(args.calibrate)
+        print(f"wrote {args.calibrate}: {cost}")
+        return 0
+    if not args.trace:
+        print("error: --trace FILE (or 'agent') is required unless --calibrate is given", file=sys.stderr)
+        return 2
     try:
         policies = [name.strip() for name in args.policies.split(",") if name.strip()]
         for name in policies:

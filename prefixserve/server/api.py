@@ -20,6 +20,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..cache.events import event_to_dict
+from ..cache.scoping import compose_salt
 from ..engine.async_engine import AsyncLLMEngine
 from ..engine.engine import PromptTooLongError
 from ..engine.outputs import RequestOutput
@@ -141,11 +142,6 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
                            headers={"Retry-After": str(settings.retry_after_seconds)})
         return requests
 
-    def salt_for(tenant: Optional[str], cache_salt: Optional[str]) -> Optional[str]:
-        if tenant is None:
-            return cache_salt
-        return tenant if cache_salt is None else f"{tenant}\x00{cache_salt}"
-
     def usage_of(finals: list[RequestOutput], n: int) -> dict:
         """Usage of outputs in request order; the n samples of a prompt count its prompt once, as OpenAI does."""
         firsts = finals[::n]
@@ -209,13 +205,40 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/kv_events")
-    async def kv_events(request: Request):
-        """Drain this replica's KV events (BlockStored / BlockRemoved / AllBlocksCleared) for a router."""
+    async def kv_events(request: Request, since: int = 0):
+        """KV events (BlockStored / BlockRemoved / AllBlocksCleared) numbered >= `since`, for routers.
+
+        `complete: false` means some were already dropped: resync from /v1/cache/keys.
+        """
         authenticate(request)
         queue = engine.engine.events
         if queue is None:
             raise APIError(404, "KV events are off; start the server with --enable-kv-events", "not_found_error")
-        return {"events": [event_to_dict(e) for e in queue.drain()], "num_dropped": queue.num_dropped}
+        events, next_cursor, complete = queue.since(since)
+        return {"events": [event_to_dict(e) for e in events], "next": next_cursor, "complete": complete}
+
+    @app.get("/v1/cache/keys")
+    async def cache_keys(request: Request):
+        """Every cached block key (hex), read between engine steps, and the event cursor it is current to."""
+        authenticate(request)
+
+        def snapshot(core):
+            cursor = core.events.next_seq if core.events is not None else None
+            return [key.hex() for key in core.cache.keys()], cursor
+
+        keys, cursor = await engine.call(snapshot)
+        return {"keys": keys, "next": cursor}
+
+    @app.get("/v1/cache/info")
+    async def cache_info(request: Request):
+        """What a router needs to compute the same block keys as this replica."""
+        authenticate(request)
+        core = engine.engine
+        return {"model_fingerprint": core.scope.model_fingerprint,
+                "tokenizer_fingerprint": core.scope.tokenizer_fingerprint,
+                "adapter_id": core.scope.adapter_id, "block_size": core.config.block_size,
+                "prefix_hash": core.config.prefix_hash, "shared_prefixes": core.scoper.shared_prefixes,
+                "max_model_len": core.max_model_len, "served_model_name": settings.served_model_name}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -223,7 +246,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
         body: CompletionRequest = await parse(request, CompletionRequest)
         check_model(body.model)
         prompts = _completion_prompts(body.prompt)
-        requests = make_requests(prompts, sampling_params(body, body.max_tokens), body.n, salt_for(tenant, body.cache_salt))
+        requests = make_requests(prompts, sampling_params(body, body.max_tokens), body.n, compose_salt(tenant, body.cache_salt))
         response_id, created, model = new_id("cmpl"), now(), settings.served_model_name
 
         def chunk(index, out):
@@ -252,7 +275,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
         except Exception as error:  # a template may reject a conversation (e.g. role order)
             raise APIError(400, f"the chat template rejected these messages: {error}", param="messages") from None
         params = sampling_params(body, body.max_completion_tokens or body.max_tokens)
-        requests = make_requests([prompt_ids], params, body.n, salt_for(tenant, body.cache_salt))
+        requests = make_requests([prompt_ids], params, body.n, compose_salt(tenant, body.cache_salt))
         response_id, created, model = new_id("chatcmpl"), now(), settings.served_model_name
 
         def chunk(index, out):

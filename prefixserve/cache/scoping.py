@@ -1,0 +1,46 @@
+"""Which scope a prompt's key chain starts in: shared by the engine and the router, so their keys agree.
+
+Without a salt a prompt is keyed in the model's scope. A salt (tenant, or a
+caller's cache_salt) gives it a private scope, except that a declared public
+prefix (an operator's system prompt) stays in the shared scope and the
+tenant's chain forks right after it (see BlockKeyer.extend).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from .keys import CacheScope, PrivateFrom
+
+
+def compose_salt(tenant: Optional[str], cache_salt: Optional[str]) -> Optional[str]:
+    """A tenant's requests are salted with its id; a request's own cache_salt subdivides that."""
+    if tenant is None:
+        return cache_salt or None
+    return tenant if not cache_salt else f"{tenant}\x00{cache_salt}"
+
+
+class PromptScoper:
+    def __init__(self, scope: CacheScope, block_size: int) -> None:
+        self.scope = scope
+        self.block_size = block_size
+        self.shared_prefixes: list[list[int]] = []  # longest first, whole blocks only
+
+    def declare_shared_prefix(self, token_ids: Sequence[int]) -> int:
+        """Let every salt reuse the full blocks of this public prefix; returns how many blocks that is."""
+        num_blocks = len(token_ids) // self.block_size
+        prefix = list(token_ids[: num_blocks * self.block_size])
+        if num_blocks and prefix not in self.shared_prefixes:
+            self.shared_prefixes.append(prefix)
+            self.shared_prefixes.sort(key=len, reverse=True)
+        return num_blocks
+
+    def scope_for(self, token_ids: Sequence[int], salt: Optional[str]) -> tuple[bytes, Optional[PrivateFrom]]:
+        """(digest that block 0 chains from, where the private chain forks or None)."""
+        if not salt:
+            return self.scope.digest, None
+        private_digest = self.scope.with_salt(salt).digest
+        for prefix in self.shared_prefixes:
+            if list(token_ids[: len(prefix)]) == prefix:
+                return self.scope.digest, (len(prefix) // self.block_size, private_digest)
+        return private_digest, None

@@ -1,0 +1,62 @@
+"""Measure what this engine spends per prefill token, per attention pair and per decode step.
+
+`prefixserve simulate --calibrate costs.json` writes the result as the fleet
+simulator's cost model, so a simulated fleet runs at this machine's speed.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from typing import Any
+
+from ..llm import LLM
+from .sampling_params import SamplingParams
+
+SHORT, LONG = 512, 2048  # two prompt lengths separate the linear and the quadratic (attention) terms
+DECODE_BATCH = 16
+DECODE_STEPS = 32
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(10, 8000) for _ in range(n)]
+
+
+def _median_ttft(llm: LLM, length: int, rng: random.Random, repeats: int = 3) -> float:
+    times = []
+    for _ in range(repeats):
+        llm.engine.cache.clear()
+        out = llm.generate([_tokens(rng, length)], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)[0]
+        times.append(out.metrics.ttft)
+    return statistics.median(times)
+
+
+def measure_costs(**engine_options: Any) -> dict[str, float | str]:
+    """CostModel fields for the built-in model (or `model=`) on this machine."""
+    options = {"kv_cache_memory_bytes": 256 << 20, "max_num_batched_tokens": LONG, "log_stats": False, **engine_options}
+    llm = LLM(**options)
+    rng = random.Random(0)
+    _median_ttft(llm, 64, rng, repeats=1)  # warm-up
+    overhead = _median_ttft(llm, 16, rng)
+    short, long = _median_ttft(llm, SHORT, rng), _median_ttft(llm, LONG, rng)
+    # t(n) = overhead + a n + b n^2 / 2: two lengths give a and b.
+    ts, tl = short - overhead, long - overhead
+    pair = max(2 * (tl * SHORT - ts * LONG) / (SHORT * LONG * (LONG - SHORT)), 0.0)
+    per_token = max((ts - pair * SHORT * SHORT / 2) / SHORT, 1e-9)
+    prompts = [_tokens(rng, 32) for _ in range(DECODE_BATCH)]
+    params = SamplingParams(max_tokens=DECODE_STEPS, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    prefill_share = max(out.metrics.ttft for out in outs)
+    step = max((elapsed - prefill_share) / (DECODE_STEPS - 1), 1e-6)
+    return {
+        "prefill_seconds_per_token": per_token,
+        "attention_seconds_per_token_pair": pair,
+        "decode_seconds_per_token": step,
+        "decode_batch_size": float(DECODE_BATCH),
+        "overhead_seconds": overhead,
+        "description": f"calibrated: {llm.engine.model_name}, {llm.engine.dtype} on {llm.engine.device}, "
+                       f"{time.strftime('%Y-%m-%d')}",
+    }
