@@ -36,12 +36,13 @@ def test_second_chat_turn_reuses_first_turn_and_its_answer(llm):
 
 def test_tiny_pool_completes_everything_through_eviction_and_preemption():
     rng = random.Random(5)
-    prompts = [[rng.randrange(10, 8000) for _ in range(60)] for _ in range(6)]
-    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    prompts = [[rng.randrange(10, 8000) for _ in range(40)] for _ in range(5)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     roomy = make_llm()
     expected = [out.token_ids for out in roomy.generate(prompts, params, use_tqdm=False)]
     block_bytes = 16 * 16384  # one block of 16 tokens: 16 KiB a token (fp32, 8 layers, 4 KV heads of 64)
-    tight = make_llm(kv_cache_memory_bytes=12 * block_bytes)  # 12 blocks; each request needs 6
+    # 10 blocks: three 40-token prompts (3 blocks each) are admitted, then cannot all grow to 4.
+    tight = make_llm(kv_cache_memory_bytes=10 * block_bytes)
     outs = tight.generate(prompts, params, use_tqdm=False)
     assert [out.token_ids for out in outs] == expected
     assert tight.engine.scheduler.num_preemptions > 0
