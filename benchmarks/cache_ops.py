@@ -28,20 +28,24 @@ def random_prompt(rng: random.Random, length: int) -> list[int]:
     return [rng.randrange(32000) for _ in range(length)]
 
 
+def cache_prompt(cache: RadixCache, keyer: BlockKeyer, tokens: list[int]) -> int:
+    """Compute-free stand-in for a finished request: insert every full block, then release; returns blocks."""
+    keys = keyer.keys(SCOPE.digest, tokens)
+    blocks = cache.allocate(len(keys))
+    parent: object = SCOPE.digest
+    for i, (block, key) in enumerate(zip(blocks, keys)):
+        cache.insert(block, key, tokens[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE], parent)
+        parent = block
+    cache.release(blocks)
+    return len(keys)
+
+
 def fill(cache: RadixCache, keyer: BlockKeyer, num_blocks: int, rng: random.Random, progress: bool) -> None:
     """Fill the cache with chains of 125 blocks (2,000-token prompts), all released."""
     blocks_per_prompt = PROMPT_LEN // BLOCK_SIZE
     with tqdm(total=num_blocks, desc=f"fill {num_blocks:,}", disable=not progress, leave=False) as bar:
         while cache.num_cached_blocks + blocks_per_prompt <= num_blocks:
-            tokens = random_prompt(rng, PROMPT_LEN)
-            keys = keyer.keys(SCOPE.digest, tokens)
-            blocks = cache.allocate(len(keys))
-            parent: object = SCOPE.digest
-            for i, (block, key) in enumerate(zip(blocks, keys)):
-                cache.insert(block, key, tokens[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE], parent)
-                parent = block
-            cache.release(blocks)
-            bar.update(len(keys))
+            bar.update(cache_prompt(cache, keyer, random_prompt(rng, PROMPT_LEN)))
 
 
 def time_per_call(fn, repeat: int) -> float:
@@ -66,13 +70,7 @@ def measure(num_blocks: int, hash_function: str, progress: bool) -> dict[str, fl
 
     # A cached system prompt plus a new 18-token question: the issue's scenario.
     system = random_prompt(rng, PROMPT_LEN)
-    keys = keyer.keys(SCOPE.digest, system)
-    blocks = cache.allocate(len(keys))
-    parent: object = SCOPE.digest
-    for i, (block, key) in enumerate(zip(blocks, keys)):
-        cache.insert(block, key, system[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE], parent)
-        parent = block
-    cache.release(blocks)
+    cache_prompt(cache, keyer, system)
     prompt = system + random_prompt(rng, 18)
 
     keys_us = time_per_call(lambda: keyer.keys(SCOPE.digest, prompt), 200)
