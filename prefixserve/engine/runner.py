@@ -9,6 +9,7 @@ other, each request's rows being the last `num_new` positions of its context.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 import torch
@@ -16,6 +17,17 @@ import torch
 from ..model import AttentionMetadata, LlamaForCausalLM, ModelConfig
 from .sampling import Sampler
 from .scheduler import ScheduledRequest
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_has_fast_bfloat16() -> bool:
+    """True when the CPU has bf16 dot-product or tile instructions (Linux: /proc/cpuinfo flags)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
@@ -44,19 +56,18 @@ class ModelRunner:
             for _ in range(config.num_hidden_layers)
         ]
         self.sampler = Sampler(seed)
+        model.pack_linear_weights(batch_size_hint=2048)
 
     @torch.inference_mode()
     def execute(self, scheduled: Sequence[ScheduledRequest]) -> list[Optional[int]]:
         """Run one step; returns a sampled token per request, None for mid-prompt chunks."""
         input_ids: list[int] = []
-        positions: list[int] = []
         query_lens, seq_lens, block_tables = [], [], []
         sample_rows, sampled_requests = [], []
         for request, num_new in scheduled:
             start = request.num_computed_tokens
             end = start + num_new
             input_ids += request.token_ids[start:end]
-            positions += range(start, end)
             query_lens.append(num_new)
             seq_lens.append(end)
             block_tables.append([block.block_id for block in request.blocks])
@@ -67,7 +78,7 @@ class ModelRunner:
         meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size, self.device)
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.int64, device=self.device),
-            torch.tensor(positions, dtype=torch.int64, device=self.device),
+            meta.positions,
             self.kv_caches,
             meta,
         )

@@ -1,14 +1,17 @@
 """Llama / Mistral / Qwen2 decoder over a paged KV cache.
 
-Reads like the reference (transformers' modeling_llama) with three serving changes:
+Reads like the reference (transformers' modeling_llama) with four serving changes:
   * tokens are flat [T, ...] (no batch axis); sequences are told apart by AttentionMetadata,
   * q/k/v and gate/up are fused into one matmul each (load_weights maps the HF names),
-  * attention writes K/V into the paged cache and reads the context back from it.
+  * attention writes K/V into the paged cache and reads the context back from it,
+  * on CPU, `pack_linear_weights` lays the weights out once in oneDNN's blocked format: a plain
+    matmul re-packs its weight on every call, which dominates at decode batch sizes (about 2x).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -16,10 +19,33 @@ from torch import nn
 
 from .attention import AttentionMetadata, paged_attention, write_kv
 from .model_config import ModelConfig
-from .rope import RotaryEmbedding, apply_rotary
+from .rope import RotaryEmbedding
+
+PACKED_WEIGHTS_MAX_BYTES = 2 << 30  # packing keeps a second copy of each weight; larger models skip it
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [blocks, block_size, kv_heads, d]
 Rotary = tuple[torch.Tensor, torch.Tensor]   # (cos, sin) of this step's positions, shared by all layers
+
+
+class Linear(nn.Linear):
+    """nn.Linear that uses a prepacked oneDNN weight once `pack` has run (CPU only)."""
+
+    packed: Optional[torch.Tensor] = None
+    # Rows for which the packed weight is used. float32 matrix-vector products and large prefills
+    # are as fast or faster through MKL (measured: 1-row decode steps 20% slower packed, 8 to 32
+    # rows 10% to 2x faster, 2,000 rows even); bf16 is faster packed at every size.
+    PACKED_ROWS = {torch.float32: range(4, 513), torch.bfloat16: range(1, 1 << 62)}
+
+    def pack(self, batch_size_hint: int) -> None:
+        """Lay the weight out for oneDNN; call again after the weight changes (bf16 results are
+        the same oneDNN kernels'; float32 differs from MKL's sgemm in summation order only)."""
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), batch_size_hint)
+        self.packed_rows = self.PACKED_ROWS.get(self.weight.dtype, range(1, 1 << 62))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None or x.shape[0] not in self.packed_rows:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
 class RMSNorm(nn.Module):
@@ -29,11 +55,27 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 and cast back before the weight, as the reference does.
-        dtype = x.dtype
+        # Normalise in float32 and round to x's dtype before the weight, as the reference does,
+        # with as few passes over x as possible (these tensors are [tokens, hidden]).
+        if x.dtype == torch.float32:
+            scale = torch.rsqrt(x.square().mean(-1, keepdim=True) + self.eps)  # the reference's ops
+            return (x * scale).mul_(self.weight)
+        # Lower precision: one float32 copy, normalised in place (mixed-dtype ops would convert
+        # x again behind the scenes, once per op).
         x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        mean_square = torch.linalg.vector_norm(x32, dim=-1, keepdim=True).square_()
+        x32.mul_(mean_square.div_(x.shape[-1]).add_(self.eps).rsqrt_())
+        return x32.to(x.dtype).mul_(self.weight)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """rope.apply_rotary with two fused multiply-adds per half and no temporaries or concatenation."""
+    x1, x2 = x.chunk(2, dim=-1)
+    out = torch.empty_like(x)
+    out1, out2 = out.chunk(2, dim=-1)
+    torch.mul(x1, cos, out=out1).addcmul_(x2, sin, value=-1)
+    torch.mul(x2, cos, out=out2).addcmul_(x1, sin)
+    return out
 
 
 class Attention(nn.Module):
@@ -45,9 +87,8 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
-                                  bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
 
     def forward(self, x: torch.Tensor, rotary: Rotary, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -56,11 +97,11 @@ class Attention(nn.Module):
         # q and k heads are adjacent columns: rotate them in one pass (half the elementwise ops).
         qk_size = self.q_size + self.kv_size
         qk = qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(qk, *rotary).split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k = rotate(qk, *rotary).split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.first_slot)
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale, k, v)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -68,12 +109,13 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        # silu writes a contiguous [T, I] that mul_ reuses: the matmul then needs no copy of a view.
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -87,7 +129,7 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, rotary: Rotary, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rotary, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x.add_(self.mlp(self.post_attention_layernorm(x)))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -98,7 +140,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -106,6 +148,25 @@ class LlamaForCausalLM(nn.Module):
         ``to_empty()``: moving off the meta device replaces each parameter separately."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def pack_linear_weights(self, batch_size_hint: int) -> bool:
+        """Prepack every linear weight for oneDNN (CPU, float32 or bfloat16); True when done.
+
+        Skipped (False) off the CPU, without oneDNN (these are the ops torch.compile's CPU backend
+        uses for frozen linears), or when the copies would exceed PACKED_WEIGHTS_MAX_BYTES.
+        `batch_size_hint` is the typical number of rows per matmul.
+        """
+        linears = [module for module in self.modules() if isinstance(module, Linear)]
+        weight = self.embed_tokens.weight
+        packed_bytes = sum(module.weight.numel() for module in linears) * weight.element_size()
+        if (weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16)
+                or not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise")
+                or packed_bytes > PACKED_WEIGHTS_MAX_BYTES):
+            return False
+        with torch.no_grad():
+            for module in linears:
+                module.pack(batch_size_hint)
+        return True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:

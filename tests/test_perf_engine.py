@@ -1,0 +1,96 @@
+"""The engine's fast paths keep outputs exact: shared-prefix decoding through the whole engine,
+prepacked linear weights, and the bf16-by-default dtype choice."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from prefixserve import SamplingParams
+from prefixserve.engine import engine as engine_module
+from prefixserve.engine import runner as runner_module
+from prefixserve.engine.engine import resolve_dtype
+from prefixserve.model import attention as attention_module
+from prefixserve.model.llama import Linear
+
+from conftest import make_llm
+from model_helpers import PagedSequences
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+def shared_prompts(num_requests=6, prefix_len=300, seed=0):
+    rng = random.Random(seed)
+    prefix = [rng.randrange(10, 8000) for _ in range(prefix_len)]
+    return [prefix + [rng.randrange(10, 8000) for _ in range(rng.randrange(5, 25))] for _ in range(num_requests)]
+
+
+def test_shared_prefix_batch_reads_the_prefix_once_and_keeps_outputs(monkeypatch):
+    """Six requests after a cached 300-token prefix: their decodes and prefill chunks take the
+    cascade path, and their tokens equal those of an engine without the cache."""
+    plans = []
+    build_plan = attention_module._build_plan
+
+    def recording_build_plan(*args):
+        plans.append(build_plan(*args))
+        return plans[-1]
+
+    monkeypatch.setattr(attention_module, "_build_plan", recording_build_plan)
+    prompts = shared_prompts()
+    cached = make_llm()
+    cached.generate([prompts[0][:300] + [7]], GREEDY, use_tqdm=False)  # caches the prefix
+    outputs = cached.generate(prompts, GREEDY, use_tqdm=False)
+    assert all(out.num_cached_tokens == 288 for out in outputs)  # 18 full blocks of 16
+    shared = [part for plan in plans for part in plan.parts
+              if not isinstance(part.rows, slice) and part.keys.length == 288]
+    assert shared, "no step read the shared prefix once for several sequences"
+
+    plain = make_llm(enable_prefix_caching=False)
+    expected = plain.generate(prompts, GREEDY, use_tqdm=False)
+    assert [out.token_ids for out in outputs] == [out.token_ids for out in expected]
+    cached.engine.cache.check_integrity()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linear_weights_match_plain(default_model_dir, dtype):
+    from prefixserve.model import load_model
+
+    model = load_model(default_model_dir, dtype, torch.device("cpu")).model
+    prompt = list(range(10, 50))
+    plain = PagedSequences(model).step([prompt], [0], [[0, 1, 2]])
+    assert model.pack_linear_weights(batch_size_hint=64)
+    assert all(module.packed is not None for module in model.modules() if isinstance(module, Linear))
+    packed = PagedSequences(model).step([prompt], [0], [[0, 1, 2]])
+    if dtype == torch.bfloat16:  # the same oneDNN kernels, without the per-call weight reorder
+        torch.testing.assert_close(packed, plain, atol=0, rtol=0)
+    else:  # oneDNN instead of MKL: summation order only (logits here are of order 10)
+        torch.testing.assert_close(packed, plain, atol=5e-4, rtol=1e-4)
+    assert packed.argmax(-1).tolist() == plain.argmax(-1).tolist()
+
+
+def test_auto_dtype_is_float32_on_cpu_even_with_bf16_instructions(monkeypatch):
+    # float32 keeps greedy outputs independent of cache hits; bfloat16 is the operator's choice.
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(runner_module, "cpu_has_fast_bfloat16", lambda: True)
+    assert resolve_dtype("auto", cpu) == torch.float32
+    assert resolve_dtype("bfloat16", cpu) == torch.bfloat16
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert resolve_dtype("float32", cpu) == torch.float32  # what the reference tests ask for
+    assert engine_module.resolve_dtype is resolve_dtype
+
+
+def test_cpu_flags_are_read_from_cpuinfo(monkeypatch, tmp_path):
+    runner_module.cpu_has_fast_bfloat16.cache_clear()
+    try:
+        fake = tmp_path / "cpuinfo"
+        fake.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx512f amx_bf16 amx_tile\n")
+        real_open = open
+        monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(fake if path == "/proc/cpuinfo" else path, *a, **k))
+        assert runner_module.cpu_has_fast_bfloat16()
+        runner_module.cpu_has_fast_bfloat16.cache_clear()
+        fake.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2\n")
+        assert not runner_module.cpu_has_fast_bfloat16()
+    finally:
+        runner_module.cpu_has_fast_bfloat16.cache_clear()
