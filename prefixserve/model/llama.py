@@ -228,25 +228,26 @@ class LlamaForCausalLM(nn.Module):
             prefix = f"model.layers.{index}."
             attn, mlp = layer.self_attn, layer.mlp
             q_size, kv_size = attn.q_size, attn.kv_size
-            qkv = {"q_proj": (0, q_size), "k_proj": (q_size, kv_size), "v_proj": (q_size + kv_size, kv_size)}
-            for hf_name, (start, size) in qkv.items():
-                targets[f"{prefix}self_attn.{hf_name}.weight"] = attn.qkv_proj.weight.narrow(0, start, size)
-                if attn.qkv_proj.bias is not None:
-                    targets[f"{prefix}self_attn.{hf_name}.bias"] = attn.qkv_proj.bias.narrow(0, start, size)
-            targets[f"{prefix}self_attn.o_proj.weight"] = attn.o_proj.weight
-            if attn.o_proj.bias is not None:
-                targets[f"{prefix}self_attn.o_proj.bias"] = attn.o_proj.bias
+            for hf_name, start, size in (("q_proj", 0, q_size), ("k_proj", q_size, kv_size),
+                                         ("v_proj", q_size + kv_size, kv_size)):
+                _expose(targets, f"{prefix}self_attn.{hf_name}", attn.qkv_proj, start, size)
+            _expose(targets, f"{prefix}self_attn.o_proj", attn.o_proj)
             size = config.intermediate_size
             for hf_name, start in (("gate_proj", 0), ("up_proj", size)):
-                targets[f"{prefix}mlp.{hf_name}.weight"] = mlp.gate_up_proj.weight.narrow(0, start, size)
-                if mlp.gate_up_proj.bias is not None:
-                    targets[f"{prefix}mlp.{hf_name}.bias"] = mlp.gate_up_proj.bias.narrow(0, start, size)
-            targets[f"{prefix}mlp.down_proj.weight"] = mlp.down_proj.weight
-            if mlp.down_proj.bias is not None:
-                targets[f"{prefix}mlp.down_proj.bias"] = mlp.down_proj.bias
+                _expose(targets, f"{prefix}mlp.{hf_name}", mlp.gate_up_proj, start, size)
+            _expose(targets, f"{prefix}mlp.down_proj", mlp.down_proj)
             targets[f"{prefix}input_layernorm.weight"] = layer.input_layernorm.weight
             targets[f"{prefix}post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
         return targets
+
+
+def _expose(targets: dict[str, torch.Tensor], hf_name: str, linear: nn.Linear, start: int = 0,
+            size: Optional[int] = None) -> None:
+    """Map an HF projection's weight (and bias) onto rows [start, start + size) of a (fused) linear."""
+    size = linear.weight.shape[0] if size is None else size
+    targets[f"{hf_name}.weight"] = linear.weight.narrow(0, start, size)
+    if linear.bias is not None:
+        targets[f"{hf_name}.bias"] = linear.bias.narrow(0, start, size)
 
 
 def _is_ignorable(name: str) -> bool:
