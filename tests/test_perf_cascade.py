@@ -12,6 +12,7 @@ import torch
 
 from prefixserve.model import AttentionMetadata, paged_attention, write_kv
 from prefixserve.model import attention as attention_module
+from prefixserve.model import attention_plan
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 8, 2, 16, 4, 200
 SCALE = HEAD_DIM ** -0.5
@@ -32,8 +33,8 @@ def dense_attention(q, k, v):
 def eager_thresholds(monkeypatch):
     """Take every shortcut even for the small shapes here (block size 4): a 2-member shared
     prefix of 12 blocks, a consecutive run of 8 blocks."""
-    monkeypatch.setattr(attention_module, "MIN_SHARED_SAVED_TOKENS", {4: 1, 2: 1})
-    monkeypatch.setattr(attention_module, "MIN_VIEW_TOKENS", {4: 8 * BLOCK_SIZE, 2: 8 * BLOCK_SIZE})
+    monkeypatch.setattr(attention_plan, "MIN_SHARED_SAVED_TOKENS", {4: 1, 2: 1})
+    monkeypatch.setattr(attention_plan, "MIN_VIEW_TOKENS", {4: 8 * BLOCK_SIZE, 2: 8 * BLOCK_SIZE})
 
 
 class Scenario:
@@ -109,8 +110,8 @@ def test_cascade_matches_dense_and_plain(monkeypatch, eager_thresholds, pass_new
     assert not torch.isnan(out).any()
     torch.testing.assert_close(out, scenario.expected(), atol=1e-5, rtol=1e-5)
 
-    monkeypatch.setattr(attention_module, "MIN_SHARED_SAVED_TOKENS", {4: 10**9, 2: 10**9})
-    monkeypatch.setattr(attention_module, "MIN_VIEW_TOKENS", {4: 10**9, 2: 10**9})
+    monkeypatch.setattr(attention_plan, "MIN_SHARED_SAVED_TOKENS", {4: 10**9, 2: 10**9})
+    monkeypatch.setattr(attention_plan, "MIN_VIEW_TOKENS", {4: 10**9, 2: 10**9})
     plain, plain_meta = scenario.run(pass_new_kv)
     assert not plain_meta._plan.parts and plain_meta._plan.merged_rows is None
     torch.testing.assert_close(out, plain, atol=1e-5, rtol=1e-5)

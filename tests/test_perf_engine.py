@@ -31,13 +31,13 @@ def test_shared_prefix_batch_reads_the_prefix_once_and_keeps_outputs(monkeypatch
     """Six requests after a cached 300-token prefix: their decodes and prefill chunks take the
     cascade path, and their tokens equal those of an engine without the cache."""
     plans = []
-    build_plan = attention_module._build_plan
+    build_plan = attention_module.build_plan
 
     def recording_build_plan(*args):
         plans.append(build_plan(*args))
         return plans[-1]
 
-    monkeypatch.setattr(attention_module, "_build_plan", recording_build_plan)
+    monkeypatch.setattr(attention_module, "build_plan", recording_build_plan)
     prompts = shared_prompts()
     cached = make_llm()
     cached.generate([prompts[0][:300] + [7]], GREEDY, use_tqdm=False)  # caches the prefix
