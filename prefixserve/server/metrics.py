@@ -15,6 +15,13 @@ from ..engine.engine import LLMEngine
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0)
 
 
+def _single(family_class, name: str, documentation: str, value: float):
+    """A metric family of one unlabelled sample, named under `prefixserve:`."""
+    family = family_class(f"prefixserve:{name}", documentation)
+    family.add_metric([], value)
+    return family
+
+
 class EngineCollector:
     """Reads the engine's counters and gauges when Prometheus scrapes."""
 
@@ -29,14 +36,10 @@ class EngineCollector:
         scheduler = engine.scheduler
 
         def counter(name, documentation, value):
-            family = CounterMetricFamily(f"prefixserve:{name}", documentation)
-            family.add_metric([], value)
-            return family
+            return _single(CounterMetricFamily, name, documentation, value)
 
         def gauge(name, documentation, value):
-            family = GaugeMetricFamily(f"prefixserve:{name}", documentation)
-            family.add_metric([], value)
-            return family
+            return _single(GaugeMetricFamily, name, documentation, value)
 
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.num_query_tokens)
         yield counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.", stats.num_hit_tokens)
