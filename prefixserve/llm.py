@@ -37,10 +37,8 @@ class LLM:
         order: list[str] = []
         for prompt, param in zip(prompt_list, param_list):
             for sample in range(param.n):
-                sample_param = param
-                if param.n > 1 and param.seed is not None:
-                    sample_param = SamplingParams(**{**vars(param), "seed": param.seed + sample, "n": 1})
-                order.append(self.engine.add_request(prompt, sample_param, request_id=str(self._next_id)).request_id)
+                request = self.engine.add_request(prompt, param.for_sample(sample), request_id=str(self._next_id))
+                order.append(request.request_id)
                 self._next_id += 1
         return self._run(order, use_tqdm and len(order) > PROGRESS_THRESHOLD)
 

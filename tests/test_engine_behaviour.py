@@ -119,3 +119,12 @@ def test_bad_engine_options_raise_clear_errors(tmp_path):
         LLM(max_num_seq=4)
     with pytest.raises(ValueError, match="max_model_len"):
         make_llm(max_model_len=10**6)
+
+
+def test_n_samples_of_a_seeded_request_differ_and_reproduce(llm):
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=5, n=3, ignore_eos=True)
+    assert [params.for_sample(i).seed for i in range(3)] == [5, 6, 7]
+    assert SamplingParams(n=3).for_sample(2).seed is None
+    first = [out.token_ids for out in llm.generate("Sample", params, use_tqdm=False)]
+    again = [out.token_ids for out in llm.generate("Sample", params, use_tqdm=False)]
+    assert len(first) == 3 and first == again and len({tuple(t) for t in first}) == 3

@@ -47,14 +47,6 @@ class Block:
         self.prev_free: Optional[Block] = None
         self.next_free: Optional[Block] = None
 
-    @property
-    def is_cached(self) -> bool:
-        return self.key is not None
-
-    @property
-    def parent_block(self) -> Optional["Block"]:
-        return self.parent if isinstance(self.parent, Block) else None
-
     def __repr__(self) -> str:
         state = "cached" if self.key is not None else ("private" if self.ref_count else "free")
         return f"Block({self.block_id}, {state}, ref={self.ref_count})"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Union
 
 
@@ -44,3 +44,10 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def for_sample(self, index: int) -> "SamplingParams":
+        """Params of the index-th of n samples: a seeded request's samples get seed + index, so
+        they differ from each other yet reproduce run to run."""
+        if self.seed is None or index == 0:
+            return self
+        return replace(self, seed=self.seed + index, n=1)

@@ -25,12 +25,11 @@ def settings_from_args(args: argparse.Namespace):
     from ..server.launch import load_api_keys
     from .app import RouterSettings
 
-    keys_args = argparse.Namespace(api_keys_file=args.api_keys_file, api_key=None)
     return RouterSettings(
         replicas=tuple(args.replica),
         policy=args.policy,
         model=args.model,
-        api_keys=load_api_keys(keys_args),
+        api_keys=load_api_keys(args.api_keys_file),
         cost=CostModel.load(args.costs) if args.costs else CostModel(),
     )
 

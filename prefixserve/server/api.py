@@ -126,11 +126,8 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
         requests = []
         for prompt in prompts:
             for sample in range(n):
-                sample_params = params
-                if params.seed is not None and sample:
-                    sample_params = SamplingParams(**{**vars(params), "seed": params.seed + sample})
                 try:
-                    requests.append(engine.make_request(prompt, sample_params, new_id("req"), salt))
+                    requests.append(engine.make_request(prompt, params.for_sample(sample), new_id("req"), salt))
                 except PromptTooLongError as error:
                     raise APIError(413, str(error), param="prompt", code="context_length_exceeded") from None
                 except (ValueError, TypeError) as error:

@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 from pathlib import Path
+from typing import Optional
 
 from ..config import EngineConfig
 
@@ -52,10 +53,11 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     )
 
 
-def load_api_keys(args: argparse.Namespace) -> dict[str, str]:
+def load_api_keys(api_keys_file: Optional[str], api_key: Optional[str] = None) -> dict[str, str]:
+    """key -> tenant from a JSON keys file, plus a single --api-key as tenant 'default'."""
     keys: dict[str, str] = {}
-    if args.api_keys_file:
-        path = Path(args.api_keys_file)
+    if api_keys_file:
+        path = Path(api_keys_file)
         try:
             loaded = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as error:
@@ -63,8 +65,8 @@ def load_api_keys(args: argparse.Namespace) -> dict[str, str]:
         if not isinstance(loaded, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in loaded.items()):
             raise SystemExit(f"--api-keys-file {path}: expected a JSON object mapping API key strings to tenant names")
         keys.update(loaded)
-    if args.api_key:
-        keys[args.api_key] = "default"
+    if api_key:
+        keys[api_key] = "default"
     return keys
 
 
@@ -83,7 +85,7 @@ def build_server(args: argparse.Namespace):
         as_system = tokenizer.encode_chat([{"role": "system", "content": text}], add_generation_prompt=False)
         blocks = engine.engine.declare_shared_prefix(as_system) + engine.engine.declare_shared_prefix(tokenizer.encode(text))
         logger.info("shared prefix %s: %d public blocks", args.shared_prefix, blocks)
-    settings = ServerSettings(served_model_name=name, api_keys=load_api_keys(args), max_waiting=args.max_waiting)
+    settings = ServerSettings(served_model_name=name, api_keys=load_api_keys(args.api_keys_file, args.api_key), max_waiting=args.max_waiting)
     return engine, build_app(engine, settings)
 
 
