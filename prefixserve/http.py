@@ -1,0 +1,144 @@
+"""HTTP pieces the server and the router share: OpenAI error bodies, API-key checks, body limits.
+
+Both front doors face hostile clients, so both answer every fault with the same
+OpenAI-shaped body, compare keys in constant time, and refuse an oversized body
+before reading it whole.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from typing import Mapping, Optional
+
+from starlette.responses import JSONResponse
+
+DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # 8 MiB: a 128k-token prompt as JSON ids is under 1 MiB
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: Optional[str] = None,
+               code: Optional[str] = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error", param: Optional[str] = None,
+                   code: Optional[str] = None, headers: Optional[dict] = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
+
+
+def bearer_token(authorization: Optional[str]) -> str:
+    """The key of an `Authorization: Bearer <key>` header ('' when absent or malformed)."""
+    if not authorization or not authorization[:7].lower() == "bearer ":
+        return ""
+    return authorization[7:].strip()
+
+
+class KeyTable:
+    """API key -> tenant, looked up in constant time: every stored key is compared, none short-circuits.
+
+    Keys are compared as SHA-256 digests, so the comparison time depends neither on
+    where a guess first differs nor on its length.
+    """
+
+    def __init__(self, keys: Mapping[str, str]) -> None:
+        self._entries = [(hashlib.sha256(key.encode()).digest(), tenant) for key, tenant in keys.items()]
+
+    def __bool__(self) -> bool:
+        return bool(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def lookup(self, key: str) -> Optional[str]:
+        digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+        found = None
+        for stored, tenant in self._entries:
+            if hmac.compare_digest(stored, digest):
+                found = tenant
+        return found
+
+
+def is_valid_tenant_id(tenant: str) -> bool:
+    """Printable, non-empty, at most 256 characters: no control characters (NUL, newlines) in tenant ids."""
+    return 0 < len(tenant) <= 256 and tenant.isprintable()
+
+
+class BodySizeLimit:
+    """ASGI middleware: a request body over `max_bytes` gets 413 before it is read whole.
+
+    A declared Content-Length over the limit is refused without reading a byte; a
+    chunked body is counted as it streams and refused the moment it passes the limit.
+    Add it with `app.add_middleware(BodySizeLimit, max_bytes=...)`: it then sits inside
+    Starlette's error middleware, so the overflow raised from `receive` reaches it.
+    """
+
+    def __init__(self, app, max_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    await self._refuse(send, "the Content-Length header is not a number", 400, "invalid_request")
+                    return
+                if declared > self.max_bytes:
+                    await self._refuse(send, self._too_large(), 413, "request_too_large")
+                    return
+        received = 0
+        response_started = False
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise _BodyTooLarge()
+            return message
+
+        async def tracking_send(message):
+            nonlocal response_started
+            if message["type"] == "http.response.start":
+                response_started = True
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except _BodyTooLarge:
+            if not response_started:
+                await self._refuse(send, self._too_large(), 413, "request_too_large")
+
+    def _too_large(self) -> str:
+        return (f"the request body exceeds {self.max_bytes} bytes; send a smaller request "
+                "(the operator sets the limit with --max-request-bytes)")
+
+    @staticmethod
+    async def _refuse(send, message: str, status: int, code: str) -> None:
+        body = json.dumps(error_body(message, code=code)).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+def parse_json_body(raw: bytes):
+    """json.loads that turns every way a hostile body can fail into ValueError with a plain message."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise ValueError("the request body nests JSON too deeply") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"the request body is not valid JSON: {error}") from None
+    except ValueError as error:  # e.g. an integer literal of thousands of digits
+        raise ValueError(f"the request body has a value that cannot be read: {error}") from None
