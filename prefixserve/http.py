@@ -142,3 +142,32 @@ def parse_json_body(raw: bytes):
         raise ValueError(f"the request body is not valid JSON: {error}") from None
     except ValueError as error:  # e.g. an integer literal of thousands of digits
         raise ValueError(f"the request body has a value that cannot be read: {error}") from None
+
+
+def load_api_keys(api_keys_file: Optional[str], api_key: Optional[str] = None) -> dict[str, str]:
+    """key -> tenant from a JSON keys file, plus a single --api-key as tenant 'default'.
+
+    Tenant ids must be printable (no NUL or other control characters), so that what a
+    log or a metric shows is what the operator wrote.
+    """
+    from pathlib import Path
+
+    keys: dict[str, str] = {}
+    if api_keys_file:
+        path = Path(api_keys_file)
+        try:
+            loaded = json.loads(path.read_text())
+        except (OSError, ValueError) as error:
+            raise SystemExit(f"--api-keys-file {path}: cannot read a JSON object of key -> tenant ({error})")
+        if not isinstance(loaded, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in loaded.items()):
+            raise SystemExit(f"--api-keys-file {path}: expected a JSON object mapping API key strings to tenant names")
+        for key, tenant in loaded.items():
+            if not key:
+                raise SystemExit(f"--api-keys-file {path}: an API key is empty; give every tenant a non-empty key")
+            if not is_valid_tenant_id(tenant):
+                raise SystemExit(f"--api-keys-file {path}: tenant id {tenant!r} must be 1 to 256 printable characters "
+                                 "(no control characters such as NUL or newlines)")
+        keys.update(loaded)
+    if api_key:
+        keys[api_key] = "default"
+    return keys

@@ -53,23 +53,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     )
 
 
-def load_api_keys(api_keys_file: Optional[str], api_key: Optional[str] = None) -> dict[str, str]:
-    """key -> tenant from a JSON keys file, plus a single --api-key as tenant 'default'."""
-    keys: dict[str, str] = {}
-    if api_keys_file:
-        path = Path(api_keys_file)
-        try:
-            loaded = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as error:
-            raise SystemExit(f"--api-keys-file {path}: cannot read a JSON object of key -> tenant ({error})")
-        if not isinstance(loaded, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in loaded.items()):
-            raise SystemExit(f"--api-keys-file {path}: expected a JSON object mapping API key strings to tenant names")
-        keys.update(loaded)
-    if api_key:
-        keys[api_key] = "default"
-    return keys
-
-
 def build_server(args: argparse.Namespace):
     """The engine and the FastAPI app for these options (no socket yet)."""
     from ..engine.async_engine import AsyncLLMEngine
