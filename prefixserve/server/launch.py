@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..config import EngineConfig
+from ..http import load_api_keys
 
 logger = logging.getLogger("prefixserve.server")
 
