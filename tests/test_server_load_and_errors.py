@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import threading
 import time
 
 import httpx
@@ -52,25 +53,54 @@ def test_32_concurrent_streams_all_complete_correctly(server):
 
 
 def test_queue_limit_answers_429_with_retry_after():
-    # 4 running + 8 waiting at most: 40 simultaneous requests must overflow the queue.
+    # The engine thread is held between steps, so every accepted request stays waiting: with a queue
+    # of 8, exactly 8 of 12 simultaneous requests are queued and 4 get 429, however fast the machine.
     with LiveServer("--max-num-seqs", "4", "--max-waiting", "8") as server:
-        check_backpressure(server)
+        with held_engine(server):
+            responses = asyncio.run(send_concurrently(server, 12))
+            rejected = [r for r in responses if r is not None]
+        codes = [r.status_code for r in rejected]
+        assert codes == [429] * 4
+        assert rejected[0].headers["retry-after"] == "1"
+        assert rejected[0].json()["error"]["code"] == "queue_full"
+        server.wait_idle(timeout=60)
 
 
-def check_backpressure(server):
-    async def run():
-        async with httpx.AsyncClient() as client:
-            body = {"prompt": "Fill the queue " * 20, "max_tokens": 16, "ignore_eos": True}
-            return await asyncio.gather(*(client.post(server.url + "/v1/completions", json=body, timeout=120)
-                                          for _ in range(40)))
+class held_engine:
+    """Runs a call on the engine thread that waits until the block exits: no step runs meanwhile."""
 
-    responses = asyncio.run(run())
-    codes = [r.status_code for r in responses]
-    assert set(codes) <= {200, 429} and codes.count(429) > 0 and codes.count(200) >= 8
-    rejected = next(r for r in responses if r.status_code == 429)
-    assert rejected.headers["retry-after"] == "1"
-    assert rejected.json()["error"]["code"] == "queue_full"
-    server.wait_idle()
+    def __init__(self, server) -> None:
+        self.server, self.entered, self.release = server, threading.Event(), threading.Event()
+
+    def __enter__(self):
+        def hold(_core):
+            self.entered.set()
+            self.release.wait(timeout=60)
+
+        self.thread = threading.Thread(target=lambda: asyncio.run(self.server.engine.call(hold)), daemon=True)
+        self.thread.start()
+        assert self.entered.wait(timeout=30)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release.set()
+        self.thread.join(timeout=30)
+
+
+async def send_concurrently(server, count):
+    """Sends `count` requests; returns the responses that came back while the engine is held (the refusals)."""
+    body = {"prompt": "Fill the queue " * 20, "max_tokens": 4, "ignore_eos": True}
+    client = httpx.AsyncClient(timeout=120)
+    tasks = [asyncio.create_task(client.post(server.url + "/v1/completions", json=body)) for _ in range(count)]
+    deadline = time.monotonic() + 30
+    while sum(task.done() for task in tasks) + server.engine.num_waiting < count and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    refused = [task.result() if task.done() else None for task in tasks]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await client.aclose()
+    return refused
 
 
 def test_disconnect_mid_stream_frees_blocks(server):
@@ -93,7 +123,7 @@ def test_disconnect_mid_stream_frees_blocks(server):
     [
         ("/v1/completions", b"{not json", 400, None),
         ("/v1/completions", b"[1, 2]", 400, None),
-        ("/v1/completions", {"prompt": 5}, 422, "prompt.str"),
+        ("/v1/completions", {"prompt": 5}, 422, "prompt"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 422, "max_tokens"),
         ("/v1/completions", {"prompt": "x", "temperature": -1}, 422, "temperature"),
         ("/v1/completions", {"prompt": "x", "top_p": 7}, 422, "top_p"),

@@ -14,10 +14,19 @@ from .keys import CacheScope, PrivateFrom
 
 
 def compose_salt(tenant: Optional[str], cache_salt: Optional[str]) -> Optional[str]:
-    """A tenant's requests are salted with its id; a request's own cache_salt subdivides that."""
-    if tenant is None:
-        return cache_salt or None
-    return tenant if not cache_salt else f"{tenant}\x00{cache_salt}"
+    """The salt of a (tenant, cache_salt) pair: None when neither is set, else an encoding no two pairs share.
+
+    Each part is written as its length, a colon and its characters ('-' when absent),
+    so no choice of tenant id and cache_salt can imitate another pair: tenant 'acme'
+    with salt 'eu' and tenant 'acme\\x00eu' without one get different scopes.
+    """
+    if tenant is None and not cache_salt:
+        return None
+    return f"tenant={_length_prefixed(tenant)};salt={_length_prefixed(cache_salt or None)}"
+
+
+def _length_prefixed(part: Optional[str]) -> str:
+    return "-" if part is None else f"{len(part)}:{part}"
 
 
 class PromptScoper:

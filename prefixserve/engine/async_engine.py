@@ -3,25 +3,59 @@
 Callers on the event loop only tokenize and validate (so bad input fails fast,
 in the caller); adds and aborts travel to the engine thread through a queue
 and take effect between steps, so the model never runs under a lock.
+
+Nothing one request does may stop the loop: LLMEngine.step fails a request that
+breaks alone, and should a step still raise, the requests of that moment are
+failed, the loop carries on, and only repeated failures with no step succeeding
+in between declare the engine dead. Readers on the event loop never touch
+engine state: they read an immutable snapshot the engine thread publishes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
+import logging
 import queue
 import threading
+from dataclasses import dataclass
 from typing import AsyncIterator, Optional
 
+from ..cache.stats import CacheStats, CacheUsage
 from ..config import EngineConfig
 from .engine import LLMEngine, PromptType
 from .outputs import RequestOutput
 from .request import Request
 from .sampling_params import SamplingParams
 
+logger = logging.getLogger("prefixserve")
+MAX_CONSECUTIVE_STEP_FAILURES = 3  # steps in a row that raise, with none succeeding, before the engine is dead
+
 
 class EngineDeadError(RuntimeError):
-    """The engine thread crashed; requests cannot be served until a restart."""
+    """The engine thread stopped; requests cannot be served until a restart."""
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """Engine counters and gauges at one instant, published by the engine thread for readers elsewhere."""
+
+    stats: CacheStats
+    usage: CacheUsage
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    num_prefill_tokens_computed: int
+    num_generation_tokens: int
+
+    @classmethod
+    def of(cls, engine: LLMEngine) -> "EngineSnapshot":
+        return cls(stats=copy.copy(engine.cache.stats), usage=engine.cache.usage(),
+                   num_running=len(engine.scheduler.running), num_waiting=len(engine.scheduler.waiting),
+                   num_preemptions=engine.scheduler.num_preemptions,
+                   num_prefill_tokens_computed=engine.num_prefill_tokens_computed,
+                   num_generation_tokens=engine.num_generation_tokens)
 
 
 class AsyncLLMEngine:
@@ -32,6 +66,9 @@ class AsyncLLMEngine:
         self._wake = threading.Event()
         self._stopped = False
         self._error: Optional[BaseException] = None
+        self._pending_lock = threading.Lock()
+        self._num_pending_adds = 0  # queued adds the engine thread has not taken yet
+        self.snapshot = EngineSnapshot.of(self.engine)
         self._thread = threading.Thread(target=self._loop, name="prefixserve-engine", daemon=True)
         self._thread.start()
 
@@ -42,47 +79,57 @@ class AsyncLLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.engine.scheduler.waiting) + self._commands.qsize()
-
-    @property
-    def num_running(self) -> int:
-        return len(self.engine.scheduler.running)
+        """Requests waiting for admission, including adds still on their way to the engine thread."""
+        with self._pending_lock:
+            return self.snapshot.num_waiting + self._num_pending_adds
 
     def make_request(self, prompt: PromptType, params: SamplingParams, request_id: Optional[str] = None,
                      cache_salt: Optional[str] = None) -> Request:
-        """Tokenize and validate now, in the caller; raises ValueError / TypeError on bad input."""
+        """Tokenize and validate in the caller (thread-safe: reads only what is fixed at start-up);
+        raises ValueError / TypeError on bad input."""
         return self.engine.make_request(prompt, params, request_id, cache_salt)
 
-    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
-        """Submit a request made by `make_request`; yields an output per step until it finishes.
+    def add(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Queue a request now (it counts as waiting at once) and return the stream of its outputs.
 
-        Leaving the iteration early (a client that went away) aborts the request and frees its blocks.
+        Leaving the stream early (a client that went away) aborts the request and frees its blocks.
         """
-        if self._error is not None:
-            raise EngineDeadError(f"the engine loop stopped: {self._error!r}")
+        if self.is_dead:
+            raise EngineDeadError(f"the engine loop stopped: {self._error!r}; restart the server")
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request.request_id] = (asyncio.get_running_loop(), stream)
+        with self._pending_lock:
+            self._num_pending_adds += 1
         self._commands.put(("add", request))
         self._wake.set()
+        return self._outputs(request.request_id, stream)
+
+    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Submit a request made by `make_request`; yields an output per step until it finishes."""
+        async for output in self.add(request):
+            yield output
+
+    async def _outputs(self, request_id: str, stream: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while True:
                 item = await stream.get()
                 if isinstance(item, BaseException):
+                    finished = True
                     raise item
                 finished = item.finished
                 yield item
                 if finished:
                     return
         finally:
-            self._streams.pop(request.request_id, None)
+            self._streams.pop(request_id, None)
             if not finished:
-                self.abort(request.request_id)
+                self.abort(request_id)
 
     async def call(self, function):
         """Run `function(engine)` on the engine thread between steps (a consistent view); returns its result."""
         if self.is_dead:
-            raise EngineDeadError(f"the engine loop stopped: {self._error!r}")
+            raise EngineDeadError(f"the engine loop stopped: {self._error!r}; restart the server")
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(("call", (function, future)))
         self._wake.set()
@@ -99,20 +146,42 @@ class AsyncLLMEngine:
 
     # ---------------------------------------------------------- engine thread side
     def _loop(self) -> None:
+        num_failures = 0
         try:
             while not self._stopped:
                 self._apply_commands()
                 if not self.engine.has_unfinished_requests():
+                    self.snapshot = EngineSnapshot.of(self.engine)
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
-                for output in self.engine.step():
+                try:
+                    outputs = self.engine.step()
+                except Exception as error:  # a bug, not a request's input: fail what was in flight, carry on
+                    num_failures += 1
+                    logger.exception("engine step failed (%d in a row); failing the requests in flight", num_failures)
+                    if num_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+                        raise
+                    self._fail_unfinished(error)
+                    continue
+                num_failures = 0
+                for output in outputs:
                     self._deliver(output.request_id, output)
+                self.snapshot = EngineSnapshot.of(self.engine)
         except BaseException as error:  # surface the crash to every waiting client
             self._error = error
             for request_id in list(self._streams):
-                self._deliver(request_id, EngineDeadError(f"the engine loop stopped: {error!r}"))
+                self._deliver(request_id, EngineDeadError(f"the engine loop stopped: {error!r}; restart the server"))
             raise
+
+    def _fail_unfinished(self, error: Exception) -> None:
+        scheduler = self.engine.scheduler
+        for request in [*scheduler.running, *scheduler.waiting]:
+            output = self.engine.abort_request(request.request_id)
+            if output is not None:
+                output.finish_reason = "error"
+                output.error = f"the engine failed while serving this request ({type(error).__name__})"
+                self._deliver(request.request_id, output)
 
     def _apply_commands(self) -> None:
         while True:
@@ -131,6 +200,10 @@ class AsyncLLMEngine:
                     self.engine.submit(payload)
                 except ValueError as error:
                     self._deliver(payload.request_id, error)
+                finally:
+                    with self._pending_lock:
+                        self._num_pending_adds -= 1
+                        self.snapshot = EngineSnapshot.of(self.engine)
             else:
                 self.engine.abort_request(payload)
 

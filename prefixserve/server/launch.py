@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..config import EngineConfig
-from ..http import load_api_keys
+from ..http import DEFAULT_MAX_REQUEST_BYTES, load_api_keys
 
 logger = logging.getLogger("prefixserve.server")
 
@@ -21,6 +21,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=None, help="require this API key (tenant 'default')")
     parser.add_argument("--api-keys-file", default=None, help='JSON file {"key": "tenant", ...}; each tenant gets its own cache scope')
+    parser.add_argument("--admin-api-key", default=None,
+                        help="the operator's key for /v1/kv_events and /v1/cache/* (what a router reads); without it those are off")
+    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                        help=f"request bodies over this many bytes get HTTP 413 before they are read (default {DEFAULT_MAX_REQUEST_BYTES})")
     parser.add_argument("--shared-prefix", default=None, help="text file of a system prompt every tenant may share from the cache")
     parser.add_argument("--max-waiting", type=int, default=256, help="waiting requests past which new ones get HTTP 429")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
@@ -69,7 +73,9 @@ def build_server(args: argparse.Namespace):
         as_system = tokenizer.encode_chat([{"role": "system", "content": text}], add_generation_prompt=False)
         blocks = engine.engine.declare_shared_prefix(as_system) + engine.engine.declare_shared_prefix(tokenizer.encode(text))
         logger.info("shared prefix %s: %d public blocks", args.shared_prefix, blocks)
-    settings = ServerSettings(served_model_name=name, api_keys=load_api_keys(args.api_keys_file, args.api_key), max_waiting=args.max_waiting)
+    settings = ServerSettings(served_model_name=name, api_keys=load_api_keys(args.api_keys_file, args.api_key),
+                              admin_api_key=args.admin_api_key, max_waiting=args.max_waiting,
+                              max_request_bytes=args.max_request_bytes)
     return engine, build_app(engine, settings)
 
 

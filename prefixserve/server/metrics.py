@@ -1,7 +1,9 @@
 """Prometheus metrics, named under `prefixserve:` after vLLM's `vllm:` ones.
 
 Counters and gauges that the engine already keeps are read at scrape time by a
-collector (no double bookkeeping); latency histograms are observed per request.
+collector, from the snapshot the engine thread publishes after each step (never
+from engine state the engine thread is changing); latency histograms are
+observed per request.
 Each app owns its registry, so tests can run several servers in one process.
 """
 
@@ -10,7 +12,9 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from ..engine.engine import LLMEngine
+from typing import Callable
+
+from ..engine.async_engine import EngineSnapshot
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0)
 
@@ -25,15 +29,14 @@ def _single(family_class, name: str, documentation: str, value: float):
 class EngineCollector:
     """Reads the engine's counters and gauges when Prometheus scrapes."""
 
-    def __init__(self, engine: LLMEngine, num_rejected: "list[int]") -> None:
-        self.engine = engine
+    def __init__(self, snapshot: Callable[[], EngineSnapshot], num_rejected: "list[int]") -> None:
+        self.snapshot = snapshot
         self._num_rejected = num_rejected
 
     def collect(self):
-        engine = self.engine
-        stats = engine.cache.stats
-        usage = engine.cache.usage()
-        scheduler = engine.scheduler
+        snapshot = self.snapshot()
+        stats = snapshot.stats
+        usage = snapshot.usage
 
         def counter(name, documentation, value):
             return _single(CounterMetricFamily, name, documentation, value)
@@ -47,9 +50,9 @@ class EngineCollector:
         yield counter("prefix_cache_hit_requests", "Requests that reused at least one cached block.", stats.num_hit_queries)
         yield gauge("prefix_cache_request_hit_rate", "Fraction of requests with a prefix hit.", stats.request_hit_rate)
         yield gauge("prefix_cache_token_hit_rate", "Token-weighted prefix hit rate.", stats.token_hit_rate)
-        yield counter("prefill_tokens_computed", "Prompt tokens run through the model.", engine.num_prefill_tokens_computed)
+        yield counter("prefill_tokens_computed", "Prompt tokens run through the model.", snapshot.num_prefill_tokens_computed)
         yield counter("prefill_tokens_saved", "Prompt tokens whose prefill the cache skipped.", stats.num_hit_tokens)
-        yield counter("generation_tokens", "Output tokens generated.", engine.num_generation_tokens)
+        yield counter("generation_tokens", "Output tokens generated.", snapshot.num_generation_tokens)
         yield gauge("kv_cache_usage_perc", "Fraction of KV blocks held by running requests.", usage.usage)
         blocks = GaugeMetricFamily("prefixserve:kv_blocks", "KV blocks by state.", labels=["state"])
         blocks.add_metric(["free"], usage.num_free_blocks)
@@ -61,17 +64,17 @@ class EngineCollector:
         yield counter("evicted_blocks", "Cached blocks evicted to make room.", stats.num_evicted_blocks)
         yield counter("evicted_tokens", "Tokens of cached blocks evicted.", stats.num_evicted_tokens)
         yield counter("expired_blocks", "Cached blocks reclaimed after their TTL.", stats.num_expired_blocks)
-        yield counter("num_preemptions", "Running requests preempted for lack of KV blocks.", scheduler.num_preemptions)
-        yield gauge("num_requests_running", "Requests in the running batch.", len(scheduler.running))
-        yield gauge("num_requests_waiting", "Requests waiting for admission.", len(scheduler.waiting))
+        yield counter("num_preemptions", "Running requests preempted for lack of KV blocks.", snapshot.num_preemptions)
+        yield gauge("num_requests_running", "Requests in the running batch.", snapshot.num_running)
+        yield gauge("num_requests_waiting", "Requests waiting for admission.", snapshot.num_waiting)
         yield counter("rejected_requests", "Requests refused with 429 because the queue was full.", self._num_rejected[0])
 
 
 class ServerMetrics:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, snapshot: Callable[[], EngineSnapshot]) -> None:
         self.registry = CollectorRegistry()
         self.num_rejected = [0]  # a cell the collector reads; bumped by the API on each 429
-        self.registry.register(EngineCollector(engine, self.num_rejected))
+        self.registry.register(EngineCollector(snapshot, self.num_rejected))
         self.ttft = Histogram("prefixserve:time_to_first_token_seconds", "Time to first token.",
                               buckets=LATENCY_BUCKETS, registry=self.registry)
         self.e2e_latency = Histogram("prefixserve:e2e_request_latency_seconds", "End-to-end request latency.",

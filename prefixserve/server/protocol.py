@@ -1,18 +1,34 @@
-"""OpenAI-compatible request and response bodies (pydantic). Unknown fields are ignored, as OpenAI clients expect."""
+"""OpenAI-compatible request and response bodies (pydantic).
+
+Validation is strict: `true` is not a number, `"yes"` is not a boolean, `[true]` is
+not a list of token ids. Unknown fields are ignored, as OpenAI clients expect. The
+limits come from the engine's SamplingParams, the one source of them.
+"""
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-MAX_N = 16
+from ..engine.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TEMPERATURE,
+    SEED_MAX,
+    SEED_MIN,
+)
+
+StopString = Annotated[str, StringConstraints(max_length=MAX_STOP_STRING_CHARS)]
 
 
 class OpenAIBody(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(OpenAIBody):
@@ -24,41 +40,67 @@ class SamplingFields(OpenAIBody):
 
     model: Optional[str] = None
     max_tokens: Optional[int] = Field(default=None, ge=1)
-    temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
-    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
+    temperature: Optional[float] = Field(default=None, ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False)
+    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: Optional[int] = Field(default=None, ge=-1)
-    seed: Optional[int] = None
-    stop: Union[str, list[str], None] = None
-    stop_token_ids: Optional[list[int]] = None
+    seed: Optional[int] = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    stop: Union[StopString, Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)], None] = None
+    stop_token_ids: Optional[list[int]] = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     n: int = Field(default=1, ge=1, le=MAX_N)
     ignore_eos: bool = False
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     cache_salt: Optional[str] = Field(default=None, min_length=1, max_length=256)
     user: Optional[str] = None
+    return_token_ids: bool = False  # vLLM's extension: prompt and output token ids in the response
+
+
+class TextPart(OpenAIBody):
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(OpenAIBody):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: Union[str, list[dict[str, Any]], None] = None
+    content: Union[str, list[TextPart], None] = None
+    name: Optional[str] = None
 
     def text(self) -> str:
-        """Text content; OpenAI's list-of-parts form is flattened to its text parts."""
+        """Text content; OpenAI's list-of-parts form is joined."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+        return "".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @property
+    def requested_max_tokens(self) -> Optional[int]:
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def num_logprobs(self) -> Optional[int]:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     echo: bool = False
+    logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @property
+    def requested_max_tokens(self) -> Optional[int]:
+        return self.max_tokens
+
+    @property
+    def num_logprobs(self) -> Optional[int]:
+        return self.logprobs
 
 
 class PromptTokensDetails(BaseModel):

@@ -1,0 +1,62 @@
+"""Every fault a client can cause becomes an OpenAI-style error body with a 4xx status.
+
+Handlers are installed on the app once; routes raise APIError with the status,
+the message that names the cause and the fix, and the offending parameter.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..http import error_response
+
+logger = logging.getLogger("prefixserve.server")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: Optional[str] = None, code: Optional[str] = None, headers: Optional[dict] = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers or {}
+
+    def response(self):
+        return error_response(self.status, self.message, self.type, self.param, self.code, self.headers)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def param_of(location) -> str:
+    """The field path a client sent ('messages.0.content'), without pydantic's union-member tags
+    ('str', 'list[int]', 'constrained-str')."""
+    parts = [str(part) for part in location
+             if not (isinstance(part, str) and (not part.isidentifier() or part in _TYPE_TAGS))]
+    return ".".join(parts)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def on_api_error(_, error: APIError):
+        return error.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def on_query_error(_, error: RequestValidationError):  # query parameters, e.g. ?since=abc
+        first = error.errors()[0]
+        param = param_of(part for part in first["loc"] if part != "query")
+        return error_response(422, f"{param}: {first['msg']}", param=param, code="invalid_value")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(_, error: StarletteHTTPException):
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        return error_response(error.status_code, str(error.detail), kind)
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(_, error: Exception):
+        logger.exception("unhandled error")
+        return error_response(500, "internal server error; the server log has the details", "server_error")

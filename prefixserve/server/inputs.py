@@ -1,0 +1,145 @@
+"""From an HTTP body to engine requests: parse strictly, tokenize off the event loop, check limits.
+
+Everything here either returns something the engine can run or raises APIError
+with a 4xx: the engine never sees a request that cannot fit or finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+from typing import Optional
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from ..engine.async_engine import AsyncLLMEngine
+from ..engine.engine import PromptTooLongError
+from ..engine.request import Request as EngineRequest
+from ..engine.sampling_params import SamplingParams
+from ..http import parse_json_body
+from .errors import APIError, param_of
+from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, new_id
+
+JSON_MEDIA_TYPES = ("application/json",)
+
+
+async def read_body(request: Request, model: type[BaseModel]):
+    """The body as `model`: 415 for a non-JSON content type, 400 for unreadable JSON, 422 naming a bad field."""
+    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media_type and media_type not in JSON_MEDIA_TYPES and not media_type.endswith("+json"):
+        raise APIError(415, f"the request body must be JSON (Content-Type: application/json), got {media_type!r}",
+                       code="unsupported_media_type")
+    try:
+        payload = parse_json_body(await request.body())
+    except ValueError as error:
+        raise APIError(400, str(error), code="invalid_json") from None
+    if not isinstance(payload, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(payload)
+    except ValidationError as error:
+        first = error.errors()[0]
+        param = param_of(first["loc"])
+        raise APIError(422, f"{param}: {first['msg']}", param=param, code="invalid_value") from None
+
+
+def sampling_params(body: SamplingFields, num_logprobs: Optional[int]) -> SamplingParams:
+    """Params from the body; max_tokens is settled per prompt, once its length is known."""
+    try:
+        return SamplingParams(
+            max_tokens=1,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=-1 if body.top_k in (None, 0) else body.top_k,
+            seed=body.seed,
+            stop=body.stop,
+            stop_token_ids=body.stop_token_ids or [],
+            ignore_eos=body.ignore_eos,
+            logprobs=num_logprobs,
+        )
+    except ValueError as error:
+        raise APIError(400, str(error), code="invalid_value") from None
+
+
+def completion_prompts(prompt) -> list:
+    """A string, a list of strings, a list of token ids, or a list of token-id lists, as a list of prompts."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt is empty; send a string, a list of strings or token ids", param="prompt",
+                       code="invalid_prompt")
+    if all(isinstance(item, int) for item in prompt):
+        return [list(prompt)]
+    return list(prompt)
+
+
+def chat_messages(body: ChatCompletionRequest) -> list[dict]:
+    return [{"role": message.role, "content": message.text()} for message in body.messages]
+
+
+class RequestBuilder:
+    """Tokenizes prompts (in a worker thread) and turns them into engine requests that fit the model."""
+
+    def __init__(self, engine: AsyncLLMEngine, default_max_tokens: int) -> None:
+        self.engine = engine
+        self.default_max_tokens = default_max_tokens
+        core = engine.engine
+        self.tokenizer = core.tokenizer
+        self.max_model_len = core.max_model_len
+        # Any text longer than this has at least max_model_len tokens: refuse it before tokenizing.
+        self.max_prompt_chars = self.max_model_len * self.tokenizer.max_chars_per_token
+
+    def check_text_size(self, num_chars: int, param: str) -> None:
+        if num_chars > self.max_prompt_chars:
+            raise APIError(413, f"the {param} has {num_chars} characters, which is more than {self.max_model_len} "
+                                f"tokens (max_model_len); shorten it", param=param, code="context_length_exceeded")
+
+    async def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        messages = chat_messages(body)
+        self.check_text_size(sum(len(message["content"]) for message in messages), "messages")
+        try:
+            return await asyncio.to_thread(self.tokenizer.encode_chat, messages)
+        except Exception as error:  # a template may reject a conversation (e.g. role order)
+            raise APIError(400, f"the chat template rejected these messages: {error}", param="messages",
+                           code="invalid_messages") from None
+
+    async def build(self, prompts: list, params: SamplingParams, max_tokens: Optional[int], n: int,
+                    salt: Optional[str]) -> list[EngineRequest]:
+        """n requests per prompt, in order, each with max_tokens fitted to the room its prompt leaves."""
+        requests = []
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                self.check_text_size(len(prompt), "prompt")
+            first = await self._make(prompt, params, salt)
+            fitted = replace(params, max_tokens=self._fit_max_tokens(first.num_prompt_tokens, max_tokens))
+            first.sampling_params = fitted
+            requests.append(first)
+            for sample in range(1, n):
+                other = await self._make(first.prompt_token_ids, fitted.for_sample(sample), salt)
+                other.prompt = first.prompt
+                requests.append(other)
+        return requests
+
+    async def _make(self, prompt, params: SamplingParams, salt: Optional[str]) -> EngineRequest:
+        make = self.engine.make_request
+        try:
+            if isinstance(prompt, str):
+                return await asyncio.to_thread(make, prompt, params, new_id("req"), salt)
+            return make(prompt, params, new_id("req"), salt)
+        except PromptTooLongError as error:
+            raise APIError(413, str(error), param="prompt", code="context_length_exceeded") from None
+        except (ValueError, TypeError) as error:
+            raise APIError(400, str(error), param="prompt", code="invalid_prompt") from None
+
+    def _fit_max_tokens(self, num_prompt_tokens: int, requested: Optional[int]) -> int:
+        room = self.max_model_len - num_prompt_tokens
+        if requested is None:
+            return min(self.default_max_tokens, room)
+        if requested > room:
+            raise APIError(400, f"this model's maximum context length is {self.max_model_len} tokens, but "
+                                f"{num_prompt_tokens + requested} were requested ({num_prompt_tokens} in the prompt, "
+                                f"{requested} in the completion); reduce the prompt or max_tokens to at most {room}",
+                           param="max_tokens", code="context_length_exceeded")
+        return requested
+

@@ -1,0 +1,75 @@
+"""Requests that can never fit are refused at once with a 4xx, never spun on; tenant ids cannot collide."""
+
+import json
+
+import httpx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixserve.cache.scoping import compose_salt
+from prefixserve.http import KeyTable, load_api_keys
+
+from server_helpers import LiveServer
+
+
+@pytest.fixture(scope="module")
+def small_pool():
+    # 16 MiB holds 64 blocks x 16 tokens of the built-in model in fp32: max_model_len is capped to 1,024.
+    with LiveServer("--kv-cache-memory-bytes", "16777216") as live:
+        yield live
+
+
+def test_max_model_len_is_capped_to_the_pool(small_pool):
+    assert small_pool.engine.engine.max_model_len == 1024
+
+
+def test_prompt_and_max_tokens_that_can_never_fit_are_400(small_pool):
+    response = httpx.post(small_pool.url + "/v1/completions", timeout=30,
+                          json={"prompt": [7] * 900, "max_tokens": 2000})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["code"] == "context_length_exceeded"
+    too_long = httpx.post(small_pool.url + "/v1/completions", timeout=30, json={"prompt": [7] * 2000})
+    assert too_long.status_code == 413 and too_long.json()["error"]["code"] == "context_length_exceeded"
+    small = httpx.post(small_pool.url + "/v1/completions", timeout=60, json={"prompt": [1, 2, 3, 4], "max_tokens": 4})
+    assert small.status_code == 200
+
+
+def test_without_max_tokens_the_answer_fits_the_room_left(small_pool):
+    response = httpx.post(small_pool.url + "/v1/completions", timeout=120,
+                          json={"prompt": [7] * 1000, "ignore_eos": True, "temperature": 0})
+    assert response.status_code == 200, response.text
+    usage = response.json()["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == 1024
+    assert response.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_tenant_ids_with_control_characters_are_refused(tmp_path):
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"k1": "acme", "k2": "acme\u0000eu"}))
+    with pytest.raises(SystemExit, match="control characters"):
+        load_api_keys(str(keys))
+
+
+def test_tenant_and_salt_never_compose_to_another_pair():
+    assert compose_salt("acme", "eu") != compose_salt("acme\x00eu", None)
+    assert compose_salt(None, "acme") != compose_salt("acme", None)
+    assert compose_salt(None, None) is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.tuples(st.none() | st.text(max_size=6), st.none() | st.text(max_size=6)),
+       st.tuples(st.none() | st.text(max_size=6), st.none() | st.text(max_size=6)))
+def test_compose_salt_is_injective(first, second):
+    def normal(pair):  # an empty cache_salt means none
+        return pair[0], pair[1] or None
+
+    if normal(first) != normal(second):
+        assert compose_salt(*first) != compose_salt(*second)
+
+
+def test_key_table_finds_only_exact_keys():
+    table = KeyTable({"key-a": "tenant-a", "key-b": "tenant-b"})
+    assert table.lookup("key-a") == "tenant-a" and table.lookup("key-b") == "tenant-b"
+    assert table.lookup("key-") is None and table.lookup("key-ab") is None and table.lookup("") is None
+    assert table.lookup("\udcff") is None  # a lone surrogate cannot crash the lookup
