@@ -4,11 +4,14 @@ with transformers' tokenizer loaded from the same directory."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
 import jinja2
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from prefixserve.model import IncrementalDecoder, Tokenizer
 
@@ -122,3 +125,36 @@ def test_chat_template_jinja_file_fallback(default_model_dir, tmp_path):
 def test_missing_tokenizer_json(tmp_path):
     with pytest.raises(FileNotFoundError, match="tokenizer.json not found"):
         Tokenizer.from_dir(tmp_path)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_token_bytes_concatenate_to_the_utf8_text(tokenizer, text):
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert b"".join(tokenizer.token_bytes(token) for token in ids) == text.encode()
+    split = [tokenizer.token_bytes(token) for token in tokenizer.encode("🎉", add_special_tokens=False)]
+    assert len(split) > 1 and b"".join(split) == "🎉".encode()  # partial UTF-8 bytes, not U+FFFD
+
+
+def test_token_bytes_of_special_and_byte_fallback_tokens(tokenizer):
+    assert tokenizer.token_bytes(tokenizer.token_to_id("<|im_end|>")) == b"<|im_end|>"
+    from tokenizers import Tokenizer as BackendTokenizer, decoders, models
+
+    vocab = {"<unk>": 0, "<0x0A>": 1, "\u2581hi": 2, "a": 3}
+    backend = BackendTokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    sentencepiece = Tokenizer(backend, {}, None, [], b"{}")
+    assert [sentencepiece.token_bytes(token) for token in (1, 2, 3)] == [b"\n", b" hi", b"a"]
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.text(max_size=300))
+def test_max_chars_per_token_bounds_the_token_count_from_below(tokenizer, text):
+    num_tokens = len(tokenizer.encode(text, add_special_tokens=False))
+    assert num_tokens >= math.ceil(len(text) / tokenizer.max_chars_per_token)
+
+
+def test_max_chars_per_token_is_the_longest_token(tokenizer):
+    longest = max(range(tokenizer.vocab_size), key=lambda token: len(tokenizer.decode([token], False)))
+    assert tokenizer.max_chars_per_token == len(tokenizer.decode([longest], False)) > 1
+    text = tokenizer.decode([longest], False) * 3
+    assert len(tokenizer.encode(text, add_special_tokens=False)) >= 3

@@ -8,8 +8,10 @@ the same options and helpers as transformers.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import re
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
@@ -23,6 +25,28 @@ from tokenizers import Tokenizer as BackendTokenizer
 from .model_config import load_generation_eos
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+_BYTE_FALLBACK_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@functools.lru_cache(maxsize=None)
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: the printable character standing for each byte."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars = list(printable)
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(char): byte for byte, char in zip(printable, chars)}
+
+
+def _decoder_types(state: Any) -> set[str]:
+    """Type names of a tokenizers decoder, looking inside a Sequence."""
+    if not isinstance(state, dict):
+        return set()
+    return {state.get("type")} | {kind for child in state.get("decoders", []) for kind in _decoder_types(child)}
 
 
 class Tokenizer:
@@ -44,6 +68,10 @@ class Tokenizer:
         adds_tokens = len(special) > len(plain)
         self._post_adds_bos = adds_tokens and self._bos_id is not None and special[0] == self._bos_id
         self._post_adds_eos = adds_tokens and eos_id is not None and special[-1] == eos_id
+        decoder = backend.decoder
+        self._decoder_types = _decoder_types(json.loads(decoder.__getstate__())) if decoder is not None else set()
+        self._added_tokens = {token_id: token.content for token_id, token in backend.get_added_tokens_decoder().items()}
+        self._max_chars_per_token: int | None = None
         self._template = _compile_template(chat_template) if chat_template else None
         self.fingerprint = _fingerprint(tokenizer_json, chat_template, self.special_tokens,
                                         self._add_bos, self._add_eos, self._eos_ids)
@@ -79,6 +107,38 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token stands for (OpenAI's logprobs `bytes`): a byte-level BPE token
+        mapped back through GPT-2's byte alphabet, a byte-fallback token `<0xNN>` as that byte,
+        an added / special token as its UTF-8 content, anything else as its decoded text."""
+        if token_id in self._added_tokens:
+            return self._added_tokens[token_id].encode()
+        token = self._backend.id_to_token(token_id)
+        if token is not None:
+            if "ByteLevel" in self._decoder_types:
+                byte_decoder = _gpt2_byte_decoder()
+                if all(char in byte_decoder for char in token):
+                    return bytes(byte_decoder[char] for char in token)
+            if "ByteFallback" in self._decoder_types and (match := _BYTE_FALLBACK_TOKEN.fullmatch(token)):
+                return bytes([int(match.group(1), 16)])
+            if self._decoder_types & {"Metaspace", "Replace"}:  # SentencePiece: "\u2581" is a space
+                return token.replace("\u2581", " ").encode()
+        return self.decode([token_id], skip_special_tokens=False).encode()
+
+    @property
+    def max_chars_per_token(self) -> int:
+        """The most characters one token stands for, over the whole vocabulary (computed once).
+
+        So a text of n characters encodes to at least ceil(n / max_chars_per_token) tokens: a
+        cheap lower bound on its token count. Counted in bytes as well as decoded characters,
+        since a character is never shorter in UTF-8 bytes and a token that ends inside one
+        decodes alone to a single U+FFFD."""
+        if self._max_chars_per_token is None:
+            self._max_chars_per_token = max(
+                max(len(self.token_bytes(token_id)), len(self.decode([token_id], skip_special_tokens=False)))
+                for token_id in range(self.vocab_size))
+        return self._max_chars_per_token
 
     # ---- text <-> ids --------------------------------------------------------------------------
 
