@@ -18,6 +18,7 @@ from ..cache import BlockKeyer, CacheScope, EventQueue, RadixCache
 from ..cache.scoping import PromptScoper
 from ..config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from ..model import IncrementalDecoder, Tokenizer, ensure_default_model, load_generation_eos, load_model
+from .device import measure_cuda_kv_budget, resolve_device, resolve_dtype
 from .outputs import RequestOutput
 from .request import Request
 from .runner import ModelRunner, cpu_has_fast_bfloat16, kv_bytes_per_token
@@ -43,28 +44,6 @@ class _TextState:
     num_emitted_chars: int = 0
     num_emitted_tokens: int = 0
     stop: list[str] = field(default_factory=list)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' was asked for but no CUDA device is available; use device='cpu'")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """auto: bfloat16 on CUDA, float32 on CPU.
-
-    On CPU, float32 keeps the cache's promise that a hit never changes a greedy output: in
-    bfloat16 a prefix computed in another batch shape rounds differently, and on the built-in
-    model cache-on and cache-off greedy tokens then agree on only 9-19% of requests
-    (benchmarks/compare.py). CPUs with bf16 instructions run `dtype="bfloat16"` 2-3x faster;
-    the engine says so at start-up, and the choice is the operator's.
-    """
-    if name != "auto":
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 class LLMEngine:
@@ -144,33 +123,7 @@ class LLMEngine:
             return self.config.kv_cache_memory_bytes
         if self.device.type != "cuda":
             return DEFAULT_CPU_KV_CACHE_BYTES
-        return self._measure_cuda_budget(loaded)
-
-    def _measure_cuda_budget(self, loaded) -> int:
-        """Free device memory after weights and a measured activation peak, times the utilisation."""
-        from ..model import AttentionMetadata
-
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        num_tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
-        size = self.config.block_size
-        cfg = loaded.config
-        num_probe_blocks = -(-num_tokens // size)
-        shape = (num_probe_blocks, size, cfg.num_key_value_heads, cfg.head_dim)
-        probe_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                         torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(cfg.num_hidden_layers)]
-        meta = AttentionMetadata.build([num_tokens], [num_tokens], [list(range(num_probe_blocks))], size, self.device)
-        with torch.inference_mode():
-            ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-            hidden = loaded.model(ids, torch.arange(num_tokens, device=self.device), probe_caches, meta)
-            loaded.model.compute_logits(hidden[-min(num_tokens, self.config.max_num_seqs):])
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        del probe_caches, hidden
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        used_by_others = total - free - torch.cuda.memory_allocated(self.device)
-        return max(int(total * self.config.gpu_memory_utilization) - used_by_others - peak, 0)
+        return measure_cuda_kv_budget(loaded, self.config, self.device, self.dtype, self.max_model_len)
 
     # ----------------------------------------------------------- requests
     def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int], Optional[str]]:
