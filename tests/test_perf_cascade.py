@@ -13,6 +13,7 @@ import torch
 from prefixserve.model import AttentionMetadata, paged_attention, write_kv
 from prefixserve.model import attention as attention_module
 from prefixserve.model import attention_plan
+from prefixserve.model.attention import plan_step
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 8, 2, 16, 4, 200
 SCALE = HEAD_DIM ** -0.5
@@ -69,7 +70,8 @@ class Scenario:
         new_v = torch.cat([v[cached:] for (_, cached, _), (_, v) in zip(self.specs, self.contexts)])
         write_kv(new_k, new_v, k_cache, v_cache, meta.slot_mapping)
         kv = (new_k, new_v) if pass_new_kv else (None, None)
-        return paged_attention(self.q, k_cache, v_cache, meta, SCALE, *kv), meta
+        plan = plan_step(meta, k_cache)
+        return paged_attention(self.q, k_cache, v_cache, meta, SCALE, *kv, plan=plan), plan
 
     def expected(self):
         rows = torch.split(torch.arange(len(self.q)), [new for _, _, new in self.specs])
@@ -96,8 +98,7 @@ def shared_scenario():
 @pytest.mark.parametrize("pass_new_kv", [True, False])
 def test_cascade_matches_dense_and_plain(monkeypatch, eager_thresholds, pass_new_kv):
     scenario = Scenario(shared_scenario())
-    out, meta = scenario.run(pass_new_kv)
-    plan = meta._plan
+    out, plan = scenario.run(pass_new_kv)
     # The 40-block prefix is one part over the rows of all six sequences: read once.
     shared = [part for part in plan.parts if part.keys.slots is not None and len(part.keys.slots) == 40 * BLOCK_SIZE]
     assert len(shared) == 1 and len(shared[0].rows) == 1 + 1 + 1 + 7 + 6 + 7
@@ -112,8 +113,8 @@ def test_cascade_matches_dense_and_plain(monkeypatch, eager_thresholds, pass_new
 
     monkeypatch.setattr(attention_plan, "MIN_SHARED_SAVED_TOKENS", {4: 10**9, 2: 10**9})
     monkeypatch.setattr(attention_plan, "MIN_VIEW_TOKENS", {4: 10**9, 2: 10**9})
-    plain, plain_meta = scenario.run(pass_new_kv)
-    assert not plain_meta._plan.parts and plain_meta._plan.merged_rows is None
+    plain, plain_plan = scenario.run(pass_new_kv)
+    assert not plain_plan.parts and plain_plan.merged_rows is None
     torch.testing.assert_close(out, plain, atol=1e-5, rtol=1e-5)
 
 
@@ -123,8 +124,7 @@ def test_many_decodes_share_one_read():
     own = iter(range(600, 900))
     specs = [(prefix + [next(own) for _ in range(7)], 2000 + 20 + i % 7, 1) for i in range(32)]
     scenario = Scenario(specs, seed=3, num_blocks=900)
-    out, meta = scenario.run()
-    plan = meta._plan
+    out, plan = scenario.run()
     assert len(plan.parts) == 1 and plan.parts[0].keys.length == 2000 and len(plan.parts[0].rows) == 32
     assert plan.decodes.slots.shape == (32, 27)  # at most 20 + 6 past tokens beyond the prefix, + own
     torch.testing.assert_close(out, scenario.expected(), atol=1e-5, rtol=1e-5)
@@ -153,3 +153,9 @@ def test_positions_from_metadata():
     meta = AttentionMetadata.build([3, 1, 2], [6, 5, 2], [[7, 2], [4, 9], [1]], block_size=4)
     assert meta.positions.tolist() == [3, 4, 5, 4, 0, 1]
     assert meta.slot_mapping.tolist() == [31, 8, 9, 36, 4, 5]
+
+
+def test_thresholds_measured_on_a_cpu_apply_to_cpus_only():
+    assert attention_plan.thresholds("cpu", 4) == (attention_plan.MIN_SHARED_SAVED_TOKENS[4],
+                                                   attention_plan.MIN_VIEW_TOKENS[4])
+    assert attention_plan.thresholds("cuda", 2) == (attention_plan.UNMEASURED_DEVICE, attention_plan.UNMEASURED_DEVICE)

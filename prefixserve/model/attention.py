@@ -25,12 +25,12 @@ not depend on key order, so each part is read the cheapest way and the parts are
   * rest: the few remaining slots are gathered (decodes as one padded batch, with their own token).
 
 A sequence with nothing to share and no long run takes a single call and no merge. The plan
-(attention_plan.py) is built once per step, on the first layer, and reused by every layer.
+(attention_plan.py) is built once per step by the model (`plan_step`) and handed to every layer.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import accumulate
 from typing import Optional
 
@@ -55,7 +55,6 @@ class AttentionMetadata:
     block_table_lists: list[list[int]]  # the unpadded lists given to build: sharing and runs are found here
     positions: Optional[torch.Tensor] = None  # int64 [num_tokens]: position of each row (for rotary)
     first_slot: Optional[int] = None    # set when the slot mapping is first_slot, first_slot + 1, ...
-    _plan: Optional["StepPlan"] = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         num_seqs = len(self.query_lens)
@@ -170,22 +169,27 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     flat_v.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
+def plan_step(meta: AttentionMetadata, k_cache: torch.Tensor) -> StepPlan:
+    """The step's attention plan for caches shaped like `k_cache`: build once, pass to every layer."""
+    return build_plan(meta, k_cache.shape[1], k_cache.element_size())
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, k: Optional[torch.Tensor] = None,
-                    v: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    v: Optional[torch.Tensor] = None, plan: Optional[StepPlan] = None) -> torch.Tensor:
     """Attention of q [num_tokens, num_heads, head_dim] over the paged cache; returns q's shape.
 
     `k`, `v` [num_tokens, num_kv_heads, head_dim] are this step's own keys and values, already
     written to the cache; given, a prefill chunk reads them directly instead of from the cache.
-    Grouped-query attention: num_heads must be a multiple of the cache's num_kv_heads.
+    Grouped-query attention: num_heads must be a multiple of the cache's num_kv_heads. Without a
+    `plan` (from `plan_step`) one is built for this call.
     """
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     assert num_heads % num_kv_heads == 0, f"{num_heads} heads not a multiple of {num_kv_heads} KV heads"
     group = num_heads // num_kv_heads
-    if meta._plan is None:
-        meta._plan = build_plan(meta, block_size, k_cache.element_size())
-    plan = meta._plan
+    if plan is None:
+        plan = plan_step(meta, k_cache)
     flat_k = k_cache.view(-1, num_kv_heads, head_dim)
     flat_v = v_cache.view(-1, num_kv_heads, head_dim)
     out = torch.empty_like(q)

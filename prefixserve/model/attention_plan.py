@@ -16,10 +16,21 @@ if TYPE_CHECKING:
     from .attention import AttentionMetadata
 
 # When a separate attention call (plus the log-sum-exp merge, about 100-250 us on a CPU) pays for
-# itself: gathering a key costs about 90 ns in float32 and 28 ns in bfloat16 per K or V row here.
-# Keyed by the cache's element size.
+# itself: gathering a key costs about 90 ns in float32 and 28 ns in bfloat16 per K or V row.
+# Measured on this project's 2-core AVX-512 CPU with benchmarks/profile_step.py; keyed by the
+# cache's element size. They hold for CPUs only: on another device the plan reads every sequence
+# in one call (UNMEASURED_DEVICE) until someone measures that device's costs.
 MIN_SHARED_SAVED_TOKENS = {4: 512, 2: 2048}  # (members - 1) x shared prefix tokens, to read it once
 MIN_VIEW_TOKENS = {4: 640, 2: 4096}          # a consecutive run read in place instead of gathered
+UNMEASURED_DEVICE = 1 << 62                  # a threshold no step reaches: no shortcut taken
+
+
+def thresholds(device_type: str, element_size: int) -> tuple[int, int]:
+    """(min shared saved tokens, min view tokens) for a cache on this device type."""
+    if device_type != "cpu":
+        return UNMEASURED_DEVICE, UNMEASURED_DEVICE
+    return (MIN_SHARED_SAVED_TOKENS.get(element_size, MIN_SHARED_SAVED_TOKENS[2]),
+            MIN_VIEW_TOKENS.get(element_size, MIN_VIEW_TOKENS[2]))
 @dataclass
 class _Keys:
     """A set of key slots: `length` slots from `start` when contiguous, else an index tensor."""
@@ -135,8 +146,8 @@ def build_plan(meta: AttentionMetadata, block_size: int, element_size: int) -> S
         return torch.tensor(values, dtype=torch.int64, device=device)
 
     shared = []
-    min_saved = MIN_SHARED_SAVED_TOKENS.get(element_size, MIN_SHARED_SAVED_TOKENS[2])
-    min_view_blocks = -(-MIN_VIEW_TOKENS.get(element_size, MIN_VIEW_TOKENS[2]) // block_size)
+    min_saved, min_view_tokens = thresholds(device.type, element_size)
+    min_view_blocks = -(-min_view_tokens // block_size)
     for members, num_common in _shared_prefixes(meta, past_lens, block_size, min_saved):
         table = meta.block_table_lists[members[0]]
         first = table[0]

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import AttentionMetadata, paged_attention, write_kv
+from .attention import AttentionMetadata, paged_attention, plan_step, write_kv
+from .attention_plan import StepPlan
 from .model_config import ModelConfig
 from .rope import RotaryEmbedding
 
@@ -69,7 +70,8 @@ class RMSNorm(nn.Module):
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """rope.apply_rotary with two fused multiply-adds per half and no temporaries or concatenation."""
+    """Rotate x [T, heads, d] as HF's apply_rotary_pos_emb does (x * [cos, cos] + rotate_half(x) * [sin, sin],
+    rotate_half(x) = [-x2, x1]), with two fused multiply-adds per half and no temporaries or concatenation."""
     x1, x2 = x.chunk(2, dim=-1)
     out = torch.empty_like(x)
     out1, out2 = out.chunk(2, dim=-1)
@@ -91,7 +93,7 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
 
     def forward(self, x: torch.Tensor, rotary: Rotary, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, plan: StepPlan) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         # q and k heads are adjacent columns: rotate them in one pass (half the elementwise ops).
@@ -101,7 +103,7 @@ class Attention(nn.Module):
         v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.first_slot)
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale, k, v)
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale, k, v, plan)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -127,8 +129,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, rotary: Rotary, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rotary, kv_cache, meta)
+                meta: AttentionMetadata, plan: StepPlan) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rotary, kv_cache, meta, plan)
         return x.add_(self.mlp(self.post_attention_layernorm(x)))
 
 
@@ -175,8 +177,9 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
         x = self.embed_tokens(input_ids)
         rotary = self.rotary(positions, x.dtype)
+        plan = plan_step(meta, kv_caches[0][0])  # once per step; every layer reads the same slots
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, rotary, kv_cache, meta)
+            x = layer(x, rotary, kv_cache, meta, plan)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

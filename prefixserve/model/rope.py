@@ -69,8 +69,3 @@ class RotaryEmbedding(nn.Module):
         sin = self.sin.index_select(0, positions).to(dtype)[:, None, :]
         return cos, sin
 
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, heads, d]: x * [cos, cos] + rotate_half(x) * [sin, sin], rotate_half(x) = [-x2, x1]."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
