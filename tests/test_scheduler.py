@@ -131,3 +131,56 @@ def test_abort_frees_blocks():
     assert s.abort_request("r") is r
     assert r.finish_reason == "abort" and s.cache.usage().num_referenced_blocks == 0
     assert s.abort_request("r") is None
+
+
+def run(scheduler, max_steps=50):
+    for _ in range(max_steps):
+        if not scheduler.num_unfinished:
+            return
+        step(scheduler)
+    raise AssertionError("the scheduler spins: requests never finish")
+
+
+def pinned_pool(num_pinned_blocks):
+    """8 blocks of 4 tokens, `num_pinned_blocks` of them held by a pinned cached prefix."""
+    s = make(num_blocks=8, budget=64)
+    cache = s.cache
+    cache.max_pinned_blocks = num_pinned_blocks
+    owner = request("owner", range(500, 500 + 4 * num_pinned_blocks + 1), max_tokens=1)
+    s.add_request(owner)
+    run(s)
+    assert cache.pin(owner.block_keys[:num_pinned_blocks]) == num_pinned_blocks
+    return s
+
+
+def test_a_running_request_that_cannot_grow_even_alone_finishes_with_length():
+    s = pinned_pool(3)  # 5 blocks left: 20 tokens at most
+    r = request("r", range(100, 112), max_tokens=20)  # would need 8 blocks at 32 tokens
+    s.add_request(r)
+    run(s)
+    assert r.finish_reason == "length" and r.num_tokens == 21  # the 21st token needs a 6th block
+    assert r.blocks == [] and s.num_preemptions == 0
+    assert s.cache.usage().num_referenced_blocks == 0
+
+
+def test_a_request_behind_pins_gets_no_block_ever_finishes_with_error():
+    s = pinned_pool(4)  # 4 blocks left
+    r = request("r", range(100, 120), max_tokens=2)  # a 20-token prompt needs 5 blocks at once
+    s.add_request(r)
+    out = s.schedule()
+    assert out.finished == [r] and not out.scheduled and not s.waiting
+    assert r.finish_reason == "error" and "pinned prefixes hold 4 of the pool's 8" in r.error
+    ok = request("ok", range(300, 306), max_tokens=2)  # the pool still serves what fits
+    s.add_request(ok)
+    run(s)
+    assert ok.finish_reason == "length" and s.cache.usage().num_referenced_blocks == 0
+
+
+def test_the_newest_request_still_yields_to_older_ones():
+    s = pinned_pool(3)  # 5 blocks left
+    old, new = request("old", range(100, 107), max_tokens=9), request("new", range(200, 207), max_tokens=9)
+    s.add_request(old)
+    s.add_request(new)
+    run(s)
+    assert old.finish_reason == new.finish_reason == "length"
+    assert old.num_output_tokens == new.num_output_tokens == 9 and s.num_preemptions > 0

@@ -1,6 +1,10 @@
 """LLMEngine: the synchronous core. add_request, then step until done; a step is
 
     schedule (plain Python) -> run the model (tensors) -> update requests and the cache
+
+A failure is contained to the requests it touches: a model step that raises ends that step's
+requests with finish_reason "error", a detokenizer that raises ends its own request; the engine
+stays usable either way.
 """
 
 from __future__ import annotations
@@ -8,7 +12,6 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -17,13 +20,14 @@ import torch
 from ..cache import BlockKeyer, CacheScope, EventQueue, RadixCache
 from ..cache.scoping import PromptScoper
 from ..config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
-from ..model import IncrementalDecoder, Tokenizer, ensure_default_model, load_generation_eos, load_model
+from ..model import Tokenizer, ensure_default_model, load_generation_eos, load_model
+from .detokenizer import RequestDetokenizer
 from .device import measure_cuda_kv_budget, resolve_device, resolve_dtype
 from .outputs import RequestOutput
 from .request import Request
 from .runner import ModelRunner, cpu_has_fast_bfloat16, kv_bytes_per_token
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler
+from .scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger("prefixserve")
 
@@ -32,18 +36,6 @@ PromptType = Union[str, list[int], dict[str, Any]]
 
 class PromptTooLongError(ValueError):
     """The prompt leaves no room to generate within max_model_len."""
-
-
-@dataclass
-class _TextState:
-    """Detokenization of one request's output, with stop strings cut off."""
-
-    prompt: Optional[str]
-    decoder: IncrementalDecoder
-    text: str = ""
-    num_emitted_chars: int = 0
-    num_emitted_tokens: int = 0
-    stop: list[str] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -74,6 +66,7 @@ class LLMEngine:
                 f"a KV budget of {budget} bytes holds {num_blocks} blocks of {config.block_size} tokens "
                 f"({bytes_per_token} bytes a token); raise kv_cache_memory_bytes"
             )
+        max_model_len_note = self._fit_max_model_len(num_blocks, budget, bytes_per_token)
         self.events = EventQueue() if config.enable_kv_events else None
         self.cache = RadixCache(num_blocks, config.block_size, max_pinned_blocks=config.max_pinned_blocks,
                                 events=self.events)
@@ -88,7 +81,7 @@ class LLMEngine:
         )
         self.runner = ModelRunner(loaded.model, loaded.config, num_blocks, config.block_size, self.dtype,
                                   self.device, config.seed)
-        self._texts: dict[str, _TextState] = {}
+        self._texts: dict[str, RequestDetokenizer] = {}
         self.num_prefill_tokens_computed = 0
         self.num_generation_tokens = 0
         weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
@@ -97,6 +90,7 @@ class LLMEngine:
             f"weights {weight_bytes / 2**20:.0f} MiB; KV {bytes_per_token} bytes/token; "
             f"{num_blocks} blocks x {config.block_size} = {num_blocks * config.block_size} tokens fit "
             f"({num_blocks * config.block_size * bytes_per_token / 2**20:.0f} MiB); "
+            f"max_model_len {self.max_model_len}{max_model_len_note}; "
             f"prefix caching {'on' if config.enable_prefix_caching else 'off'}"
         )
         if self.dtype == torch.float32 and self.device.type == "cpu" and cpu_has_fast_bfloat16():
@@ -117,6 +111,24 @@ class LLMEngine:
                 f"use max_model_len <= {limit}"
             )
         return self.config.max_model_len
+
+    def _fit_max_model_len(self, num_blocks: int, budget: int, bytes_per_token: int) -> str:
+        """Make one request of max_model_len tokens always fit the pool alone, so it can never
+        be preempted forever; returns a note for the start-up summary."""
+        block_size = self.config.block_size
+        pool_tokens = num_blocks * block_size
+        if self.max_model_len <= pool_tokens:
+            return ""
+        if self.config.max_model_len is not None:
+            needed = -(-self.max_model_len // block_size) * block_size * bytes_per_token
+            raise ValueError(
+                f"max_model_len={self.max_model_len} does not fit the KV pool: a budget of {budget} bytes "
+                f"(kv_cache_memory_bytes) holds {pool_tokens} tokens; raise kv_cache_memory_bytes to at "
+                f"least {needed} or use max_model_len <= {pool_tokens}"
+            )
+        note = f" (capped from the model's {self.max_model_len} to what the KV pool holds)"
+        self.max_model_len = pool_tokens
+        return note
 
     def _kv_budget(self, loaded) -> int:
         if self.config.kv_cache_memory_bytes is not None:
@@ -193,8 +205,6 @@ class LLMEngine:
         )
         if arrival_time is not None:
             request.metrics.arrival_time = arrival_time
-        if params.seed is not None:
-            request.generator = torch.Generator().manual_seed(params.seed)
         return request
 
     def declare_shared_prefix(self, token_ids: list[int]) -> int:
@@ -205,10 +215,10 @@ class LLMEngine:
         """Queue a request built by `make_request`."""
         if request.request_id in self._texts:
             raise ValueError(f"request id {request.request_id!r} is already in use; give each request its own id")
+        texts = RequestDetokenizer(self.tokenizer, request.prompt, request.prompt_token_ids,
+                                   request.sampling_params.stop)
         self.scheduler.add_request(request)
-        self._texts[request.request_id] = _TextState(
-            request.prompt, IncrementalDecoder(self.tokenizer, request.prompt_token_ids),
-            stop=request.sampling_params.stop)
+        self._texts[request.request_id] = texts
 
     def abort_request(self, request_id: str) -> Optional[RequestOutput]:
         request = self.scheduler.abort_request(request_id)
@@ -222,66 +232,87 @@ class LLMEngine:
     # --------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         output = self.scheduler.schedule()
+        outputs = [self._detokenized_output(request) for request in output.finished]
         if output.is_empty:
-            return []
+            return outputs
         for request, num_new in output.scheduled:
-            if request.metrics.first_scheduled_time is None:
-                request.metrics.first_scheduled_time = time.monotonic()
             if request.num_computed_tokens < request.num_prompt_tokens:
                 self.num_prefill_tokens_computed += min(num_new, request.num_prompt_tokens - request.num_computed_tokens)
-        sampled = self.runner.execute(output.scheduled)
-        updated = self.scheduler.update(output, sampled)
+        try:
+            result = self.runner.execute(output.scheduled)
+        except Exception as error:  # one bad step must not stop the engine
+            return outputs + self._fail_step(output, error)
+        updated = self.scheduler.update(output, result.token_ids, result.logprobs)
         self.num_generation_tokens += len(updated)
         now = time.monotonic()
-        outputs = []
         for request in updated:
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
-            self._detokenize(request)
-            outputs.append(self._make_output(request))
+            outputs.append(self._detokenized_output(request))
         return outputs
 
+    def _fail_step(self, output: SchedulerOutput, error: Exception) -> list[RequestOutput]:
+        """End every request of a step whose model run or sampling raised; their blocks go back."""
+        logger.exception("a model step of %d requests failed; they finish with 'error'", len(output.scheduled))
+        message = f"the engine failed while running this request ({type(error).__name__}); retry it"
+        outputs = []
+        for request, _ in output.scheduled:
+            if not request.is_finished:
+                self.scheduler.finish_request(request, "error", error=message)
+                outputs.append(self._make_output(request))
+        return outputs
+
+    def _detokenized_output(self, request: Request) -> RequestOutput:
+        self._detokenize(request)
+        return self._make_output(request)
+
     def _detokenize(self, request: Request) -> None:
-        state = self._texts[request.request_id]
-        new_ids = request.token_ids[request.num_prompt_tokens + state.num_emitted_tokens :]
-        state.num_emitted_tokens += len(new_ids)
-        if request.finish_reason == "stop" and request.stop_reason in request.token_ids[-1:] and new_ids:
-            new_ids = new_ids[:-1]  # an EOS / stop token is not part of the text
-        state.text += state.decoder.push(new_ids)
+        texts = self._texts[request.request_id]
+        # An EOS / stop token is not part of the text.
+        drop_last = request.finish_reason == "stop" and request.stop_reason in request.token_ids[-1:]
+        try:
+            stop = texts.update(request.token_ids, request.is_finished, drop_last)
+        except Exception as error:  # this request's text alone is broken
+            logger.exception("detokenizing request %s failed; it finishes with 'error'", request.request_id)
+            self._fail_request(request, f"the engine failed to detokenize this request ({type(error).__name__})")
+            return
+        if stop is None:
+            return
+        if request.is_finished:  # also at its length limit: the stop string wins, as in vLLM
+            request.finish_reason, request.stop_reason = "stop", stop
+        else:
+            self.scheduler.finish_request(request, "stop", stop)
+
+    def _fail_request(self, request: Request, message: str) -> None:
         if request.is_finished:
-            state.text += state.decoder.flush()
-        if state.stop:
-            search_from = max(0, state.num_emitted_chars - max(map(len, state.stop)))
-            hits = [(state.text.find(stop, search_from), stop) for stop in state.stop]
-            hits = [(position, stop) for position, stop in hits if position >= 0]
-            if hits:
-                position, stop = min(hits)
-                state.text = state.text[:position]
-                self.scheduler.finish_request(request, "stop", stop)
+            request.finish_reason, request.stop_reason, request.error = "error", None, message
+        else:
+            self.scheduler.finish_request(request, "error", error=message)
 
     def _make_output(self, request: Request) -> RequestOutput:
-        state = self._texts[request.request_id]
-        # While a stop string could still be forming at the end, hold those characters back.
-        visible = len(state.text)
-        if state.stop and not request.is_finished:
-            visible = max(state.num_emitted_chars, visible - max(map(len, state.stop)) + 1)
-        delta_text = state.text[state.num_emitted_chars : visible]
-        state.num_emitted_chars = max(state.num_emitted_chars, visible)
+        texts = self._texts[request.request_id]
+        finished = request.is_finished
+        delta_text = texts.take_delta_text(finished)
+        start, end = texts.take_delta_range(request.num_output_tokens)
         output_ids = request.output_token_ids
+        logprobs = request.logprobs
         output = RequestOutput(
             request_id=request.request_id,
-            prompt=state.prompt,
+            prompt=texts.prompt,
             prompt_token_ids=request.prompt_token_ids,
             token_ids=output_ids,
-            text=state.text[: state.num_emitted_chars],
+            text=texts.emitted_text,
             num_cached_tokens=max(request.num_cached_tokens, 0),
-            finished=request.is_finished,
+            finished=finished,
             finish_reason=request.finish_reason,
             stop_reason=request.stop_reason,
             delta_text=delta_text,
-            delta_token_ids=output_ids[-1:] if output_ids else [],
+            delta_token_ids=output_ids[start:end],
+            logprobs=None if logprobs is None else list(logprobs),
+            delta_logprobs=[] if logprobs is None else logprobs[start:end],
+            error=request.error,
             metrics=request.metrics,
         )
-        if request.is_finished:
+        if finished:
             del self._texts[request.request_id]
         return output

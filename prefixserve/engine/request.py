@@ -28,7 +28,6 @@ class RequestStatus(enum.Enum):
 @dataclass
 class RequestMetrics:
     arrival_time: float
-    first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
     finished_time: Optional[float] = None
 
@@ -63,14 +62,18 @@ class Request:
     num_inserted_blocks: int = 0  # leading blocks registered in the radix index
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
-    finish_reason: Optional[str] = None  # "stop" | "length" | "abort"
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "error"
     stop_reason: Optional[object] = None  # the stop string or token id that ended it
-    generator: Optional[object] = None  # torch.Generator for a seeded request (set by the engine)
+    error: Optional[str] = None  # why it finished with "error"
+    # One TokenLogprob per output token when sampling_params.logprobs is set, else None.
+    logprobs: Optional[list] = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        if self.logprobs is None and self.sampling_params.logprobs is not None:
+            self.logprobs = []
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -92,8 +95,12 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    def append_output_token(self, token_id: int) -> None:
+    def append_output_token(self, token_id: int, logprob: Optional[object] = None) -> None:
+        """Add a sampled token (and its TokenLogprob, when asked), finishing on EOS, a stop token
+        or the length limit."""
         self.token_ids.append(token_id)
+        if self.logprobs is not None and logprob is not None:
+            self.logprobs.append(logprob)
         params = self.sampling_params
         if not params.ignore_eos and token_id in self.eos_token_ids:
             self.finish("stop", token_id)
@@ -102,10 +109,11 @@ class Request:
         elif self.num_output_tokens >= params.max_tokens or self.num_tokens >= self.max_model_len:
             self.finish("length")
 
-    def finish(self, reason: str, stop_reason: Optional[object] = None) -> None:
+    def finish(self, reason: str, stop_reason: Optional[object] = None, error: Optional[str] = None) -> None:
         if self.status is RequestStatus.FINISHED:
             return
         self.status = RequestStatus.FINISHED
         self.finish_reason = reason
         self.stop_reason = stop_reason
+        self.error = error
         self.metrics.finished_time = time.monotonic()

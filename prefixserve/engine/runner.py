@@ -10,13 +10,22 @@ other, each request's rows being the last `num_new` positions of its context.
 from __future__ import annotations
 
 import functools
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
 from ..model import AttentionMetadata, LlamaForCausalLM, ModelConfig
+from .outputs import TokenLogprob
 from .sampling import Sampler
 from .scheduler import ScheduledRequest
+
+
+class StepResult(NamedTuple):
+    """Per scheduled request: the sampled token (None for a mid-prompt chunk) and its logprob
+    (None unless the request asked for logprobs)."""
+
+    token_ids: list[Optional[int]]
+    logprobs: list[Optional[TokenLogprob]]
 
 
 @functools.lru_cache(maxsize=None)
@@ -59,8 +68,8 @@ class ModelRunner:
         model.pack_linear_weights(batch_size_hint=2048)
 
     @torch.inference_mode()
-    def execute(self, scheduled: Sequence[ScheduledRequest]) -> list[Optional[int]]:
-        """Run one step; returns a sampled token per request, None for mid-prompt chunks."""
+    def execute(self, scheduled: Sequence[ScheduledRequest]) -> StepResult:
+        """Run one step; a sampled token (and logprob) per request, None for mid-prompt chunks."""
         input_ids: list[int] = []
         query_lens, seq_lens, block_tables = [], [], []
         sample_rows, sampled_requests = [], []
@@ -83,13 +92,15 @@ class ModelRunner:
             meta,
         )
         if not sample_rows:
-            return [None] * len(scheduled)
+            return StepResult([None] * len(scheduled), [None] * len(scheduled))
         rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))
-        tokens = self.sampler.sample(
+        sampled = self.sampler.sample(
             logits,
             [request.sampling_params for request in sampled_requests],
-            [request.generator for request in sampled_requests],
+            [request.num_tokens for request in sampled_requests],  # where each new token lands
         )
-        by_request = {id(request): token for request, token in zip(sampled_requests, tokens)}
-        return [by_request.get(id(request)) for request, _ in scheduled]
+        by_request = {id(request): i for i, request in enumerate(sampled_requests)}
+        rows_of = [by_request.get(id(request)) for request, _ in scheduled]
+        return StepResult([None if i is None else sampled.token_ids[i] for i in rows_of],
+                          [None if i is None else sampled.logprobs[i] for i in rows_of])

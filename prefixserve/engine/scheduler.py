@@ -8,6 +8,9 @@ steps. When blocks run out, cold cached leaves are evicted (inside
 `RadixCache.allocate`); if that is not enough, the newest running request is
 preempted: its blocks are released and it is recomputed later, mostly from
 the cache, since its own full blocks stay cached.
+
+A request that cannot get a block even alone (pinned prefixes hold the rest of the pool) is
+never preempted in a loop: it finishes with "length" if it has output, else with "error".
 """
 
 from __future__ import annotations
@@ -31,10 +34,7 @@ class ScheduledRequest(NamedTuple):
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(item.num_new_tokens for item in self.scheduled)
+    finished: list[Request] = field(default_factory=list)  # ended unrun: they can never fit
 
     @property
     def is_empty(self) -> bool:
@@ -99,7 +99,10 @@ class Scheduler:
             while not self.cache.can_allocate(needed) and self.running[-1] is not request:
                 output.preempted.append(self._preempt(self.running[-1]))
             if not self.cache.can_allocate(needed):
-                output.preempted.append(self._preempt(request))
+                if index == 0:  # alone, and still no room: waiting would never end
+                    self._finish_unfittable(request, needed, output)
+                else:  # older requests hold the blocks; they will finish
+                    output.preempted.append(self._preempt(request))
                 continue
             request.blocks += self.cache.allocate(needed)
             output.scheduled.append(ScheduledRequest(request, num_new))
@@ -119,7 +122,11 @@ class Scheduler:
             # Acquiring a cold hit takes it out of the reclaimable pool.
             num_hit_reclaimable = sum(1 for block in hit if block.ref_count == 0 and block.pin_count == 0)
             if not self.cache.can_allocate(needed + num_hit_reclaimable):
-                break
+                if self.running or output.scheduled:
+                    break  # running requests will free blocks
+                self.waiting.remove(request)  # nothing holds blocks but pins: it never fits
+                self._finish_unfittable(request, needed + num_hit_reclaimable, output)
+                continue
             self.waiting.remove(request)
             self.cache.acquire(hit, request.prefix_ttl)
             request.blocks = hit + self.cache.allocate(needed)
@@ -146,6 +153,17 @@ class Scheduler:
         self.keyer.extend(request.block_keys, request.scope_digest, request.token_ids, request.private_from)
         return self.cache.match(request.scope_digest, request.block_keys, request.token_ids, record_stats=False).blocks
 
+    def _finish_unfittable(self, request: Request, num_needed: int, output: SchedulerOutput) -> None:
+        if request.num_output_tokens > 0:
+            self.finish_request(request, "length")
+        else:
+            usage = self.cache.usage()
+            self.finish_request(request, "error", error=(
+                f"the request needs {num_needed} more KV blocks but pinned prefixes hold "
+                f"{usage.num_pinned_blocks} of the pool's {self.cache.pool.num_blocks}; unpin prefixes, "
+                "raise kv_cache_memory_bytes or send a shorter prompt"))
+        output.finished.append(request)
+
     def _preempt(self, request: Request) -> Request:
         self.running.remove(request)
         self._release(request)
@@ -165,13 +183,16 @@ class Scheduler:
         return -(-num_tokens // self.block_size)
 
     # --------------------------------------------------------------- update
-    def update(self, output: SchedulerOutput, sampled_token_ids: Sequence[Optional[int]]) -> list[Request]:
-        """Advance each scheduled request; `sampled_token_ids[i]` is None for a mid-prompt chunk.
+    def update(self, output: SchedulerOutput, sampled_token_ids: Sequence[Optional[int]],
+               logprobs: Optional[Sequence[Optional[object]]] = None) -> list[Request]:
+        """Advance each scheduled request; `sampled_token_ids[i]` is None for a mid-prompt chunk,
+        `logprobs[i]` its TokenLogprob when the request asked for them.
 
         Returns the requests that produced a token or finished this step.
         """
         updated = []
-        for (request, num_new), token_id in zip(output.scheduled, sampled_token_ids):
+        logprobs = logprobs or [None] * len(output.scheduled)
+        for (request, num_new), token_id, logprob in zip(output.scheduled, sampled_token_ids, logprobs):
             if request.is_finished:  # aborted while the step ran
                 continue
             request.num_computed_tokens += num_new
@@ -179,7 +200,7 @@ class Scheduler:
                 self._insert_full_blocks(request)
             if token_id is None:
                 continue
-            request.append_output_token(token_id)
+            request.append_output_token(token_id, logprob)
             updated.append(request)
             if request.is_finished:
                 self.finish_request(request, request.finish_reason, request.stop_reason)
@@ -199,9 +220,10 @@ class Scheduler:
                                           request.prefix_ttl)
         request.num_inserted_blocks = num_full
 
-    def finish_request(self, request: Request, reason: str, stop_reason: Optional[object] = None) -> None:
-        """End a running request (also used by the engine for stop strings) and release its blocks."""
-        request.finish(reason, stop_reason)
+    def finish_request(self, request: Request, reason: str, stop_reason: Optional[object] = None,
+                       error: Optional[str] = None) -> None:
+        """End a running request (also used by the engine for stop strings and errors) and release its blocks."""
+        request.finish(reason, stop_reason, error)
         if request in self.running:
             self.running.remove(request)
         self._release(request)
