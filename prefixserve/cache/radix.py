@@ -21,12 +21,13 @@ block computed twice is merged into the cached copy), and pins cover paths.
 
 from __future__ import annotations
 
-import heapq
 import time
 from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 from .block_pool import Block, BlockPool
+from .eviction import EvictionOrder
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, EventQueue
+from .integrity import check_integrity
 from .keys import pack_tokens
 from .stats import CacheStats, CacheUsage
 
@@ -60,9 +61,7 @@ class RadixCache:
         self.events = events
         self.stats = CacheStats()
         self._index: dict[bytes, Block] = {}
-        self._lru_heap: list[tuple[int, int]] = []  # (last_access, block_id)
-        self._expiry_heap: list[tuple[float, int, int]] = []  # (expire_at, last_access, block_id)
-        self._tick = 0
+        self._order = EvictionOrder(self.pool.blocks, clock)
         self._num_cached_unreferenced = 0
         self._num_reclaimable = 0  # cached, unreferenced, unpinned
         self._num_pinned = 0
@@ -124,7 +123,7 @@ class RadixCache:
                 if block.pin_count == 0:
                     self._num_reclaimable -= 1
             block.ref_count += 1
-            self._touch(block)
+            self._order.touch(block)
             if block.ttl is not None and ttl is not None:
                 block.ttl = max(block.ttl, ttl)  # the longest lifetime asked for wins
             block.expire_at = None if block.ttl is None else now + block.ttl
@@ -143,43 +142,10 @@ class RadixCache:
             self._num_cached_unreferenced += 1
             if block.pin_count == 0:
                 self._num_reclaimable += 1
-            self._touch(block)
+            self._order.touch(block)
             if block.ttl is not None:
                 block.expire_at = now + block.ttl  # the TTL counts from the last use
-            self._push_if_evictable(block)
-
-    def _touch(self, block: Block) -> None:
-        self._tick += 1
-        block.last_access = self._tick
-
-    @staticmethod
-    def _is_evictable(block: Block) -> bool:
-        return block.key is not None and block.ref_count == 0 and block.num_children == 0 and block.pin_count == 0
-
-    def _push_if_evictable(self, block: Block) -> None:
-        if not self._is_evictable(block):
-            return
-        heapq.heappush(self._lru_heap, (block.last_access, block.block_id))
-        if block.expire_at is not None:
-            heapq.heappush(self._expiry_heap, (block.expire_at, block.last_access, block.block_id))
-        # Stale entries pile up under churn; rebuild once they dominate.
-        if len(self._lru_heap) > 2 * self._num_reclaimable + 64:
-            self._compact_heaps()
-
-    def _compact_heaps(self) -> None:
-        blocks = self.pool.blocks
-        self._lru_heap = [e for e in set(self._lru_heap) if self._lru_entry_valid(blocks[e[1]], e[0])]
-        heapq.heapify(self._lru_heap)
-        self._expiry_heap = [
-            e for e in set(self._expiry_heap) if self._expiry_entry_valid(blocks[e[2]], e[0], e[1])
-        ]
-        heapq.heapify(self._expiry_heap)
-
-    def _lru_entry_valid(self, block: Block, last_access: int) -> bool:
-        return block.last_access == last_access and self._is_evictable(block)
-
-    def _expiry_entry_valid(self, block: Block, expire_at: float, last_access: int) -> bool:
-        return block.expire_at == expire_at and self._lru_entry_valid(block, last_access)
+            self._order.push_if_evictable(block, self._num_reclaimable)
 
     # ------------------------------------------------------------- allocation
     @property
@@ -220,26 +186,17 @@ class RadixCache:
         return num_expired
 
     def _pop_expired(self) -> Optional[Block]:
-        now = self.clock()
-        heap = self._expiry_heap
-        while heap and heap[0][0] <= now:
-            expire_at, last_access, block_id = heapq.heappop(heap)
-            block = self.pool.blocks[block_id]
-            if self._expiry_entry_valid(block, expire_at, last_access):
-                self.stats.num_expired_blocks += 1
-                return block
-        return None
+        block = self._order.pop_expired()
+        if block is not None:
+            self.stats.num_expired_blocks += 1
+        return block
 
     def _pop_lru(self) -> Optional[Block]:
-        heap = self._lru_heap
-        while heap:
-            last_access, block_id = heapq.heappop(heap)
-            block = self.pool.blocks[block_id]
-            if self._lru_entry_valid(block, last_access):
-                self.stats.num_evicted_blocks += 1
-                self.stats.num_evicted_tokens += self.block_size
-                return block
-        return None
+        block = self._order.pop_lru()
+        if block is not None:
+            self.stats.num_evicted_blocks += 1
+            self.stats.num_evicted_tokens += self.block_size
+        return block
 
     # ---------------------------------------------------------------- insert
     def insert(
@@ -311,7 +268,7 @@ class RadixCache:
             self.pool.free(block)
         if isinstance(parent, Block) and parent.key is not None:
             parent.num_children -= 1
-            self._push_if_evictable(parent)
+            self._order.push_if_evictable(parent, self._num_reclaimable)
 
     # ------------------------------------------------------------------ pins
     def _cached_path(self, keys: Sequence[bytes]) -> list[Block]:
@@ -349,7 +306,7 @@ class RadixCache:
                 self._num_pinned -= 1
                 if block.ref_count == 0:
                     self._num_reclaimable += 1
-                self._push_if_evictable(block)
+                self._order.push_if_evictable(block, self._num_reclaimable)
         return len(path)
 
     # ----------------------------------------------------------------- clear
@@ -364,7 +321,7 @@ class RadixCache:
             self._uncache(block, publish=scope_digest is not None)
         if scope_digest is None and self.events is not None:
             self.events.publish(AllBlocksCleared())
-        self._compact_heaps()
+        self._order.compact()
         return len(victims)
 
     def _scope_of(self, block: Block, memo: dict[int, bytes]) -> bytes:
@@ -397,58 +354,4 @@ class RadixCache:
 
     def check_integrity(self) -> None:
         """Assert every invariant of pool, index, heaps and counters (for tests)."""
-        blocks = self.pool.blocks
-        free_ids = {block.block_id for block in self.pool.free_list}
-        assert len(free_ids) == self.pool.num_free_blocks, "free list length is off"
-        children = [0] * len(blocks)
-        num_free = num_cached_unreferenced = num_referenced = num_reclaimable = num_pinned = 0
-        evictable: set[int] = set()
-        for block in blocks:
-            assert block.ref_count >= 0, f"negative ref count: {block}"
-            if block.key is None:
-                assert block.pin_count == 0 and block.num_children == 0, f"uncached block has state: {block}"
-                assert block.parent is None and block.token_bytes is None, f"uncached block keeps links: {block}"
-                if block.ref_count == 0:
-                    assert block.block_id in free_ids, f"{block} is lost: unreferenced, uncached, not free"
-                    num_free += 1
-                else:
-                    assert block.block_id not in free_ids, f"{block} is referenced but on the free list"
-                    num_referenced += 1
-                continue
-            assert block.block_id not in free_ids, f"cached {block} is on the free list"
-            assert self._index.get(block.key) is block, f"{block} is not indexed under its key"
-            parent = block.parent
-            if isinstance(parent, Block):
-                assert parent.key is not None, f"{block}'s parent {parent} is not cached"
-                children[parent.block_id] += 1
-                if block.ref_count:
-                    assert parent.ref_count, f"{block} is referenced but its parent {parent} is not"
-                if block.pin_count:
-                    assert parent.pin_count, f"{block} is pinned but its parent {parent} is not"
-            else:
-                assert isinstance(parent, bytes), f"{block} has no parent or scope"
-            if block.pin_count:
-                num_pinned += 1
-            if block.ref_count:
-                num_referenced += 1
-            else:
-                num_cached_unreferenced += 1
-                num_reclaimable += block.pin_count == 0
-        for block in blocks:
-            assert block.num_children == children[block.block_id], f"{block} child count is off"
-            if self._is_evictable(block):
-                evictable.add(block.block_id)
-        assert num_free + num_cached_unreferenced + num_referenced == len(blocks), "blocks unaccounted for"
-        assert len(self._index) == sum(1 for b in blocks if b.key is not None), "index holds stale keys"
-        assert num_cached_unreferenced == self._num_cached_unreferenced, "cached-unreferenced count is off"
-        assert num_reclaimable == self._num_reclaimable, "reclaimable count is off"
-        assert num_pinned == self._num_pinned <= self.max_pinned_blocks, "pinned count is off"
-        in_heap = {block_id for last, block_id in self._lru_heap if self._lru_entry_valid(blocks[block_id], last)}
-        assert in_heap == evictable, f"LRU heap holds {sorted(in_heap)}, evictable leaves are {sorted(evictable)}"
-        for expire_at, last, block_id in self._expiry_heap:
-            if self._expiry_entry_valid(blocks[block_id], expire_at, last):
-                assert block_id in evictable
-        for block_id in evictable:
-            if blocks[block_id].expire_at is not None:
-                block = blocks[block_id]
-                assert (block.expire_at, block.last_access, block_id) in self._expiry_heap, f"{block} lost its expiry"
+        check_integrity(self)
