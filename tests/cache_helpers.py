@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from prefixserve.cache import Block, BlockKeyer, RadixCache
+from prefixserve.cache.radix import OutOfBlocksError
 
 
 @dataclass
@@ -22,12 +23,13 @@ def admit(cache: RadixCache, keyer: BlockKeyer, request: FakeRequest, num_output
     """Match, acquire the hit, allocate blocks for the rest of the prompt plus output slots."""
     keyer.extend(request.keys, request.scope_digest, request.token_ids)
     hit = cache.match(request.scope_digest, request.keys, request.token_ids)
-    cache.acquire(hit.blocks, ttl)
-    request.blocks = list(hit.blocks)
-    request.num_cached_tokens = hit.num_tokens
     total_slots = len(request.token_ids) + num_output_slots
-    num_needed = -(-total_slots // cache.block_size) - len(request.blocks)
-    request.blocks += cache.allocate(num_needed)
+    num_needed = -(-total_slots // cache.block_size) - len(hit.blocks)
+    blocks = cache.admit(hit.blocks, num_needed, ttl)
+    if blocks is None:
+        raise OutOfBlocksError(f"cannot admit: {num_needed} new blocks plus the hit do not fit")
+    request.blocks = blocks
+    request.num_cached_tokens = hit.num_tokens
     return request
 
 

@@ -262,3 +262,18 @@ def test_event_log_cursor_and_resync_signal():
     assert [type(e) for e in got] == [BlockRemoved, BlockRemoved] and cursor2 == 4 and complete
     assert events.since(0)[2] is False  # a reader at 0 missed a dropped event: resync
     assert events.num_dropped == 1
+
+
+def test_admit_counts_a_cold_hit_against_the_room_it_takes():
+    cache, keyer = make(num_blocks=4)
+    finish(cache, run(cache, keyer, range(8)))  # 2 cached, unreferenced blocks; 2 free
+    request = FakeRequest(list(range(8)) + [99], SCOPE.digest)
+    keyer.extend(request.keys, request.scope_digest, request.token_ids)
+    hit = cache.match(request.scope_digest, request.keys, request.token_ids)
+    assert ids(hit.blocks) == [0, 1] and cache.can_allocate(3)  # 2 free + 2 reclaimable...
+    assert cache.admit(hit.blocks, 3) is None  # ...but acquiring the hit makes those 2 unreclaimable
+    assert [b.ref_count for b in hit.blocks] == [0, 0]  # a refused admission changes nothing
+    cache.check_integrity()
+    admitted = cache.admit(hit.blocks, 2)
+    assert ids(admitted) == [0, 1, 2, 3] and [b.ref_count for b in admitted] == [1, 1, 1, 1]
+    cache.check_integrity()

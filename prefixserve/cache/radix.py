@@ -166,6 +166,19 @@ class RadixCache:
             )
         return [self.pool.allocate() for _ in range(num_blocks)]
 
+    def admit(self, hit: Sequence[Block], num_new_blocks: int, ttl: Optional[float] = None) -> Optional[list[Block]]:
+        """The one admission step: acquire a matched prefix and allocate `num_new_blocks` after it.
+
+        Returns hit + new blocks, or None (nothing changed) when they cannot all be had. Acquiring
+        a cold hit takes it out of the reclaimable pool, so it is counted against the free room:
+        checking `can_allocate(num_new_blocks)` alone would over-promise.
+        """
+        num_cold_hits = sum(1 for block in hit if block.ref_count == 0 and block.pin_count == 0)
+        if not self.can_allocate(num_new_blocks + num_cold_hits):
+            return None
+        self.acquire(hit, ttl)
+        return list(hit) + self.allocate(num_new_blocks)
+
     def evict(self, num_blocks: int) -> int:
         """Free up to `num_blocks`: expired leaves first, then least recently used leaves."""
         num_evicted = 0
