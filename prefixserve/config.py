@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Optional
 
+from .cache.keys import HASH_FUNCTIONS
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULING_POLICIES = ("fcfs", "lpm")
@@ -17,7 +19,7 @@ DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
 @dataclass(frozen=True)
 class EngineConfig:
     model: Optional[str] = None  # a Hugging Face checkpoint directory; None = built-in prefixserve-tiny
-    dtype: str = "auto"  # auto: bfloat16 where the hardware runs it fast, else float32
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU (exact cache reuse; see engine/device.py)
     device: str = "auto"  # auto: cuda when available, else cpu
     block_size: int = 16
     enable_prefix_caching: bool = True
@@ -57,7 +59,8 @@ class EngineConfig:
             self.scheduling_policy in SCHEDULING_POLICIES,
             f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}",
         )
-        require(self.prefix_hash in ("sha256", "xxh3_128"), f"prefix_hash must be 'sha256' or 'xxh3_128', got {self.prefix_hash!r}")
+        require(self.prefix_hash in HASH_FUNCTIONS,
+                f"prefix_hash must be one of {sorted(HASH_FUNCTIONS)}, got {self.prefix_hash!r}")
         require(self.prefix_ttl is None or self.prefix_ttl > 0, f"prefix_ttl must be positive seconds, got {self.prefix_ttl}")
 
     @classmethod

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Optional, Sequence, Union
 
 from tqdm import tqdm
@@ -10,8 +11,9 @@ from .config import EngineConfig
 from .engine.engine import LLMEngine, PromptType
 from .engine.outputs import RequestOutput
 from .engine.sampling_params import SamplingParams
+from .prompts import split_prompts
 
-PROGRESS_THRESHOLD = 4  # more prompts than this get a progress bar
+PROGRESS_THRESHOLD = 4  # more prompts than this get a progress bar (on a terminal only)
 
 
 class LLM:
@@ -27,7 +29,7 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Outputs in prompt order; a prompt with n > 1 gives n outputs in a row."""
-        prompt_list = self._as_prompt_list(prompts)
+        prompt_list = split_prompts(prompts)
         if isinstance(params, (list, tuple)):
             if len(params) != len(prompt_list):
                 raise ValueError(f"got {len(params)} SamplingParams for {len(prompt_list)} prompts; give one or one each")
@@ -55,22 +57,10 @@ class LLM:
 
     def _run(self, order: list[str], show_progress: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
-        with tqdm(total=len(order), desc="generating", disable=not show_progress) as bar:
+        with tqdm(total=len(order), desc="generating", disable=not (show_progress and sys.stderr.isatty())) as bar:
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
                     if output.finished:
                         finished[output.request_id] = output
                         bar.update(1)
         return [finished[request_id] for request_id in order]
-
-    @staticmethod
-    def _as_prompt_list(prompts) -> list[PromptType]:
-        if isinstance(prompts, (str, dict)):
-            return [prompts]
-        if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
-            return [list(prompts)]  # a single prompt given as token ids
-        if isinstance(prompts, (list, tuple)):
-            if not prompts:
-                raise ValueError("generate() needs at least one prompt")
-            return list(prompts)
-        raise TypeError(f"prompts must be a string, token ids, a dict or a list of those, got {type(prompts).__name__}")

@@ -87,7 +87,7 @@ def test_a_failing_detokenizer_fails_only_its_request(llm):
     def explode(*args):
         raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "simulated")
 
-    engine._texts["broken"].update = explode
+    engine.outputs._texts["broken"].update = explode
     finals = run_to_completion(engine, max_steps=20)
     assert finals["broken"].finish_reason == "error" and "UnicodeDecodeError" in finals["broken"].error
     assert finals["fine"].finish_reason == "length" and len(finals["fine"].token_ids) == 6

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Optional
 
 import torch
 
@@ -21,8 +20,9 @@ from ..cache import BlockKeyer, CacheScope, EventQueue, RadixCache
 from ..cache.scoping import PromptScoper
 from ..config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from ..model import Tokenizer, ensure_default_model, load_generation_eos, load_model
-from .detokenizer import RequestDetokenizer
 from .device import measure_cuda_kv_budget, resolve_device, resolve_dtype
+from .input_processor import InputProcessor, PromptTooLongError, PromptType  # noqa: F401 (re-exported)
+from .output_processor import OutputProcessor
 from .outputs import RequestOutput
 from .request import Request
 from .runner import ModelRunner, cpu_has_fast_bfloat16, kv_bytes_per_token
@@ -30,12 +30,6 @@ from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger("prefixserve")
-
-PromptType = Union[str, list[int], dict[str, Any]]
-
-
-class PromptTooLongError(ValueError):
-    """The prompt leaves no room to generate within max_model_len."""
 
 
 class LLMEngine:
@@ -79,9 +73,13 @@ class LLMEngine:
             enable_prefix_caching=config.enable_prefix_caching,
             policy=config.scheduling_policy,
         )
+        # Lay linear weights out for oneDNN once, sized for a full step's token budget (CPU only).
+        loaded.model.pack_linear_weights(batch_size_hint=config.max_num_batched_tokens)
         self.runner = ModelRunner(loaded.model, loaded.config, num_blocks, config.block_size, self.dtype,
                                   self.device, config.seed)
-        self._texts: dict[str, RequestDetokenizer] = {}
+        self.inputs = InputProcessor(self.tokenizer, loaded.config.vocab_size, self.max_model_len, self.scoper,
+                                     self.eos_token_ids, config.prefix_ttl)
+        self.outputs = OutputProcessor(self.tokenizer)
         self.num_prefill_tokens_computed = 0
         self.num_generation_tokens = 0
         weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
@@ -138,41 +136,6 @@ class LLMEngine:
         return measure_cuda_kv_budget(loaded, self.config, self.device, self.dtype, self.max_model_len)
 
     # ----------------------------------------------------------- requests
-    def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int], Optional[str]]:
-        """(text or None, token ids, cache salt or None) of a string, token list or vLLM-style dict."""
-        cache_salt = None
-        if isinstance(prompt, dict):
-            unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
-            if unknown:
-                raise ValueError(f"unknown prompt field(s) {sorted(unknown)}; use 'prompt' or 'prompt_token_ids' and optional 'cache_salt'")
-            cache_salt = prompt.get("cache_salt")
-            if "prompt_token_ids" in prompt:
-                prompt = prompt["prompt_token_ids"]
-            elif "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids' (list of ints)")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("the prompt is empty; give at least one character or token id")
-            return prompt, self.tokenizer.encode(prompt), cache_salt
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return None, list(prompt), cache_salt
-        raise TypeError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
-
-    def validate_token_ids(self, token_ids: list[int]) -> None:
-        if not token_ids:
-            raise ValueError("the prompt is empty; give at least one character or token id")
-        vocab_size = self.model_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size}); check the tokenizer")
-        if len(token_ids) >= self.max_model_len:
-            raise PromptTooLongError(
-                f"the prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}, "
-                "which leaves no room to generate; shorten the prompt"
-            )
-
     def add_request(
         self,
         prompt: PromptType,
@@ -185,27 +148,11 @@ class LLMEngine:
         self.submit(request)
         return request
 
-    def make_request(self, prompt, params=None, request_id=None, cache_salt=None, arrival_time=None) -> Request:
+    def make_request(self, prompt: PromptType, params: Optional[SamplingParams] = None,
+                     request_id: Optional[str] = None, cache_salt: Optional[str] = None,
+                     arrival_time: Optional[float] = None) -> Request:
         """Tokenize and validate (raises ValueError with the fix); does not touch engine state."""
-        params = params or SamplingParams()
-        text, token_ids, prompt_salt = self.tokenize_prompt(prompt)
-        self.validate_token_ids(token_ids)
-        salt = cache_salt if cache_salt is not None else prompt_salt
-        scope_digest, private_from = self.scoper.scope_for(token_ids, salt)
-        request = Request(
-            request_id=request_id or uuid.uuid4().hex,
-            prompt_token_ids=token_ids,
-            sampling_params=params,
-            prompt=text,
-            scope_digest=scope_digest,
-            private_from=private_from,
-            eos_token_ids=self.eos_token_ids,
-            max_model_len=self.max_model_len,
-            prefix_ttl=self.config.prefix_ttl,
-        )
-        if arrival_time is not None:
-            request.metrics.arrival_time = arrival_time
-        return request
+        return self.inputs.make_request(prompt, params, request_id, cache_salt, arrival_time)
 
     def declare_shared_prefix(self, token_ids: list[int]) -> int:
         """Let every tenant (cache salt) reuse the full blocks of this public prefix; returns them."""
@@ -213,12 +160,12 @@ class LLMEngine:
 
     def submit(self, request: Request) -> None:
         """Queue a request built by `make_request`."""
-        if request.request_id in self._texts:
-            raise ValueError(f"request id {request.request_id!r} is already in use; give each request its own id")
-        texts = RequestDetokenizer(self.tokenizer, request.prompt, request.prompt_token_ids,
-                                   request.sampling_params.stop)
-        self.scheduler.add_request(request)
-        self._texts[request.request_id] = texts
+        self.outputs.add(request)
+        try:
+            self.scheduler.add_request(request)
+        except ValueError:
+            self.outputs.forget(request.request_id)
+            raise
 
     def abort_request(self, request_id: str) -> Optional[RequestOutput]:
         request = self.scheduler.abort_request(request_id)
@@ -263,56 +210,16 @@ class LLMEngine:
         return outputs
 
     def _detokenized_output(self, request: Request) -> RequestOutput:
-        self._detokenize(request)
-        return self._make_output(request)
-
-    def _detokenize(self, request: Request) -> None:
-        texts = self._texts[request.request_id]
-        # An EOS / stop token is not part of the text.
-        drop_last = request.finish_reason == "stop" and request.stop_reason in request.token_ids[-1:]
         try:
-            stop = texts.update(request.token_ids, request.is_finished, drop_last)
+            stop = self.outputs.detokenize(request)
         except Exception as error:  # this request's text alone is broken
             logger.exception("detokenizing request %s failed; it finishes with 'error'", request.request_id)
-            self._fail_request(request, f"the engine failed to detokenize this request ({type(error).__name__})")
-            return
-        if stop is None:
-            return
-        if request.is_finished:  # also at its length limit: the stop string wins, as in vLLM
-            request.finish_reason, request.stop_reason = "stop", stop
+            self.scheduler.finish_request(request, "error",
+                                          error=f"the engine failed to detokenize this request ({type(error).__name__})")
         else:
-            self.scheduler.finish_request(request, "stop", stop)
-
-    def _fail_request(self, request: Request, message: str) -> None:
-        if request.is_finished:
-            request.finish_reason, request.stop_reason, request.error = "error", None, message
-        else:
-            self.scheduler.finish_request(request, "error", error=message)
+            if stop is not None:  # also at its length limit: the stop string wins, as in vLLM
+                self.scheduler.finish_request(request, "stop", stop)
+        return self._make_output(request)
 
     def _make_output(self, request: Request) -> RequestOutput:
-        texts = self._texts[request.request_id]
-        finished = request.is_finished
-        delta_text = texts.take_delta_text(finished)
-        start, end = texts.take_delta_range(request.num_output_tokens)
-        output_ids = request.output_token_ids
-        logprobs = request.logprobs
-        output = RequestOutput(
-            request_id=request.request_id,
-            prompt=texts.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            token_ids=output_ids,
-            text=texts.emitted_text,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
-            finished=finished,
-            finish_reason=request.finish_reason,
-            stop_reason=request.stop_reason,
-            delta_text=delta_text,
-            delta_token_ids=output_ids[start:end],
-            logprobs=None if logprobs is None else list(logprobs),
-            delta_logprobs=[] if logprobs is None else logprobs[start:end],
-            error=request.error,
-            metrics=request.metrics,
-        )
-        if finished:
-            del self._texts[request.request_id]
-        return output
+        return self.outputs.make_output(request)

@@ -96,24 +96,18 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     def append_output_token(self, token_id: int, logprob: Optional[object] = None) -> None:
-        """Add a sampled token (and its TokenLogprob, when asked), finishing on EOS, a stop token
-        or the length limit."""
+        """Add a sampled token (and its TokenLogprob, when asked); whether it ends the request is
+        stopping.check_stop's to say."""
         self.token_ids.append(token_id)
         if self.logprobs is not None and logprob is not None:
             self.logprobs.append(logprob)
-        params = self.sampling_params
-        if not params.ignore_eos and token_id in self.eos_token_ids:
-            self.finish("stop", token_id)
-        elif token_id in params.stop_token_ids:
-            self.finish("stop", token_id)
-        elif self.num_output_tokens >= params.max_tokens or self.num_tokens >= self.max_model_len:
-            self.finish("length")
 
     def finish(self, reason: str, stop_reason: Optional[object] = None, error: Optional[str] = None) -> None:
-        if self.status is RequestStatus.FINISHED:
-            return
-        self.status = RequestStatus.FINISHED
+        """Mark finished (call through Scheduler.finish_request). Finishing again restates why: a stop
+        string found on the token that reached the length limit, or an error, is the later word."""
+        if self.status is not RequestStatus.FINISHED:
+            self.status = RequestStatus.FINISHED
+            self.metrics.finished_time = time.monotonic()
         self.finish_reason = reason
         self.stop_reason = stop_reason
         self.error = error
-        self.metrics.finished_time = time.monotonic()

@@ -59,13 +59,13 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-        # Zeroed, not empty: padded gathers read unused slots, and 0 * NaN garbage would be NaN.
+        # Zeroed, not empty, as a defence only: the attention plan never reads an unwritten slot (decode
+        # padding reads the sequence's own newest slot; tests fill unwritten slots with NaN to prove it).
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(config.num_hidden_layers)
         ]
         self.sampler = Sampler(seed)
-        model.pack_linear_weights(batch_size_hint=2048)
 
     @torch.inference_mode()
     def execute(self, scheduled: Sequence[ScheduledRequest]) -> StepResult:

@@ -21,6 +21,7 @@ from typing import NamedTuple, Optional, Sequence
 
 from ..cache import Block, BlockKeyer, RadixCache
 from .request import Request, RequestStatus
+from .stopping import check_stop
 
 LPM_WINDOW = 64  # waiting requests ranked by cached prefix per step under "lpm"
 
@@ -77,9 +78,7 @@ class Scheduler:
         for queue in (self.running, self.waiting):
             for request in queue:
                 if request.request_id == request_id:
-                    queue.remove(request)
-                    self._release(request)
-                    request.finish("abort")
+                    self.finish_request(request, "abort")
                     return request
         return None
 
@@ -119,17 +118,14 @@ class Scheduler:
             num_cached = len(hit) * self.block_size
             num_new = min(request.num_tokens - num_cached, budget)
             needed = self._blocks_for(num_cached + num_new) - len(hit)
-            # Acquiring a cold hit takes it out of the reclaimable pool.
-            num_hit_reclaimable = sum(1 for block in hit if block.ref_count == 0 and block.pin_count == 0)
-            if not self.cache.can_allocate(needed + num_hit_reclaimable):
+            blocks = self.cache.admit(hit, needed, request.prefix_ttl)
+            if blocks is None:
                 if self.running or output.scheduled:
                     break  # running requests will free blocks
-                self.waiting.remove(request)  # nothing holds blocks but pins: it never fits
-                self._finish_unfittable(request, needed + num_hit_reclaimable, output)
+                self._finish_unfittable(request, needed, output)  # nothing holds blocks but pins: it never fits
                 continue
             self.waiting.remove(request)
-            self.cache.acquire(hit, request.prefix_ttl)
-            request.blocks = hit + self.cache.allocate(needed)
+            request.blocks = blocks
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
@@ -202,8 +198,9 @@ class Scheduler:
                 continue
             request.append_output_token(token_id, logprob)
             updated.append(request)
-            if request.is_finished:
-                self.finish_request(request, request.finish_reason, request.stop_reason)
+            ended = check_stop(request)
+            if ended is not None:
+                self.finish_request(request, *ended)
         return updated
 
     def _insert_full_blocks(self, request: Request) -> None:
@@ -222,8 +219,11 @@ class Scheduler:
 
     def finish_request(self, request: Request, reason: str, stop_reason: Optional[object] = None,
                        error: Optional[str] = None) -> None:
-        """End a running request (also used by the engine for stop strings and errors) and release its blocks."""
+        """The one place a request finishes (tokens, stop strings, errors, aborts): it leaves its queue
+        and its blocks are released. A finished request may be finished again to restate why."""
         request.finish(reason, stop_reason, error)
         if request in self.running:
             self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
         self._release(request)

@@ -14,10 +14,11 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from ..engine.async_engine import AsyncLLMEngine
-from ..engine.engine import PromptTooLongError
+from ..engine.input_processor import PromptTooLongError
 from ..engine.request import Request as EngineRequest
 from ..engine.sampling_params import SamplingParams
 from ..http import parse_json_body
+from ..prompts import split_prompts
 from .errors import APIError, param_of
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, new_id
 
@@ -64,14 +65,10 @@ def sampling_params(body: SamplingFields, num_logprobs: Optional[int]) -> Sampli
 
 def completion_prompts(prompt) -> list:
     """A string, a list of strings, a list of token ids, or a list of token-id lists, as a list of prompts."""
-    if isinstance(prompt, str):
-        return [prompt]
-    if not prompt:
-        raise APIError(400, "prompt is empty; send a string, a list of strings or token ids", param="prompt",
-                       code="invalid_prompt")
-    if all(isinstance(item, int) for item in prompt):
-        return [list(prompt)]
-    return list(prompt)
+    try:
+        return split_prompts(prompt)
+    except (ValueError, TypeError) as error:
+        raise APIError(400, str(error), param="prompt", code="invalid_prompt") from None
 
 
 def chat_messages(body: ChatCompletionRequest) -> list[dict]:

@@ -1,0 +1,90 @@
+"""Input processing: a prompt as a caller gives it -> a validated Request, ready to schedule.
+
+Runs in the caller (thread-safe: it reads only what is fixed at start-up), so bad input
+fails there, before the engine sees it.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, Optional, Union
+
+from ..cache.scoping import PromptScoper
+from ..model import Tokenizer
+from ..prompts import is_token_ids
+from .request import Request
+from .sampling_params import SamplingParams
+
+PromptType = Union[str, list[int], dict[str, Any]]
+PROMPT_DICT_FIELDS = {"prompt", "prompt_token_ids", "cache_salt"}
+
+
+class PromptTooLongError(ValueError):
+    """The prompt leaves no room to generate within max_model_len."""
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int, scoper: PromptScoper,
+                 eos_token_ids: frozenset[int], prefix_ttl: Optional[float]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.scoper = scoper
+        self.eos_token_ids = eos_token_ids
+        self.prefix_ttl = prefix_ttl
+
+    def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int], Optional[str]]:
+        """(text or None, token ids, cache salt or None) of a string, token list or vLLM-style dict."""
+        cache_salt = None
+        if isinstance(prompt, dict):
+            unknown = set(prompt) - PROMPT_DICT_FIELDS
+            if unknown:
+                raise ValueError(f"unknown prompt field(s) {sorted(unknown)}; use 'prompt' or 'prompt_token_ids' "
+                                 "and optional 'cache_salt'")
+            cache_salt = prompt.get("cache_salt")
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids' (list of ints)")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt) if prompt else [], cache_salt
+        if is_token_ids(prompt) or (isinstance(prompt, (list, tuple)) and not prompt):
+            return None, list(prompt), cache_salt
+        raise TypeError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def validate(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty; give at least one character or token id")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size}); check the tokenizer")
+        if len(token_ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}, "
+                "which leaves no room to generate; shorten the prompt"
+            )
+
+    def make_request(self, prompt: PromptType, params: Optional[SamplingParams] = None,
+                     request_id: Optional[str] = None, cache_salt: Optional[str] = None,
+                     arrival_time: Optional[float] = None) -> Request:
+        """Tokenize and validate (raises ValueError / TypeError with the fix)."""
+        text, token_ids, prompt_salt = self.tokenize(prompt)
+        self.validate(token_ids)
+        salt = cache_salt if cache_salt is not None else prompt_salt
+        scope_digest, private_from = self.scoper.scope_for(token_ids, salt)
+        request = Request(
+            request_id=request_id or uuid.uuid4().hex,
+            prompt_token_ids=token_ids,
+            sampling_params=params or SamplingParams(),
+            prompt=text,
+            scope_digest=scope_digest,
+            private_from=private_from,
+            eos_token_ids=self.eos_token_ids,
+            max_model_len=self.max_model_len,
+            prefix_ttl=self.prefix_ttl,
+        )
+        if arrival_time is not None:
+            request.metrics.arrival_time = arrival_time
+        return request
