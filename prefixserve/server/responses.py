@@ -43,7 +43,8 @@ class TokenTexts:
 
 
 def _finite(logprob: float) -> float:
-    return max(logprob, LOGPROB_FLOOR)
+    """JSON-safe: -inf and NaN (a model that produced NaN logits) report the floor."""
+    return logprob if logprob >= LOGPROB_FLOOR else LOGPROB_FLOOR
 
 
 class _Shape:
