@@ -59,3 +59,15 @@ class LiveServer:
                 return
             time.sleep(0.02)
         raise AssertionError("engine still busy after the timeout")
+
+
+def assert_openai_error(response, status: int, param=None, code=None) -> None:
+    """The response has this status and an OpenAI error body naming the cause (and param / code, when given)."""
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert "Traceback" not in response.text
+    if param is not None:
+        assert error["param"] == param
+    if code is not None:
+        assert error["code"] == code

@@ -8,7 +8,7 @@ import logging
 import httpx
 import pytest
 
-from server_helpers import LiveServer
+from server_helpers import LiveServer, assert_openai_error
 
 ADMIN = "admin-secret"
 
@@ -28,17 +28,6 @@ def post(server, path, body, key="key-a", **kwargs):
     if isinstance(body, (bytes, str)):
         return httpx.post(server.url + path, content=body, headers=headers, **kwargs)
     return httpx.post(server.url + path, json=body, headers=headers, **kwargs)
-
-
-def assert_error(response, status, param=None, code=None):
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    assert "Traceback" not in response.text
-    if param is not None:
-        assert error["param"] == param
-    if code is not None:
-        assert error["code"] == code
 
 
 def assert_healthy(server):
@@ -68,7 +57,7 @@ def test_a_failing_step_fails_its_requests_alone(server):
 
     runner.execute = broken
     try:
-        assert_error(post(server, "/v1/completions", {"prompt": "boom", "max_tokens": 2}), 500, code="request_failed")
+        assert_openai_error(post(server, "/v1/completions", {"prompt": "boom", "max_tokens": 2}), 500, code="request_failed")
     finally:
         runner.execute = original
     assert calls == [1]
@@ -86,9 +75,9 @@ def test_a_failing_step_fails_its_requests_alone(server):
 # ----------------------------------------------------------------------------- admin-only endpoints
 @pytest.mark.parametrize("path", ["/v1/kv_events", "/v1/cache/keys", "/v1/cache/info"])
 def test_cache_endpoints_answer_the_admin_key_only(server, path):
-    assert_error(httpx.get(server.url + path, headers={"Authorization": "Bearer key-a"}, timeout=10), 403,
+    assert_openai_error(httpx.get(server.url + path, headers={"Authorization": "Bearer key-a"}, timeout=10), 403,
                  code="admin_only")
-    assert_error(httpx.get(server.url + path, timeout=10), 401)
+    assert_openai_error(httpx.get(server.url + path, timeout=10), 401)
     assert httpx.get(server.url + path, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=10).status_code == 200
 
 
@@ -102,14 +91,14 @@ def test_kv_events_carry_no_token_ids(server):
 
 def test_admin_endpoints_are_off_without_an_admin_key():
     with LiveServer("--enable-kv-events") as server:
-        assert_error(httpx.get(server.url + "/v1/kv_events", timeout=10), 404, code="admin_disabled")
-        assert_error(httpx.get(server.url + "/v1/cache/keys", timeout=10), 404, code="admin_disabled")
+        assert_openai_error(httpx.get(server.url + "/v1/kv_events", timeout=10), 404, code="admin_disabled")
+        assert_openai_error(httpx.get(server.url + "/v1/cache/keys", timeout=10), 404, code="admin_disabled")
 
 
 def test_kv_events_bad_cursor_is_an_openai_error(server):
     response = httpx.get(server.url + "/v1/kv_events?since=abc", headers={"Authorization": f"Bearer {ADMIN}"},
                          timeout=10)
-    assert_error(response, 422, param="since")
+    assert_openai_error(response, 422, param="since")
 
 
 # ----------------------------------------------------------------------------- hostile bodies
@@ -145,18 +134,18 @@ def test_hostile_bodies_get_4xx_openai_errors(server, path, body, status, param)
     if status == 200:
         assert response.status_code == 200, response.text
     else:
-        assert_error(response, status, param)
+        assert_openai_error(response, status, param)
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
 
 
 def test_non_json_content_type_is_415(server):
     response = post(server, "/v1/completions", '{"prompt": "x"}', headers={"Content-Type": "text/plain"})
-    assert_error(response, 415, code="unsupported_media_type")
+    assert_openai_error(response, 415, code="unsupported_media_type")
 
 
 def test_body_over_the_limit_is_413_before_it_is_read(server):
     big = json.dumps({"prompt": "y" * 1_200_000}).encode()
-    assert_error(post(server, "/v1/completions", big), 413, code="request_too_large")
+    assert_openai_error(post(server, "/v1/completions", big), 413, code="request_too_large")
 
     def chunks():  # no Content-Length: counted as it streams
         for _ in range(120):
@@ -164,7 +153,7 @@ def test_body_over_the_limit_is_413_before_it_is_read(server):
 
     response = httpx.post(server.url + "/v1/completions", content=chunks(), timeout=30,
                           headers={"Authorization": "Bearer key-a", "Content-Type": "application/json"})
-    assert_error(response, 413, code="request_too_large")
+    assert_openai_error(response, 413, code="request_too_large")
     assert_healthy(server)
 
 
@@ -176,20 +165,20 @@ def test_prompt_too_long_for_the_model_is_refused_without_blocking_health(server
             return await asyncio.gather(big, health)
 
     big, health = asyncio.run(run())
-    assert_error(big, 413, code="context_length_exceeded")
+    assert_openai_error(big, 413, code="context_length_exceeded")
     assert health.status_code == 200
 
 
 def test_prompt_plus_max_tokens_over_max_model_len_is_400(server):
     max_model_len = server.engine.engine.max_model_len
     response = post(server, "/v1/completions", {"prompt": [5] * 100, "max_tokens": max_model_len})
-    assert_error(response, 400, param="max_tokens", code="context_length_exceeded")
+    assert_openai_error(response, 400, param="max_tokens", code="context_length_exceeded")
     assert str(max_model_len) in response.json()["error"]["message"]
 
 
 def test_batch_larger_than_the_queue_is_400_not_429(server):
     response = post(server, "/v1/completions", {"prompt": ["a", "b", "c", "d"], "n": 16, "max_tokens": 1})
-    assert_error(response, 400, code="batch_too_large")
+    assert_openai_error(response, 400, code="batch_too_large")
 
 
 def test_client_disconnect_leaves_no_unretrieved_future(server, caplog):

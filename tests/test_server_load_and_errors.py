@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from server_helpers import LiveServer
+from server_helpers import LiveServer, assert_openai_error
 
 
 @pytest.fixture(scope="module")
@@ -140,12 +140,7 @@ def test_disconnect_mid_stream_frees_blocks(server):
 def test_bad_input_gets_status_and_openai_error_body(server, path, body, status, param):
     kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
     response = httpx.post(server.url + path, timeout=30, **kwargs)
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    assert "Traceback" not in response.text
-    if param is not None:
-        assert error["param"] == param
+    assert_openai_error(response, status, param)
     assert httpx.get(server.url + "/health", timeout=5).status_code == 200
 
 
