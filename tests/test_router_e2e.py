@@ -1,76 +1,32 @@
-"""Router + 3 real replicas (subprocesses) on localhost: prefix affinity, cached_tokens, failover."""
+"""Router + 3 real replicas (subprocesses) on localhost: prefix affinity, tenant scopes, failover, streams
+continued after their replica is killed (issue 9, item 10)."""
 
-import asyncio
-import os
-import signal
-import subprocess
-import sys
-import threading
-import time
+import json
+import re
 
 import httpx
 import pytest
-import uvicorn
 
-from prefixserve.router.app import RouterSettings, build_router_app
+from prefixserve.cache.scoping import compose_salt
 
-from server_helpers import free_port
+from router_fakes import read_stream
+from router_fleet import ADMIN_KEY, Fleet, down_counts, down_reasons_since, index_of
 
 SYSTEM = "You are the fleet's test assistant; the fleet shares this long instruction block. " * 8
-
-
-def start_replica(port: int) -> subprocess.Popen:
-    command = [sys.executable, "-m", "prefixserve.cli", "serve", "--port", str(port), "--dtype", "float32",
-               "--kv-cache-memory-bytes", str(32 << 20), "--enable-kv-events", "--log-level", "warning"]
-    return subprocess.Popen(command, env=dict(os.environ), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-def wait_healthy(url: str, timeout: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} did not become healthy in {timeout} s")
+KEYS = {"key-acme": "acme", "key-beta": "beta"}
+ACME = {"authorization": "Bearer key-acme"}
 
 
 @pytest.fixture(scope="module")
-def fleet(default_model_dir):
-    ports = [free_port() for _ in range(3)]
-    processes = [start_replica(port) for port in ports]
-    urls = [f"http://127.0.0.1:{port}" for port in ports]
-    try:
-        for url in urls:
-            wait_healthy(url)
-        port = free_port()
-        app = build_router_app(RouterSettings(replicas=tuple(urls), health_interval=0.3, sync_interval=0.1))
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        router_url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:  # up, with every replica healthy and the scope learned
-            try:
-                body = httpx.get(router_url + "/health", timeout=1).json()
-                if len(body.get("healthy_replicas", [])) == 3 and app.state.router.scoper is not None:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        yield {"router": router_url, "replicas": urls, "processes": processes, "app": app}
-        server.should_exit = True
-        thread.join(timeout=10)
-    finally:
-        for process in processes:
-            process.kill()
-            process.wait(timeout=10)
+def fleet(default_model_dir, tmp_path_factory):
+    keys_file = tmp_path_factory.mktemp("keys") / "keys.json"
+    keys_file.write_text(json.dumps(KEYS))
+    with Fleet(3, replica_args=("--api-keys-file", str(keys_file)), api_keys=KEYS) as running:
+        yield running
 
 
 def chat(url, question, max_tokens=4):
-    response = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+    response = httpx.post(url + "/v1/chat/completions", timeout=120, headers=ACME, json={
         "model": "prefixserve-tiny", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
         "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]})
     assert response.status_code == 200, response.text
@@ -78,39 +34,109 @@ def chat(url, question, max_tokens=4):
 
 
 def test_requests_sharing_a_prefix_land_where_it_is_cached(fleet):
-    first = chat(fleet["router"], "Question zero?")
+    first = chat(fleet.url, "Question zero?")
     home = first.headers["x-prefixserve-replica"]
+    assert re.fullmatch(r"replica-\d", home)  # a name, never the replica's URL
     for i in range(1, 5):
-        response = chat(fleet["router"], f"Question {i}?")
+        response = chat(fleet.url, f"Question {i}?")
         assert response.headers["x-prefixserve-replica"] == home
         assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 128
-    streamed = httpx.post(fleet["router"] + "/v1/completions", timeout=60, json={
+    streamed = httpx.post(fleet.url + "/v1/completions", timeout=60, headers=ACME, json={
         "prompt": "stream through the router", "max_tokens": 4, "stream": True})
-    assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
-    metrics = httpx.get(fleet["router"] + "/metrics", timeout=10).text
-    assert "prefixserve_router:routed_requests_total" in metrics
-    assert "prefixserve_router:predicted_hit_tokens_total" in metrics
+    events, done = read_stream(streamed)
+    assert streamed.status_code == 200 and done
+    assert all("token_ids" not in c and "prompt_token_ids" not in c for e in events for c in e["choices"])
+    metrics = httpx.get(fleet.url + "/metrics", timeout=10).text
+    assert 'prefixserve_router:routed_requests_total{replica="replica-' in metrics
+    assert "prefixserve_router:predicted_hit_tokens_total" in metrics and "127.0.0.1" not in metrics
+
+
+def test_router_keys_a_tenants_prompt_exactly_as_the_replica_does(fleet):
+    prompt = "Tenant acme's private preamble, long enough to fill several blocks of sixteen tokens. " * 4
+    response = httpx.post(fleet.url + "/v1/completions", timeout=60, headers=ACME,
+                          json={"prompt": prompt, "max_tokens": 2, "temperature": 0})
+    assert response.status_code == 200
+    replica = fleet.router.replicas[index_of(fleet, response.headers["x-prefixserve-replica"])]
+    stored = set(httpx.get(replica.url + "/v1/cache/keys", timeout=10,
+                           headers={"authorization": f"Bearer {ADMIN_KEY}"}).json()["keys"])
+    token_ids = fleet.router.tokenizer.encode(prompt)
+    expected = fleet.router.route_request(token_ids, compose_salt("acme", None)).keys
+    assert len(expected) >= 4 and {key.hex() for key in expected} <= stored
+    other_tenant = fleet.router.route_request(token_ids, compose_salt("beta", None)).keys
+    assert not {key.hex() for key in other_tenant} & stored
+    # A tenant key may not read the cache's keys; the router uses the admin key for that.
+    assert httpx.get(replica.url + "/v1/cache/keys", headers=ACME, timeout=10).status_code == 403
 
 
 def test_killing_a_replica_mid_run_loses_no_request(fleet):
-    router = fleet["app"].state.router
+    import asyncio
+
+    router, before = fleet.router, down_counts(fleet)
     prompts = [f"Independent prompt number {i} about something else entirely. " * 3 for i in range(12)]
 
     async def run():
-        async with httpx.AsyncClient(timeout=180) as client:
+        async with httpx.AsyncClient(timeout=180, headers=ACME) as client:
             async def one(prompt):
-                return await client.post(fleet["router"] + "/v1/completions", json={
+                return await client.post(fleet.url + "/v1/completions", json={
                     "prompt": prompt, "max_tokens": 48, "temperature": 0, "ignore_eos": True})
 
             tasks = [asyncio.create_task(one(p)) for p in prompts]
-            # Kill the replica holding the most in-flight requests once they are under way.
-            await asyncio.sleep(1.0)
+            for _ in range(200):  # until requests are under way (bounded: 10 s)
+                if sum(len(r.outstanding) for r in router.replicas) >= 6:
+                    break
+                await asyncio.sleep(0.05)
             busiest = max(range(3), key=lambda i: len(router.replicas[i].outstanding))
-            os.kill(fleet["processes"][busiest].pid, signal.SIGKILL)
+            fleet.kill(busiest)
             return busiest, await asyncio.gather(*tasks)
 
     busiest, responses = asyncio.run(run())
-    assert [r.status_code for r in responses] == [200] * 12
-    assert all(r.json()["choices"][0]["finish_reason"] == "length" for r in responses)
-    assert not router.replicas[busiest].healthy
-    assert router.replicas[busiest].num_failures >= 1
+    try:
+        assert [r.status_code for r in responses] == [200] * 12
+        assert all(r.json()["choices"][0]["finish_reason"] == "length" for r in responses)
+        assert not router.replicas[busiest].healthy
+        reasons = down_reasons_since(fleet, before)
+        assert reasons[busiest] and all(r.startswith(("transport failure", "health check failed"))
+                                        for r in reasons[busiest])
+        assert [r for i, r in enumerate(reasons) if i != busiest] == [[], []]
+    finally:
+        fleet.restart(busiest)
+        fleet.wait_all_healthy()
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_stream_whose_replica_is_killed_finishes_elsewhere_with_the_same_text(fleet, path):
+    router, before = fleet.router, down_counts(fleet)
+    body = {"max_tokens": 160, "temperature": 0, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    if path.endswith("chat/completions"):
+        body["messages"] = [{"role": "user", "content": f"A long answer please ({path})"}]
+    else:
+        body["prompt"] = f"Write a long story ({path})"
+    reference = httpx.post(fleet.url + path, json=body, headers=ACME, timeout=120).json()
+    expected = reference["choices"][0].get("text") or reference["choices"][0]["message"]["content"]
+    chunks, victim, in_flight = [], None, False
+    with httpx.stream("POST", fleet.url + path, json={**body, "stream": True}, headers=ACME, timeout=120) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            chunks.append(line[6:])
+            if len(chunks) == 3:  # under way: kill the replica serving it
+                victim = index_of(fleet, response.headers["x-prefixserve-replica"])
+                in_flight = bool(router.replicas[victim].outstanding)
+                fleet.kill(victim)
+    try:
+        assert chunks[-1] == "[DONE]"
+        events = [json.loads(c) for c in chunks[:-1]]
+        assert not [e for e in events if "error" in e]
+        text = "".join(c.get("text") or c.get("delta", {}).get("content", "") for e in events for c in e["choices"])
+        assert text == expected
+        assert len({e["id"] for e in events}) == 1
+        assert events[-1]["usage"]["completion_tokens"] == 160
+        assert events[-1]["usage"]["prompt_tokens"] == reference["usage"]["prompt_tokens"]
+        if in_flight:
+            continued = sum(router.metrics.continued.labels(r.name)._value.get() for r in router.replicas)
+            assert continued >= 1
+        assert [r for i, r in enumerate(down_reasons_since(fleet, before)) if i != victim] == [[], []]
+    finally:
+        fleet.restart(victim)
+        fleet.wait_all_healthy()

@@ -3,35 +3,72 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+from pathlib import Path
+from typing import Optional
 
+from ..http import DEFAULT_MAX_REQUEST_BYTES
 from .costs import CostModel
 from .policies import POLICIES
 
 
 def add_route_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--replica", action="append", required=True, metavar="URL",
-                        help="a replica's base URL, e.g. http://127.0.0.1:8001 (repeat for each)")
+    parser.add_argument("--replica", action="append", required=True, metavar="[NAME=]URL",
+                        help="a replica's base URL, optionally named, e.g. gpu-a=http://127.0.0.1:8001 (repeat for "
+                             "each; unnamed ones are replica-0, replica-1, ...). Clients and metrics see only names")
     parser.add_argument("--policy", default="kv_aware", choices=sorted(POLICIES))
     parser.add_argument("--model", default=None, help="the replicas' checkpoint directory (for its tokenizer); default built-in")
     parser.add_argument("--api-keys-file", default=None, help="the replicas' keys file, so tenants route to their own prefixes")
+    parser.add_argument("--admin-api-key", default=None,
+                        help="the replicas' --admin-api-key, sent on the router's own calls (KV events, cache keys); "
+                             "without it the router routes by load only")
+    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                        help="larger request bodies get 413 before they are read (default %(default)d)")
+    parser.add_argument("--max-attempts", type=int, default=3,
+                        help="distinct replicas a request (or a broken stream) may try (default %(default)d)")
     parser.add_argument("--costs", default=None, help="cost model JSON (prefixserve simulate --calibrate writes one)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--log-level", default="info")
 
 
-def settings_from_args(args: argparse.Namespace):
-    from ..server.launch import load_api_keys
-    from .app import RouterSettings
+def load_api_keys(api_keys_file: Optional[str]) -> dict[str, str]:
+    """key -> tenant from the replicas' JSON keys file (the router only needs it to route tenants apart)."""
+    if not api_keys_file:
+        return {}
+    path = Path(api_keys_file)
+    try:
+        loaded = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"--api-keys-file {path}: cannot read a JSON object of key -> tenant ({error})")
+    if not isinstance(loaded, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in loaded.items()):
+        raise SystemExit(f"--api-keys-file {path}: expected a JSON object mapping API key strings to tenant names")
+    return loaded
 
-    return RouterSettings(
-        replicas=tuple(args.replica),
-        policy=args.policy,
-        model=args.model,
-        api_keys=load_api_keys(args.api_keys_file),
-        cost=CostModel.load(args.costs) if args.costs else CostModel(),
-    )
+
+def settings_from_args(args: argparse.Namespace):
+    from .settings import RouterSettings
+
+    try:
+        return RouterSettings(
+            replicas=tuple(args.replica),
+            policy=args.policy,
+            model=args.model,
+            api_keys=load_api_keys(args.api_keys_file),
+            admin_api_key=args.admin_api_key,
+            cost=CostModel.load(args.costs) if args.costs else CostModel(),
+            max_attempts=args.max_attempts,
+            max_request_bytes=args.max_request_bytes,
+        )
+    except ValueError as error:
+        raise SystemExit(f"prefixserve route: {error}")
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # httpx logs every request at info: a line per health check and KV-event poll, several a second.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
 
 
 def route(args: argparse.Namespace) -> int:
@@ -39,9 +76,11 @@ def route(args: argparse.Namespace) -> int:
 
     from .app import build_router_app
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = build_router_app(settings_from_args(args))
+    configure_logging(args.log_level)
+    settings = settings_from_args(args)
+    app = build_router_app(settings)
     logging.getLogger("prefixserve.router").info("routing %s over %s on http://%s:%d", args.policy,
-                                                 ", ".join(args.replica), args.host, args.port)
+                                                 ", ".join(name for name, _ in settings.named_replicas()),
+                                                 args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

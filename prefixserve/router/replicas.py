@@ -5,12 +5,20 @@ after a restart of either side, or when the replica dropped events the router
 never saw, it is rebuilt from a snapshot of the replica's keys (`/v1/cache/keys`).
 Routing also adds a request's keys optimistically, so a burst of requests with
 one prefix sticks to one replica before its events arrive.
+
+Only the replica's own failures take it out: a transport failure (refused, reset,
+timed out) or a /health that is not 200. A response, even a 5xx, is an answer to
+one request and never marks a replica down. Each time it goes down the reason is
+kept in `down_reasons`, so an operator (and a test) can see why.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Optional
+import re
+import time
+from collections import deque
+from typing import NamedTuple, Optional
 
 import httpx
 
@@ -18,20 +26,42 @@ from ..cache import event_from_dict
 from .policies import PrefixMirror, RouteRequest
 
 logger = logging.getLogger("prefixserve.router")
+REPLICA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+class MarkedDown(NamedTuple):
+    time: float  # time.time() when the replica was taken out
+    reason: str
+
+
+def parse_replica(spec: str, index: int) -> tuple[str, str]:
+    """`URL` or `NAME=URL` -> (name, url); unnamed replicas are `replica-<index>`."""
+    name, separator, url = spec.partition("=")
+    if separator and "://" not in name:
+        if not REPLICA_NAME.fullmatch(name):
+            raise ValueError(f"replica name {name!r} in {spec!r}: use letters, digits, '.', '_' or '-' "
+                             "(up to 64), e.g. --replica gpu-a=http://10.0.0.5:8000")
+    else:
+        name, url = f"replica-{index}", spec
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"replica {spec!r}: give its base URL, e.g. http://127.0.0.1:8001 or name=http://...")
+    return name, url.rstrip("/")
 
 
 class Replica:
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, name: Optional[str] = None) -> None:
         self.url = url.rstrip("/")
-        self.name = self.url
+        self.name = name or self.url
         self.mirror = PrefixMirror()
         self.healthy = False
         self.cursor: Optional[int] = None  # event sequence the mirror is current to; None: needs a snapshot
         self.has_events = True
+        self.can_mirror = True  # False while the replica refuses the router's control calls (key, version)
         self.outstanding: dict[int, float] = {}  # in-flight request -> estimated seconds of work
         self.num_routed = 0
         self.num_predicted_hit_tokens = 0
         self.num_failures = 0
+        self.down_reasons: deque[MarkedDown] = deque(maxlen=100)
 
     @property
     def load(self) -> float:
@@ -42,34 +72,41 @@ class Replica:
 
     def mark_down(self, reason: str) -> None:
         if self.healthy:
-            logger.warning("replica %s is down: %s", self.url, reason)
+            logger.warning("replica %s (%s) is down: %s", self.name, self.url, reason)
+            self.down_reasons.append(MarkedDown(time.time(), reason))
         self.healthy = False
         self.cursor = None
         self.mirror.keys.clear()
 
+    def mark_up(self) -> None:
+        if not self.healthy:
+            logger.info("replica %s (%s) is up", self.name, self.url)
+            self.has_events = self.can_mirror = True  # it may have restarted with other options
+        self.healthy = True
+
     async def check_health(self, client: httpx.AsyncClient, timeout: float) -> None:
         try:
             response = await client.get(self.url + "/health", timeout=timeout)
-            ok = response.status_code == 200
-        except httpx.HTTPError as error:
-            ok, response = False, error
-        if not ok:
-            self.mark_down(f"health check failed ({response})")
+        except httpx.TransportError as error:
+            self.mark_down(f"health check failed: {error!r}")
             return
-        if not self.healthy:
-            logger.info("replica %s is up", self.url)
-        self.healthy = True
+        if response.status_code != 200:
+            self.mark_down(f"health check answered {response.status_code}")
+            return
+        self.mark_up()
 
     async def sync(self, client: httpx.AsyncClient, headers: dict, timeout: float) -> None:
         """Bring the mirror up to date: events since the cursor, or a fresh snapshot."""
-        if not self.healthy:
+        if not self.healthy or not self.can_mirror:
             return
         try:
             if self.cursor is not None and self.has_events:
                 response = await client.get(f"{self.url}/v1/kv_events", params={"since": self.cursor},
                                             headers=headers, timeout=timeout)
-                if response.status_code == 404:
-                    self.has_events = False  # replica runs without --enable-kv-events
+                if response.status_code == 404 and "--enable-kv-events" in response.text:
+                    self.has_events = False  # replica runs without --enable-kv-events: snapshots only
+                elif self._refused(response, "/v1/kv_events"):
+                    return
                 else:
                     body = response.json()
                     if body["complete"]:
@@ -78,8 +115,27 @@ class Replica:
                         self.cursor = body["next"]
                         return
             response = await client.get(self.url + "/v1/cache/keys", headers=headers, timeout=timeout)
+            if self._refused(response, "/v1/cache/keys"):
+                return
             body = response.json()
             self.mirror.keys = {bytes.fromhex(key) for key in body["keys"]}
             self.cursor = body["next"]
-        except (httpx.HTTPError, KeyError, ValueError) as error:
-            self.mark_down(f"cache sync failed ({error!r})")
+        except httpx.TransportError as error:
+            self.mark_down(f"cache sync failed: {error!r}")
+        except (KeyError, TypeError, ValueError) as error:
+            self.cursor = None  # an answer the router cannot read: start over from a snapshot
+            logger.debug("replica %s: unreadable cache sync answer (%r)", self.name, error)
+
+    def _refused(self, response: httpx.Response, path: str) -> bool:
+        """A control call the replica will not answer (no admin key, wrong key, older server): route by load."""
+        if response.status_code == 200:
+            return False
+        if response.status_code in (401, 403, 404, 405):
+            self.can_mirror = False
+            self.mirror.keys.clear()
+            logger.warning("replica %s answers %s on %s, so the router cannot mirror its cache and routes to it by "
+                           "load only; start replicas and router with the same --admin-api-key", self.name,
+                           response.status_code, path)
+            return True
+        self.cursor = None  # a transient 5xx or 429: try a snapshot next time
+        return True

@@ -1,0 +1,209 @@
+"""The router's view of its fleet: which replicas are up, what they cache, where a request should go.
+
+Background loops keep it current (health checks; KV-event mirrors; the scope and
+block size, learned from the first replica that answers), all on the operator's
+admin key, never a tenant's. Routing tokenizes with the replicas' tokenizer and
+scope, so the router's block keys equal theirs, and asks the policy which replica
+holds the longest prefix unless it is overloaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from typing import Optional
+
+import httpx
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from ..cache import BlockKeyer, CacheScope
+from ..cache.scoping import PromptScoper
+from ..http import KeyTable, bearer_token
+from .costs import policy_options_for
+from .policies import RouteRequest, make_policy
+from .replicas import Replica
+from .settings import RouterSettings
+
+logger = logging.getLogger("prefixserve.router")
+DEFAULT_MAX_MODEL_LEN = 32768  # until a replica says its own
+DEFAULT_OUTPUT_TOKENS = 16  # load estimate for a request whose max_tokens the router cannot read
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["replica"]  # the replica's name, never its URL
+        self.routed = Counter("prefixserve_router:routed_requests", "Requests routed to each replica.", labels,
+                              registry=self.registry)
+        self.predicted_hits = Counter("prefixserve_router:predicted_hit_tokens", "Prompt tokens predicted cached on "
+                                      "the chosen replica.", labels, registry=self.registry)
+        self.failovers = Counter("prefixserve_router:failovers", "Requests moved off a failed replica.", labels,
+                                 registry=self.registry)
+        self.continued = Counter("prefixserve_router:continued_streams", "Streams continued on this replica after "
+                                 "another one failed.", labels, registry=self.registry)
+        self.load = Gauge("prefixserve_router:replica_load_seconds", "Estimated outstanding work.", labels,
+                          registry=self.registry)
+        self.healthy = Gauge("prefixserve_router:replica_healthy", "1 when the replica passes health checks.", labels,
+                             registry=self.registry)
+
+
+class Router:
+    def __init__(self, settings: RouterSettings) -> None:
+        from ..model import Tokenizer, ensure_default_model  # tokenizer only: no weights are loaded
+
+        self.settings = settings
+        self.replicas = [Replica(url, name) for name, url in settings.named_replicas()]
+        self.policy = make_policy(settings.policy, policy_options_for(settings.cost))
+        self.tokenizer = Tokenizer.from_dir(settings.model or ensure_default_model())
+        self.max_chars_per_token = self.tokenizer.max_chars_per_token  # computed once, over the vocabulary
+        self.keys = KeyTable(settings.api_keys)
+        self.metrics = RouterMetrics()
+        self.scoper: Optional[PromptScoper] = None  # learned from the first replica that answers
+        self.keyer: Optional[BlockKeyer] = None
+        self.max_model_len: Optional[int] = None
+        # No pool limit (a full pool would read as a replica timing out), and idle connections are
+        # dropped before a replica's keep-alive timeout (5 s in uvicorn) can close one under a request.
+        self.client = httpx.AsyncClient(timeout=settings.request_timeout, limits=httpx.Limits(
+            max_connections=None, max_keepalive_connections=64, keepalive_expiry=2.0))
+        self._tickets = itertools.count()
+        self._tasks: list[asyncio.Task] = []
+        self._checks: set[asyncio.Task] = set()
+        self._warned: set[str] = set()
+
+    # ------------------------------------------------------------- background
+    async def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._health_loop()), asyncio.create_task(self._sync_loop())]
+
+    async def stop(self) -> None:
+        for task in [*self._tasks, *self._checks]:
+            task.cancel()
+        await asyncio.gather(*self._tasks, *self._checks, return_exceptions=True)
+        await self.client.aclose()
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.gather(*(r.check_health(self.client, self.settings.control_timeout) for r in self.replicas))
+            if self.scoper is None:
+                await self._learn_scope()
+            await asyncio.sleep(self.settings.health_interval)
+
+    async def _sync_loop(self) -> None:
+        while True:
+            headers = self.control_headers()
+            await asyncio.gather(*(r.sync(self.client, headers, self.settings.control_timeout) for r in self.replicas))
+            await asyncio.sleep(self.settings.sync_interval)
+
+    def control_headers(self) -> dict:
+        key = self.settings.admin_api_key
+        return {"authorization": f"Bearer {key}"} if key else {}
+
+    def check_soon(self, replica: Replica) -> None:
+        """Health-check a replica now (it answered a 5xx): the check, not the answer, decides whether it is down."""
+        task = asyncio.create_task(replica.check_health(self.client, self.settings.control_timeout))
+        self._checks.add(task)
+        task.add_done_callback(self._checks.discard)
+
+    def _warn_once(self, key: str, message: str, *args) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(message, *args)
+
+    async def _learn_scope(self) -> None:
+        """Take the scope and block size from a replica; refuse one whose tokenizer differs from ours."""
+        for replica in self.replicas:
+            if not replica.healthy:
+                continue
+            try:
+                response = await self.client.get(replica.url + "/v1/cache/info", headers=self.control_headers(),
+                                                 timeout=self.settings.control_timeout)
+            except httpx.TransportError as failure:
+                replica.mark_down(f"cache info failed: {failure!r}")
+                continue
+            try:
+                info = response.json() if response.status_code == 200 else None
+                if info is not None and info["tokenizer_fingerprint"] != self.tokenizer.fingerprint:
+                    self._warn_once(f"tokenizer:{replica.name}", "replica %s uses another tokenizer than the "
+                                    "router's --model; its keys would never match: start the router with the "
+                                    "replicas' --model", replica.name)
+                    continue
+                if info is None:
+                    self._warn_once(f"info:{replica.name}", "replica %s answers %d on /v1/cache/info, so requests are "
+                                    "routed by load only; give replicas and router the same --admin-api-key",
+                                    replica.name, response.status_code)
+                    continue
+                scoper = PromptScoper(CacheScope(info["model_fingerprint"], info["tokenizer_fingerprint"],
+                                                 info["adapter_id"]), info["block_size"])
+                for prefix in info["shared_prefixes"]:
+                    scoper.declare_shared_prefix(prefix)
+                self.keyer = BlockKeyer(info["block_size"], info["prefix_hash"])
+                max_model_len = info.get("max_model_len")
+                self.max_model_len = max_model_len if isinstance(max_model_len, int) else None
+            except (KeyError, TypeError, ValueError) as error:
+                self._warn_once(f"info:{replica.name}", "replica %s: unreadable /v1/cache/info (%r)", replica.name,
+                                error)
+                continue
+            self.scoper = scoper
+            return
+
+    # ---------------------------------------------------------------- routing
+    @property
+    def max_prompt_tokens(self) -> int:
+        return self.max_model_len or DEFAULT_MAX_MODEL_LEN
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """Past this many characters a prompt cannot fit any replica: it is routed by load, not tokenized."""
+        return self.max_prompt_tokens * self.max_chars_per_token
+
+    def tenant_of(self, authorization: Optional[str]) -> Optional[str]:
+        return self.keys.lookup(bearer_token(authorization)) if self.keys else None
+
+    def route_request(self, token_ids: list[int], salt: Optional[str]) -> Optional[RouteRequest]:
+        if self.scoper is None or self.keyer is None or not token_ids:
+            return None
+        scope_digest, private_from = self.scoper.scope_for(token_ids, salt)
+        keys = self.keyer.keys(scope_digest, token_ids, private_from)
+        size = self.keyer.block_size
+        return RouteRequest(keys, token_ids, scope_digest, -(-len(token_ids) // size), size)
+
+    def choose(self, route: Optional[RouteRequest], exclude: set[str]) -> Optional[Replica]:
+        candidates = [r for r in self.replicas if r.healthy and r.name not in exclude]
+        if not candidates:
+            return None
+        if route is None:
+            return min(candidates, key=lambda r: r.load)
+        return candidates[self.policy.choose(route, candidates)]
+
+    def record_route(self, replica: Replica, route: Optional[RouteRequest], max_tokens: Optional[int]) -> int:
+        """Count the request against the replica's load until `release`; returns its ticket."""
+        cost = self.settings.cost
+        hit_tokens = prompt_tokens = 0
+        if route is not None:
+            hit_tokens = replica.num_hit_blocks(route) * route.tokens_per_block
+            prompt_tokens = len(route.token_ids)
+            # Optimistic: the replica is about to cache this prompt's full blocks.
+            replica.mirror.keys.update(route.keys)
+        ticket = next(self._tickets)
+        replica.outstanding[ticket] = (cost.prefill_seconds(prompt_tokens, min(hit_tokens, prompt_tokens))
+                                       + cost.decode_work_seconds(max_tokens or DEFAULT_OUTPUT_TOKENS))
+        replica.num_routed += 1
+        replica.num_predicted_hit_tokens += hit_tokens
+        self.metrics.routed.labels(replica.name).inc()
+        self.metrics.predicted_hits.labels(replica.name).inc(hit_tokens)
+        return ticket
+
+    @staticmethod
+    def release(replica: Replica, ticket: int) -> None:
+        replica.outstanding.pop(ticket, None)
+
+    def fail_over(self, replica: Replica, failure: Exception, during: str) -> None:
+        """A transport failure (refused, reset, timed out): the replica is down until a health check passes."""
+        replica.num_failures += 1
+        self.metrics.failovers.labels(replica.name).inc()
+        replica.mark_down(f"transport failure {during}: {failure!r}")
+
+    def refresh_gauges(self) -> None:
+        for replica in self.replicas:
+            self.metrics.load.labels(replica.name).set(replica.load)
+            self.metrics.healthy.labels(replica.name).set(1.0 if replica.healthy else 0.0)

@@ -1,0 +1,107 @@
+"""Passing one client request to a replica, and what a failure there means.
+
+Only a transport failure (connection refused or reset, a timeout) is the
+replica's: it is marked down and the request moves to another replica, at most
+`max_attempts` distinct ones. A response, whatever its status, is the answer to
+this request and goes back to the client as it is: a 4xx is the client's fault,
+and a 5xx may well be too (a request that trips a bug), so it is never retried
+and never held against the replica; it only triggers a health check, which
+decides. A stream, once started, is relayed by `streams.StreamRelay`, which
+continues it elsewhere if its replica dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import httpx
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from ..cache.scoping import compose_salt
+from ..http import error_response
+from .fleet import Router
+from .inbound import BadRequest, ClientRequest, check_content_type, read_request
+from .replicas import Replica
+from .streams import StreamRelay, Upstream
+
+logger = logging.getLogger("prefixserve.router")
+FORWARDED_HEADERS = ("authorization", "content-type")
+
+
+async def forward(router: Router, request: Request, path: str) -> Response:
+    try:
+        check_content_type(request.headers.get("content-type"))
+        raw = await request.body()  # BodySizeLimit has refused anything over --max-request-bytes
+        client_request = await asyncio.to_thread(read_request, raw, path, router.tokenizer, router.max_prompt_tokens,
+                                                 router.max_prompt_chars)
+    except BadRequest as error:
+        return error_response(error.status, error.message, code=error.code)
+    cache_salt = client_request.body.get("cache_salt")
+    salt = compose_salt(router.tenant_of(request.headers.get("authorization")),
+                        cache_salt if isinstance(cache_salt, str) else None)
+    client_request.salt = salt
+    route = router.route_request(client_request.token_ids, salt)
+    headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
+    headers["content-type"] = "application/json"
+    if client_request.streaming:
+        # The relay needs token ids to continue the stream elsewhere; it strips them unless the client asked.
+        raw = json.dumps({**client_request.body, "return_token_ids": True}).encode()
+    tried: set[str] = set()
+    while len(tried) < router.settings.max_attempts:
+        replica = router.choose(route, tried)
+        if replica is None:
+            break
+        tried.add(replica.name)
+        ticket = router.record_route(replica, route, client_request.max_tokens)
+        try:
+            if client_request.streaming:
+                upstream = await router.client.send(router.client.build_request(
+                    "POST", replica.url + path, content=raw, headers=headers), stream=True)
+            else:
+                upstream = await router.client.post(replica.url + path, content=raw, headers=headers)
+        except httpx.TransportError as failure:
+            router.release(replica, ticket)
+            router.fail_over(replica, failure, f"on {path}")
+            continue
+        if client_request.streaming and upstream.status_code == 200:
+            relay = StreamRelay(router, client_request, headers, tried, Upstream(replica, upstream, ticket))
+            return StreamingResponse(relay.events(), media_type="text/event-stream",
+                                     headers={**passthrough_headers(upstream, replica), "cache-control": "no-cache",
+                                              "x-accel-buffering": "no"})
+        try:
+            content = await upstream.aread()
+        except httpx.TransportError as failure:  # died while sending its answer: a replica failure
+            router.fail_over(replica, failure, f"reading the answer on {path}")
+            continue
+        finally:
+            await upstream.aclose()
+            router.release(replica, ticket)
+        return relay_response(router, replica, upstream, content)
+    if not tried:
+        return error_response(503, "no healthy replica can take the request; retry shortly", "server_error",
+                              code="no_replica", headers={"Retry-After": "1"})
+    return error_response(502, f"the request failed on {len(tried)} replica(s) that stopped answering; retry "
+                               "shortly", "server_error", code="replicas_failed", headers={"Retry-After": "1"})
+
+
+def relay_response(router: Router, replica: Replica, upstream: httpx.Response, content: bytes) -> Response:
+    """A replica's complete answer, as it is. A 5xx makes the router check the replica's health, nothing more."""
+    status = upstream.status_code
+    if status >= 500:
+        router.check_soon(replica)
+    media_type = upstream.headers.get("content-type", "")
+    if status >= 400 and "json" not in media_type:  # never hand a client a plain-text error
+        message = content.decode("utf-8", "replace")[:500] or f"replica {replica.name} answered {status}"
+        return error_response(status, message, "server_error" if status >= 500 else "invalid_request_error",
+                              headers=passthrough_headers(upstream, replica))
+    return Response(content, status_code=status, media_type=media_type or None,
+                    headers=passthrough_headers(upstream, replica))
+
+
+def passthrough_headers(upstream: httpx.Response, replica: Replica) -> dict:
+    kept = {k: v for k, v in upstream.headers.items() if k.lower() == "retry-after"}
+    kept["x-prefixserve-replica"] = replica.name  # a name, never the internal URL
+    return kept

@@ -1,0 +1,131 @@
+"""What the router reads from a client's request before placing it: a checked JSON body and its prompt.
+
+The router only needs a body's prompt (to compute block keys) and a rough size of
+its work (to balance load). Everything else is the replica's to validate, so an
+odd field is forwarded untouched and answered by the replica with a precise 4xx.
+What the router cannot forward it answers itself: a body that is not JSON, not an
+object, or not sent as JSON.
+
+Reading runs in a worker thread (`asyncio.to_thread`): parsing a body of megabytes
+and tokenizing a long prompt would otherwise stall every other request and the
+health checks. A prompt that cannot fit the replicas' context (more characters than
+max_model_len times the most characters one token stands for) is not tokenized at
+all (the replica will refuse it); it is routed by load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..http import parse_json_body
+
+MAX_SANE_TOKENS = 1 << 31
+
+
+class BadRequest(Exception):
+    """A request the router answers itself (the replica would never see a readable body)."""
+
+    def __init__(self, status: int, message: str, code: str = "invalid_request") -> None:
+        super().__init__(message)
+        self.status, self.message, self.code = status, message, code
+
+
+@dataclass
+class ClientRequest:
+    path: str  # /v1/completions or /v1/chat/completions
+    body: dict
+    streaming: bool
+    n: int  # samples per prompt (1 when unclear)
+    num_choices: int  # choices the response will carry (n times the prompts of a batch)
+    max_tokens: Optional[int]  # the client's limit when it is a sane integer, else None (the replica decides)
+    wants_token_ids: bool  # the client itself asked for vLLM's return_token_ids
+    token_ids: list[int] = field(default_factory=list)  # the prompt as the replica will see it; [] when unknown
+    salt: Optional[str] = None  # tenant and cache_salt composed as the replicas compose them
+
+    @property
+    def is_chat(self) -> bool:
+        return self.path.endswith("/chat/completions")
+
+
+def check_content_type(content_type: Optional[str]) -> None:
+    """JSON, or no declared type (some clients omit it); anything else is a client error (415)."""
+    if not content_type:
+        return
+    media = content_type.split(";", 1)[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+        raise BadRequest(415, f"the request body must be JSON sent as 'Content-Type: application/json', "
+                              f"not {media!r}", "unsupported_media_type")
+
+
+def read_request(raw: bytes, path: str, tokenizer, max_prompt_tokens: int, max_prompt_chars: int) -> ClientRequest:
+    """Parse and inspect a body (call it off the event loop). Raises BadRequest when it cannot be forwarded."""
+    try:
+        body = parse_json_body(raw)
+    except ValueError as error:
+        raise BadRequest(400, f"{error}; send a JSON object such as {{\"prompt\": \"...\"}}") from None
+    if not isinstance(body, dict):
+        raise BadRequest(400, f"the request body must be a JSON object, not {type(body).__name__}")
+    n = _sane_int(body.get("n", 1)) or 1
+    request = ClientRequest(path=path, body=body, streaming=body.get("stream") is True, n=n,
+                            num_choices=n * _num_prompts(path, body), max_tokens=_max_tokens(path, body),
+                            wants_token_ids=body.get("return_token_ids") is True)
+    try:
+        request.token_ids = _prompt_tokens(request, tokenizer, max_prompt_tokens, max_prompt_chars)
+    except Exception:  # a template may reject a conversation; the replica will say why
+        request.token_ids = []
+    return request
+
+
+def _sane_int(value) -> Optional[int]:
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 < value < MAX_SANE_TOKENS else None
+
+
+def _max_tokens(path: str, body: dict) -> Optional[int]:
+    if path.endswith("/chat/completions") and body.get("max_completion_tokens") is not None:
+        return _sane_int(body["max_completion_tokens"])
+    return _sane_int(body.get("max_tokens"))
+
+
+def _num_prompts(path: str, body: dict) -> int:
+    prompt = body.get("prompt")
+    if not path.endswith("/chat/completions") and isinstance(prompt, list) and prompt \
+            and all(isinstance(item, (str, list)) for item in prompt):
+        return len(prompt)  # a batch of prompts
+    return 1
+
+
+def _prompt_tokens(request: ClientRequest, tokenizer, max_prompt_tokens: int, max_prompt_chars: int) -> list[int]:
+    """The token ids the replica will see (the first prompt of a batch decides its placement)."""
+    body = request.body
+    if request.is_chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            return []
+        texts = [(m.get("role"), _text(m.get("content"))) for m in messages]
+        if not all(isinstance(role, str) and text is not None for role, text in texts):
+            return []
+        if sum(len(text) for _, text in texts) > max_prompt_chars:
+            return []
+        return tokenizer.encode_chat([{"role": role, "content": text} for role, text in texts])
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt) if len(prompt) <= max_prompt_chars else []
+    if isinstance(prompt, list) and len(prompt) <= max_prompt_tokens \
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)
+    return []
+
+
+def _text(content) -> Optional[str]:
+    """A message's text as the replica flattens it; None when it is not text the router can read."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = [part.get("text") for part in content if isinstance(part, dict) and part.get("type") == "text"]
+        return "".join(parts) if all(isinstance(part, str) for part in parts) else None
+    return None

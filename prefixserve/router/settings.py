@@ -1,0 +1,45 @@
+"""The router's configuration, built and validated once (`prefixserve route` flags map onto it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Optional
+
+from ..http import DEFAULT_MAX_REQUEST_BYTES, is_valid_tenant_id
+from .costs import CostModel
+from .replicas import parse_replica
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    replicas: tuple[str, ...]  # each `URL` or `NAME=URL`; unnamed ones are replica-0, replica-1, ...
+    policy: str = "kv_aware"
+    model: Optional[str] = None  # checkpoint directory whose tokenizer the replicas use; None: built-in
+    api_keys: Mapping[str, str] = field(default_factory=dict)  # key -> tenant, as the replicas have it
+    admin_api_key: Optional[str] = None  # sent on the router's own calls (KV events, cache keys and info)
+    cost: CostModel = field(default_factory=CostModel)
+    health_interval: float = 1.0
+    sync_interval: float = 0.2
+    request_timeout: float = 600.0
+    control_timeout: float = 2.0
+    max_attempts: int = 3  # distinct replicas one request (or one stream, continuations included) may try
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+
+    def __post_init__(self) -> None:
+        if not self.replicas:
+            raise ValueError("the router needs at least one --replica URL")
+        named = self.named_replicas()
+        for kind, values in (("name", [n for n, _ in named]), ("URL", [u for _, u in named])):
+            duplicates = sorted({v for v in values if values.count(v) > 1})
+            if duplicates:
+                raise ValueError(f"replica {kind}s must differ; {', '.join(duplicates)} appears twice")
+        bad = [tenant for tenant in self.api_keys.values() if not is_valid_tenant_id(tenant)]
+        if bad:
+            raise ValueError(f"tenant ids must be 1 to 256 printable characters; {bad[0]!r} is not")
+        if self.max_attempts < 1:
+            raise ValueError("--max-attempts must be at least 1")
+        if self.max_request_bytes < 1:
+            raise ValueError("--max-request-bytes must be positive")
+
+    def named_replicas(self) -> list[tuple[str, str]]:
+        return [parse_replica(spec, i) for i, spec in enumerate(self.replicas)]

@@ -1,0 +1,272 @@
+"""Relaying a stream, and keeping it alive when its replica dies.
+
+The relay reads the replica's SSE events, notes per choice what reached the client
+(prompt ids, output ids, text), strips the token ids it asked for unless the client
+asked too, and passes the chunks on. A stream breaks when the transport fails, when
+it ends without `[DONE]`, or when the replica reports `engine_dead`; any other error
+event is the request's own and is relayed as it is. After a break:
+
+    every choice finished   -> usage (if asked) and [DONE]
+    nothing sent yet        -> replay the original request on another replica
+    one choice, ids known   -> continue it there (continuation.py), same id/created/model
+    otherwise               -> an OpenAI-style error event, then [DONE]; never a bare disconnect
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import AsyncIterator, Iterator, Optional, Union
+
+import anyio
+import httpx
+
+from .continuation import ChoiceProgress, ContinuedText, continuation_body, reshape_chunk, usage_of
+from .fleet import Router
+from .inbound import ClientRequest
+from .replicas import Replica
+from .sse import DONE, SSEParser, sse, sse_error
+
+logger = logging.getLogger("prefixserve.router")
+ENVELOPE = ("id", "object", "created", "model")
+
+
+@dataclass
+class Upstream:
+    replica: Replica
+    response: httpx.Response
+    ticket: int
+
+
+@dataclass
+class Ending:
+    """How a stream ends when it cannot go on upstream: these pieces, then (unless failed) usage, then DONE."""
+
+    pieces: list[bytes]
+    failed: bool = False
+
+
+def _error(message: str, code: str) -> Ending:
+    return Ending([sse_error(message, code)], failed=True)
+
+
+@dataclass
+class Outcome:
+    kind: str = "broken"  # done: [DONE] reached | failed: the request's own error relayed | broken: go on elsewhere
+    reason: str = "the stream ended without [DONE]"
+
+
+class StreamRelay:
+    def __init__(self, router: Router, request: ClientRequest, headers: dict, tried: set[str],
+                 first: Upstream) -> None:
+        self.router, self.request, self.headers, self.tried = router, request, headers, tried
+        self.upstream = first
+        self.choices: dict[int, ChoiceProgress] = {}
+        self.envelope: Optional[dict] = None  # id, object, created, model of the stream the client sees
+        options = request.body.get("stream_options")
+        self.include_usage = isinstance(options, dict) and options.get("include_usage") is True
+        self.usage_sent = False
+        self.continued: Optional[ContinuedText] = None  # set once choice 0 is produced by a continuation
+        self.stopped_here = False  # the router found a stop string the continuing replica could not see
+
+    async def events(self) -> AsyncIterator[bytes]:
+        try:
+            while True:
+                outcome = Outcome()
+                async with aclosing(self._relay(self.upstream, outcome)) as pieces:
+                    async for piece in pieces:
+                        yield piece
+                if outcome.kind == "failed":
+                    break
+                if outcome.kind == "broken":
+                    logger.info("stream on replica %s broke (%s)", self.upstream.replica.name, outcome.reason)
+                    resumed = await self._resume()
+                    if isinstance(resumed, Upstream):
+                        self.upstream = resumed
+                        continue
+                    for piece in resumed.pieces:
+                        yield piece
+                    if resumed.failed:
+                        break
+                if self.include_usage and not self.usage_sent and self.envelope is not None:
+                    ordered = [self.choices[i] for i in sorted(self.choices)]
+                    yield sse({**self.envelope, "choices": [], "usage": usage_of(ordered, self.request.n, None)})
+                break
+        except Exception:  # whatever went wrong, the client gets an error event, not a cut connection
+            logger.exception("stream relay failed")
+            yield sse_error("the router failed while relaying this stream; retry the request", "router_error")
+        yield DONE
+
+    async def _relay(self, upstream: Upstream, outcome: Outcome) -> AsyncIterator[bytes]:
+        parser = SSEParser()
+        try:
+            async for data in upstream.response.aiter_bytes():
+                for payload in parser.feed(data):
+                    if payload.strip() == "[DONE]":
+                        outcome.kind = "done"
+                        return
+                    try:
+                        chunk = json.loads(payload)
+                    except ValueError:
+                        chunk = None
+                    if not isinstance(chunk, dict):
+                        outcome.reason = "the replica sent an unreadable event"
+                        return
+                    if "error" in chunk:
+                        error = chunk["error"]
+                        if isinstance(error, dict) and error.get("code") == "engine_dead":
+                            self.router.check_soon(upstream.replica)  # /health will say 503 and take it out
+                            outcome.reason = "its engine died"
+                            return
+                        outcome.kind = "failed"  # the request's own failure: relay it, do not retry
+                        yield sse(chunk)
+                        return
+                    for piece in self._pieces(chunk):
+                        yield piece
+                    if self.stopped_here:
+                        outcome.kind = "done"
+                        return
+            self.router.check_soon(upstream.replica)
+        except httpx.TransportError as failure:
+            self.router.fail_over(upstream.replica, failure, "during a stream")
+            outcome.reason = repr(failure)
+        finally:
+            with anyio.CancelScope(shield=True):  # close the upstream even when the client went away
+                await upstream.response.aclose()
+            self.router.release(upstream.replica, upstream.ticket)
+
+    # ---------------------------------------------------------------- chunks
+    def _pieces(self, chunk: dict) -> Iterator[bytes]:
+        if self.envelope is None:
+            self.envelope = {k: chunk[k] for k in ENVELOPE if k in chunk}
+        if self.continued is not None:
+            yield from self._continued_pieces(chunk)
+            return
+        chunk.update(self.envelope)  # a replayed request keeps the id the client already has
+        choices = chunk.get("choices") if isinstance(chunk.get("choices"), list) else []
+        kept = [choice for choice in choices if isinstance(choice, dict) and self._note(choice)]
+        if "usage" in chunk and chunk["usage"] is not None:
+            self.usage_sent = True
+        elif choices and not kept:
+            return  # only token ids the client did not ask for
+        chunk["choices"] = kept
+        yield sse(chunk)
+
+    def _note(self, choice: dict) -> bool:
+        """Record what this choice sends; False when nothing in it is for the client."""
+        progress = self.choices.setdefault(choice.get("index", 0), ChoiceProgress())
+        wants = self.request.wants_token_ids
+        prompt_ids = choice.get("prompt_token_ids") if wants else choice.pop("prompt_token_ids", None)
+        if progress.prompt_token_ids is None and isinstance(prompt_ids, list):
+            progress.prompt_token_ids = list(prompt_ids)
+        token_ids = choice.get("token_ids") if wants else choice.pop("token_ids", None)
+        if isinstance(token_ids, list):
+            progress.output_token_ids.extend(token_ids)
+        if self.request.is_chat:
+            delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
+            if "role" in delta and progress.role_sent:
+                delta.pop("role")  # a replay's role chunk; the client has one
+            progress.role_sent = progress.role_sent or "role" in delta
+            text = delta.get("content")
+            visible = "role" in delta
+        else:
+            text = choice.get("text")
+            visible = False
+        if isinstance(text, str):
+            progress.text_sent += text
+            visible = visible or bool(text)
+        if choice.get("finish_reason") is not None:
+            progress.finish_reason = choice["finish_reason"]
+            visible = True
+        return visible or wants or choice.get("logprobs") is not None
+
+    def _continued_pieces(self, chunk: dict) -> Iterator[bytes]:
+        progress = self.choices[0]
+        choices = chunk.get("choices") if isinstance(chunk.get("choices"), list) else []
+        if not choices and isinstance(chunk.get("usage"), dict):
+            if self.include_usage:
+                self.usage_sent = True
+                yield sse({**self.envelope, "choices": [], "usage": usage_of([progress], 1, chunk["usage"])})
+            return
+        for choice in choices:
+            if not isinstance(choice, dict):
+                continue
+            token_ids = [t for t in choice.get("token_ids") or [] if isinstance(t, int)]
+            progress.output_token_ids.extend(token_ids)
+            finish_reason = choice.get("finish_reason")
+            text, stopped = self.continued.push(token_ids, finish_reason)
+            if stopped:
+                finish_reason, self.stopped_here = "stop", True
+            progress.text_sent += text
+            progress.finish_reason = finish_reason
+            if text or finish_reason or choice.get("logprobs") is not None or self.request.wants_token_ids:
+                yield sse(reshape_chunk(self.envelope, self.request.is_chat, text, finish_reason,
+                                        choice.get("logprobs"), token_ids if self.request.wants_token_ids else None))
+            if stopped:
+                return
+
+    # ---------------------------------------------------------------- resume
+    async def _resume(self) -> Union[Upstream, Ending]:
+        """Another replica's stream to go on with, or how the stream ends here."""
+        request = self.request
+        if self.choices and len(self.choices) >= request.num_choices and \
+                all(p.finish_reason is not None for p in self.choices.values()):
+            return Ending([])  # only [DONE] (and usage) was lost
+        if request.num_choices != 1:
+            return _error(f"the replica serving this stream failed, and a stream of {request.num_choices} choices "
+                          "cannot be continued elsewhere; retry the request", "stream_interrupted")
+        progress = self.choices.setdefault(0, ChoiceProgress())
+        if progress.prompt_token_ids is not None:
+            if self.continued is None:
+                self.continued = ContinuedText(self.router.tokenizer, progress, request.body)
+            body = continuation_body(request, progress, self.include_usage)
+            if body is None:  # every token asked for was produced; only the finish was lost
+                return Ending(list(self._continued_pieces({"choices": [{"token_ids": [], "finish_reason": "length"}]})))
+            path, prompt_ids = "/v1/completions", body["prompt"]
+        elif progress.nothing_sent:
+            body = {**request.body, "return_token_ids": True}
+            path, prompt_ids = request.path, request.token_ids
+        else:
+            return _error("the replica serving this stream failed and did not report its token ids, so the stream "
+                          "cannot be continued; retry the request", "stream_interrupted")
+        route = self.router.route_request(prompt_ids, request.salt)
+        max_tokens = body.get("max_tokens") if isinstance(body.get("max_tokens"), int) else request.max_tokens
+        while len(self.tried) < self.router.settings.max_attempts:
+            replica = self.router.choose(route, self.tried)
+            if replica is None:
+                break
+            self.tried.add(replica.name)
+            ticket = self.router.record_route(replica, route, max_tokens)
+            try:
+                response = await self.router.client.send(self.router.client.build_request(
+                    "POST", replica.url + path, content=json.dumps(body).encode(), headers=self.headers), stream=True)
+            except httpx.TransportError as failure:
+                self.router.release(replica, ticket)
+                self.router.fail_over(replica, failure, "continuing a stream")
+                continue
+            if response.status_code != 200:
+                return await self._refused(replica, response, ticket)
+            self.router.metrics.continued.labels(replica.name).inc()
+            logger.info("stream continues on replica %s after %d output tokens", replica.name,
+                        len(progress.output_token_ids))
+            return Upstream(replica, response, ticket)
+        return _error(f"the replica serving this stream failed and no other healthy replica could continue it "
+                      f"(tried {len(self.tried)}); retry the request", "no_replica")
+
+    async def _refused(self, replica: Replica, response: httpx.Response, ticket: int) -> Ending:
+        """The continuation got an answer other than a stream: end with its error."""
+        try:
+            await response.aread()
+            error = response.json().get("error")
+        except (httpx.HTTPError, ValueError, AttributeError):
+            error = None
+        finally:
+            await response.aclose()
+            self.router.release(replica, ticket)
+        if response.status_code >= 500:
+            self.router.check_soon(replica)
+        message = error.get("message") if isinstance(error, dict) else None
+        return _error(f"the stream's replica failed and continuing it on {replica.name} was refused "
+                      f"({response.status_code}: {message or 'no message'}); retry the request", "stream_interrupted")

@@ -1,0 +1,281 @@
+"""A scriptable stand-in for `prefixserve serve`, and live uvicorn apps on 127.0.0.1, for router tests.
+
+The fake speaks the replica contract the router relies on: `return_token_ids`
+(token ids in every chunk, prompt ids in a choice's first chunk), seeded output
+keyed by absolute position (token at position p is WORDS[(p + seed) % len]),
+error events, /health, and the admin-key control calls. A test tells it how to
+fail: reset the connection, end without [DONE], report engine_dead or the
+request's own failure, after a given number of output tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Optional
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from prefixserve.model.tokenizer import IncrementalDecoder
+from prefixserve.router.app import RouterSettings, build_router_app
+
+from server_helpers import free_port
+
+ADMIN_KEY = "admin-key"
+WORDS_TEXT = " alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau"
+
+
+class LiveApp:
+    """Any ASGI app served by uvicorn in a thread on a free localhost port."""
+
+    def __init__(self, app, port: Optional[int] = None) -> None:
+        self.app = app
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="critical"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> "LiveApp":
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("app did not start within 20 s")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@dataclass
+class Failure:
+    how: str  # reset | truncate | engine_dead | request_failed | status_500
+    after_tokens: int = 0
+
+
+@dataclass
+class FakeReplica:
+    tokenizer: object
+    failure: Optional[Failure] = None  # applies to every generation request while set
+    engine_dead: bool = False
+    requests: list = field(default_factory=list)  # (path, body, authorization) of generation requests
+    control_auth: list = field(default_factory=list)  # (path, authorization) of control calls
+
+    def __post_init__(self) -> None:
+        self.words = self.tokenizer.encode(WORDS_TEXT, add_special_tokens=False)
+        self.app = self._build()
+
+    def token_at(self, position: int, seed: int) -> int:
+        return self.words[(position + seed) % len(self.words)]
+
+    def reference(self, prompt_ids: list[int], max_tokens: int, seed: int = 0) -> tuple[list[int], str]:
+        """What an unbroken replica produces: (output ids, text)."""
+        ids = [self.token_at(len(prompt_ids) + i, seed) for i in range(max_tokens)]
+        return ids, self.tokenizer.decode(ids)
+
+    def prompt_ids(self, path: str, body: dict) -> list[int]:
+        if path.endswith("chat/completions"):
+            return self.tokenizer.encode_chat([{"role": m["role"], "content": m["content"]} for m in body["messages"]])
+        prompt = body["prompt"]
+        return list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt)
+
+    def _build(self) -> FastAPI:
+        app = FastAPI()
+
+        def control(request: Request) -> Optional[JSONResponse]:
+            self.control_auth.append((request.url.path, request.headers.get("authorization")))
+            if request.headers.get("authorization") != f"Bearer {ADMIN_KEY}":
+                return JSONResponse({"error": {"message": "admin key needed", "type": "permission_error",
+                                               "param": None, "code": "forbidden"}}, status_code=403)
+            return None
+
+        @app.get("/health")
+        async def health():
+            if self.engine_dead:
+                return JSONResponse({"error": {"message": "engine dead"}}, status_code=503)
+            return {"status": "ok"}
+
+        @app.get("/v1/cache/info")
+        async def info(request: Request):
+            return control(request) or {
+                "model_fingerprint": "fake-model", "tokenizer_fingerprint": self.tokenizer.fingerprint,
+                "adapter_id": "", "block_size": 16, "prefix_hash": "sha256", "shared_prefixes": [],
+                "max_model_len": 4096, "served_model_name": "fake"}
+
+        @app.get("/v1/kv_events")
+        async def kv_events(request: Request, since: int = 0):
+            return control(request) or {"events": [], "next": since, "complete": True}
+
+        @app.get("/v1/cache/keys")
+        async def cache_keys(request: Request):
+            return control(request) or {"keys": [], "next": 0}
+
+        async def generate(request: Request, path: str):
+            body = json.loads(await request.body())
+            self.requests.append((path, body, request.headers.get("authorization")))
+            max_tokens = body.get("max_tokens", 16)
+            if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= 4096:
+                return JSONResponse({"error": {"message": "max_tokens: must be an integer from 1 to 4096", "type":
+                                               "invalid_request_error", "param": "max_tokens",
+                                               "code": "invalid_value"}}, status_code=422)
+            if self.failure is not None and self.failure.how == "status_500":
+                return JSONResponse({"error": {"message": "boom", "type": "server_error", "param": None,
+                                               "code": None}}, status_code=500)
+            prompt_ids = self.prompt_ids(path, body)
+            if body.get("stream") is True:
+                return StreamingResponse(self._stream(path, body, prompt_ids, max_tokens),
+                                         media_type="text/event-stream")
+            if self.failure is not None and self.failure.how == "reset":
+                return StreamingResponse(self._reset_now(), media_type="application/json")
+            ids, text = self.reference(prompt_ids, max_tokens, body.get("seed") or 0)
+            choice = {"index": 0, "finish_reason": "length", "text": text}
+            if path.endswith("chat/completions"):
+                choice = {"index": 0, "finish_reason": "length", "message": {"role": "assistant", "content": text}}
+            return {"id": "cmpl-fake", "object": "text_completion", "created": 1, "model": "fake",
+                    "choices": [choice], "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids)}}
+
+        @app.post("/v1/completions")
+        async def completions(request: Request):
+            return await generate(request, "/v1/completions")
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request):
+            return await generate(request, "/v1/chat/completions")
+
+        return app
+
+    async def _reset_now(self):
+        raise ConnectionResetError("fake replica drops the connection")
+        yield b""  # pragma: no cover (makes this an async generator)
+
+    async def _stream(self, path: str, body: dict, prompt_ids: list[int], max_tokens: int):
+        chat = path.endswith("chat/completions")
+        envelope = {"id": f"cmpl-{len(self.requests)}", "object": "chat.completion.chunk" if chat else "text_completion",
+                    "created": 1000 + len(self.requests), "model": "fake"}
+        seed = body.get("seed") or 0
+        n = body.get("n", 1)
+        stop = body.get("stop") or []
+        stop = [stop] if isinstance(stop, str) else stop
+        failure = self.failure
+
+        def sse(chunk: dict) -> str:
+            return f"data: {json.dumps(chunk)}\n\n"
+
+        if chat:
+            for i in range(n):
+                yield sse({**envelope, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                    "prompt_token_ids": prompt_ids, "token_ids": [],
+                                                    "logprobs": None, "finish_reason": None}]})
+        decoders = [IncrementalDecoder(self.tokenizer, prompt_ids) for _ in range(n)]
+        emitted = [0] * n
+        for step in range(max_tokens):
+            if failure is not None and step == failure.after_tokens:
+                async for piece in self._fail(failure, sse):
+                    yield piece
+                return
+            for i in range(n):
+                token = self.token_at(len(prompt_ids) + step, seed)
+                decoders[i].push([token])
+                finish = "length" if step == max_tokens - 1 else None
+                full = decoders[i].text
+                hits = [full.find(s) for s in stop if s in full]
+                if hits:
+                    full, finish = full[:min(hits)], "stop"
+                # Like the real server: hold back what could be the start of a stop string.
+                visible = len(full) if finish or not stop else max(emitted[i], len(full) - max(map(len, stop)) + 1)
+                text, emitted[i] = full[emitted[i]:visible], max(emitted[i], visible)
+                choice = {"index": i, "token_ids": [token], "logprobs": None, "finish_reason": finish}
+                choice.update({"delta": {"content": text} if text else {}} if chat else {"text": text})
+                if step == 0 and not chat:
+                    choice["prompt_token_ids"] = prompt_ids
+                yield sse({**envelope, "choices": [choice]})
+                if finish == "stop":
+                    break
+            else:
+                await asyncio.sleep(0)
+                continue
+            break
+        options = body.get("stream_options") or {}
+        if options.get("include_usage"):
+            yield sse({**envelope, "choices": [], "usage": {
+                "prompt_tokens": len(prompt_ids), "completion_tokens": n * (step + 1),
+                "total_tokens": len(prompt_ids) + n * (step + 1), "prompt_tokens_details": {"cached_tokens": 3}}})
+        yield "data: [DONE]\n\n"
+
+    async def _fail(self, failure: Failure, sse):
+        if failure.how == "reset":
+            raise ConnectionResetError("fake replica dies mid-stream")
+        if failure.how == "engine_dead":
+            self.engine_dead = True
+            yield sse({"error": {"message": "the engine died", "type": "server_error", "param": None,
+                                 "code": "engine_dead"}})
+            yield "data: [DONE]\n\n"
+        elif failure.how == "request_failed":
+            yield sse({"error": {"message": "this request failed", "type": "server_error", "param": None,
+                                 "code": "request_failed"}})
+            yield "data: [DONE]\n\n"
+        # truncate: the stream just ends, without [DONE]
+
+
+@contextmanager
+def fake_fleet(tokenizer, num_replicas=2, names=None, **options):
+    """Fake replicas behind a real router (least_loaded: the first request goes to replica-0, a retry to replica-1)."""
+    options = {"policy": "least_loaded", "admin_api_key": ADMIN_KEY, "health_interval": 0.1, "sync_interval": 0.1,
+               "control_timeout": 5.0, **options}
+    with ExitStack() as stack:
+        fakes = [FakeReplica(tokenizer) for _ in range(num_replicas)]
+        apps = [stack.enter_context(LiveApp(fake.app)) for fake in fakes]
+        specs = [a.url if names is None else f"{name}={a.url}" for name, a in zip(names or apps, apps)]
+        app = build_router_app(RouterSettings(replicas=tuple(specs), **options))
+        router_app = stack.enter_context(LiveApp(app))
+        router = app.state.router
+        wait_until(lambda: all(r.healthy for r in router.replicas) and router.scoper is not None)
+        yield router_app.url, fakes, router
+
+
+def post(url, path, body, **kwargs):
+    return httpx.post(url + path, json=body, timeout=30, **kwargs)
+
+
+def texts_of(events, chat=False):
+    if chat:
+        return "".join(c["delta"].get("content", "") for e in events for c in e["choices"])
+    return "".join(c["text"] for e in events for c in e["choices"])
+
+
+def assert_only_down_for(router, names):
+    """No replica outside `names` was ever marked down (a request's fault must never take one out)."""
+    for replica in router.replicas:
+        if replica.name not in names:
+            assert list(replica.down_reasons) == [], (replica.name, list(replica.down_reasons))
+
+
+def read_stream(response: httpx.Response) -> tuple[list[dict], bool]:
+    """(the JSON events of an SSE body, whether it ended with [DONE])."""
+    events, done = [], False
+    for block in response.text.split("\n\n"):
+        if not block.startswith("data: "):
+            continue
+        payload = block[len("data: "):]
+        if payload == "[DONE]":
+            done = True
+        else:
+            events.append(json.loads(payload))
+    return events, done
+
+
+def wait_until(predicate, timeout: float = 10.0, interval: float = 0.02) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met within the timeout")
+        time.sleep(interval)

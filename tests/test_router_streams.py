@@ -1,0 +1,116 @@
+"""Streams through the router survive a dying replica: continued elsewhere, or ended with an error event.
+
+Runs against fake replicas (tests/router_fakes.py) that die on cue mid-stream, so
+every break happens at an exact token and every expectation is exact.
+"""
+
+import pytest
+
+from prefixserve.model import Tokenizer
+
+from router_fakes import Failure, assert_only_down_for, fake_fleet, post, read_stream, texts_of, wait_until
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir):
+    return Tokenizer.from_dir(default_model_dir)
+
+
+@pytest.mark.parametrize("how", ["reset", "truncate", "engine_dead"])
+def test_a_completion_stream_continues_on_another_replica_with_the_same_text(tokenizer, how):
+    with fake_fleet(tokenizer) as (url, fakes, router):
+        fakes[0].failure = Failure(how, after_tokens=5)
+        prompt_ids = tokenizer.encode("tell me the greek letters")
+        reference_ids, reference_text = fakes[1].reference(prompt_ids, 12, seed=7)
+        response = post(url, "/v1/completions", {"prompt": "tell me the greek letters", "max_tokens": 12, "seed": 7,
+                                                 "temperature": 0.8, "top_k": 5, "stream": True,
+                                                 "stream_options": {"include_usage": True}})
+        assert response.status_code == 200
+        assert response.headers["x-prefixserve-replica"] == "replica-0"
+        events, done = read_stream(response)
+        assert done
+        assert texts_of(events) == reference_text
+        assert {e["id"] for e in events} == {events[0]["id"]} and {e["created"] for e in events} == {1001}
+        assert all("token_ids" not in c and "prompt_token_ids" not in c for e in events for c in e["choices"])
+        assert events[-2]["choices"][0]["finish_reason"] == "length"
+        assert events[-1]["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": 12, "total_tokens":
+                                       len(prompt_ids) + 12, "prompt_tokens_details": {"cached_tokens": 3}}
+        # The continuation: original prompt + the 5 ids already sent, 7 tokens to go, same sampling fields.
+        [(path, body, _)] = fakes[1].requests
+        assert path == "/v1/completions"
+        assert body["prompt"] == prompt_ids + reference_ids[:5]
+        assert (body["max_tokens"], body["seed"], body["temperature"], body["top_k"]) == (7, 7, 0.8, 5)
+        assert body["stream"] is True and body["return_token_ids"] is True
+        if how == "engine_dead":  # the health check, not the error event, takes it out
+            wait_until(lambda: not router.replicas[0].healthy)
+            assert "503" in router.replicas[0].down_reasons[-1].reason
+        if how == "reset":
+            assert "transport failure" in router.replicas[0].down_reasons[-1].reason
+        assert_only_down_for(router, {"replica-0"})
+
+
+def test_a_chat_stream_continues_as_chat_chunks_and_keeps_token_ids_the_client_asked_for(tokenizer):
+    with fake_fleet(tokenizer) as (url, fakes, router):
+        fakes[0].failure = Failure("reset", after_tokens=3)
+        messages = [{"role": "user", "content": "and the letters?"}]
+        prompt_ids = tokenizer.encode_chat(messages)
+        reference_ids, reference_text = fakes[1].reference(prompt_ids, 9)
+        response = post(url, "/v1/chat/completions", {"messages": messages, "max_tokens": 9, "stream": True,
+                                                      "return_token_ids": True})
+        events, done = read_stream(response)
+        assert done and texts_of(events, chat=True) == reference_text
+        assert {e["object"] for e in events} == {"chat.completion.chunk"}
+        assert len({e["id"] for e in events}) == 1
+        assert [c["delta"].get("role") for e in events for c in e["choices"]].count("assistant") == 1
+        assert [t for e in events for c in e["choices"] for t in c.get("token_ids", [])] == reference_ids
+        assert events[0]["choices"][0]["prompt_token_ids"] == prompt_ids
+        assert fakes[1].requests[0][0] == "/v1/completions"
+
+
+def test_a_stop_string_across_the_break_ends_the_stream_where_an_unbroken_one_would(tokenizer):
+    with fake_fleet(tokenizer) as (url, fakes, router):
+        prompt_ids = tokenizer.encode("letters")
+        _, full_text = fakes[1].reference(prompt_ids, 20)
+        fakes[0].failure = Failure("reset", after_tokens=4)
+        sent_before_break = tokenizer.decode(fakes[1].reference(prompt_ids, 4)[0])
+        stop = full_text[len(sent_before_break) - 2: len(sent_before_break) + 3]  # straddles the break
+        response = post(url, "/v1/completions", {"prompt": "letters", "max_tokens": 20, "stop": [stop],
+                                                 "stream": True})
+        events, done = read_stream(response)
+        assert done and texts_of(events) == full_text[: full_text.index(stop)]
+        assert events[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_nothing_sent_yet_replays_the_original_request(tokenizer):
+    with fake_fleet(tokenizer) as (url, fakes, router):
+        fakes[0].failure = Failure("reset", after_tokens=0)
+        response = post(url, "/v1/completions", {"prompt": "letters", "max_tokens": 6, "stream": True})
+        events, done = read_stream(response)
+        assert done and texts_of(events) == fakes[1].reference(tokenizer.encode("letters"), 6)[1]
+        assert fakes[1].requests[0][1]["prompt"] == "letters"
+
+
+def test_the_requests_own_failure_is_relayed_not_retried(tokenizer):
+    with fake_fleet(tokenizer) as (url, fakes, router):
+        fakes[0].failure = Failure("request_failed", after_tokens=2)
+        response = post(url, "/v1/completions", {"prompt": "letters", "max_tokens": 6, "stream": True})
+        events, done = read_stream(response)
+        assert done and events[-1]["error"]["code"] == "request_failed"
+        assert fakes[1].requests == []
+        assert_only_down_for(router, set())
+
+
+@pytest.mark.parametrize("case", ["n_2", "no_other_replica", "attempts_exhausted"])
+def test_a_stream_that_cannot_continue_ends_with_an_error_event(tokenizer, case):
+    num_replicas = 1 if case == "no_other_replica" else 2
+    options = {"max_attempts": 1} if case == "attempts_exhausted" else {}
+    with fake_fleet(tokenizer, num_replicas, **options) as (url, fakes, router):
+        fakes[0].failure = Failure("reset", after_tokens=2)
+        response = post(url, "/v1/completions", {"prompt": "letters", "max_tokens": 6, "stream": True,
+                                                 "n": 2 if case == "n_2" else 1})
+        events, done = read_stream(response)
+        assert done and set(events[-1]["error"]) == {"message", "type", "param", "code"}
+        assert events[-1]["error"]["code"] == {"n_2": "stream_interrupted"}.get(case, "no_replica")
+        assert len(texts_of(events[:-1])) > 0
+        if num_replicas == 2:
+            assert fakes[1].requests == []
