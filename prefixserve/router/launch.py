@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-from pathlib import Path
-from typing import Optional
 
-from ..http import DEFAULT_MAX_REQUEST_BYTES
+from ..http import DEFAULT_MAX_REQUEST_BYTES, load_api_keys
 from .costs import CostModel
 from .policies import POLICIES
 
@@ -31,20 +28,6 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--log-level", default="info")
-
-
-def load_api_keys(api_keys_file: Optional[str]) -> dict[str, str]:
-    """key -> tenant from the replicas' JSON keys file (the router only needs it to route tenants apart)."""
-    if not api_keys_file:
-        return {}
-    path = Path(api_keys_file)
-    try:
-        loaded = json.loads(path.read_text())
-    except (OSError, ValueError) as error:
-        raise SystemExit(f"--api-keys-file {path}: cannot read a JSON object of key -> tenant ({error})")
-    if not isinstance(loaded, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in loaded.items()):
-        raise SystemExit(f"--api-keys-file {path}: expected a JSON object mapping API key strings to tenant names")
-    return loaded
 
 
 def settings_from_args(args: argparse.Namespace):
