@@ -43,7 +43,9 @@ def cache_prompt(cache: RadixCache, keyer: BlockKeyer, tokens: list[int]) -> int
 def fill(cache: RadixCache, keyer: BlockKeyer, num_blocks: int, rng: random.Random, progress: bool) -> None:
     """Fill the cache with chains of 125 blocks (2,000-token prompts), all released."""
     blocks_per_prompt = PROMPT_LEN // BLOCK_SIZE
-    with tqdm(total=num_blocks, desc=f"fill {num_blocks:,}", disable=not progress, leave=False) as bar:
+    # disable=None: a bar only on a terminal, never redraws into a log file or a pipe
+    with tqdm(total=num_blocks, desc=f"fill {num_blocks:,}", leave=False,
+              disable=None if progress else True) as bar:
         while cache.num_cached_blocks + blocks_per_prompt <= num_blocks:
             bar.update(cache_prompt(cache, keyer, random_prompt(rng, PROMPT_LEN)))
 
@@ -125,7 +127,8 @@ def plot(rows: list[dict[str, float]], path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("--sizes", default="10000,100000,1000000", help="cache sizes in blocks")
     parser.add_argument("--hash", default="sha256", choices=["sha256", "xxh3_128"])
     parser.add_argument("--plot", default="benchmarks/results/cache_ops.png")

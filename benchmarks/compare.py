@@ -342,7 +342,8 @@ def plot(dtype: str, runs: dict, names: list[str], path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("--dtype", default="both", choices=["float32", "bfloat16", "both"])
     parser.add_argument("--workloads", default=",".join(build_workloads()))
     parser.add_argument("--engines", default=",".join(ENGINES))
@@ -371,7 +372,8 @@ def main() -> None:
                      else [name for name in names if name == "no-sharing" and engine == "prefixserve-nocache"])
                     for round_index in range(args.rounds) for engine in engines]
         schedule = [(round_index, engine, todo) for round_index, engine, todo in schedule if todo]
-        with tqdm(total=sum(len(todo) for _, _, todo in schedule), desc=f"compare {dtype}") as bar:
+        # disable=None: a bar only on a terminal, not thousands of redraws in a log file
+        with tqdm(total=sum(len(todo) for _, _, todo in schedule), desc=f"compare {dtype}", disable=None) as bar:
             for round_index, engine, todo in schedule:
                 if engine == "vllm":
                     if "vllm" in notes:
@@ -397,6 +399,7 @@ def main() -> None:
                             "ttft_probe": run["ttft_probe"], **({"version": run["version"]} if "version" in run else {})}
                    for engine, run in runs.items()}
         (RESULTS / f"compare_{dtype}.json").write_text(json.dumps({"table": lines, "summary": summary}, indent=1))
+        print(f"wrote {RESULTS / f'compare_{dtype}.json'}")
         plot(dtype, runs, names, RESULTS / f"compare_{dtype}.png")
         print(f"plot: {RESULTS / f'compare_{dtype}.png'}")
     print(f"total {time.perf_counter() - started:.0f} s")

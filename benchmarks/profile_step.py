@@ -25,7 +25,8 @@ from prefixserve import LLM, SamplingParams  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--workload", default="system-prompt", choices=list(build_workloads()))
     parser.add_argument("--steps", default="0,1,8", help="steps to profile, counted from 0")

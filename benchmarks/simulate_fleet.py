@@ -1,6 +1,6 @@
 """Routing policies on one hour of real chat traffic (Mooncake conversation trace) over 8 replicas.
 
-    python benchmarks/simulate_fleet.py [--trace FILE] [--replicas 8] [--capacity-blocks 1000]
+    python benchmarks/simulate_fleet.py [--trace conversation] [--replicas 8] [--capacity-blocks 1000]
                                         [--costs costs.json] [--no-sweep] [--no-progress]
 
 Prints the policy table and wall time, writes benchmarks/results/fleet_policies.{png,json}, and
@@ -14,30 +14,28 @@ import json
 import time
 from pathlib import Path
 
+from prefixserve.cli import HelpFormatter
+from prefixserve.router.costs import CostModel
 from prefixserve.router.policies import POLICIES
-from prefixserve.router.simulate import (
-    CostModel, SimulationConfig, capacity_sweep, compare_policies, format_table, plot_capacity_sweep,
-    plot_policies, prepare_routes, results_to_json,
-)
-from prefixserve.router.traces import load_mooncake
+from prefixserve.router.report import format_table, plot_capacity_sweep, plot_policies, results_to_json
+from prefixserve.router.simulate import SimulationConfig, capacity_sweep, compare_policies, prepare_routes
+from prefixserve.router.traces import BUILT_IN_TRACES, load_trace
 
 ROOT = Path(__file__).resolve().parent
-TRACE_NAME = "data/traces/mooncake_conversation_trace.jsonl"
-# shared/ sits inside the checkout on some machines and beside it on others.
-DEFAULT_TRACE = next((p for p in (ROOT.parent / "shared" / TRACE_NAME, ROOT.parent.parent / "shared" / TRACE_NAME)
-                      if p.is_file()), ROOT.parent / "shared" / TRACE_NAME)
 SWEEP_CAPACITIES = (250, 500, 1000, 2000, 4000, 8000, 16000)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trace", default=str(DEFAULT_TRACE))
-    parser.add_argument("--replicas", type=int, default=8)
-    parser.add_argument("--capacity-blocks", type=int, default=1000)
-    parser.add_argument("--costs", help="cost model JSON; default: the built-in H100 estimate")
-    parser.add_argument("--no-sweep", action="store_true")
-    parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument("--out", default=str(ROOT / "results"))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False,
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--trace", default="conversation",
+                        help=f"a built-in trace ({', '.join(BUILT_IN_TRACES)}) or a Mooncake .jsonl / .jsonl.gz file")
+    parser.add_argument("--replicas", type=int, default=8, help="simulated replicas")
+    parser.add_argument("--capacity-blocks", type=int, default=1000, help="KV cache per replica in trace blocks")
+    parser.add_argument("--costs", help="cost model JSON (default: the built-in H100 estimate)")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the hit rate against cache size")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars (drawn only on a terminal anyway)")
+    parser.add_argument("--out", default=str(ROOT / "results"), help="folder for the JSON and PNG results")
     args = parser.parse_args()
 
     out = Path(args.out)
@@ -45,7 +43,7 @@ def main() -> None:
     cost = CostModel.load(args.costs) if args.costs else CostModel()
     config = SimulationConfig(args.replicas, args.capacity_blocks, cost, progress=not args.no_progress)
     began = time.perf_counter()
-    trace = load_mooncake(args.trace)
+    trace = load_trace(args.trace)
     routes = prepare_routes(trace)
     loaded = time.perf_counter()
     results = compare_policies(trace, list(POLICIES), config, routes)
@@ -58,6 +56,7 @@ def main() -> None:
     (out / "fleet_policies.json").write_text(json.dumps(results_to_json(results), indent=2) + "\n")
     plot_policies(results, out / "fleet_policies.png", f"{trace.name}, {config.num_replicas} replicas, "
                   f"{config.capacity_blocks} blocks each")
+    print(f"wrote {out / 'fleet_policies.json'}, {out / 'fleet_policies.png'}")
     if args.no_sweep:
         return
     began = time.perf_counter()
@@ -70,6 +69,7 @@ def main() -> None:
     (out / "fleet_policies_sweep.json").write_text(
         json.dumps({str(c): results_to_json(rows) for c, rows in sweep.items()}, indent=2) + "\n")
     plot_capacity_sweep(sweep, out / "fleet_policies_sweep.png", f"{trace.name}, {config.num_replicas} replicas")
+    print(f"wrote {out / 'fleet_policies_sweep.json'}, {out / 'fleet_policies_sweep.png'}")
 
 
 if __name__ == "__main__":

@@ -62,7 +62,7 @@ def measure(dtype: str, lengths: list[int], repeats: int) -> list[dict]:
     engine_ttft(llm, random_tokens(rng, 64))  # warm-up
     hf_times(hf, random_tokens(rng, 64), random_tokens(rng, SUFFIX_LEN))
     rows = []
-    for length in tqdm(lengths, desc=f"ttft {dtype}"):
+    for length in tqdm(lengths, desc=f"ttft {dtype}", disable=None):  # None: a bar only on a terminal
         miss, hit, floor, eager = [], [], [], []
         for _ in range(repeats):
             prefix = random_tokens(rng, length)
@@ -113,7 +113,8 @@ def plot(rows: list[dict], dtype: str, path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--lengths", default="256,512,1024,2048,3072")
     parser.add_argument("--repeats", type=int, default=3)

@@ -1,22 +1,23 @@
 """The fleet simulator: exact small replays, the agent workload's policy ranking, traces, CLI."""
 
+import gzip
 import json
+import logging
 import math
-from pathlib import Path
 
 import pytest
 
+from prefixserve.cli import main
+from prefixserve.router.report import BOUND_NAME, format_table, results_to_json
 from prefixserve.router.simulate import (
-    BOUND_NAME, CostModel, SimulationConfig, compare_policies, format_table, infinite_cache_bound, main,
-    prepare_routes, results_to_json, simulate,
+    CostModel, SimulationConfig, compare_policies, infinite_cache_bound, prepare_routes, simulate,
 )
 from prefixserve.router.traces import (
-    AgentTraceConfig, Trace, TraceFormatError, TraceRequest, generate_agent_trace, load_mooncake,
+    TRACE_DIR, AgentTraceConfig, Trace, TraceFormatError, TraceRequest, generate_agent_trace, load_mooncake,
+    load_trace,
 )
 
-TRACES = next(p for p in (Path(__file__).resolve().parents[1] / "shared/data/traces",
-                          Path(__file__).resolve().parents[2] / "shared/data/traces") if p.is_dir())
-CONVERSATION = TRACES / "mooncake_conversation_trace.jsonl"
+CONVERSATION = TRACE_DIR / "conversation.jsonl.gz"  # shipped in the package: no test reads outside the clone
 # 1 ms a prompt token, 10 ms an output token, no attention term or overhead, no decode batching.
 SIMPLE_COST = CostModel(prefill_seconds_per_token=0.001, attention_seconds_per_token_pair=0.0,
                         decode_seconds_per_token=0.01, decode_batch_size=1.0, overhead_seconds=0.0)
@@ -131,7 +132,7 @@ def test_agent_sessions_grow_and_share_system_prompts():
 # ---------------------------------------------------------------- Mooncake files
 def test_mooncake_loader_reads_the_first_lines():
     trace = load_mooncake(CONVERSATION, limit=200)
-    assert len(trace) == 200 and trace.block_size == 512
+    assert len(trace) == 200 and trace.block_size == 512 and trace.name == "conversation"
     first = trace.requests[0]
     assert (first.arrival_time, first.input_length, first.output_length) == (0.0, 6758, 500)
     assert first.hash_ids == list(range(14))
@@ -140,9 +141,31 @@ def test_mooncake_loader_reads_the_first_lines():
 
 
 def test_infinite_cache_bound_of_the_conversation_trace_is_37_percent():
-    trace = load_mooncake(CONVERSATION)
-    assert len(trace) == 12031
+    trace = load_trace("conversation")
+    assert len(trace) == 12031 and trace.name == "conversation"
     assert infinite_cache_bound(trace, prepare_routes(trace)).hit_rate == pytest.approx(0.373, abs=0.002)
+
+
+def test_built_in_traces_by_name():
+    synthetic = load_trace("synthetic")
+    assert len(synthetic) == 3993 and synthetic.name == "synthetic"
+    assert infinite_cache_bound(synthetic).hit_rate == pytest.approx(0.650, abs=0.002)
+    agent = load_trace("agent", limit=30, seed=2)
+    assert len(agent) == 30 and agent.requests == generate_agent_trace(AgentTraceConfig(seed=2)).requests[:30]
+    assert (TRACE_DIR / "README.md").read_text().count("Apache") >= 1
+
+
+ROW = '{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n'
+
+
+def test_plain_and_gzip_files_read_alike_whatever_their_name(tmp_path):
+    rows = ROW + ROW.replace('"timestamp": 0', '"timestamp": 5')
+    (tmp_path / "plain.jsonl").write_text(rows)
+    (tmp_path / "packed.jsonl.gz").write_bytes(gzip.compress(rows.encode()))
+    (tmp_path / "misnamed.jsonl").write_bytes(gzip.compress(rows.encode()))  # read by its magic bytes
+    traces = [load_trace(str(tmp_path / name)) for name in ("plain.jsonl", "packed.jsonl.gz", "misnamed.jsonl")]
+    assert [t.name for t in traces] == ["plain", "packed", "misnamed"]
+    assert traces[0].requests == traces[1].requests == traces[2].requests and len(traces[0]) == 2
 
 
 @pytest.mark.parametrize("line, message", [
@@ -154,14 +177,41 @@ def test_infinite_cache_bound_of_the_conversation_trace_is_37_percent():
 ])
 def test_mooncake_loader_names_file_and_line_of_a_bad_row(tmp_path, line, message):
     path = tmp_path / "trace.jsonl"
-    path.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}\n' + line + "\n")
+    path.write_text(ROW + line + "\n")
     with pytest.raises(TraceFormatError, match=rf"trace.jsonl:2: .*{message.replace('(', '.').replace(')', '.')}"):
         load_mooncake(path)
 
 
-def test_missing_trace_file_says_where_traces_live(tmp_path):
-    with pytest.raises(FileNotFoundError, match="does not exist; the Mooncake traces live in shared/data/traces"):
-        load_mooncake(tmp_path / "nope.jsonl")
+def test_missing_trace_file_names_the_built_in_traces(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.jsonl does not exist; pass a Mooncake trace .* "
+                                                "conversation, synthetic, agent"):
+        load_trace(str(tmp_path / "nope.jsonl"))
+
+
+def test_a_directory_is_not_a_trace(tmp_path):
+    with pytest.raises(IsADirectoryError, match=f"trace {tmp_path} is a directory, not a file"):
+        load_trace(str(tmp_path))
+
+
+@pytest.mark.parametrize("content", [b"", b"\n  \n\n", gzip.compress(b"")])
+def test_an_empty_trace_is_an_error_naming_the_file(tmp_path, content):
+    path = tmp_path / "empty.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(TraceFormatError, match=f"{path}: no requests in this trace"):
+        load_trace(str(path))
+
+
+def test_a_broken_gzip_or_binary_file_is_a_format_error(tmp_path):
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(gzip.compress((ROW * 100).encode())[:40])
+    with pytest.raises(TraceFormatError, match="cut.jsonl.gz: not a readable gzip file"):
+        load_trace(str(cut))
+    binary = tmp_path / "binary.jsonl"
+    binary.write_bytes(b"\xff\xfe\x00 not text\n")
+    with pytest.raises(TraceFormatError, match="binary.jsonl:1: not UTF-8 text"):
+        load_trace(str(binary))
+    with pytest.raises(ValueError, match="--limit"):
+        load_trace("agent", limit=0)
 
 
 # ------------------------------------------------------------------ costs, report, CLI
@@ -188,35 +238,79 @@ def test_table_columns_line_up(agent_run):
     assert body[BOUND_NAME]["ttft_p50_s"] is None and 0 < body["kv_aware"]["hit_rate"] < 1
 
 
-def test_cli_writes_json_and_plots(tmp_path, capsys):
+def test_cli_writes_json_and_plots_and_prints_every_path(tmp_path, capsys):
     out_json, out_png = tmp_path / "out.json", tmp_path / "out.png"
-    code = main(["--trace", "agent", "--limit", "300", "--replicas", "4", "--policies", "kv_aware,round_robin",
-                 "--json", str(out_json), "--plot", str(out_png), "--sweep", "capacity",
-                 "--sweep-capacities", "50,400", "--no-progress"])
+    code = main(["simulate", "--trace", "agent", "--limit", "300", "--replicas", "4",
+                 "--policies", "kv_aware,round_robin", "--json", str(out_json), "--plot", str(out_png),
+                 "--sweep", "capacity", "--sweep-capacities", "50,400", "--no-progress"])
     assert code == 0
     body = json.loads(out_json.read_text())
     assert list(body) == ["kv_aware", "round_robin", BOUND_NAME]
     assert set(body["kv_aware"]) >= {"hit_rate", "prefill_tokens", "load_imbalance", "ttft_p99_s", "queue_p50_s"}
-    for png in (out_png, tmp_path / "out_sweep.png"):
+    sweep_png = tmp_path / "out_sweep.png"
+    for png in (out_png, sweep_png):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "capacity 50:" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "capacity 50:" in out
+    written = [line.removeprefix("wrote ") for line in out.splitlines() if line.startswith("wrote ")]
+    assert written == [str(out_json), str(out_png), str(sweep_png)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.json", "out.png", "out_sweep.png"]
 
 
-def test_cli_reports_user_errors(tmp_path, capsys):
-    assert main(["--trace", "agent", "--policies", "kv_aware,fastest"]) == 2
+def test_cli_default_plot_lands_in_the_working_directory_and_says_so(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["simulate", "--trace", "agent", "--limit", "50", "--policies", "kv_aware"]) == 0
+    captured = capsys.readouterr()
+    written = [line.removeprefix("wrote ") for line in captured.out.splitlines() if line.startswith("wrote ")]
+    assert written == [str(tmp_path / "simulate_policies.png")]
+    assert [p.name for p in tmp_path.iterdir()] == ["simulate_policies.png"]  # nothing written unannounced
+    # progress was on, but stderr is no terminal here: no bar, no redraws
+    assert "\r" not in captured.err and "req/s" not in captured.err and "it/s" not in captured.err
+
+    (tmp_path / "simulate_policies.png").unlink()
+    assert main(["simulate", "--trace", "agent", "--limit", "50", "--policies", "kv_aware", "--no-plot"]) == 0
+    assert "wrote" not in capsys.readouterr().out and list(tmp_path.iterdir()) == []
+
+
+def test_cli_replays_a_built_in_trace_by_name(capsys):
+    assert main(["simulate", "--trace", "conversation", "--limit", "100", "--replicas", "2",
+                 "--policies", "kv_aware", "--no-plot", "--no-progress"]) == 0
+    assert capsys.readouterr().out.startswith("conversation: 100 requests")
+
+
+def test_cli_reports_user_errors(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # the default --plot would land here
+    assert main(["simulate", "--trace", "agent", "--policies", "kv_aware,fastest"]) == 2
     assert "unknown routing policy 'fastest'; choose one of round_robin" in capsys.readouterr().err
-    assert main(["--trace", str(tmp_path / "missing.jsonl")]) == 2
-    assert "does not exist" in capsys.readouterr().err
+    assert main(["simulate", "--trace", str(tmp_path / "missing.jsonl")]) == 2
+    assert "missing.jsonl does not exist; pass a Mooncake trace" in capsys.readouterr().err
+    assert main(["simulate", "--trace", str(tmp_path)]) == 2
+    assert f"trace {tmp_path} is a directory, not a file" in capsys.readouterr().err
+    (tmp_path / "empty.jsonl").write_text("")
+    assert main(["simulate", "--trace", str(tmp_path / "empty.jsonl"), "--no-plot"]) == 2
+    assert f"{tmp_path / 'empty.jsonl'}: no requests in this trace" in capsys.readouterr().err
+    assert main(["simulate", "--trace", "agent", "--json", str(tmp_path / "no" / "out.json")]) == 2
+    assert f"--json {tmp_path / 'no' / 'out.json'}: folder {tmp_path / 'no'} does not exist" in capsys.readouterr().err
+    assert main(["simulate", "--trace", "agent", "--plot", str(tmp_path)]) == 2
+    assert f"--plot {tmp_path}: is a directory" in capsys.readouterr().err
+    assert main(["simulate", "--trace", "agent", "--limit", "0"]) == 2
+    assert "--limit) must be at least 1" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == [tmp_path / "empty.jsonl"]  # no error left a file behind
 
 
 def test_cli_needs_a_trace_unless_calibrating(capsys):
-    assert main([]) == 2
-    assert "--trace FILE (or 'agent') is required" in capsys.readouterr().err
+    assert main(["simulate"]) == 2
+    assert "--trace NAME|FILE is required unless --calibrate is given (built-in traces: conversation" in \
+        capsys.readouterr().err
 
 
-def test_calibrate_writes_a_cost_model_the_simulator_loads(tmp_path, default_model_dir):
+def test_calibrate_writes_a_cost_model_the_simulator_loads(tmp_path, default_model_dir, capsys, caplog):
+    caplog.set_level(logging.INFO, logger="prefixserve.calibrate")
     path = tmp_path / "costs.json"
-    assert main(["--calibrate", str(path)]) == 0
+    assert main(["simulate", "--calibrate", str(path)]) == 0
     cost = CostModel.load(path)
     assert cost.prefill_seconds_per_token > 0 and cost.decode_seconds_per_token > 0
     assert cost.description.startswith("calibrated: prefixserve-tiny")
+    assert capsys.readouterr().out.startswith(f"wrote {path}: ")
+    steps = [record.getMessage() for record in caplog.records if record.name == "prefixserve.calibrate"]
+    assert steps[0] == "calibrating (1/6): loading the model ..." and len(steps) == 6  # not a terminal: lines

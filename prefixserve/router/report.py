@@ -83,5 +83,3 @@ def plot_capacity_sweep(sweep: dict[int, list[SimulationResult]], path: str | Pa
     figure.suptitle(title or "hit rate vs cache size")
     figure.savefig(path, dpi=110)
 
-
-# ---------------------------------------------------------------------- CLI

@@ -23,21 +23,16 @@ decode_batch_size of GPU work to the replica's busy time and load. The load a
 policy sees is the replica's estimated outstanding work in seconds: queued
 prefills (costed with their predicted hit), the rest of the running prefill
 and the GPU share of the remaining decodes. This file is one concept (the
-replay; tables and plots are in report.py) and `main(argv)` is `prefixserve simulate`.
+replay; tables and plots are in report.py; `prefixserve simulate` is in cli.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import heapq
 import itertools
-import json
 import math
-import sys
-import time
 from collections import deque
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Optional, Sequence
 
 from tqdm import tqdm
@@ -45,9 +40,9 @@ from tqdm import tqdm
 from prefixserve.cache import Block, BlockKeyer, CacheScope, RadixCache
 
 from .costs import CostModel, policy_options_for
-from .report import BOUND_NAME, format_table, plot_capacity_sweep, plot_policies, results_to_json
-from .policies import POLICIES, PolicyOptions, RouteRequest, RoutingPolicy, make_policy
-from .traces import AgentTraceConfig, Trace, TraceRequest, generate_agent_trace, load_mooncake
+from .policies import PolicyOptions, RouteRequest, RoutingPolicy, make_policy
+from .report import BOUND_NAME
+from .traces import Trace, TraceRequest
 
 # Llama-3-8B in bf16 keeps 128 KiB of KV per token; an 80 GB H100 has about 64 GiB left after
 # weights and activations: 512 Ki tokens, i.e. about 1,000 blocks of 512 tokens per replica.
@@ -273,7 +268,9 @@ def simulate(trace: Trace, policy: str | RoutingPolicy, config: SimulationConfig
             else:
                 replica.finish(job)
 
-    progress = tqdm(total=len(trace.requests), desc=policy.name, unit="req", disable=not config.progress, leave=False)
+    # disable=None: a bar only on a terminal, never thousands of redraws in a log file or a pipe
+    progress = tqdm(total=len(trace.requests), desc=policy.name, unit="req", leave=False,
+                    disable=None if config.progress else True)
     for request, route in zip(trace.requests, routes):
         run_events(request.arrival_time)  # completions at the arrival instant happen first
         clock.now = request.arrival_time
@@ -340,89 +337,3 @@ def capacity_sweep(trace: Trace, policies: Sequence[str], capacities: Sequence[i
     routes = prepare_routes(trace)
     return {capacity: compare_policies(trace, policies, replace(config, capacity_blocks=capacity), routes)
             for capacity in capacities}
-
-
-# ------------------------------------------------------------------- report
-def _parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="prefixserve simulate",
-                                     description="Replay a request trace over simulated replicas and compare routing policies.")
-    parser.add_argument("--trace", help="a Mooncake JSONL file, or 'agent' for the seeded agent workload")
-    parser.add_argument("--calibrate", metavar="COSTS_JSON",
-                        help="measure the real engine (built-in model) on this machine, write its cost model here, exit")
-    parser.add_argument("--replicas", type=int, default=8)
-    parser.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated, from {', '.join(POLICIES)}")
-    parser.add_argument("--capacity-blocks", type=int, default=DEFAULT_CAPACITY_BLOCKS,
-                        help="KV cache per replica in trace blocks (default %(default)s: an 8B model on an 80 GB GPU)")
-    parser.add_argument("--costs", help="cost model JSON (CostModel.save / a calibrate run); default: built-in H100 estimate")
-    parser.add_argument("--json", help="write policy -> metric -> value here")
-    parser.add_argument("--plot", default="simulate_policies.png", help="PNG comparing the policies (default %(default)s)")
-    parser.add_argument("--sweep", choices=["capacity"], help="also sweep the cache size (hit rate vs capacity)")
-    parser.add_argument("--sweep-capacities", help="comma-separated block counts (default: capacity x 1/8 ... x4)")
-    parser.add_argument("--sweep-plot", help="PNG of the sweep (default: next to --plot, suffixed _sweep)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--limit", type=int, help="replay only the first N requests")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-    return parser.parse_args(argv)
-
-
-def _int_list(text: str, what: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise ValueError(f"{what} must be comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise ValueError(f"{what} must list positive integers, got {text!r}")
-    return values
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    args = _parse_args(argv)
-    if args.calibrate:
-        from prefixserve.engine.calibrate import measure_costs  # the one path here that needs torch
-
-        cost = CostModel(**measure_costs())
-        cost.save(args.calibrate)
-        print(f"wrote {args.calibrate}: {cost}")
-        return 0
-    if not args.trace:
-        print("error: --trace FILE (or 'agent') is required unless --calibrate is given", file=sys.stderr)
-        return 2
-    try:
-        policies = [name.strip() for name in args.policies.split(",") if name.strip()]
-        for name in policies:
-            make_policy(name)
-        cost = CostModel.load(args.costs) if args.costs else CostModel()
-        config = SimulationConfig(args.replicas, args.capacity_blocks, cost, args.seed, progress=not args.no_progress)
-        if args.trace == "agent":
-            trace = generate_agent_trace(AgentTraceConfig(seed=args.seed))
-        else:
-            trace = load_mooncake(args.trace, limit=args.limit)
-        if args.limit is not None:
-            trace = Trace(trace.requests[: args.limit], trace.block_size, trace.name)
-        capacities = (_int_list(args.sweep_capacities, "--sweep-capacities") if args.sweep_capacities
-                      else [max(1, args.capacity_blocks * factor // 8) for factor in (1, 2, 4, 8, 16, 32)])
-    except (OSError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    began = time.perf_counter()
-    results = compare_policies(trace, policies, config)
-    print(f"{trace.name}: {len(trace)} requests over {trace.duration:.0f} s, {config.num_replicas} replicas x "
-          f"{config.capacity_blocks} blocks of {trace.block_size} tokens ({time.perf_counter() - began:.1f} s)")
-    print(format_table(results))
-    if args.json:
-        Path(args.json).write_text(json.dumps(results_to_json(results), indent=2) + "\n", encoding="utf-8")
-    if args.plot:
-        plot_policies(results, args.plot, f"{trace.name}, {config.num_replicas} replicas")
-    if args.sweep == "capacity":
-        sweep = capacity_sweep(trace, policies, capacities, config)
-        for capacity, rows in sweep.items():
-            print(f"capacity {capacity}: " + ", ".join(f"{r.policy} {r.hit_rate:.1%}" for r in rows))
-        sweep_plot = args.sweep_plot or (str(Path(args.plot).with_name(Path(args.plot).stem + "_sweep.png"))
-                                         if args.plot else None)
-        if sweep_plot:
-            plot_capacity_sweep(sweep, sweep_plot, f"{trace.name}, {config.num_replicas} replicas")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

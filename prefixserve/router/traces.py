@@ -1,5 +1,8 @@
 """Request traces in block-id form: the Mooncake JSONL format and a seeded agent-session generator.
 
+Built in: `conversation` and `synthetic`, the Mooncake project's two public traces (shipped gzip-
+compressed as package data, prefixserve/data/traces/), and `agent`, generated here from a seed.
+
 Both sources yield the same shape, so the simulator treats them alike:
 
     prompt tokens  [0 ........ 512)[512 ..... 1024)[1024 .. 1300)
@@ -11,12 +14,13 @@ requests share their first k blocks exactly when their first k ids agree.
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Hashable, Optional
+from typing import Hashable, Optional, TextIO
 
 MOONCAKE_BLOCK_SIZE = 512
 _MAX_BLOCK_ID = 2**32 - 1  # block ids travel as uint32 "tokens" through the cache core
@@ -53,24 +57,61 @@ class Trace:
         return sum(request.input_length for request in self.requests)
 
 
+BUILT_IN_TRACES = ("conversation", "synthetic", "agent")  # `--trace NAME`; anything else is a path
+TRACE_DIR = Path(__file__).resolve().parents[1] / "data" / "traces"  # package data: <name>.jsonl.gz
+_GZIP_MAGIC = b"\x1f\x8b"
+
+
+def load_trace(name_or_path: str | Path, limit: Optional[int] = None, seed: int = 0) -> Trace:
+    """A built-in trace by name (`conversation`, `synthetic`: shipped Mooncake files; `agent`: generated
+    from `seed`), else a Mooncake JSONL file, plain or gzip. Built-in names win over files of that name
+    (write ./agent for a file called agent)."""
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit (--limit) must be at least 1, got {limit}")
+    if name_or_path == "agent":
+        trace = generate_agent_trace(AgentTraceConfig(seed=seed))
+        return Trace(trace.requests[:limit], trace.block_size, trace.name) if limit is not None else trace
+    if name_or_path in BUILT_IN_TRACES:
+        trace = load_mooncake(TRACE_DIR / f"{name_or_path}.jsonl.gz", limit)
+        return Trace(trace.requests, trace.block_size, name=str(name_or_path))
+    return load_mooncake(name_or_path, limit)
+
+
 def load_mooncake(path: str | Path, limit: Optional[int] = None, block_size: int = MOONCAKE_BLOCK_SIZE) -> Trace:
-    """Read a Mooncake trace: one JSON object a line with timestamp (ms), lengths and hash_ids."""
+    """Read a Mooncake trace (.jsonl, or gzip-compressed): one JSON object a line with timestamp (ms),
+    lengths and hash_ids. A file without a single request is an error, not an empty replay."""
     path = Path(path)
+    hint = f"pass a Mooncake trace (.jsonl or .jsonl.gz) or a built-in trace name: {', '.join(BUILT_IN_TRACES)}"
+    if path.is_dir():
+        raise IsADirectoryError(f"trace {path} is a directory, not a file; {hint}")
     if not path.is_file():
-        raise FileNotFoundError(
-            f"trace file {path} does not exist; the Mooncake traces live in shared/data/traces/ "
-            "(mooncake_conversation_trace.jsonl, mooncake_synthetic_trace.jsonl)"
-        )
+        raise FileNotFoundError(f"trace file {path} does not exist; {hint}")
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit (--limit) must be at least 1, got {limit}")
     requests: list[TraceRequest] = []
-    with path.open(encoding="utf-8") as lines:
-        for line_number, line in enumerate(lines, start=1):
-            if limit is not None and len(requests) >= limit:
-                break
-            if not line.strip():
-                continue
-            requests.append(_parse_mooncake_line(line, f"{path}:{line_number}", block_size))
+    line_number = 0
+    try:
+        with _open_text(path) as lines:
+            for line_number, line in enumerate(lines, start=1):
+                if limit is not None and len(requests) >= limit:
+                    break
+                if line.strip():
+                    requests.append(_parse_mooncake_line(line, f"{path}:{line_number}", block_size))
+    except UnicodeDecodeError:
+        raise TraceFormatError(f"{path}:{line_number + 1}: not UTF-8 text; {hint}") from None
+    except (OSError, EOFError) as error:  # gzip.BadGzipFile is an OSError; a cut-off gzip is an EOFError
+        raise TraceFormatError(f"{path}: not a readable gzip file ({error}); {hint}") from None
+    if not requests:
+        raise TraceFormatError(f"{path}: no requests in this trace (the file is empty or blank); {hint}")
     requests.sort(key=lambda request: request.arrival_time)  # stable: file order breaks ties
-    return Trace(requests, block_size, name=path.stem)
+    return Trace(requests, block_size, name=path.name.removesuffix(".gz").removesuffix(".jsonl"))
+
+
+def _open_text(path: Path) -> TextIO:
+    """The file as text lines, decompressed when it starts with the gzip magic bytes (whatever its name)."""
+    with path.open("rb") as head:
+        compressed = head.read(2) == _GZIP_MAGIC
+    return gzip.open(path, "rt", encoding="utf-8") if compressed else path.open(encoding="utf-8")
 
 
 def _parse_mooncake_line(line: str, where: str, block_size: int) -> TraceRequest:
