@@ -1,35 +1,194 @@
-"""`prefixserve serve | route | simulate` — the command-line entry point."""
+"""`prefixserve serve | route | simulate`: the command line.
+
+One parser for every command: each flag shows its help and its default, and no flag may be
+abbreviated (argparse would otherwise take `--replica 8` for `--replicas 8` without a word).
+`serve` and `route` keep their flags beside the servers they build (server/launch.py,
+router/launch.py); `simulate`'s flags and run live here, since it only glues the router's
+traces, replay and report together.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import sys
+import time
+from pathlib import Path
 from typing import Optional
+
+from .router.launch import add_route_arguments, route
+from .server.launch import add_serve_arguments, serve
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" to a flag's help, unless the help already names its default or there is
+    nothing to show: a switch that is off, or None, whose meaning the help text says in words."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        if action.default is None or action.default is False or "default" in help_text:
+            return help_text
+        return super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="prefixserve", allow_abbrev=False,
+                                     description="LLM serving with a token-exact prefix KV cache")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, summary: str) -> argparse.ArgumentParser:
+        subparser = commands.add_parser(name, help=summary, description=summary, formatter_class=HelpFormatter,
+                                        allow_abbrev=False)
+        subparser.set_defaults(usage_error=subparser.error)  # a command's mistakes shown with its own usage
+        return subparser
+
+    add_serve_arguments(command("serve", "OpenAI-compatible server (a small default model is built in)"))
+    add_route_arguments(command("route", "cache-aware router in front of 'prefixserve serve' replicas"))
+    add_simulate_arguments(command("simulate", "replay a request trace over simulated replicas and compare "
+                                               "routing policies"))
+    return parser
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="prefixserve", description="LLM serving with a token-exact prefix KV cache")
-    commands = parser.add_subparsers(dest="command", required=True)
-
-    from .router.launch import add_route_arguments, route
-    from .server.launch import add_serve_arguments, serve
-
-    add_serve_arguments(commands.add_parser("serve", help="OpenAI-compatible server (default model built in)"))
-    add_route_arguments(commands.add_parser("route", help="cache-aware router in front of serve replicas"))
-    commands.add_parser("simulate", help="replay a trace over simulated replicas (see 'prefixserve simulate -h')",
-                        add_help=False)
-    if argv and argv[0] == "simulate":
-        from .router.simulate import main as simulate_main
-
-        return simulate_main(argv[1:])
-    args = parser.parse_args(argv)
+    args, unknown = build_parser().parse_known_args(sys.argv[1:] if argv is None else argv)
+    if unknown:
+        args.usage_error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "serve":
         return serve(args)
     if args.command == "route":
         return route(args)
-    parser.error(f"unknown command {args.command}")
-    return 2
+    return simulate(args)
+
+
+# ------------------------------------------------------------------- simulate
+def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
+    from .router.policies import POLICIES
+    from .router.simulate import DEFAULT_CAPACITY_BLOCKS
+
+    parser.add_argument("--trace", metavar="NAME|FILE",
+                        help="a built-in trace: conversation (Mooncake, one hour of chat, 12,031 requests), "
+                             "synthetic (Mooncake, 3,993 long-context requests), agent (seeded agent sessions); "
+                             "or a Mooncake trace file, .jsonl or .jsonl.gz. Required unless --calibrate is given")
+    parser.add_argument("--calibrate", metavar="COSTS_JSON",
+                        help="measure the real engine (built-in model) on this machine, write its cost model to "
+                             "this file and exit (about a minute)")
+    parser.add_argument("--replicas", type=int, default=8, metavar="N", help="simulated replicas")
+    parser.add_argument("--policies", default=",".join(POLICIES), metavar="NAME,...",
+                        help="routing policies to compare, comma-separated")
+    parser.add_argument("--capacity-blocks", type=int, default=DEFAULT_CAPACITY_BLOCKS,
+                        metavar="N", help="KV cache per replica in 512-token trace blocks (default: %(default)s, "
+                                          "what an 8B model leaves on an 80 GB GPU)")
+    parser.add_argument("--costs", metavar="COSTS_JSON",
+                        help="cost model, as a --calibrate run writes it "
+                             "(default: an estimate of Llama-3-8B on one H100)")
+    parser.add_argument("--json", metavar="FILE", help="also write policy -> metric -> value here (default: no JSON)")
+    parser.add_argument("--plot", metavar="PNG", default="simulate_policies.png",
+                        help="PNG comparing the policies; its path is printed")
+    parser.add_argument("--no-plot", action="store_true", help="write no PNG")
+    parser.add_argument("--sweep", choices=["capacity"],
+                        help="also replay at several cache sizes and print hit rate against capacity "
+                             "(default: no sweep)")
+    parser.add_argument("--sweep-capacities", metavar="N,N,...",
+                        help="block counts of the sweep (default: --capacity-blocks x 1/8, 1/4, 1/2, 1, 2, 4)")
+    parser.add_argument("--sweep-plot", metavar="PNG",
+                        help="PNG of the sweep (default: beside --plot, named <plot>_sweep.png)")
+    parser.add_argument("--seed", type=int, default=0, metavar="N",
+                        help="seeds the agent trace and the randomised policies")
+    parser.add_argument("--limit", type=int, metavar="N", help="replay only the first N requests (default: all)")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress output (bars are drawn only on a terminal in any case)")
+
+
+def simulate(args: argparse.Namespace) -> int:
+    try:
+        if args.calibrate:
+            return _calibrate(args)
+        if not args.trace:
+            raise ValueError("--trace NAME|FILE is required unless --calibrate is given "
+                             "(built-in traces: conversation, synthetic, agent)")
+        return _replay(args)
+    except (OSError, ValueError) as error:
+        print(f"prefixserve simulate: error: {error}", file=sys.stderr)
+        return 2
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from .engine.calibrate import measure_costs  # the one path here that needs torch
+    from .router.costs import CostModel
+
+    path = _output_path("--calibrate", args.calibrate)
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)  # model generation and loading say what they do
+    cost = CostModel(**measure_costs(progress=not args.no_progress))
+    cost.save(path)
+    print(f"wrote {path}: {cost}")
+    return 0
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from .router.costs import CostModel
+    from .router.policies import make_policy
+    from .router.report import format_table, plot_capacity_sweep, plot_policies, results_to_json
+    from .router.simulate import SimulationConfig, capacity_sweep, compare_policies
+    from .router.traces import load_trace
+
+    policies = [name.strip() for name in args.policies.split(",") if name.strip()]
+    if not policies:
+        raise ValueError(f"--policies names no policy ({args.policies!r})")
+    for name in policies:
+        make_policy(name)  # an unknown name fails before the trace loads
+    json_path = _output_path("--json", args.json) if args.json else None
+    plot_path = None if args.no_plot else _output_path("--plot", args.plot)
+    sweep_plot = args.sweep_plot or (plot_path.with_name(plot_path.stem + "_sweep.png") if plot_path else None)
+    sweep_plot = _output_path("--sweep-plot", sweep_plot) if args.sweep and sweep_plot else None
+    capacities = (_int_list(args.sweep_capacities, "--sweep-capacities") if args.sweep_capacities
+                  else [max(1, args.capacity_blocks * factor // 8) for factor in (1, 2, 4, 8, 16, 32)])
+    cost = CostModel.load(args.costs) if args.costs else CostModel()
+    config = SimulationConfig(args.replicas, args.capacity_blocks, cost, args.seed, progress=not args.no_progress)
+    trace = load_trace(args.trace, args.limit, args.seed)
+
+    began = time.perf_counter()
+    results = compare_policies(trace, policies, config)
+    print(f"{trace.name}: {len(trace)} requests over {trace.duration:.0f} s, {config.num_replicas} replicas x "
+          f"{config.capacity_blocks} blocks of {trace.block_size} tokens ({time.perf_counter() - began:.1f} s)")
+    print(format_table(results))
+    title = f"{trace.name}, {config.num_replicas} replicas"
+    if json_path:
+        json_path.write_text(json.dumps(results_to_json(results), indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {json_path}")
+    if plot_path:
+        plot_policies(results, plot_path, title)
+        print(f"wrote {plot_path}")
+    if args.sweep == "capacity":
+        sweep = capacity_sweep(trace, policies, capacities, config)
+        for capacity, rows in sweep.items():
+            print(f"capacity {capacity}: " + ", ".join(f"{r.policy} {r.hit_rate:.1%}" for r in rows))
+        if sweep_plot:
+            plot_capacity_sweep(sweep, sweep_plot, title)
+            print(f"wrote {sweep_plot}")
+    return 0
+
+
+def _output_path(flag: str, value: str | Path) -> Path:
+    """The absolute path a flag names for writing, checked before any long run: a file in an existing folder."""
+    path = Path(value).expanduser().resolve()
+    if path.is_dir():
+        raise IsADirectoryError(f"{flag} {value}: is a directory; name a file to write")
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"{flag} {value}: folder {path.parent} does not exist; create it or pick another path")
+    return path
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{flag} must list positive integers, got {text!r}")
+    return values
 
 
 if __name__ == "__main__":

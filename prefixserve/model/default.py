@@ -14,10 +14,12 @@ Its text is gibberish, but its cost profile is a real model's, and its logits ar
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -26,6 +28,7 @@ from safetensors.torch import save_file
 DEFAULT_MODEL_NAME = "prefixserve-tiny"
 DEFAULT_MODEL_VERSION = "v1"  # bump when the weights, config or tokenizer change
 SEED = 20240601
+logger = logging.getLogger("prefixserve.model")
 _DATA_DIR = Path(__file__).parent / "data"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -76,6 +79,8 @@ def ensure_default_model(cache_dir: str | Path | None = None) -> Path:
     if (target / "config.json").is_file():
         return target
     root.mkdir(parents=True, exist_ok=True)
+    logger.info("generating the built-in model %s into %s (first use only) ...", DEFAULT_MODEL_NAME, target)
+    began = time.perf_counter()
     # Build in a temporary sibling and rename: the rename is atomic, so a reader never sees a
     # half-written model, and when two processes race, the loser drops its copy and uses the
     # winner's (identical bytes either way).
@@ -91,6 +96,7 @@ def ensure_default_model(cache_dir: str | Path | None = None) -> Path:
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
+    logger.info("generated %s in %.1f s", target, time.perf_counter() - began)
     return target
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +21,8 @@ from .llama import LlamaForCausalLM
 from .model_config import SUPPORTED_ARCHITECTURES, ModelConfig, load_generation_eos
 
 __all__ = ["LoadedModel", "load_model", "load_generation_eos", "model_fingerprint", "find_weight_files"]
+
+logger = logging.getLogger("prefixserve.model")
 
 EXPECTED_LAYOUT = "expected a Hugging Face checkpoint directory with config.json and *.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -49,6 +53,10 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str)
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     config = ModelConfig.from_hf_dict(config_dict)
     weight_files = find_weight_files(path)
+    weight_bytes = sum(file.stat().st_size for file in weight_files)
+    logger.info("loading %s (%d weight file%s, %.0f MiB) as %s on %s ...", path, len(weight_files),
+                "" if len(weight_files) == 1 else "s", weight_bytes / 2**20, str(dtype).removeprefix("torch."), device)
+    began = time.perf_counter()
 
     # Build on the meta device and allocate directly in the target dtype/device, so a large
     # model never exists as a float32 copy with throw-away random init.
@@ -59,7 +67,10 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str)
     model.rotary.reset()
     model.load_weights(_iter_tensors(weight_files))
     model.eval().requires_grad_(False)
+    loaded = time.perf_counter()
     fingerprint = model_fingerprint(config_dict, weight_files)
+    logger.info("loaded %s in %.1f s; weights fingerprinted in %.1f s (%s)", path.name, loaded - began,
+                time.perf_counter() - loaded, fingerprint[:12])
     return LoadedModel(model=model, config=config, model_fingerprint=fingerprint, path=path)
 
 

@@ -1,44 +1,86 @@
-"""`prefixserve serve`: build the engine and the app from command-line options, then run uvicorn."""
+"""`prefixserve serve`: check the options, hold the port, build the engine and the app, then run uvicorn.
+
+Whatever a user can get wrong without loading the model (a flag's value, the --model directory,
+the --shared-prefix and keys files, a busy port) is checked first and reported by its flag, in
+a second, with no traceback. Only then does the model load, each stage logging what it does.
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
+import errno
 import logging
+import re
+import socket
+import time
+from dataclasses import fields
 from pathlib import Path
-from typing import Optional
 
-from ..config import EngineConfig
+from ..config import DEVICES, DTYPES, SCHEDULING_POLICIES, EngineConfig
 from ..http import DEFAULT_MAX_REQUEST_BYTES, load_api_keys
 
 logger = logging.getLogger("prefixserve.server")
 
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+CHECKPOINT_LAYOUT = "a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json)"
+
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="Hugging Face checkpoint directory (default: built-in prefixserve-tiny)")
-    parser.add_argument("--served-model-name", default=None, help="model name clients send (default: the directory name)")
-    parser.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1: this machine only)")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=None, help="require this API key (tenant 'default')")
-    parser.add_argument("--api-keys-file", default=None, help='JSON file {"key": "tenant", ...}; each tenant gets its own cache scope')
-    parser.add_argument("--admin-api-key", default=None,
-                        help="the operator's key for /v1/kv_events and /v1/cache/* (what a router reads); without it those are off")
-    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
-                        help=f"request bodies over this many bytes get HTTP 413 before they are read (default {DEFAULT_MAX_REQUEST_BYTES})")
-    parser.add_argument("--shared-prefix", default=None, help="text file of a system prompt every tenant may share from the cache")
-    parser.add_argument("--max-waiting", type=int, default=256, help="waiting requests past which new ones get HTTP 429")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV pool budget (CPU default 2 GiB)")
+    parser.add_argument("--model", metavar="DIR", default=None,
+                        help=f"{CHECKPOINT_LAYOUT} (default: the built-in prefixserve-tiny, generated on first use)")
+    parser.add_argument("--served-model-name", metavar="NAME", default=None,
+                        help="the model name clients send and responses carry (default: the --model directory's name, "
+                             "or prefixserve-tiny)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="listen address: 127.0.0.1 is this machine only, 0.0.0.0 every interface")
+    parser.add_argument("--port", type=_port_number, default=8000, help="listen port, checked before the model loads")
+    parser.add_argument("--api-key", metavar="KEY", default=None,
+                        help="require this API key, as tenant 'default' (default: no key needed)")
+    parser.add_argument("--api-keys-file", metavar="FILE", default=None,
+                        help='JSON {"key": "tenant", ...}; each tenant gets its own cache scope (default: none)')
+    parser.add_argument("--admin-api-key", metavar="KEY", default=None,
+                        help="the operator's key for /v1/kv_events and /v1/cache/* (what a router reads) "
+                             "(default: none, and those endpoints are off)")
+    parser.add_argument("--max-request-bytes", type=int, metavar="N", default=DEFAULT_MAX_REQUEST_BYTES,
+                        help="request bodies over this many bytes get HTTP 413 before they are read")
+    parser.add_argument("--shared-prefix", metavar="FILE", default=None,
+                        help="UTF-8 text every tenant may share from the cache: the file's text with one trailing "
+                             "newline removed, declared both as a chat system message and as the start of a "
+                             "completion prompt (default: none)")
+    parser.add_argument("--max-waiting", type=int, metavar="N", default=256,
+                        help="waiting requests past which new ones get HTTP 429")
+    parser.add_argument("--dtype", default="auto", choices=DTYPES,
+                        help="weights and KV cache; auto is bfloat16 on CUDA and float32 on CPU (exact cache reuse)")
+    parser.add_argument("--device", default="auto", choices=DEVICES, help="auto: cuda when available, else cpu")
+    parser.add_argument("--block-size", type=int, metavar="N", default=16,
+                        help="tokens per KV block, the unit of cache reuse")
+    parser.add_argument("--max-num-seqs", type=int, metavar="N", default=64, help="requests running at once")
+    parser.add_argument("--max-num-batched-tokens", type=int, metavar="N", default=2048,
+                        help="tokens one engine step computes (longer prefills are chunked)")
+    parser.add_argument("--max-model-len", type=int, metavar="N", default=None,
+                        help="longest prompt + output in tokens (default: the model's limit, capped to what the "
+                             "KV pool holds)")
+    parser.add_argument("--kv-cache-memory-bytes", type=int, metavar="N", default=None,
+                        help="KV pool budget (default: 2 GiB on CPU; on CUDA the free memory measured after "
+                             "loading the model x 0.9)")
     parser.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching (a baseline)")
-    parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "lpm"])
-    parser.add_argument("--prefix-ttl", type=float, default=None, help="seconds an unused cached prefix lives")
-    parser.add_argument("--enable-kv-events", action="store_true", help="publish KV events at /v1/kv_events (for the router)")
-    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES,
+                        help="fcfs: arrival order; lpm: longest cached prefix first, within a window")
+    parser.add_argument("--prefix-ttl", type=float, metavar="SECONDS", default=None,
+                        help="seconds an unused cached prefix lives (default: until evicted)")
+    parser.add_argument("--enable-kv-events", action="store_true",
+                        help="keep KV events for GET /v1/kv_events (for a router; needs --admin-api-key)")
+    parser.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="engine and uvicorn logging")
+
+
+def _port_number(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port number (0-65535; 0 picks a free one)")
+    return port
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -67,12 +109,7 @@ def build_server(args: argparse.Namespace):
     engine = AsyncLLMEngine(config)
     name = args.served_model_name or (Path(args.model).name if args.model else "prefixserve-tiny")
     if args.shared_prefix:
-        text = Path(args.shared_prefix).read_text()
-        tokenizer = engine.engine.tokenizer
-        # Shared both as a chat system message and as the raw start of a completion prompt.
-        as_system = tokenizer.encode_chat([{"role": "system", "content": text}], add_generation_prompt=False)
-        blocks = engine.engine.declare_shared_prefix(as_system) + engine.engine.declare_shared_prefix(tokenizer.encode(text))
-        logger.info("shared prefix %s: %d public blocks", args.shared_prefix, blocks)
+        declare_shared_prefix(engine.engine, args.shared_prefix, read_shared_prefix(args.shared_prefix))
     settings = ServerSettings(served_model_name=name, api_keys=load_api_keys(args.api_keys_file, args.api_key),
                               admin_api_key=args.admin_api_key, max_waiting=args.max_waiting,
                               max_request_bytes=args.max_request_bytes)
@@ -83,10 +120,137 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine, app = build_server(args)  # the engine logs its model, dtype, device and KV pool
-    logger.info("listening on http://%s:%d (OpenAI API under /v1)", args.host, args.port)
+    began = time.perf_counter()
+    check_options(args)
+    sockets = bind_port(args.host, args.port)
+    port = sockets[0].getsockname()[1]
+    logger.info("holding %s port %d; starting the engine (the port answers once it is ready) ...", args.host, port)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        engine, app = build_server(args)  # the model loader and the engine log each stage
+    except (OSError, ValueError) as error:
+        for sock in sockets:
+            sock.close()
+        logger.debug("start-up failed", exc_info=True)
+        raise SystemExit(f"prefixserve serve: {error}") from None
+    logger.info("ready in %.1f s: http://%s:%d (OpenAI API under /v1)", time.perf_counter() - began, args.host, port)
+    try:
+        uvicorn.Server(uvicorn.Config(app, host=args.host, port=port, log_level=args.log_level)).run(sockets=sockets)
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled; the shutdown was clean
+        pass
     finally:
         engine.shutdown()
     return 0
+
+
+# ------------------------------------------------------- checks before the model loads
+def check_options(args: argparse.Namespace) -> None:
+    """Every mistake that needs no model, reported by its flag (SystemExit, no traceback)."""
+    try:
+        engine_config_from_args(args)
+    except ValueError as error:
+        raise SystemExit(f"prefixserve serve: {_with_flag_names(str(error))}") from None
+    if args.model is not None:
+        check_model_dir(args.model)
+    if args.shared_prefix:
+        read_shared_prefix(args.shared_prefix)
+    load_api_keys(args.api_keys_file, args.api_key)
+
+
+def _with_flag_names(message: str) -> str:
+    """EngineConfig speaks in field names (block_size); a CLI user typed flags (--block-size)."""
+    for name in sorted((item.name for item in fields(EngineConfig) if "_" in item.name), key=len, reverse=True):
+        message = re.sub(rf"(?<![\w-]){name}\b", "--" + name.replace("_", "-"), message)
+    return message
+
+
+def check_model_dir(model: str) -> None:
+    path = Path(model)
+    if not path.exists():
+        problem = "no such directory"
+    elif not path.is_dir():
+        problem = "is a file, not a directory"
+    elif not (path / "config.json").is_file():
+        problem = "has no config.json"
+    elif not any(path.glob("*.safetensors")):
+        problem = "has no *.safetensors weights"
+    else:
+        return
+    raise SystemExit(f"prefixserve serve: --model {model}: {problem}; pass {CHECKPOINT_LAYOUT}, "
+                     "or leave --model out for the built-in prefixserve-tiny")
+
+
+def bind_port(host: str, port: int) -> list[socket.socket]:
+    """Bind host:port now, before the model loads, and keep the sockets for uvicorn.
+
+    Bound but not yet listening, so a client is refused at once (not left hanging) until the
+    engine is ready; uvicorn listens on these same sockets, so no other process can take the
+    port in between. One socket per address the host resolves to, as uvicorn itself would bind.
+    """
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as error:
+        raise SystemExit(f"prefixserve serve: --host {host}: cannot resolve it ({error.strerror})") from None
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, protocol, _, address in dict.fromkeys(addresses):
+            sock = socket.socket(family, kind, protocol)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart reuses the port
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind((address[0], port, *address[2:]))  # port 0: the others take the one the first got
+            port = sock.getsockname()[1]
+    except OSError as error:
+        for sock in sockets:
+            sock.close()
+        raise SystemExit(f"prefixserve serve: {_bind_problem(error, host, port)}") from None
+    return sockets
+
+
+def _bind_problem(error: OSError, host: str, port: int) -> str:
+    if error.errno == errno.EADDRINUSE:
+        return (f"--port {port}: already in use on {host} (another server listens there); stop it or "
+                "choose another --port")
+    if error.errno == errno.EACCES:
+        return (f"--port {port}: permission denied on {host} (ports below 1024 need privileges); "
+                "choose --port 1024 or above")
+    if error.errno == errno.EADDRNOTAVAIL:
+        return f"--host {host}: not an address of this machine; use 127.0.0.1, 0.0.0.0 or one of its addresses"
+    return f"--host {host} --port {port}: cannot listen there ({error.strerror or error})"
+
+
+# ------------------------------------------------------------------ shared prefix
+def read_shared_prefix(path: str) -> str:
+    """The text a --shared-prefix file declares: its UTF-8 text with one trailing newline removed.
+
+    Editors end a file with a newline that the system prompt clients send does not carry; a
+    prefix is shared only if the client's tokens match it exactly.
+    """
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise SystemExit(f"prefixserve serve: --shared-prefix {path}: not UTF-8 text") from None
+    except OSError as error:
+        raise SystemExit(f"prefixserve serve: --shared-prefix {path}: cannot read it ({error.strerror})") from None
+    text = text.removesuffix("\n").removesuffix("\r") if text.endswith("\n") else text
+    if not text:
+        raise SystemExit(f"prefixserve serve: --shared-prefix {path}: the file is empty; leave the flag out "
+                         "or write the shared system prompt into it")
+    return text
+
+
+def declare_shared_prefix(core, path: str, text: str) -> None:
+    """Declare `text` public in both forms a client may send it, logging what each form covers."""
+    tokenizer, block_size = core.tokenizer, core.config.block_size
+    forms = {
+        "chat system message": tokenizer.encode_chat([{"role": "system", "content": text}],
+                                                     add_generation_prompt=False),
+        "completion prompt": tokenizer.encode(text),
+    }
+    for form, token_ids in forms.items():
+        num_blocks = core.declare_shared_prefix(token_ids)
+        logger.info("shared prefix %s as a %s: %d tokens, %d full blocks of %d shared by every tenant",
+                    path, form, len(token_ids), num_blocks, block_size)
+        if num_blocks == 0:
+            logger.warning("shared prefix %s as a %s is shorter than one block (%d tokens): nothing of it is "
+                           "shared", path, form, block_size)
