@@ -27,6 +27,23 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
     return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
 
 
+def install_base_error_handlers(app, logger, what: str, code: Optional[str] = None) -> None:
+    """Starlette's HTTP errors (404 route, 405 method) as OpenAI bodies, and any unexpected exception
+    as an OpenAI 500 that names no internals (the traceback goes to `logger`)."""
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(_, error: StarletteHTTPException):
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        return error_response(error.status_code, str(error.detail), kind)
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(_, error: Exception):
+        logger.exception("unhandled error in the %s", what)
+        return error_response(500, f"internal {what} error; the {what}'s log has the details", "server_error",
+                              code=code)
+
+
 def bearer_token(authorization: Optional[str]) -> str:
     """The key of an `Authorization: Bearer <key>` header ('' when absent or malformed)."""
     if not authorization or not authorization[:7].lower() == "bearer ":

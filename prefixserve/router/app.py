@@ -21,9 +21,8 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..http import BodySizeLimit, error_response
+from ..http import BodySizeLimit, error_response, install_base_error_handlers
 from .fleet import Router
 from .forward import forward, relay_response
 from .settings import RouterSettings
@@ -45,16 +44,7 @@ def build_router_app(settings: RouterSettings) -> FastAPI:
     app.state.router = router
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(_, error: StarletteHTTPException):
-        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
-        return error_response(error.status_code, str(error.detail), kind)
-
-    @app.exception_handler(Exception)
-    async def on_unexpected(_, error: Exception):
-        logger.exception("unhandled error in the router")
-        return error_response(500, "internal router error; the router's log has the details", "server_error",
-                              code="router_error")
+    install_base_error_handlers(app, logger, "router", code="router_error")
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -11,9 +11,8 @@ from typing import Optional
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..http import error_response
+from ..http import error_response, install_base_error_handlers
 
 logger = logging.getLogger("prefixserve.server")
 
@@ -51,12 +50,4 @@ def install_error_handlers(app: FastAPI) -> None:
         param = param_of(part for part in first["loc"] if part != "query")
         return error_response(422, f"{param}: {first['msg']}", param=param, code="invalid_value")
 
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(_, error: StarletteHTTPException):
-        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
-        return error_response(error.status_code, str(error.detail), kind)
-
-    @app.exception_handler(Exception)
-    async def on_unexpected(_, error: Exception):
-        logger.exception("unhandled error")
-        return error_response(500, "internal server error; the server log has the details", "server_error")
+    install_base_error_handlers(app, logger, "server")
