@@ -27,7 +27,7 @@ from .settings import RouterSettings
 
 logger = logging.getLogger("prefixserve.router")
 DEFAULT_MAX_MODEL_LEN = 32768  # until a replica says its own
-DEFAULT_OUTPUT_TOKENS = 16  # load estimate for a request whose max_tokens the router cannot read
+DEFAULT_OUTPUT_TOKENS = 256  # the server's default max_tokens, until a replica says its own
 
 
 class RouterMetrics:
@@ -62,6 +62,7 @@ class Router:
         self.scoper: Optional[PromptScoper] = None  # learned from the first replica that answers
         self.keyer: Optional[BlockKeyer] = None
         self.max_model_len: Optional[int] = None
+        self.default_output_tokens = DEFAULT_OUTPUT_TOKENS  # load estimate when a request gives no max_tokens
         # No pool limit (a full pool would read as a replica timing out), and idle connections are
         # dropped before a replica's keep-alive timeout (5 s in uvicorn) can close one under a request.
         self.client = httpx.AsyncClient(timeout=settings.request_timeout, limits=httpx.Limits(
@@ -139,6 +140,9 @@ class Router:
                 self.keyer = BlockKeyer(info["block_size"], info["prefix_hash"])
                 max_model_len = info.get("max_model_len")
                 self.max_model_len = max_model_len if isinstance(max_model_len, int) else None
+                default_max_tokens = info.get("default_max_tokens")
+                if isinstance(default_max_tokens, int) and default_max_tokens > 0:
+                    self.default_output_tokens = default_max_tokens
             except (KeyError, TypeError, ValueError) as error:
                 self._warn_once(f"info:{replica.name}", "replica %s: unreadable /v1/cache/info (%r)", replica.name,
                                 error)
@@ -186,7 +190,7 @@ class Router:
             replica.mirror.keys.update(route.keys)
         ticket = next(self._tickets)
         replica.outstanding[ticket] = (cost.prefill_seconds(prompt_tokens, min(hit_tokens, prompt_tokens))
-                                       + cost.decode_work_seconds(max_tokens or DEFAULT_OUTPUT_TOKENS))
+                                       + cost.decode_work_seconds(max_tokens or self.default_output_tokens))
         replica.num_routed += 1
         replica.num_predicted_hit_tokens += hit_tokens
         self.metrics.routed.labels(replica.name).inc()

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..http import parse_json_body
+from ..prompts import is_token_ids, split_prompts
 
 MAX_SANE_TOKENS = 1 << 31
 
@@ -87,12 +88,16 @@ def _max_tokens(path: str, body: dict) -> Optional[int]:
     return _sane_int(body.get("max_tokens"))
 
 
+def _prompts(body: dict) -> list:
+    """The completion prompts as the replica splits them ([] when they are not prompts at all)."""
+    try:
+        return split_prompts(body.get("prompt"))
+    except (ValueError, TypeError):
+        return []
+
+
 def _num_prompts(path: str, body: dict) -> int:
-    prompt = body.get("prompt")
-    if not path.endswith("/chat/completions") and isinstance(prompt, list) and prompt \
-            and all(isinstance(item, (str, list)) for item in prompt):
-        return len(prompt)  # a batch of prompts
-    return 1
+    return 1 if path.endswith("/chat/completions") else max(len(_prompts(body)), 1)
 
 
 def _prompt_tokens(request: ClientRequest, tokenizer, max_prompt_tokens: int, max_prompt_chars: int) -> list[int]:
@@ -108,13 +113,11 @@ def _prompt_tokens(request: ClientRequest, tokenizer, max_prompt_tokens: int, ma
         if sum(len(text) for _, text in texts) > max_prompt_chars:
             return []
         return tokenizer.encode_chat([{"role": role, "content": text} for role, text in texts])
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
+    prompts = _prompts(body)
+    prompt = prompts[0] if prompts else None
     if isinstance(prompt, str):
         return tokenizer.encode(prompt) if len(prompt) <= max_prompt_chars else []
-    if isinstance(prompt, list) and len(prompt) <= max_prompt_tokens \
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if is_token_ids(prompt) and len(prompt) <= max_prompt_tokens:
         return list(prompt)
     return []
 

@@ -58,7 +58,8 @@ def admin_routes(state) -> APIRouter:
                     "adapter_id": core.scope.adapter_id, "block_size": core.config.block_size,
                     "prefix_hash": core.config.prefix_hash,
                     "shared_prefixes": [list(prefix) for prefix in core.scoper.shared_prefixes],
-                    "max_model_len": core.max_model_len, "served_model_name": settings.served_model_name}
+                    "max_model_len": core.max_model_len, "served_model_name": settings.served_model_name,
+                    "default_max_tokens": settings.default_max_tokens}
 
         return await engine.call(info)
 
