@@ -56,11 +56,5 @@ class LLM:
         return self.generate(prompts, params, use_tqdm)
 
     def _run(self, order: list[str], show_progress: bool) -> list[RequestOutput]:
-        finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(order), desc="generating", disable=not (show_progress and sys.stderr.isatty())) as bar:
-            while self.engine.has_unfinished_requests():
-                for output in self.engine.step():
-                    if output.finished:
-                        finished[output.request_id] = output
-                        bar.update(1)
-        return [finished[request_id] for request_id in order]
+            return self.engine.run_until_finished(order, on_finish=lambda _output: bar.update(1))

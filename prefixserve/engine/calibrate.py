@@ -14,7 +14,9 @@ from typing import Any
 
 from tqdm import tqdm
 
-from ..llm import LLM
+from ..config import EngineConfig
+from .engine import LLMEngine
+from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
 SHORT, LONG = 512, 2048  # two prompt lengths separate the linear and the quadratic (attention) terms
@@ -59,11 +61,16 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(10, 8000) for _ in range(n)]
 
 
-def _median_ttft(llm: LLM, length: int, rng: random.Random, repeats: int = 3) -> float:
+def _generate(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[RequestOutput]:
+    request_ids = [engine.add_request(prompt, params).request_id for prompt in prompts]
+    return engine.run_until_finished(request_ids)
+
+
+def _median_ttft(engine: LLMEngine, length: int, rng: random.Random, repeats: int = 3) -> float:
     times = []
     for _ in range(repeats):
-        llm.engine.cache.clear()
-        out = llm.generate([_tokens(rng, length)], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)[0]
+        engine.cache.clear()
+        out = _generate(engine, [_tokens(rng, length)], SamplingParams(max_tokens=1, temperature=0.0))[0]
         times.append(out.metrics.ttft)
     return statistics.median(times)
 
@@ -73,16 +80,16 @@ def measure_costs(progress: bool = False, **engine_options: Any) -> dict[str, fl
     options = {"kv_cache_memory_bytes": 256 << 20, "max_num_batched_tokens": LONG, "log_stats": False, **engine_options}
     steps = _StepProgress(progress)
     steps.begin(STEPS[0])
-    llm = LLM(**options)
+    engine = LLMEngine(EngineConfig.from_kwargs(**options))
     rng = random.Random(0)
     steps.begin(STEPS[1])
-    _median_ttft(llm, 64, rng, repeats=1)
+    _median_ttft(engine, 64, rng, repeats=1)
     steps.begin(STEPS[2])
-    overhead = _median_ttft(llm, 16, rng)
+    overhead = _median_ttft(engine, 16, rng)
     steps.begin(STEPS[3])
-    short = _median_ttft(llm, SHORT, rng)
+    short = _median_ttft(engine, SHORT, rng)
     steps.begin(STEPS[4])
-    long = _median_ttft(llm, LONG, rng)
+    long = _median_ttft(engine, LONG, rng)
     # t(n) = overhead + a n + b n^2 / 2: two lengths give a and b.
     ts, tl = short - overhead, long - overhead
     pair = max(2 * (tl * SHORT - ts * LONG) / (SHORT * LONG * (LONG - SHORT)), 0.0)
@@ -91,7 +98,7 @@ def measure_costs(progress: bool = False, **engine_options: Any) -> dict[str, fl
     params = SamplingParams(max_tokens=DECODE_STEPS, temperature=0.0, ignore_eos=True)
     steps.begin(STEPS[5])
     start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs = _generate(engine, prompts, params)
     elapsed = time.perf_counter() - start
     prefill_share = max(out.metrics.ttft for out in outs)
     step = max((elapsed - prefill_share) / (DECODE_STEPS - 1), 1e-6)
@@ -102,6 +109,6 @@ def measure_costs(progress: bool = False, **engine_options: Any) -> dict[str, fl
         "decode_seconds_per_token": step,
         "decode_batch_size": float(DECODE_BATCH),
         "overhead_seconds": overhead,
-        "description": f"calibrated: {llm.engine.model_name}, {llm.engine.dtype} on {llm.engine.device}, "
+        "description": f"calibrated: {engine.model_name}, {engine.dtype} on {engine.device}, "
                        f"{time.strftime('%Y-%m-%d')}",
     }

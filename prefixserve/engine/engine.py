@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -74,7 +74,10 @@ class LLMEngine:
             policy=config.scheduling_policy,
         )
         # Lay linear weights out for oneDNN once, sized for a full step's token budget (CPU only).
+        self._log_progress("packing weights for this CPU ...")
         loaded.model.pack_linear_weights(batch_size_hint=config.max_num_batched_tokens)
+        self._log_progress(f"allocating the KV pool: {num_blocks} blocks "
+                           f"({num_blocks * config.block_size * bytes_per_token / 2**20:.0f} MiB) ...")
         self.runner = ModelRunner(loaded.model, loaded.config, num_blocks, config.block_size, self.dtype,
                                   self.device, config.seed)
         self.inputs = InputProcessor(self.tokenizer, loaded.config.vocab_size, self.max_model_len, self.scoper,
@@ -99,6 +102,10 @@ class LLMEngine:
             logger.info(self.startup_summary)
 
     # ------------------------------------------------------------- set-up
+    def _log_progress(self, message: str) -> None:
+        if self.config.log_stats:
+            logger.info(message)
+
     def _resolve_max_model_len(self) -> int:
         limit = self.model_config.max_context_len
         if self.config.max_model_len is None:
@@ -175,6 +182,18 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
+
+    def run_until_finished(self, request_ids: list[str],
+                           on_finish: Optional[Callable[[RequestOutput], None]] = None) -> list[RequestOutput]:
+        """Step until nothing is left; the final outputs of `request_ids`, in that order."""
+        finished: dict[str, RequestOutput] = {}
+        while self.has_unfinished_requests():
+            for output in self.step():
+                if output.finished:
+                    finished[output.request_id] = output
+                    if on_finish is not None:
+                        on_finish(output)
+        return [finished[request_id] for request_id in request_ids]
 
     # --------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
