@@ -7,22 +7,7 @@ key_{-1} = the digest of one fixed CacheScope. So capacity is counted in trace
 blocks, and the cache keeps its own rules: the partial tail block is never
 cached, and the last block is never a hit (the engine recomputes the last token).
 
-Replica model: one prefill at a time, decode in a batch.
-
-    arrival ─route─> FCFS queue ─wait─> prefill ─first token─> decode ─> done
-                                 │             │                        │
-                     match, acquire, allocate  insert full prompt      release
-                                               blocks into the index   all blocks
-
-    TTFT = queue wait + prefill seconds; blocks are held from prefill start to done.
-
-Prefill is exclusive (it is compute bound). A decoding request lasts
-output x decode_seconds_per_token and overlaps later prefills (as chunked
-prefill lets it); each decoded token adds decode_seconds_per_token /
-decode_batch_size of GPU work to the replica's busy time and load. The load a
-policy sees is the replica's estimated outstanding work in seconds: queued
-prefills (costed with their predicted hit), the rest of the running prefill
-and the GPU share of the remaining decodes. This file is one concept (the
+A replica (sim_replica.py) runs one prefill at a time and decodes in a batch. This file is one concept (the
 replay; tables and plots are in report.py; `prefixserve simulate` is in cli.py).
 """
 
@@ -31,18 +16,18 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
 from tqdm import tqdm
 
-from prefixserve.cache import Block, BlockKeyer, CacheScope, RadixCache
+from prefixserve.cache import BlockKeyer, CacheScope
 
 from .costs import CostModel, policy_options_for
 from .policies import PolicyOptions, RouteRequest, RoutingPolicy, make_policy
 from .report import BOUND_NAME
-from .traces import Trace, TraceRequest
+from .sim_replica import Job, SimulatedReplica, SimulationClock
+from .traces import Trace
 
 # Llama-3-8B in bf16 keeps 128 KiB of KV per token; an 80 GB H100 has about 64 GiB left after
 # weights and activations: 512 Ki tokens, i.e. about 1,000 blocks of 512 tokens per replica.
@@ -114,113 +99,6 @@ def prepare_routes(trace: Trace) -> list[RouteRequest]:
                          len(r.hash_ids), size) for r in trace.requests]
 
 
-class _Job:
-    __slots__ = ("request", "route", "estimate", "start", "prefill_seconds", "blocks", "num_hit_blocks", "done_at")
-
-    def __init__(self, request: TraceRequest, route: RouteRequest, estimate: float) -> None:
-        self.request, self.route, self.estimate = request, route, estimate
-        self.start = self.prefill_seconds = self.done_at = 0.0
-        self.blocks: list[Block] = []
-        self.num_hit_blocks = 0
-
-
-class _Clock:
-    now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-class SimulatedReplica:
-    """One replica: the real cache, an FCFS prefill queue and a decode batch. A `ReplicaView`."""
-
-    def __init__(self, index: int, capacity_blocks: int, cost: CostModel, block_size: int, clock: _Clock) -> None:
-        self.name = f"replica-{index}"
-        self.cache = RadixCache(capacity_blocks, block_size=1, clock=clock)
-        self.cost, self.block_size, self.clock = cost, block_size, clock
-        self.queue: deque[_Job] = deque()
-        self.queued_work = 0.0
-        self.prefilling: Optional[_Job] = None
-        self.num_decoding = 0
-        self.decode_done_sum = 0.0  # sum of done_at over decoding jobs: their remaining time in O(1)
-        self.busy_seconds = 0.0
-        self.num_failed_allocations = 0
-        self._memo: tuple[Optional[RouteRequest], float, int] = (None, 0.0, 0)  # (request, time, hit)
-
-    # ------------------------------------------------------------ ReplicaView
-    def num_hit_blocks(self, request: RouteRequest) -> int:
-        """The prediction reads the replica's own index (record_stats=False): a perfect mirror."""
-        memo_request, memo_time, memo_hit = self._memo
-        if memo_request is request and memo_time == self.clock.now:
-            return memo_hit
-        hit = len(self.cache.match(request.scope_digest, request.keys, request.token_ids, record_stats=False).blocks)
-        self._memo = (request, self.clock.now, hit)
-        return hit
-
-    @property
-    def load(self) -> float:
-        now = self.clock.now
-        load = self.queued_work + (self.decode_done_sum - self.num_decoding * now) / self.cost.decode_batch_size
-        if self.prefilling is not None:
-            job = self.prefilling
-            load += job.start + job.prefill_seconds - now + self.cost.decode_work_seconds(job.request.output_length)
-        return max(load, 0.0)
-
-    # ------------------------------------------------------------- life cycle
-    def enqueue(self, request: TraceRequest, route: RouteRequest) -> _Job:
-        predicted = self.num_hit_blocks(route) * self.block_size
-        estimate = (self.cost.prefill_seconds(request.input_length, predicted)
-                    + self.cost.decode_work_seconds(request.output_length))
-        self._memo = (None, 0.0, 0)  # starting a prefill may evict: predict afresh
-        job = _Job(request, route, estimate)
-        self.queue.append(job)
-        self.queued_work += estimate
-        return job
-
-    def start_prefill(self) -> Optional[_Job]:
-        """Admit the head of the queue if idle; returns the job whose prefill started."""
-        if self.prefilling is not None or not self.queue:
-            return None
-        job = self.queue.popleft()
-        self.queued_work = self.queued_work - job.estimate if self.queue else 0.0
-        request, route, cache = job.request, job.route, self.cache
-        hit = cache.match(route.scope_digest, route.keys, route.token_ids)
-        cache.acquire(hit.blocks)
-        num_needed = -(-(request.input_length + request.output_length) // self.block_size) - len(hit.blocks)
-        if cache.can_allocate(num_needed):
-            job.blocks = hit.blocks + cache.allocate(num_needed)
-            job.num_hit_blocks = len(hit.blocks)
-        else:  # running requests hold every block: compute it all, cache nothing
-            cache.release(hit.blocks)
-            self.num_failed_allocations += 1
-        job.start = self.clock.now
-        job.prefill_seconds = self.cost.prefill_seconds(request.input_length, job.num_hit_blocks * self.block_size)
-        self.prefilling = job
-        return job
-
-    def finish_prefill(self, job: _Job) -> None:
-        """Register the full prompt blocks (the partial tail has no key) and join the decode batch."""
-        assert self.prefilling is job
-        cache, route = self.cache, job.route
-        if job.blocks:
-            parent: Block | bytes = route.scope_digest
-            for i in range(len(route.keys)):
-                if i >= job.num_hit_blocks:
-                    job.blocks[i] = cache.insert(job.blocks[i], route.keys[i], route.token_ids[i : i + 1], parent)
-                parent = job.blocks[i]
-        self.prefilling = None
-        job.done_at = self.clock.now + self.cost.decode_seconds(job.request.output_length)
-        self.num_decoding += 1
-        self.decode_done_sum += job.done_at
-        self.busy_seconds += job.prefill_seconds + self.cost.decode_work_seconds(job.request.output_length)
-
-    def finish(self, job: _Job) -> None:
-        self.cache.release(job.blocks)
-        job.blocks = []
-        self.num_decoding -= 1
-        self.decode_done_sum = self.decode_done_sum - job.done_at if self.num_decoding else 0.0
-
-
 _PREFILL_DONE, _DONE = 0, 1
 
 
@@ -239,10 +117,10 @@ def simulate(trace: Trace, policy: str | RoutingPolicy, config: SimulationConfig
         raise ValueError(f"{len(routes)} routes for {len(trace.requests)} requests; use prepare_routes(trace)")
     if any(later.arrival_time < earlier.arrival_time for earlier, later in zip(trace.requests, trace.requests[1:])):
         raise ValueError("trace requests must be in arrival order; sort them by arrival_time")
-    clock = _Clock()
+    clock = SimulationClock()
     replicas = [SimulatedReplica(i, config.capacity_blocks, config.cost, trace.block_size, clock)
                 for i in range(config.num_replicas)]
-    events: list[tuple[float, int, int, int, _Job]] = []  # (time, sequence, kind, replica, job)
+    events: list[tuple[float, int, int, int, Job]] = []  # (time, sequence, kind, replica, job)
     waits: list[float] = []
     ttfts: list[float] = []
     num_hit_tokens = 0
