@@ -14,7 +14,9 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replica", action="append", required=True, metavar="[NAME=]URL",
                         help="a replica's base URL, optionally named, e.g. gpu-a=http://127.0.0.1:8001 (repeat for "
                              "each; unnamed ones are replica-0, replica-1, ...). Clients and metrics see only names")
-    parser.add_argument("--policy", default="kv_aware", choices=sorted(POLICIES))
+    parser.add_argument("--policy", default="kv_aware", choices=sorted(POLICIES),
+                        help="how a replica is chosen: kv_aware sends a request where its prefix is cached, unless "
+                             "that replica is overloaded")
     parser.add_argument("--model", default=None, help="the replicas' checkpoint directory (for its tokenizer); default built-in")
     parser.add_argument("--api-keys-file", default=None, help="the replicas' keys file, so tenants route to their own prefixes")
     parser.add_argument("--admin-api-key", default=None,
@@ -25,9 +27,10 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-attempts", type=int, default=3,
                         help="distinct replicas a request (or a broken stream) may try (default %(default)d)")
     parser.add_argument("--costs", default=None, help="cost model JSON (prefixserve simulate --calibrate writes one)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8080)
-    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--host", default="127.0.0.1", help="listen address (127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=8080, help="listen port")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"],
+                        help="router and uvicorn logging")
 
 
 def settings_from_args(args: argparse.Namespace):
