@@ -1,0 +1,60 @@
+"""The README's examples print what the README says they print (run against a live server)."""
+
+import contextlib
+import io
+import json
+import re
+from pathlib import Path
+
+import httpx
+import pytest
+
+from server_helpers import LiveServer
+
+README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+
+
+def section(title: str) -> str:
+    start = README.index(title)
+    return README[start:README.index("\n### ", start + 1)]
+
+
+def fenced(text: str, language: str) -> list[str]:
+    """The bodies of the fenced blocks of this language ('' for plain output blocks), in order."""
+    blocks, current, current_language = [], None, None
+    for line in text.splitlines():
+        if current is None and line.startswith("```"):
+            current, current_language = [], line[3:].strip()
+        elif current is not None and line.strip() == "```":
+            if current_language == language:
+                blocks.append("\n".join(current) + "\n")
+            current = None
+        elif current is not None:
+            current.append(line)
+    return blocks
+
+
+@pytest.fixture(scope="module")
+def server():
+    with LiveServer() as live:
+        yield live
+
+
+def test_curl_example_prints_the_usage_shown(server):
+    talk = section("### Talk to it")
+    command = next(block for block in fenced(talk, "bash") if "curl" in block)
+    body = json.loads(re.search(r"-d '(\{.*?\})'", command, flags=re.S).group(1))
+    path = re.search(r"http://127\.0\.0\.1:8000(/v1/\S+)", command).group(1)
+    shown = [line for line in fenced(talk, "")[0].splitlines() if line]
+    printed = [str(httpx.post(server.url + path, json=body, timeout=60).json()["usage"]) for _ in shown]
+    assert printed == shown
+
+
+def test_openai_example_prints_the_numbers_shown(server):
+    talk = section("### Talk to it")
+    code = fenced(talk, "python")[0].replace("http://127.0.0.1:8000", server.url)
+    shown = re.search(r"prints `(\d+)`, then `(\d+)`", talk).groups()
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        exec(compile(code, "README.md", "exec"), {})
+    assert stdout.getvalue().split() == list(shown)
