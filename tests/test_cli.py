@@ -304,3 +304,25 @@ def test_model_that_does_not_exist_is_named_on_the_command_line():
     assert result.returncode == 1
     assert result.stderr.startswith("prefixserve serve: --model /no/such: no such directory; ")
     assert "model=None" not in result.stderr and "Traceback" not in result.stderr
+
+
+def test_successful_polls_stay_out_of_the_access_log_at_info():
+    import logging
+
+    from prefixserve.server.launch import QuietPolls
+
+    def record(path, status):
+        return logging.LogRecord("uvicorn.access", logging.INFO, __file__, 1, '%s - "%s %s HTTP/%s" %d',
+                                 ("127.0.0.1:5", "GET", path, "1.1", status), None)
+
+    access = logging.getLogger("uvicorn.access")
+    previous = access.level
+    quiet = QuietPolls()
+    try:
+        access.setLevel(logging.INFO)
+        assert not quiet.filter(record("/health", 200)) and not quiet.filter(record("/v1/kv_events?since=4", 200))
+        assert quiet.filter(record("/health", 503)) and quiet.filter(record("/v1/completions", 200))
+        access.setLevel(logging.DEBUG)
+        assert quiet.filter(record("/health", 200))
+    finally:
+        access.setLevel(previous)

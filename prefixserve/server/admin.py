@@ -20,47 +20,52 @@ def _public_event(event) -> dict:
     return body
 
 
-def admin_routes(state) -> APIRouter:
-    routes = APIRouter()
-    engine, settings = state.engine, state.settings
+admin_routes = APIRouter()
 
-    @routes.get("/v1/kv_events")
-    async def kv_events(request: Request, since: int = 0):
-        """KV events numbered >= `since`; `complete: false` means some were dropped: resync from /v1/cache/keys."""
-        state.auth.require_admin(request)
-        queue = engine.engine.events
-        if queue is None:
-            raise APIError(404, "KV events are off; start the server with --enable-kv-events", "not_found_error",
-                           code="kv_events_disabled")
-        events, next_cursor, complete = queue.since(since)  # the queue is thread-safe
-        return {"events": [_public_event(e) for e in events], "next": next_cursor, "complete": complete}
 
-    @routes.get("/v1/cache/keys")
-    async def cache_keys(request: Request):
-        """Every cached block key (hex), read between engine steps, and the event cursor it is current to."""
-        state.auth.require_admin(request)
+def _admin_state(request: Request):
+    state = request.app.state.server
+    state.auth.require_admin(request)
+    return state
 
-        def snapshot(core):
-            cursor = core.events.next_seq if core.events is not None else None
-            return [key.hex() for key in core.cache.keys()], cursor
 
-        keys, cursor = await engine.call(snapshot)
-        return {"keys": keys, "next": cursor}
+@admin_routes.get("/v1/kv_events")
+async def kv_events(request: Request, since: int = 0):
+    """KV events numbered >= `since`; `complete: false` means some were dropped: resync from /v1/cache/keys."""
+    queue = _admin_state(request).engine.engine.events
+    if queue is None:
+        raise APIError(404, "KV events are off; start the server with --enable-kv-events", "not_found_error",
+                       code="kv_events_disabled")
+    events, next_cursor, complete = queue.since(since)  # the queue is thread-safe
+    return {"events": [_public_event(e) for e in events], "next": next_cursor, "complete": complete}
 
-    @routes.get("/v1/cache/info")
-    async def cache_info(request: Request):
-        """What a router needs to compute the same block keys as this replica, read between engine steps."""
-        state.auth.require_admin(request)
 
-        def info(core):
-            return {"model_fingerprint": core.scope.model_fingerprint,
-                    "tokenizer_fingerprint": core.scope.tokenizer_fingerprint,
-                    "adapter_id": core.scope.adapter_id, "block_size": core.config.block_size,
-                    "prefix_hash": core.config.prefix_hash,
-                    "shared_prefixes": [list(prefix) for prefix in core.scoper.shared_prefixes],
-                    "max_model_len": core.max_model_len, "served_model_name": settings.served_model_name,
-                    "default_max_tokens": settings.default_max_tokens}
+@admin_routes.get("/v1/cache/keys")
+async def cache_keys(request: Request):
+    """Every cached block key (hex), read between engine steps, and the event cursor it is current to."""
+    state = _admin_state(request)
 
-        return await engine.call(info)
+    def snapshot(core):
+        cursor = core.events.next_seq if core.events is not None else None
+        return [key.hex() for key in core.cache.keys()], cursor
 
-    return routes
+    keys, cursor = await state.engine.call(snapshot)
+    return {"keys": keys, "next": cursor}
+
+
+@admin_routes.get("/v1/cache/info")
+async def cache_info(request: Request):
+    """What a router needs to compute the same block keys as this replica, read between engine steps."""
+    state = _admin_state(request)
+    settings = state.settings
+
+    def info(core):
+        return {"model_fingerprint": core.scope.model_fingerprint,
+                "tokenizer_fingerprint": core.scope.tokenizer_fingerprint,
+                "adapter_id": core.scope.adapter_id, "block_size": core.config.block_size,
+                "prefix_hash": core.config.prefix_hash,
+                "shared_prefixes": [list(prefix) for prefix in core.scoper.shared_prefixes],
+                "max_model_len": core.max_model_len, "served_model_name": settings.served_model_name,
+                "default_max_tokens": settings.default_max_tokens}
+
+    return await state.engine.call(info)

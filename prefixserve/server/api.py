@@ -21,7 +21,7 @@ from .errors import install_error_handlers
 from .inputs import RequestBuilder
 from .metrics import ServerMetrics
 from .responses import TokenTexts
-from .routes import openai_routes
+from .routes import routes
 
 
 @dataclass(frozen=True)
@@ -54,10 +54,11 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
                         builder=RequestBuilder(engine, settings.default_max_tokens),
                         metrics=ServerMetrics(lambda: engine.snapshot),
                         texts=TokenTexts(engine.engine.tokenizer))
+    app.state.server = state
     app.state.engine = engine
     app.state.metrics = state.metrics
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
-    app.include_router(openai_routes(state))
-    app.include_router(admin_routes(state))
+    app.include_router(routes)
+    app.include_router(admin_routes)
     return app

@@ -20,7 +20,7 @@ from ..engine.sampling_params import SamplingParams
 from ..http import parse_json_body
 from ..prompts import split_prompts
 from .errors import APIError, param_of
-from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, new_id
+from .protocol import ChatCompletionRequest, SamplingFields, new_id
 
 JSON_MEDIA_TYPES = ("application/json",)
 

@@ -116,6 +116,22 @@ def build_server(args: argparse.Namespace):
     return engine, build_app(engine, settings)
 
 
+class QuietPolls(logging.Filter):
+    """Keeps successful polls (health checks, KV events, cache keys, scrapes) out of the access log
+    unless it logs at debug: a router polls several times a second, and an idle server stays quiet."""
+
+    PATHS = frozenset({"/health", "/metrics", "/v1/kv_events", "/v1/cache/keys", "/v1/cache/info"})
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if not (isinstance(args, tuple) and len(args) >= 5):
+            return True
+        path, status = str(args[2]).split("?", 1)[0], args[4]
+        if path in self.PATHS and status == 200:
+            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return True
+
+
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -134,7 +150,9 @@ def serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"prefixserve serve: {error}") from None
     logger.info("ready in %.1f s: http://%s:%d (OpenAI API under /v1)", time.perf_counter() - began, args.host, port)
     try:
-        uvicorn.Server(uvicorn.Config(app, host=args.host, port=port, log_level=args.log_level)).run(sockets=sockets)
+        config = uvicorn.Config(app, host=args.host, port=port, log_level=args.log_level)  # configures logging
+        logging.getLogger("uvicorn.access").addFilter(QuietPolls())
+        uvicorn.Server(config).run(sockets=sockets)
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled; the shutdown was clean
         pass
     finally:

@@ -1,4 +1,8 @@
-"""The OpenAI endpoints: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
+"""The OpenAI endpoints: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+
+Routes are plain functions over the app's ServerState (`request.app.state.server`), so
+each helper can be called and tested alone.
+"""
 
 from __future__ import annotations
 
@@ -15,102 +19,109 @@ from .inputs import completion_prompts, read_body, sampling_params
 from .protocol import ChatCompletionRequest, CompletionRequest, new_id, now
 from .responses import ChatShape, CompletionShape, usage_of
 
+routes = APIRouter()
 
-def openai_routes(state) -> APIRouter:
-    """`state` is the app's ServerState: settings, engine, auth, builder, metrics, token texts."""
-    routes = APIRouter()
-    settings, engine, metrics = state.settings, state.engine, state.metrics
 
-    def check_model(name) -> None:
-        if name is not None and name != settings.served_model_name:
-            raise APIError(404, f"model {name!r} does not exist; this server serves {settings.served_model_name!r}",
-                           "not_found_error", param="model", code="model_not_found")
+def server_state(request: Request):
+    """The app's ServerState: settings, engine, auth, builder, metrics, token texts."""
+    return request.app.state.server
 
-    def check_batch(num_requests: int) -> None:
-        if num_requests > settings.max_waiting:
-            raise APIError(400, f"this request asks for {num_requests} generations (prompts x n) but the server queues "
-                                f"at most {settings.max_waiting}; split it into smaller requests",
-                           param="n", code="batch_too_large")
 
-    def start(requests):
-        """Queue the requests now, or answer 429 when the queue is full; returns their output streams."""
-        if engine.num_waiting + len(requests) > settings.max_waiting:
-            metrics.num_rejected[0] += 1
-            raise APIError(429, f"the server is busy ({engine.num_waiting} requests waiting); retry shortly",
-                           "rate_limit_error", code="queue_full",
-                           headers={"Retry-After": str(settings.retry_after_seconds)})
-        try:
-            return [engine.add(request) for request in requests]
-        except EngineDeadError as error:
-            raise engine_dead(error) from None
+def check_model(settings, name) -> None:
+    if name is not None and name != settings.served_model_name:
+        raise APIError(404, f"model {name!r} does not exist; this server serves {settings.served_model_name!r}",
+                       "not_found_error", param="model", code="model_not_found")
 
-    def shape_kwargs(body) -> dict:
-        return {"return_token_ids": body.return_token_ids, "num_logprobs": body.num_logprobs}
 
-    def include_usage(body) -> bool:
-        return bool(body.stream_options and body.stream_options.include_usage)
+def check_batch(settings, num_requests: int) -> None:
+    if num_requests > settings.max_waiting:
+        raise APIError(400, f"this request asks for {num_requests} generations (prompts x n) but the server queues "
+                            f"at most {settings.max_waiting}; split it into smaller requests",
+                       param="n", code="batch_too_large")
 
-    @routes.post("/v1/completions")
-    async def completions(request: Request):
-        tenant = state.auth.tenant(request)
-        body: CompletionRequest = await read_body(request, CompletionRequest)
-        check_model(body.model)
-        if body.echo and body.logprobs is not None:
-            raise APIError(400, "echo with logprobs (prompt logprobs) is not supported; drop one of them",
-                           param="echo", code="unsupported")
-        prompts = completion_prompts(body.prompt)
-        check_batch(len(prompts) * body.n)
-        params = sampling_params(body, body.num_logprobs)
-        requests = await state.builder.build(prompts, params, body.requested_max_tokens, body.n,
-                                             compose_salt(tenant, body.cache_salt))
-        shape = CompletionShape(new_id("cmpl"), now(), settings.served_model_name, state.texts, echo=body.echo,
-                                **shape_kwargs(body))
-        streams = start(requests)
-        if body.stream:
-            usage = include_usage(body)
-            return stream_response(streams, shape, metrics,
-                                   lambda finals: shape.usage_chunk(usage_of(finals, body.n)) if usage else None)
-        finals = await collect(request, streams, metrics)
-        return shape.response(finals, usage_of(finals, body.n))
 
-    @routes.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        tenant = state.auth.tenant(request)
-        body: ChatCompletionRequest = await read_body(request, ChatCompletionRequest)
-        check_model(body.model)
-        if body.top_logprobs is not None and not body.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
-        check_batch(body.n)
-        prompt_ids = await state.builder.chat_prompt(body)
-        params = sampling_params(body, body.num_logprobs)
-        requests = await state.builder.build([prompt_ids], params, body.requested_max_tokens, body.n,
-                                             compose_salt(tenant, body.cache_salt))
-        shape = ChatShape(new_id("chatcmpl"), now(), settings.served_model_name, state.texts, **shape_kwargs(body))
-        streams = start(requests)
-        if body.stream:
-            usage = include_usage(body)
-            role_chunks = [shape.role_chunk(i, prompt_ids) for i in range(body.n)]
-            return stream_response(streams, shape, metrics,
-                                   lambda finals: shape.usage_chunk(usage_of(finals, body.n)) if usage else None,
-                                   role_chunks)
-        finals = await collect(request, streams, metrics)
-        return shape.response(finals, usage_of(finals, body.n))
+def start(state, requests) -> list:
+    """Queue the requests now, or answer 429 when the queue is full; returns their output streams."""
+    engine, settings = state.engine, state.settings
+    if engine.num_waiting + len(requests) > settings.max_waiting:
+        state.metrics.num_rejected[0] += 1
+        raise APIError(429, f"the server is busy ({engine.num_waiting} requests waiting); retry shortly",
+                       "rate_limit_error", code="queue_full",
+                       headers={"Retry-After": str(settings.retry_after_seconds)})
+    try:
+        return [engine.add(request) for request in requests]
+    except EngineDeadError as error:
+        raise engine_dead(error) from None
 
-    @routes.get("/v1/models")
-    async def models(request: Request):
-        state.auth.tenant(request)
-        return {"object": "list", "data": [{"id": settings.served_model_name, "object": "model", "created": now(),
-                                            "owned_by": "prefixserve", "max_model_len": state.builder.max_model_len}]}
 
-    @routes.get("/health")
-    async def health():
-        if engine.is_dead:
-            return error_response(503, "the engine loop stopped; restart the server", "server_error",
-                                  code="engine_dead")
-        return {"status": "ok"}
+async def respond(request: Request, state, body, shape, streams, first_chunks=()):
+    """Stream the outputs as SSE, or collect them into one response body."""
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-    @routes.get("/metrics")
-    async def prometheus_metrics():
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        def closing(finals):
+            return shape.usage_chunk(usage_of(finals, body.n)) if include_usage else None
 
-    return routes
+        return stream_response(streams, shape, state.metrics, closing, first_chunks)
+    finals = await collect(request, streams, state.metrics)
+    return shape.response(finals, usage_of(finals, body.n))
+
+
+def shape_options(body) -> dict:
+    return {"return_token_ids": body.return_token_ids, "num_logprobs": body.num_logprobs}
+
+
+@routes.post("/v1/completions")
+async def completions(request: Request):
+    state = server_state(request)
+    tenant = state.auth.tenant(request)
+    body: CompletionRequest = await read_body(request, CompletionRequest)
+    check_model(state.settings, body.model)
+    if body.echo and body.logprobs is not None:
+        raise APIError(400, "echo with logprobs (prompt logprobs) is not supported; drop one of them",
+                       param="echo", code="unsupported")
+    prompts = completion_prompts(body.prompt)
+    check_batch(state.settings, len(prompts) * body.n)
+    requests = await state.builder.build(prompts, sampling_params(body, body.num_logprobs), body.requested_max_tokens,
+                                         body.n, compose_salt(tenant, body.cache_salt))
+    shape = CompletionShape(new_id("cmpl"), now(), state.settings.served_model_name, state.texts, echo=body.echo,
+                            **shape_options(body))
+    return await respond(request, state, body, shape, start(state, requests))
+
+
+@routes.post("/v1/chat/completions")
+async def chat_completions(request: Request):
+    state = server_state(request)
+    tenant = state.auth.tenant(request)
+    body: ChatCompletionRequest = await read_body(request, ChatCompletionRequest)
+    check_model(state.settings, body.model)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
+    check_batch(state.settings, body.n)
+    prompt_ids = await state.builder.chat_prompt(body)
+    requests = await state.builder.build([prompt_ids], sampling_params(body, body.num_logprobs),
+                                         body.requested_max_tokens, body.n, compose_salt(tenant, body.cache_salt))
+    shape = ChatShape(new_id("chatcmpl"), now(), state.settings.served_model_name, state.texts, **shape_options(body))
+    streams = start(state, requests)
+    role_chunks = [shape.role_chunk(i, prompt_ids) for i in range(body.n)] if body.stream else ()
+    return await respond(request, state, body, shape, streams, role_chunks)
+
+
+@routes.get("/v1/models")
+async def models(request: Request):
+    state = server_state(request)
+    state.auth.tenant(request)
+    return {"object": "list", "data": [{"id": state.settings.served_model_name, "object": "model", "created": now(),
+                                        "owned_by": "prefixserve", "max_model_len": state.builder.max_model_len}]}
+
+
+@routes.get("/health")
+async def health(request: Request):
+    if server_state(request).engine.is_dead:
+        return error_response(503, "the engine loop stopped; restart the server", "server_error", code="engine_dead")
+    return {"status": "ok"}
+
+
+@routes.get("/metrics")
+async def prometheus_metrics(request: Request):
+    return Response(generate_latest(server_state(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
