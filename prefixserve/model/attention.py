@@ -185,7 +185,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     `plan` (from `plan_step`) one is built for this call.
     """
     num_tokens, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_kv_heads = k_cache.shape[2]
     assert num_heads % num_kv_heads == 0, f"{num_heads} heads not a multiple of {num_kv_heads} KV heads"
     group = num_heads // num_kv_heads
     if plan is None:
@@ -201,54 +201,71 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         merge_ids.append(part.merge_ids)
 
     for chunk in plan.chunks:
-        query = q[chunk.rows].transpose(0, 1).unsqueeze(0)                   # [1, heads, q_len, d]
-        if chunk.past is not None:
-            keys, values = chunk.past.read(flat_k), chunk.past.read(flat_v)
-        elif k is not None:
-            keys, values = k[chunk.rows], v[chunk.rows]
-        else:
-            keys, values = flat_k.index_select(0, chunk.own_slots), flat_v.index_select(0, chunk.own_slots)
-        attended = F.scaled_dot_product_attention(
-            query, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0),
-            attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale, enable_gqa=group > 1)
-        out[chunk.rows] = attended[0].transpose(0, 1)
-
+        out[chunk.rows] = _attend_chunk(q, chunk, flat_k, flat_v, k, v, scale, group)
     for batch in plan.own_batches:
-        shape = (-1, batch.query_len, num_kv_heads, head_dim)
-        if k is not None:
-            keys, values = k.index_select(0, batch.rows), v.index_select(0, batch.rows)
-        else:
-            keys, values = flat_k.index_select(0, batch.own_slots), flat_v.index_select(0, batch.own_slots)
-        query = q.index_select(0, batch.rows).view(-1, batch.query_len, num_heads, head_dim).transpose(1, 2)
-        attended, lse = _attend(query, keys.view(shape).transpose(1, 2), values.view(shape).transpose(1, 2), scale,
-                                is_causal=True)
-        pieces.append((attended.transpose(1, 2), lse.transpose(1, 2)))
+        pieces.append(_attend_own_batch(q, batch, flat_k, flat_v, k, v, scale))
         merge_ids.append(batch.merge_ids)
-
-    decodes = plan.decodes
-    if decodes is not None:
-        num_decodes, max_len = decodes.slots.shape
-        gathered = (num_decodes, max_len, num_kv_heads, head_dim)
-        keys = flat_k.index_select(0, decodes.slots.reshape(-1)).view(gathered).transpose(1, 2)
-        values = flat_v.index_select(0, decodes.slots.reshape(-1)).view(gathered).transpose(1, 2)
-        # One query per sequence: fold the query heads of a KV group into the query-length axis,
-        # [D, kv_heads, group, d], so K/V are never repeated per query head.
-        query = q.index_select(0, decodes.rows).view(num_decodes, num_kv_heads, group, head_dim)
-        mask = plan.masks.get(q.dtype)
-        if mask is None:
-            mask = plan.masks[q.dtype] = torch.zeros(decodes.valid.shape, dtype=q.dtype, device=q.device).masked_fill(
-                ~decodes.valid, float("-inf"))
-        attended, lse = _attend(query, keys, values, scale, mask=mask)
-        attended = attended.reshape(num_decodes, num_heads, head_dim)
-        if decodes.merge_ids is None:
-            out.index_copy_(0, decodes.rows, attended)
+    if plan.decodes is not None:
+        attended, lse = _attend_decodes(q, plan, flat_k, flat_v, scale, group)
+        if plan.decodes.merge_ids is None:
+            out.index_copy_(0, plan.decodes.rows, attended)
         else:
-            pieces.append((attended, lse.reshape(num_decodes, num_heads)))
-            merge_ids.append(decodes.merge_ids)
+            pieces.append((attended, lse))
+            merge_ids.append(plan.decodes.merge_ids)
 
     if pieces:
         _merge_into(out, plan, pieces, merge_ids)
     return out
+
+
+def _attend_chunk(q, chunk, flat_k, flat_v, k, v, scale: float, group: int) -> torch.Tensor:
+    """A prefill chunk in one call: causal over its own tokens, after its whole past when it has one."""
+    query = q[chunk.rows].transpose(0, 1).unsqueeze(0)                   # [1, heads, q_len, d]
+    if chunk.past is not None:
+        keys, values = chunk.past.read(flat_k), chunk.past.read(flat_v)
+    elif k is not None:
+        keys, values = k[chunk.rows], v[chunk.rows]
+    else:
+        keys, values = flat_k.index_select(0, chunk.own_slots), flat_v.index_select(0, chunk.own_slots)
+    attended = F.scaled_dot_product_attention(
+        query, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0),
+        attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale, enable_gqa=group > 1)
+    return attended[0].transpose(0, 1)
+
+
+def _attend_own_batch(q, batch, flat_k, flat_v, k, v, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The own tokens of split chunks of one length, causal within each: (out, lse) to merge."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = flat_k.shape[1]
+    shape = (-1, batch.query_len, num_kv_heads, head_dim)
+    if k is not None:
+        keys, values = k.index_select(0, batch.rows), v.index_select(0, batch.rows)
+    else:
+        keys, values = flat_k.index_select(0, batch.own_slots), flat_v.index_select(0, batch.own_slots)
+    query = q.index_select(0, batch.rows).view(-1, batch.query_len, num_heads, head_dim).transpose(1, 2)
+    attended, lse = _attend(query, keys.view(shape).transpose(1, 2), values.view(shape).transpose(1, 2), scale,
+                            is_causal=True)
+    return attended.transpose(1, 2), lse.transpose(1, 2)
+
+
+def _attend_decodes(q, plan: StepPlan, flat_k, flat_v, scale: float, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every decode as one padded batch: (out [D, heads, d], lse [D, heads])."""
+    decodes = plan.decodes
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = flat_k.shape[1]
+    num_decodes, max_len = decodes.slots.shape
+    gathered = (num_decodes, max_len, num_kv_heads, head_dim)
+    keys = flat_k.index_select(0, decodes.slots.reshape(-1)).view(gathered).transpose(1, 2)
+    values = flat_v.index_select(0, decodes.slots.reshape(-1)).view(gathered).transpose(1, 2)
+    # One query per sequence: fold the query heads of a KV group into the query-length axis,
+    # [D, kv_heads, group, d], so K/V are never repeated per query head.
+    query = q.index_select(0, decodes.rows).view(num_decodes, num_kv_heads, group, head_dim)
+    mask = plan.masks.get(q.dtype)
+    if mask is None:
+        mask = plan.masks[q.dtype] = torch.zeros(decodes.valid.shape, dtype=q.dtype, device=q.device).masked_fill(
+            ~decodes.valid, float("-inf"))
+    attended, lse = _attend(query, keys, values, scale, mask=mask)
+    return attended.reshape(num_decodes, num_heads, head_dim), lse.reshape(num_decodes, num_heads)
 
 
 def _merge_into(out: torch.Tensor, plan: StepPlan, pieces: list[tuple[torch.Tensor, torch.Tensor]],

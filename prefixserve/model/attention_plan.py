@@ -135,108 +135,153 @@ def _shared_prefixes(meta: AttentionMetadata, past_lens: list[int], block_size: 
 
 
 def build_plan(meta: AttentionMetadata, block_size: int, element_size: int) -> StepPlan:
-    device = meta.block_tables.device
-    starts = [0, *accumulate(meta.query_lens)]
-    past_lens = [seq_len - query_len for seq_len, query_len in zip(meta.seq_lens_list, meta.query_lens)]
-    num_seqs = len(past_lens)
-    covered = [0] * num_seqs  # leading past tokens served by a shared prefix or a body view
-    is_split = [False] * num_seqs  # assembled from several parts
+    return _PlanBuilder(meta, block_size, element_size).build()
 
-    def as_tensor(values) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=device)
 
-    shared = []
-    min_saved, min_view_tokens = thresholds(device.type, element_size)
-    min_view_blocks = -(-min_view_tokens // block_size)
-    for members, num_common in _shared_prefixes(meta, past_lens, block_size, min_saved):
-        table = meta.block_table_lists[members[0]]
-        first = table[0]
-        contiguous = table[:num_common] == list(range(first, first + num_common))
-        for i in members:
-            covered[i] = num_common * block_size
-            is_split[i] = True
-        shared.append((members, num_common, contiguous))
-    bodies = {}
-    for i, table in enumerate(meta.block_table_lists):
-        first_block = covered[i] // block_size
-        run = _ascending_run(table, first_block, past_lens[i] // block_size)
-        if run >= min_view_blocks:
-            bodies[i] = (table[first_block] * block_size, run * block_size)
-            covered[i] += run * block_size
-            is_split[i] = True
-    decode_ids = [i for i in range(num_seqs) if meta.query_lens[i] == 1]
-    # Merged ids: every row of a split sequence, and every decode row if any decode is split.
-    split_decodes = any(is_split[i] for i in decode_ids)
-    merge_start = {}
-    num_merged = 0
-    for i in range(num_seqs):
-        if is_split[i] or (split_decodes and meta.query_lens[i] == 1):
-            merge_start[i] = num_merged
-            num_merged += meta.query_lens[i]
+class _PlanBuilder:
+    """One step's plan in stages: shared prefixes, in-place bodies, merge ids, then the calls."""
 
-    def merge_slice(i: int) -> slice:
-        return slice(merge_start[i], merge_start[i] + meta.query_lens[i])
+    def __init__(self, meta: AttentionMetadata, block_size: int, element_size: int) -> None:
+        self.meta, self.block_size = meta, block_size
+        self.device = meta.block_tables.device
+        self.starts = [0, *accumulate(meta.query_lens)]
+        self.past_lens = [seq_len - query_len for seq_len, query_len in zip(meta.seq_lens_list, meta.query_lens)]
+        self.num_seqs = len(self.past_lens)
+        self.covered = [0] * self.num_seqs  # leading past tokens served by a shared prefix or a body view
+        self.is_split = [False] * self.num_seqs  # assembled from several parts
+        self.min_saved, min_view_tokens = thresholds(self.device.type, element_size)
+        self.min_view_blocks = -(-min_view_tokens // block_size)
+        self.merge_start: dict[int, int] = {}
 
-    parts = []
-    for members, num_common, contiguous in shared:
-        rows = as_tensor([r for i in members for r in range(starts[i], starts[i + 1])])
-        merge_ids = as_tensor([m for i in members for m in range(merge_start[i], merge_start[i] + meta.query_lens[i])])
-        if contiguous:
-            keys = _Keys(meta.block_table_lists[members[0]][0] * block_size, num_common * block_size)
-        else:
-            table = meta.block_tables[members[0], :num_common]
-            keys = _Keys(slots=(table[:, None] * block_size + torch.arange(block_size, device=device)).reshape(-1))
-        parts.append(_Part(rows, keys, merge_ids))
-    for i, (start_slot, length) in bodies.items():
-        parts.append(_Part(slice(starts[i], starts[i + 1]), _Keys(start_slot, length), merge_slice(i)))
+    def as_tensor(self, values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
 
-    def slots_of(i: int, first: int, last: int) -> torch.Tensor:
-        positions = torch.arange(first, last, device=device)
-        return meta.block_tables[i].index_select(0, positions // block_size) * block_size + positions % block_size
+    def rows_of(self, i: int) -> slice:
+        return slice(self.starts[i], self.starts[i + 1])
 
-    chunks = []
-    split_by_len: dict[int, list[int]] = {}
-    for i in range(num_seqs):
-        query_len, seq_len, past = meta.query_lens[i], meta.seq_lens_list[i], past_lens[i]
-        if query_len == 1:
-            continue
-        rows = slice(starts[i], starts[i + 1])
-        if not is_split[i]:
-            if past == 0:
-                chunks.append(_Chunk(rows, meta.slot_mapping[rows]))
-            else:  # one call over past + own keys, causal within the chunk
-                mask = torch.arange(seq_len, device=device)[None, :] <= torch.arange(past, seq_len, device=device)[:, None]
-                chunks.append(_Chunk(rows, meta.slot_mapping[rows], _Keys(slots=slots_of(i, 0, seq_len)), mask))
-            continue
-        split_by_len.setdefault(query_len, []).append(i)
-        if covered[i] < past:  # the rest of the past: gathered, unmasked
-            parts.append(_Part(rows, _Keys(slots=slots_of(i, covered[i], past)), merge_slice(i)))
-    own_batches = []
-    for query_len, members in split_by_len.items():
-        rows = as_tensor([r for i in members for r in range(starts[i], starts[i + 1])])
-        merge_ids = as_tensor([m for i in members for m in range(merge_start[i], merge_start[i] + query_len)])
-        own_batches.append(_OwnBatch(query_len, rows, meta.slot_mapping.index_select(0, rows), merge_ids))
+    def build(self) -> StepPlan:
+        shared = self._find_shared()
+        bodies = self._find_bodies()
+        decode_ids = [i for i in range(self.num_seqs) if self.meta.query_lens[i] == 1]
+        split_decodes = any(self.is_split[i] for i in decode_ids)
+        num_merged = self._assign_merge_ids(split_decodes)
+        parts = self._shared_parts(shared) + [
+            _Part(self.rows_of(i), _Keys(start_slot, length), self._merge_slice(i))
+            for i, (start_slot, length) in bodies.items()]
+        chunks, split_by_len = self._prefill_chunks(parts)
+        own_batches = [self._own_batch(query_len, members) for query_len, members in split_by_len.items()]
+        decodes = self._decodes(decode_ids, split_decodes) if decode_ids else None
+        merged_rows = None
+        if num_merged:
+            merged_rows = self.as_tensor([r for i in sorted(self.merge_start) for r in range(*self._row_range(i))])
+        return StepPlan(parts, chunks, own_batches, decodes, merged_rows)
 
-    decodes = None
-    if decode_ids:
-        ids = as_tensor(decode_ids)
-        first = as_tensor([covered[i] for i in decode_ids])
+    def _row_range(self, i: int) -> tuple[int, int]:
+        return self.starts[i], self.starts[i + 1]
+
+    def _find_shared(self) -> list[tuple[list[int], int, bool]]:
+        """(members, common blocks, whether those blocks are one consecutive run) of each shared group."""
+        meta, block_size = self.meta, self.block_size
+        shared = []
+        for members, num_common in _shared_prefixes(meta, self.past_lens, block_size, self.min_saved):
+            table = meta.block_table_lists[members[0]]
+            first = table[0]
+            contiguous = table[:num_common] == list(range(first, first + num_common))
+            for i in members:
+                self.covered[i] = num_common * block_size
+                self.is_split[i] = True
+            shared.append((members, num_common, contiguous))
+        return shared
+
+    def _find_bodies(self) -> dict[int, tuple[int, int]]:
+        """Sequence -> (first slot, length) of a long consecutive run after its shared prefix, read in place."""
+        block_size = self.block_size
+        bodies = {}
+        for i, table in enumerate(self.meta.block_table_lists):
+            first_block = self.covered[i] // block_size
+            run = _ascending_run(table, first_block, self.past_lens[i] // block_size)
+            if run >= self.min_view_blocks:
+                bodies[i] = (table[first_block] * block_size, run * block_size)
+                self.covered[i] += run * block_size
+                self.is_split[i] = True
+        return bodies
+
+    def _assign_merge_ids(self, split_decodes: bool) -> int:
+        """Merged ids: every row of a split sequence, and every decode row if any decode is split."""
+        num_merged = 0
+        for i in range(self.num_seqs):
+            if self.is_split[i] or (split_decodes and self.meta.query_lens[i] == 1):
+                self.merge_start[i] = num_merged
+                num_merged += self.meta.query_lens[i]
+        return num_merged
+
+    def _merge_slice(self, i: int) -> slice:
+        return slice(self.merge_start[i], self.merge_start[i] + self.meta.query_lens[i])
+
+    def _merge_ids(self, members: list[int]) -> torch.Tensor:
+        return self.as_tensor([m for i in members for m in range(self.merge_start[i],
+                                                                 self.merge_start[i] + self.meta.query_lens[i])])
+
+    def _shared_parts(self, shared) -> list[_Part]:
+        meta, block_size = self.meta, self.block_size
+        parts = []
+        for members, num_common, contiguous in shared:
+            rows = self.as_tensor([r for i in members for r in range(*self._row_range(i))])
+            if contiguous:
+                keys = _Keys(meta.block_table_lists[members[0]][0] * block_size, num_common * block_size)
+            else:
+                table = meta.block_tables[members[0], :num_common]
+                offsets = torch.arange(block_size, device=self.device)
+                keys = _Keys(slots=(table[:, None] * block_size + offsets).reshape(-1))
+            parts.append(_Part(rows, keys, self._merge_ids(members)))
+        return parts
+
+    def _slots_of(self, i: int, first: int, last: int) -> torch.Tensor:
+        positions = torch.arange(first, last, device=self.device)
+        table = self.meta.block_tables[i]
+        return table.index_select(0, positions // self.block_size) * self.block_size + positions % self.block_size
+
+    def _prefill_chunks(self, parts: list[_Part]) -> tuple[list[_Chunk], dict[int, list[int]]]:
+        """One call per unsplit chunk; split chunks are grouped by length (their own tokens batch
+        together) and the rest of their past becomes a gathered part."""
+        meta, device = self.meta, self.device
+        chunks, split_by_len = [], {}
+        for i in range(self.num_seqs):
+            query_len, seq_len, past = meta.query_lens[i], meta.seq_lens_list[i], self.past_lens[i]
+            if query_len == 1:
+                continue
+            rows = self.rows_of(i)
+            if not self.is_split[i]:
+                if past == 0:
+                    chunks.append(_Chunk(rows, meta.slot_mapping[rows]))
+                else:  # one call over past + own keys, causal within the chunk
+                    mask = torch.arange(seq_len, device=device)[None, :] <= torch.arange(past, seq_len, device=device)[:, None]
+                    chunks.append(_Chunk(rows, meta.slot_mapping[rows], _Keys(slots=self._slots_of(i, 0, seq_len)), mask))
+                continue
+            split_by_len.setdefault(query_len, []).append(i)
+            if self.covered[i] < past:  # the rest of the past: gathered, unmasked
+                parts.append(_Part(rows, _Keys(slots=self._slots_of(i, self.covered[i], past)), self._merge_slice(i)))
+        return chunks, split_by_len
+
+    def _own_batch(self, query_len: int, members: list[int]) -> _OwnBatch:
+        rows = self.as_tensor([r for i in members for r in range(*self._row_range(i))])
+        return _OwnBatch(query_len, rows, self.meta.slot_mapping.index_select(0, rows), self._merge_ids(members))
+
+    def _decodes(self, decode_ids: list[int], split_decodes: bool) -> _Decodes:
+        meta, block_size = self.meta, self.block_size
+        ids = self.as_tensor(decode_ids)
+        first = self.as_tensor([self.covered[i] for i in decode_ids])
         last = meta.seq_lens.index_select(0, ids)  # exclusive: the own token is the last key
-        max_len = max(meta.seq_lens_list[i] - covered[i] for i in decode_ids)
-        positions = first[:, None] + torch.arange(max_len, device=device)
+        max_len = max(meta.seq_lens_list[i] - self.covered[i] for i in decode_ids)
+        positions = first[:, None] + torch.arange(max_len, device=self.device)
         valid = positions < last[:, None]
         # Padding reads the sequence's own newest slot, which is written: never uninitialised
         # memory, whose NaNs would survive the mask (0 * NaN = NaN).
         positions = torch.where(valid, positions, last[:, None] - 1)
         tables = meta.block_tables.index_select(0, ids)
         slots = tables.gather(1, positions // block_size) * block_size + positions % block_size
-        merge_ids = as_tensor([merge_start[i] for i in decode_ids]) if split_decodes else None
-        decodes = _Decodes(as_tensor([starts[i] for i in decode_ids]), slots, valid[:, None, None, :], merge_ids)
-
-    merged_rows = None
-    if num_merged:
-        merged_rows = as_tensor([r for i in sorted(merge_start) for r in range(starts[i], starts[i + 1])])
-    return StepPlan(parts, chunks, own_batches, decodes, merged_rows)
+        merge_ids = self.as_tensor([self.merge_start[i] for i in decode_ids]) if split_decodes else None
+        return _Decodes(self.as_tensor([self.starts[i] for i in decode_ids]), slots, valid[:, None, None, :], merge_ids)
 
 
 # ---- attention calls -----------------------------------------------------------------------------
