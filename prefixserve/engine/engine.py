@@ -21,7 +21,7 @@ from ..cache.scoping import PromptScoper
 from ..config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from ..model import Tokenizer, ensure_default_model, load_generation_eos, load_model
 from .device import measure_cuda_kv_budget, resolve_device, resolve_dtype
-from .input_processor import InputProcessor, PromptTooLongError, PromptType  # noqa: F401 (re-exported)
+from .input_processor import InputProcessor, PromptType
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
 from .request import Request

@@ -119,7 +119,7 @@ class Router:
                 response = await self.client.get(replica.url + "/v1/cache/info", headers=self.control_headers(),
                                                  timeout=self.settings.control_timeout)
             except httpx.TransportError as failure:
-                replica.mark_down(f"cache info failed: {failure!r}")
+                replica.mark_down(f"transport failure reading cache info: {failure!r}")
                 continue
             try:
                 info = response.json() if response.status_code == 200 else None

@@ -23,7 +23,7 @@ from fastapi.responses import Response, StreamingResponse
 from ..cache.scoping import compose_salt
 from ..http import error_response
 from .fleet import Router
-from .inbound import BadRequest, ClientRequest, check_content_type, read_request
+from .inbound import BadRequest, check_content_type, read_request
 from .replicas import Replica
 from .streams import StreamRelay, Upstream
 

@@ -121,7 +121,7 @@ class Replica:
             self.mirror.keys = {bytes.fromhex(key) for key in body["keys"]}
             self.cursor = body["next"]
         except httpx.TransportError as error:
-            self.mark_down(f"cache sync failed: {error!r}")
+            self.mark_down(f"transport failure during cache sync: {error!r}")
         except (KeyError, TypeError, ValueError) as error:
             self.cursor = None  # an answer the router cannot read: start over from a snapshot
             logger.debug("replica %s: unreadable cache sync answer (%r)", self.name, error)
