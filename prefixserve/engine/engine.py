@@ -52,15 +52,7 @@ class LLMEngine:
         self.scoper = PromptScoper(self.scope, config.block_size)
         self.model_name = str(config.model) if config.model else "prefixserve-tiny"
 
-        bytes_per_token = kv_bytes_per_token(loaded.config, self.dtype)
-        budget = self._kv_budget(loaded)
-        num_blocks = budget // (bytes_per_token * config.block_size)
-        if num_blocks < 2:
-            raise ValueError(
-                f"a KV budget of {budget} bytes holds {num_blocks} blocks of {config.block_size} tokens "
-                f"({bytes_per_token} bytes a token); raise kv_cache_memory_bytes"
-            )
-        max_model_len_note = self._fit_max_model_len(num_blocks, budget, bytes_per_token)
+        num_blocks, bytes_per_token, max_model_len_note = self._size_kv_pool(loaded)
         self.events = EventQueue() if config.enable_kv_events else None
         self.cache = RadixCache(num_blocks, config.block_size, max_pinned_blocks=config.max_pinned_blocks,
                                 events=self.events)
@@ -85,8 +77,33 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self.num_prefill_tokens_computed = 0
         self.num_generation_tokens = 0
+        self.startup_summary = self._summary(loaded, num_blocks, bytes_per_token, max_model_len_note)
+        if config.log_stats:
+            logger.info(self.startup_summary)
+
+    # ------------------------------------------------------------- set-up
+    def _log_progress(self, message: str) -> None:
+        if self.config.log_stats:
+            logger.info(message)
+
+    def _size_kv_pool(self, loaded) -> tuple[int, int, str]:
+        """(blocks, KV bytes per token, a note on max_model_len) for the configured or measured budget."""
+        block_size = self.config.block_size
+        bytes_per_token = kv_bytes_per_token(loaded.config, self.dtype)
+        budget = self._kv_budget(loaded)
+        num_blocks = budget // (bytes_per_token * block_size)
+        if num_blocks < 2:
+            raise ValueError(
+                f"a KV budget of {budget} bytes holds {num_blocks} blocks of {block_size} tokens "
+                f"({bytes_per_token} bytes a token); raise kv_cache_memory_bytes"
+            )
+        return num_blocks, bytes_per_token, self._fit_max_model_len(num_blocks, budget, bytes_per_token)
+
+    def _summary(self, loaded, num_blocks: int, bytes_per_token: int, max_model_len_note: str) -> str:
+        """The start-up line: model, dtype, device, weights, KV pool, max_model_len."""
+        config = self.config
         weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
-        self.startup_summary = (
+        summary = (
             f"model {self.model_name} ({loaded.config.architecture}), {self.dtype} on {self.device}; "
             f"weights {weight_bytes / 2**20:.0f} MiB; KV {bytes_per_token} bytes/token; "
             f"{num_blocks} blocks x {config.block_size} = {num_blocks * config.block_size} tokens fit "
@@ -95,16 +112,10 @@ class LLMEngine:
             f"prefix caching {'on' if config.enable_prefix_caching else 'off'}"
         )
         if self.dtype == torch.float32 and self.device.type == "cpu" and cpu_has_fast_bfloat16():
-            self.startup_summary += (
+            summary += (
                 "; this CPU has bf16 instructions: dtype bfloat16 runs 2-3x faster, at the price of greedy "
                 "outputs that depend on batching and cache hits")
-        if config.log_stats:
-            logger.info(self.startup_summary)
-
-    # ------------------------------------------------------------- set-up
-    def _log_progress(self, message: str) -> None:
-        if self.config.log_stats:
-            logger.info(message)
+        return summary
 
     def _resolve_max_model_len(self) -> int:
         limit = self.model_config.max_context_len

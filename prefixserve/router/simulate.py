@@ -117,61 +117,72 @@ def simulate(trace: Trace, policy: str | RoutingPolicy, config: SimulationConfig
         raise ValueError(f"{len(routes)} routes for {len(trace.requests)} requests; use prepare_routes(trace)")
     if any(later.arrival_time < earlier.arrival_time for earlier, later in zip(trace.requests, trace.requests[1:])):
         raise ValueError("trace requests must be in arrival order; sort them by arrival_time")
-    clock = SimulationClock()
-    replicas = [SimulatedReplica(i, config.capacity_blocks, config.cost, trace.block_size, clock)
-                for i in range(config.num_replicas)]
-    events: list[tuple[float, int, int, int, Job]] = []  # (time, sequence, kind, replica, job)
-    waits: list[float] = []
-    ttfts: list[float] = []
-    num_hit_tokens = 0
-    sequence = itertools.count()  # orders events at the same instant: first scheduled, first run
-
-    def start(index: int) -> None:
-        job = replicas[index].start_prefill()
-        if job is not None:
-            heapq.heappush(events, (job.start + job.prefill_seconds, next(sequence), _PREFILL_DONE, index, job))
-
-    def run_events(until: float) -> None:
-        nonlocal num_hit_tokens
-        while events and events[0][0] <= until:
-            clock.now, _, kind, index, job = heapq.heappop(events)
-            replica = replicas[index]
-            if kind == _PREFILL_DONE:
-                replica.finish_prefill(job)
-                num_hit_tokens += job.num_hit_blocks * trace.block_size
-                waits.append(job.start - job.request.arrival_time)
-                ttfts.append(job.start + job.prefill_seconds - job.request.arrival_time)
-                heapq.heappush(events, (job.done_at, next(sequence), _DONE, index, job))
-                start(index)
-            else:
-                replica.finish(job)
-
+    replay = _Replay(trace, config)
     # disable=None: a bar only on a terminal, never thousands of redraws in a log file or a pipe
     progress = tqdm(total=len(trace.requests), desc=policy.name, unit="req", leave=False,
                     disable=None if config.progress else True)
     for request, route in zip(trace.requests, routes):
-        run_events(request.arrival_time)  # completions at the arrival instant happen first
-        clock.now = request.arrival_time
-        index = policy.choose(route, replicas)
-        replicas[index].enqueue(request, route)
-        start(index)
+        replay.run_events(request.arrival_time)  # completions at the arrival instant happen first
+        replay.clock.now = request.arrival_time
+        index = policy.choose(route, replay.replicas)
+        replay.replicas[index].enqueue(request, route)
+        replay.start(index)
         progress.update()
     progress.close()
-    run_events(math.inf)
-    if config.check_integrity:
-        for replica in replicas:
-            replica.cache.check_integrity()
-            assert replica.cache.usage().num_referenced_blocks == 0, f"{replica.name} leaked block references"
-    busy = [replica.busy_seconds for replica in replicas]
-    mean_busy = sum(busy) / len(busy)
-    return SimulationResult(
-        policy=policy.name, num_requests=len(trace.requests), num_input_tokens=trace.num_input_tokens,
-        num_hit_tokens=num_hit_tokens, load_imbalance=max(busy) / mean_busy if mean_busy else 1.0,
-        queue_p50=_percentile(waits, 50), queue_p99=_percentile(waits, 99),
-        ttft_p50=_percentile(ttfts, 50), ttft_p99=_percentile(ttfts, 99),
-        num_failed_allocations=sum(replica.num_failed_allocations for replica in replicas),
-        num_evicted_blocks=sum(replica.cache.stats.num_evicted_blocks for replica in replicas),
-    )
+    replay.run_events(math.inf)
+    return replay.result(policy.name)
+
+
+class _Replay:
+    """The event loop of one replay: replicas on one simulated clock, prefill-done and done events."""
+
+    def __init__(self, trace: Trace, config: SimulationConfig) -> None:
+        self.trace, self.config = trace, config
+        self.clock = SimulationClock()
+        self.replicas = [SimulatedReplica(i, config.capacity_blocks, config.cost, trace.block_size, self.clock)
+                         for i in range(config.num_replicas)]
+        self.events: list[tuple[float, int, int, int, Job]] = []  # (time, sequence, kind, replica, job)
+        self.sequence = itertools.count()  # orders events at the same instant: first scheduled, first run
+        self.waits: list[float] = []
+        self.ttfts: list[float] = []
+        self.num_hit_tokens = 0
+
+    def start(self, index: int) -> None:
+        job = self.replicas[index].start_prefill()
+        if job is not None:
+            heapq.heappush(self.events, (job.start + job.prefill_seconds, next(self.sequence), _PREFILL_DONE, index, job))
+
+    def run_events(self, until: float) -> None:
+        events = self.events
+        while events and events[0][0] <= until:
+            self.clock.now, _, kind, index, job = heapq.heappop(events)
+            replica = self.replicas[index]
+            if kind == _PREFILL_DONE:
+                replica.finish_prefill(job)
+                self.num_hit_tokens += job.num_hit_blocks * self.trace.block_size
+                self.waits.append(job.start - job.request.arrival_time)
+                self.ttfts.append(job.start + job.prefill_seconds - job.request.arrival_time)
+                heapq.heappush(events, (job.done_at, next(self.sequence), _DONE, index, job))
+                self.start(index)
+            else:
+                replica.finish(job)
+
+    def result(self, policy_name: str) -> SimulationResult:
+        replicas, trace = self.replicas, self.trace
+        if self.config.check_integrity:
+            for replica in replicas:
+                replica.cache.check_integrity()
+                assert replica.cache.usage().num_referenced_blocks == 0, f"{replica.name} leaked block references"
+        busy = [replica.busy_seconds for replica in replicas]
+        mean_busy = sum(busy) / len(busy)
+        return SimulationResult(
+            policy=policy_name, num_requests=len(trace.requests), num_input_tokens=trace.num_input_tokens,
+            num_hit_tokens=self.num_hit_tokens, load_imbalance=max(busy) / mean_busy if mean_busy else 1.0,
+            queue_p50=_percentile(self.waits, 50), queue_p99=_percentile(self.waits, 99),
+            ttft_p50=_percentile(self.ttfts, 50), ttft_p99=_percentile(self.ttfts, 99),
+            num_failed_allocations=sum(replica.num_failed_allocations for replica in replicas),
+            num_evicted_blocks=sum(replica.cache.stats.num_evicted_blocks for replica in replicas),
+        )
 
 
 def _percentile(values: list[float], q: float) -> float:
