@@ -124,12 +124,13 @@ def test_busy_port_is_named_before_the_model_loads(no_model_load):
 
 def test_model_directory_problems_are_named_by_flag(tmp_path, no_model_load):
     assert serve_error("--model", "/no/such") == (
-        "prefixserve serve: --model /no/such: no such directory; pass a Hugging Face checkpoint directory "
-        "(config.json, *.safetensors, tokenizer.json), or leave --model out for the built-in prefixserve-tiny")
+        "prefixserve serve: --model /no/such: no such directory, file or model name; pass a Hugging Face "
+        "checkpoint directory (config.json, *.safetensors, tokenizer.json), a .gguf file or a directory holding "
+        "one, or a model name (smollm2-135m-instruct), or leave --model out for the built-in prefixserve-tiny")
     (tmp_path / "file").write_text("x")
-    assert "--model " + str(tmp_path / "file") + ": is a file, not a directory" in serve_error(
+    assert "--model " + str(tmp_path / "file") + ": is a file but not a .gguf file" in serve_error(
         "--model", str(tmp_path / "file"))
-    assert f"--model {tmp_path}: has no config.json" in serve_error("--model", str(tmp_path))
+    assert f"--model {tmp_path}: has no config.json (and no .gguf file)" in serve_error("--model", str(tmp_path))
     (tmp_path / "config.json").write_text("{}")
     assert f"--model {tmp_path}: has no *.safetensors weights" in serve_error("--model", str(tmp_path))
 
@@ -302,7 +303,7 @@ def test_model_that_does_not_exist_is_named_on_the_command_line():
     result = subprocess.run([sys.executable, "-m", "prefixserve.cli", "serve", "--model", "/no/such"],
                             capture_output=True, text=True, timeout=120, env=dict(os.environ))
     assert result.returncode == 1
-    assert result.stderr.startswith("prefixserve serve: --model /no/such: no such directory; ")
+    assert result.stderr.startswith("prefixserve serve: --model /no/such: no such directory, file or model name; ")
     assert "model=None" not in result.stderr and "Traceback" not in result.stderr
 
 

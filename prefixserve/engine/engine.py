@@ -19,7 +19,7 @@ import torch
 from ..cache import BlockKeyer, CacheScope, EventQueue, RadixCache
 from ..cache.scoping import PromptScoper
 from ..config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
-from ..model import Tokenizer, ensure_default_model, load_generation_eos, load_model
+from ..model import DEFAULT_MODEL_NAME, Tokenizer, ensure_default_model, load_generation_eos, load_model
 from .device import measure_cuda_kv_budget, resolve_device, resolve_dtype
 from .input_processor import InputProcessor, PromptType
 from .output_processor import OutputProcessor
@@ -37,12 +37,7 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.model_path = Path(config.model) if config.model else ensure_default_model()
-        if not self.model_path.is_dir():
-            raise FileNotFoundError(
-                f"model directory {self.model_path} does not exist; pass a Hugging Face checkpoint "
-                "directory (config.json, *.safetensors, tokenizer.json) or model=None for the built-in default"
-            )
+        self.model_path = self._resolve_model_path(config.model)
         loaded = load_model(self.model_path, self.dtype, self.device)
         self.model_config = loaded.config
         self.tokenizer = Tokenizer.from_dir(self.model_path)
@@ -50,7 +45,7 @@ class LLMEngine:
         self.max_model_len = self._resolve_max_model_len()
         self.scope = CacheScope(loaded.model_fingerprint, self.tokenizer.fingerprint)
         self.scoper = PromptScoper(self.scope, config.block_size)
-        self.model_name = str(config.model) if config.model else "prefixserve-tiny"
+        self.model_name = str(config.model) if config.model else DEFAULT_MODEL_NAME
 
         num_blocks, bytes_per_token, max_model_len_note = self._size_kv_pool(loaded)
         self.events = EventQueue() if config.enable_kv_events else None
@@ -82,6 +77,21 @@ class LLMEngine:
             logger.info(self.startup_summary)
 
     # ------------------------------------------------------------- set-up
+    @staticmethod
+    def _resolve_model_path(model: Optional[str]) -> Path:
+        """The checkpoint directory of `model`: built-in (None), a Hugging Face directory, a .gguf file
+        or a directory holding one (converted once), or a model name such as smollm2-135m-instruct."""
+        if model is None:
+            return ensure_default_model()
+        from ..model.named_models import resolve_model  # imports the gguf reader only when asked
+
+        path = resolve_model(model)
+        if not path.is_dir():
+            raise FileNotFoundError(f"model directory {path} does not exist; pass a Hugging Face checkpoint "
+                                    "directory (config.json, *.safetensors, tokenizer.json), a .gguf file, "
+                                    "a model name, or model=None for the built-in default")
+        return path
+
     def _log_progress(self, message: str) -> None:
         if self.config.log_stats:
             logger.info(message)

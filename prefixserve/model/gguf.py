@@ -27,6 +27,7 @@ import numpy as np
 from gguf import GGUFReader
 
 from .default import default_cache_root
+from .gguf_source import SOURCE_FILE, gguf_fingerprint, read_gguf_source, read_json_object
 from .gguf_checkpoint import TensorPlan, hf_config, load_tensor, plan_tensors, read_metadata
 from .gguf_tokenizer import build_tokenizer_files, write_tokenizer_files
 
@@ -36,7 +37,6 @@ __all__ = ["CONVERTER_VERSION", "SOURCE_FILE", "convert_gguf", "find_gguf_file",
 logger = logging.getLogger("prefixserve.model")
 
 CONVERTER_VERSION = 1  # bump when the converted bytes would change; old directories are redone
-SOURCE_FILE = "prefixserve_source.json"
 _HASH_MEMO = "hashes.json"
 _CHUNK_SIZE = 8 * 1024**2
 
@@ -147,7 +147,7 @@ def file_sha256(path: Path, memo_file: Path | None = None) -> str:
     stat = path.stat()
     key = str(path.resolve())
     stamp = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
-    memo = _read_json(memo_file) if memo_file is not None else {}
+    memo = read_json_object(memo_file) if memo_file is not None else {}
     entry = memo.get(key)
     if isinstance(entry, dict) and {k: entry.get(k) for k in stamp} == stamp and entry.get("sha256"):
         return entry["sha256"]
@@ -161,35 +161,11 @@ def file_sha256(path: Path, memo_file: Path | None = None) -> str:
     return digest.hexdigest()
 
 
-def read_gguf_source(directory: str | Path) -> dict[str, Any] | None:
-    """The record a conversion left in ``directory`` (file name, size, sha256, converter version,
-    tensor types), or None when the directory was not converted from a GGUF."""
-    record = _read_json(Path(directory) / SOURCE_FILE)
-    return record if record.get("format") == "gguf" and record.get("sha256") else None
-
-
-def gguf_fingerprint(directory: str | Path) -> str | None:
-    """Hex SHA-256 naming a converted checkpoint by its source: the GGUF's hash and the converter
-    version (the conversion is deterministic). None when ``directory`` holds no conversion."""
-    record = read_gguf_source(directory)
-    if record is None:
-        return None
-    return hashlib.sha256(f"gguf\0{record['sha256']}\0{record['converter_version']}".encode()).hexdigest()
-
-
 def _is_converted(directory: Path, digest: str) -> bool:
     if not (directory / "config.json").is_file():
         return False
     record = read_gguf_source(directory) or {}
     return record.get("sha256") == digest and record.get("converter_version") == CONVERTER_VERSION
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 def _write_json_atomically(path: Path, value: dict[str, Any]) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from .gguf_source import gguf_fingerprint
 from .llama import LlamaForCausalLM
 from .model_config import SUPPORTED_ARCHITECTURES, ModelConfig, load_generation_eos
 
@@ -68,7 +69,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str)
     model.load_weights(_iter_tensors(weight_files))
     model.eval().requires_grad_(False)
     loaded = time.perf_counter()
-    fingerprint = model_fingerprint(config_dict, weight_files)
+    fingerprint = _converted_fingerprint(path) or model_fingerprint(config_dict, weight_files)
     logger.info("loaded %s in %.1f s; weights fingerprinted in %.1f s (%s)", path.name, loaded - began,
                 time.perf_counter() - loaded, fingerprint[:12])
     return LoadedModel(model=model, config=config, model_fingerprint=fingerprint, path=path)
@@ -108,6 +109,11 @@ def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(str(file), framework="pt", device="cpu") as handle:
             for name in handle.keys():
                 yield name, handle.get_tensor(name)
+
+
+def _converted_fingerprint(path: Path) -> str | None:
+    """A directory converted from a GGUF file is fingerprinted by that file's hash (no rehash of its weights)."""
+    return gguf_fingerprint(path)
 
 
 def model_fingerprint(config_dict: dict, weight_files: list[Path]) -> str:

@@ -13,6 +13,7 @@ import logging
 import re
 import socket
 import time
+from typing import Optional
 from dataclasses import fields
 from pathlib import Path
 
@@ -22,11 +23,12 @@ from ..http import DEFAULT_MAX_REQUEST_BYTES, load_api_keys
 logger = logging.getLogger("prefixserve.server")
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-CHECKPOINT_LAYOUT = "a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json)"
+CHECKPOINT_LAYOUT = ("a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json), a .gguf file "
+                     "or a directory holding one, or a model name (smollm2-135m-instruct)")
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", metavar="DIR", default=None,
+    parser.add_argument("--model", metavar="DIR|FILE|NAME", default=None,
                         help=f"{CHECKPOINT_LAYOUT} (default: the built-in prefixserve-tiny, generated on first use)")
     parser.add_argument("--served-model-name", metavar="NAME", default=None,
                         help="the model name clients send and responses carry (default: the --model directory's name, "
@@ -107,7 +109,7 @@ def build_server(args: argparse.Namespace):
 
     config = engine_config_from_args(args)
     engine = AsyncLLMEngine(config)
-    name = args.served_model_name or (Path(args.model).name if args.model else "prefixserve-tiny")
+    name = args.served_model_name or served_name_of(args.model)
     if args.shared_prefix:
         declare_shared_prefix(engine.engine, args.shared_prefix, read_shared_prefix(args.shared_prefix))
     settings = ServerSettings(served_model_name=name, api_keys=load_api_keys(args.api_keys_file, args.api_key),
@@ -181,14 +183,34 @@ def _with_flag_names(message: str) -> str:
     return message
 
 
-def check_model_dir(model: str) -> None:
+def served_name_of(model: Optional[str]) -> str:
+    """The name clients send by default: the model name, the .gguf file's stem, or the directory's name."""
+    if model is None:
+        return "prefixserve-tiny"
     path = Path(model)
+    return path.stem if path.suffix.lower() == ".gguf" else path.name
+
+
+def check_model_dir(model: str) -> None:
+    from ..model.named_models import NAMED_MODELS, named_model_file
+
+    path = Path(model)
+    if not path.exists() and model.lower() in NAMED_MODELS:
+        try:
+            named_model_file(model.lower())
+        except FileNotFoundError as error:
+            raise SystemExit(f"prefixserve serve: --model {model}: {error}") from None
+        return
     if not path.exists():
-        problem = "no such directory"
-    elif not path.is_dir():
-        problem = "is a file, not a directory"
+        problem = "no such directory, file or model name"
+    elif path.is_file():
+        if path.suffix.lower() == ".gguf":
+            return
+        problem = "is a file but not a .gguf file"
     elif not (path / "config.json").is_file():
-        problem = "has no config.json"
+        if any(path.glob("*.gguf")):
+            return
+        problem = "has no config.json (and no .gguf file)"
     elif not any(path.glob("*.safetensors")):
         problem = "has no *.safetensors weights"
     else:
