@@ -58,10 +58,10 @@ HF_BATCH = 8
 # ---- engines -------------------------------------------------------------------------------------
 
 class PrefixServe:
-    def __init__(self, dtype: str, caching: bool) -> None:
+    def __init__(self, dtype: str, caching: bool, model_dir: Path) -> None:
         from prefixserve import LLM, SamplingParams
 
-        self.llm = LLM(dtype=dtype, enable_prefix_caching=caching, log_stats=False)
+        self.llm = LLM(str(model_dir), dtype=dtype, enable_prefix_caching=caching, log_stats=False)
         self.params = SamplingParams
         self.generate(warm_up_turns())
         self.reset()
@@ -86,14 +86,12 @@ class PrefixServe:
 class Transformers:
     """Hugging Face generate(): greedy, EOS ignored, equal-length prompts batched (no padding)."""
 
-    def __init__(self, dtype: str) -> None:
+    def __init__(self, dtype: str, model_dir: Path) -> None:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from prefixserve.model import ensure_default_model
-
         self.torch = torch
-        self.model = AutoModelForCausalLM.from_pretrained(ensure_default_model(), dtype=getattr(torch, dtype)).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
         self.generate(warm_up_turns())
 
     def generate(self, turns: Sequence[Turn]) -> list[Completion]:
@@ -187,10 +185,8 @@ def keep_fastest(best: Optional[dict], new: dict) -> dict:
     return best
 
 
-def run_vllm(python: str, dtype: str, names: list[str], seed: int, cores: str, bar) -> dict:
-    from prefixserve.model import ensure_default_model
-
-    task = {"model": str(ensure_default_model()), "dtype": dtype, "seed": seed, "workloads": names,
+def run_vllm(python: str, dtype: str, names: list[str], seed: int, cores: str, bar, model_dir: Path) -> dict:
+    task = {"model": str(model_dir), "dtype": dtype, "seed": seed, "workloads": names,
             "ttft_probe": PROBE, "kv_cache_gib": 2}
     env = dict(os.environ)
     if cores == "all":
@@ -341,9 +337,24 @@ def plot(dtype: str, runs: dict, names: list[str], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def resolve_model_dir(model: Optional[str]) -> Path:
+    """The checkpoint directory every engine loads: the built-in model, or --model resolved (a GGUF is
+    converted once), so prefixserve, transformers and vLLM read the very same weights."""
+    if model is None:
+        from prefixserve.model import ensure_default_model
+
+        return ensure_default_model()
+    from prefixserve.model.named_models import resolve_model
+
+    return resolve_model(model)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      allow_abbrev=False)
+    parser.add_argument("--model", default=None,
+                        help="a checkpoint directory, .gguf file or model name (smollm2-135m-instruct); "
+                             "default: the built-in prefixserve-tiny")
     parser.add_argument("--dtype", default="both", choices=["float32", "bfloat16", "both"])
     parser.add_argument("--workloads", default=",".join(build_workloads()))
     parser.add_argument("--engines", default=",".join(ENGINES))
@@ -359,6 +370,9 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown workload or engine {unknown}; workloads: {list(build_workloads())}, engines: {ENGINES}")
     dtypes = ["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]
+    model_dir = resolve_model_dir(args.model)
+    tag = "" if args.model is None else f"{Path(args.model).stem}_"
+    print(f"model: {args.model or 'prefixserve-tiny'} ({model_dir})")
     notes = {}
     if "vllm" in engines and not Path(args.vllm_python).exists():
         notes["vllm"] = f"not installed ({args.vllm_python} missing; see vllm_peer.py)"
@@ -379,14 +393,14 @@ def main() -> None:
                     if "vllm" in notes:
                         continue
                     try:
-                        result = run_vllm(args.vllm_python, dtype, todo, args.seed, args.vllm_cores, bar)
+                        result = run_vllm(args.vllm_python, dtype, todo, args.seed, args.vllm_cores, bar, model_dir)
                     except RuntimeError as error:
                         notes["vllm"] = "failed (see the message above the table)"
                         print(error, file=sys.stderr)
                         continue
                 else:
-                    instance = (PrefixServe(dtype, engine == "prefixserve") if engine.startswith("prefixserve")
-                                else Transformers(dtype))
+                    instance = (PrefixServe(dtype, engine == "prefixserve", model_dir) if engine.startswith("prefixserve")
+                                else Transformers(dtype, model_dir))
                     result = run_in_process(instance, todo, args.seed, bar)
                     del instance
                     gc.collect()
@@ -398,10 +412,11 @@ def main() -> None:
         summary = {engine: {"workloads": {name: summarise(run["workloads"][name]) for name in names},
                             "ttft_probe": run["ttft_probe"], **({"version": run["version"]} if "version" in run else {})}
                    for engine, run in runs.items()}
-        (RESULTS / f"compare_{dtype}.json").write_text(json.dumps({"table": lines, "summary": summary}, indent=1))
-        print(f"wrote {RESULTS / f'compare_{dtype}.json'}")
-        plot(dtype, runs, names, RESULTS / f"compare_{dtype}.png")
-        print(f"plot: {RESULTS / f'compare_{dtype}.png'}")
+        stem = RESULTS / f"compare_{tag}{dtype}"
+        stem.with_suffix(".json").write_text(json.dumps({"table": lines, "summary": summary}, indent=1))
+        print(f"wrote {stem.with_suffix('.json')}")
+        plot(dtype, runs, names, stem.with_suffix(".png"))
+        print(f"wrote {stem.with_suffix('.png')}")
     print(f"total {time.perf_counter() - started:.0f} s")
 
 
