@@ -14,6 +14,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULING_POLICIES = ("fcfs", "lpm")
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
+DEFAULT_DISK_CACHE_BYTES = 16 << 30
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,10 @@ class EngineConfig:
     max_pinned_blocks: Optional[int] = None  # None: half the pool
     prefix_ttl: Optional[float] = None  # seconds an unused cached prefix lives; None: until evicted
     enable_kv_events: bool = False
+    # The KV hierarchy under the pool (engine/kv_tiers.py); all off by default.
+    kv_host_cache_bytes: Optional[int] = None  # host RAM for blocks evicted from the pool
+    kv_disk_cache_dir: Optional[str] = None  # every computed block is also written here; survives restarts
+    kv_disk_cache_bytes: Optional[int] = None  # None: DEFAULT_DISK_CACHE_BYTES when a directory is given
     seed: int = 0
     log_stats: bool = True
 
@@ -62,6 +67,12 @@ class EngineConfig:
         require(self.prefix_hash in HASH_FUNCTIONS,
                 f"prefix_hash must be one of {sorted(HASH_FUNCTIONS)}, got {self.prefix_hash!r}")
         require(self.prefix_ttl is None or self.prefix_ttl > 0, f"prefix_ttl must be positive seconds, got {self.prefix_ttl}")
+        require(self.kv_host_cache_bytes is None or self.kv_host_cache_bytes > 0,
+                f"kv_host_cache_bytes must be positive, got {self.kv_host_cache_bytes}")
+        require(self.kv_disk_cache_bytes is None or self.kv_disk_cache_bytes > 0,
+                f"kv_disk_cache_bytes must be positive, got {self.kv_disk_cache_bytes}")
+        require(self.kv_disk_cache_bytes is None or self.kv_disk_cache_dir is not None,
+                "kv_disk_cache_bytes needs kv_disk_cache_dir (the directory the disk tier writes to)")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import weakref
 from typing import Any, Optional, Sequence, Union
 
 from tqdm import tqdm
@@ -21,6 +22,18 @@ class LLM:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **options))
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0
+        # Flush the KV tiers' pending disk writes when this LLM goes away, or at exit at the latest.
+        self._finalizer = weakref.finalize(self, self.engine.close)
+
+    def close(self) -> None:
+        """Flush what the KV tiers still have to write; the LLM stays usable until it is dropped."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._finalizer()
 
     def generate(
         self,

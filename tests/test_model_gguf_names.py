@@ -44,7 +44,7 @@ def test_other_files_and_missing_paths_are_named(tmp_path):
     (tmp_path / "weights.bin").write_bytes(b"\0")
     with pytest.raises(ValueError, match="weights.bin is not a .gguf file"):
         resolve_model(tmp_path / "weights.bin")
-    with pytest.raises(FileNotFoundError, match=r"model 'no-such-model' not found: .*config.json.*"
+    with pytest.raises(FileNotFoundError, match=r"model 'no-such-model' does not exist: .*config.json.*"
                                                  r"\.gguf file.*smollm2-135m-instruct"):
         resolve_model("no-such-model")
 

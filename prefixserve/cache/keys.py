@@ -62,6 +62,15 @@ def pack_tokens(token_ids: Sequence[int]) -> bytes:
     return packed.tobytes()
 
 
+def unpack_tokens(token_bytes: bytes) -> list[int]:
+    """The token ids of a block's stored form (pack_tokens reversed)."""
+    unpacked = array("I")
+    unpacked.frombytes(token_bytes)
+    if sys.byteorder == "big":
+        unpacked.byteswap()
+    return unpacked.tolist()
+
+
 @dataclass(frozen=True)
 class CacheScope:
     """Everything besides the tokens that decides whether stored KV is reusable."""

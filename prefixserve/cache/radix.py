@@ -65,6 +65,10 @@ class RadixCache:
         self._num_cached_unreferenced = 0
         self._num_reclaimable = 0  # cached, unreferenced, unpinned
         self._num_pinned = 0
+        # Hooks for the tiers below the pool (engine/kv_tiers.py): a block just cached, and a cold
+        # block about to leave by LRU eviction while its KV is still intact in its slot.
+        self.on_insert: Optional[Callable[[Block], None]] = None
+        self.on_evict: Optional[Callable[[Block], None]] = None
 
     # ----------------------------------------------------------------- lookup
     def match(
@@ -183,9 +187,13 @@ class RadixCache:
         """Free up to `num_blocks`: expired leaves first, then least recently used leaves."""
         num_evicted = 0
         while num_evicted < num_blocks:
-            block = self._pop_expired() or self._pop_lru()
+            block = self._pop_expired()
             if block is None:
-                break
+                block = self._pop_lru()
+                if block is None:
+                    break
+                if self.on_evict is not None:  # an expired block is dropped; a cold one may spill below
+                    self.on_evict(block)
             self._uncache(block)
             num_evicted += 1
         return num_evicted
@@ -253,6 +261,8 @@ class RadixCache:
             parent.num_children += 1
         self._index[key] = block
         self.stats.num_inserted_blocks += 1
+        if self.on_insert is not None:
+            self.on_insert(block)
         if self.events is not None:
             parent_key = parent.key if isinstance(parent, Block) else None
             self.events.publish(BlockStored([key], parent_key, list(token_ids), self.block_size))

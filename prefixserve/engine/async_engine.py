@@ -140,9 +140,11 @@ class AsyncLLMEngine:
         self._wake.set()
 
     def shutdown(self) -> None:
+        """Stop the loop, then flush what the KV tiers still have to write."""
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=10)
+        self.engine.close()
 
     # ---------------------------------------------------------- engine thread side
     def _loop(self) -> None:

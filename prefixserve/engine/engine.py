@@ -22,6 +22,7 @@ from ..config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from ..model import DEFAULT_MODEL_NAME, Tokenizer, ensure_default_model, load_generation_eos, load_model
 from .device import measure_cuda_kv_budget, resolve_device, resolve_dtype
 from .input_processor import InputProcessor, PromptType
+from .kv_tiers import TieredKV, build_tiers, empty_breakdown
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
 from .request import Request
@@ -67,6 +68,7 @@ class LLMEngine:
                            f"({num_blocks * config.block_size * bytes_per_token / 2**20:.0f} MiB) ...")
         self.runner = ModelRunner(loaded.model, loaded.config, num_blocks, config.block_size, self.dtype,
                                   self.device, config.seed)
+        self.tiers = self._build_tiers()
         self.inputs = InputProcessor(self.tokenizer, loaded.config.vocab_size, self.max_model_len, self.scoper,
                                      self.eos_token_ids, config.prefix_ttl)
         self.outputs = OutputProcessor(self.tokenizer)
@@ -77,6 +79,14 @@ class LLMEngine:
             logger.info(self.startup_summary)
 
     # ------------------------------------------------------------- set-up
+    def _build_tiers(self) -> Optional[TieredKV]:
+        tiers = build_tiers(self.config, self.scope.digest)
+        if not tiers:
+            return None
+        self._log_progress("KV tiers below the pool: " + ", ".join(
+            f"{tier.name} {tier.capacity_bytes / 2**20:.0f} MiB" for tier in tiers))
+        return TieredKV(tiers, self.runner, self.cache, self.keyer, self.scope.digest)
+
     @staticmethod
     def _resolve_model_path(model: Optional[str]) -> Path:
         """The checkpoint directory of `model`: built-in (None), a Hugging Face directory, a .gguf file
@@ -218,18 +228,28 @@ class LLMEngine:
 
     # --------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
+        if self.tiers is not None:  # bring back what lower tiers hold for waiting requests
+            self.tiers.collect()
+            self.tiers.prepare(self.scheduler.waiting, self.config.enable_prefix_caching)
         output = self.scheduler.schedule()
         outputs = [self._detokenized_output(request) for request in output.finished]
         if output.is_empty:
+            if self.tiers is not None and self.tiers.has_pending_fetches:
+                self.tiers.wait_for_fetches()  # only requests waiting for a read: do not spin
             return outputs
         for request, num_new in output.scheduled:
             if request.num_computed_tokens < request.num_prompt_tokens:
                 self.num_prefill_tokens_computed += min(num_new, request.num_prompt_tokens - request.num_computed_tokens)
+        began = time.perf_counter()
         try:
             result = self.runner.execute(output.scheduled)
         except Exception as error:  # one bad step must not stop the engine
             return outputs + self._fail_step(output, error)
+        if self.tiers is not None:
+            self.tiers.observe_step(output.scheduled, time.perf_counter() - began)
         updated = self.scheduler.update(output, result.token_ids, result.logprobs)
+        if self.tiers is not None:
+            self.tiers.write_through()
         self.num_generation_tokens += len(updated)
         now = time.monotonic()
         for request in updated:
@@ -262,4 +282,16 @@ class LLMEngine:
         return self._make_output(request)
 
     def _make_output(self, request: Request) -> RequestOutput:
-        return self.outputs.make_output(request)
+        output = self.outputs.make_output(request)
+        if self.tiers is not None:
+            output.cached_tokens_by_tier = self.tiers.tokens_by_tier(request)
+            if request.is_finished:
+                self.tiers.forget(request.request_id)
+        else:
+            output.cached_tokens_by_tier = empty_breakdown(output.num_cached_tokens)
+        return output
+
+    def close(self) -> None:
+        """Flush what the tiers still have to write (a clean shutdown); idempotent."""
+        if self.tiers is not None:
+            self.tiers.close()

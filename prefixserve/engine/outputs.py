@@ -35,6 +35,8 @@ class RequestOutput:
     logprobs: Optional[list[TokenLogprob]] = None  # one per output token so far; None when not asked
     delta_logprobs: list[TokenLogprob] = field(default_factory=list)  # those of delta_token_ids
     error: Optional[str] = None  # why it finished with "error"
+    # num_cached_tokens by where the blocks came from: {"device", "host", "disk", "remote"}
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     metrics: Optional[RequestMetrics] = None
 
     def __repr__(self) -> str:

@@ -61,6 +61,7 @@ class Request:
     block_keys: list[bytes] = field(default_factory=list)
     num_inserted_blocks: int = 0  # leading blocks registered in the radix index
     num_preemptions: int = 0
+    is_fetching: bool = False  # its prefix is being read back from a lower tier: not admitted meanwhile
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "error"
     stop_reason: Optional[object] = None  # the stop string or token id that ended it

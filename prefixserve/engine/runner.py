@@ -67,6 +67,36 @@ class ModelRunner:
         ]
         self.sampler = Sampler(seed)
 
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """Layout of one block's KV as the tiers store it: (layers, K/V, block_size, kv_heads, head_dim)."""
+        _, block_size, num_kv_heads, head_dim = self.kv_caches[0][0].shape
+        return (len(self.kv_caches), 2, block_size, num_kv_heads, head_dim)
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.kv_caches[0][0].dtype).removeprefix("torch.")
+
+    @torch.inference_mode()
+    def read_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
+        """The KV of these pool blocks as bytes, one payload per block (see block_shape)."""
+        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        stacked = torch.stack([torch.stack([k.index_select(0, ids), v.index_select(0, ids)]) for k, v in self.kv_caches])
+        per_block = stacked.permute(2, 0, 1, 3, 4, 5).contiguous().cpu()  # [blocks, layers, 2, size, heads, d]
+        raw = per_block.view(-1).view(torch.uint8).view(len(block_ids), -1)
+        return [raw[i].numpy().tobytes() for i in range(len(block_ids))]
+
+    @torch.inference_mode()
+    def write_blocks(self, block_ids: Sequence[int], payloads: Sequence[bytes]) -> None:
+        """Copy payloads (from read_blocks, possibly another process's) into these pool blocks."""
+        dtype = self.kv_caches[0][0].dtype
+        flat = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).view(dtype)
+        values = flat.view(len(block_ids), *self.block_shape).to(self.device)
+        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        for layer, (k_cache, v_cache) in enumerate(self.kv_caches):
+            k_cache.index_copy_(0, ids, values[:, layer, 0])
+            v_cache.index_copy_(0, ids, values[:, layer, 1])
+
     @torch.inference_mode()
     def execute(self, scheduled: Sequence[ScheduledRequest]) -> StepResult:
         """Run one step; a sampled token (and logprob) per request, None for mid-prompt chunks."""

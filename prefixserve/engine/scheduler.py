@@ -114,7 +114,10 @@ class Scheduler:
 
     def _admit_waiting(self, output: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request, hit = self._next_waiting()
+            chosen = self._next_waiting()
+            if chosen is None:
+                break
+            request, hit = chosen
             num_cached = len(hit) * self.block_size
             num_new = min(request.num_tokens - num_cached, budget)
             needed = self._blocks_for(num_cached + num_new) - len(hit)
@@ -135,10 +138,15 @@ class Scheduler:
             output.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
 
-    def _next_waiting(self) -> tuple[Request, list[Block]]:
+    def _next_waiting(self) -> Optional[tuple[Request, list[Block]]]:
+        """The request to admit next and its cached prefix; None when every waiting request is still
+        fetching its prefix from a lower tier (those wait; the others pass them)."""
         if self.policy == "fcfs":
-            return self.waiting[0], self._match(self.waiting[0])
-        window = [self.waiting[i] for i in range(min(LPM_WINDOW, len(self.waiting)))]
+            request = next((request for request in self.waiting if not request.is_fetching), None)
+            return None if request is None else (request, self._match(request))
+        window = [request for request in self.waiting if not request.is_fetching][:LPM_WINDOW]
+        if not window:
+            return None
         matches = [(len(hit := self._match(request)), -i, request, hit) for i, request in enumerate(window)]
         _, _, request, hit = max(matches, key=lambda item: (item[0], item[1]))
         return request, hit

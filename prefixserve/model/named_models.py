@@ -49,7 +49,7 @@ def resolve_model(name_or_path: str | os.PathLike | None, cache_dir: str | Path 
             return convert_gguf(path, cache_dir)
         return path  # the loader names whatever is missing
     raise FileNotFoundError(
-        f"model {str(name_or_path)!r} not found: give a Hugging Face checkpoint directory (config.json and "
+        f"model {str(name_or_path)!r} does not exist: give a Hugging Face checkpoint directory (config.json and "
         f"*.safetensors), a .gguf file or a directory holding one, or a model name "
         f"({', '.join(NAMED_MODELS)})")
 

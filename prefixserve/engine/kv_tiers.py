@@ -1,0 +1,261 @@
+"""The KV hierarchy under the device pool, as the engine drives it: host RAM, then local disk.
+
+    device pool ──LRU eviction──> host tier          (on eviction: a cold block's KV is copied out
+         │                                            before its slot is reused)
+         └──every block computed──> disk tier        (write-through, on a background thread: a restart
+                                                      finds what was computed seconds before)
+
+    a waiting request: device match ─> host run ─> disk run ─> fetch or recompute (tiers/policy.py)
+        host: read now, copied into fresh pool blocks and cached there (a memory copy)
+        disk: read on a background thread; the request waits (not the engine), then the same
+
+Fetched blocks are promoted into the device radix as ordinary cached blocks, so admission
+then matches them like any device hit. Every record read is verified (key, scope, tokens,
+dtype, shape, checksum) before its bytes reach the pool; a bad one is deleted, counted and
+recomputed, never used.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from ..cache import Block, BlockKeyer, RadixCache
+from ..config import DEFAULT_DISK_CACHE_BYTES
+from ..cache.keys import unpack_tokens
+from ..tiers import BlockRecord, DiskTier, HostTier, KVTier, RecordError, RecordExpectation, decode_record, plan_fetch
+from .request import Request
+from .runner import ModelRunner
+
+logger = logging.getLogger("prefixserve")
+FETCH_WAIT_SECONDS = 0.005  # an idle engine waits this long for a disk read before stepping again
+DEFAULT_PREFILL_SECONDS_PER_TOKEN = 2e-4  # until the engine has measured its own prefill
+
+
+SYNCHRONOUS_TIERS = ("host",)  # read on the engine thread (a memory copy); the others in the background
+
+
+@dataclass
+class TierFetch:
+    """A request's lower-tier lookup: where its run continues and what was read back."""
+
+    request: Request
+    start: int  # first block index the tiers serve (after the device hit)
+    num_blocks: dict[str, int] = field(default_factory=dict)  # promoted blocks per tier
+    pending: Optional[concurrent.futures.Future] = None  # a disk read in flight
+    pending_keys: list[bytes] = field(default_factory=list)
+    pending_start: int = 0
+    pending_tier: str = ""
+
+
+class TieredKV:
+    def __init__(self, tiers: Sequence[KVTier], runner: ModelRunner, cache: RadixCache, keyer: BlockKeyer,
+                 scope_digest: bytes) -> None:
+        self.tiers = {tier.name: tier for tier in tiers}
+        self.host: Optional[KVTier] = self.tiers.get("host")
+        self.disk: Optional[KVTier] = self.tiers.get("disk")
+        self.runner, self.cache, self.keyer = runner, cache, keyer
+        self.block_size = cache.block_size
+        self.scope_digest = scope_digest  # the model's unsalted scope: records of another model never load
+        self.shape, self.dtype = runner.block_shape, runner.dtype_name
+        self.block_bytes = len(runner.read_blocks([0])[0])
+        self.prefill_seconds_per_token = DEFAULT_PREFILL_SECONDS_PER_TOKEN
+        self.hit_tokens: dict[str, int] = {name: 0 for name in self.tiers}
+        self.fetches: dict[str, TierFetch] = {}  # request id -> its lookup
+        self._written: list[Block] = []
+        if self.host is not None:
+            cache.on_evict = self._spill
+        if self.disk is not None:
+            cache.on_insert = self._note_written
+
+    # ------------------------------------------------------------------ writing down
+    def _record(self, block: Block, payload: bytes) -> BlockRecord:
+        parent = block.parent
+        return BlockRecord(key=block.key, parent_key=parent.key if isinstance(parent, Block) else None,
+                           scope_digest=self.scope_digest, token_ids=tuple(unpack_tokens(block.token_bytes)),
+                           dtype=self.dtype, shape=self.shape, payload=payload)
+
+    def _spill(self, block: Block) -> None:
+        """A cold block leaves the pool: keep its KV in host RAM (its slot is still intact)."""
+        self.host.put([self._record(block, self.runner.read_blocks([block.block_id])[0])])
+
+    def _note_written(self, block: Block) -> None:
+        self._written.append(block)
+
+    def write_through(self) -> None:
+        """Blocks computed this step go to disk in the background (after the step wrote their KV)."""
+        if not self._written:
+            return
+        # Blocks promoted from disk are there already.
+        blocks = [block for block in self._written if block.key is not None and not self.disk.contains([block.key])]
+        self._written = []
+        if blocks:
+            payloads = self.runner.read_blocks([block.block_id for block in blocks])
+            self.disk.put_async([self._record(block, payload) for block, payload in zip(blocks, payloads)])
+
+    # ------------------------------------------------------------------ reading back
+    def prepare(self, waiting: Sequence[Request], enable_prefix_caching: bool) -> None:
+        """Look each newly waiting request up in the tiers once; promote host blocks now, start disk reads."""
+        if not enable_prefix_caching:
+            return
+        for request in waiting:
+            if request.request_id in self.fetches or request.num_cached_tokens >= 0:
+                continue  # looked up already, or admitted before (a preempted request)
+            keys = self.keyer.extend(request.block_keys, request.scope_digest, request.token_ids,
+                                     request.private_from)
+            limit = min(len(keys), (request.num_prompt_tokens - 1) // self.block_size)  # the last token is recomputed
+            hit = self.cache.match(request.scope_digest, keys, request.token_ids, record_stats=False).blocks
+            fetch = self.fetches[request.request_id] = TierFetch(request, start=len(hit))
+            self._plan_and_fetch(fetch, keys[:limit])
+
+    def _plan_and_fetch(self, fetch: TierFetch, keys: list[bytes]) -> None:
+        """The consecutive run through the tiers, the planner's cut, then the reads (fast tiers now)."""
+        runs, start = [], fetch.start
+        for name, tier in self.tiers.items():
+            found = tier.contains(keys[start:])
+            runs.append((name, found))
+            start += found
+        if not any(found for _, found in runs):
+            return
+        plan = plan_fetch(runs, self.block_bytes, self.prefill_seconds_per_token, self.block_size,
+                          {name: tier.read_cost for name, tier in self.tiers.items()})
+        start = fetch.start
+        for name, _ in runs:
+            count = plan.num_fetch_blocks_by_tier.get(name, 0)
+            if not count:
+                return
+            chunk = keys[start:start + count]
+            if name not in SYNCHRONOUS_TIERS:
+                fetch.pending, fetch.pending_keys, fetch.pending_start = self.tiers[name].fetch(chunk), chunk, start
+                fetch.pending_tier = name
+                fetch.request.is_fetching = True
+                return
+            promoted = self._promote(fetch.request, name, start, chunk, self.tiers[name].get(chunk))
+            start += promoted
+            if promoted < count:
+                return
+
+    def collect(self) -> None:
+        """Promote what finished disk reads brought back; their requests may be admitted again."""
+        for fetch in list(self.fetches.values()):
+            if fetch.pending is None or not fetch.pending.done():
+                continue
+            future, fetch.pending = fetch.pending, None
+            fetch.request.is_fetching = False
+            try:
+                encoded = future.result()
+            except Exception:  # a tier's bug: recompute
+                logger.exception("reading from the %s tier failed; recomputing", fetch.pending_tier)
+                continue
+            if not fetch.request.is_finished and self._chain_reaches(fetch.request, fetch.pending_start):
+                self._promote(fetch.request, fetch.pending_tier, fetch.pending_start, fetch.pending_keys, encoded)
+
+    def wait_for_fetches(self) -> None:
+        """Nothing could be scheduled: wait briefly for a disk read instead of spinning."""
+        pending = [fetch.pending for fetch in self.fetches.values() if fetch.pending is not None]
+        if pending:
+            concurrent.futures.wait(pending, timeout=FETCH_WAIT_SECONDS, return_when=concurrent.futures.FIRST_COMPLETED)
+
+    @property
+    def has_pending_fetches(self) -> bool:
+        return any(fetch.pending is not None for fetch in self.fetches.values())
+
+    def _chain_reaches(self, request: Request, num_blocks: int) -> bool:
+        """Whether the request's first `num_blocks` blocks are all cached on the device now."""
+        hit = self.cache.match(request.scope_digest, request.block_keys[:num_blocks], request.token_ids,
+                               record_stats=False).blocks
+        return len(hit) == num_blocks
+
+    def _promote(self, request: Request, tier_name: str, start: int, keys: list[bytes],
+                 encoded: Sequence[Optional[bytes]]) -> int:
+        """Verify records for blocks start.. and cache their KV in fresh pool blocks; returns how many."""
+        tier, size = self.tiers[tier_name], self.block_size
+        payloads = []
+        for offset, (key, data) in enumerate(zip(keys, encoded)):
+            if data is None:
+                break
+            index = start + offset
+            expect = RecordExpectation(key=key, scope_digest=self.scope_digest,
+                                       token_ids=tuple(request.token_ids[index * size:(index + 1) * size]),
+                                       dtype=self.dtype, shape=self.shape)
+            try:
+                payloads.append(decode_record(data, expect).payload)
+            except RecordError as error:
+                tier.reject(key, error.reason)
+                break
+        if not payloads:
+            return 0
+        began = time.perf_counter()
+        # Hold the device prefix while allocating, so eviction cannot break the chain under us.
+        prefix = self.cache.match(request.scope_digest, request.block_keys[:start], request.token_ids,
+                                  record_stats=False).blocks
+        if len(prefix) != start:
+            return 0
+        blocks = self.cache.admit(prefix, len(payloads))
+        if blocks is None:
+            return 0  # the pool is held by running requests: recompute
+        fresh = blocks[start:]
+        self.runner.write_blocks([block.block_id for block in fresh], payloads)
+        parent = prefix[-1] if prefix else request.scope_digest
+        for offset, block in enumerate(fresh):
+            index = start + offset
+            cached = self.cache.insert(block, keys[offset], request.token_ids[index * size:(index + 1) * size], parent)
+            blocks[start + offset] = cached
+            parent = cached
+        self.cache.release(blocks)
+        fetch = self.fetches.get(request.request_id)
+        if fetch is not None:
+            fetch.num_blocks[tier_name] = fetch.num_blocks.get(tier_name, 0) + len(payloads)
+        self.hit_tokens[tier_name] += len(payloads) * size
+        logger.debug("promoted %d blocks from %s in %.1f ms", len(payloads), tier_name,
+                     (time.perf_counter() - began) * 1e3)
+        return len(payloads)
+
+    # ------------------------------------------------------------------ bookkeeping
+    def observe_step(self, scheduled, seconds: float) -> None:
+        """Learn this engine's prefill cost from steps that were mostly prefill (the planner's other side)."""
+        num_tokens = sum(num_new for _, num_new in scheduled)
+        if num_tokens >= 64 * len(scheduled):
+            per_token = seconds / num_tokens
+            self.prefill_seconds_per_token += 0.2 * (per_token - self.prefill_seconds_per_token)
+
+    def tokens_by_tier(self, request: Request) -> dict[str, int]:
+        """{"device", "host", "disk"} tokens of the request's cached prefix (num_cached_tokens is their sum)."""
+        cached = max(request.num_cached_tokens, 0)
+        fetch = self.fetches.get(request.request_id)
+        counts = empty_breakdown(cached)
+        if fetch is not None:
+            for name in ("host", "disk"):
+                tokens = min(fetch.num_blocks.get(name, 0) * self.block_size, counts["device"])
+                counts[name] = tokens
+                counts["device"] -= tokens
+        return counts
+
+    def forget(self, request_id: str) -> None:
+        fetch = self.fetches.pop(request_id, None)
+        if fetch is not None and fetch.pending is not None:
+            fetch.pending.cancel()
+
+    def close(self) -> None:
+        """Flush what is queued for disk and stop the tiers' threads (a clean shutdown)."""
+        for tier in self.tiers.values():
+            tier.close()
+
+
+def empty_breakdown(num_cached_tokens: int) -> dict[str, int]:
+    """All cached tokens from the device pool (no tiers, or none of them used)."""
+    return {"device": num_cached_tokens, "host": 0, "disk": 0, "remote": 0}
+
+
+def build_tiers(config, scope_digest: bytes) -> list[KVTier]:
+    """The tiers the configuration asks for, host first."""
+    tiers: list[KVTier] = []
+    if config.kv_host_cache_bytes:
+        tiers.append(HostTier(config.kv_host_cache_bytes))
+    if config.kv_disk_cache_dir:
+        capacity = config.kv_disk_cache_bytes or DEFAULT_DISK_CACHE_BYTES
+        tiers.append(DiskTier(config.kv_disk_cache_dir, capacity, expect_scope=scope_digest))
+    return tiers
