@@ -1,0 +1,30 @@
+"""KV tiers below the device pool: host RAM and local disk, the record they store, and the fetch planner.
+
+Standard library only (plus prefixserve.cache): bytes in, bytes out. The engine's
+runner turns pool tensors into record payloads and back.
+"""
+
+from .base import KVTier, TierStats
+from .disk import DiskTier, RebuildReport
+from .host import HostTier
+from .policy import FetchPlan, TierCost, crossover_tokens, plan_fetch
+from .record import BlockRecord, RecordError, RecordExpectation, RecordHeader, decode_record, encode_record, read_header
+
+__all__ = [
+    "BlockRecord",
+    "DiskTier",
+    "FetchPlan",
+    "HostTier",
+    "KVTier",
+    "RebuildReport",
+    "RecordError",
+    "RecordExpectation",
+    "RecordHeader",
+    "TierCost",
+    "TierStats",
+    "crossover_tokens",
+    "decode_record",
+    "encode_record",
+    "plan_fetch",
+    "read_header",
+]

@@ -1,0 +1,141 @@
+"""The interface of a KV tier below the device pool: host RAM, local disk, later a remote store.
+
+A tier stores encoded records (record.py) by block key: bytes in, bytes out. It
+never decides whether bytes are right; the reader decodes them against what it
+expects and calls `reject` on a mismatch, which deletes the record and counts it.
+Every tier evicts least-recently-used leaves first (lru.py), so a prefix outlives
+its tails, and every tier is thread-safe: the engine thread and background I/O
+threads call it at once.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from typing import Optional, Sequence
+
+from .policy import TierCost
+from .record import BlockRecord
+
+logger = logging.getLogger("prefixserve.tiers")
+
+
+@dataclass
+class TierStats:
+    """Monotonic counters of one tier (Prometheus counters map onto these one to one)."""
+
+    hits: int = 0  # keys `get` returned bytes for
+    misses: int = 0  # keys `get` found nothing (or nothing readable) for
+    bytes_read: int = 0
+    bytes_written: int = 0
+    evictions: int = 0  # records removed to make room
+    rejected_records: int = 0  # records that failed verification (on read or at start-up): deleted
+    dropped_puts: int = 0  # records not stored: too big, no leaf to evict, queue full, closed, or an I/O fault
+    errors: int = 0  # I/O faults (each also logged, once per kind)
+    reclaimed_records: int = 0  # records of another scope removed at start-up
+
+
+class KVTier(abc.ABC):
+    name: str = ""
+
+    def __init__(self, capacity_bytes: int, read_cost: TierCost) -> None:
+        if capacity_bytes < 0:
+            raise ValueError(f"a {self.name} tier needs capacity_bytes >= 0, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self.read_cost = read_cost  # refreshed from this tier's reads; the fetch planner's input
+        self._lock = threading.RLock()  # guards the index and `_stats`; re-entrant so helpers may count and log under it
+        self._stats = TierStats()
+        self._logged_failures: set[tuple[str, str]] = set()
+
+    # ---------------------------------------------------------------- interface
+    @abc.abstractmethod
+    def contains(self, keys: Sequence[bytes]) -> int:
+        """Length of the leading run of `keys` present (no LRU refresh, no hit counted)."""
+
+    @abc.abstractmethod
+    def get(self, keys: Sequence[bytes]) -> list[Optional[bytes]]:
+        """Encoded records, None where missing; a hit refreshes the record's recency."""
+
+    @abc.abstractmethod
+    def put(self, records: Sequence[BlockRecord]) -> None:
+        """Store records, evicting leaves as needed; a record that cannot be stored is dropped and counted."""
+
+    @abc.abstractmethod
+    def delete(self, keys: Sequence[bytes]) -> None:
+        """Remove records (absent keys are ignored)."""
+
+    @abc.abstractmethod
+    def keys(self) -> list[bytes]:
+        """Every key present."""
+
+    @property
+    @abc.abstractmethod
+    def used_bytes(self) -> int:
+        """Bytes of the records held (encoded length)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Finish pending work and release resources; idempotent."""
+
+    @abc.abstractmethod
+    def check_integrity(self) -> None:
+        """Assert every invariant of the tier; call while no operation is in flight."""
+
+    # ---------------------------------------------------- shared conveniences
+    @property
+    def stats(self) -> TierStats:
+        """A consistent snapshot of the counters."""
+        with self._lock:
+            return replace(self._stats)
+
+    def fetch(self, keys: Sequence[bytes]) -> "Future[list[Optional[bytes]]]":
+        """`get` without blocking the caller; here already done, a tier with slow reads overrides it."""
+        future: Future[list[Optional[bytes]]] = Future()
+        try:
+            future.set_result(self.get(keys))
+        except Exception as error:  # a tier's bug reaches the caller through the future, as with a pool
+            future.set_exception(error)
+        return future
+
+    def put_async(self, records: Sequence[BlockRecord]) -> None:
+        """`put` without blocking the caller; here synchronous, a tier with slow writes overrides it."""
+        self.put(records)
+
+    def flush(self) -> None:
+        """Wait until everything `put_async` accepted is stored."""
+
+    def reject(self, key: bytes, reason: str) -> None:
+        """A record read from this tier failed verification (RecordError.reason): delete it and count it."""
+        self.delete([key])
+        self._count(rejected_records=1)
+        self._log_once("rejected", reason, "%s tier: rejected a record (%s); it was deleted and will be recomputed", self.name, reason)
+
+    def __enter__(self) -> "KVTier":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(used={self.used_bytes}, capacity={self.capacity_bytes})"
+
+    # ------------------------------------------------------------- for tiers
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            self._count_locked(**deltas)
+
+    def _count_locked(self, **deltas: int) -> None:
+        """Add to the counters; the caller holds `self._lock`."""
+        for counter, delta in deltas.items():
+            setattr(self._stats, counter, getattr(self._stats, counter) + delta)
+
+    def _log_once(self, operation: str, kind: str, message: str, *args: object, level: int = logging.WARNING) -> None:
+        """Log the first failure of each (operation, kind); repeats only count, so a full disk cannot flood the log."""
+        with self._lock:
+            if (operation, kind) in self._logged_failures:
+                return
+            self._logged_failures.add((operation, kind))
+        logger.log(level, message, *args)

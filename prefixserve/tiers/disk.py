@@ -1,0 +1,283 @@
+"""The local-disk tier: one file per record, an in-memory index rebuilt from headers at start-up.
+
+Writes go through a background thread (`put_async`, bounded, never blocking) or
+run in the caller (`put`); reads through a small thread pool (`fetch`) or in the
+caller (`get`). The index lock is never held across a data write or a read: a
+record is written and fsynced under a temporary name first, and only the rename
+into place, the index update and the eviction's unlinks happen under the lock, so
+the index always equals the files and an engine step never waits for the disk.
+
+Faults never reach the caller. A directory that cannot be written, a full disk or
+an unreadable file drops the put (or turns the read into a miss), is counted in
+`stats.errors` and logged once per kind of failure; the tier keeps serving what it
+has. A directory already served by another process is refused (flock), because
+each server's start-up removes temporary files and reclaims other scopes' records.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+from .base import KVTier
+from .disk_files import read_file, record_path, remove_quietly, scan, write_temp_file
+from .disk_startup import RebuildReport, lock_directory, read_headers
+from .lru import Entry, LeafFirstLRU
+from .policy import TierCost
+from .record import BlockRecord, encode_record
+from .writer import BackgroundWriter
+
+logger = logging.getLogger("prefixserve.tiers")
+
+DISK_READ_COST = TierCost(latency_seconds=1e-4, bytes_per_second=1e9)  # a prior until reads are observed
+DEFAULT_MAX_PENDING_BYTES = 256 << 20
+
+
+class DiskTier(KVTier):
+    name = "disk"
+
+    def __init__(
+        self,
+        directory: Union[str, os.PathLike],
+        capacity_bytes: int,
+        expect_scope: Optional[bytes] = None,
+        *,
+        max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
+        num_read_threads: int = 2,
+    ) -> None:
+        super().__init__(capacity_bytes, TierCost(DISK_READ_COST.latency_seconds, DISK_READ_COST.bytes_per_second))
+        self.directory = Path(directory)
+        self.expect_scope = expect_scope
+        self._lru = LeafFirstLRU()
+        self._lock_fd: Optional[int] = None
+        self._can_write = True  # False when another process serves the directory
+        self._closed = False
+        self.rebuild_report = self._open()
+        self._writer = BackgroundWriter(self._write_batch, max_pending_bytes, "prefixserve-disk-writer")
+        self._readers = ThreadPoolExecutor(num_read_threads, thread_name_prefix="prefixserve-disk-reader")
+
+    # ------------------------------------------------------------------ reads
+    def contains(self, keys: Sequence[bytes]) -> int:
+        with self._lock:
+            return self._lru.leading_run(keys)
+
+    def get(self, keys: Sequence[bytes]) -> list[Optional[bytes]]:
+        start = time.perf_counter()
+        with self._lock:
+            present = [(index, self._lru.get(key)) for index, key in enumerate(keys)]
+            present = [(index, entry) for index, entry in present if entry is not None]
+            for _, entry in present:
+                self._lru.touch(entry)
+        results: list[Optional[bytes]] = [None] * len(keys)
+        for index, entry in present:
+            results[index] = self._read(entry)
+        num_hits = sum(data is not None for data in results)
+        num_bytes = sum(len(data) for data in results if data is not None)
+        self._count(hits=num_hits, misses=len(keys) - num_hits, bytes_read=num_bytes)
+        if num_bytes:
+            self.read_cost.observe(num_bytes, time.perf_counter() - start)
+        return results
+
+    def fetch(self, keys: Sequence[bytes]) -> "Future[list[Optional[bytes]]]":
+        """`get` on a reader thread, so the engine's step does not wait for the disk."""
+        try:
+            return self._readers.submit(self.get, list(keys))
+        except RuntimeError:  # closed: read in the caller
+            return super().fetch(keys)
+
+    def keys(self) -> list[bytes]:
+        with self._lock:
+            return self._lru.keys()
+
+    @property
+    def used_bytes(self) -> int:
+        with self._lock:
+            return self._lru.used_bytes
+
+    # ----------------------------------------------------------------- writes
+    def put(self, records: Sequence[BlockRecord]) -> None:
+        dropped: set[bytes] = set()
+        for record in records:
+            if record.parent_key in dropped:  # its parent did not fit: it would only push out older prefixes
+                self._count(dropped_puts=1)
+                dropped.add(record.key)
+            elif not self._put_one(record):
+                dropped.add(record.key)
+
+    def put_async(self, records: Sequence[BlockRecord]) -> None:
+        """Queue records for the writer thread; what does not fit in the queue is dropped and counted."""
+        num_accepted = self._writer.submit(records)
+        if num_accepted < len(records):
+            self._count(dropped_puts=len(records) - num_accepted)
+            self._log_once("queue", "full", "disk tier: write queue full (or closed); %d records dropped", len(records) - num_accepted)
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def delete(self, keys: Sequence[bytes]) -> None:
+        with self._lock:
+            for key in keys:
+                if self._lru.remove(key) is not None:
+                    self._unlink_locked(key)
+
+    def close(self) -> None:
+        self._writer.close()
+        self._readers.shutdown(wait=True)
+        with self._lock:
+            self._closed = True
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)  # releases the flock
+                self._lock_fd = None
+
+    def _write_batch(self, records: list[BlockRecord]) -> None:
+        self.put(records)
+
+    def _put_one(self, record: BlockRecord) -> bool:
+        with self._lock:
+            if self._closed or not self._can_write:
+                self._count_locked(dropped_puts=1)
+                return False
+            entry = self._lru.get(record.key)
+            if entry is not None:  # same key, same KV: refresh instead of writing again
+                self._lru.touch(entry)
+                return True
+        data = encode_record(record)
+        if len(data) > self.capacity_bytes:
+            self._count(dropped_puts=1)
+            return False
+        path = record_path(self.directory, record.key)
+        try:
+            temp = write_temp_file(path, data)
+        except OSError as error:
+            self._fault("write", error)
+            self._count(dropped_puts=1)
+            return False
+        with self._lock:
+            try:
+                os.replace(temp, path)
+            except OSError as error:
+                remove_quietly(temp)
+                self._fault("write", error)
+                self._count_locked(dropped_puts=1)
+                return False
+            admission = self._lru.insert_and_evict(record.key, record.parent_key, len(data), self.capacity_bytes)
+            for victim in admission.evicted:
+                self._unlink_locked(victim.key)
+            self._count_locked(evictions=len(admission.evicted))
+            if admission.admitted:
+                self._count_locked(bytes_written=len(data))
+            else:
+                self._unlink_locked(record.key)
+                self._count_locked(dropped_puts=1)
+            return admission.admitted
+
+    # ---------------------------------------------------------------- helpers
+    def _read(self, entry: Entry) -> Optional[bytes]:
+        """A record file's bytes, or None (the index entry dropped) when it is gone or unreadable."""
+        try:
+            data = read_file(record_path(self.directory, entry.key))
+        except FileNotFoundError:
+            data = None  # removed behind our back
+        except OSError as error:
+            self._fault("read", error)
+            data = None
+        if data is not None and len(data) == entry.size:
+            return data
+        with self._lock:
+            if self._lru.get(entry.key) is entry:  # not replaced meanwhile
+                self._lru.remove(entry.key)
+                self._unlink_locked(entry.key)
+                if data is not None:  # it changed length on disk: damaged
+                    self._count_locked(rejected_records=1)
+        return None
+
+    def _unlink_locked(self, key: bytes) -> None:
+        try:
+            os.unlink(record_path(self.directory, key))
+        except FileNotFoundError:
+            pass
+        except OSError as error:
+            self._fault("delete", error)
+
+    def _fault(self, operation: str, error: OSError) -> None:
+        self._count(errors=1)
+        kind = errno.errorcode.get(error.errno or 0, type(error).__name__)
+        self._log_once(
+            operation, kind,
+            "disk tier: cannot %s under %s (%s); the tier drops what it cannot %s, counts it in stats.errors and "
+            "keeps serving what it has. Fix: free space or make the directory writable (kv_disk_cache_dir).",
+            operation, self.directory, error, operation,
+        )
+
+    # ---------------------------------------------------------------- start-up
+    def _open(self) -> RebuildReport:
+        """Create or lock the directory, remove crash leftovers, index the headers of this scope's records."""
+        start = time.perf_counter()
+        report = RebuildReport()
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            if not self._lock_directory():
+                self._can_write = False
+                return report
+            found = read_headers(self.directory, self.expect_scope, report, self._rejected_at_start)
+        except OSError as error:
+            self._fault("open", error)
+            return report
+        with self._lock:
+            for read in found:
+                header = read.header
+                admission = self._lru.insert_and_evict(header.key, header.parent_key, read.file_size, self.capacity_bytes)
+                for victim in admission.evicted:
+                    self._unlink_locked(victim.key)
+                if not admission.admitted:
+                    self._unlink_locked(header.key)
+                report.num_evicted += len(admission.evicted) + (not admission.admitted)
+            self._count_locked(rejected_records=report.num_rejected, reclaimed_records=report.num_reclaimed)
+            report.num_records, report.num_bytes = len(self._lru), self._lru.used_bytes
+        report.seconds = time.perf_counter() - start
+        logger.info(
+            "disk tier %s: %d records (%d bytes) indexed from headers in %.3f s; removed %d temporary, "
+            "%d damaged, %d of another scope, %d over capacity",
+            self.directory, report.num_records, report.num_bytes, report.seconds,
+            report.num_temp_removed, report.num_rejected, report.num_reclaimed, report.num_evicted,
+        )
+        return report
+
+    def _lock_directory(self) -> bool:
+        """Hold the directory's flock; False when another process (or DiskTier) serves it."""
+        try:
+            self._lock_fd = lock_directory(self.directory)
+        except BlockingIOError:
+            logger.error(
+                "disk tier: %s is already served by another process (or another DiskTier); this one stores "
+                "nothing. Fix: give each server its own kv_disk_cache_dir.", self.directory,
+            )
+            return False
+        except OSError as error:  # a read-only directory or a file system without flock: serve unguarded
+            self._fault("lock", error)
+        return True
+
+    def _rejected_at_start(self, path: Path, reason: str, error: Optional[OSError]) -> None:
+        if error is not None:
+            self._fault("read", error)
+        self._log_once("startup", reason, "disk tier: deleted damaged records at start-up (first: %s, %s)", path, reason)
+
+    def check_integrity(self) -> None:
+        """Index == record files (names and sizes), no temporary file, byte count, leaf-first structure."""
+        with self._lock:
+            self._lru.check_integrity()
+            assert self._lru.used_bytes <= self.capacity_bytes, "over capacity"
+            files: dict[bytes, int] = {}
+            if self.directory.is_dir():
+                for entry in scan(self.directory):
+                    assert not entry.is_temp, f"temporary file left behind: {entry.path}"
+                    assert entry.key is not None, f"misnamed record file: {entry.path}"
+                    files[entry.key] = entry.path.stat().st_size
+            assert set(files) == set(self._lru.keys()), "index and files hold different keys"
+            for key, size in files.items():
+                assert self._lru.get(key).size == size, f"{key.hex()}: file is {size} bytes, index says otherwise"

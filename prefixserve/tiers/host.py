@@ -1,0 +1,103 @@
+"""The host-RAM tier: encoded records in a dict, leaf-first LRU, one lock.
+
+Records are kept encoded (checksum and all) so a read is verified exactly like a
+disk read, and a record can move to a lower tier as it is.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional, Sequence
+
+from .base import KVTier
+from .lru import LeafFirstLRU
+from .policy import TierCost
+from .record import BlockRecord, encode_record
+
+HOST_READ_COST = TierCost(latency_seconds=2e-6, bytes_per_second=5e9)  # a prior until reads are observed
+
+
+class HostTier(KVTier):
+    name = "host"
+
+    def __init__(self, capacity_bytes: int) -> None:
+        super().__init__(capacity_bytes, TierCost(HOST_READ_COST.latency_seconds, HOST_READ_COST.bytes_per_second))
+        self._records: dict[bytes, bytes] = {}
+        self._lru = LeafFirstLRU()
+
+    def contains(self, keys: Sequence[bytes]) -> int:
+        with self._lock:
+            return self._lru.leading_run(keys)
+
+    def get(self, keys: Sequence[bytes]) -> list[Optional[bytes]]:
+        start = time.perf_counter()
+        results: list[Optional[bytes]] = []
+        with self._lock:
+            for key in keys:
+                data = self._records.get(key)
+                if data is not None:
+                    self._lru.touch(self._lru.get(key))
+                results.append(data)
+            num_hits = sum(data is not None for data in results)
+            num_bytes = sum(len(data) for data in results if data is not None)
+            self._count_locked(hits=num_hits, misses=len(results) - num_hits, bytes_read=num_bytes)
+        if num_bytes:
+            self.read_cost.observe(num_bytes, time.perf_counter() - start)
+        return results
+
+    def put(self, records: Sequence[BlockRecord]) -> None:
+        dropped: set[bytes] = set()
+        for record in records:
+            if record.parent_key in dropped:  # its parent did not fit: it would only push out older prefixes
+                self._count(dropped_puts=1)
+                dropped.add(record.key)
+            elif not self._put_one(record):
+                dropped.add(record.key)
+
+    def _put_one(self, record: BlockRecord) -> bool:
+        with self._lock:
+            entry = self._lru.get(record.key)
+            if entry is not None:  # same key, same KV: refresh instead of copying again
+                self._lru.touch(entry)
+                return True
+        data = encode_record(record)  # outside the lock: the checksum pass is the slow part
+        with self._lock:
+            admission = self._lru.insert_and_evict(record.key, record.parent_key, len(data), self.capacity_bytes)
+            for victim in admission.evicted:
+                del self._records[victim.key]
+            self._count_locked(evictions=len(admission.evicted))
+            if admission.admitted:
+                self._records[record.key] = data
+                self._count_locked(bytes_written=len(data))
+            else:
+                self._records.pop(record.key, None)
+                self._count_locked(dropped_puts=1)
+            return admission.admitted
+
+    def delete(self, keys: Sequence[bytes]) -> None:
+        with self._lock:
+            for key in keys:
+                if self._lru.remove(key) is not None:
+                    del self._records[key]
+
+    def keys(self) -> list[bytes]:
+        with self._lock:
+            return self._lru.keys()
+
+    @property
+    def used_bytes(self) -> int:
+        with self._lock:
+            return self._lru.used_bytes
+
+    def close(self) -> None:
+        with self._lock:
+            self._records.clear()
+            self._lru = LeafFirstLRU()
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            self._lru.check_integrity()
+            assert set(self._records) == set(self._lru.keys()), "records and index hold different keys"
+            for key, data in self._records.items():
+                assert len(data) == self._lru.get(key).size, f"{key.hex()} size is off"
+            assert self._lru.used_bytes <= self.capacity_bytes, "over capacity"

@@ -1,0 +1,231 @@
+"""One self-describing, checksummed record per KV block: the bytes every tier stores.
+
+    offset  size  field
+    0       4     magic b"PSKV"
+    4       2     format version (1), little-endian like every integer here
+    6       2     reserved (0)
+    8       4     body length B
+    12      8     payload length P
+    20      4     header checksum: CRC-32 of bytes [0, 20) and of the body
+    24      4     record checksum: CRC-32 of the payload, seeded with the header checksum
+    28      B     body: key, parent key, scope digest, dtype, shape, token ids
+    28+B    P     payload: the block's K/V as `shape` and `dtype` lay it out
+
+Two checksums so a disk tier can rebuild its index from headers alone (the header
+one) while a read still covers header and payload together (the record one).
+
+CRC-32 (zlib) rather than BLAKE2b: on this machine CRC-32 runs at about 4.9 GB/s
+over 64 KiB to 1 MiB payloads, BLAKE2b at about 0.9 GB/s (SHA-256 1.4 GB/s), and
+the job is detecting damage (bit rot, torn or truncated files, a record copied in
+under the wrong name), not resisting a forger: whoever can write the cache
+directory can write anything. The key, scope and token ids are compared on every
+read besides, so a record under the wrong name is a miss.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import sys
+import zlib
+from array import array
+from dataclasses import dataclass
+from typing import Optional
+
+from ..cache.keys import pack_tokens
+
+MAGIC = b"PSKV"
+FORMAT_VERSION = 1
+DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+REASONS = ("magic", "version", "truncated", "checksum", "key", "scope", "tokens", "dtype", "shape")
+
+_PREFIX = struct.Struct("<4sHHIQ")  # magic, version, reserved, body length, payload length
+_CHECKSUMS = struct.Struct("<II")  # header checksum, record checksum
+FIXED_HEADER_SIZE = _PREFIX.size + _CHECKSUMS.size  # 28: enough to learn the whole header's length
+_BODY = struct.Struct("<BHHHBBI")  # has parent, key, parent, scope, dtype lengths, ndim, num tokens
+_HAS_PARENT = 1
+
+
+class RecordError(ValueError):
+    """A record that must not reach the KV pool; `reason` is one of REASONS."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        assert reason in REASONS, reason
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class BlockRecord:
+    key: bytes
+    parent_key: Optional[bytes]  # None for block 0, whose parent is the scope digest
+    scope_digest: bytes
+    token_ids: tuple[int, ...]
+    dtype: str  # "float32" | "bfloat16" | "float16"
+    shape: tuple[int, ...]  # e.g. (num_layers, 2, block_size, num_kv_heads, head_dim)
+    payload: bytes
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "token_ids", tuple(self.token_ids))
+        object.__setattr__(self, "shape", tuple(self.shape))
+
+
+@dataclass(frozen=True)
+class RecordHeader:
+    """Everything in a record but its payload."""
+
+    key: bytes
+    parent_key: Optional[bytes]
+    scope_digest: bytes
+    token_ids: tuple[int, ...]
+    dtype: str
+    shape: tuple[int, ...]
+    payload_length: int
+    header_length: int  # fixed part + body: where the payload starts
+
+    @property
+    def record_length(self) -> int:
+        return self.header_length + self.payload_length
+
+
+@dataclass(frozen=True)
+class RecordExpectation:
+    """What a reader needs a record to be; None skips that check."""
+
+    key: bytes
+    scope_digest: Optional[bytes]
+    token_ids: Optional[tuple[int, ...]]
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def encode_record(record: BlockRecord) -> bytes:
+    """The record's bytes; raises ValueError for a record that could never decode (a caller's bug)."""
+    _validate(record)
+    dtype = record.dtype.encode("ascii")
+    parent = record.parent_key or b""
+    try:
+        tokens = pack_tokens(record.token_ids)
+    except OverflowError:
+        raise ValueError(f"token ids must fit in 0..2**32-1, got {record.token_ids}") from None
+    body = b"".join(
+        (
+            _BODY.pack(
+                _HAS_PARENT if record.parent_key is not None else 0,
+                len(record.key), len(parent), len(record.scope_digest), len(dtype),
+                len(record.shape), len(record.token_ids),
+            ),
+            record.key, parent, record.scope_digest, dtype,
+            struct.pack(f"<{len(record.shape)}Q", *record.shape),
+            tokens,
+        )
+    )
+    prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(body), len(record.payload))
+    header_checksum = zlib.crc32(body, zlib.crc32(prefix))
+    record_checksum = zlib.crc32(record.payload, header_checksum)
+    return b"".join((prefix, _CHECKSUMS.pack(header_checksum, record_checksum), body, record.payload))
+
+
+def header_length(data: bytes) -> int:
+    """Length of the whole header, from its first FIXED_HEADER_SIZE bytes (a reader's second read)."""
+    _check_prefix(data)
+    return FIXED_HEADER_SIZE + _PREFIX.unpack_from(data)[3]
+
+
+def read_header(data: bytes) -> RecordHeader:
+    """The header of a record from the record's leading bytes; the payload need not be there."""
+    _check_prefix(data)
+    _, _, _, body_length, payload_length = _PREFIX.unpack_from(data)
+    end = FIXED_HEADER_SIZE + body_length
+    if len(data) < end:
+        raise RecordError("truncated", f"header needs {end} bytes, got {len(data)}")
+    header_checksum, _ = _CHECKSUMS.unpack_from(data, _PREFIX.size)
+    view = memoryview(data)
+    if zlib.crc32(view[FIXED_HEADER_SIZE:end], zlib.crc32(view[: _PREFIX.size])) != header_checksum:
+        raise RecordError("checksum", "header checksum does not match: the header is damaged")
+    return _parse_body(view[FIXED_HEADER_SIZE:end], payload_length, end)
+
+
+def decode_record(data: bytes, expect: RecordExpectation) -> BlockRecord:
+    """Verify a whole record against `expect` and return it; RecordError names what is wrong."""
+    header = read_header(data)
+    if len(data) != header.record_length:
+        raise RecordError("truncated", f"record is {len(data)} bytes, its header says {header.record_length}")
+    header_checksum, record_checksum = _CHECKSUMS.unpack_from(data, _PREFIX.size)
+    payload = memoryview(data)[header.header_length :]
+    if zlib.crc32(payload, header_checksum) != record_checksum:
+        raise RecordError("checksum", "record checksum does not match: the payload is damaged")
+    _check_expectation(header, expect)
+    return BlockRecord(
+        header.key, header.parent_key, header.scope_digest, header.token_ids, header.dtype, header.shape,
+        bytes(payload),
+    )
+
+
+def _validate(record: BlockRecord) -> None:
+    if record.dtype not in DTYPE_SIZES:
+        raise ValueError(f"unknown KV dtype {record.dtype!r}; records hold one of {sorted(DTYPE_SIZES)}")
+    expected = math.prod(record.shape) * DTYPE_SIZES[record.dtype]
+    if len(record.payload) != expected:
+        raise ValueError(f"payload is {len(record.payload)} bytes, shape {record.shape} of {record.dtype} needs {expected}")
+    if record.parent_key == record.key:
+        raise ValueError("a record cannot be its own parent")
+    for name in ("key", "parent_key", "scope_digest"):
+        value = getattr(record, name) or b""
+        if len(value) > 0xFFFF:
+            raise ValueError(f"{name} is {len(value)} bytes, at most 65535 fit")
+    if len(record.shape) > 0xFF or any(not 0 <= dim < 1 << 63 for dim in record.shape):
+        raise ValueError(f"shape {record.shape} does not fit a record")
+
+
+def _check_prefix(data: bytes) -> None:
+    if bytes(data[: len(MAGIC)]) != MAGIC[: len(data)]:
+        raise RecordError("magic", "not a prefixserve KV record (bad magic)")
+    if len(data) < _PREFIX.size:
+        raise RecordError("truncated", f"record ends at byte {len(data)}, inside its fixed header")
+    version = _PREFIX.unpack_from(data)[1]
+    if version != FORMAT_VERSION:
+        raise RecordError("version", f"record format version {version}, this build reads {FORMAT_VERSION}")
+    if len(data) < FIXED_HEADER_SIZE:
+        raise RecordError("truncated", f"record ends at byte {len(data)}, inside its fixed header")
+
+
+def _parse_body(body: memoryview, payload_length: int, header_length_: int) -> RecordHeader:
+    # The header checksum passed, so an inconsistent body was written that way; say "truncated".
+    if len(body) < _BODY.size:
+        raise RecordError("truncated", "header body is shorter than its fixed fields")
+    flags, key_len, parent_len, scope_len, dtype_len, ndim, num_tokens = _BODY.unpack_from(body)
+    offset = _BODY.size
+    fields = []
+    for length in (key_len, parent_len, scope_len, dtype_len, 8 * ndim, 4 * num_tokens):
+        fields.append(bytes(body[offset : offset + length]))
+        offset += length
+    if offset != len(body):
+        raise RecordError("truncated", f"header body holds {len(body)} bytes, its fields {offset}")
+    key, parent, scope, dtype_bytes, shape_bytes, token_bytes = fields
+    dtype = dtype_bytes.decode("ascii", "replace")
+    shape = struct.unpack(f"<{ndim}Q", shape_bytes)
+    tokens = array("I")
+    tokens.frombytes(token_bytes)
+    if sys.byteorder == "big":
+        tokens.byteswap()
+    if dtype not in DTYPE_SIZES:
+        raise RecordError("dtype", f"record holds unknown dtype {dtype!r}")
+    if math.prod(shape) * DTYPE_SIZES[dtype] != payload_length:
+        raise RecordError("shape", f"shape {shape} of {dtype} does not match a {payload_length}-byte payload")
+    return RecordHeader(
+        key, parent if flags & _HAS_PARENT else None, scope, tuple(tokens), dtype, shape, payload_length, header_length_
+    )
+
+
+def _check_expectation(header: RecordHeader, expect: RecordExpectation) -> None:
+    if header.key != expect.key:
+        raise RecordError("key", f"record holds block {header.key.hex()[:16]}, not {expect.key.hex()[:16]}")
+    if expect.scope_digest is not None and header.scope_digest != expect.scope_digest:
+        raise RecordError("scope", "record was computed in another scope (model, tokenizer, adapter or tenant)")
+    if expect.token_ids is not None and header.token_ids != tuple(expect.token_ids):
+        raise RecordError("tokens", "record holds other token ids under this key (a hash collision)")
+    if header.dtype != expect.dtype:
+        raise RecordError("dtype", f"record holds {header.dtype}, the pool needs {expect.dtype}")
+    if header.shape != tuple(expect.shape):
+        raise RecordError("shape", f"record has shape {header.shape}, the pool needs {tuple(expect.shape)}")
