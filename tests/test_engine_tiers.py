@@ -1,0 +1,161 @@
+"""The KV hierarchy in the engine: a prefix served from host RAM, from disk, after a restart, or
+recomputed gives the same greedy tokens; exact per-tier counts; damaged records are recomputed."""
+
+import random
+import shutil
+
+import pytest
+
+from conftest import make_llm
+from model_helpers import qwen2_config, write_random_checkpoint
+from prefixserve import SamplingParams
+from prefixserve.model import ensure_default_model
+from prefixserve.tiers.disk_files import record_path
+from prefixserve.tiers.record import BlockRecord, RecordExpectation, decode_record, encode_record, read_header
+
+PREFIX_LEN = 512  # 32 blocks of 16
+NUM_PREFIXES = 12
+POOL = 28 << 20  # 112 blocks of the built-in model in fp32: 3 of these prompts (33 blocks each) fit, not 4
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+ALL_FROM = {tier: {"device": 0, "host": 0, "disk": 0, "remote": 0, tier: PREFIX_LEN} for tier in ("host", "disk")}
+
+
+SECOND_PREFIX_LEN = 256  # the second checkpoint has 512 positions
+
+
+def make_prompts(seed: int = 0, prefix_len: int = PREFIX_LEN) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, 8000) for _ in range(prefix_len)] + [7, 8, 9] for _ in range(NUM_PREFIXES)]
+
+
+def run(llm, prompts):
+    """One request at a time, so the order in which blocks leave the pool is fixed."""
+    return [llm.generate([prompt], GREEDY, use_tqdm=False)[0] for prompt in prompts]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    prompts = make_prompts()
+    llm = make_llm(kv_cache_memory_bytes=64 << 20, enable_prefix_caching=False)
+    return prompts, [out.token_ids for out in run(llm, prompts)]
+
+
+def test_host_tier_serves_a_working_set_four_times_the_pool(reference):
+    prompts, expected = reference
+    llm = make_llm(kv_cache_memory_bytes=POOL, kv_host_cache_bytes=512 << 20)
+    first = run(llm, prompts)
+    assert [out.token_ids for out in first] == expected
+    assert all(out.cached_tokens_by_tier["host"] == 0 for out in first)
+    second = run(llm, prompts)  # every prefix left the pool before its turn came back
+    assert [out.token_ids for out in second] == expected
+    assert [out.cached_tokens_by_tier for out in second] == [ALL_FROM["host"]] * NUM_PREFIXES
+    assert [out.num_cached_tokens for out in second] == [PREFIX_LEN] * NUM_PREFIXES
+    llm.engine.cache.check_integrity()
+    llm.engine.tiers.host.check_integrity()
+
+
+def test_disk_tier_serves_after_eviction_and_after_a_restart(reference, tmp_path):
+    prompts, expected = reference
+    llm = make_llm(kv_cache_memory_bytes=POOL, kv_disk_cache_dir=str(tmp_path))
+    assert [out.token_ids for out in run(llm, prompts)] == expected
+    second = run(llm, prompts)
+    assert [out.token_ids for out in second] == expected
+    assert [out.cached_tokens_by_tier for out in second] == [ALL_FROM["disk"]] * NUM_PREFIXES
+    llm.close()
+    del llm
+    restarted = make_llm(kv_cache_memory_bytes=POOL, kv_disk_cache_dir=str(tmp_path))
+    report = restarted.engine.tiers.disk.rebuild_report
+    assert report.num_records > 0 and report.num_rejected == 0
+    first = run(restarted, prompts[:3])  # its very first requests hit from disk
+    assert [out.token_ids for out in first] == expected[:3]
+    assert [out.cached_tokens_by_tier for out in first] == [ALL_FROM["disk"]] * 3
+    restarted.engine.tiers.disk.check_integrity()
+
+
+@pytest.fixture(scope="module")
+def second_checkpoint(tmp_path_factory):
+    directory = write_random_checkpoint(tmp_path_factory.mktemp("qwen2-tiers"), qwen2_config(), seed=5)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(ensure_default_model() / name, directory / name)
+    return directory
+
+
+def test_another_model_finds_nothing_and_reclaims_the_old_records(reference, second_checkpoint, tmp_path):
+    prompts = make_prompts(seed=2, prefix_len=SECOND_PREFIX_LEN)[:2]
+    llm = make_llm(kv_cache_memory_bytes=POOL, kv_disk_cache_dir=str(tmp_path))
+    run(llm, prompts)
+    llm.close()
+    del llm
+    other = make_llm(model=str(second_checkpoint), kv_cache_memory_bytes=POOL, kv_disk_cache_dir=str(tmp_path))
+    assert other.engine.tiers.disk.rebuild_report.num_reclaimed > 0
+    assert other.engine.tiers.disk.keys() == []
+    assert all(out.num_cached_tokens == 0 for out in run(other, prompts))
+
+
+def test_a_second_checkpoint_gives_the_same_tokens_from_every_tier(second_checkpoint, tmp_path):
+    prompts = make_prompts(seed=1, prefix_len=SECOND_PREFIX_LEN)[:5]
+    plain = make_llm(model=str(second_checkpoint), kv_cache_memory_bytes=64 << 20, enable_prefix_caching=False)
+    expected = [out.token_ids for out in run(plain, prompts)]
+    tiered = make_llm(model=str(second_checkpoint), kv_cache_memory_bytes=POOL, kv_host_cache_bytes=256 << 20,
+                      kv_disk_cache_dir=str(tmp_path))
+    assert [out.token_ids for out in run(tiered, prompts)] == expected
+    again = run(tiered, prompts)
+    assert [out.token_ids for out in again] == expected
+    assert all(out.num_cached_tokens == SECOND_PREFIX_LEN for out in again)
+    assert {tier for out in again for tier, tokens in out.cached_tokens_by_tier.items() if tokens} <= {"device", "host"}
+    tiered.close()
+    del tiered
+    restarted = make_llm(model=str(second_checkpoint), kv_cache_memory_bytes=POOL, kv_disk_cache_dir=str(tmp_path))
+    from_disk = run(restarted, prompts)
+    assert [out.token_ids for out in from_disk] == expected
+    assert [out.cached_tokens_by_tier["disk"] for out in from_disk] == [SECOND_PREFIX_LEN] * len(prompts)
+
+
+def _first_keys(llm, prompt, count):
+    request = llm.engine.make_request(prompt)
+    return llm.engine.keyer.keys(request.scope_digest, prompt)[:count]
+
+
+def test_damaged_and_foreign_records_are_recomputed_and_counted(reference, tmp_path):
+    prompts, expected = reference
+    llm = make_llm(kv_cache_memory_bytes=POOL, kv_disk_cache_dir=str(tmp_path))
+    run(llm, prompts[:3])
+    keys = [_first_keys(llm, prompt, 4) for prompt in prompts[:3]]
+    llm.close()
+    del llm
+    flipped = record_path(tmp_path, keys[0][2])  # a payload byte flipped: caught by the checksum on read
+    data = bytearray(flipped.read_bytes())
+    data[-100] ^= 0xFF
+    flipped.write_bytes(bytes(data))
+    truncated = record_path(tmp_path, keys[1][1])  # cut short, as by a crash
+    truncated.write_bytes(truncated.read_bytes()[:5000])
+    foreign = record_path(tmp_path, keys[2][0])  # the same key, another scope's record copied in
+    data = foreign.read_bytes()
+    header = read_header(data)
+    record = decode_record(data, RecordExpectation(header.key, None, None, header.dtype, header.shape))
+    foreign.write_bytes(encode_record(BlockRecord(record.key, record.parent_key, b"another model's scope".ljust(32, b"!"),
+                                                  record.token_ids, record.dtype, record.shape, record.payload)))
+    restarted = make_llm(kv_cache_memory_bytes=POOL, kv_disk_cache_dir=str(tmp_path))
+    outputs = run(restarted, prompts[:3])
+    assert [out.token_ids for out in outputs] == expected[:3]
+    assert [out.cached_tokens_by_tier["disk"] for out in outputs] == [2 * 16, 1 * 16, 0]  # up to the damage
+    disk = restarted.engine.tiers.disk
+    report, stats = disk.rebuild_report, disk.stats
+    assert report.num_rejected == 1  # the truncated record, at start-up
+    assert stats.rejected_records == 2  # ...and the flipped one, on read
+    assert report.num_reclaimed == stats.reclaimed_records == 1  # the foreign one, at start-up
+    disk.check_integrity()
+
+
+def test_a_disk_too_small_or_unusable_never_reaches_the_client(reference, tmp_path):
+    prompts, expected = reference
+    tiny = make_llm(kv_cache_memory_bytes=POOL, kv_disk_cache_dir=str(tmp_path / "tiny"), kv_disk_cache_bytes=1 << 20)
+    assert [out.token_ids for out in run(tiny, prompts[:4] * 2)] == expected[:4] * 2
+    tiny.close()
+    assert tiny.engine.tiers.disk.stats.dropped_puts + tiny.engine.tiers.disk.stats.evictions > 0
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a directory")
+    unusable = make_llm(kv_cache_memory_bytes=POOL, kv_disk_cache_dir=str(blocked / "kv"))
+    assert [out.token_ids for out in run(unusable, prompts[:2])] == expected[:2]
+    unusable.close()
+    assert unusable.engine.tiers.disk.stats.errors > 0
