@@ -51,3 +51,25 @@ class CacheUsage:
     def usage(self) -> float:
         """Fraction of the pool held by running requests (vLLM's kv_cache_usage)."""
         return self.num_referenced_blocks / self.num_blocks
+
+
+class LatencyHistogram:
+    """Bucketed latencies (seconds) for a Prometheus histogram: cumulative counts per upper bound."""
+
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)  # the last is +Inf
+        self.total = 0.0
+
+    def observe(self, seconds: float) -> None:
+        index = next((i for i, bound in enumerate(self.buckets) if seconds <= bound), len(self.buckets))
+        self.counts[index] += 1
+        self.total += seconds
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """[(upper bound as Prometheus writes it, observations at or below it)], +Inf last."""
+        running, out = 0, []
+        for bound, count in zip([*map(str, self.buckets), "+Inf"], self.counts):
+            running += count
+            out.append((bound, running))
+        return out

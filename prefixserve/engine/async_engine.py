@@ -19,7 +19,7 @@ import copy
 import logging
 import queue
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
 
 from ..cache.stats import CacheStats, CacheUsage
@@ -48,6 +48,7 @@ class EngineSnapshot:
     num_preemptions: int
     num_prefill_tokens_computed: int
     num_generation_tokens: int
+    tiers: dict = field(default_factory=dict)  # tier name -> kv_tiers.TierSnapshot
 
     @classmethod
     def of(cls, engine: LLMEngine) -> "EngineSnapshot":
@@ -55,7 +56,8 @@ class EngineSnapshot:
                    num_running=len(engine.scheduler.running), num_waiting=len(engine.scheduler.waiting),
                    num_preemptions=engine.scheduler.num_preemptions,
                    num_prefill_tokens_computed=engine.num_prefill_tokens_computed,
-                   num_generation_tokens=engine.num_generation_tokens)
+                   num_generation_tokens=engine.num_generation_tokens,
+                   tiers=engine.tiers.snapshot() if engine.tiers is not None else {})
 
 
 class AsyncLLMEngine:

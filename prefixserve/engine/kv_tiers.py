@@ -26,11 +26,14 @@ from typing import Optional, Sequence
 from ..cache import Block, BlockKeyer, RadixCache
 from ..config import DEFAULT_DISK_CACHE_BYTES
 from ..cache.keys import unpack_tokens
-from ..tiers import BlockRecord, DiskTier, HostTier, KVTier, RecordError, RecordExpectation, decode_record, plan_fetch
+from ..cache.stats import LatencyHistogram
+from ..tiers import (BlockRecord, DiskTier, HostTier, KVTier, RecordError, RecordExpectation, TierStats, decode_record,
+                     plan_fetch)
 from .request import Request
 from .runner import ModelRunner
 
 logger = logging.getLogger("prefixserve")
+FETCH_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 FETCH_WAIT_SECONDS = 0.005  # an idle engine waits this long for a disk read before stepping again
 DEFAULT_PREFILL_SECONDS_PER_TOKEN = 2e-4  # until the engine has measured its own prefill
 
@@ -49,6 +52,17 @@ class TierFetch:
     pending_keys: list[bytes] = field(default_factory=list)
     pending_start: int = 0
     pending_tier: str = ""
+    pending_since: float = 0.0
+
+
+@dataclass(frozen=True)
+class TierSnapshot:
+    stats: TierStats
+    used_bytes: int
+    capacity_bytes: int
+    hit_tokens: int
+    fetch_buckets: list[tuple[str, int]]
+    fetch_seconds_sum: float
 
 
 class TieredKV:
@@ -64,6 +78,7 @@ class TieredKV:
         self.block_bytes = len(runner.read_blocks([0])[0])
         self.prefill_seconds_per_token = DEFAULT_PREFILL_SECONDS_PER_TOKEN
         self.hit_tokens: dict[str, int] = {name: 0 for name in self.tiers}
+        self.fetch_latency = {name: LatencyHistogram(FETCH_BUCKETS) for name in self.tiers}
         self.fetches: dict[str, TierFetch] = {}  # request id -> its lookup
         self._written: list[Block] = []
         if self.host is not None:
@@ -130,10 +145,10 @@ class TieredKV:
             chunk = keys[start:start + count]
             if name not in SYNCHRONOUS_TIERS:
                 fetch.pending, fetch.pending_keys, fetch.pending_start = self.tiers[name].fetch(chunk), chunk, start
-                fetch.pending_tier = name
+                fetch.pending_tier, fetch.pending_since = name, time.perf_counter()
                 fetch.request.is_fetching = True
                 return
-            promoted = self._promote(fetch.request, name, start, chunk, self.tiers[name].get(chunk))
+            promoted = self._promote(fetch.request, name, start, chunk, self.tiers[name].get(chunk), time.perf_counter())
             start += promoted
             if promoted < count:
                 return
@@ -151,7 +166,8 @@ class TieredKV:
                 logger.exception("reading from the %s tier failed; recomputing", fetch.pending_tier)
                 continue
             if not fetch.request.is_finished and self._chain_reaches(fetch.request, fetch.pending_start):
-                self._promote(fetch.request, fetch.pending_tier, fetch.pending_start, fetch.pending_keys, encoded)
+                self._promote(fetch.request, fetch.pending_tier, fetch.pending_start, fetch.pending_keys, encoded,
+                              fetch.pending_since)
 
     def wait_for_fetches(self) -> None:
         """Nothing could be scheduled: wait briefly for a disk read instead of spinning."""
@@ -170,7 +186,7 @@ class TieredKV:
         return len(hit) == num_blocks
 
     def _promote(self, request: Request, tier_name: str, start: int, keys: list[bytes],
-                 encoded: Sequence[Optional[bytes]]) -> int:
+                 encoded: Sequence[Optional[bytes]], began: float) -> int:
         """Verify records for blocks start.. and cache their KV in fresh pool blocks; returns how many."""
         tier, size = self.tiers[tier_name], self.block_size
         payloads = []
@@ -188,7 +204,6 @@ class TieredKV:
                 break
         if not payloads:
             return 0
-        began = time.perf_counter()
         # Hold the device prefix while allocating, so eviction cannot break the chain under us.
         prefix = self.cache.match(request.scope_digest, request.block_keys[:start], request.token_ids,
                                   record_stats=False).blocks
@@ -210,8 +225,7 @@ class TieredKV:
         if fetch is not None:
             fetch.num_blocks[tier_name] = fetch.num_blocks.get(tier_name, 0) + len(payloads)
         self.hit_tokens[tier_name] += len(payloads) * size
-        logger.debug("promoted %d blocks from %s in %.1f ms", len(payloads), tier_name,
-                     (time.perf_counter() - began) * 1e3)
+        self.fetch_latency[tier_name].observe(time.perf_counter() - began)
         return len(payloads)
 
     # ------------------------------------------------------------------ bookkeeping
@@ -233,6 +247,14 @@ class TieredKV:
                 counts[name] = tokens
                 counts["device"] -= tokens
         return counts
+
+    def snapshot(self) -> dict[str, "TierSnapshot"]:
+        """Per tier: counters, usage, hit tokens and fetch latencies, for metrics (engine thread)."""
+        return {name: TierSnapshot(stats=tier.stats, used_bytes=tier.used_bytes, capacity_bytes=tier.capacity_bytes,
+                                   hit_tokens=self.hit_tokens[name],
+                                   fetch_buckets=self.fetch_latency[name].cumulative(),
+                                   fetch_seconds_sum=self.fetch_latency[name].total)
+                for name, tier in self.tiers.items()}
 
     def forget(self, request_id: str) -> None:
         fetch = self.fetches.pop(request_id, None)

@@ -72,6 +72,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds an unused cached prefix lives (default: until evicted)")
     parser.add_argument("--enable-kv-events", action="store_true",
                         help="keep KV events for GET /v1/kv_events (for a router; needs --admin-api-key)")
+    parser.add_argument("--kv-host-cache-bytes", metavar="BYTES", type=int, default=None,
+                        help="host RAM for KV blocks evicted from the pool; fetched back instead of recomputed "
+                             "(default: off)")
+    parser.add_argument("--kv-disk-cache-dir", metavar="DIR", default=None,
+                        help="write every computed KV block here too; served after eviction and after a restart "
+                             "(default: off)")
+    parser.add_argument("--kv-disk-cache-bytes", metavar="BYTES", type=int, default=None,
+                        help="size of the disk tier (default: 16 GiB when --kv-disk-cache-dir is given)")
     parser.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="engine and uvicorn logging")
 
 
@@ -99,6 +107,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         scheduling_policy=args.scheduling_policy,
         prefix_ttl=args.prefix_ttl,
         enable_kv_events=args.enable_kv_events,
+        kv_host_cache_bytes=args.kv_host_cache_bytes,
+        kv_disk_cache_dir=args.kv_disk_cache_dir,
+        kv_disk_cache_bytes=args.kv_disk_cache_bytes,
     )
 
 

@@ -10,7 +10,7 @@ Each app owns its registry, so tests can run several servers in one process.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from typing import Callable
 
@@ -68,6 +68,44 @@ class EngineCollector:
         yield gauge("num_requests_running", "Requests in the running batch.", snapshot.num_running)
         yield gauge("num_requests_waiting", "Requests waiting for admission.", snapshot.num_waiting)
         yield counter("rejected_requests", "Requests refused with 429 because the queue was full.", self._num_rejected[0])
+        yield from tier_families(snapshot.tiers)
+
+
+TIER_COUNTERS = (  # (metric name, TierStats field, help)
+    ("kv_tier_bytes_read", "bytes_read", "Bytes read from a KV tier."),
+    ("kv_tier_bytes_written", "bytes_written", "Bytes written to a KV tier."),
+    ("kv_tier_evictions", "evictions", "Records a KV tier evicted to make room."),
+    ("kv_tier_rejected_records", "rejected_records", "Records that failed verification (deleted, recomputed)."),
+    ("kv_tier_dropped_puts", "dropped_puts", "Records a KV tier could not store (full, I/O fault, queue full)."),
+    ("kv_tier_errors", "errors", "I/O faults of a KV tier."),
+)
+
+
+def tier_families(tiers: dict):
+    """Per-tier families, labelled tier="host" | "disk": hit tokens, bytes, rejections, usage, fetch latency."""
+    if not tiers:
+        return
+    hits = CounterMetricFamily("prefixserve:kv_tier_hit_tokens", "Prompt tokens served from a KV tier.",
+                               labels=["tier"])
+    counters = [(CounterMetricFamily(f"prefixserve:{name}", doc, labels=["tier"]), field) for name, field, doc in TIER_COUNTERS]
+    used = GaugeMetricFamily("prefixserve:kv_tier_used_bytes", "Bytes a KV tier holds.", labels=["tier"])
+    capacity = GaugeMetricFamily("prefixserve:kv_tier_capacity_bytes", "Bytes a KV tier may hold.", labels=["tier"])
+    latency = HistogramMetricFamily("prefixserve:kv_tier_fetch_seconds",
+                                    "Time from looking a prefix up in a tier to its blocks cached in the pool.",
+                                    labels=["tier"])
+    for name, tier in tiers.items():
+        hits.add_metric([name], tier.hit_tokens)
+        for family, field in counters:
+            family.add_metric([name], getattr(tier.stats, field))
+        used.add_metric([name], tier.used_bytes)
+        capacity.add_metric([name], tier.capacity_bytes)
+        latency.add_metric([name], tier.fetch_buckets, tier.fetch_seconds_sum)
+    yield hits
+    for family, _ in counters:
+        yield family
+    yield used
+    yield capacity
+    yield latency
 
 
 class ServerMetrics:

@@ -105,6 +105,7 @@ class CompletionRequest(SamplingFields):
 
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
+    cached_tokens_by_tier: dict[str, int] = Field(default_factory=dict)  # device, host, disk, remote
 
 
 class Usage(BaseModel):

@@ -23,9 +23,13 @@ def usage_of(finals: list[RequestOutput], n: int) -> dict:
     firsts = finals[::n]
     prompt_tokens = sum(len(out.prompt_token_ids) for out in firsts)
     cached = sum(out.num_cached_tokens for out in firsts)
+    by_tier: dict[str, int] = {}
+    for out in firsts:
+        for tier, tokens in out.cached_tokens_by_tier.items():
+            by_tier[tier] = by_tier.get(tier, 0) + tokens
     completion = sum(len(out.token_ids) for out in finals)
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion,
-                 prompt_tokens_details={"cached_tokens": cached}).model_dump()
+                 prompt_tokens_details={"cached_tokens": cached, "cached_tokens_by_tier": by_tier}).model_dump()
 
 
 class TokenTexts:
