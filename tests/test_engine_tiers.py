@@ -159,3 +159,39 @@ def test_a_disk_too_small_or_unusable_never_reaches_the_client(reference, tmp_pa
     assert [out.token_ids for out in run(unusable, prompts[:2])] == expected[:2]
     unusable.close()
     assert unusable.engine.tiers.disk.stats.errors > 0
+
+
+WRITER = """
+import random, sys
+from prefixserve import LLM, SamplingParams
+llm = LLM(dtype="float32", kv_cache_memory_bytes={pool}, kv_disk_cache_dir=sys.argv[1], log_stats=False)
+rng = random.Random(0)
+params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+for index in range(200):  # bounded: the test kills it long before
+    llm.generate([[rng.randrange(10, 8000) for _ in range({prefix_len})] + [7, 8, 9]], params, use_tqdm=False)
+    print(index, flush=True)
+"""
+
+
+def test_a_process_killed_mid_write_leaves_a_directory_the_next_one_serves(reference, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    prompts, expected = reference
+    script = WRITER.format(pool=POOL, prefix_len=PREFIX_LEN)
+    writer = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ))
+    try:
+        for _ in range(4):  # a few prompts done, their writes (and the next ones') in flight
+            assert writer.stdout.readline(), "the writer died before it wrote anything"
+    finally:
+        writer.kill()  # SIGKILL: no flush, no clean close
+        writer.wait(timeout=30)
+    restarted = make_llm(kv_cache_memory_bytes=POOL, kv_disk_cache_dir=str(tmp_path))
+    report = restarted.engine.tiers.disk.rebuild_report
+    assert report.num_records > 0  # what was on disk before the kill is served
+    outputs = run(restarted, prompts[:4])  # the writer's first prompts are these (same seed)
+    assert [out.token_ids for out in outputs] == expected[:4]
+    assert sum(out.cached_tokens_by_tier["disk"] for out in outputs) > 0
+    restarted.engine.tiers.disk.check_integrity()
