@@ -17,6 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
+from .lru import LeafFirstLRU
 from .policy import TierCost
 from .record import BlockRecord
 
@@ -49,32 +50,46 @@ class KVTier(abc.ABC):
         self._lock = threading.RLock()  # guards the index and `_stats`; re-entrant so helpers may count and log under it
         self._stats = TierStats()
         self._logged_failures: set[tuple[str, str]] = set()
+        self._lru = LeafFirstLRU()  # every key present, with sizes, recency and children: under `_lock`
 
     # ---------------------------------------------------------------- interface
-    @abc.abstractmethod
     def contains(self, keys: Sequence[bytes]) -> int:
         """Length of the leading run of `keys` present (no LRU refresh, no hit counted)."""
+        with self._lock:
+            return self._lru.leading_run(keys)
 
     @abc.abstractmethod
     def get(self, keys: Sequence[bytes]) -> list[Optional[bytes]]:
         """Encoded records, None where missing; a hit refreshes the record's recency."""
 
-    @abc.abstractmethod
     def put(self, records: Sequence[BlockRecord]) -> None:
         """Store records, evicting leaves as needed; a record that cannot be stored is dropped and counted."""
+        dropped: set[bytes] = set()
+        for record in records:
+            if record.parent_key in dropped:  # its parent did not fit: it would only push out older prefixes
+                self._count(dropped_puts=1)
+                dropped.add(record.key)
+            elif not self._put_one(record):
+                dropped.add(record.key)
+
+    @abc.abstractmethod
+    def _put_one(self, record: BlockRecord) -> bool:
+        """Store one record (evicting leaves as needed); False when it was dropped."""
 
     @abc.abstractmethod
     def delete(self, keys: Sequence[bytes]) -> None:
         """Remove records (absent keys are ignored)."""
 
-    @abc.abstractmethod
     def keys(self) -> list[bytes]:
         """Every key present."""
+        with self._lock:
+            return self._lru.keys()
 
     @property
-    @abc.abstractmethod
     def used_bytes(self) -> int:
         """Bytes of the records held (encoded length)."""
+        with self._lock:
+            return self._lru.used_bytes
 
     @abc.abstractmethod
     def close(self) -> None:

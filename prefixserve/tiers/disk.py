@@ -27,7 +27,7 @@ from typing import Optional, Sequence, Union
 from .base import KVTier
 from .disk_files import read_file, record_path, remove_quietly, scan, write_temp_file
 from .disk_startup import RebuildReport, lock_directory, read_headers
-from .lru import Entry, LeafFirstLRU
+from .lru import Entry
 from .policy import TierCost
 from .record import BlockRecord, encode_record
 from .writer import BackgroundWriter
@@ -53,7 +53,6 @@ class DiskTier(KVTier):
         super().__init__(capacity_bytes, TierCost(DISK_READ_COST.latency_seconds, DISK_READ_COST.bytes_per_second))
         self.directory = Path(directory)
         self.expect_scope = expect_scope
-        self._lru = LeafFirstLRU()
         self._lock_fd: Optional[int] = None
         self._can_write = True  # False when another process serves the directory
         self._closed = False
@@ -62,10 +61,6 @@ class DiskTier(KVTier):
         self._readers = ThreadPoolExecutor(num_read_threads, thread_name_prefix="prefixserve-disk-reader")
 
     # ------------------------------------------------------------------ reads
-    def contains(self, keys: Sequence[bytes]) -> int:
-        with self._lock:
-            return self._lru.leading_run(keys)
-
     def get(self, keys: Sequence[bytes]) -> list[Optional[bytes]]:
         start = time.perf_counter()
         with self._lock:
@@ -90,25 +85,7 @@ class DiskTier(KVTier):
         except RuntimeError:  # closed: read in the caller
             return super().fetch(keys)
 
-    def keys(self) -> list[bytes]:
-        with self._lock:
-            return self._lru.keys()
-
-    @property
-    def used_bytes(self) -> int:
-        with self._lock:
-            return self._lru.used_bytes
-
     # ----------------------------------------------------------------- writes
-    def put(self, records: Sequence[BlockRecord]) -> None:
-        dropped: set[bytes] = set()
-        for record in records:
-            if record.parent_key in dropped:  # its parent did not fit: it would only push out older prefixes
-                self._count(dropped_puts=1)
-                dropped.add(record.key)
-            elif not self._put_one(record):
-                dropped.add(record.key)
-
     def put_async(self, records: Sequence[BlockRecord]) -> None:
         """Queue records for the writer thread; what does not fit in the queue is dropped and counted."""
         num_accepted = self._writer.submit(records)

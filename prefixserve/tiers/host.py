@@ -23,11 +23,6 @@ class HostTier(KVTier):
     def __init__(self, capacity_bytes: int) -> None:
         super().__init__(capacity_bytes, TierCost(HOST_READ_COST.latency_seconds, HOST_READ_COST.bytes_per_second))
         self._records: dict[bytes, bytes] = {}
-        self._lru = LeafFirstLRU()
-
-    def contains(self, keys: Sequence[bytes]) -> int:
-        with self._lock:
-            return self._lru.leading_run(keys)
 
     def get(self, keys: Sequence[bytes]) -> list[Optional[bytes]]:
         start = time.perf_counter()
@@ -44,15 +39,6 @@ class HostTier(KVTier):
         if num_bytes:
             self.read_cost.observe(num_bytes, time.perf_counter() - start)
         return results
-
-    def put(self, records: Sequence[BlockRecord]) -> None:
-        dropped: set[bytes] = set()
-        for record in records:
-            if record.parent_key in dropped:  # its parent did not fit: it would only push out older prefixes
-                self._count(dropped_puts=1)
-                dropped.add(record.key)
-            elif not self._put_one(record):
-                dropped.add(record.key)
 
     def _put_one(self, record: BlockRecord) -> bool:
         with self._lock:
@@ -79,15 +65,6 @@ class HostTier(KVTier):
             for key in keys:
                 if self._lru.remove(key) is not None:
                     del self._records[key]
-
-    def keys(self) -> list[bytes]:
-        with self._lock:
-            return self._lru.keys()
-
-    @property
-    def used_bytes(self) -> int:
-        with self._lock:
-            return self._lru.used_bytes
 
     def close(self) -> None:
         with self._lock:
