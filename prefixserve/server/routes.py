@@ -67,16 +67,22 @@ async def respond(request: Request, state, body, shape, streams, first_chunks=()
     return shape.response(finals, usage_of(finals, body.n))
 
 
+async def accept(request: Request, model: type):
+    """(state, tenant, body) of an authenticated request for the served model, its body read strictly."""
+    state = server_state(request)
+    tenant = state.auth.tenant(request)
+    body = await read_body(request, model)
+    check_model(state.settings, body.model)
+    return state, tenant, body
+
+
 def shape_options(body) -> dict:
     return {"return_token_ids": body.return_token_ids, "num_logprobs": body.num_logprobs}
 
 
 @routes.post("/v1/completions")
 async def completions(request: Request):
-    state = server_state(request)
-    tenant = state.auth.tenant(request)
-    body: CompletionRequest = await read_body(request, CompletionRequest)
-    check_model(state.settings, body.model)
+    state, tenant, body = await accept(request, CompletionRequest)
     if body.echo and body.logprobs is not None:
         raise APIError(400, "echo with logprobs (prompt logprobs) is not supported; drop one of them",
                        param="echo", code="unsupported")
@@ -91,10 +97,7 @@ async def completions(request: Request):
 
 @routes.post("/v1/chat/completions")
 async def chat_completions(request: Request):
-    state = server_state(request)
-    tenant = state.auth.tenant(request)
-    body: ChatCompletionRequest = await read_body(request, ChatCompletionRequest)
-    check_model(state.settings, body.model)
+    state, tenant, body = await accept(request, ChatCompletionRequest)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
     check_batch(state.settings, body.n)
