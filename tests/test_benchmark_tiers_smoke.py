@@ -57,8 +57,6 @@ def test_working_set_second_pass_comes_from_the_tier(quick_run, configuration, t
     assert [c["output_token_ids"] for c in completions] == [c["output_token_ids"] for c in reference]
 
 
-@pytest.mark.xfail(strict=True, reason="engine/kv_tiers.py _plan_and_fetch returns at a tier with an empty run "
-                                       "(host 0) instead of going on to the disk, so every other prefix is recomputed")
 def test_working_set_host_and_disk_together_serve_every_prefix(quick_run):
     completions = pass_two(quick_run[1], "host (holds 2) + disk")
     assert [c["by_tier"]["host"] + c["by_tier"]["disk"] for c in completions] == [PREFIX] * 4

@@ -54,6 +54,29 @@ def test_host_tier_serves_a_working_set_four_times_the_pool(reference):
     llm.engine.tiers.host.check_integrity()
 
 
+def test_a_burst_larger_than_the_pool_is_still_served_from_host(reference):
+    """Submitted at once, prefixes are brought back only for requests near the head of the queue, so
+    the burst's own promotions do not evict one another before admission."""
+    prompts, expected = reference
+    llm = make_llm(kv_cache_memory_bytes=POOL, kv_host_cache_bytes=512 << 20)
+    run(llm, prompts)
+    burst = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [out.token_ids for out in burst] == expected
+    assert [out.cached_tokens_by_tier for out in burst] == [ALL_FROM["host"]] * NUM_PREFIXES
+    llm.engine.cache.check_integrity()
+
+
+def test_host_and_disk_together_reach_the_disk_past_an_empty_host_run(reference, tmp_path):
+    prompts, expected = reference
+    llm = make_llm(kv_cache_memory_bytes=POOL, kv_host_cache_bytes=3 * 34 * (256 << 10),  # 3 prompts' worth
+                   kv_disk_cache_dir=str(tmp_path))
+    run(llm, prompts)
+    second = run(llm, prompts)
+    assert [out.token_ids for out in second] == expected
+    assert [out.num_cached_tokens for out in second] == [PREFIX_LEN] * NUM_PREFIXES
+    assert sum(out.cached_tokens_by_tier["disk"] for out in second) > 0
+
+
 def test_disk_tier_serves_after_eviction_and_after_a_restart(reference, tmp_path):
     prompts, expected = reference
     llm = make_llm(kv_cache_memory_bytes=POOL, kv_disk_cache_dir=str(tmp_path))

@@ -113,10 +113,19 @@ class TieredKV:
 
     # ------------------------------------------------------------------ reading back
     def prepare(self, waiting: Sequence[Request], enable_prefix_caching: bool) -> None:
-        """Look each newly waiting request up in the tiers once; promote host blocks now, start disk reads."""
+        """Look newly waiting requests up in the tiers once; promote host blocks now, start disk reads.
+
+        Only requests near the head of the queue, whose prompts fit in the room the pool has now:
+        promoting for a whole burst at once would have the burst's blocks evict one another before
+        any of its requests is admitted.
+        """
         if not enable_prefix_caching:
             return
+        room = self.cache.pool.num_free_blocks + self.cache.num_reclaimable_blocks
         for request in waiting:
+            room -= -(-request.num_prompt_tokens // self.block_size)
+            if room < 0:
+                return  # it would not be admitted this step: look it up when its turn comes
             if request.request_id in self.fetches or request.num_cached_tokens >= 0:
                 continue  # looked up already, or admitted before (a preempted request)
             keys = self.keyer.extend(request.block_keys, request.scope_digest, request.token_ids,
@@ -138,10 +147,12 @@ class TieredKV:
         plan = plan_fetch(runs, self.block_bytes, self.prefill_seconds_per_token, self.block_size,
                           {name: tier.read_cost for name, tier in self.tiers.items()})
         start = fetch.start
-        for name, _ in runs:
+        for name, found in runs:
             count = plan.num_fetch_blocks_by_tier.get(name, 0)
             if not count:
-                return
+                if found:
+                    return  # the planner stops here: what follows is recomputed
+                continue  # this tier has none of the run: the next one may
             chunk = keys[start:start + count]
             if name not in SYNCHRONOUS_TIERS:
                 fetch.pending, fetch.pending_keys, fetch.pending_start = self.tiers[name].fetch(chunk), chunk, start
