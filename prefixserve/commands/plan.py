@@ -1,0 +1,166 @@
+"""`prefixserve plan tiers`: measure what the planners in plan/ (pure computation) take as numbers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from .paths import output_path
+from .simulate import LOG_FORMAT
+
+
+PLAN_TIERS_SUMMARY = ("print per KV tier (host, disk) the prefix length above which fetching beats recomputing, "
+                      "for this machine and model (measured) and for a stated GPU profile, beside the literature's "
+                      "figure")
+READ_SIZES_BLOCKS = (1, 8, 32, 125)  # runs timed per tier: 125 blocks of 16 are the 2,000-token reference prefix
+READ_REPEATS = 5
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..config import DTYPES, EngineConfig
+
+    actions = parser.add_subparsers(dest="plan_action", required=True, metavar="ACTION")
+    tiers = actions.add_parser("tiers", help=PLAN_TIERS_SUMMARY, description=PLAN_TIERS_SUMMARY,
+                               formatter_class=parser.formatter_class, allow_abbrev=False)
+    tiers.set_defaults(usage_error=tiers.error)
+    tiers.add_argument("--model", metavar="DIR|FILE.gguf|NAME",
+                       help="checkpoint whose KV blocks and prefill are planned for: a Hugging Face directory, a "
+                            ".gguf file or a model name (default: the built-in prefixserve-tiny)")
+    tiers.add_argument("--dtype", choices=DTYPES, default="auto",
+                       help="KV dtype; auto is the engine's choice (float32 on CPU, bfloat16 on CUDA)")
+    tiers.add_argument("--block-size", type=int, default=EngineConfig.block_size, metavar="N",
+                       help="tokens per KV block, as the engine's block_size")
+    tiers.add_argument("--prefill-seconds-per-token", type=float, metavar="SECONDS",
+                       help="this engine's prefill cost per token, e.g. from 'simulate --calibrate'; skips measuring "
+                            "it (default: measured with the engine, about a minute)")
+    tiers.add_argument("--disk-dir", metavar="DIR",
+                       help="a folder on the disk to time; a temporary folder is made in it and removed "
+                            "(default: the system's temporary folder)")
+    tiers.add_argument("--json", metavar="FILE", help="also write the report here (default: no JSON)")
+    tiers.add_argument("--no-progress", action="store_true",
+                       help="no progress output while measuring prefill (a bar is drawn only on a terminal)")
+
+
+def plan(args: argparse.Namespace) -> int:
+    try:
+        return _plan_tiers(args)
+    except (OSError, ValueError) as error:
+        print(f"prefixserve plan {args.plan_action}: error: {error}", file=sys.stderr)
+        return 2
+
+
+def _plan_tiers(args: argparse.Namespace) -> int:
+    from ..config import EngineConfig
+    from ..engine.device import resolve_device, resolve_dtype
+    from ..model import DEFAULT_MODEL_NAME, ModelConfig
+    from ..model.loader import read_config_dict
+    from ..plan.tiers import (REFERENCE_PREFIX_TOKENS, Profile, format_report, gpu_profile, kv_bytes_per_token,
+                             report_json)
+    from ..tiers.disk import DISK_READ_COST
+    from ..tiers.host import HOST_READ_COST
+
+    config = EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size)  # validates both
+    if args.prefill_seconds_per_token is not None and not args.prefill_seconds_per_token > 0:
+        raise ValueError(f"--prefill-seconds-per-token must be positive seconds, got {args.prefill_seconds_per_token}")
+    json_path = output_path("--json", args.json) if args.json else None
+    if args.disk_dir and not Path(args.disk_dir).is_dir():
+        raise FileNotFoundError(f"--disk-dir {args.disk_dir}: not a folder; create it or pick another")
+    model = ModelConfig.from_hf_dict(read_config_dict(_model_dir(args.model)))
+    dtype = str(resolve_dtype(config.dtype, resolve_device(config.device))).removeprefix("torch.")
+    block_shape = (model.num_hidden_layers, 2, config.block_size, model.num_key_value_heads, model.head_dim)
+    block_bytes = kv_bytes_per_token(model.num_hidden_layers, model.num_key_value_heads, model.head_dim,
+                                     dtype) * config.block_size
+    read_costs = _measure_tier_reads(block_shape, dtype, args.disk_dir)
+    prefill, source = args.prefill_seconds_per_token, "given"
+    if prefill is None:
+        from ..engine.calibrate import measure_costs  # loads the model and runs it: the slow part
+
+        logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+        costs = measure_costs(progress=not args.no_progress, model=args.model, dtype=dtype)
+        # The mean over a reference-length prefill, attention included: what the engine's planner learns from steps.
+        prefill = (float(costs["prefill_seconds_per_token"])
+                   + float(costs["attention_seconds_per_token_pair"]) * REFERENCE_PREFIX_TOKENS / 2)
+        source = (f"measured: the mean over a {REFERENCE_PREFIX_TOKENS:,}-token prefill, attention included "
+                  f"(engine/calibrate)")
+    name = f"this machine: {args.model or DEFAULT_MODEL_NAME}, {dtype}"
+    machine = Profile(f"{name} (measured)", config.block_size, block_bytes, prefill, read_costs, (
+        f"KV: {model.num_hidden_layers} layers x 2 x {model.num_key_value_heads} KV heads x {model.head_dim} "
+        f"= {block_bytes // config.block_size:,} bytes per token; blocks of {config.block_size} tokens",
+        f"prefill: {prefill * 1e3:.3g} ms per token, {source}",
+        f"reads: runs of {', '.join(map(str, READ_SIZES_BLOCKS))} blocks, median of {READ_REPEATS}, through the "
+        f"tier's get and the record check; disk files fsynced and dropped from the page cache first (cold); the "
+        f"copy into the pool is not included",
+    ))
+    priors = Profile(f"{name}, the tiers' start-up priors (before any read is observed)", config.block_size,
+                     block_bytes, prefill, {"host": HOST_READ_COST, "disk": DISK_READ_COST})
+    gpu = gpu_profile()
+    print("\n".join(format_report([machine, priors, gpu], gpu)))
+    if json_path:
+        json_path.write_text(json.dumps(report_json([machine, priors, gpu], gpu), indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {json_path}")
+    return 0
+
+
+def _model_dir(model: Optional[str]) -> Path:
+    if model is None:
+        from ..model import ensure_default_model
+
+        return ensure_default_model()
+    from ..model.named_models import resolve_model
+
+    return resolve_model(model)
+
+
+def _measure_tier_reads(block_shape: tuple[int, ...], dtype: str, disk_dir: Optional[str]) -> dict:
+    """Latency and bandwidth of host and (cold) disk reads of real records: a chain written, then runs read back."""
+    import hashlib
+    import os
+    import statistics
+    import tempfile
+
+    from ..plan.tiers import fit_read_cost
+    from ..tiers import BlockRecord, DiskTier, HostTier, RecordExpectation, decode_record
+    from ..tiers.disk_files import record_path
+    from ..tiers.record import DTYPE_SIZES
+
+    block_size, block_bytes = block_shape[2], math.prod(block_shape) * DTYPE_SIZES[dtype]
+    scope = hashlib.sha256(b"prefixserve plan tiers").digest()
+    records, parent = [], None
+    for index in range(max(READ_SIZES_BLOCKS)):
+        key = hashlib.sha256(scope + index.to_bytes(4, "little")).digest()
+        records.append(BlockRecord(key, parent, scope, tuple(range(index * block_size, (index + 1) * block_size)),
+                                   dtype, block_shape, os.urandom(block_bytes)))
+        parent = key
+    capacity = 2 * len(records) * (block_bytes + 4096)
+    with tempfile.TemporaryDirectory(prefix="prefixserve-plan-", dir=disk_dir) as directory:
+        def drop_page_cache(chosen: list[BlockRecord]) -> None:
+            for record in chosen:
+                fd = os.open(record_path(Path(directory), record.key), os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # fsynced pages are clean: this drops them
+                finally:
+                    os.close(fd)
+
+        def time_read(tier, chosen: list[BlockRecord]) -> float:
+            if tier.name == "disk" and hasattr(os, "posix_fadvise"):
+                drop_page_cache(chosen)
+            start = time.perf_counter()
+            for record, data in zip(chosen, tier.get([record.key for record in chosen])):
+                decode_record(data, RecordExpectation(record.key, scope, record.token_ids, dtype, block_shape))
+            return time.perf_counter() - start
+
+        costs = {}
+        for tier in (HostTier(capacity), DiskTier(directory, capacity, expect_scope=scope)):
+            with tier:
+                tier.put(records)
+                samples = [(size * block_bytes, statistics.median(time_read(tier, records[:size])
+                                                                  for _ in range(READ_REPEATS)))
+                           for size in READ_SIZES_BLOCKS]
+            costs[tier.name] = fit_read_cost(samples)
+    return costs
