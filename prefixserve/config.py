@@ -38,6 +38,10 @@ class EngineConfig:
     kv_host_cache_bytes: Optional[int] = None  # host RAM for blocks evicted from the pool
     kv_disk_cache_dir: Optional[str] = None  # every computed block is also written here; survives restarts
     kv_disk_cache_bytes: Optional[int] = None  # None: DEFAULT_DISK_CACHE_BYTES when a directory is given
+    kv_remote_url: Optional[str] = None  # redis://host:port/db shared by the fleet (rediss:// and passwords work)
+    kv_remote_ttl: Optional[float] = None  # seconds a remote record lives; None: until Redis evicts it
+    kv_remote_write_bytes_per_second: Optional[int] = None  # cap on what one replica writes; None: no cap
+    kv_remote_timeout: float = 1.0  # seconds a remote read may take before it counts as a miss
     seed: int = 0
     log_stats: bool = True
 
@@ -71,6 +75,12 @@ class EngineConfig:
                 f"kv_host_cache_bytes must be positive, got {self.kv_host_cache_bytes}")
         require(self.kv_disk_cache_bytes is None or self.kv_disk_cache_bytes > 0,
                 f"kv_disk_cache_bytes must be positive, got {self.kv_disk_cache_bytes}")
+        require(self.kv_remote_url is None or self.kv_remote_url.startswith(("redis://", "rediss://", "unix://")),
+                f"kv_remote_url must be a redis:// or rediss:// URL, got {self.kv_remote_url!r}")
+        require(self.kv_remote_ttl is None or self.kv_remote_ttl > 0, f"kv_remote_ttl must be positive, got {self.kv_remote_ttl}")
+        require(self.kv_remote_write_bytes_per_second is None or self.kv_remote_write_bytes_per_second > 0,
+                f"kv_remote_write_bytes_per_second must be positive, got {self.kv_remote_write_bytes_per_second}")
+        require(self.kv_remote_timeout > 0, f"kv_remote_timeout must be positive, got {self.kv_remote_timeout}")
         require(self.kv_disk_cache_bytes is None or self.kv_disk_cache_dir is not None,
                 "kv_disk_cache_bytes needs kv_disk_cache_dir (the directory the disk tier writes to)")
 

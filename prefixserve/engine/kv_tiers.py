@@ -80,10 +80,13 @@ class TieredKV:
         self.hit_tokens: dict[str, int] = {name: 0 for name in self.tiers}
         self.fetch_latency = {name: LatencyHistogram(FETCH_BUCKETS) for name in self.tiers}
         self.fetches: dict[str, TierFetch] = {}  # request id -> its lookup
-        self._written: list[Block] = []
+        self._written: list[tuple[Block, Optional[str]]] = []  # (block just cached, tier it came from)
+        self._promoting_from: Optional[str] = None
+        # Tiers every computed block is written to, in the background: disk (durability), remote (the fleet).
+        self.write_tiers = [tier for name, tier in self.tiers.items() if name != "host"]
         if self.host is not None:
             cache.on_evict = self._spill
-        if self.disk is not None:
+        if self.write_tiers:
             cache.on_insert = self._note_written
 
     # ------------------------------------------------------------------ writing down
@@ -98,18 +101,28 @@ class TieredKV:
         self.host.put([self._record(block, self.runner.read_blocks([block.block_id])[0])])
 
     def _note_written(self, block: Block) -> None:
-        self._written.append(block)
+        self._written.append((block, self._promoting_from))
 
     def write_through(self) -> None:
-        """Blocks computed this step go to disk in the background (after the step wrote their KV)."""
+        """Blocks cached this step go to the write-through tiers in the background (their KV is written now).
+
+        A block computed here goes to every one; a block brought back from a tier is not written back to it,
+        nor to the shared remote tier (the fleet had it, or our own tiers wrote it when it was computed).
+        """
         if not self._written:
             return
-        # Blocks promoted from disk are there already.
-        blocks = [block for block in self._written if block.key is not None and not self.disk.contains([block.key])]
-        self._written = []
-        if blocks:
-            payloads = self.runner.read_blocks([block.block_id for block in blocks])
-            self.disk.put_async([self._record(block, payload) for block, payload in zip(blocks, payloads)])
+        written, self._written = self._written, []
+        payloads: dict[int, bytes] = {}
+        for tier in self.write_tiers:
+            blocks = [block for block, source in written if block.key is not None and source != tier.name
+                      and not (source is not None and tier.name == "remote")]
+            if tier is self.disk:
+                blocks = [block for block in blocks if not tier.contains([block.key])]  # a local index look-up
+            missing = [block.block_id for block in blocks if block.block_id not in payloads]
+            if missing:
+                payloads.update(zip(missing, self.runner.read_blocks(missing)))
+            if blocks:
+                tier.put_async([self._record(block, payloads[block.block_id]) for block in blocks])
 
     # ------------------------------------------------------------------ reading back
     def prepare(self, waiting: Sequence[Request], enable_prefix_caching: bool) -> None:
@@ -226,11 +239,16 @@ class TieredKV:
         fresh = blocks[start:]
         self.runner.write_blocks([block.block_id for block in fresh], payloads)
         parent = prefix[-1] if prefix else request.scope_digest
-        for offset, block in enumerate(fresh):
-            index = start + offset
-            cached = self.cache.insert(block, keys[offset], request.token_ids[index * size:(index + 1) * size], parent)
-            blocks[start + offset] = cached
-            parent = cached
+        self._promoting_from = tier_name
+        try:
+            for offset, block in enumerate(fresh):
+                index = start + offset
+                cached = self.cache.insert(block, keys[offset], request.token_ids[index * size:(index + 1) * size],
+                                           parent)
+                blocks[start + offset] = cached
+                parent = cached
+        finally:
+            self._promoting_from = None
         self.cache.release(blocks)
         fetch = self.fetches.get(request.request_id)
         if fetch is not None:
@@ -253,7 +271,7 @@ class TieredKV:
         fetch = self.fetches.get(request.request_id)
         counts = empty_breakdown(cached)
         if fetch is not None:
-            for name in ("host", "disk"):
+            for name in ("host", "disk", "remote"):
                 tokens = min(fetch.num_blocks.get(name, 0) * self.block_size, counts["device"])
                 counts[name] = tokens
                 counts["device"] -= tokens
@@ -284,11 +302,17 @@ def empty_breakdown(num_cached_tokens: int) -> dict[str, int]:
 
 
 def build_tiers(config, scope_digest: bytes) -> list[KVTier]:
-    """The tiers the configuration asks for, host first."""
+    """The tiers the configuration asks for, nearest first: host, disk, remote."""
     tiers: list[KVTier] = []
     if config.kv_host_cache_bytes:
         tiers.append(HostTier(config.kv_host_cache_bytes))
     if config.kv_disk_cache_dir:
         capacity = config.kv_disk_cache_bytes or DEFAULT_DISK_CACHE_BYTES
         tiers.append(DiskTier(config.kv_disk_cache_dir, capacity, expect_scope=scope_digest))
+    if config.kv_remote_url:
+        from ..tiers.redis import RedisTier  # imports redis only when a remote tier is configured
+
+        tiers.append(RedisTier(config.kv_remote_url, scope_digest=scope_digest, ttl_seconds=config.kv_remote_ttl,
+                               max_write_bytes_per_second=config.kv_remote_write_bytes_per_second,
+                               read_timeout=config.kv_remote_timeout))
     return tiers

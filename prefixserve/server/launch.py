@@ -80,6 +80,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: off)")
     parser.add_argument("--kv-disk-cache-bytes", metavar="BYTES", type=int, default=None,
                         help="size of the disk tier (default: 16 GiB when --kv-disk-cache-dir is given)")
+    parser.add_argument("--kv-remote-url", metavar="URL", default=None,
+                        help="redis://host:port/db shared by the fleet: every replica writes the blocks it computes "
+                             "and reads what others computed (rediss:// and a password in the URL work; default: off)")
+    parser.add_argument("--kv-remote-ttl", metavar="SECONDS", type=float, default=None,
+                        help="seconds a remote record lives (default: until Redis evicts it)")
+    parser.add_argument("--kv-remote-write-bytes-per-second", metavar="BYTES", type=int, default=None,
+                        help="cap on the bytes this replica writes to the remote tier per second (default: no cap)")
+    parser.add_argument("--kv-remote-timeout", metavar="SECONDS", type=float, default=1.0,
+                        help="a remote read slower than this counts as a miss (the request recomputes)")
     parser.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="engine and uvicorn logging")
 
 
@@ -110,6 +119,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_host_cache_bytes=args.kv_host_cache_bytes,
         kv_disk_cache_dir=args.kv_disk_cache_dir,
         kv_disk_cache_bytes=args.kv_disk_cache_bytes,
+        kv_remote_url=args.kv_remote_url,
+        kv_remote_ttl=args.kv_remote_ttl,
+        kv_remote_write_bytes_per_second=args.kv_remote_write_bytes_per_second,
+        kv_remote_timeout=args.kv_remote_timeout,
     )
 
 
