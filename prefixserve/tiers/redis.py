@@ -1,0 +1,303 @@
+"""The fleet-shared remote tier: encoded records in Redis, readable by every replica of the same scope.
+
+    key    pskv:<scope digest, hex>:<block key, hex>     in the URL's database
+    value  an encoded record (record.py), verified by the reader like a disk read
+
+Redis itself is the index; nothing is mirrored here, because other replicas write,
+and Redis evicts (maxmemory) and expires (TTL) behind this process's back. So
+`contains` asks Redis (one pipelined round trip of EXISTS per key), a key that
+vanished between `contains` and `get` is a miss, and `used_bytes` and
+`capacity_bytes` are Redis's used_memory and maxmemory. Every command names one
+key, so none can fail with CROSSSLOT under Redis Cluster's per-key routing.
+
+Faults never reach the caller and never stall it past a timeout: a failed call
+opens a back-off episode (redis_backoff.py) during which lookups miss and writes
+are dropped at once; the episode is logged when it opens and when it closes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, NamedTuple, Optional, Sequence
+
+from .base import KVTier
+from .policy import TierCost
+from .record import BlockRecord, encode_record
+from .redis_backoff import Backoff
+from .redis_client import connect, memory_advice, redacted, require_redis
+from .redis_rate import TokenBucket
+from .writer import BackgroundWriter
+
+logger = logging.getLogger("prefixserve.tiers")
+
+# A prior, refreshed by reads: a LAN round trip, and the 0.6-0.8 GB/s measured on localhost (redis-py bounds it).
+REMOTE_READ_COST = TierCost(latency_seconds=5e-4, bytes_per_second=7e8)
+BACKOFF_SECONDS = 1.0  # after a fault, calls skip Redis this long before one probe
+MEMORY_INFO_SECONDS = 1.0  # INFO memory is asked at most this often
+GET_BATCH_KEYS = 32  # per round trip: 8 MiB of 256 KiB records (8 to 32 equally fast here, 125 at once 15% slower)
+PUT_BATCH_BYTES = 8 << 20
+DEFAULT_MAX_PENDING_BYTES = 64 << 20
+KEY_PREFIX = b"pskv:"
+
+
+class MemoryInfo(NamedTuple):
+    used_bytes: int
+    max_bytes: int  # 0: no maxmemory
+    read_at: float
+
+
+class RedisTier(KVTier):
+    """No write cap by default: on this machine Redis takes about 0.85 GB/s of put_async, a CPU replica at full
+    prefill makes about 47 MB/s of KV, and the bounded queue already drops what Redis cannot take. A fleet of GPU
+    replicas, whose write-through can fill the link its reads need, should set max_write_bytes_per_second."""
+
+    name = "remote"
+
+    def __init__(self, url: str, *, scope_digest: bytes, ttl_seconds: Optional[float] = None,
+                 max_write_bytes_per_second: Optional[int] = None, connect_timeout: float = 0.5,
+                 read_timeout: float = 1.0, max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
+                 num_read_threads: int = 2) -> None:
+        redis = require_redis()
+        self._memory = MemoryInfo(0, 0, float("-inf"))  # before super().__init__, which sets capacity_bytes
+        super().__init__(0, TierCost(REMOTE_READ_COST.latency_seconds, REMOTE_READ_COST.bytes_per_second))
+        if ttl_seconds is not None and ttl_seconds <= 0:
+            raise ValueError(f"ttl_seconds must be positive (or None: no expiry), got {ttl_seconds}")
+        if connect_timeout <= 0 or read_timeout <= 0:
+            raise ValueError(f"timeouts must be positive, got connect {connect_timeout}, read {read_timeout}")
+        self.url = redacted(url)
+        self.scope_digest = scope_digest
+        self.ttl_ms = None if ttl_seconds is None else max(1, round(ttl_seconds * 1000))
+        self._prefix = KEY_PREFIX + scope_digest.hex().encode() + b":"
+        self._client = connect(url, connect_timeout, read_timeout)
+        self._faults: tuple[type[BaseException], ...] = (redis.RedisError, OSError)  # end a call: an episode
+        self._out_of_memory = redis.exceptions.OutOfMemoryError  # one command refused: Redis is full
+        self._backoff = Backoff(BACKOFF_SECONDS)
+        self._rate = None if max_write_bytes_per_second is None else TokenBucket(max_write_bytes_per_second)
+        self._pending_bytes = 0  # accepted by put_async, not yet written or dropped
+        self._writer = BackgroundWriter(self._write_batch, max_pending_bytes, "prefixserve-remote-writer")
+        self._readers = ThreadPoolExecutor(num_read_threads, thread_name_prefix="prefixserve-remote-reader")
+        self._check_server()
+
+    # ------------------------------------------------------------------ reads
+    def contains(self, keys: Sequence[bytes]) -> int:
+        """Length of the leading run of `keys` in Redis: one pipelined round trip, whatever the length."""
+        if not keys:
+            return 0
+        replies = self._pipeline("contains", lambda pipe: [pipe.exists(self._name(key)) for key in keys])
+        run = 0
+        for reply in replies or ():
+            if reply != 1:  # 0, or an error reply: absent either way
+                break
+            run += 1
+        return run
+
+    def get(self, keys: Sequence[bytes]) -> list[Optional[bytes]]:
+        """Records in pipelined batches; a read refreshes the record's TTL, so what is in use stays."""
+        start = time.perf_counter()
+        results: list[Optional[bytes]] = [None] * len(keys)
+        for offset in range(0, len(keys), GET_BATCH_KEYS):
+            batch = keys[offset : offset + GET_BATCH_KEYS]
+            replies = self._pipeline("get", lambda pipe: [self._read(pipe, self._name(key)) for key in batch])
+            if replies is None:  # a fault: the rest would only wait for the same timeout
+                break
+            for index, reply in enumerate(replies):
+                if isinstance(reply, bytes):
+                    results[offset + index] = reply
+        num_hits = sum(data is not None for data in results)
+        num_bytes = sum(len(data) for data in results if data is not None)
+        self._count(hits=num_hits, misses=len(keys) - num_hits, bytes_read=num_bytes)
+        if num_bytes:
+            self.read_cost.observe(num_bytes, time.perf_counter() - start)
+        return results
+
+    def fetch(self, keys: Sequence[bytes]) -> "Future[list[Optional[bytes]]]":
+        """`get` on a reader thread, so the engine's step never waits for the network."""
+        try:
+            return self._readers.submit(self.get, list(keys))
+        except RuntimeError:  # closed: read in the caller
+            return super().fetch(keys)
+
+    def keys(self) -> list[bytes]:
+        """Every key of this scope in Redis (SCAN: this replica's and every other's)."""
+        names = self._call("keys", lambda: list(self._client.scan_iter(match=self._prefix + b"*", count=1000)))
+        return [bytes.fromhex(name[len(self._prefix):].decode("ascii")) for name in names or ()]
+
+    @property
+    def used_bytes(self) -> int:
+        """Redis's used_memory (every scope's records and Redis's own overhead), at most a second old."""
+        return self._memory_info().used_bytes
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Redis's maxmemory, at most a second old; 0 when Redis has no limit."""
+        return self._memory_info().max_bytes
+
+    @capacity_bytes.setter
+    def capacity_bytes(self, value: int) -> None:  # KVTier.__init__ sets it; Redis's INFO replaces it
+        self._memory = self._memory._replace(max_bytes=value)
+
+    # ----------------------------------------------------------------- writes
+    def put(self, records: Sequence[BlockRecord]) -> None:
+        self._write(list(records))
+
+    def _put_one(self, record: BlockRecord) -> bool:
+        return self._write([record]) == 1
+
+    def put_async(self, records: Sequence[BlockRecord]) -> None:
+        """Queue records for the writer thread; never blocks. Dropped (and counted): what does not fit the
+        queue, and everything while Redis is backing off."""
+        num_accepted = 0 if self._backoff.is_backing_off else self._writer.submit(records)
+        with self._lock:
+            self._pending_bytes += sum(len(record.payload) for record in records[:num_accepted])
+        if num_accepted < len(records):
+            self._count(dropped_puts=len(records) - num_accepted)
+            if not self._backoff.is_backing_off:
+                self._log_once("queue", "full", "remote tier: write queue full (or closed); %d records dropped. "
+                               "Redis or the network is slower than this replica's writes", len(records) - num_accepted)
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def delete(self, keys: Sequence[bytes]) -> None:
+        for offset in range(0, len(keys), GET_BATCH_KEYS):
+            batch = keys[offset : offset + GET_BATCH_KEYS]  # DEL per key: a multi-key DEL is CROSSSLOT on a cluster
+            self._pipeline("delete", lambda pipe: [pipe.delete(self._name(key)) for key in batch])
+
+    def close(self) -> None:
+        self._writer.close()
+        self._readers.shutdown(wait=True)
+        self._client.close()
+
+    def check_integrity(self) -> None:
+        """What can be checked here (Redis holds the rest): counters non-negative, nothing left to write.
+        Call after `flush`, with no operation in flight."""
+        with self._lock:
+            for counter, value in vars(self._stats).items():
+                assert value >= 0, f"stats.{counter} is {value}"
+            assert self._pending_bytes == 0, f"{self._pending_bytes} bytes accepted by put_async are still unwritten"
+
+    def _write_batch(self, records: list[BlockRecord]) -> None:
+        try:
+            self._write(records)
+        finally:
+            with self._lock:
+                self._pending_bytes -= sum(len(record.payload) for record in records)
+
+    def _write(self, records: list[BlockRecord]) -> int:
+        """Store what Redis lacks, within the rate cap; returns how many of `records` Redis now holds."""
+        if not records:
+            return 0
+        # EXISTS, or with a TTL PEXPIRE, which also renews a present record's TTL: one round trip either way.
+        present = self._pipeline("put", lambda pipe: [self._touch(pipe, self._name(record.key)) for record in records])
+        if present is None:
+            self._count(dropped_puts=len(records))
+            return 0
+        missing = [record for record, reply in zip(records, present) if reply != 1]  # another replica may have it
+        num_stored = len(records) - len(missing)
+        batches = self._encode_within_cap(missing)
+        for index, batch in enumerate(batches):
+            replies = self._pipeline("put", lambda pipe: [pipe.set(name, data, px=self.ttl_ms) for name, data in batch])
+            if replies is None:
+                self._count(dropped_puts=sum(len(rest) for rest in batches[index:]))
+                break
+            stored = [len(data) for (_, data), reply in zip(batch, replies) if reply is True]
+            self._count(bytes_written=sum(stored), dropped_puts=len(batch) - len(stored))
+            num_stored += len(stored)
+        return num_stored
+
+    def _encode_within_cap(self, records: list[BlockRecord]) -> list[list[tuple[bytes, bytes]]]:
+        """(name, encoded record) in batches of at most PUT_BATCH_BYTES; what the rate cap refuses is dropped,
+        and so is every record whose parent was, since it could never be part of a leading run."""
+        batches: list[list[tuple[bytes, bytes]]] = []
+        batch_bytes, dropped = PUT_BATCH_BYTES, set()
+        for record in records:
+            data = encode_record(record)
+            if record.parent_key in dropped or (self._rate is not None and not self._rate.try_take(len(data))):
+                dropped.add(record.key)
+                continue
+            if batch_bytes + len(data) > PUT_BATCH_BYTES:
+                batches.append([])
+                batch_bytes = 0
+            batches[-1].append((self._name(record.key), data))
+            batch_bytes += len(data)
+        if dropped:
+            self._count(dropped_puts=len(dropped))
+            self._log_once("put", "rate", "remote tier: the write cap (%d bytes/s) dropped records (counted in "
+                           "dropped_puts). Raise kv_remote_write_bytes_per_second if Redis and the network have room",
+                           self._rate.bytes_per_second if self._rate is not None else 0, level=logging.INFO)
+        return batches
+
+    # ---------------------------------------------------------------- helpers
+    def _name(self, key: bytes) -> bytes:
+        return self._prefix + key.hex().encode("ascii")
+
+    def _read(self, pipe: Any, name: bytes) -> Any:
+        return pipe.get(name) if self.ttl_ms is None else pipe.getex(name, px=self.ttl_ms)
+
+    def _touch(self, pipe: Any, name: bytes) -> Any:
+        return pipe.exists(name) if self.ttl_ms is None else pipe.pexpire(name, self.ttl_ms)
+
+    def _pipeline(self, operation: str, queue: Callable[[Any], object]) -> Optional[list[Any]]:
+        """Queue commands on a pipeline and run them in one round trip; None on a fault or while backing off.
+        A command Redis refused (OOM, READONLY, WRONGTYPE) comes back as its error, counted and logged once."""
+        def run() -> list[Any]:
+            pipe = self._client.pipeline(transaction=False)
+            queue(pipe)
+            return pipe.execute(raise_on_error=False)
+
+        replies = self._call(operation, run)
+        for reply in replies or ():
+            if isinstance(reply, Exception):
+                self._count(errors=1)
+                fix = ("set maxmemory-policy allkeys-lru, so Redis evicts instead of refusing writes"
+                       if isinstance(reply, self._out_of_memory) else
+                       "point kv_remote_url at a writable primary and a database used only by prefixserve")
+                self._log_once(operation, type(reply).__name__, "remote tier: Redis at %s refused a %s command "
+                               "(%s: %s). Fix: %s", self.url, operation, type(reply).__name__, reply, fix)
+        return replies
+
+    def _call(self, operation: str, call: Callable[[], Any]) -> Any:
+        """`call()`, or None while backing off or on a fault (which opens or extends an episode)."""
+        if not self._backoff.try_begin():
+            return None
+        try:
+            result = call()
+        except self._faults as error:
+            self._count(errors=1)
+            if self._backoff.failed():
+                logger.warning(
+                    "remote tier: Redis at %s failed during %s (%s: %s); lookups miss and writes are dropped until it "
+                    "answers again (retried every %.0f s, faults counted in stats.errors). Fix: check that redis-server "
+                    "is running and reachable, and the URL's host, port, database and password", self.url, operation,
+                    type(error).__name__, error, BACKOFF_SECONDS)
+            return None
+        episode = self._backoff.succeeded()
+        if episode is not None:
+            logger.warning("remote tier: Redis at %s answers again after %.1f s (%d failed calls)", self.url,
+                           episode.seconds, episode.num_faults)
+        return result
+
+    def _memory_info(self) -> MemoryInfo:
+        with self._lock:
+            memory = self._memory
+            if time.monotonic() - memory.read_at < MEMORY_INFO_SECONDS:
+                return memory
+            self._memory = memory._replace(read_at=time.monotonic())  # one asker per second, even on a fault
+        info = self._read_memory("info")
+        return memory if info is None else self._memory
+
+    def _read_memory(self, operation: str) -> Optional[dict]:
+        info = self._call(operation, lambda: self._client.info("memory"))
+        if info is not None:
+            with self._lock:
+                self._memory = MemoryInfo(int(info["used_memory"]), int(info["maxmemory"]), time.monotonic())
+        return info
+
+    def _check_server(self) -> None:
+        """Warn about Redis settings that make it a poor cache (a Redis that is down opens an episode instead)."""
+        info = self._read_memory("start")
+        advice = None if info is None else memory_advice(info, self.ttl_ms is not None)
+        if advice is not None:
+            logger.warning("remote tier: Redis at %s %s", self.url, advice)
