@@ -6,6 +6,8 @@ import os
 
 import pytest
 
+from redis_helpers import redis_server  # noqa: F401 (a fixture: each test its own redis-server)
+
 
 @pytest.fixture(scope="session", autouse=True)
 def private_model_cache(tmp_path_factory):
