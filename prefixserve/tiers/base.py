@@ -13,7 +13,8 @@ from __future__ import annotations
 import abc
 import logging
 import threading
-from concurrent.futures import Future
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
@@ -51,6 +52,7 @@ class KVTier(abc.ABC):
         self._stats = TierStats()
         self._logged_failures: set[tuple[str, str]] = set()
         self._lru = LeafFirstLRU()  # every key present, with sizes, recency and children: under `_lock`
+        self._readers: Optional[ThreadPoolExecutor] = None  # set by tiers whose reads are slow (disk, remote)
 
     # ---------------------------------------------------------------- interface
     def contains(self, keys: Sequence[bytes]) -> int:
@@ -107,7 +109,13 @@ class KVTier(abc.ABC):
             return replace(self._stats)
 
     def fetch(self, keys: Sequence[bytes]) -> "Future[list[Optional[bytes]]]":
-        """`get` without blocking the caller; here already done, a tier with slow reads overrides it."""
+        """`get` without blocking the caller: on the tier's reader threads when it has them (slow reads),
+        else done at once."""
+        if self._readers is not None:
+            try:
+                return self._readers.submit(self.get, list(keys))
+            except RuntimeError:  # closed: read in the caller
+                pass
         future: Future[list[Optional[bytes]]] = Future()
         try:
             future.set_result(self.get(keys))
@@ -121,6 +129,15 @@ class KVTier(abc.ABC):
 
     def flush(self) -> None:
         """Wait until everything `put_async` accepted is stored."""
+
+    def _account_reads(self, results: list[Optional[bytes]], started: float) -> list[Optional[bytes]]:
+        """Count a `get`'s hits, misses and bytes, and teach `read_cost` how long it took; returns `results`."""
+        num_hits = sum(data is not None for data in results)
+        num_bytes = sum(len(data) for data in results if data is not None)
+        self._count(hits=num_hits, misses=len(results) - num_hits, bytes_read=num_bytes)
+        if num_bytes:
+            self.read_cost.observe(num_bytes, time.perf_counter() - started)
+        return results
 
     def reject(self, key: bytes, reason: str) -> None:
         """A record read from this tier failed verification (RecordError.reason): delete it and count it."""

@@ -20,7 +20,7 @@ import errno
 import logging
 import os
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
@@ -71,19 +71,7 @@ class DiskTier(KVTier):
         results: list[Optional[bytes]] = [None] * len(keys)
         for index, entry in present:
             results[index] = self._read(entry)
-        num_hits = sum(data is not None for data in results)
-        num_bytes = sum(len(data) for data in results if data is not None)
-        self._count(hits=num_hits, misses=len(keys) - num_hits, bytes_read=num_bytes)
-        if num_bytes:
-            self.read_cost.observe(num_bytes, time.perf_counter() - start)
-        return results
-
-    def fetch(self, keys: Sequence[bytes]) -> "Future[list[Optional[bytes]]]":
-        """`get` on a reader thread, so the engine's step does not wait for the disk."""
-        try:
-            return self._readers.submit(self.get, list(keys))
-        except RuntimeError:  # closed: read in the caller
-            return super().fetch(keys)
+        return self._account_reads(results, start)
 
     # ----------------------------------------------------------------- writes
     def put_async(self, records: Sequence[BlockRecord]) -> None:

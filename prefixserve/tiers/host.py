@@ -33,12 +33,7 @@ class HostTier(KVTier):
                 if data is not None:
                     self._lru.touch(self._lru.get(key))
                 results.append(data)
-            num_hits = sum(data is not None for data in results)
-            num_bytes = sum(len(data) for data in results if data is not None)
-            self._count_locked(hits=num_hits, misses=len(results) - num_hits, bytes_read=num_bytes)
-        if num_bytes:
-            self.read_cost.observe(num_bytes, time.perf_counter() - start)
-        return results
+        return self._account_reads(results, start)
 
     def _put_one(self, record: BlockRecord) -> bool:
         with self._lock:

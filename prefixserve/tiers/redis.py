@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 from .base import KVTier
@@ -105,19 +105,7 @@ class RedisTier(KVTier):
             for index, reply in enumerate(replies):
                 if isinstance(reply, bytes):
                     results[offset + index] = reply
-        num_hits = sum(data is not None for data in results)
-        num_bytes = sum(len(data) for data in results if data is not None)
-        self._count(hits=num_hits, misses=len(keys) - num_hits, bytes_read=num_bytes)
-        if num_bytes:
-            self.read_cost.observe(num_bytes, time.perf_counter() - start)
-        return results
-
-    def fetch(self, keys: Sequence[bytes]) -> "Future[list[Optional[bytes]]]":
-        """`get` on a reader thread, so the engine's step never waits for the network."""
-        try:
-            return self._readers.submit(self.get, list(keys))
-        except RuntimeError:  # closed: read in the caller
-            return super().fetch(keys)
+        return self._account_reads(results, start)
 
     def keys(self) -> list[bytes]:
         """Every key of this scope in Redis (SCAN: this replica's and every other's)."""
