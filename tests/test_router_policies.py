@@ -9,6 +9,7 @@ from prefixserve.cache import BlockKeyer, CacheScope, EventQueue, RadixCache
 from prefixserve.router.policies import (
     POLICIES, ConsistentHash, KVAware, PolicyOptions, PrefixMirror, RouteRequest, make_policy,
 )
+from prefixserve.tiers import TierCost
 
 SCOPE = CacheScope("model", "tokenizer").digest
 KEYER = BlockKeyer(1)
@@ -185,3 +186,103 @@ def test_prefix_mirror_follows_the_replicas_events():
     for event in events.drain():
         mirror.apply(event)
     assert mirror.num_hit_blocks(request) == 0
+
+
+# ------------------------------------------------------------ kv_aware and the tiers below the pool
+@dataclass
+class TieredReplica:
+    """A view that also reports its lower-tier run and, optionally, its prefill queue."""
+
+    name: str
+    load: float = 0.0
+    hits: int = 0
+    run: tuple = ()
+
+    def num_hit_blocks(self, request):
+        return self.hits
+
+    def lower_tier_run(self, request):
+        return list(self.run)
+
+
+@dataclass
+class QueuedReplica(FakeReplica):
+    queue_seconds: float = 0.0
+
+
+def tier_options(remote_seconds_per_block=0.001, remote_latency=0.01):
+    """Blocks of 512 tokens: recompute 0.0512 s a block (1e-4 s a token), weighted 0.1 s; 512,000 bytes a block."""
+    return PolicyOptions(miss_token_seconds=0.1 / 512, balance_slack_seconds=100.0, prefill_seconds_per_token=1e-4,
+                         kv_bytes_per_token=1000,
+                         tier_costs={"host": TierCost(0.001, 512e6),
+                                     "remote": TierCost(remote_latency, 512_000 / remote_seconds_per_block)})
+
+
+def test_kv_aware_moves_a_request_to_an_idle_replica_that_can_fetch_its_prefix():
+    request = request_of(list(range(10)))  # 9 blocks can hit, the last is always computed
+    busy_holder = TieredReplica("r0", load=0.5, hits=9)  # 0.5 + 1 x 0.1 = 0.6
+    idle_fetcher = TieredReplica("r1", run=(("remote", 9),))  # 0.01 + 9 x 0.001 + 1 x 0.1 = 0.119
+    policy = KVAware(tier_options())
+    assert policy.missing_seconds(request, idle_fetcher) == pytest.approx(0.119)
+    assert policy.missing_seconds(request, busy_holder) == pytest.approx(0.1)
+    assert policy.choose(request, [busy_holder, idle_fetcher]) == 1
+    # the same idle replica without the remote run recomputes all 10 blocks: 1.0 > 0.6, so wait for the holder
+    assert policy.choose(request, [busy_holder, TieredReplica("r1")]) == 0
+
+
+def test_kv_aware_prices_a_run_as_the_engines_planner_fetches_it():
+    request = request_of(list(range(10)))
+    # host 3 blocks (0.001 + 3 x 0.001) then remote 6 (0.01 + 6 x 0.001): both fetched, 1 block computed
+    mixed = TieredReplica("r0", run=(("host", 3), ("remote", 6)))
+    assert KVAware(tier_options()).missing_seconds(request, mixed) == pytest.approx(0.004 + 0.016 + 0.1)
+    # a remote slower per block (0.06 s) than recomputing (0.0512 s) is never fetched: host only, 7 computed
+    slow = KVAware(tier_options(remote_seconds_per_block=0.06))
+    assert slow.missing_seconds(request, mixed) == pytest.approx(0.004 + 7 * 0.1)
+    assert slow.choose(request, [TieredReplica("r0", load=0.5, hits=9), TieredReplica("r1", run=(("remote", 9),))]) == 0
+    # without tier costs (the HTTP router's options today) a run is ignored, and views without runs still work
+    plain = KVAware(kv_options(block_seconds=0.1))
+    assert plain.missing_seconds(request, mixed) == pytest.approx(1.0)
+    assert make_policy("kv_aware", tier_options()).choose(request, fleet([0.5, 0.0], [9, 0])) == 0
+
+
+def test_kv_aware_waits_on_the_prefill_queue_when_the_view_knows_it():
+    request = request_of(list(range(10)))
+    options = kv_options(block_seconds=0.1, slack=100.0)
+    # 5 s of load, but only 0.1 s of it is prefill ahead in the queue (the rest is decoding): 0.2 < 1.0
+    decoding_holder = QueuedReplica("r0", load=5.0, hits=9, queue_seconds=0.1)
+    assert KVAware(options).choose(request, [decoding_holder, FakeReplica("r1")]) == 0
+    assert KVAware(options).choose(request, [FakeReplica("r0", 5.0, 9), FakeReplica("r1")]) == 1
+
+
+def test_kv_aware_guard_falls_back_to_the_cheapest_replica_under_the_limit():
+    policy = KVAware(kv_options(block_seconds=1.0, threshold=1.5, slack=2.5))
+    request = request_of(list(range(10)))
+    # replica 0 holds 9 blocks but is over the limit (4.09); of the rest, replica 2 holds 5: not least loaded 1
+    assert policy.choose(request, fleet([4.25, 0.0, 0.25, 0.0], [9, 0, 5, 0])) == 2
+    assert policy.num_fallbacks == 1
+
+
+class MirroredReplica:
+    """Idle, with a mirror the router updates as it routes (as router/fleet.py does)."""
+
+    def __init__(self, name):
+        self.name, self.load, self.mirror = name, 0.0, PrefixMirror()
+
+    def num_hit_blocks(self, request):
+        return self.mirror.num_hit_blocks(request)
+
+
+def test_kv_aware_spreads_new_prefixes_over_an_idle_fleet_then_keeps_them_sticky():
+    policy = make_policy("kv_aware")
+    replicas = [MirroredReplica(f"r{i}") for i in range(4)]
+    prefixes = [request_of([100 * p + i for i in range(6)]) for p in range(8)]
+
+    def route(request):
+        index = policy.choose(request, replicas)
+        replicas[index].mirror.keys.update(request.keys)
+        return index
+
+    # one at a time on an idle fleet (every cost ties): the least recently chosen replica, not always replica 0
+    assert [route(request) for request in prefixes] == [0, 1, 2, 3, 0, 1, 2, 3]
+    # the same prefixes again, in another order: each back to the replica that holds it
+    assert [route(prefixes[p]) for p in (5, 2, 7, 0)] == [1, 2, 3, 0]

@@ -97,7 +97,9 @@ def test_kv_aware_beats_round_robin_on_agent_sessions(agent_run):
     # round robin scatters each session's turns, so most turns recompute history another replica holds
     assert round_robin.num_prefill_tokens >= 4 * kv_aware.num_prefill_tokens
     assert bound.hit_rate - 0.05 <= kv_aware.hit_rate <= bound.hit_rate
-    assert kv_aware.load_imbalance < 1.5
+    # at this load (no queueing) kv_aware keeps sessions where their history is rather than evening out
+    # busy time; the balance it keeps under saturating load is asserted in test_router_simulate_load.py
+    assert kv_aware.ttft_p99 < round_robin.ttft_p99
     assert round_robin.hit_rate <= bound.hit_rate
     assert kv_aware.num_requests == len(trace) and kv_aware.num_failed_allocations == 0
 
@@ -311,6 +313,12 @@ def test_calibrate_writes_a_cost_model_the_simulator_loads(tmp_path, default_mod
     cost = CostModel.load(path)
     assert cost.prefill_seconds_per_token > 0 and cost.decode_seconds_per_token > 0
     assert cost.description.startswith("calibrated: prefixserve-tiny")
+    assert cost.description.endswith("; host and disk reads measured, remote stated")
+    # the tiers were timed on this machine with the built-in model's records, the remote keeps its stated cost
+    assert 0 < cost.kv_bytes_per_token < CostModel().kv_bytes_per_token
+    assert (cost.host_bytes_per_second, cost.disk_bytes_per_second) != (CostModel().host_bytes_per_second,
+                                                                       CostModel().disk_bytes_per_second)
+    assert cost.remote_bytes_per_second == CostModel().remote_bytes_per_second
     assert capsys.readouterr().out.startswith(f"wrote {path}: ")
     steps = [record.getMessage() for record in caplog.records if record.name == "prefixserve.calibrate"]
     assert steps[0] == "calibrating (1/6): loading the model ..." and len(steps) == 6  # not a terminal: lines

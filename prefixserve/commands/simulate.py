@@ -1,5 +1,6 @@
 """`prefixserve simulate`: replay a trace over simulated replicas (router/simulate.py) and report,
-or `--calibrate` this engine's costs for the replay (engine/calibrate.py)."""
+or `--calibrate` this engine's costs for the replay (engine/calibrate.py, and the tier reads that
+`prefixserve plan tiers` times)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,16 @@ import json
 import logging
 import sys
 import time
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from .paths import int_list, output_path
+
+if TYPE_CHECKING:  # the router's modules load only when a replay runs
+    from ..router.policies import RouteRequest
+    from ..router.simulate import SimulationConfig
+    from ..router.traces import Trace
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -23,14 +32,26 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
                              "synthetic (Mooncake, 3,993 long-context requests), agent (seeded agent sessions); "
                              "or a Mooncake trace file, .jsonl or .jsonl.gz. Required unless --calibrate is given")
     parser.add_argument("--calibrate", metavar="COSTS_JSON",
-                        help="measure the real engine (built-in model) on this machine, write its cost model to "
-                             "this file and exit (about a minute)")
+                        help="measure the real engine (built-in model) and this machine's host and disk tier reads, "
+                             "write the cost model to this file and exit (about a minute); the remote tier keeps "
+                             "its stated cost")
     parser.add_argument("--replicas", type=int, default=8, metavar="N", help="simulated replicas")
     parser.add_argument("--policies", default=",".join(POLICIES), metavar="NAME,...",
                         help="routing policies to compare, comma-separated")
     parser.add_argument("--capacity-blocks", type=int, default=DEFAULT_CAPACITY_BLOCKS,
                         metavar="N", help="KV cache per replica in 512-token trace blocks (default: %(default)s, "
                                           "what an 8B model leaves on an 80 GB GPU)")
+    parser.add_argument("--host-blocks", type=int, default=0, metavar="N",
+                        help="host-memory tier per replica in trace blocks: blocks evicted from the pool spill "
+                             "there (default: 0, none)")
+    parser.add_argument("--disk-blocks", type=int, default=0, metavar="N",
+                        help="disk tier per replica in trace blocks: every computed block is written through "
+                             "(default: 0, none)")
+    parser.add_argument("--remote-blocks", type=int, default=0, metavar="N",
+                        help="a remote tier the whole fleet shares, in trace blocks: every replica writes the "
+                             "blocks it computes, every replica reads. The header gives the trace's working set; "
+                             "with it the replay runs twice, without and with the remote tier, and reports the "
+                             "lift (default: 0, none)")
     parser.add_argument("--costs", metavar="COSTS_JSON",
                         help="cost model, as a --calibrate run writes it "
                              "(default: an estimate of Llama-3-8B on one H100)")
@@ -38,11 +59,15 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", metavar="PNG", default="simulate_policies.png",
                         help="PNG comparing the policies; its path is printed")
     parser.add_argument("--no-plot", action="store_true", help="write no PNG")
-    parser.add_argument("--sweep", choices=["capacity"],
-                        help="also replay at several cache sizes and print hit rate against capacity "
-                             "(default: no sweep)")
+    parser.add_argument("--sweep", choices=["capacity", "load"],
+                        help="capacity: also replay at several cache sizes and print hit rate against capacity; "
+                             "load: replay the agent trace (--trace agent) at several loads and print each "
+                             "policy's hit rate and TTFT (default: no sweep)")
     parser.add_argument("--sweep-capacities", metavar="N,N,...",
                         help="block counts of the sweep (default: --capacity-blocks x 1/8, 1/4, 1/2, 1, 2, 4)")
+    parser.add_argument("--sweep-loads", metavar="X,X,...", default="0.5,1,2,4",
+                        help="load factors of the load sweep: the agent trace's sessions and their start rate "
+                             "times X (default: %(default)s, light to saturating for 8 replicas)")
     parser.add_argument("--sweep-plot", metavar="PNG",
                         help="PNG of the sweep (default: beside --plot, named <plot>_sweep.png)")
     parser.add_argument("--seed", type=int, default=0, metavar="N",
@@ -71,17 +96,51 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     path = output_path("--calibrate", args.calibrate)
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)  # model generation and loading say what they do
-    cost = CostModel(**measure_costs(progress=not args.no_progress))
+    measured = measure_costs(progress=not args.no_progress)
+    tiers = _measure_tiers()
+    measured["description"] = f"{measured['description']}; host and disk reads measured, remote stated"
+    cost = CostModel(**measured, **tiers)
     cost.save(path)
     print(f"wrote {path}: {cost}")
     return 0
 
 
+def _measure_tiers() -> dict[str, float]:
+    """KV bytes per token of the built-in model and its host and (cold) disk read costs, as `plan tiers` times them."""
+    from ..config import EngineConfig
+    from ..engine.device import resolve_device, resolve_dtype
+    from ..model import ModelConfig, ensure_default_model
+    from ..model.loader import read_config_dict
+    from ..plan.tiers import kv_bytes_per_token
+    from .plan import _measure_tier_reads
+
+    config = EngineConfig()  # what measure_costs ran: the built-in model, the engine's dtype
+    model = ModelConfig.from_hf_dict(read_config_dict(ensure_default_model()))
+    dtype = str(resolve_dtype(config.dtype, resolve_device(config.device))).removeprefix("torch.")
+    block_shape = (model.num_hidden_layers, 2, config.block_size, model.num_key_value_heads, model.head_dim)
+    reads = _measure_tier_reads(block_shape, dtype, None)
+    fields = {"kv_bytes_per_token": float(kv_bytes_per_token(model.num_hidden_layers, model.num_key_value_heads,
+                                                             model.head_dim, dtype))}
+    for tier in ("host", "disk"):
+        fields[f"{tier}_latency_seconds"] = reads[tier].latency_seconds
+        fields[f"{tier}_bytes_per_second"] = reads[tier].bytes_per_second
+    return fields
+
+
+def _float_list(text: str, flag: str) -> list[float]:
+    try:
+        values = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated numbers, got {text!r}") from None
+    if not values or not min(values) > 0:
+        raise ValueError(f"{flag} must list positive numbers, got {text!r}")
+    return values
+
+
 def _replay(args: argparse.Namespace) -> int:
     from ..router.costs import CostModel
     from ..router.policies import make_policy
-    from ..router.report import format_table, plot_capacity_sweep, plot_policies, results_to_json
-    from ..router.simulate import SimulationConfig, capacity_sweep, compare_policies
+    from ..router.simulate import SimulationConfig, prepare_routes
     from ..router.traces import load_trace
 
     policies = [name.strip() for name in args.policies.split(",") if name.strip()]
@@ -89,33 +148,96 @@ def _replay(args: argparse.Namespace) -> int:
         raise ValueError(f"--policies names no policy ({args.policies!r})")
     for name in policies:
         make_policy(name)  # an unknown name fails before the trace loads
+    if args.sweep == "load" and args.trace != "agent":
+        raise ValueError(f"--sweep load replays the generated agent trace at several loads; give --trace agent "
+                         f"(got --trace {args.trace})")
     json_path = output_path("--json", args.json) if args.json else None
     plot_path = None if args.no_plot else output_path("--plot", args.plot)
     sweep_plot = args.sweep_plot or (plot_path.with_name(plot_path.stem + "_sweep.png") if plot_path else None)
     sweep_plot = output_path("--sweep-plot", sweep_plot) if args.sweep and sweep_plot else None
+    lift_plot = plot_path.with_name(plot_path.stem + "_lift.png") if plot_path and args.remote_blocks else None
     capacities = (int_list(args.sweep_capacities, "--sweep-capacities") if args.sweep_capacities
                   else [max(1, args.capacity_blocks * factor // 8) for factor in (1, 2, 4, 8, 16, 32)])
+    loads = _float_list(args.sweep_loads, "--sweep-loads")
     cost = CostModel.load(args.costs) if args.costs else CostModel()
-    config = SimulationConfig(args.replicas, args.capacity_blocks, cost, args.seed, progress=not args.no_progress)
+    config = SimulationConfig(args.replicas, args.capacity_blocks, cost, host_blocks=args.host_blocks,
+                              disk_blocks=args.disk_blocks, remote_blocks=args.remote_blocks, seed=args.seed,
+                              progress=not args.no_progress)
     trace = load_trace(args.trace, args.limit, args.seed)
+    routes = prepare_routes(trace)
+    written = _compare(trace, routes, policies, config, json_path, plot_path, lift_plot)
+    if args.sweep == "capacity":
+        written += _capacity_sweep(trace, policies, capacities, config, sweep_plot)
+    elif args.sweep == "load":
+        written += _load_sweep(policies, loads, config, sweep_plot)
+    for path in written:
+        print(f"wrote {path}")
+    return 0
+
+
+def _compare(trace: Trace, routes: Sequence[RouteRequest], policies: list[str], config: SimulationConfig,
+             json_path: Optional[Path], plot_path: Optional[Path], lift_plot: Optional[Path]) -> list[Path]:
+    """The policy table (twice with a remote tier: local only, then with it); returns the files written."""
+    from ..router.report import format_table, plot_policies, plot_tier_lift, results_to_json
+    from ..router.simulate import compare_policies, working_set_blocks
 
     began = time.perf_counter()
-    results = compare_policies(trace, policies, config)
+    results = compare_policies(trace, policies, config, routes)
+    local = None
+    if config.remote_blocks:
+        local = compare_policies(trace, policies, replace(config, remote_blocks=0), routes)
+    tiers = ", ".join(f"{tier} {getattr(config, f'{tier}_blocks'):,}" for tier in config.tier_names) or "none"
     print(f"{trace.name}: {len(trace)} requests over {trace.duration:.0f} s, {config.num_replicas} replicas x "
-          f"{config.capacity_blocks} blocks of {trace.block_size} tokens ({time.perf_counter() - began:.1f} s)")
+          f"{config.capacity_blocks} blocks of {trace.block_size} tokens; tiers below the pool: {tiers} "
+          f"(working set {working_set_blocks(routes):,} blocks) ({time.perf_counter() - began:.1f} s)")
+    if local is not None:
+        print("local only (no remote tier):")
+        print(format_table(local))
+        print(f"with a remote tier of {config.remote_blocks:,} blocks shared by the fleet:")
     print(format_table(results))
     title = f"{trace.name}, {config.num_replicas} replicas"
+    written: list[Path] = []
     if json_path:
-        json_path.write_text(json.dumps(results_to_json(results), indent=2) + "\n", encoding="utf-8")
-        print(f"wrote {json_path}")
+        body = results_to_json(results)
+        if local is not None:
+            body = {"local_only": results_to_json(local), "with_remote": body}
+        json_path.write_text(json.dumps(body, indent=2) + "\n", encoding="utf-8")
+        written.append(json_path)
     if plot_path:
         plot_policies(results, plot_path, title)
-        print(f"wrote {plot_path}")
-    if args.sweep == "capacity":
-        sweep = capacity_sweep(trace, policies, capacities, config)
-        for capacity, rows in sweep.items():
-            print(f"capacity {capacity}: " + ", ".join(f"{r.policy} {r.hit_rate:.1%}" for r in rows))
-        if sweep_plot:
-            plot_capacity_sweep(sweep, sweep_plot, title)
-            print(f"wrote {sweep_plot}")
-    return 0
+        written.append(plot_path)
+    if lift_plot and local is not None:
+        plot_tier_lift(local, results, lift_plot, f"{title}: a {config.remote_blocks:,}-block remote tier",
+                       "with the remote tier")
+        written.append(lift_plot)
+    return written
+
+
+def _capacity_sweep(trace: Trace, policies: list[str], capacities: list[int], config: SimulationConfig,
+                    sweep_plot: Optional[Path]) -> list[Path]:
+    from ..router.report import plot_capacity_sweep
+    from ..router.simulate import capacity_sweep
+
+    sweep = capacity_sweep(trace, policies, capacities, config)
+    for capacity, rows in sweep.items():
+        print(f"capacity {capacity}: " + ", ".join(f"{r.policy} {r.hit_rate:.1%}" for r in rows))
+    if not sweep_plot:
+        return []
+    plot_capacity_sweep(sweep, sweep_plot, f"{trace.name}, {config.num_replicas} replicas")
+    return [sweep_plot]
+
+
+def _load_sweep(policies: list[str], loads: list[float], config: SimulationConfig,
+                sweep_plot: Optional[Path]) -> list[Path]:
+    from ..router.report import format_load_sweep, plot_load_sweep
+    from ..router.simulate import load_sweep
+
+    began = time.perf_counter()
+    sweep = load_sweep(policies, loads, config)
+    print(f"agent sessions across load, seed {config.seed}, {config.num_replicas} replicas "
+          f"({time.perf_counter() - began:.1f} s):")
+    print(format_load_sweep(sweep))
+    if not sweep_plot:
+        return []
+    plot_load_sweep(sweep, sweep_plot, f"agent sessions, {config.num_replicas} replicas")
+    return [sweep_plot]

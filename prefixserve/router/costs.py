@@ -6,19 +6,43 @@ import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from ..plan.tiers import GPU_DISK_COST, GPU_HOST_COST
+from ..tiers.policy import TierCost
 from .policies import PolicyOptions
+
+TIER_NAMES = ("host", "disk", "remote")  # the order a fetch walks below the device pool
+
+# A fleet-shared store (Mooncake-style, or Redis) one network hop away: 0.5 ms a round trip and
+# 5 GB/s, i.e. a 100 Gb/s NIC (RDMA or a tuned TCP stack) at about 40% of line rate. Stated, not
+# measured. Break-even for Llama-3-8B at the default prefill is 128 KiB / 60 us = 2.2 GB/s: a store
+# slower than that (Redis over a 10-25 GbE TCP link reaches 1-3 GB/s) is never worth fetching from.
+REMOTE_COST = TierCost(latency_seconds=5e-4, bytes_per_second=5e9)
 
 
 @dataclass(frozen=True)
 class CostModel:
-    """Seconds a replica spends per request. Defaults: Llama-3-8B, bf16, one H100 (about 17k prefill tok/s)."""
+    """Seconds a replica spends per request. Defaults: Llama-3-8B, bf16, one H100 (about 17k prefill tok/s).
+
+    Fetching a prefix's KV from a tier below the pool costs latency + bytes / bandwidth
+    (tiers/policy.TierCost). Host and disk default to `prefixserve plan tiers`' stated GPU
+    profile (plan/tiers.py: pinned DRAM over PCIe 20 GB/s and 10 us, local NVMe 3 GB/s and
+    100 us); the remote store to REMOTE_COST above.
+    """
 
     prefill_seconds_per_token: float = 6e-5
     attention_seconds_per_token_pair: float = 1e-9  # each computed token attends to its whole context
     decode_seconds_per_token: float = 0.02  # time between output tokens inside the running batch
     decode_batch_size: float = 16.0  # typical sequences sharing a decode step (GPU share = 1 / this)
     overhead_seconds: float = 0.005  # per request: scheduling, first sampling step
-    description: str = "default: Llama-3-8B bf16 on one H100 (estimated, not measured)"
+    kv_bytes_per_token: float = 131072.0  # Llama-3-8B bf16: 2 x 32 layers x 8 KV heads x 128 x 2 bytes
+    host_latency_seconds: float = GPU_HOST_COST.latency_seconds
+    host_bytes_per_second: float = GPU_HOST_COST.bytes_per_second
+    disk_latency_seconds: float = GPU_DISK_COST.latency_seconds
+    disk_bytes_per_second: float = GPU_DISK_COST.bytes_per_second
+    remote_latency_seconds: float = REMOTE_COST.latency_seconds
+    remote_bytes_per_second: float = REMOTE_COST.bytes_per_second
+    description: str = ("default: Llama-3-8B bf16 on one H100, host DRAM over PCIe, NVMe, a 5 GB/s remote store "
+                        "(estimated, not measured)")
 
     def __post_init__(self) -> None:
         for item in fields(self):
@@ -27,6 +51,14 @@ class CostModel:
                 raise ValueError(f"CostModel.{item.name} must be a non-negative number, got {value!r}")
         if self.decode_batch_size < 1:
             raise ValueError(f"CostModel.decode_batch_size must be at least 1, got {self.decode_batch_size}")
+        for name in ("kv_bytes_per_token", *(f"{tier}_bytes_per_second" for tier in TIER_NAMES)):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"CostModel.{name} must be positive, got {getattr(self, name)!r}")
+
+    def tier_costs(self) -> dict[str, TierCost]:
+        """Read cost of each tier below the pool, in fetch order (host, disk, remote)."""
+        return {tier: TierCost(getattr(self, f"{tier}_latency_seconds"), getattr(self, f"{tier}_bytes_per_second"))
+                for tier in TIER_NAMES}
 
     def prefill_seconds(self, num_prompt_tokens: int, num_cached_tokens: int) -> float:
         computed = num_prompt_tokens - num_cached_tokens
@@ -67,7 +99,10 @@ def policy_options_for(cost: CostModel, seed: int = 0) -> PolicyOptions:
 
     A missed prompt token is worth 3x its prefill time (recomputed blocks also
     duplicate KV cached elsewhere, and the session's later turns follow it);
-    the balance slack is 8,192 tokens' worth of prefill.
+    the balance slack is 49,152 tokens' worth of prefill. Fetches from the tiers
+    below the pool are priced as the engine's planner prices them.
     """
     per_token = cost.prefill_seconds_per_token
-    return PolicyOptions(seed=seed, miss_token_seconds=3 * per_token, balance_slack_seconds=8192 * per_token)
+    return PolicyOptions(seed=seed, miss_token_seconds=3 * per_token, balance_slack_seconds=49152 * per_token,
+                         prefill_seconds_per_token=per_token, kv_bytes_per_token=cost.kv_bytes_per_token,
+                         tier_costs=cost.tier_costs())

@@ -1,11 +1,11 @@
 """Routing policies: which replica serves a request. Shared by the simulator and the HTTP router.
 
 A policy sees only `ReplicaView`s: for each replica, how many leading blocks of
-this request it would hit (from a router-side mirror of its cached keys) and
-its current load in estimated seconds of outstanding work. It never sees a
-simulator or an engine, so the same object routes simulated and real traffic.
-Every policy is deterministic (seeded where random) and breaks ties by the
-lowest replica index.
+this request it would hit (from a router-side mirror of its cached keys), where
+it can, what tiers below its pool hold after that, and its current load in
+estimated seconds of outstanding work. It never sees a simulator or an engine,
+so the same object routes simulated and real traffic. Every policy is
+deterministic (seeded where random).
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ from __future__ import annotations
 import bisect
 import hashlib
 import random
-from dataclasses import dataclass
-from typing import Callable, Optional, Protocol, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Optional, Protocol, Sequence
 
 from prefixserve.cache import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, pack_tokens
+from prefixserve.tiers.policy import TierCost, plan_fetch
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,16 @@ class RouteRequest:
 
 
 class ReplicaView(Protocol):
+    """A replica as a policy sees it.
+
+    A view may also have `lower_tier_run(request) -> Sequence[tuple[str, int]]`: the
+    blocks right after its device hit that tiers below the pool hold, as (tier, number
+    of blocks) segments in chain order, e.g. [("host", 3), ("remote", 12)], the
+    fleet-shared remote tier included. A view without it (the HTTP router's today)
+    is priced as if nothing lay below its pool. And it may have `queue_seconds`: how
+    long a prefill queued now would wait; without it, kv_aware takes `load` as the wait.
+    """
+
     name: str  # stable identity (consistent hashing survives removal of other replicas)
 
     @property
@@ -73,20 +84,29 @@ class PolicyOptions:
     seed: int = 0  # power_of_two's sampler
     hash_prefix_blocks: int = 4  # consistent_hash: the first k blocks name the ring position
     virtual_nodes: int = 64  # consistent_hash: ring points per replica
-    # kv_aware: what one prompt token that misses is worth, in seconds of load. Its own prefill
+    # kv_aware: what one prompt token that misses is worth, in seconds of waiting. Its own prefill
     # time (6e-5 s on an H100 for an 8B model) undervalues it: the recomputed blocks duplicate KV
     # cached elsewhere, crowding this replica's cache, and the session's later turns follow it.
-    # 3x the prefill time per token kept kv_aware within 1% of the infinite-cache bound on the
-    # agent traces with imbalance under 1.25 (see tests/test_router_simulate.py, benchmarks/).
-    miss_token_seconds: float = 1.8e-4
-    balance_threshold: float = 1.5  # kv_aware: fall back when load > mean load x threshold + slack
-    balance_slack_seconds: float = 0.5  # about 8k tokens of prefill
+    miss_token_seconds: float = 1.8e-4  # 3x the prefill time
+    balance_threshold: float = 1.5  # kv_aware: pass over replicas whose load > mean load x threshold + slack
+    # About 48k tokens of prefill, more than an agent session's whole transcript: a guard that fires
+    # below that moves sessions off replicas that are merely busy decoding, and their recomputed
+    # history costs more than the wait it saves (the across-load test in tests/test_router_simulate_load.py
+    # lost hit rate to consistent hashing at light load with 8k tokens, the old default).
+    balance_slack_seconds: float = 3.0
+    # kv_aware prices a fetch from a tier below the pool as the engine's planner does (tiers/policy.py);
+    # with no tier costs (or kv_bytes_per_token 0) a lower-tier run is ignored, as if recomputed.
+    prefill_seconds_per_token: float = 6e-5
+    kv_bytes_per_token: float = 0.0
+    tier_costs: Mapping[str, TierCost] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.hash_prefix_blocks < 1 or self.virtual_nodes < 1:
             raise ValueError("hash_prefix_blocks and virtual_nodes must be at least 1")
         if self.miss_token_seconds < 0 or self.balance_threshold < 1 or self.balance_slack_seconds < 0:
             raise ValueError("kv_aware needs miss_token_seconds >= 0, balance_threshold >= 1, balance_slack_seconds >= 0")
+        if self.prefill_seconds_per_token <= 0 or self.kv_bytes_per_token < 0:
+            raise ValueError("kv_aware needs prefill_seconds_per_token > 0 and kv_bytes_per_token >= 0")
 
 
 class RoutingPolicy:
@@ -184,32 +204,63 @@ class ConsistentHash(RoutingPolicy):
 
 
 class KVAware(RoutingPolicy):
-    """Minimise (blocks to prefill) x seconds per block + load: a weighted estimate of the TTFT.
+    """Minimise an estimated TTFT: queue + fetch what tiers below the pool hold + recompute the rest.
 
-    Balance guard: if that replica's load exceeds mean load x threshold + slack,
-    take the least-loaded replica instead, so a hot prefix cannot pile every
-    request onto the one replica that holds it.
+    The queue is the view's `queue_seconds` where it has one, else its `load`.
+    On each replica the request hits its device prefix, fetches the part of the
+    lower-tier run the engine's planner would fetch (plan_fetch: a run in the
+    fleet-shared remote tier is reachable from every replica), and recomputes
+    what is left; recomputed tokens are weighted by `miss_token_seconds`. So an
+    idle replica that can fetch a prefix wins over a busy one holding it in its
+    pool once the wait exceeds the fetch.
+
+    Balance guard: replicas whose load exceeds mean load x threshold + slack are
+    passed over for the cheapest replica under that limit, so a hot prefix cannot
+    pile every request onto the one replica that holds it, and a session that must
+    move goes where its prefix is cheapest to get back.
+
+    Ties (an idle fleet, a new prefix) go to the replica chosen least recently, so
+    new prefixes spread; once placed, a prefix makes its replica cheaper: sticky.
     """
 
     name = "kv_aware"
+    TIE_SECONDS = 1e-9  # costs this close are equal
 
     def __init__(self, options: PolicyOptions = PolicyOptions()) -> None:
         super().__init__(options)
         self.num_fallbacks = 0
+        self._last_chosen: dict[str, int] = {}  # replica name -> choice number (tie-break)
+        self._num_choices = 0
 
     def choose(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> int:
         loads = [replica.load for replica in replicas]
-        weight = self.options.miss_token_seconds * request.tokens_per_block
-        costs = [
-            (request.num_blocks - replica.num_hit_blocks(request)) * weight + load
-            for replica, load in zip(replicas, loads)
-        ]
-        best = _argmin(costs)
-        mean_load = sum(loads) / len(loads)
-        if loads[best] > mean_load * self.options.balance_threshold + self.options.balance_slack_seconds:
+        waits = [getattr(replica, "queue_seconds", load) for replica, load in zip(replicas, loads)]
+        costs = [wait + self.missing_seconds(request, replica) for replica, wait in zip(replicas, waits)]
+        limit = sum(loads) / len(loads) * self.options.balance_threshold + self.options.balance_slack_seconds
+        candidates = [i for i, load in enumerate(loads) if load <= limit]  # the least loaded is never above
+        if loads[_argmin(costs)] > limit:
             self.num_fallbacks += 1
-            best = _argmin(loads)
+        least = min(costs[i] for i in candidates)
+        tied = [i for i in candidates if costs[i] <= least + self.TIE_SECONDS]
+        best = min(tied, key=lambda i: self._last_chosen.get(replicas[i].name, -1))  # lowest index on equal
+        self._num_choices += 1
+        self._last_chosen[replicas[best].name] = self._num_choices
         return best
+
+    def missing_seconds(self, request: RouteRequest, replica: ReplicaView) -> float:
+        """What the prompt's missing blocks cost on `replica`: fetch (from the planner) + weighted recompute."""
+        options = self.options
+        num_missing = request.num_blocks - replica.num_hit_blocks(request)
+        fetch_seconds = 0.0
+        lower_tier_run = getattr(replica, "lower_tier_run", None)
+        if lower_tier_run is not None and options.tier_costs and options.kv_bytes_per_token:
+            run = lower_tier_run(request)
+            if run:
+                plan = plan_fetch(list(run), int(options.kv_bytes_per_token * request.tokens_per_block),
+                                  options.prefill_seconds_per_token, request.tokens_per_block, options.tier_costs)
+                fetch_seconds = plan.fetch_seconds
+                num_missing -= plan.num_fetch_blocks
+        return fetch_seconds + num_missing * request.tokens_per_block * options.miss_token_seconds
 
 
 POLICIES: dict[str, Callable[[PolicyOptions], RoutingPolicy]] = {

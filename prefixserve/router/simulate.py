@@ -7,8 +7,9 @@ key_{-1} = the digest of one fixed CacheScope. So capacity is counted in trace
 blocks, and the cache keeps its own rules: the partial tail block is never
 cached, and the last block is never a hit (the engine recomputes the last token).
 
-A replica (sim_replica.py) runs one prefill at a time and decodes in a batch. This file is one concept (the
-replay; tables and plots are in report.py; `prefixserve simulate` is in cli.py).
+A replica (sim_replica.py) runs one prefill at a time and decodes in a batch; below its pool it may
+have a host and a disk tier, and the fleet may share a remote tier (sim_tiers.py). This file is one
+concept (the replay; tables and plots are in report.py; `prefixserve simulate` is in commands/).
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ from tqdm import tqdm
 
 from prefixserve.cache import BlockKeyer, CacheScope
 
-from .costs import CostModel, policy_options_for
+from .costs import TIER_NAMES, CostModel, policy_options_for
 from .policies import PolicyOptions, RouteRequest, RoutingPolicy, make_policy
 from .report import BOUND_NAME
 from .sim_replica import Job, SimulatedReplica, SimulationClock
-from .traces import Trace
+from .sim_tiers import ReplicaTiers, SimulatedTier
+from .traces import AgentTraceConfig, Trace, generate_agent_trace
 
 # Llama-3-8B in bf16 keeps 128 KiB of KV per token; an 80 GB H100 has about 64 GiB left after
 # weights and activations: 512 Ki tokens, i.e. about 1,000 blocks of 512 tokens per replica.
@@ -40,6 +42,9 @@ class SimulationConfig:
     num_replicas: int = 8
     capacity_blocks: int = DEFAULT_CAPACITY_BLOCKS  # per replica, in trace blocks
     cost: CostModel = field(default_factory=CostModel)
+    host_blocks: int = 0  # per replica, in trace blocks; 0: no host tier
+    disk_blocks: int = 0  # per replica; 0: no disk tier
+    remote_blocks: int = 0  # one store for the whole fleet; 0: no remote tier
     seed: int = 0
     policy_options: Optional[PolicyOptions] = None  # None: seeded, kv_aware weighted from `cost`
     progress: bool = False
@@ -50,6 +55,15 @@ class SimulationConfig:
             raise ValueError(f"num_replicas (--replicas) must be at least 1, got {self.num_replicas}")
         if self.capacity_blocks < 1:
             raise ValueError(f"capacity_blocks (--capacity-blocks) must be at least 1, got {self.capacity_blocks}")
+        for tier in TIER_NAMES:
+            if getattr(self, f"{tier}_blocks") < 0:
+                raise ValueError(f"{tier}_blocks (--{tier}-blocks) must be 0 (no {tier} tier) or more, "
+                                 f"got {getattr(self, f'{tier}_blocks')}")
+
+    @property
+    def tier_names(self) -> tuple[str, ...]:
+        """The tiers below the pool this fleet has, in fetch order."""
+        return tuple(tier for tier in TIER_NAMES if getattr(self, f"{tier}_blocks"))
 
     def options_for(self) -> PolicyOptions:
         """Policy options scaled to the cost model, so scaling every cost cannot change a routing decision."""
@@ -71,11 +85,19 @@ class SimulationResult:
     ttft_p99: float = math.nan
     num_failed_allocations: int = 0  # requests that found every block referenced: computed, not cached
     num_evicted_blocks: int = 0
+    # hit tokens by where they came from: "device" (the pool), then each tier below it the fleet has
+    num_hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)
 
     @property
     def hit_rate(self) -> float:
-        """Token-weighted: prompt tokens served from cache / prompt tokens."""
+        """Token-weighted: prompt tokens served from cache (the pool or a tier below it) / prompt tokens."""
         return self.num_hit_tokens / self.num_input_tokens if self.num_input_tokens else 0.0
+
+    def tier_hit_rate(self, tier: str) -> float:
+        """Share of prompt tokens served from `tier` ("device" is the pool); NaN if the run had no such tier."""
+        if tier not in self.num_hit_tokens_by_tier or not self.num_input_tokens:
+            return math.nan
+        return self.num_hit_tokens_by_tier[tier] / self.num_input_tokens
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -87,6 +109,7 @@ class SimulationResult:
             "load_imbalance": self.load_imbalance, "queue_p50_s": self.queue_p50, "queue_p99_s": self.queue_p99,
             "ttft_p50_s": self.ttft_p50, "ttft_p99_s": self.ttft_p99, "num_requests": self.num_requests,
             "num_failed_allocations": self.num_failed_allocations, "num_evicted_blocks": self.num_evicted_blocks,
+            **{f"{tier}_hit_rate": self.tier_hit_rate(tier) for tier in self.num_hit_tokens_by_tier},
         }
         return {name: None if isinstance(v, float) and math.isnan(v) else v for name, v in values.items()}
 
@@ -139,13 +162,19 @@ class _Replay:
     def __init__(self, trace: Trace, config: SimulationConfig) -> None:
         self.trace, self.config = trace, config
         self.clock = SimulationClock()
-        self.replicas = [SimulatedReplica(i, config.capacity_blocks, config.cost, trace.block_size, self.clock)
+        remote = SimulatedTier("remote", config.remote_blocks) if config.remote_blocks else None
+
+        def tiers() -> ReplicaTiers:
+            return ReplicaTiers(SimulatedTier("host", config.host_blocks) if config.host_blocks else None,
+                                SimulatedTier("disk", config.disk_blocks) if config.disk_blocks else None, remote)
+
+        self.replicas = [SimulatedReplica(i, config.capacity_blocks, config.cost, trace.block_size, self.clock, tiers())
                          for i in range(config.num_replicas)]
         self.events: list[tuple[float, int, int, int, Job]] = []  # (time, sequence, kind, replica, job)
         self.sequence = itertools.count()  # orders events at the same instant: first scheduled, first run
         self.waits: list[float] = []
         self.ttfts: list[float] = []
-        self.num_hit_tokens = 0
+        self.num_hit_tokens_by_tier = dict.fromkeys(("device", *config.tier_names), 0)
 
     def start(self, index: int) -> None:
         job = self.replicas[index].start_prefill()
@@ -159,7 +188,10 @@ class _Replay:
             replica = self.replicas[index]
             if kind == _PREFILL_DONE:
                 replica.finish_prefill(job)
-                self.num_hit_tokens += job.num_hit_blocks * self.trace.block_size
+                size, by_tier = self.trace.block_size, self.num_hit_tokens_by_tier
+                by_tier["device"] += job.num_hit_blocks * size
+                for tier, num_blocks in job.fetch.num_fetch_blocks_by_tier.items():
+                    by_tier[tier] += num_blocks * size
                 self.waits.append(job.start - job.request.arrival_time)
                 self.ttfts.append(job.start + job.prefill_seconds - job.request.arrival_time)
                 heapq.heappush(events, (job.done_at, next(self.sequence), _DONE, index, job))
@@ -173,15 +205,20 @@ class _Replay:
             for replica in replicas:
                 replica.cache.check_integrity()
                 assert replica.cache.usage().num_referenced_blocks == 0, f"{replica.name} leaked block references"
+                for tier in replica.tiers.tiers:
+                    tier.index.check_integrity()
+                    assert len(tier) <= tier.capacity_blocks, f"{replica.name}'s {tier.name} tier is over capacity"
         busy = [replica.busy_seconds for replica in replicas]
         mean_busy = sum(busy) / len(busy)
         return SimulationResult(
             policy=policy_name, num_requests=len(trace.requests), num_input_tokens=trace.num_input_tokens,
-            num_hit_tokens=self.num_hit_tokens, load_imbalance=max(busy) / mean_busy if mean_busy else 1.0,
+            num_hit_tokens=sum(self.num_hit_tokens_by_tier.values()),
+            load_imbalance=max(busy) / mean_busy if mean_busy else 1.0,
             queue_p50=_percentile(self.waits, 50), queue_p99=_percentile(self.waits, 99),
             ttft_p50=_percentile(self.ttfts, 50), ttft_p99=_percentile(self.ttfts, 99),
             num_failed_allocations=sum(replica.num_failed_allocations for replica in replicas),
             num_evicted_blocks=sum(replica.cache.stats.num_evicted_blocks for replica in replicas),
+            num_hit_tokens_by_tier=dict(self.num_hit_tokens_by_tier),
         )
 
 
@@ -226,3 +263,23 @@ def capacity_sweep(trace: Trace, policies: Sequence[str], capacities: Sequence[i
     routes = prepare_routes(trace)
     return {capacity: compare_policies(trace, policies, replace(config, capacity_blocks=capacity), routes)
             for capacity in capacities}
+
+
+def agent_trace_at_load(load: float, seed: int = 0) -> Trace:
+    """The agent workload with `load` x the default sessions, started `load` x as fast: `load` x the traffic."""
+    if not load > 0:
+        raise ValueError(f"a load factor must be positive, got {load}")
+    base = AgentTraceConfig()
+    return generate_agent_trace(AgentTraceConfig(seed=seed, num_sessions=max(1, round(base.num_sessions * load)),
+                                                 session_rate=base.session_rate * load))
+
+
+def load_sweep(policies: Sequence[str], loads: Sequence[float],
+               config: SimulationConfig = SimulationConfig()) -> dict[float, list[SimulationResult]]:
+    """Agent sessions from light to saturating load: load factor -> results (bound row last), seeded by config.seed."""
+    return {load: compare_policies(agent_trace_at_load(load, config.seed), policies, config) for load in loads}
+
+
+def working_set_blocks(routes: Sequence[RouteRequest]) -> int:
+    """Distinct full blocks over the trace: what a tier must hold to keep every prefix ever computed."""
+    return len({key for route in routes for key in route.keys})
