@@ -10,6 +10,7 @@ holds the longest prefix unless it is overloaded.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 from typing import Optional
@@ -61,6 +62,7 @@ class Router:
         self.metrics = RouterMetrics()
         self.scoper: Optional[PromptScoper] = None  # learned from the first replica that answers
         self.keyer: Optional[BlockKeyer] = None
+        self.remote = None  # a read-only view of the replicas' shared remote tier (tiers.redis.RedisTier)
         self.max_model_len: Optional[int] = None
         self.default_output_tokens = DEFAULT_OUTPUT_TOKENS  # load estimate when a request gives no max_tokens
         # No pool limit (a full pool would read as a replica timing out), and idle connections are
@@ -81,6 +83,8 @@ class Router:
             task.cancel()
         await asyncio.gather(*self._tasks, *self._checks, return_exceptions=True)
         await self.client.aclose()
+        if self.remote is not None:
+            self.remote.close()
 
     async def _health_loop(self) -> None:
         while True:
@@ -148,6 +152,7 @@ class Router:
                                 error)
                 continue
             self.scoper = scoper
+            self._open_remote(scoper.scope.digest)
             return
 
     # ---------------------------------------------------------------- routing
@@ -162,6 +167,22 @@ class Router:
 
     def tenant_of(self, authorization: Optional[str]) -> Optional[str]:
         return self.keys.lookup(bearer_token(authorization)) if self.keys else None
+
+    def _open_remote(self, scope_digest: bytes) -> None:
+        """Look requests up in the replicas' shared remote tier (read only: the router never writes)."""
+        if self.settings.kv_remote_url and self.remote is None:
+            from ..tiers.redis import RedisTier  # imports redis only when asked
+
+            self.remote = RedisTier(self.settings.kv_remote_url, scope_digest=scope_digest,
+                                    read_timeout=self.settings.kv_remote_timeout)
+
+    async def with_remote_run(self, route: Optional[RouteRequest]) -> Optional[RouteRequest]:
+        """The route with the leading run of its keys the remote tier holds (one round trip, off the loop)."""
+        if route is None or self.remote is None:
+            return route
+        limit = max(route.num_blocks - 1, 0)  # the last prompt token is always recomputed
+        num_remote = await asyncio.to_thread(self.remote.contains, route.keys[:limit])
+        return dataclasses.replace(route, remote_blocks=num_remote)
 
     def route_request(self, token_ids: list[int], salt: Optional[str]) -> Optional[RouteRequest]:
         if self.scoper is None or self.keyer is None or not token_ids:

@@ -43,7 +43,7 @@ async def forward(router: Router, request: Request, path: str) -> Response:
     salt = compose_salt(router.tenant_of(request.headers.get("authorization")),
                         cache_salt if isinstance(cache_salt, str) else None)
     client_request.salt = salt
-    route = router.route_request(client_request.token_ids, salt)
+    route = await router.with_remote_run(router.route_request(client_request.token_ids, salt))
     headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
     headers["content-type"] = "application/json"
     if client_request.streaming:

@@ -29,6 +29,7 @@ class RouteRequest:
     scope_digest: bytes  # parent of block 0 (cache.CacheScope.digest)
     num_blocks: int  # blocks the prompt spans, the partial tail included
     tokens_per_block: int  # 16 for an engine's keys; 512 when a trace block id stands for 512 tokens
+    remote_blocks: int = 0  # leading blocks the fleet-shared remote tier holds (the HTTP router asks Redis)
 
 
 class ReplicaView(Protocol):

@@ -70,6 +70,12 @@ class Replica:
     def num_hit_blocks(self, request: RouteRequest) -> int:
         return self.mirror.num_hit_blocks(request) if self.healthy else 0
 
+    def lower_tier_run(self, request: RouteRequest) -> list[tuple[str, int]]:
+        """What the fleet-shared remote tier holds right after this replica's device hit (kv_aware prices
+        fetching it); the replica's own host and disk tiers are not mirrored by the router."""
+        num_remote = request.remote_blocks - self.num_hit_blocks(request)
+        return [("remote", num_remote)] if num_remote > 0 else []
+
     def mark_down(self, reason: str) -> None:
         if self.healthy:
             logger.warning("replica %s (%s) is down: %s", self.name, self.url, reason)

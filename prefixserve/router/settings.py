@@ -22,6 +22,8 @@ class RouterSettings:
     sync_interval: float = 0.2
     request_timeout: float = 600.0
     control_timeout: float = 2.0
+    kv_remote_url: Optional[str] = None  # the replicas' --kv-remote-url: requests are priced with what it holds
+    kv_remote_timeout: float = 0.2  # a slower lookup routes as if the remote tier held nothing
     max_attempts: int = 3  # distinct replicas one request (or one stream, continuations included) may try
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 

@@ -231,7 +231,7 @@ class StreamRelay:
         else:
             return _error("the replica serving this stream failed and did not report its token ids, so the stream "
                           "cannot be continued; retry the request", "stream_interrupted")
-        route = self.router.route_request(prompt_ids, request.salt)
+        route = await self.router.with_remote_run(self.router.route_request(prompt_ids, request.salt))
         max_tokens = body.get("max_tokens") if isinstance(body.get("max_tokens"), int) else request.max_tokens
         while len(self.tried) < self.router.settings.max_attempts:
             replica = self.router.choose(route, self.tried)
