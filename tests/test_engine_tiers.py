@@ -218,3 +218,26 @@ def test_a_process_killed_mid_write_leaves_a_directory_the_next_one_serves(refer
     assert [out.token_ids for out in outputs] == expected[:4]
     assert sum(out.cached_tokens_by_tier["disk"] for out in outputs) > 0
     restarted.engine.tiers.disk.check_integrity()
+
+
+def test_kv_events_carry_each_tiers_medium(reference, tmp_path):
+    from prefixserve.cache import BlockRemoved, BlockStored
+
+    prompts, _ = reference
+    llm = make_llm(kv_cache_memory_bytes=POOL, kv_host_cache_bytes=2 * 34 * (256 << 10),  # 2 prompts' worth
+                   kv_disk_cache_dir=str(tmp_path), enable_kv_events=True)
+    run(llm, prompts[:6])
+    llm.engine.tiers.disk.flush()  # the background writes are on disk (and their events published)
+    events, _, _ = llm.engine.events.since(0)
+    media = {(type(event).__name__, event.medium) for event in events if isinstance(event, (BlockStored, BlockRemoved))}
+    assert {("BlockStored", "GPU"), ("BlockRemoved", "GPU"), ("BlockStored", "CPU"), ("BlockRemoved", "CPU"),
+            ("BlockStored", "DISK")} <= media
+    held = {medium: set(keys) for medium, keys in llm.engine.tiers.tier_keys().items()}
+    mirrored = {"CPU": set(), "DISK": set()}
+    for event in events:
+        if isinstance(event, BlockStored) and event.medium in mirrored:
+            mirrored[event.medium].update(event.keys)
+        elif isinstance(event, BlockRemoved) and event.medium in mirrored:
+            mirrored[event.medium].difference_update(event.keys)
+    assert mirrored == held  # the events alone rebuild what each tier holds
+    llm.close()

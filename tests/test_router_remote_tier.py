@@ -49,3 +49,21 @@ def test_the_router_learns_the_remote_run_from_redis(redis_server):
     assert route.remote_blocks == 3  # of the 4 full blocks, the first 3 are in Redis
     router.remote.close()
     writer.close()
+
+
+def test_the_router_mirrors_a_replicas_own_tiers_from_kv_events():
+    from prefixserve.cache import BlockRemoved, BlockStored
+
+    tokens = list(range(100, 100 + 160)) + [7]  # 10 full blocks
+    keys = route_for(tokens).keys
+    replica = Replica("http://a", "a")
+    replica.healthy = True
+    for event in (BlockStored(keys[:2], None, [], 16),  # device pool ("GPU")
+                  BlockStored(keys[2:5], None, [], 16, "CPU"), BlockStored(keys[2:8], None, [], 16, "DISK"),
+                  BlockRemoved(keys[4:5], "CPU")):
+        replica.mirror.apply(event)
+    request = route_for(tokens, remote_blocks=9)
+    assert replica.num_hit_blocks(request) == 2
+    assert replica.lower_tier_run(request) == [("host", 2), ("disk", 4), ("remote", 1)]
+    replica.mark_down("test")
+    assert replica.mirror.tier_keys == {} and replica.lower_tier_run(route_for(tokens)) == []

@@ -12,7 +12,7 @@ def test_usage_and_metrics_report_each_tier(tmp_path):
     rng = random.Random(4)
     prompts = [[rng.randrange(10, 8000) for _ in range(512)] + [7, 8, 9] for _ in range(5)]
     with LiveServer("--kv-cache-memory-bytes", str(28 << 20), "--kv-host-cache-bytes", str(256 << 20),
-                    "--kv-disk-cache-dir", str(tmp_path)) as server:
+                    "--kv-disk-cache-dir", str(tmp_path), "--enable-kv-events", "--admin-api-key", "ops") as server:
         def usage(prompt):
             response = httpx.post(server.url + "/v1/completions", timeout=120,
                                   json={"prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True})
@@ -26,6 +26,9 @@ def test_usage_and_metrics_report_each_tier(tmp_path):
             {"device": 0, "host": 512, "disk": 0, "remote": 0}] * 5
         assert [details["cached_tokens"] for details in second] == [512] * 5
         text = httpx.get(server.url + "/metrics", timeout=10).text
+        snapshot = httpx.get(server.url + "/v1/cache/keys", headers={"Authorization": "Bearer ops"}, timeout=10).json()
+    assert set(snapshot["tiers"]) == {"CPU", "DISK"}  # a router resyncs each tier's keys from here
+    assert len(snapshot["tiers"]["CPU"]) >= 2 * 32 and len(snapshot["tiers"]["DISK"]) >= 5 * 32
     values = {(s.name, s.labels.get("tier")): s.value for f in text_string_to_metric_families(text) for s in f.samples}
     assert values[("prefixserve:kv_tier_hit_tokens_total", "host")] == 5 * 512
     assert values[("prefixserve:kv_tier_fetch_seconds_count", "host")] == 5

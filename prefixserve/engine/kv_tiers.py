@@ -25,6 +25,7 @@ from typing import Optional, Sequence
 
 from ..cache import Block, BlockKeyer, RadixCache
 from ..config import DEFAULT_DISK_CACHE_BYTES
+from ..cache.events import BlockRemoved, BlockStored
 from ..cache.keys import unpack_tokens
 from ..cache.stats import LatencyHistogram
 from ..tiers import (BlockRecord, DiskTier, HostTier, KVTier, RecordError, RecordExpectation, TierStats, decode_record,
@@ -38,7 +39,8 @@ FETCH_WAIT_SECONDS = 0.005  # an idle engine waits this long for a disk read bef
 DEFAULT_PREFILL_SECONDS_PER_TOKEN = 2e-4  # until the engine has measured its own prefill
 
 
-SYNCHRONOUS_TIERS = ("host",)  # read on the engine thread (a memory copy); the others in the background
+SYNCHRONOUS_TIERS = ("host",)
+TIER_MEDIA = {"host": "CPU", "disk": "DISK"}  # KV-event media of the local tiers (the device pool is "GPU")  # read on the engine thread (a memory copy); the others in the background
 
 
 @dataclass
@@ -86,6 +88,10 @@ class TieredKV:
         self.write_tiers = [tier for name, tier in self.tiers.items() if name != "host"]
         if self.host is not None:
             cache.on_evict = self._spill
+        if cache.events is not None:  # KV events carry each local tier's medium, so a router can mirror them
+            for name, medium in TIER_MEDIA.items():
+                if name in self.tiers:
+                    self._publish_tier_events(self.tiers[name], medium, cache.events)
         if self.write_tiers:
             cache.on_insert = self._note_written
 
@@ -99,6 +105,15 @@ class TieredKV:
     def _spill(self, block: Block) -> None:
         """A cold block leaves the pool: keep its KV in host RAM (its slot is still intact)."""
         self.host.put([self._record(block, self.runner.read_blocks([block.block_id])[0])])
+
+    def _publish_tier_events(self, tier: KVTier, medium: str, events) -> None:
+        block_size = self.block_size
+        tier.watch(lambda key: events.publish(BlockStored([key], None, [], block_size, medium)),
+                   lambda key: events.publish(BlockRemoved([key], medium)))
+
+    def tier_keys(self) -> dict[str, list[bytes]]:
+        """Every key each local tier holds, by KV-event medium (for a router's snapshot)."""
+        return {medium: self.tiers[name].keys() for name, medium in TIER_MEDIA.items() if name in self.tiers}
 
     def _note_written(self, block: Block) -> None:
         self._written.append((block, self._promoting_from))

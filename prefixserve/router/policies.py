@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Protocol, Sequence
 
 from prefixserve.cache import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, pack_tokens
+from prefixserve.cache.events import DEVICE_MEDIUM
 from prefixserve.tiers.policy import TierCost, plan_fetch
 
 
@@ -61,15 +62,37 @@ class PrefixMirror:
     """
 
     def __init__(self) -> None:
-        self.keys: set[bytes] = set()
+        self.keys: set[bytes] = set()  # the device pool's
+        self.tier_keys: dict[str, set[bytes]] = {}  # the replica's own tiers below its pool, by medium
+
+    def _keys_of(self, medium: Optional[str]) -> set[bytes]:
+        return self.keys if medium in (None, DEVICE_MEDIUM) else self.tier_keys.setdefault(medium, set())
 
     def apply(self, event: KVEvent) -> None:
         if isinstance(event, BlockStored):
-            self.keys.update(event.keys)
+            self._keys_of(event.medium).update(event.keys)
         elif isinstance(event, BlockRemoved):
-            self.keys.difference_update(event.keys)
+            self._keys_of(event.medium).difference_update(event.keys)
         elif isinstance(event, AllBlocksCleared):
-            self.keys.clear()
+            if event.medium is None:
+                self.keys.clear()
+                self.tier_keys.clear()
+            else:
+                self._keys_of(event.medium).clear()
+
+    def clear(self) -> None:
+        self.keys.clear()
+        self.tier_keys.clear()
+
+    def leading_run(self, medium: str, keys: Sequence[bytes], start: int, limit: int) -> int:
+        """How many of keys[start:limit] the tier of this medium holds, from the first."""
+        held = self.tier_keys.get(medium, ())
+        count = 0
+        for key in keys[start:limit]:
+            if key not in held:
+                break
+            count += 1
+        return count
 
     def num_hit_blocks(self, request: RouteRequest) -> int:
         # The engine always recomputes the last prompt token, so it never hits every block.

@@ -71,10 +71,19 @@ class Replica:
         return self.mirror.num_hit_blocks(request) if self.healthy else 0
 
     def lower_tier_run(self, request: RouteRequest) -> list[tuple[str, int]]:
-        """What the fleet-shared remote tier holds right after this replica's device hit (kv_aware prices
-        fetching it); the replica's own host and disk tiers are not mirrored by the router."""
-        num_remote = request.remote_blocks - self.num_hit_blocks(request)
-        return [("remote", num_remote)] if num_remote > 0 else []
+        """The consecutive run right after this replica's device hit that lies below its pool: its own host
+        and disk tiers (mirrored from KV events of media CPU and DISK), then the fleet's remote tier."""
+        position = self.num_hit_blocks(request)
+        limit = min(len(request.keys), max(request.num_blocks - 1, 0))
+        run = []
+        for medium, tier in (("CPU", "host"), ("DISK", "disk")):
+            count = self.mirror.leading_run(medium, request.keys, position, limit)
+            if count:
+                run.append((tier, count))
+                position += count
+        if request.remote_blocks > position:
+            run.append(("remote", request.remote_blocks - position))
+        return run
 
     def mark_down(self, reason: str) -> None:
         if self.healthy:
@@ -82,7 +91,7 @@ class Replica:
             self.down_reasons.append(MarkedDown(time.time(), reason))
         self.healthy = False
         self.cursor = None
-        self.mirror.keys.clear()
+        self.mirror.clear()
 
     def mark_up(self) -> None:
         if not self.healthy:
@@ -125,6 +134,8 @@ class Replica:
                 return
             body = response.json()
             self.mirror.keys = {bytes.fromhex(key) for key in body["keys"]}
+            self.mirror.tier_keys = {medium: {bytes.fromhex(key) for key in keys}
+                                     for medium, keys in (body.get("tiers") or {}).items()}
             self.cursor = body["next"]
         except httpx.TransportError as error:
             self.mark_down(f"transport failure during cache sync: {error!r}")
@@ -138,7 +149,7 @@ class Replica:
             return False
         if response.status_code in (401, 403, 404, 405):
             self.can_mirror = False
-            self.mirror.keys.clear()
+            self.mirror.clear()
             logger.warning("replica %s answers %s on %s, so the router cannot mirror its cache and routes to it by "
                            "load only; start replicas and router with the same --admin-api-key", self.name,
                            response.status_code, path)

@@ -47,10 +47,12 @@ async def cache_keys(request: Request):
 
     def snapshot(core):
         cursor = core.events.next_seq if core.events is not None else None
-        return [key.hex() for key in core.cache.keys()], cursor
+        tiers = core.tiers.tier_keys() if core.tiers is not None else {}
+        return ([key.hex() for key in core.cache.keys()], {medium: [key.hex() for key in keys]
+                                                           for medium, keys in tiers.items()}, cursor)
 
-    keys, cursor = await state.engine.call(snapshot)
-    return {"keys": keys, "next": cursor}
+    keys, tiers, cursor = await state.engine.call(snapshot)
+    return {"keys": keys, "tiers": tiers, "next": cursor}
 
 
 @admin_routes.get("/v1/cache/info")

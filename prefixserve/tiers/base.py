@@ -16,7 +16,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from .lru import LeafFirstLRU
 from .policy import TierCost
@@ -129,6 +129,11 @@ class KVTier(abc.ABC):
 
     def flush(self) -> None:
         """Wait until everything `put_async` accepted is stored."""
+
+    def watch(self, on_added: Callable[[bytes], None], on_removed: Callable[[bytes], None]) -> None:
+        """Be told of every key that enters or leaves this tier from now on (under the tier's lock: keep it short)."""
+        with self._lock:
+            self._lru.on_added, self._lru.on_removed = on_added, on_removed
 
     def _account_reads(self, results: list[Optional[bytes]], started: float) -> list[Optional[bytes]]:
         """Count a `get`'s hits, misses and bytes, and teach `read_cost` how long it took; returns `results`."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 STALE_SLACK = 64  # stale heap entries tolerated beyond twice the live records before a rebuild
 
@@ -47,6 +47,9 @@ class LeafFirstLRU:
         self._heap: list[tuple[int, bytes]] = []  # (last access, key) of leaves, lazily deleted
         self._tick = 0
         self.used_bytes = 0
+        # Told of every key that enters or leaves (KV events of the tier's medium); called under the tier's lock.
+        self.on_added: Optional[Callable[[bytes], None]] = None
+        self.on_removed: Optional[Callable[[bytes], None]] = None
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -79,6 +82,8 @@ class LeafFirstLRU:
         if parent_key is not None:
             self._num_children[parent_key] = self._num_children.get(parent_key, 0) + 1
         self.touch(entry)
+        if self.on_added is not None:
+            self.on_added(key)
         return entry
 
     def touch(self, entry: Entry) -> None:
@@ -90,6 +95,8 @@ class LeafFirstLRU:
         entry = self._entries.pop(key, None)
         if entry is None:
             return None
+        if self.on_removed is not None:
+            self.on_removed(key)
         self.used_bytes -= entry.size
         parent_key = entry.parent_key
         if parent_key is not None:
