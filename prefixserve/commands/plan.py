@@ -76,7 +76,7 @@ def _plan_tiers(args: argparse.Namespace) -> int:
     block_shape = (model.num_hidden_layers, 2, config.block_size, model.num_key_value_heads, model.head_dim)
     block_bytes = kv_bytes_per_token(model.num_hidden_layers, model.num_key_value_heads, model.head_dim,
                                      dtype) * config.block_size
-    read_costs = _measure_tier_reads(block_shape, dtype, args.disk_dir)
+    read_costs = measure_tier_reads(block_shape, dtype, args.disk_dir)
     prefill, source = args.prefill_seconds_per_token, "given"
     if prefill is None:
         from ..engine.calibrate import measure_costs  # loads the model and runs it: the slow part
@@ -117,7 +117,7 @@ def _model_dir(model: Optional[str]) -> Path:
     return resolve_model(model)
 
 
-def _measure_tier_reads(block_shape: tuple[int, ...], dtype: str, disk_dir: Optional[str]) -> dict:
+def measure_tier_reads(block_shape: tuple[int, ...], dtype: str, disk_dir: Optional[str]) -> dict:
     """Latency and bandwidth of host and (cold) disk reads of real records: a chain written, then runs read back."""
     import hashlib
     import os

@@ -112,13 +112,13 @@ def _measure_tiers() -> dict[str, float]:
     from ..model import ModelConfig, ensure_default_model
     from ..model.loader import read_config_dict
     from ..plan.tiers import kv_bytes_per_token
-    from .plan import _measure_tier_reads
+    from .plan import measure_tier_reads
 
     config = EngineConfig()  # what measure_costs ran: the built-in model, the engine's dtype
     model = ModelConfig.from_hf_dict(read_config_dict(ensure_default_model()))
     dtype = str(resolve_dtype(config.dtype, resolve_device(config.device))).removeprefix("torch.")
     block_shape = (model.num_hidden_layers, 2, config.block_size, model.num_key_value_heads, model.head_dim)
-    reads = _measure_tier_reads(block_shape, dtype, None)
+    reads = measure_tier_reads(block_shape, dtype, None)
     fields = {"kv_bytes_per_token": float(kv_bytes_per_token(model.num_hidden_layers, model.num_key_value_heads,
                                                              model.head_dim, dtype))}
     for tier in ("host", "disk"):
