@@ -50,6 +50,18 @@ def write_random_checkpoint(directory: Path, config: dict, seed: int = 0) -> Pat
     return directory
 
 
+def write_qwen2_checkpoint(directory: Path, seed: int) -> Path:
+    """A random Qwen2-style checkpoint (q/k/v bias, tied, 6/2 heads) with the built-in model's tokenizer."""
+    import shutil
+
+    from prefixserve.model import ensure_default_model
+
+    write_random_checkpoint(directory, qwen2_config(), seed=seed)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(ensure_default_model() / name, directory / name)
+    return directory
+
+
 def qwen2_config(vocab_size: int = 8192) -> dict:
     """Qwen2 style: q/k/v bias, tied embeddings, GQA 6/2, explicit head_dim (6 * 32 != hidden)."""
     return {

@@ -1,7 +1,5 @@
 """Greedy tokens through LLM.generate equal transformers' greedy generate, token for token."""
 
-import shutil
-
 import pytest
 import torch
 
@@ -9,7 +7,7 @@ from prefixserve import SamplingParams
 from prefixserve.model import ensure_default_model
 
 from conftest import make_llm
-from model_helpers import qwen2_config, write_random_checkpoint
+from model_helpers import write_qwen2_checkpoint
 
 PROMPTS = [
     "The quick brown fox",
@@ -50,10 +48,7 @@ def test_default_model_matches_transformers():
 
 @pytest.fixture(scope="module")
 def qwen2_dir(tmp_path_factory):
-    directory = write_random_checkpoint(tmp_path_factory.mktemp("qwen2"), qwen2_config(), seed=3)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(ensure_default_model() / name, directory / name)
-    return directory
+    return write_qwen2_checkpoint(tmp_path_factory.mktemp("qwen2"), seed=3)
 
 
 def test_qwen2_style_checkpoint_matches_transformers(qwen2_dir):

@@ -2,14 +2,12 @@
 recomputed gives the same greedy tokens; exact per-tier counts; damaged records are recomputed."""
 
 import random
-import shutil
 
 import pytest
 
 from conftest import make_llm
-from model_helpers import qwen2_config, write_random_checkpoint
+from model_helpers import write_qwen2_checkpoint
 from prefixserve import SamplingParams
-from prefixserve.model import ensure_default_model
 from prefixserve.tiers.disk_files import record_path
 from prefixserve.tiers.record import BlockRecord, RecordExpectation, decode_record, encode_record, read_header
 
@@ -97,10 +95,7 @@ def test_disk_tier_serves_after_eviction_and_after_a_restart(reference, tmp_path
 
 @pytest.fixture(scope="module")
 def second_checkpoint(tmp_path_factory):
-    directory = write_random_checkpoint(tmp_path_factory.mktemp("qwen2-tiers"), qwen2_config(), seed=5)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(ensure_default_model() / name, directory / name)
-    return directory
+    return write_qwen2_checkpoint(tmp_path_factory.mktemp("qwen2-tiers"), seed=5)
 
 
 def test_another_model_finds_nothing_and_reclaims_the_old_records(reference, second_checkpoint, tmp_path):
