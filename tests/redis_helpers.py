@@ -19,32 +19,21 @@ from typing import Optional
 
 import pytest
 
-from prefixserve.cache import BlockKeyer
-from prefixserve.tiers import BlockRecord, RecordExpectation
+from prefixserve.tiers import BlockRecord
+
+from tier_helpers import BLOCK_SIZE, OTHER_SCOPE, SCOPE, expect  # noqa: F401 (re-exported to the redis tests)
+from tier_helpers import make_chain as make_token_chain
 
 START_SECONDS = 10.0  # bounded wait for "Ready to accept connections"
-SCOPE = b"\x5a" * 32
-OTHER_SCOPE = b"\xa5" * 32
-BLOCK_SIZE = 4
 
 
 def make_chain(num_blocks: int, payload_bytes: int = 64, scope: bytes = SCOPE, first_token: int = 0) -> list[BlockRecord]:
     """Records for a prefix of `num_blocks` blocks, keyed exactly as the engine keys them."""
-    token_ids = list(range(first_token, first_token + num_blocks * BLOCK_SIZE))
-    records, parent = [], None
-    for index, key in enumerate(BlockKeyer(BLOCK_SIZE).keys(scope, token_ids)):
-        tokens = token_ids[index * BLOCK_SIZE : (index + 1) * BLOCK_SIZE]
-        records.append(BlockRecord(key, parent, scope, tokens, "float32", (payload_bytes // 4,), key[:4] * (payload_bytes // 4)))
-        parent = key
-    return records
+    return make_token_chain(list(range(first_token, first_token + num_blocks * BLOCK_SIZE)), payload_bytes, scope)
 
 
 def keys_of(records: list[BlockRecord]) -> list[bytes]:
     return [record.key for record in records]
-
-
-def expect(record: BlockRecord) -> RecordExpectation:
-    return RecordExpectation(record.key, record.scope_digest, record.token_ids, record.dtype, record.shape)
 
 
 def redis_name(scope: bytes, key: bytes) -> bytes:

@@ -13,34 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from prefixserve.cache import BlockKeyer
-from prefixserve.tiers import BlockRecord, DiskTier, RecordError, RecordExpectation, decode_record, encode_record
+from prefixserve.tiers import DiskTier, RecordError, decode_record, encode_record
 from prefixserve.tiers.disk_files import record_path
 from prefixserve.tiers.record import header_length
 
-SCOPE = b"\x5a" * 32
-OTHER_SCOPE = b"\xa5" * 32
-BLOCK_SIZE = 4
+from tier_helpers import OTHER_SCOPE, SCOPE, expect, make_chain, size
+
 BIG = 1 << 30
-
-
-def make_chain(token_ids: list[int], payload_bytes: int = 64, scope: bytes = SCOPE) -> list[BlockRecord]:
-    """Records for every full block of `token_ids`, keyed exactly as the engine keys them."""
-    keys = BlockKeyer(BLOCK_SIZE).keys(scope, token_ids)
-    records, parent = [], None
-    for index, key in enumerate(keys):
-        tokens = token_ids[index * BLOCK_SIZE : (index + 1) * BLOCK_SIZE]
-        records.append(BlockRecord(key, parent, scope, tokens, "float32", (payload_bytes // 4,), key[:4] * (payload_bytes // 4)))
-        parent = key
-    return records
-
-
-def expect(record: BlockRecord) -> RecordExpectation:
-    return RecordExpectation(record.key, record.scope_digest, record.token_ids, record.dtype, record.shape)
-
-
-def size(record: BlockRecord) -> int:
-    return len(encode_record(record))
 
 
 def files_under(directory: Path) -> list[Path]:

@@ -7,32 +7,9 @@ import threading
 
 import pytest
 
-from prefixserve.cache import BlockKeyer
-from prefixserve.tiers import BlockRecord, HostTier, RecordExpectation, decode_record, encode_record
+from prefixserve.tiers import BlockRecord, HostTier, decode_record, encode_record
 
-SCOPE = b"\x5a" * 32
-BLOCK_SIZE = 4
-
-
-def make_chain(token_ids: list[int], payload_bytes: int = 64, scope: bytes = SCOPE) -> list[BlockRecord]:
-    """Records for every full block of `token_ids`, keyed exactly as the engine keys them."""
-    keys = BlockKeyer(BLOCK_SIZE).keys(scope, token_ids)
-    records, parent = [], None
-    for index, key in enumerate(keys):
-        tokens = token_ids[index * BLOCK_SIZE : (index + 1) * BLOCK_SIZE]
-        payload = key[:4] * (payload_bytes // 4)  # distinct per block, so a mix-up shows
-        records.append(BlockRecord(key, parent, scope, tokens, "float32", (payload_bytes // 4,), payload))
-        parent = key
-    return records
-
-
-def expect(record: BlockRecord) -> RecordExpectation:
-    return RecordExpectation(record.key, record.scope_digest, record.token_ids, record.dtype, record.shape)
-
-
-def size(record: BlockRecord) -> int:
-    return len(encode_record(record))
-
+from tier_helpers import expect, make_chain, size
 
 def names(tier, named: dict[str, BlockRecord]) -> set[str]:
     present = set(tier.keys())

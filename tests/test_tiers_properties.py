@@ -15,26 +15,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prefixserve.cache import BlockKeyer
 from prefixserve.tiers import BlockRecord, DiskTier, HostTier, RecordExpectation, decode_record, encode_record
 
-SCOPE = b"\x5a" * 32
-BLOCK_SIZE = 4
+from tier_helpers import SCOPE, make_chain
+
 # Few stems so chains share prefixes and branch: 0 and 1 share two blocks, 2 and 3 share one.
 STEMS = [list(range(20)), list(range(8)) + [50] * 12, [7] * 16, [7] * 4 + [9] * 8]
 
 
-def make_chain(token_ids: list[int]) -> list[BlockRecord]:
-    keys = BlockKeyer(BLOCK_SIZE).keys(SCOPE, token_ids)
-    records, parent = [], None
-    for index, key in enumerate(keys):
-        tokens = token_ids[index * BLOCK_SIZE : (index + 1) * BLOCK_SIZE]
-        records.append(BlockRecord(key, parent, SCOPE, tokens, "float32", (8,), key[:32]))
-        parent = key
-    return records
-
-
-CHAINS = [make_chain(stem) for stem in STEMS]
+CHAINS = [make_chain(stem, payload_bytes=32) for stem in STEMS]
 SIZE = {record.key: len(encode_record(record)) for chain in CHAINS for record in chain}
 RECORDS = {record.key: record for chain in CHAINS for record in chain}
 
