@@ -103,27 +103,10 @@ def _port_number(text: str) -> int:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        enable_prefix_caching=not args.no_prefix_caching,
-        scheduling_policy=args.scheduling_policy,
-        prefix_ttl=args.prefix_ttl,
-        enable_kv_events=args.enable_kv_events,
-        kv_host_cache_bytes=args.kv_host_cache_bytes,
-        kv_disk_cache_dir=args.kv_disk_cache_dir,
-        kv_disk_cache_bytes=args.kv_disk_cache_bytes,
-        kv_remote_url=args.kv_remote_url,
-        kv_remote_ttl=args.kv_remote_ttl,
-        kv_remote_write_bytes_per_second=args.kv_remote_write_bytes_per_second,
-        kv_remote_timeout=args.kv_remote_timeout,
-    )
+    """Each flag is a config field's name with dashes; --no-prefix-caching is the one that reads inverted."""
+    options = {field.name: getattr(args, field.name) for field in fields(EngineConfig) if hasattr(args, field.name)}
+    options["enable_prefix_caching"] = not args.no_prefix_caching
+    return EngineConfig(**options)
 
 
 def build_server(args: argparse.Namespace):
