@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -30,6 +31,7 @@ from ..cache.keys import unpack_tokens
 from ..cache.stats import LatencyHistogram
 from ..tiers import (BlockRecord, DiskTier, HostTier, KVTier, RecordError, RecordExpectation, TierStats, decode_record,
                      plan_fetch)
+from ..tiers.record import DTYPE_SIZES
 from .request import Request
 from .runner import ModelRunner
 
@@ -77,7 +79,7 @@ class TieredKV:
         self.block_size = cache.block_size
         self.scope_digest = scope_digest  # the model's unsalted scope: records of another model never load
         self.shape, self.dtype = runner.block_shape, runner.dtype_name
-        self.block_bytes = len(runner.read_blocks([0])[0])
+        self.block_bytes = math.prod(self.shape) * DTYPE_SIZES[self.dtype]
         self.prefill_seconds_per_token = DEFAULT_PREFILL_SECONDS_PER_TOKEN
         self.hit_tokens: dict[str, int] = {name: 0 for name in self.tiers}
         self.fetch_latency = {name: LatencyHistogram(FETCH_BUCKETS) for name in self.tiers}
@@ -204,7 +206,7 @@ class TieredKV:
             except Exception:  # a tier's bug: recompute
                 logger.exception("reading from the %s tier failed; recomputing", fetch.pending_tier)
                 continue
-            if not fetch.request.is_finished and self._chain_reaches(fetch.request, fetch.pending_start):
+            if not fetch.request.is_finished:
                 self._promote(fetch.request, fetch.pending_tier, fetch.pending_start, fetch.pending_keys, encoded,
                               fetch.pending_since)
 
@@ -218,16 +220,18 @@ class TieredKV:
     def has_pending_fetches(self) -> bool:
         return any(fetch.pending is not None for fetch in self.fetches.values())
 
-    def _chain_reaches(self, request: Request, num_blocks: int) -> bool:
-        """Whether the request's first `num_blocks` blocks are all cached on the device now."""
-        hit = self.cache.match(request.scope_digest, request.block_keys[:num_blocks], request.token_ids,
-                               record_stats=False).blocks
-        return len(hit) == num_blocks
-
     def _promote(self, request: Request, tier_name: str, start: int, keys: list[bytes],
                  encoded: Sequence[Optional[bytes]], began: float) -> int:
-        """Verify records for blocks start.. and cache their KV in fresh pool blocks; returns how many."""
+        """Verify records for blocks start.. and cache their KV in fresh pool blocks; returns how many.
+
+        Nothing happens (0) unless the request's first `start` blocks are cached on the device now: a
+        promoted block must hang from its parent.
+        """
         tier, size = self.tiers[tier_name], self.block_size
+        prefix = self.cache.match(request.scope_digest, request.block_keys[:start], request.token_ids,
+                                  record_stats=False).blocks
+        if len(prefix) != start:
+            return 0
         payloads = []
         for offset, (key, data) in enumerate(zip(keys, encoded)):
             if data is None:
@@ -243,11 +247,7 @@ class TieredKV:
                 break
         if not payloads:
             return 0
-        # Hold the device prefix while allocating, so eviction cannot break the chain under us.
-        prefix = self.cache.match(request.scope_digest, request.block_keys[:start], request.token_ids,
-                                  record_stats=False).blocks
-        if len(prefix) != start:
-            return 0
+        # Admitting holds the device prefix while allocating, so eviction cannot break the chain under us.
         blocks = self.cache.admit(prefix, len(payloads))
         if blocks is None:
             return 0  # the pool is held by running requests: recompute
