@@ -106,11 +106,6 @@ class AsyncLLMEngine:
         self._wake.set()
         return self._outputs(request.request_id, stream)
 
-    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
-        """Submit a request made by `make_request`; yields an output per step until it finishes."""
-        async for output in self.add(request):
-            yield output
-
     async def _outputs(self, request_id: str, stream: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
