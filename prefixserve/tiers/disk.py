@@ -233,7 +233,10 @@ class DiskTier(KVTier):
         self._log_once("startup", reason, "disk tier: deleted damaged records at start-up (first: %s, %s)", path, reason)
 
     def check_integrity(self) -> None:
-        """Index == record files (names and sizes), no temporary file, byte count, leaf-first structure."""
+        """Index == record files (names and sizes), no temporary file, byte count, leaf-first structure.
+
+        Waits for the writes already queued first: a write in flight has a temporary file by design."""
+        self.flush()
         with self._lock:
             self._lru.check_integrity()
             assert self._lru.used_bytes <= self.capacity_bytes, "over capacity"
