@@ -68,8 +68,12 @@ class InputProcessor:
 
     def make_request(self, prompt: PromptType, params: Optional[SamplingParams] = None,
                      request_id: Optional[str] = None, cache_salt: Optional[str] = None,
-                     arrival_time: Optional[float] = None) -> Request:
-        """Tokenize and validate (raises ValueError / TypeError with the fix)."""
+                     arrival_time: Optional[float] = None, prefix_ttl: Optional[float] = None,
+                     tenant: Optional[str] = None) -> Request:
+        """Tokenize and validate (raises ValueError / TypeError with the fix).
+
+        `prefix_ttl` overrides the engine's default lifetime of this request's cached blocks
+        (seconds after their last use); `tenant` only labels the request's statistics."""
         text, token_ids, prompt_salt = self.tokenize(prompt)
         self.validate(token_ids)
         salt = cache_salt if cache_salt is not None else prompt_salt
@@ -83,7 +87,8 @@ class InputProcessor:
             private_from=private_from,
             eos_token_ids=self.eos_token_ids,
             max_model_len=self.max_model_len,
-            prefix_ttl=self.prefix_ttl,
+            prefix_ttl=self.prefix_ttl if prefix_ttl is None else prefix_ttl,
+            tenant=tenant,
         )
         if arrival_time is not None:
             request.metrics.arrival_time = arrival_time

@@ -54,6 +54,7 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     max_model_len: int = 4096
     prefix_ttl: Optional[float] = None
+    tenant: Optional[str] = None  # who asked: labels statistics (reuse gaps), never part of a key
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # set at first admission; -1 = not yet looked up
