@@ -14,6 +14,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULING_POLICIES = ("fcfs", "lpm")
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
+DEFAULT_MAX_CACHE_TTL = 3600.0  # seconds: the server's cap on a requested cache_ttl (Anthropic's longest, 1 hour)
 DEFAULT_DISK_CACHE_BYTES = 16 << 30
 
 

@@ -161,30 +161,66 @@ def parse_json_body(raw: bytes):
         raise ValueError(f"the request body has a value that cannot be read: {error}") from None
 
 
+def _read_keys_file(api_keys_file: str) -> dict[str, tuple[str, Optional[float]]]:
+    """key -> (tenant, default cache TTL or None) from a JSON object whose values are a tenant id or
+    {"tenant": id, "cache_ttl": seconds}."""
+    import math
+    from pathlib import Path
+
+    path = Path(api_keys_file)
+    try:
+        loaded = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"--api-keys-file {path}: cannot read a JSON object of key -> tenant ({error})")
+    if not isinstance(loaded, dict):
+        raise SystemExit(f"--api-keys-file {path}: expected a JSON object mapping API key strings to tenant names")
+    entries: dict[str, tuple[str, Optional[float]]] = {}
+    for key, value in loaded.items():
+        if not key:
+            raise SystemExit(f"--api-keys-file {path}: an API key is empty; give every tenant a non-empty key")
+        ttl = None
+        if isinstance(value, dict):
+            unknown = set(value) - {"tenant", "cache_ttl"}
+            if unknown or "tenant" not in value:
+                raise SystemExit(f"--api-keys-file {path}: a key's entry is a tenant name or an object with "
+                                 f"'tenant' and optional 'cache_ttl' (seconds); got fields {sorted(value)}")
+            tenant, ttl = value["tenant"], value.get("cache_ttl")
+            if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float))
+                                    or not math.isfinite(ttl) or ttl <= 0):
+                raise SystemExit(f"--api-keys-file {path}: cache_ttl of tenant {tenant!r} must be a positive number "
+                                 f"of seconds, got {ttl!r}")
+        else:
+            tenant = value
+        if not isinstance(tenant, str):
+            raise SystemExit(f"--api-keys-file {path}: expected a JSON object mapping API key strings to tenant names")
+        if not is_valid_tenant_id(tenant):
+            raise SystemExit(f"--api-keys-file {path}: tenant id {tenant!r} must be 1 to 256 printable characters "
+                             "(no control characters such as NUL or newlines)")
+        entries[key] = (tenant, None if ttl is None else float(ttl))
+    return entries
+
+
 def load_api_keys(api_keys_file: Optional[str], api_key: Optional[str] = None) -> dict[str, str]:
     """key -> tenant from a JSON keys file, plus a single --api-key as tenant 'default'.
 
     Tenant ids must be printable (no NUL or other control characters), so that what a
     log or a metric shows is what the operator wrote.
     """
-    from pathlib import Path
-
-    keys: dict[str, str] = {}
-    if api_keys_file:
-        path = Path(api_keys_file)
-        try:
-            loaded = json.loads(path.read_text())
-        except (OSError, ValueError) as error:
-            raise SystemExit(f"--api-keys-file {path}: cannot read a JSON object of key -> tenant ({error})")
-        if not isinstance(loaded, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in loaded.items()):
-            raise SystemExit(f"--api-keys-file {path}: expected a JSON object mapping API key strings to tenant names")
-        for key, tenant in loaded.items():
-            if not key:
-                raise SystemExit(f"--api-keys-file {path}: an API key is empty; give every tenant a non-empty key")
-            if not is_valid_tenant_id(tenant):
-                raise SystemExit(f"--api-keys-file {path}: tenant id {tenant!r} must be 1 to 256 printable characters "
-                                 "(no control characters such as NUL or newlines)")
-        keys.update(loaded)
+    keys = {key: tenant for key, (tenant, _) in _read_keys_file(api_keys_file).items()} if api_keys_file else {}
     if api_key:
         keys[api_key] = "default"
     return keys
+
+
+def load_tenant_cache_ttls(api_keys_file: Optional[str]) -> dict[str, float]:
+    """tenant -> default cache TTL (seconds) for the tenants whose keys-file entry gives one."""
+    if not api_keys_file:
+        return {}
+    ttls: dict[str, float] = {}
+    for tenant, ttl in _read_keys_file(api_keys_file).values():
+        if ttl is not None:
+            if tenant in ttls and ttls[tenant] != ttl:
+                raise SystemExit(f"--api-keys-file {api_keys_file}: tenant {tenant!r} has two different cache_ttl "
+                                 "values; give each tenant one")
+            ttls[tenant] = ttl
+    return ttls

@@ -49,6 +49,7 @@ class EngineSnapshot:
     num_prefill_tokens_computed: int
     num_generation_tokens: int
     tiers: dict = field(default_factory=dict)  # tier name -> kv_tiers.TierSnapshot
+    reuse_gaps: dict = field(default_factory=dict)  # ReuseGapTracker.snapshot(): read-only
 
     @classmethod
     def of(cls, engine: LLMEngine) -> "EngineSnapshot":
@@ -57,7 +58,8 @@ class EngineSnapshot:
                    num_preemptions=engine.scheduler.num_preemptions,
                    num_prefill_tokens_computed=engine.num_prefill_tokens_computed,
                    num_generation_tokens=engine.num_generation_tokens,
-                   tiers=engine.tiers.snapshot() if engine.tiers is not None else {})
+                   tiers=engine.tiers.snapshot() if engine.tiers is not None else {},
+                   reuse_gaps=engine.reuse_gaps.snapshot())
 
 
 class AsyncLLMEngine:
@@ -86,10 +88,11 @@ class AsyncLLMEngine:
             return self.snapshot.num_waiting + self._num_pending_adds
 
     def make_request(self, prompt: PromptType, params: SamplingParams, request_id: Optional[str] = None,
-                     cache_salt: Optional[str] = None) -> Request:
+                     cache_salt: Optional[str] = None, prefix_ttl: Optional[float] = None,
+                     tenant: Optional[str] = None) -> Request:
         """Tokenize and validate in the caller (thread-safe: reads only what is fixed at start-up);
         raises ValueError / TypeError on bad input."""
-        return self.engine.make_request(prompt, params, request_id, cache_salt)
+        return self.engine.make_request(prompt, params, request_id, cache_salt, prefix_ttl=prefix_ttl, tenant=tenant)
 
     def add(self, request: Request) -> AsyncIterator[RequestOutput]:
         """Queue a request now (it counts as waiting at once) and return the stream of its outputs.

@@ -17,6 +17,7 @@ from typing import Callable, Optional
 import torch
 
 from ..cache import BlockKeyer, CacheScope, EventQueue, RadixCache
+from ..cache.reuse_gaps import ReuseGapTracker
 from ..cache.scoping import PromptScoper
 from ..config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from ..model import DEFAULT_MODEL_NAME, Tokenizer, ensure_default_model, load_generation_eos, load_model
@@ -53,6 +54,7 @@ class LLMEngine:
         self.cache = RadixCache(num_blocks, config.block_size, max_pinned_blocks=config.max_pinned_blocks,
                                 events=self.events)
         self.keyer = BlockKeyer(config.block_size, config.prefix_hash)
+        self.reuse_gaps = ReuseGapTracker(config.block_size)
         self.scheduler = Scheduler(
             self.cache,
             self.keyer,
@@ -60,6 +62,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_prefix_caching=config.enable_prefix_caching,
             policy=config.scheduling_policy,
+            reuse_gaps=self.reuse_gaps,
         )
         # Lay linear weights out for oneDNN once, sized for a full step's token budget (CPU only).
         self._log_progress("packing weights for this CPU ...")
@@ -181,16 +184,19 @@ class LLMEngine:
         request_id: Optional[str] = None,
         cache_salt: Optional[str] = None,
         arrival_time: Optional[float] = None,
+        prefix_ttl: Optional[float] = None,
+        tenant: Optional[str] = None,
     ) -> Request:
-        request = self.make_request(prompt, params, request_id, cache_salt, arrival_time)
+        request = self.make_request(prompt, params, request_id, cache_salt, arrival_time, prefix_ttl, tenant)
         self.submit(request)
         return request
 
     def make_request(self, prompt: PromptType, params: Optional[SamplingParams] = None,
                      request_id: Optional[str] = None, cache_salt: Optional[str] = None,
-                     arrival_time: Optional[float] = None) -> Request:
+                     arrival_time: Optional[float] = None, prefix_ttl: Optional[float] = None,
+                     tenant: Optional[str] = None) -> Request:
         """Tokenize and validate (raises ValueError with the fix); does not touch engine state."""
-        return self.inputs.make_request(prompt, params, request_id, cache_salt, arrival_time)
+        return self.inputs.make_request(prompt, params, request_id, cache_salt, arrival_time, prefix_ttl, tenant)
 
     def declare_shared_prefix(self, token_ids: list[int]) -> int:
         """Let every tenant (cache salt) reuse the full blocks of this public prefix; returns them."""

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Optional, Sequence
 
 from ..cache import Block, BlockKeyer, RadixCache
+from ..cache.reuse_gaps import ReuseGapTracker
 from .request import Request, RequestStatus
 from .stopping import check_stop
 
@@ -52,8 +53,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         enable_prefix_caching: bool = True,
         policy: str = "fcfs",
+        reuse_gaps: Optional[ReuseGapTracker] = None,
     ) -> None:
         self.cache = cache
+        self.reuse_gaps = reuse_gaps  # measures release -> next use of prefixes, for TTL planning
         self.keyer = keyer
         self.block_size = cache.block_size
         self.max_num_seqs = max_num_seqs
@@ -133,6 +136,8 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
                 self.cache.stats.record_query(request.num_prompt_tokens, num_cached)
+                if self.reuse_gaps is not None and self.enable_prefix_caching:
+                    self.reuse_gaps.admitted(request.tenant, request.block_keys)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             output.scheduled.append(ScheduledRequest(request, num_new))
@@ -234,4 +239,7 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        if self.reuse_gaps is not None and request.num_inserted_blocks:
+            self.reuse_gaps.released(request.tenant, request.block_keys[:request.num_inserted_blocks],
+                                     request.num_prompt_tokens // self.block_size)
         self._release(request)

@@ -55,6 +55,23 @@ async def cache_keys(request: Request):
     return {"keys": keys, "tiers": tiers, "next": cursor}
 
 
+@admin_routes.get("/v1/cache/stats")
+async def cache_stats(request: Request):
+    """What the TTL planner takes: the reuse-gap histograms (overall and per tenant), pool usage, pins."""
+    state = _admin_state(request)
+
+    def stats(core):
+        usage = core.cache.usage()
+        return {"object": "cache.stats", "reuse_gaps": core.reuse_gaps.snapshot(),
+                "mean_reused_prefix_tokens": core.reuse_gaps.mean_reused_prefix_tokens,
+                "block_size": core.config.block_size, "prefix_ttl": core.config.prefix_ttl,
+                "max_cache_ttl": state.settings.max_cache_ttl,
+                "usage": {"num_blocks": usage.num_blocks, "num_free_blocks": usage.num_free_blocks,
+                          "num_cached_blocks": usage.num_cached_blocks, "num_pinned_blocks": usage.num_pinned_blocks}}
+
+    return await state.engine.call(stats)
+
+
 @admin_routes.get("/v1/cache/info")
 async def cache_info(request: Request):
     """What a router needs to compute the same block keys as this replica, read between engine steps."""

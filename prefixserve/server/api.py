@@ -18,6 +18,7 @@ from ..http import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
 from .admin import admin_routes
 from .auth import Authenticator
 from .errors import install_error_handlers
+from ..config import DEFAULT_MAX_CACHE_TTL
 from .inputs import RequestBuilder
 from .metrics import ServerMetrics
 from .responses import TokenTexts
@@ -33,6 +34,8 @@ class ServerSettings:
     retry_after_seconds: int = 1
     default_max_tokens: int = 256  # when a request gives none (capped by the room its prompt leaves)
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    max_cache_ttl: float = DEFAULT_MAX_CACHE_TTL  # seconds: the longest cache_ttl a request or tenant gets
+    tenant_cache_ttls: Mapping[str, float] = field(default_factory=dict)  # tenant -> default cache_ttl
 
 
 @dataclass

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import replace
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
+from ..cache.scoping import compose_salt
 from ..engine.async_engine import AsyncLLMEngine
 from ..engine.input_processor import PromptTooLongError
 from ..engine.request import Request as EngineRequest
@@ -23,6 +24,22 @@ from .errors import APIError, param_of
 from .protocol import ChatCompletionRequest, SamplingFields, new_id
 
 JSON_MEDIA_TYPES = ("application/json",)
+
+
+class CacheOptions(NamedTuple):
+    """How a request's prefix is cached: its scope salt, its lifetime, and whose it is (statistics)."""
+
+    salt: Optional[str]
+    ttl: Optional[float]  # None: the engine's default (--prefix-ttl)
+    tenant: Optional[str]
+
+
+def cache_options(settings, tenant: Optional[str], body: SamplingFields) -> CacheOptions:
+    """The request's cache_ttl, else its tenant's default, capped by the server's maximum."""
+    ttl = body.cache_ttl if body.cache_ttl is not None else settings.tenant_cache_ttls.get(tenant)
+    if ttl is not None:
+        ttl = min(ttl, settings.max_cache_ttl)
+    return CacheOptions(compose_salt(tenant, body.cache_salt), ttl, tenant)
 
 
 async def read_body(request: Request, model: type[BaseModel]):
@@ -102,28 +119,31 @@ class RequestBuilder:
                            code="invalid_messages") from None
 
     async def build(self, prompts: list, params: SamplingParams, max_tokens: Optional[int], n: int,
-                    salt: Optional[str]) -> list[EngineRequest]:
+                    options: CacheOptions) -> list[EngineRequest]:
         """n requests per prompt, in order, each with max_tokens fitted to the room its prompt leaves."""
         requests = []
         for prompt in prompts:
             if isinstance(prompt, str):
                 self.check_text_size(len(prompt), "prompt")
-            first = await self._make(prompt, params, salt)
+            first = await self._make(prompt, params, options)
             fitted = replace(params, max_tokens=self._fit_max_tokens(first.num_prompt_tokens, max_tokens))
             first.sampling_params = fitted
             requests.append(first)
             for sample in range(1, n):
-                other = await self._make(first.prompt_token_ids, fitted.for_sample(sample), salt)
+                other = await self._make(first.prompt_token_ids, fitted.for_sample(sample), options)
                 other.prompt = first.prompt
                 requests.append(other)
         return requests
 
-    async def _make(self, prompt, params: SamplingParams, salt: Optional[str]) -> EngineRequest:
-        make = self.engine.make_request
+    async def _make(self, prompt, params: SamplingParams, options: CacheOptions) -> EngineRequest:
+        def make():
+            return self.engine.make_request(prompt, params, new_id("req"), options.salt, prefix_ttl=options.ttl,
+                                            tenant=options.tenant)
+
         try:
             if isinstance(prompt, str):
-                return await asyncio.to_thread(make, prompt, params, new_id("req"), salt)
-            return make(prompt, params, new_id("req"), salt)
+                return await asyncio.to_thread(make)
+            return make()
         except PromptTooLongError as error:
             raise APIError(413, str(error), param="prompt", code="context_length_exceeded") from None
         except (ValueError, TypeError) as error:

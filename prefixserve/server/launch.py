@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import errno
 import logging
+import math
 import re
 import socket
 import time
@@ -17,8 +18,8 @@ from typing import Optional
 from dataclasses import fields
 from pathlib import Path
 
-from ..config import DEVICES, DTYPES, SCHEDULING_POLICIES, EngineConfig
-from ..http import DEFAULT_MAX_REQUEST_BYTES, load_api_keys
+from ..config import DEFAULT_MAX_CACHE_TTL, DEVICES, DTYPES, SCHEDULING_POLICIES, EngineConfig
+from ..http import DEFAULT_MAX_REQUEST_BYTES, load_api_keys, load_tenant_cache_ttls
 
 logger = logging.getLogger("prefixserve.server")
 
@@ -70,6 +71,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fcfs: arrival order; lpm: longest cached prefix first, within a window")
     parser.add_argument("--prefix-ttl", type=float, metavar="SECONDS", default=None,
                         help="seconds an unused cached prefix lives (default: until evicted)")
+    parser.add_argument("--max-cache-ttl", type=float, metavar="SECONDS", default=DEFAULT_MAX_CACHE_TTL,
+                        help="cap on the cache_ttl a request body or a tenant's keys-file entry asks for")
     parser.add_argument("--enable-kv-events", action="store_true",
                         help="keep KV events for GET /v1/kv_events (for a router; needs --admin-api-key)")
     parser.add_argument("--kv-host-cache-bytes", metavar="BYTES", type=int, default=None,
@@ -121,7 +124,8 @@ def build_server(args: argparse.Namespace):
         declare_shared_prefix(engine.engine, args.shared_prefix, read_shared_prefix(args.shared_prefix))
     settings = ServerSettings(served_model_name=name, api_keys=load_api_keys(args.api_keys_file, args.api_key),
                               admin_api_key=args.admin_api_key, max_waiting=args.max_waiting,
-                              max_request_bytes=args.max_request_bytes)
+                              max_request_bytes=args.max_request_bytes, max_cache_ttl=args.max_cache_ttl,
+                              tenant_cache_ttls=load_tenant_cache_ttls(args.api_keys_file))
     return engine, build_app(engine, settings)
 
 
@@ -181,6 +185,9 @@ def check_options(args: argparse.Namespace) -> None:
     if args.shared_prefix:
         read_shared_prefix(args.shared_prefix)
     load_api_keys(args.api_keys_file, args.api_key)
+    load_tenant_cache_ttls(args.api_keys_file)
+    if not (math.isfinite(args.max_cache_ttl) and args.max_cache_ttl > 0):
+        raise SystemExit(f"prefixserve serve: --max-cache-ttl must be a positive number of seconds, got {args.max_cache_ttl}")
 
 
 def _with_flag_names(message: str) -> str:

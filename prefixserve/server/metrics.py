@@ -69,6 +69,28 @@ class EngineCollector:
         yield gauge("num_requests_waiting", "Requests waiting for admission.", snapshot.num_waiting)
         yield counter("rejected_requests", "Requests refused with 429 because the queue was full.", self._num_rejected[0])
         yield from tier_families(snapshot.tiers)
+        yield from reuse_gap_families(snapshot.reuse_gaps)
+
+
+def reuse_gap_families(reuse_gaps: dict):
+    """The release -> next use gap of prefixes, per tenant (the TTL planner's input), and releases."""
+    if not reuse_gaps:
+        return
+    gaps = HistogramMetricFamily("prefixserve:prefix_reuse_gap_seconds",
+                                 "Time from a request releasing its prefix to the next request that uses it.",
+                                 labels=["tenant"])
+    releases = CounterMetricFamily("prefixserve:prefix_releases", "Prefixes released by finished requests.",
+                                   labels=["tenant"])
+    bounds = [str(float(bound)) for bound in reuse_gaps["bucket_upper_bounds"]] + ["+Inf"]
+    for tenant, histogram in reuse_gaps["by_tenant"].items():
+        cumulative, buckets = 0, []
+        for bound, count in zip(bounds, histogram["counts"]):
+            cumulative += count
+            buckets.append((bound, cumulative))
+        gaps.add_metric([tenant], buckets, histogram["sum"])
+        releases.add_metric([tenant], histogram["num_releases"])
+    yield gaps
+    yield releases
 
 
 TIER_COUNTERS = (  # (metric name, TierStats field, help)

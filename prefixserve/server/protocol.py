@@ -51,6 +51,9 @@ class SamplingFields(OpenAIBody):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     cache_salt: Optional[str] = Field(default=None, min_length=1, max_length=256)
+    # Seconds this request's cached prefix lives after its last use (capped by the server's
+    # --max-cache-ttl); absent: the tenant's default from the keys file, else --prefix-ttl.
+    cache_ttl: Optional[float] = Field(default=None, gt=0.0, allow_inf_nan=False)
     user: Optional[str] = None
     return_token_ids: bool = False  # vLLM's extension: prompt and output token ids in the response
 

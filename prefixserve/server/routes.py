@@ -10,12 +10,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ..cache.scoping import compose_salt
 from ..engine.async_engine import EngineDeadError
 from ..http import error_response
 from .errors import APIError
 from .generation import collect, engine_dead, stream_response
-from .inputs import completion_prompts, read_body, sampling_params
+from .inputs import cache_options, completion_prompts, read_body, sampling_params
 from .protocol import ChatCompletionRequest, CompletionRequest, new_id, now
 from .responses import ChatShape, CompletionShape, usage_of
 
@@ -89,7 +88,7 @@ async def completions(request: Request):
     prompts = completion_prompts(body.prompt)
     check_batch(state.settings, len(prompts) * body.n)
     requests = await state.builder.build(prompts, sampling_params(body, body.num_logprobs), body.requested_max_tokens,
-                                         body.n, compose_salt(tenant, body.cache_salt))
+                                         body.n, cache_options(state.settings, tenant, body))
     shape = CompletionShape(new_id("cmpl"), now(), state.settings.served_model_name, state.texts, echo=body.echo,
                             **shape_options(body))
     return await respond(request, state, body, shape, start(state, requests))
@@ -103,7 +102,7 @@ async def chat_completions(request: Request):
     check_batch(state.settings, body.n)
     prompt_ids = await state.builder.chat_prompt(body)
     requests = await state.builder.build([prompt_ids], sampling_params(body, body.num_logprobs),
-                                         body.requested_max_tokens, body.n, compose_salt(tenant, body.cache_salt))
+                                         body.requested_max_tokens, body.n, cache_options(state.settings, tenant, body))
     shape = ChatShape(new_id("chatcmpl"), now(), state.settings.served_model_name, state.texts, **shape_options(body))
     streams = start(state, requests)
     role_chunks = [shape.role_chunk(i, prompt_ids) for i in range(body.n)] if body.stream else ()
