@@ -76,7 +76,8 @@ class GapDistribution:
         self._cumulative_gap_sums = [0.0]
         for bucket in ordered:
             self._cumulative_counts.append(self._cumulative_counts[-1] + bucket.count)
-            self._cumulative_gap_sums.append(self._cumulative_gap_sums[-1] + bucket.count * (bucket.low + bucket.high) / 2)
+            mean_gap = (bucket.low + bucket.high) / 2
+            self._cumulative_gap_sums.append(self._cumulative_gap_sums[-1] + bucket.count * mean_gap)
 
     @classmethod
     def from_samples(cls, gaps_seconds: Sequence[float], num_never_returned: float = 0) -> "GapDistribution":
@@ -101,7 +102,8 @@ class GapDistribution:
                              f"{len(counts)} counts for {len(bucket_upper_bounds)} bounds")
         bounds = [float(bound) for bound in bucket_upper_bounds]
         if bounds[0] <= 0 or any(high <= low for low, high in zip(bounds, bounds[1:])) or not math.isfinite(bounds[-1]):
-            raise ValueError(f"bucket upper bounds must be finite, positive and increasing, got {list(bucket_upper_bounds)}")
+            raise ValueError(f"bucket upper bounds must be finite, positive and increasing, "
+                             f"got {list(bucket_upper_bounds)}")
         for count in counts:
             if isinstance(count, bool) or not isinstance(count, (int, float)) or not 0 <= count < math.inf:
                 raise ValueError(f"histogram counts must be finite numbers >= 0, got {list(counts)}")
