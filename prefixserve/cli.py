@@ -1,4 +1,4 @@
-"""`prefixserve serve | route | simulate | plan`: the command line.
+"""`prefixserve serve | route | simulate | plan | lint`: the command line.
 
 One parser for every command: each flag shows its help and its default, and no flag may be
 abbreviated (argparse would otherwise take `--replica 8` for `--replicas 8` without a word).
@@ -13,6 +13,7 @@ import argparse
 import sys
 from typing import Optional
 
+from .commands.lint import LINT_SUMMARY, add_lint_arguments, lint
 from .commands.plan import add_plan_arguments, plan
 from .commands.simulate import add_simulate_arguments, simulate
 from .router.launch import add_route_arguments, route
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                "routing policies"))
     add_plan_arguments(command("plan", "planners on measured or given inputs (tiers: when fetching a prefix's KV "
                                        "from host RAM or disk beats recomputing it)"))
+    add_lint_arguments(command("lint", LINT_SUMMARY))
     return parser
 
 
@@ -59,6 +61,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return route(args)
     if args.command == "plan":
         return plan(args)
+    if args.command == "lint":
+        return lint(args)
     return simulate(args)
 
 
