@@ -82,6 +82,7 @@ def test_flags_pinned_in_use_expiring_and_named_scopes():
     scopes = {n.label: n for n in view.nodes if n.kind == "scope"}
     assert set(scopes) == {"shared", "tenant-a"}
     assert scopes["shared"].subtree_blocks == 3 and scopes["tenant-a"].subtree_blocks == 1
+    assert view.blocks_by_scope == {"shared": 3, "tenant-a": 1}
     segments = {n.num_blocks: n for n in view.nodes if n.parent == scopes["shared"].id}
     assert segments[2].pinned and segments[2].ref_count == 0 and not segments[2].expiring
     assert segments[1].ref_count == 1 and not segments[1].pinned

@@ -64,6 +64,7 @@ class TreeView:
     num_segments: int  # chains after merging, before folding
     num_folded_blocks: int  # blocks drawn only as part of a "more" node
     tiers: list[TierCount]  # device first, then each lower tier given
+    blocks_by_scope: dict[str, int]  # scope name -> cached blocks rooted in it (folded or not)
 
 
 class _Group:
@@ -162,8 +163,12 @@ def build_tree_view(
             num_folded_blocks += fold.subtree_blocks
             nodes.append(node(fold, group.id, "more", f"{len(folded)} more", fold.subtree_blocks, len(folded)))
     assert len(nodes) <= max_nodes, (len(nodes), max_nodes)
+    by_scope: dict[str, int] = {}
+    for scope in root.children:
+        by_scope[scope.label] = by_scope.get(scope.label, 0) + scope.subtree_blocks
     return TreeView(nodes=nodes, block_size=block_size, num_blocks=len(blocks), num_segments=segments,
-                    num_folded_blocks=num_folded_blocks, tiers=_tier_counts(blocks, tier_keys or {}))
+                    num_folded_blocks=num_folded_blocks, tiers=_tier_counts(blocks, tier_keys or {}),
+                    blocks_by_scope=by_scope)
 
 
 def _merge_chains(blocks: list[Block], scope_names: Mapping[bytes, str], counter) -> tuple[_Group, int]:
