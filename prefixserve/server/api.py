@@ -17,10 +17,11 @@ from ..engine.async_engine import AsyncLLMEngine
 from ..http import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
 from .admin import admin_routes
 from .auth import Authenticator
+from .dashboard.recorder import DashboardMetrics, TenantContext
+from .dashboard.routes import dashboard_routes
 from .errors import install_error_handlers
 from ..config import DEFAULT_MAX_CACHE_TTL
 from .inputs import RequestBuilder
-from .metrics import ServerMetrics
 from .responses import TokenTexts
 from .routes import routes
 
@@ -46,7 +47,7 @@ class ServerState:
     engine: AsyncLLMEngine
     auth: Authenticator
     builder: RequestBuilder
-    metrics: ServerMetrics
+    metrics: DashboardMetrics  # ServerMetrics plus what the dashboard shows (TTFT by hit/miss, tenants)
     texts: TokenTexts
 
 
@@ -55,13 +56,15 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     state = ServerState(settings=settings, engine=engine,
                         auth=Authenticator(settings.api_keys, settings.admin_api_key),
                         builder=RequestBuilder(engine, settings.default_max_tokens),
-                        metrics=ServerMetrics(lambda: engine.snapshot),
+                        metrics=DashboardMetrics(lambda: engine.snapshot),
                         texts=TokenTexts(engine.engine.tokenizer))
     app.state.server = state
     app.state.engine = engine
     app.state.metrics = state.metrics
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
+    app.add_middleware(TenantContext)  # outermost: the tenant of each request's key, for the dashboard
     app.include_router(routes)
     app.include_router(admin_routes)
+    app.include_router(dashboard_routes)
     return app
