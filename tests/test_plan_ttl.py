@@ -286,7 +286,9 @@ def test_plan_ttl_from_a_list_of_gaps(tmp_path, capsys):
             "--releases-per-second", str(1 / 3600), "--gpu-usd-per-hour", "3600", "--memory-usd-per-gib-hour"]
     json_path = tmp_path / "plan.json"
     assert main([*argv, "36", "--json", str(json_path)]) == 0
-    assert "recommended TTL: 10 s: 80.0% of returning turns hit" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "recommended TTL: 10 s: 80.0% of returning turns hit" in out
+    assert "reuses 1,000 prefix tokens (given)" in out and "1 ms a token (given)" in out
     assert json.loads(json_path.read_text())["recommended_ttl_seconds"] == 10
     gaps.write_text(json.dumps([10] * 8 + [1000] * 2))  # the same as a JSON list
     assert main([*argv, "1.8"]) == 0
@@ -301,7 +303,7 @@ def test_plan_ttl_from_a_saved_stats_body_per_tenant(tmp_path, capsys):
     assert main(["plan", "ttl", "--gaps", str(stats), "--tenant", "acme", "--ttls", "10,1h"]) == 0
     out = capsys.readouterr().out
     assert f"TTL plan from --gaps {stats}, tenant acme" in out
-    assert "5 prefix releases; 100.0% of them came back" in out and "reuses 812 prefix tokens" in out
+    assert "5 prefix releases; 100.0% of them came back" in out and "reuses 812 prefix tokens (the stats' mean)" in out
     assert main(["plan", "ttl", "--gaps", str(stats), "--ttls", "10,1d,2d"]) == 0
     assert "* beyond the histogram's last bound (1 d)" in capsys.readouterr().out
 
@@ -364,16 +366,20 @@ def closed_port_url() -> str:
     (["--gaps", "[]"], "no releases to plan from"),
     (["--gaps", "[10]", "--tenant", "acme"], "--tenant needs cache stats"),
     (["--trace", "conversation", "--tenant", "acme"], "a trace has no tenants"),
+    (["--trace", "conversation", "--num-never-returned", "3"], "stats and traces count their own"),
+    (["--gaps", '{"reuse_gaps": {}}', "--num-never-returned", "3"], "count their own (num_releases minus count)"),
     (["--gaps", "[10]", "--ttls", "10,soon"], "'soon' is not a positive duration"),
     (["--gaps", "[10]", "--ttls", "0"], "'0' is not a positive duration"),
     (["--gaps", "[10]", "--prefix-tokens", "-5"], "prefix_tokens must be a positive"),
+    (["--gaps", "[10]", "--prefix-tokens", "0"], "prefix_tokens must be a positive"),
+    (["--gaps", "[10]", "--releases-per-second", "0"], "releases_per_second must be a positive"),
     (["--gaps", "[10]", "--memory-usd-per-gib-hour", "-1"], "memory_usd_per_gib_hour must be a finite price"),
     (["--gaps", "[10]", "--plot", "/no/such/folder/ttl.png"], "does not exist"),
     (["--trace", "/no/such/trace.jsonl"], "does not exist"),
     (["--url", "CLOSED"], "could not fetch"),
 ])
 def test_plan_ttl_bad_input_exits_2_with_one_line(argv, message, tmp_path, capsys):
-    if argv[0] == "--gaps" and not argv[1].startswith("/"):
+    if argv[0] == "--gaps" and not argv[1].startswith("/"):  # the file's text: write it and pass the file
         path = tmp_path / "gaps.json"
         path.write_text(argv[1])
         argv = ["--gaps", str(path), *argv[2:]]
@@ -390,3 +396,15 @@ def test_plan_ttl_needs_exactly_one_source(capsys):
             main(["plan", "ttl", *argv])
         assert exit_info.value.code == 2
     assert "one of the arguments --gaps --url --trace is required" in capsys.readouterr().err
+
+
+def test_plan_ttl_labels_every_number_it_was_not_given(tmp_path, capsys):
+    gaps = tmp_path / "gaps.json"
+    gaps.write_text("[30, 90, 400]")
+    assert main(["plan", "ttl", "--gaps", str(gaps), "--num-never-returned", "1", "--ttls", "1m"]) == 0
+    out = capsys.readouterr().out
+    assert "4 prefix releases; 75.0% of them came back" in out
+    assert "reuses 2,000 prefix tokens (stated; pass --prefix-tokens)" in out
+    assert "(stated: Llama-3-8B on one H100 at 12,000 tokens/s; pass --prefill-seconds-per-token)" in out
+    assert "KV 128 KiB a token (stated: Llama-3-8B in bfloat16" in out
+    assert "1 releases/s (stated; scales memory and dollars, not the choice)" in out

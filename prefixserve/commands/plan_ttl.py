@@ -4,6 +4,7 @@ with plan/ttl.py (pure computation), print the table and the recommendation, opt
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import re
@@ -46,17 +47,18 @@ def add_plan_ttl_arguments(actions, formatter_class: type) -> None:
                              "to the next one that starts with its whole prefix")
     ttl.add_argument("--admin-api-key", metavar="KEY", help="the server's admin key, for --url (default: none sent)")
     ttl.add_argument("--tenant", metavar="ID", help="plan from this tenant's gaps in the stats (default: all tenants)")
-    ttl.add_argument("--num-never-returned", type=float, default=0, metavar="N",
-                     help="with a list of gaps: releases whose prefix was never reused in the window")
+    ttl.add_argument("--num-never-returned", type=float, metavar="N",
+                     help="with a list of gaps: releases whose prefix was never reused in the window (default: 0; "
+                          "stats and traces count their own)")
     ttl.add_argument("--ttls", default=",".join(_duration(ttl) for ttl in DEFAULT_TTLS_SECONDS).replace(" ", ""),
                      metavar="LIST", help="candidate TTLs, comma-separated, in seconds or with a unit: 90, 5m, 2h, 1d")
     ttl.add_argument("--prefix-tokens", type=float, metavar="N",
                      help=f"mean prefix a returning turn reuses (default: the stats' or the trace's mean; "
                           f"{REFERENCE_PREFIX_TOKENS:,}, stated, for a list of gaps)")
-    ttl.add_argument("--prefill-seconds-per-token", type=float, default=1 / GPU_PREFILL_TOKENS_PER_SECOND,
-                     metavar="SECONDS", help="GPU seconds to prefill one token (default: Llama-3-8B on one H100 at "
+    ttl.add_argument("--prefill-seconds-per-token", type=float, metavar="SECONDS",
+                     help="GPU seconds to prefill one token (default: Llama-3-8B on one H100 at "
                                              f"{GPU_PREFILL_TOKENS_PER_SECOND:,.0f} tokens/s, stated)")
-    ttl.add_argument("--kv-bytes-per-token", type=float, default=STATED_KV_BYTES_PER_TOKEN, metavar="BYTES",
+    ttl.add_argument("--kv-bytes-per-token", type=float, metavar="BYTES",
                      help=f"KV bytes of one token, all layers (default: {STATED_KV_BYTES_PER_TOKEN:,}, Llama-3-8B "
                           f"in bfloat16, stated)")
     ttl.add_argument("--releases-per-second", type=float, metavar="RATE",
@@ -82,20 +84,39 @@ def plan_ttl_command(args: argparse.Namespace) -> int:
     json_path = output_path("--json", args.json) if args.json else None
     if args.tenant is not None and args.trace:
         raise ValueError("--tenant needs cache stats (--gaps STATS.json or --url); a trace has no tenants")
+    if args.num_never_returned is not None and not args.gaps:
+        raise ValueError("--num-never-returned goes with a list of --gaps; stats and traces count their own")
     source = read_gaps(args)
-    prefix_tokens = args.prefix_tokens or source.prefix_tokens or REFERENCE_PREFIX_TOKENS
-    releases_per_second = args.releases_per_second or source.releases_per_second or STATED_RELEASES_PER_SECOND
-    plan = plan_ttl(source.distribution, ttls, prefix_tokens=prefix_tokens,
-                    prefill_seconds_per_token=args.prefill_seconds_per_token,
-                    kv_bytes_per_token=args.kv_bytes_per_token, releases_per_second=releases_per_second, cost=cost)
-    print("\n".join(format_plan(plan, source.description)))
+    kind = "trace's" if args.trace else "stats'"
+    prefix_tokens, prefix_from = _chosen(args.prefix_tokens, (source.prefix_tokens, f"the {kind} mean"),
+                                         (REFERENCE_PREFIX_TOKENS, "stated; pass --prefix-tokens"))
+    prefill, prefill_from = _chosen(args.prefill_seconds_per_token, (
+        1 / GPU_PREFILL_TOKENS_PER_SECOND, f"stated: Llama-3-8B on one H100 at {GPU_PREFILL_TOKENS_PER_SECOND:,.0f} "
+                                           f"tokens/s; pass --prefill-seconds-per-token"))
+    kv_bytes, kv_from = _chosen(args.kv_bytes_per_token, (
+        STATED_KV_BYTES_PER_TOKEN, "stated: Llama-3-8B in bfloat16; pass --kv-bytes-per-token"))
+    rate, rate_from = _chosen(args.releases_per_second, (source.releases_per_second, "the trace's rate"),
+                              (STATED_RELEASES_PER_SECOND, "stated; scales memory and dollars, not the choice"))
+    plan = plan_ttl(source.distribution, ttls, prefix_tokens=prefix_tokens, prefill_seconds_per_token=prefill,
+                    kv_bytes_per_token=kv_bytes, releases_per_second=rate, cost=cost)
+    inputs = {"prefix_tokens": prefix_from, "prefill_seconds_per_token": prefill_from,
+              "kv_bytes_per_token": kv_from, "releases_per_second": rate_from}
+    print("\n".join(format_plan(plan, source.description, inputs)))
     if plot_path:
         plot_plan(plan, plot_path, source.description)
         print(f"wrote {plot_path}")
     if json_path:
-        json_path.write_text(json.dumps(plan_json(plan, source.description), indent=2) + "\n", encoding="utf-8")
+        json_path.write_text(json.dumps(plan_json(plan, source.description, inputs), indent=2) + "\n",
+                             encoding="utf-8")
         print(f"wrote {json_path}")
     return 0
+
+
+def _chosen(given: Optional[float], *fallbacks: tuple[Optional[float], str]) -> tuple[float, str]:
+    """The flag's value when given, else the first fallback the source has, with where it came from."""
+    if given is not None:
+        return given, "given"
+    return next((value, label) for value, label in fallbacks if value)
 
 
 def parse_ttls(text: str) -> list[float]:
@@ -133,6 +154,9 @@ def read_gaps(args: argparse.Namespace) -> GapSource:
     except json.JSONDecodeError:
         data = _numbers(text, args.gaps)
     if isinstance(data, dict):
+        if args.num_never_returned is not None:
+            raise ValueError(f"--num-never-returned goes with a list of gaps; the stats in --gaps {args.gaps} "
+                             f"count their own (num_releases minus count)")
         return _from_stats(data, f"--gaps {args.gaps}", args.tenant)
     if not isinstance(data, list):
         raise ValueError(f"--gaps {args.gaps}: JSON {type(data).__name__}, not a list of gap seconds or a "
@@ -140,7 +164,7 @@ def read_gaps(args: argparse.Namespace) -> GapSource:
     if args.tenant is not None:
         raise ValueError(f"--tenant needs cache stats; --gaps {args.gaps} is a plain list of gaps")
     try:
-        distribution = GapDistribution.from_samples(data, args.num_never_returned)
+        distribution = GapDistribution.from_samples(data, args.num_never_returned or 0)
     except ValueError as error:
         raise ValueError(f"--gaps {args.gaps}: {error}") from None
     return GapSource(distribution, f"--gaps {args.gaps} ({len(data):,} gaps)")
@@ -190,15 +214,18 @@ def fetch_stats(url: str, admin_api_key: Optional[str], transport=None) -> dict:
 
 
 # --------------------------------------------------------------------------- report
-def format_plan(plan: TTLPlan, description: str) -> list[str]:
+def format_plan(plan: TTLPlan, description: str, inputs: dict[str, str]) -> list[str]:
+    """The table; `inputs` says where each of the plan's numbers came from (given, measured, stated)."""
     cost = plan.cost
     lines = [
         f"TTL plan from {description}",
         f"  {plan.num_releases:,.0f} prefix releases; {plan.return_fraction:.1%} of them came back at all "
         f"(the rest were never reused in the window)",
-        f"  a returning turn reuses {plan.prefix_tokens:,.0f} prefix tokens; a miss re-prefills them at "
-        f"{plan.prefill_seconds_per_token * 1e3:.3g} ms a token; KV {plan.kv_bytes_per_token / 1024:,.4g} KiB a token;"
-        f" {plan.releases_per_second:.3g} releases a second",
+        f"  a returning turn reuses {plan.prefix_tokens:,.0f} prefix tokens ({inputs['prefix_tokens']})",
+        f"  a miss re-prefills them at {plan.prefill_seconds_per_token * 1e3:.3g} ms a token "
+        f"({inputs['prefill_seconds_per_token']})",
+        f"  KV {plan.kv_bytes_per_token / 1024:,.4g} KiB a token ({inputs['kv_bytes_per_token']}); "
+        f"{plan.releases_per_second:.3g} releases/s ({inputs['releases_per_second']})",
         f"  cost, USD an hour = GiB held x {cost.memory_usd_per_gib_hour:.4g} + GPU hours re-prefilling x "
         f"{cost.gpu_usd_per_hour:.4g} + user seconds waiting x {cost.waiting_usd_per_second:.4g}",
         "  (hit rate, miss tokens and extra TTFT are per returning turn; memory by Little's law, an upper bound "
@@ -229,16 +256,17 @@ def format_plan(plan: TTLPlan, description: str) -> list[str]:
     return lines
 
 
-def plan_json(plan: TTLPlan, description: str) -> dict:
+def plan_json(plan: TTLPlan, description: str, inputs: dict[str, str]) -> dict:
     return {
         "source": description,
+        "input_sources": inputs,
         "num_releases": plan.num_releases,
         "return_fraction": plan.return_fraction,
         "prefix_tokens": plan.prefix_tokens,
         "prefill_seconds_per_token": plan.prefill_seconds_per_token,
         "kv_bytes_per_token": plan.kv_bytes_per_token,
         "releases_per_second": plan.releases_per_second,
-        "cost_model": plan.cost.__dict__,
+        "cost_model": dataclasses.asdict(plan.cost),
         "histogram_range_end_seconds": None if math.isinf(plan.range_end) else plan.range_end,
         "rows": [row._asdict() for row in plan.rows],
         "recommended_ttl_seconds": plan.recommended.ttl_seconds,
