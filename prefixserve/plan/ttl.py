@@ -206,7 +206,8 @@ def plan_ttl(distribution: GapDistribution, ttls_seconds: Sequence[float] = DEFA
              releases_per_second: float, cost: CostModel = CostModel()) -> TTLPlan:
     """Price each candidate TTL and recommend the cheapest.
 
-    prefix_tokens: the mean prefix a returning turn reuses (a miss re-prefills all of it).
+    prefix_tokens: the mean prefix a returning turn reuses (a miss re-prefills all of it); every release, one
+        that never comes back too, is taken to hold this many tokens of KV.
     prefill_seconds_per_token: GPU seconds to prefill one token (a miss's extra TTFT is tokens x this).
     kv_bytes_per_token: K and V of every layer for one token (plan.tiers.kv_bytes_per_token).
     releases_per_second: prefix releases (finished turns) per second; scales memory and dollars, not the choice.
