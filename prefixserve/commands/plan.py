@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 from .paths import output_path
+from .plan_price import add_plan_price_arguments, plan_price_command
 from .plan_ttl import add_plan_ttl_arguments, plan_ttl_command
 from .simulate import LOG_FORMAT
 
@@ -47,10 +48,13 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     tiers.add_argument("--no-progress", action="store_true",
                        help="no progress output while measuring prefill (a bar is drawn only on a terminal)")
     add_plan_ttl_arguments(actions, parser.formatter_class)
+    add_plan_price_arguments(actions, parser.formatter_class)
 
 
 def plan(args: argparse.Namespace) -> int:
     try:
+        if args.plan_action == "price":
+            return plan_price_command(args)
         return plan_ttl_command(args) if args.plan_action == "ttl" else _plan_tiers(args)
     except (OSError, ValueError) as error:
         print(f"prefixserve plan {args.plan_action}: error: {error}", file=sys.stderr)
