@@ -12,12 +12,14 @@ from ..model import Tokenizer
 from .detokenizer import RequestDetokenizer
 from .outputs import RequestOutput
 from .request import Request
+from .request_log import RequestLog
 
 
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self._texts: dict[str, RequestDetokenizer] = {}
+        self.request_log = RequestLog()  # keys and lengths of recent requests, for the capacity planner
 
     def add(self, request: Request) -> None:
         if request.request_id in self._texts:
@@ -38,6 +40,7 @@ class OutputProcessor:
         """What the caller sees now: deltas since the previous output; forgets a finished request."""
         texts = self._texts[request.request_id]
         finished = request.is_finished
+        self.request_log.observe(request)
         delta_text = texts.take_delta_text(finished)
         start, end = texts.take_delta_range(request.num_output_tokens)
         output_ids = request.output_token_ids
