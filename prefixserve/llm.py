@@ -25,6 +25,14 @@ class LLM:
         # Flush the KV tiers' pending disk writes when this LLM goes away, or at exit at the latest.
         self._finalizer = weakref.finalize(self, self.engine.close)
 
+    def reload(self, model: Optional[str] = None):
+        """Serve another checkpoint with the same KV layout (None: the same path again, e.g. rewritten
+        weights) without rebuilding the KV pool; the old version's cached blocks are freed at once and
+        its records leave the host and disk tiers. Returns the ReloadReport."""
+        report = self.engine.reload(model)
+        self.tokenizer = self.engine.tokenizer
+        return report
+
     def close(self) -> None:
         """Flush what the KV tiers still have to write; the LLM stays usable until it is dropped."""
         self.engine.close()

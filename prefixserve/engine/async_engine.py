@@ -25,6 +25,8 @@ from typing import AsyncIterator, Optional
 from ..cache.stats import CacheStats, CacheUsage
 from ..config import EngineConfig
 from .engine import LLMEngine, PromptType
+from .model_version import ModelVersion, load_version
+from .reload import check_swappable, swap_model
 from .outputs import RequestOutput
 from .request import Request
 from .sampling_params import SamplingParams
@@ -72,6 +74,7 @@ class AsyncLLMEngine:
         self._error: Optional[BaseException] = None
         self._pending_lock = threading.Lock()
         self._num_pending_adds = 0  # queued adds the engine thread has not taken yet
+        self._idle_calls: list = []  # (function, future) to run once no request is unfinished (a reload)
         self.snapshot = EngineSnapshot.of(self.engine)
         self._thread = threading.Thread(target=self._loop, name="prefixserve-engine", daemon=True)
         self._thread.start()
@@ -135,6 +138,31 @@ class AsyncLLMEngine:
         self._wake.set()
         return await asyncio.wrap_future(future)
 
+    async def load_version(self, model: Optional[str] = None) -> ModelVersion:
+        """Load `model` (None: the served path again) in a worker thread while the engine serves;
+        raises FileNotFoundError / ValueError naming the fix when it cannot be swapped in."""
+        core = self.engine
+        target = str(core.model_path) if model is None else model
+        version = await asyncio.to_thread(load_version, target, core.dtype, core.device,
+                                          core.config.max_num_batched_tokens)
+        check_swappable(core, version)  # reads fixed config only: fail before draining anything
+        return version
+
+    async def swap(self, version: ModelVersion):
+        """Swap `version` in once the requests already queued have finished on the old one (reload.py);
+        returns the ReloadReport. Callers must make no request until this returns (the server's
+        ReloadGate sees to it): one made before the swap is refused after it."""
+        return await self._call_when_idle(lambda engine: swap_model(engine, version))
+
+    async def _call_when_idle(self, function):
+        """Run `function(engine)` on the engine thread once no request is unfinished."""
+        if self.is_dead:
+            raise EngineDeadError(f"the engine loop stopped: {self._error!r}; restart the server")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("idle_call", (function, future)))
+        self._wake.set()
+        return await asyncio.wrap_future(future)
+
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
         self._wake.set()
@@ -152,6 +180,8 @@ class AsyncLLMEngine:
         try:
             while not self._stopped:
                 self._apply_commands()
+                if self._idle_calls and not self.engine.has_unfinished_requests():
+                    self._run_idle_calls()
                 if not self.engine.has_unfinished_requests():
                     self.snapshot = EngineSnapshot.of(self.engine)
                     self._wake.wait(timeout=0.5)
@@ -172,9 +202,20 @@ class AsyncLLMEngine:
                 self.snapshot = EngineSnapshot.of(self.engine)
         except BaseException as error:  # surface the crash to every waiting client
             self._error = error
+            for _, future in self._idle_calls:
+                future.set_exception(EngineDeadError(f"the engine loop stopped: {error!r}; restart the server"))
             for request_id in list(self._streams):
                 self._deliver(request_id, EngineDeadError(f"the engine loop stopped: {error!r}; restart the server"))
             raise
+
+    def _run_idle_calls(self) -> None:
+        calls, self._idle_calls = self._idle_calls, []
+        for function, future in calls:
+            try:
+                future.set_result(function(self.engine))
+            except Exception as error:
+                future.set_exception(error)
+        self.snapshot = EngineSnapshot.of(self.engine)
 
     def _fail_unfinished(self, error: Exception) -> None:
         scheduler = self.engine.scheduler
@@ -197,6 +238,8 @@ class AsyncLLMEngine:
                     future.set_result(function(self.engine))
                 except Exception as error:
                     future.set_exception(error)
+            elif kind == "idle_call":
+                self._idle_calls.append(payload)
             elif kind == "add":
                 try:
                     self.engine.submit(payload)

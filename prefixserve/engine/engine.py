@@ -11,19 +11,19 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
-from ..cache import BlockKeyer, CacheScope, EventQueue, RadixCache
+from ..cache import BlockKeyer, EventQueue, RadixCache
 from ..cache.reuse_gaps import ReuseGapTracker
 from ..cache.scoping import PromptScoper
 from ..config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
-from ..model import DEFAULT_MODEL_NAME, Tokenizer, ensure_default_model, load_generation_eos, load_model
 from .device import measure_cuda_kv_budget, resolve_device, resolve_dtype
 from .input_processor import InputProcessor, PromptType
 from .kv_tiers import TieredKV, build_tiers, empty_breakdown
+from .model_version import load_version
+from .reload import ReloadReport, swap_model
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
 from .request import Request
@@ -39,15 +39,16 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.model_path = self._resolve_model_path(config.model)
-        loaded = load_model(self.model_path, self.dtype, self.device)
+        version = load_version(config.model, self.dtype, self.device)
+        loaded = version.loaded
+        self.model_path, self.model_name = version.path, version.name
         self.model_config = loaded.config
-        self.tokenizer = Tokenizer.from_dir(self.model_path)
-        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(load_generation_eos(self.model_path))
+        self.tokenizer = version.tokenizer
+        self.eos_token_ids = version.eos_token_ids
         self.max_model_len = self._resolve_max_model_len()
-        self.scope = CacheScope(loaded.model_fingerprint, self.tokenizer.fingerprint)
+        self.scope = version.scope
         self.scoper = PromptScoper(self.scope, config.block_size)
-        self.model_name = str(config.model) if config.model else DEFAULT_MODEL_NAME
+        self.num_reloads = 0  # hot reloads so far (reload.py); requests made before one are refused after it
 
         num_blocks, bytes_per_token, max_model_len_note = self._size_kv_pool(loaded)
         self.events = EventQueue() if config.enable_kv_events else None
@@ -89,21 +90,6 @@ class LLMEngine:
         self._log_progress("KV tiers below the pool: " + ", ".join(
             f"{tier.name} {tier.capacity_bytes / 2**20:.0f} MiB" for tier in tiers))
         return TieredKV(tiers, self.runner, self.cache, self.keyer, self.scope.digest)
-
-    @staticmethod
-    def _resolve_model_path(model: Optional[str]) -> Path:
-        """The checkpoint directory of `model`: built-in (None), a Hugging Face directory, a .gguf file
-        or a directory holding one (converted once), or a model name such as smollm2-135m-instruct."""
-        if model is None:
-            return ensure_default_model()
-        from ..model.named_models import resolve_model  # imports the gguf reader only when asked
-
-        path = resolve_model(model)
-        if not path.is_dir():
-            raise FileNotFoundError(f"model directory {path} does not exist; pass a Hugging Face checkpoint "
-                                    "directory (config.json, *.safetensors, tokenizer.json), a .gguf file, "
-                                    "a model name, or model=None for the built-in default")
-        return path
 
     def _log_progress(self, message: str) -> None:
         if self.config.log_stats:
@@ -196,7 +182,10 @@ class LLMEngine:
                      arrival_time: Optional[float] = None, prefix_ttl: Optional[float] = None,
                      tenant: Optional[str] = None) -> Request:
         """Tokenize and validate (raises ValueError with the fix); does not touch engine state."""
-        return self.inputs.make_request(prompt, params, request_id, cache_salt, arrival_time, prefix_ttl, tenant)
+        version = self.num_reloads
+        request = self.inputs.make_request(prompt, params, request_id, cache_salt, arrival_time, prefix_ttl, tenant)
+        request.model_version = version
+        return request
 
     def declare_shared_prefix(self, token_ids: list[int]) -> int:
         """Let every tenant (cache salt) reuse the full blocks of this public prefix; returns them."""
@@ -204,6 +193,8 @@ class LLMEngine:
 
     def submit(self, request: Request) -> None:
         """Queue a request built by `make_request`."""
+        if request.model_version != self.num_reloads:
+            raise ValueError("this request was tokenized for the model version before a reload; make it again")
         self.outputs.add(request)
         try:
             self.scheduler.add_request(request)
@@ -296,6 +287,13 @@ class LLMEngine:
         else:
             output.cached_tokens_by_tier = empty_breakdown(output.num_cached_tokens)
         return output
+
+    def reload(self, model: Optional[str] = None) -> ReloadReport:
+        """Serve another checkpoint (or the same path again) from now on; call with no request in flight.
+        Raises FileNotFoundError / ValueError (IncompatibleModelError) naming the fix, changing nothing."""
+        version = load_version(str(self.model_path) if model is None else model, self.dtype, self.device,
+                               batch_size_hint=self.config.max_num_batched_tokens)
+        return swap_model(self, version)
 
     def close(self) -> None:
         """Flush what the tiers still have to write (a clean shutdown); idempotent."""

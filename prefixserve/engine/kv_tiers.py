@@ -113,6 +113,27 @@ class TieredKV:
         tier.watch(lambda key: events.publish(BlockStored([key], None, [], block_size, medium)),
                    lambda key: events.publish(BlockRemoved([key], medium)))
 
+    def rescope(self, scope_digest: bytes) -> dict[str, int]:
+        """A hot reload made `scope_digest` the model's scope (call with no request in flight): the
+        local tiers' records of the old scope could never load again, so they go now (returns how many
+        per tier); the remote tier switches to the new scope's keys and leaves the old ones to replicas
+        still serving that version."""
+        self.scope_digest = scope_digest
+        self.fetches.clear()
+        self._written.clear()
+        reclaimed: dict[str, int] = {}
+        for name, tier in self.tiers.items():
+            tier.flush()  # a queued write of the old scope must not land after the purge
+            if name == "remote":
+                tier.rescope(scope_digest)
+                continue
+            keys = tier.keys()
+            tier.delete(keys)
+            reclaimed[name] = len(keys)
+            if name == "disk":
+                tier.expect_scope = scope_digest
+        return reclaimed
+
     def tier_keys(self) -> dict[str, list[bytes]]:
         """Every key each local tier holds, by KV-event medium (for a router's snapshot)."""
         return {medium: self.tiers[name].keys() for name, medium in TIER_MEDIA.items() if name in self.tiers}

@@ -55,6 +55,7 @@ class Request:
     max_model_len: int = 4096
     prefix_ttl: Optional[float] = None
     tenant: Optional[str] = None  # who asked: labels statistics (reuse gaps), never part of a key
+    model_version: int = 0  # the engine's num_reloads when it was made: a request of an older version is refused
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # set at first admission; -1 = not yet looked up

@@ -23,6 +23,7 @@ from .errors import install_error_handlers
 from ..config import DEFAULT_MAX_CACHE_TTL
 from .inputs import RequestBuilder
 from .responses import TokenTexts
+from .reload import ReloadGate, reload_routes
 from .routes import routes
 
 
@@ -49,6 +50,11 @@ class ServerState:
     builder: RequestBuilder
     metrics: DashboardMetrics  # ServerMetrics plus what the dashboard shows (TTFT by hit/miss, tenants)
     texts: TokenTexts
+    reload_gate: ReloadGate = field(default_factory=ReloadGate)
+
+    def on_reloaded(self) -> None:
+        """A new model version serves from now on: token texts come from its tokenizer."""
+        self.texts = TokenTexts(self.engine.engine.tokenizer)
 
 
 def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
@@ -66,5 +72,6 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     app.add_middleware(TenantContext)  # outermost: the tenant of each request's key, for the dashboard
     app.include_router(routes)
     app.include_router(admin_routes)
+    app.include_router(reload_routes)
     app.include_router(dashboard_routes)
     return app

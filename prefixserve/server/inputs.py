@@ -98,11 +98,20 @@ class RequestBuilder:
     def __init__(self, engine: AsyncLLMEngine, default_max_tokens: int) -> None:
         self.engine = engine
         self.default_max_tokens = default_max_tokens
-        core = engine.engine
-        self.tokenizer = core.tokenizer
-        self.max_model_len = core.max_model_len
-        # Any text longer than this has at least max_model_len tokens: refuse it before tokenizing.
-        self.max_prompt_chars = self.max_model_len * self.tokenizer.max_chars_per_token
+
+    # Read from the engine each time: a hot reload replaces them (never while a request is being built).
+    @property
+    def tokenizer(self):
+        return self.engine.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.engine.max_model_len
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """Any text longer than this has at least max_model_len tokens: refused before tokenizing."""
+        return self.max_model_len * self.tokenizer.max_chars_per_token
 
     def check_text_size(self, num_chars: int, param: str) -> None:
         if num_chars > self.max_prompt_chars:

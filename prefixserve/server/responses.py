@@ -58,8 +58,9 @@ class _Shape:
     chunk_object_name = ""
 
     def __init__(self, response_id: str, created: int, model: str, texts: TokenTexts, *, return_token_ids: bool,
-                 num_logprobs: Optional[int]) -> None:
+                 num_logprobs: Optional[int], system_fingerprint: Optional[str] = None) -> None:
         self.response_id, self.created, self.model = response_id, created, model
+        self.system_fingerprint = system_fingerprint  # the model version that served it (changes on a reload)
         self.texts = texts
         self.return_token_ids = return_token_ids
         self.num_logprobs = num_logprobs
@@ -72,7 +73,7 @@ class _Shape:
 
     def _envelope(self, object_name: str, choices: list) -> dict:
         return {"id": self.response_id, "object": object_name, "created": self.created, "model": self.model,
-                "choices": choices}
+                "system_fingerprint": self.system_fingerprint, "choices": choices}
 
     def _add_token_ids(self, choice: dict, index: int, out: RequestOutput, token_ids: list[int]) -> dict:
         if self.return_token_ids:

@@ -75,8 +75,10 @@ async def accept(request: Request, model: type):
     return state, tenant, body
 
 
-def shape_options(body) -> dict:
-    return {"return_token_ids": body.return_token_ids, "num_logprobs": body.num_logprobs}
+def shape_options(state, body) -> dict:
+    """Response options; the fingerprint is read inside the reload gate: the version that will serve."""
+    return {"return_token_ids": body.return_token_ids, "num_logprobs": body.num_logprobs,
+            "system_fingerprint": "fp_" + state.engine.engine.scope.model_fingerprint[:16]}
 
 
 @routes.post("/v1/completions")
@@ -87,11 +89,13 @@ async def completions(request: Request):
                        param="echo", code="unsupported")
     prompts = completion_prompts(body.prompt)
     check_batch(state.settings, len(prompts) * body.n)
-    requests = await state.builder.build(prompts, sampling_params(body, body.num_logprobs), body.requested_max_tokens,
-                                         body.n, cache_options(state.settings, tenant, body))
-    shape = CompletionShape(new_id("cmpl"), now(), state.settings.served_model_name, state.texts, echo=body.echo,
-                            **shape_options(body))
-    return await respond(request, state, body, shape, start(state, requests))
+    async with state.reload_gate.admitting():  # tokenized and queued on one model version
+        requests = await state.builder.build(prompts, sampling_params(body, body.num_logprobs),
+                                             body.requested_max_tokens, body.n, cache_options(state.settings, tenant, body))
+        shape = CompletionShape(new_id("cmpl"), now(), state.settings.served_model_name, state.texts, echo=body.echo,
+                                **shape_options(state, body))
+        streams = start(state, requests)
+    return await respond(request, state, body, shape, streams)
 
 
 @routes.post("/v1/chat/completions")
@@ -100,11 +104,13 @@ async def chat_completions(request: Request):
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
     check_batch(state.settings, body.n)
-    prompt_ids = await state.builder.chat_prompt(body)
-    requests = await state.builder.build([prompt_ids], sampling_params(body, body.num_logprobs),
-                                         body.requested_max_tokens, body.n, cache_options(state.settings, tenant, body))
-    shape = ChatShape(new_id("chatcmpl"), now(), state.settings.served_model_name, state.texts, **shape_options(body))
-    streams = start(state, requests)
+    async with state.reload_gate.admitting():  # tokenized and queued on one model version
+        prompt_ids = await state.builder.chat_prompt(body)
+        requests = await state.builder.build([prompt_ids], sampling_params(body, body.num_logprobs),
+                                             body.requested_max_tokens, body.n, cache_options(state.settings, tenant, body))
+        shape = ChatShape(new_id("chatcmpl"), now(), state.settings.served_model_name, state.texts,
+                          **shape_options(state, body))
+        streams = start(state, requests)
     role_chunks = [shape.role_chunk(i, prompt_ids) for i in range(body.n)] if body.stream else ()
     return await respond(request, state, body, shape, streams, role_chunks)
 

@@ -153,6 +153,12 @@ class RedisTier(KVTier):
             batch = keys[offset : offset + GET_BATCH_KEYS]  # DEL per key: a multi-key DEL is CROSSSLOT on a cluster
             self._pipeline("delete", lambda pipe: [pipe.delete(self._name(key)) for key in batch])
 
+    def rescope(self, scope_digest: bytes) -> None:
+        """Read and write another scope's keys from now on (a hot reload; flush first)."""
+        with self._lock:
+            self.scope_digest = scope_digest
+            self._prefix = KEY_PREFIX + scope_digest.hex().encode() + b":"
+
     def close(self) -> None:
         self._writer.close()
         self._readers.shutdown(wait=True)

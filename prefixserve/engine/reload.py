@@ -1,0 +1,97 @@
+"""Hot reload: swap a new model version into a running engine, between requests, never mixing versions.
+
+    load the new version (a worker thread; the engine keeps serving the old one)
+       -> the engine drains: requests already queued finish on the old version
+       -> swap, on the engine thread with no request in flight:
+            weights, tokenizer, eos ids, scope -> the new version's
+            every pooled block is the old scope's and unreachable now: freed at once
+            host and disk tiers: the old scope's records deleted (they could never load again)
+            remote tier: this replica reads and writes the new scope's keys; the old scope's
+                         records stay for replicas still serving it (a rolling deploy) and age
+                         out with Redis's TTL or eviction
+       -> requests made before the swap (tokenized by the old tokenizer) are refused, not run
+
+The KV pool is kept, so the new version must have the old one's KV layout (layers, KV heads,
+head size); anything else (weights, vocabulary, tokenizer, chat template) may change.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from ..cache.scoping import PromptScoper
+from .model_version import ModelVersion
+
+logger = logging.getLogger("prefixserve")
+
+
+class IncompatibleModelError(ValueError):
+    """The new version's KV layout differs from the pool's: a restart is needed, not a reload."""
+
+
+@dataclass(frozen=True)
+class ReloadReport:
+    model: str
+    previous_fingerprint: str
+    model_fingerprint: str
+    num_reclaimed_blocks: int  # pooled blocks of the old scope, freed
+    num_reclaimed_records: dict  # tier name -> records of the old scope deleted
+    swap_seconds: float
+
+    def to_dict(self) -> dict:
+        return {"model": self.model, "previous_fingerprint": self.previous_fingerprint,
+                "model_fingerprint": self.model_fingerprint, "reclaimed_blocks": self.num_reclaimed_blocks,
+                "reclaimed_records": dict(self.num_reclaimed_records), "swap_seconds": self.swap_seconds}
+
+
+def kv_layout(config) -> tuple[int, int, int]:
+    return config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+
+
+def check_swappable(engine, version: ModelVersion) -> None:
+    """Raise IncompatibleModelError naming the difference when the pool cannot hold the new version's KV."""
+    old, new = kv_layout(engine.model_config), kv_layout(version.loaded.config)
+    if old != new:
+        raise IncompatibleModelError(
+            f"{version.name} has a different KV layout (layers, KV heads, head size) {new} from the served "
+            f"model's {old}; a hot reload keeps the KV pool, so restart the server with the new model instead")
+
+
+def swap_model(engine, version: ModelVersion) -> ReloadReport:
+    """Make `version` the engine's model. Call on the engine's thread with no unfinished request."""
+    if engine.has_unfinished_requests():
+        raise RuntimeError("swap_model needs an idle engine: drain it first (AsyncLLMEngine.reload does)")
+    check_swappable(engine, version)
+    began = time.perf_counter()
+    previous = engine.scope
+    same_tokenizer = version.tokenizer.fingerprint == engine.tokenizer.fingerprint
+    engine.runner.model = version.loaded.model
+    engine.model_config = version.loaded.config
+    engine.model_path, engine.model_name = version.path, version.name
+    engine.tokenizer, engine.eos_token_ids = version.tokenizer, version.eos_token_ids
+    engine.max_model_len = min(engine.max_model_len, version.loaded.config.max_context_len)
+    engine.scope = version.scope
+    scoper = PromptScoper(engine.scope, engine.config.block_size)
+    if same_tokenizer:  # declared public prefixes are token ids: they keep their meaning
+        for prefix in engine.scoper.shared_prefixes:
+            scoper.declare_shared_prefix(prefix)
+    elif engine.scoper.shared_prefixes:
+        logger.warning("reload: the tokenizer changed, so %d declared shared prefixes (token ids) were dropped; "
+                       "declare them again", len(engine.scoper.shared_prefixes))
+    engine.scoper = scoper
+    inputs = engine.inputs  # rebound field by field: the processors keep whatever else they hold
+    inputs.tokenizer, inputs.vocab_size = version.tokenizer, version.loaded.config.vocab_size
+    inputs.max_model_len, inputs.scoper, inputs.eos_token_ids = engine.max_model_len, scoper, version.eos_token_ids
+    engine.outputs.tokenizer = version.tokenizer
+    num_blocks = engine.cache.clear()  # every pooled block is the old scope's: none can match again
+    records = engine.tiers.rescope(engine.scope.digest) if engine.tiers is not None else {}
+    engine.num_reloads += 1
+    report = ReloadReport(model=version.name, previous_fingerprint=previous.model_fingerprint,
+                          model_fingerprint=engine.scope.model_fingerprint, num_reclaimed_blocks=num_blocks,
+                          num_reclaimed_records=records, swap_seconds=time.perf_counter() - began)
+    logger.info("reloaded %s (model %s, was %s): %d pooled blocks and %s tier records of the old scope reclaimed",
+                version.name, report.model_fingerprint[:12], report.previous_fingerprint[:12], num_blocks,
+                records or "no")
+    return report

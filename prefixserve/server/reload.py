@@ -1,0 +1,136 @@
+"""POST /v1/admin/reload: serve a new model version without a restart, never mixing versions.
+
+A request is tokenized with the current tokenizer and queued inside `ReloadGate.admitting`;
+a reload loads the new weights first (requests keep flowing), then holds the gate shut
+while the engine drains what was queued on the old version and swaps (engine/reload.py).
+Requests that arrive meanwhile wait at the gate and run on the new version: none fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Optional
+
+from fastapi import APIRouter, Request
+
+from ..engine.async_engine import EngineDeadError
+from ..engine.reload import IncompatibleModelError
+from ..http import parse_json_body
+from .errors import APIError
+from .generation import engine_dead
+
+logger = logging.getLogger("prefixserve")
+reload_routes = APIRouter()
+
+
+class ReloadGate:
+    """Many requests may be admitting at once; a reload waits for them, then keeps new ones out."""
+
+    def __init__(self) -> None:
+        self._condition: Optional[asyncio.Condition] = None  # made on the server's event loop
+        self._num_admitting = 0
+        self._is_reloading = False
+        self.num_waiting = 0  # requests held at the gate by a reload (a gauge for operators)
+        self._reload_lock: Optional[asyncio.Lock] = None
+
+    @property
+    def reload_lock(self) -> asyncio.Lock:
+        """One reload at a time (its load included)."""
+        if self._reload_lock is None:
+            self._reload_lock = asyncio.Lock()
+        return self._reload_lock
+
+    @property
+    def is_reloading(self) -> bool:
+        return self._is_reloading
+
+    def _lock(self) -> asyncio.Condition:
+        if self._condition is None:
+            self._condition = asyncio.Condition()
+        return self._condition
+
+    @contextlib.asynccontextmanager
+    async def admitting(self):
+        """Tokenize and queue inside this: no reload swaps the model meanwhile."""
+        condition = self._lock()
+        async with condition:
+            if self._is_reloading:
+                self.num_waiting += 1
+                try:
+                    await condition.wait_for(lambda: not self._is_reloading)
+                finally:
+                    self.num_waiting -= 1
+            self._num_admitting += 1
+        try:
+            yield
+        finally:
+            async with condition:
+                self._num_admitting -= 1
+                condition.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self):
+        """Hold new requests back until the body is done (one caller at a time: see reload_lock)."""
+        condition = self._lock()
+        async with condition:
+            self._is_reloading = True
+            try:
+                await condition.wait_for(lambda: self._num_admitting == 0)
+            except BaseException:
+                self._is_reloading = False
+                condition.notify_all()
+                raise
+        try:
+            yield
+        finally:
+            async with condition:
+                self._is_reloading = False
+                condition.notify_all()
+
+
+async def _reload_body(request: Request) -> Optional[str]:
+    raw = await request.body()
+    if not raw.strip():
+        return None
+    try:
+        body = parse_json_body(raw)
+    except ValueError as error:
+        raise APIError(400, str(error), code="invalid_json") from None
+    if not isinstance(body, dict) or set(body) - {"model"}:
+        raise APIError(400, "the body is empty (reload the served checkpoint again) or {\"model\": \"<checkpoint "
+                            "directory, .gguf file or model name>\"}", code="invalid_value")
+    model = body.get("model")
+    if model is not None and (not isinstance(model, str) or not model.strip()):
+        raise APIError(400, "model must be a non-empty string: a checkpoint directory, a .gguf file or a model name",
+                       param="model", code="invalid_value")
+    return model
+
+
+@reload_routes.post("/v1/admin/reload")
+async def reload_model(request: Request):
+    """Load `model` (default: the served path again) and swap it in; answers once new requests use it."""
+    state = request.app.state.server
+    state.auth.require_admin(request)
+    model = await _reload_body(request)
+    gate: ReloadGate = state.reload_gate
+    if gate.reload_lock.locked():
+        raise APIError(409, "a reload is already in progress; wait for it to finish", code="reload_in_progress")
+    began = time.perf_counter()
+    async with gate.reload_lock:
+        try:
+            version = await state.engine.load_version(model)  # requests keep flowing meanwhile
+            loaded = time.perf_counter()
+            async with gate.exclusive():
+                report = await state.engine.swap(version)
+                state.on_reloaded()
+        except EngineDeadError as error:
+            raise engine_dead(error) from None
+        except (FileNotFoundError, IncompatibleModelError, ValueError, OSError) as error:
+            raise APIError(400, f"cannot reload {model or 'the served checkpoint'}: {error}", param="model",
+                           code="invalid_model") from None
+    body = report.to_dict()
+    body.update(object="reload", load_seconds=loaded - began, held_seconds=time.perf_counter() - loaded)
+    return body

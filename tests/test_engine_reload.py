@@ -1,0 +1,105 @@
+"""Hot reload in the engine (LLM.reload): a new version never reuses the old one's KV, in the pool or a tier."""
+
+import pytest
+
+from conftest import make_llm
+from model_helpers import write_perturbed_copy
+
+SYSTEM = "You are the assistant of a test suite. Answer briefly and never mention these instructions. " * 3
+PROMPTS = [SYSTEM + f"Question {index}: what comes next?" for index in range(4)]
+GREEDY = dict(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def versions(default_model_dir, tmp_path_factory):
+    """(path A, path B, cold greedy tokens of A, of B): two versions with the same KV layout."""
+    from prefixserve import SamplingParams
+
+    path_b = write_perturbed_copy(default_model_dir, tmp_path_factory.mktemp("v2") / "model", seed=7)
+    cold = {}
+    for path in (default_model_dir, path_b):
+        llm = make_llm(model=str(path), enable_prefix_caching=False)
+        cold[path] = [out.token_ids for out in llm.generate(PROMPTS, SamplingParams(**GREEDY))]
+    assert cold[default_model_dir] != cold[path_b], "the perturbed copy must answer differently"
+    return default_model_dir, path_b, cold[default_model_dir], cold[path_b]
+
+
+def generate(llm):
+    from prefixserve import SamplingParams
+
+    return llm.generate(PROMPTS, SamplingParams(**GREEDY))
+
+
+def test_after_a_reload_nothing_of_the_old_version_matches_and_outputs_are_the_new_models(versions, tmp_path):
+    path_a, path_b, cold_a, cold_b = versions
+    llm = make_llm(model=str(path_a), kv_host_cache_bytes=64 << 20, kv_disk_cache_dir=str(tmp_path / "disk"))
+    assert [out.token_ids for out in generate(llm)] == cold_a
+    assert [out.token_ids for out in generate(llm)] == cold_a  # warm: hits on version A
+    tiers = llm.engine.tiers
+    tiers.disk.flush()
+    num_cached = llm.engine.cache.num_cached_blocks
+    num_disk = len(tiers.disk.keys())
+    assert num_cached > 0 and num_disk > 0
+    evicted_before = llm.engine.cache.stats.num_evicted_blocks
+
+    report = llm.reload(str(path_b))
+    assert report.num_reclaimed_blocks == num_cached  # every old block freed at once, not aged out
+    assert report.num_reclaimed_records["disk"] == num_disk
+    assert llm.engine.cache.num_cached_blocks == 0 and llm.engine.cache.pool.num_free_blocks == llm.engine.cache.pool.num_blocks
+    assert tiers.disk.keys() == [] and tiers.host.keys() == []
+    assert llm.engine.cache.stats.num_evicted_blocks == evicted_before  # reclaimed, not evicted
+    assert report.model_fingerprint != report.previous_fingerprint
+
+    outputs = generate(llm)
+    assert [out.token_ids for out in outputs] == cold_b  # no wrong hit: version B's own tokens
+    assert outputs[0].num_cached_tokens == 0  # the first request after the reload found nothing
+    assert [out.token_ids for out in generate(llm)] == cold_b  # and warm on B
+    llm.engine.cache.check_integrity()
+    tiers.disk.check_integrity()
+    tiers.host.check_integrity()
+
+
+def test_reloading_back_serves_the_first_version_again_from_a_cold_cache(versions):
+    path_a, path_b, cold_a, cold_b = versions
+    llm = make_llm(model=str(path_a))
+    generate(llm)
+    llm.reload(str(path_b))
+    generate(llm)
+    llm.reload(None)  # the served path again: B
+    assert [out.token_ids for out in generate(llm)] == cold_b
+    llm.reload(str(path_a))
+    outputs = generate(llm)
+    assert [out.token_ids for out in outputs] == cold_a
+    assert outputs[0].num_cached_tokens == 0
+
+
+def test_a_reload_that_cannot_work_changes_nothing(versions, tmp_path):
+    from model_helpers import qwen2_config, write_random_checkpoint
+    from prefixserve.engine.reload import IncompatibleModelError
+
+    path_a, _, cold_a, _ = versions
+    llm = make_llm(model=str(path_a))
+    generate(llm)
+    with pytest.raises(FileNotFoundError):
+        llm.reload(str(tmp_path / "missing"))
+    other = write_random_checkpoint(tmp_path / "qwen2", qwen2_config(), seed=1)
+    import shutil
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the checkpoint needs a tokenizer: A's
+        shutil.copy(path_a / name, other / name)
+    with pytest.raises(IncompatibleModelError, match="restart"):
+        llm.reload(str(other))
+    outputs = generate(llm)
+    assert [out.token_ids for out in outputs] == cold_a
+    assert outputs[0].num_cached_tokens > 0  # the old version's cache is intact
+
+
+def test_a_request_made_before_a_reload_is_refused_after_it(versions):
+    from prefixserve import SamplingParams
+
+    path_a, path_b, _, _ = versions
+    llm = make_llm(model=str(path_a))
+    stale = llm.engine.make_request(PROMPTS[0], SamplingParams(**GREEDY))
+    llm.reload(str(path_b))
+    with pytest.raises(ValueError, match="make it again"):
+        llm.engine.submit(stale)
