@@ -18,7 +18,8 @@ def test_every_vendor_row_names_its_source_and_date_and_the_issue_ratios_hold():
         assert 0 < entry.cached_read < entry.fresh
     assert (vendor("deepseek-v3").cached_read, vendor("deepseek-v3").fresh) == (0.07, 0.27)
     sonnet = vendor("anthropic-sonnet")
-    assert sonnet.cached_read == pytest.approx(0.1 * sonnet.fresh) and sonnet.cache_write == pytest.approx(1.25 * sonnet.fresh)
+    assert sonnet.cached_read == pytest.approx(0.1 * sonnet.fresh)
+    assert sonnet.cache_write == pytest.approx(1.25 * sonnet.fresh)
     assert vendor("gemini-2.5-pro").cached_ratio == pytest.approx(0.25, abs=0.005)
     assert vendor("openai-gpt-4o").cached_ratio == 0.5
     with pytest.raises(ValueError, match="unknown vendor 'acme'; one of deepseek-v3"):

@@ -65,8 +65,8 @@ VENDOR_PRICES: tuple[VendorPrice, ...] = (
                 notes="cached input 0.25x, automatic, no write charge"),
     VendorPrice("gemini-2.5-pro", "Gemini 2.5 Pro (prompts up to 200k tokens)", fresh=1.25, cached_read=0.31,
                 cache_write=None, source="https://ai.google.dev/gemini-api/docs/pricing", as_of="2025-06-17",
-                notes="cached input 0.25x (0.3125, listed rounded to 0.31); explicit caches also pay storage, 4.50 per million "
-                      "tokens per hour, not modelled here"),
+                notes="cached input 0.25x (0.3125, listed rounded to 0.31); explicit caches also pay storage, 4.50 "
+                      "per million tokens per hour, not modelled here"),
 )
 PRICE_TABLE_NOTE = ("vendors' list prices as published on the date beside each; check the source before relying "
                     "on them (prefixserve/plan/price.py, VENDOR_PRICES)")
