@@ -80,6 +80,8 @@ def test_every_endpoint_answers_the_admin_key_only():
     ("/dashboard/api/capacity", "sizes=4,x", "sizes"),
     ("/dashboard/api/capacity", "sizes=0", "sizes"),
     ("/dashboard/api/capacity", "sizes=" + ",".join(["4"] * 17), "sizes"),
+    ("/dashboard/api/capacity", "trace=/etc/passwd", "trace"),
+    ("/dashboard/api/capacity", "trace=agent&limit=0", "limit"),
 ])
 def test_bad_query_values_are_400s_naming_the_parameter(path, query, param):
     client, _ = make_client(make_core())
@@ -181,6 +183,15 @@ def test_capacity_replays_the_request_log_at_each_size():
     assert rows[1000000] == {**rows[4], "pool_blocks": 1000000, "pool_tokens": 4000000}  # never evicts either
     default = client.get("/dashboard/api/capacity", headers=ADMIN).json()
     assert [row["pool_blocks"] for row in default["sizes"]] == [1, 2, 3, 6, 12, 24]  # 1/8x .. 4x the pool of 6
+
+
+def test_capacity_replays_a_built_in_trace_in_its_own_blocks():
+    client, _ = make_client(make_core())
+    body = client.get("/dashboard/api/capacity?trace=conversation&limit=300&sizes=40,5000", headers=ADMIN).json()
+    assert body["block_size"] == 512 and body["num_requests"] == 300 and "conversation" in body["sources"]["requests"]
+    small, large = body["sizes"]
+    assert small["hit_rate"] < large["hit_rate"] and small["num_evicted_blocks"] > 0
+    assert small["num_capacity_miss_tokens"] > large["num_capacity_miss_tokens"]
 
 
 def test_the_endpoints_on_a_real_server():

@@ -6,8 +6,9 @@
                                  marked, from the engine's learnt prefill and read costs   plan/tiers.py
     GET /dashboard/api/ttl       survival of the next turn and the cost of a miss against TTL, from the
                                  measured reuse gaps                                 plan/ttl.py
-    GET /dashboard/api/capacity  the recent request log replayed through the real radix cache at other
-                                 pool sizes: hit rate, evictions, the price of an undersized pool
+    GET /dashboard/api/capacity  the recent request log (or a built-in trace) replayed through the real
+                                 radix cache at other pool sizes: hit rate, evictions, the price of an
+                                 undersized pool
                                                                                      plan/capacity.py
 
 Engine state is read between steps (`state.engine.call`); the planners run off the event loop.
@@ -24,11 +25,12 @@ from typing import NamedTuple, Optional
 from fastapi import APIRouter, Request
 
 from ...engine.kv_tiers import DEFAULT_PREFILL_SECONDS_PER_TOKEN
-from ...plan.capacity import capacity_sweep, working_set_blocks
+from ...plan.capacity import capacity_sweep, requests_from_trace, working_set_blocks
 from ...plan.price import (PRICE_TABLE_NOTE, check_inputs, estimated_ttft, fixed_seconds_from_measured, price_json,
                            price_table)
 from ...plan.tiers import Profile, crossovers
 from ...plan.ttl import DEFAULT_TTLS_SECONDS, distribution_from_stats, plan_ttl
+from ...router.traces import BUILT_IN_TRACES, load_trace
 from ...tiers import TierCost
 from ...tiers.disk import DISK_READ_COST
 from ...tiers.host import HOST_READ_COST
@@ -42,6 +44,8 @@ POOL_FRACTIONS = (0.125, 0.25, 0.5, 1, 2, 4)  # default capacity sizes, as multi
 MAX_SIZES = 16
 MAX_CURVE_TOKENS = 1_000_000
 NUM_CURVE_POINTS = 48
+DEFAULT_TRACE_REQUESTS = 2000  # a built-in trace's first requests, for the capacity panel
+MAX_TRACE_REQUESTS = 20_000
 
 
 class EngineCosts(NamedTuple):
@@ -248,14 +252,26 @@ async def ttl(request: Request):
 # ---------------------------------------------------------------------------------------- capacity
 @whatif_routes.get("/dashboard/api/capacity")
 async def capacity(request: Request):
-    """The request log replayed at pool sizes `sizes` (blocks; default: 1/8x to 4x this pool)."""
+    """The request log (or a built-in trace, `trace=`) replayed at pool sizes `sizes` (blocks; default: 1/8x to
+    4x this pool's tokens)."""
     sizes = _list(request, "sizes", int, None)
+    trace_name = request.query_params.get("trace") or None
+    if trace_name is not None and trace_name not in BUILT_IN_TRACES:
+        raise APIError(400, f"trace must be one of {', '.join(BUILT_IN_TRACES)}, got {trace_name!r}; omit it to "
+                            "replay this server's request log", param="trace", code="invalid_value")
+    limit = _float(request, "limit", 1, MAX_TRACE_REQUESTS)
 
     def read(core):
         return core.outputs.request_log.snapshot(), engine_costs(core)
 
     _, (log, costs) = await _admin_engine(request, read)
-    sizes = sizes or sorted({max(1, round(costs.num_pool_blocks * fraction)) for fraction in POOL_FRACTIONS})
+    block_size, source = costs.block_size, "this server's request log (the most recent requests)"
+    if trace_name is not None:
+        trace = await asyncio.to_thread(load_trace, trace_name, int(limit or DEFAULT_TRACE_REQUESTS))
+        log, block_size = await asyncio.to_thread(requests_from_trace, trace), trace.block_size
+        source = f"the built-in {trace_name} trace, its first {len(log):,} requests ({block_size} tokens a block)"
+    pool_blocks = costs.num_pool_blocks * costs.block_size // block_size
+    sizes = sizes or sorted({max(1, round(pool_blocks * fraction)) for fraction in POOL_FRACTIONS})
     if not log:
         return {"object": "dashboard.capacity", "available": False,
                 "reason": "the request log is empty: the capacity panel replays requests this server has served"}
@@ -264,13 +280,11 @@ async def capacity(request: Request):
     # A pool that holds every block ever cached plus one request never evicts: larger ones replay the same.
     never_evicts = working_set + largest_request
     replayed = sorted({min(size, never_evicts) for size in sizes})
-    results = await asyncio.to_thread(capacity_sweep, log, replayed, costs.block_size, costs.prefill_seconds_per_token)
+    results = await asyncio.to_thread(capacity_sweep, log, replayed, block_size, costs.prefill_seconds_per_token)
     by_size = {result.pool_blocks: result for result in results}
-    rows = [{**by_size[min(size, never_evicts)].to_dict(), "pool_blocks": size,
-             "pool_tokens": size * costs.block_size} for size in sizes]
-    return {"object": "dashboard.capacity", "available": True, "block_size": costs.block_size,
-            "current_pool_blocks": costs.num_pool_blocks, "num_requests": len(log),
-            "working_set_blocks": working_set, "prefill_seconds_per_token": costs.prefill_seconds_per_token,
-            "sources": {"requests": "this server's request log (the most recent requests)",
-                        "prefill_seconds_per_token": costs.prefill_source},
-            "sizes": rows}
+    rows = [{**by_size[min(size, never_evicts)].to_dict(), "pool_blocks": size, "pool_tokens": size * block_size}
+            for size in sizes]
+    return {"object": "dashboard.capacity", "available": True, "block_size": block_size,
+            "current_pool_blocks": pool_blocks, "num_requests": len(log), "working_set_blocks": working_set,
+            "prefill_seconds_per_token": costs.prefill_seconds_per_token,
+            "sources": {"requests": source, "prefill_seconds_per_token": costs.prefill_source}, "sizes": rows}
