@@ -66,8 +66,10 @@ def histogram_quantile(q: float, cumulative: Sequence[tuple[float, float]]) -> O
 
 
 def latency_summary(series: Sequence[tuple[float, float]], samples: dict, count_key: str, sum_key: str) -> dict:
+    """Count, sum, p50 and p99 since start, and the cumulative buckets (the page takes windows of them)."""
     return {"count": samples.get(count_key, 0.0), "sum": samples.get(sum_key, 0.0),
-            "p50": histogram_quantile(0.5, series), "p99": histogram_quantile(0.99, series)}
+            "p50": histogram_quantile(0.5, series), "p99": histogram_quantile(0.99, series),
+            "buckets": [[upper if math.isfinite(upper) else "+Inf", count] for upper, count in series]}
 
 
 def scope_names(core, tenants) -> dict[bytes, str]:

@@ -1,0 +1,98 @@
+"""A real browser for page tests: Debian's chromium driven by Playwright (never Playwright's own download).
+
+`.ci/run` installs both; elsewhere the tests that need them skip, naming what is missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import threading
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import httpx
+import pytest
+
+SCREENSHOTS = Path(__file__).resolve().parents[1] / "docs" / "screenshots"
+WAIT_MS = 30_000  # the longest a page condition may take to become true
+
+
+def chromium_path() -> Optional[str]:
+    for candidate in (os.environ.get("PREFIXSERVE_CHROMIUM"), shutil.which("chromium"), "/usr/bin/chromium"):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+@contextlib.contextmanager
+def browser_page(width: int = 1400, height: int = 1000) -> Iterator[object]:
+    """A fresh page in headless chromium; skips the test when Playwright or chromium is absent."""
+    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (the test extra)")
+    path = chromium_path()
+    if path is None:
+        pytest.skip("no chromium binary: apt-get install chromium (or set PREFIXSERVE_CHROMIUM)")
+    with sync_api.sync_playwright() as playwright:
+        # --no-sandbox: CI runs as root, where chromium's sandbox refuses to start
+        browser = playwright.chromium.launch(executable_path=path, headless=True, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": width, "height": height})
+            page.set_default_timeout(WAIT_MS)
+            errors: list[str] = []
+            page.on("pageerror", lambda error: errors.append(str(error)))
+            page.js_errors = errors  # a test asserts none happened
+            yield page
+        finally:
+            browser.close()
+
+
+def enter_admin_key(page, key: str) -> None:
+    page.fill("#admin-key", key)
+    page.click("#key-form button")
+
+
+def wait_for_updates(page, count: int = 1, tree: bool = False) -> None:
+    """Until the page has drawn `count` more snapshots (and, with `tree`, one more tree) than now."""
+    attribute = "treeUpdates" if tree else "updates"
+    now = page.evaluate(f"Number(document.body.dataset.{attribute} || 0)")
+    page.wait_for_function(f"Number(document.body.dataset.{attribute} || 0) >= {now + count}")
+
+
+def save_screenshot(page, name: str) -> Path:
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    path = SCREENSHOTS / name
+    page.screenshot(path=str(path), full_page=True)
+    return path
+
+
+class Traffic:
+    """A background client sending `make_body(i)` to /v1/completions, at most `max_requests` times, until stopped."""
+
+    def __init__(self, url: str, make_body: Callable[[int], dict], headers: Optional[Callable[[int], dict]] = None,
+                 max_requests: int = 400) -> None:
+        self.url, self.make_body, self.headers = url, make_body, headers or (lambda i: {})
+        self.max_requests = max_requests
+        self.num_sent = 0
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=120) as client:
+            for i in range(self.max_requests):
+                if self._stop.is_set():
+                    return
+                response = client.post(self.url + "/v1/completions", json=self.make_body(i), headers=self.headers(i))
+                self.num_sent += 1
+                if response.status_code != 200:
+                    self.failures.append(response.text)
+
+    def __enter__(self) -> "Traffic":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=120)
+        assert not self._thread.is_alive(), "traffic did not stop"
