@@ -19,6 +19,7 @@ from .admin import admin_routes
 from .auth import Authenticator
 from .dashboard.recorder import DashboardMetrics, TenantContext
 from .dashboard.routes import dashboard_routes
+from .dashboard.whatif import whatif_routes
 from .errors import install_error_handlers
 from ..config import DEFAULT_MAX_CACHE_TTL
 from .inputs import RequestBuilder
@@ -74,4 +75,5 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     app.include_router(admin_routes)
     app.include_router(reload_routes)
     app.include_router(dashboard_routes)
+    app.include_router(whatif_routes)
     return app
