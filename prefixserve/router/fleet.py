@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import time
 from typing import Optional
 
 import httpx
@@ -28,6 +29,7 @@ from .settings import RouterSettings
 
 logger = logging.getLogger("prefixserve.router")
 DEFAULT_MAX_MODEL_LEN = 32768  # until a replica says its own
+SCOPE_REFRESH_SECONDS = 10.0  # how often the scope is read again (a replica may have reloaded)
 DEFAULT_OUTPUT_TOKENS = 256  # the server's default max_tokens, until a replica says its own
 
 
@@ -61,6 +63,7 @@ class Router:
         self.keys = KeyTable(settings.api_keys)
         self.metrics = RouterMetrics()
         self.scoper: Optional[PromptScoper] = None  # learned from the first replica that answers
+        self._scope_learned_at = float("-inf")
         self.keyer: Optional[BlockKeyer] = None
         self.remote = None  # a read-only view of the replicas' shared remote tier (tiers.redis.RedisTier)
         self.max_model_len: Optional[int] = None
@@ -89,7 +92,8 @@ class Router:
     async def _health_loop(self) -> None:
         while True:
             await asyncio.gather(*(r.check_health(self.client, self.settings.control_timeout) for r in self.replicas))
-            if self.scoper is None:
+            # Learn the scope once, then again now and then: a replica's hot reload changes it.
+            if self.scoper is None or time.monotonic() - self._scope_learned_at >= SCOPE_REFRESH_SECONDS:
                 await self._learn_scope()
             await asyncio.sleep(self.settings.health_interval)
 
@@ -151,7 +155,11 @@ class Router:
                 self._warn_once(f"info:{replica.name}", "replica %s: unreadable /v1/cache/info (%r)", replica.name,
                                 error)
                 continue
+            if self.scoper is not None and self.scoper.scope != scoper.scope:
+                logger.info("replica %s serves a new model version (%s): routing keys follow it", replica.name,
+                            scoper.scope.model_fingerprint[:12])
             self.scoper = scoper
+            self._scope_learned_at = time.monotonic()
             self._open_remote(scoper.scope.digest)
             return
 
@@ -170,6 +178,8 @@ class Router:
 
     def _open_remote(self, scope_digest: bytes) -> None:
         """Look requests up in the replicas' shared remote tier (read only: the router never writes)."""
+        if self.remote is not None and self.remote.scope_digest != scope_digest:
+            self.remote.rescope(scope_digest)
         if self.settings.kv_remote_url and self.remote is None:
             from ..tiers.redis import RedisTier  # imports redis only when asked
 
