@@ -1,0 +1,118 @@
+"""The router's /dashboard: the server's page in fleet mode, and GET /dashboard/api/fleet (router admin key).
+
+One row per replica: health, in-flight requests and estimated load, its token hit rate (read from
+the replica's own /metrics, which needs no key) and the share of requests routed to it; and the
+fleet's totals. The page's files are read from package data by path, so the router imports
+nothing from server/ (see DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import re
+import time
+from importlib import resources
+from typing import Optional
+
+import httpx
+from fastapi import APIRouter, Request
+from fastapi.responses import HTMLResponse, Response
+
+from ..http import bearer_token, error_response
+
+STATIC_NAME = re.compile(r"[a-z]+\.(js|css)")
+MEDIA_TYPES = {"js": "text/javascript; charset=utf-8", "css": "text/css; charset=utf-8"}
+NO_CACHE = {"Cache-Control": "no-cache"}
+QUERIES = "prefixserve:prefix_cache_queries_total"
+HITS = "prefixserve:prefix_cache_hits_total"
+
+fleet_dashboard_routes = APIRouter()
+
+
+def _static_dir():
+    return resources.files("prefixserve").joinpath("server", "dashboard", "static")
+
+
+@fleet_dashboard_routes.get("/dashboard", include_in_schema=False)
+async def fleet_page():
+    html = _static_dir().joinpath("index.html").read_text(encoding="utf-8")
+    return HTMLResponse(html.replace('data-mode="server"', 'data-mode="fleet"', 1), headers=NO_CACHE)
+
+
+@fleet_dashboard_routes.get("/dashboard/static/{name}", include_in_schema=False)
+async def fleet_static(name: str):
+    path = _static_dir().joinpath(name)
+    if not STATIC_NAME.fullmatch(name) or not path.is_file():
+        return error_response(404, f"no dashboard file {name!r}", "not_found_error", code="not_found")
+    return Response(path.read_bytes(), media_type=MEDIA_TYPES[name.rsplit(".", 1)[1]], headers=NO_CACHE)
+
+
+def _refusal(request: Request, admin_api_key: Optional[str]):
+    """None for the router's admin key; else the error answer (404 when the router has no admin key)."""
+    if not admin_api_key:
+        return error_response(404, "the fleet dashboard is off; start the router with --admin-api-key to enable it",
+                              "not_found_error", code="admin_disabled")
+    key = bearer_token(request.headers.get("authorization"))
+    if not key:
+        return error_response(401, "the fleet dashboard needs the admin API key; send 'Authorization: Bearer <admin key>'",
+                              "authentication_error", code="invalid_api_key")
+    digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+    if not hmac.compare_digest(digest, hashlib.sha256(admin_api_key.encode()).digest()):
+        return error_response(403, "the fleet dashboard needs the router's admin API key, not a tenant key",
+                              "permission_error", code="admin_only")
+    return None
+
+
+async def replica_hits(client: httpx.AsyncClient, url: str, timeout: float) -> Optional[tuple[float, float]]:
+    """(prompt tokens looked up, tokens hit) from a replica's /metrics; None when it does not answer them."""
+    try:
+        response = await client.get(url + "/metrics", timeout=timeout)
+    except httpx.TransportError:
+        return None
+    if response.status_code != 200:
+        return None
+    values = {}
+    for line in response.text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in (QUERIES, HITS):
+            values[name] = float(value)
+    if len(values) < 2:
+        return None
+    return values[QUERIES], values[HITS]
+
+
+@fleet_dashboard_routes.get("/dashboard/api/fleet")
+async def fleet_snapshot(request: Request):
+    router = request.app.state.router
+    refusal = _refusal(request, router.settings.admin_api_key)
+    if refusal is not None:
+        return refusal
+    replicas = router.replicas
+    answers = await asyncio.gather(*(replica_hits(router.client, r.url, router.settings.control_timeout)
+                                     if r.healthy else _nothing() for r in replicas))
+    total_routed = sum(r.num_routed for r in replicas)
+    rows = []
+    for replica, hits in zip(replicas, answers):
+        queried, hit = hits if hits is not None else (None, None)
+        rows.append({"name": replica.name, "url": replica.url, "healthy": replica.healthy,
+                     "in_flight": len(replica.outstanding), "load_seconds": replica.load,
+                     "num_routed": replica.num_routed,
+                     "routed_share": replica.num_routed / total_routed if total_routed else 0.0,
+                     "predicted_hit_tokens": replica.num_predicted_hit_tokens, "mirrors_cache": replica.can_mirror,
+                     "prompt_tokens": queried, "hit_tokens": hit,
+                     "hit_rate": hit / queried if queried else None,
+                     "last_down_reason": replica.down_reasons[-1].reason if replica.down_reasons else None})
+    answered = [row for row in rows if row["prompt_tokens"] is not None]
+    queried = sum(row["prompt_tokens"] for row in answered)
+    hit = sum(row["hit_tokens"] for row in answered)
+    totals = {"num_replicas": len(rows), "num_healthy": sum(row["healthy"] for row in rows),
+              "in_flight": sum(row["in_flight"] for row in rows),
+              "load_seconds": sum(row["load_seconds"] for row in rows), "num_routed": total_routed,
+              "prompt_tokens": queried, "hit_tokens": hit, "hit_rate": hit / queried if queried else None}
+    return {"mode": "fleet", "time": time.time(), "policy": router.settings.policy, "replicas": rows, "totals": totals}
+
+
+async def _nothing() -> None:
+    return None
