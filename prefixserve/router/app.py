@@ -23,6 +23,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..http import BodySizeLimit, error_response, install_base_error_handlers
+from .dashboard import fleet_dashboard_routes
 from .fleet import Router
 from .forward import forward, relay_response
 from .settings import RouterSettings
@@ -45,6 +46,7 @@ def build_router_app(settings: RouterSettings) -> FastAPI:
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
 
     install_base_error_handlers(app, logger, "router", code="router_error")
+    app.include_router(fleet_dashboard_routes)  # GET /dashboard (fleet mode) and /dashboard/api/fleet
 
     @app.post("/v1/completions")
     async def completions(request: Request):
