@@ -9,6 +9,7 @@ import contextlib
 import os
 import shutil
 import threading
+import time
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
@@ -96,3 +97,39 @@ class Traffic:
         self._stop.set()
         self._thread.join(timeout=120)
         assert not self._thread.is_alive(), "traffic did not stop"
+
+
+class LiveRouter:
+    """`prefixserve route` (in process, uvicorn on a free 127.0.0.1 port) over replicas already running."""
+
+    def __init__(self, replica_urls: list[str], admin_api_key: Optional[str]) -> None:
+        import uvicorn
+
+        from prefixserve.router.app import RouterSettings, build_router_app
+        from server_helpers import free_port
+
+        settings = RouterSettings(replicas=tuple(f"r{i}={url}" for i, url in enumerate(replica_urls)),
+                                  admin_api_key=admin_api_key, health_interval=0.3, sync_interval=0.1)
+        self.app = build_router_app(settings)
+        self.url = f"http://127.0.0.1:{free_port()}"
+        port = int(self.url.rsplit(":", 1)[1])
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> "LiveRouter":
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # healthy = every replica passed a health check
+            try:
+                response = httpx.get(self.url + "/health", timeout=1)
+                if response.status_code == 200 and len(response.json()["healthy_replicas"]) == len(
+                        self.app.state.router.replicas):
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError("the router did not see every replica healthy within 30 s")
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
