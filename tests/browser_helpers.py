@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -16,7 +17,9 @@ from typing import Callable, Iterator, Optional
 import httpx
 import pytest
 
-SCREENSHOTS = Path(__file__).resolve().parents[1] / "docs" / "screenshots"
+# Screenshots go to a temporary folder, so a test run leaves the checkout clean;
+# PREFIXSERVE_SCREENSHOTS=docs/screenshots regenerates the README's.
+SCREENSHOTS = Path(os.environ.get("PREFIXSERVE_SCREENSHOTS") or Path(tempfile.gettempdir()) / "prefixserve-screenshots")
 WAIT_MS = 30_000  # the longest a page condition may take to become true
 
 
@@ -60,10 +63,14 @@ def wait_for_updates(page, count: int = 1, tree: bool = False) -> None:
     page.wait_for_function(f"Number(document.body.dataset.{attribute} || 0) >= {now + count}")
 
 
-def save_screenshot(page, name: str) -> Path:
+def save_screenshot(page, name: str, selector: Optional[str] = None) -> Path:
+    """docs/screenshots/<name>: the whole page, or the element at `selector`."""
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     path = SCREENSHOTS / name
-    page.screenshot(path=str(path), full_page=True)
+    if selector is None:
+        page.screenshot(path=str(path), full_page=True)
+    else:
+        page.locator(selector).screenshot(path=str(path))
     return path
 
 
