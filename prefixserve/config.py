@@ -34,6 +34,11 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"  # or "lpm": longest cached prefix first, within a window
     max_pinned_blocks: Optional[int] = None  # None: half the pool
     prefix_ttl: Optional[float] = None  # seconds an unused cached prefix lives; None: until evicted
+    # The background policy pinning hot shared prefixes (cache/hot_prefixes.py): a prefix reused by at
+    # least this many requests within the window stays pinned (within half of max_pinned_blocks)
+    # until it cools; 0 turns it off.
+    hot_prefix_min_requests: int = 4
+    hot_prefix_window: float = 60.0  # seconds
     enable_kv_events: bool = False
     # The KV hierarchy under the pool (engine/kv_tiers.py); all off by default.
     kv_host_cache_bytes: Optional[int] = None  # host RAM for blocks evicted from the pool
@@ -72,6 +77,9 @@ class EngineConfig:
         require(self.prefix_hash in HASH_FUNCTIONS,
                 f"prefix_hash must be one of {sorted(HASH_FUNCTIONS)}, got {self.prefix_hash!r}")
         require(self.prefix_ttl is None or self.prefix_ttl > 0, f"prefix_ttl must be positive seconds, got {self.prefix_ttl}")
+        require(self.hot_prefix_min_requests == 0 or self.hot_prefix_min_requests >= 2,
+                f"hot_prefix_min_requests must be 0 (off) or at least 2, got {self.hot_prefix_min_requests}")
+        require(self.hot_prefix_window > 0, f"hot_prefix_window must be positive seconds, got {self.hot_prefix_window}")
         require(self.kv_host_cache_bytes is None or self.kv_host_cache_bytes > 0,
                 f"kv_host_cache_bytes must be positive, got {self.kv_host_cache_bytes}")
         require(self.kv_disk_cache_bytes is None or self.kv_disk_cache_bytes > 0,

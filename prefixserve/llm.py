@@ -33,6 +33,21 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         return report
 
+    def pin(self, prompt: PromptType, ttl: Optional[float] = None, cache_salt: Optional[str] = None) -> dict:
+        """Keep this prompt's full blocks resident (computed now if they are not cached) until `unpin`,
+        or for `ttl` seconds; with a disk tier the pin survives a restart. Returns the pin (its id,
+        blocks, expiry); raises ValueError naming the fix (e.g. past max_pinned_blocks)."""
+        request = self.engine.add_request(prompt, SamplingParams(max_tokens=1), cache_salt=cache_salt)
+        self.engine.run_until_finished([request.request_id])
+        return self.engine.pin_prefix(request.prompt_token_ids, None, cache_salt, ttl).public()
+
+    def unpin(self, pin_id: str) -> bool:
+        """Remove a pin made by `pin`; False when there is none of that id."""
+        return self.engine.unpin_prefix(pin_id) is not None
+
+    def pins(self) -> list[dict]:
+        return self.engine.pins.listing()
+
     def close(self) -> None:
         """Flush what the KV tiers still have to write; the LLM stays usable until it is dropped."""
         self.engine.close()

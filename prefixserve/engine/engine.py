@@ -16,6 +16,7 @@ from typing import Callable, Optional
 import torch
 
 from ..cache import BlockKeyer, EventQueue, RadixCache
+from ..cache.hot_prefixes import HotPrefixPolicy
 from ..cache.reuse_gaps import ReuseGapTracker
 from ..cache.scoping import PromptScoper
 from ..config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
@@ -23,6 +24,7 @@ from .device import measure_cuda_kv_budget, resolve_device, resolve_dtype
 from .input_processor import InputProcessor, PromptType
 from .kv_tiers import TieredKV, build_tiers, empty_breakdown
 from .model_version import load_version
+from .pins import Pin, PinTable
 from .reload import ReloadReport, swap_model
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
@@ -56,6 +58,9 @@ class LLMEngine:
                                 events=self.events)
         self.keyer = BlockKeyer(config.block_size, config.prefix_hash)
         self.reuse_gaps = ReuseGapTracker(config.block_size)
+        self.hot_prefixes = (HotPrefixPolicy(config.hot_prefix_min_requests, config.hot_prefix_window,
+                                             max_blocks=self.cache.max_pinned_blocks // 2)
+                             if config.hot_prefix_min_requests and config.enable_prefix_caching else None)
         self.scheduler = Scheduler(
             self.cache,
             self.keyer,
@@ -64,6 +69,7 @@ class LLMEngine:
             enable_prefix_caching=config.enable_prefix_caching,
             policy=config.scheduling_policy,
             reuse_gaps=self.reuse_gaps,
+            hot_prefixes=self.hot_prefixes,
         )
         # Lay linear weights out for oneDNN once, sized for a full step's token budget (CPU only).
         self._log_progress("packing weights for this CPU ...")
@@ -76,11 +82,15 @@ class LLMEngine:
         self.inputs = InputProcessor(self.tokenizer, loaded.config.vocab_size, self.max_model_len, self.scoper,
                                      self.eos_token_ids, config.prefix_ttl)
         self.outputs = OutputProcessor(self.tokenizer)
+        self.pins = PinTable(self.cache, self.keyer, config.block_size, config.kv_disk_cache_dir,
+                             self.tokenizer.fingerprint)
         self.num_prefill_tokens_computed = 0
         self.num_generation_tokens = 0
         self.startup_summary = self._summary(loaded, num_blocks, bytes_per_token, max_model_len_note)
         if config.log_stats:
             logger.info(self.startup_summary)
+        if self.pins.to_restore:  # pins saved by the last run: warm them (from the disk tier) and pin
+            self.restore_pins()
 
     # ------------------------------------------------------------- set-up
     def _build_tiers(self) -> Optional[TieredKV]:
@@ -223,8 +233,50 @@ class LLMEngine:
                         on_finish(output)
         return [finished[request_id] for request_id in request_ids]
 
+    # --------------------------------------------------------------- pins
+    def pin_prefix(self, token_ids: list[int], tenant: Optional[str] = None, salt: Optional[str] = None,
+                   ttl: Optional[float] = None) -> Pin:
+        """Pin the cached full blocks of `token_ids` (run it through the engine first: see LLM.pin);
+        raises ValueError naming the fix."""
+        if not self.config.enable_prefix_caching:
+            raise ValueError("prefix caching is off (enable_prefix_caching=False): there is nothing to pin")
+        if ttl is not None and not ttl > 0:
+            raise ValueError(f"a pin's ttl must be positive seconds (or None: until unpinned), got {ttl}")
+        return self.pins.pin(self.scoper, token_ids, tenant, salt, ttl)
+
+    def unpin_prefix(self, pin_id: str) -> Optional[Pin]:
+        return self.pins.unpin(pin_id, self.scoper)
+
+    def restore_pins(self) -> int:
+        """Warm the pins waiting to be restored (after a restart or a reload) and pin them again; call
+        with no request in flight. Returns how many were restored."""
+        waiting, self.pins.to_restore = self.pins.to_restore, []
+        warmers = [self.add_request(pin.token_ids, SamplingParams(max_tokens=1), cache_salt=pin.salt)
+                   for pin in waiting]
+        self.run_until_finished([request.request_id for request in warmers])
+        num_restored = 0
+        now = self.pins.wall_clock()
+        for pin in waiting:
+            ttl = None if pin.expires_at is None else pin.expires_at - now
+            if ttl is not None and ttl <= 0:
+                continue
+            try:
+                self.pins.pin(self.scoper, pin.token_ids, pin.tenant, pin.salt, ttl, pin.pin_id, pin.created_at)
+                num_restored += 1
+            except ValueError as error:
+                logger.warning("could not restore pin %s: %s", pin.pin_id, error)
+        return num_restored
+
+    def _maintain_pins(self) -> None:
+        """Between steps: expire operator pins, and let the hot-prefix policy pin and unpin."""
+        if self.pins.pins:
+            self.pins.expire(self.scoper)
+        if self.hot_prefixes is not None:
+            self.hot_prefixes.tick(self.cache)
+
     # --------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
+        self._maintain_pins()
         if self.tiers is not None:  # bring back what lower tiers hold for waiting requests
             self.tiers.collect()
             self.tiers.prepare(self.scheduler.waiting, self.config.enable_prefix_caching)

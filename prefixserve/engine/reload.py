@@ -38,12 +38,14 @@ class ReloadReport:
     model_fingerprint: str
     num_reclaimed_blocks: int  # pooled blocks of the old scope, freed
     num_reclaimed_records: dict  # tier name -> records of the old scope deleted
+    num_restored_pins: int  # operator pins warmed and pinned again on the new version
     swap_seconds: float
 
     def to_dict(self) -> dict:
         return {"model": self.model, "previous_fingerprint": self.previous_fingerprint,
                 "model_fingerprint": self.model_fingerprint, "reclaimed_blocks": self.num_reclaimed_blocks,
-                "reclaimed_records": dict(self.num_reclaimed_records), "swap_seconds": self.swap_seconds}
+                "reclaimed_records": dict(self.num_reclaimed_records), "restored_pins": self.num_restored_pins,
+                "swap_seconds": self.swap_seconds}
 
 
 def kv_layout(config) -> tuple[int, int, int]:
@@ -88,9 +90,14 @@ def swap_model(engine, version: ModelVersion) -> ReloadReport:
     num_blocks = engine.cache.clear()  # every pooled block is the old scope's: none can match again
     records = engine.tiers.rescope(engine.scope.digest) if engine.tiers is not None else {}
     engine.num_reloads += 1
+    if engine.hot_prefixes is not None:
+        engine.hot_prefixes.reset()  # the clear dropped its pins with the blocks
+    engine.pins.on_cleared(version.tokenizer.fingerprint)
+    num_pins = engine.restore_pins()  # operator pins are warmed again on the new version
     report = ReloadReport(model=version.name, previous_fingerprint=previous.model_fingerprint,
                           model_fingerprint=engine.scope.model_fingerprint, num_reclaimed_blocks=num_blocks,
-                          num_reclaimed_records=records, swap_seconds=time.perf_counter() - began)
+                          num_reclaimed_records=records, num_restored_pins=num_pins,
+                          swap_seconds=time.perf_counter() - began)
     logger.info("reloaded %s (model %s, was %s): %d pooled blocks and %s tier records of the old scope reclaimed",
                 version.name, report.model_fingerprint[:12], report.previous_fingerprint[:12], num_blocks,
                 records or "no")

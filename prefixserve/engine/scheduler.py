@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Optional, Sequence
 
 from ..cache import Block, BlockKeyer, RadixCache
+from ..cache.hot_prefixes import HotPrefixPolicy
 from ..cache.reuse_gaps import ReuseGapTracker
 from .request import Request, RequestStatus
 from .stopping import check_stop
@@ -54,9 +55,11 @@ class Scheduler:
         enable_prefix_caching: bool = True,
         policy: str = "fcfs",
         reuse_gaps: Optional[ReuseGapTracker] = None,
+        hot_prefixes: Optional[HotPrefixPolicy] = None,
     ) -> None:
         self.cache = cache
         self.reuse_gaps = reuse_gaps  # measures release -> next use of prefixes, for TTL planning
+        self.hot_prefixes = hot_prefixes  # counts reuse of cached prefixes; the engine ticks it to pin
         self.keyer = keyer
         self.block_size = cache.block_size
         self.max_num_seqs = max_num_seqs
@@ -128,6 +131,8 @@ class Scheduler:
             if blocks is None:
                 if self.running or output.scheduled:
                     break  # running requests will free blocks
+                if self.hot_prefixes is not None and self.hot_prefixes.unpin_all(self.cache):
+                    continue  # policy pins are soft: a request that needs the room comes first
                 self._finish_unfittable(request, needed, output)  # nothing holds blocks but pins: it never fits
                 continue
             self.waiting.remove(request)
@@ -138,6 +143,8 @@ class Scheduler:
                 self.cache.stats.record_query(request.num_prompt_tokens, num_cached)
                 if self.reuse_gaps is not None and self.enable_prefix_caching:
                     self.reuse_gaps.admitted(request.tenant, request.block_keys)
+                if self.hot_prefixes is not None and hit:
+                    self.hot_prefixes.observe(request.block_keys[:len(hit)])
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             output.scheduled.append(ScheduledRequest(request, num_new))

@@ -1,0 +1,148 @@
+"""Operator pins: prefixes an operator keeps resident (POST /v1/cache/pin, LLM.pin), with an optional TTL.
+
+A pin names a prompt's full blocks in one scope (a tenant's, or the public one). Making
+one takes two steps, because a prefix can only be pinned once its blocks are cached:
+the caller first runs the prompt through the engine (a one-token generation: a hit
+when it is cached, a prefill otherwise), then `PinTable.pin` pins the cached path.
+
+With a disk tier the table is saved beside the records (`pins.json`, written atomically)
+and read back at start-up, so pins survive a restart: their blocks come back from disk
+the first time they are warmed. Saved pins carry the tokenizer's fingerprint: after a
+tokenizer change their token ids mean other text, so they are dropped, not restored.
+The table runs on the engine thread (between steps); nothing here is thread-safe.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+logger = logging.getLogger("prefixserve")
+PINS_FILE = "pins.json"
+
+
+@dataclass
+class Pin:
+    pin_id: str
+    tenant: Optional[str]  # whose scope (None: the public, unsalted scope)
+    salt: Optional[str]  # the scope salt the prompt was keyed with
+    token_ids: list[int]
+    num_blocks: int  # blocks pinned in the pool (0 while waiting to be warmed again)
+    created_at: float  # unix seconds
+    expires_at: Optional[float]  # unix seconds; None: until unpinned
+
+    def public(self) -> dict:
+        """What an operator sees: never the token ids."""
+        return {"id": self.pin_id, "object": "cache.pin", "tenant": self.tenant, "num_tokens": len(self.token_ids),
+                "num_blocks": self.num_blocks, "created_at": self.created_at, "expires_at": self.expires_at}
+
+
+class PinTable:
+    def __init__(self, cache, keyer, block_size: int, directory: Optional[str] = None,
+                 tokenizer_fingerprint: str = "", wall_clock=time.time) -> None:
+        self.cache = cache
+        self.keyer = keyer
+        self.block_size = block_size
+        self.path = Path(directory) / PINS_FILE if directory else None
+        self.tokenizer_fingerprint = tokenizer_fingerprint
+        self.wall_clock = wall_clock
+        self.pins: dict[str, Pin] = {}
+        self.to_restore: list[Pin] = self._load()  # saved pins not yet warmed again
+
+    # ------------------------------------------------------------ pinning
+    def pin(self, scoper, token_ids: list[int], tenant: Optional[str], salt: Optional[str],
+            ttl: Optional[float], pin_id: Optional[str] = None, created_at: Optional[float] = None) -> Pin:
+        """Pin the cached full blocks of `token_ids` in its scope; raises ValueError naming the fix."""
+        scope_digest, private_from = scoper.scope_for(token_ids, salt)
+        keys = self.keyer.keys(scope_digest, token_ids, private_from)
+        if not keys:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens, less than one block of {self.block_size}; "
+                             "pin a longer prefix")
+        num_blocks = self.cache.pin(keys)  # raises ValueError past max_pinned_blocks
+        if num_blocks < len(keys):
+            self.cache.unpin(keys[:num_blocks])
+            raise ValueError(f"only {num_blocks} of the prompt's {len(keys)} blocks are cached (the pool is too "
+                             "busy to keep it); retry, or raise kv_cache_memory_bytes")
+        now = self.wall_clock()
+        pin = Pin(pin_id or "pin-" + uuid.uuid4().hex[:24], tenant, salt, list(token_ids), num_blocks,
+                  now if created_at is None else created_at, None if ttl is None else now + ttl)
+        self.pins[pin.pin_id] = pin
+        self._save()
+        return pin
+
+    def unpin(self, pin_id: str, scoper) -> Optional[Pin]:
+        pin = self.pins.pop(pin_id, None)
+        if pin is not None:
+            self._release(pin, scoper)
+            self._save()
+        return pin
+
+    def expire(self, scoper) -> int:
+        """Unpin every pin past its expiry; returns how many."""
+        now = self.wall_clock()
+        expired = [pin for pin in self.pins.values() if pin.expires_at is not None and pin.expires_at <= now]
+        for pin in expired:
+            del self.pins[pin.pin_id]
+            self._release(pin, scoper)
+        self.to_restore = [pin for pin in self.to_restore if pin.expires_at is None or pin.expires_at > now]
+        if expired:
+            self._save()
+        return len(expired)
+
+    def _release(self, pin: Pin, scoper) -> None:
+        if pin.num_blocks:
+            scope_digest, private_from = scoper.scope_for(pin.token_ids, pin.salt)
+            self.cache.unpin(self.keyer.keys(scope_digest, pin.token_ids, private_from)[:pin.num_blocks])
+
+    def on_cleared(self, tokenizer_fingerprint: str) -> None:
+        """The pool was cleared by a reload: every pin is to be warmed again on the new version,
+        if its token ids still mean the same text."""
+        pins = list(self.pins.values())
+        self.pins.clear()
+        if tokenizer_fingerprint != self.tokenizer_fingerprint:
+            if pins:
+                logger.warning("reload: the tokenizer changed, so %d pins were dropped; pin them again", len(pins))
+            pins = []
+        self.tokenizer_fingerprint = tokenizer_fingerprint
+        for pin in pins:
+            pin.num_blocks = 0
+        self.to_restore = pins + self.to_restore
+        self._save()
+
+    def listing(self) -> list[dict]:
+        waiting = [dict(pin.public(), restoring=True) for pin in self.to_restore]
+        return [pin.public() for pin in self.pins.values()] + waiting
+
+    # --------------------------------------------------------- persistence
+    def _save(self) -> None:
+        if self.path is None:
+            return
+        body = {"tokenizer_fingerprint": self.tokenizer_fingerprint,
+                "pins": [asdict(pin) for pin in [*self.pins.values(), *self.to_restore]]}
+        temporary = self.path.with_name(self.path.name + ".tmp")
+        try:
+            temporary.write_text(json.dumps(body))
+            os.replace(temporary, self.path)
+        except OSError as error:  # a pin still holds in memory; only its restart survival is lost
+            logger.warning("could not save pins to %s (%s); they will not survive a restart", self.path, error)
+
+    def _load(self) -> list[Pin]:
+        if self.path is None or not self.path.exists():
+            return []
+        try:
+            body = json.loads(self.path.read_text())
+            if body.get("tokenizer_fingerprint") != self.tokenizer_fingerprint:
+                logger.warning("%s was saved for another tokenizer; its pins are dropped", self.path)
+                return []
+            pins = [Pin(**{**entry, "num_blocks": 0}) for entry in body["pins"]]
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as error:
+            logger.warning("could not read saved pins from %s (%s); starting without them", self.path, error)
+            return []
+        now = self.wall_clock()
+        return [pin for pin in pins if pin.expires_at is None or pin.expires_at > now]
