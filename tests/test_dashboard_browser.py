@@ -6,11 +6,15 @@ PREFIXSERVE_SCREENSHOTS=docs/screenshots python -m pytest tests/test_dashboard_b
 """
 
 import json
+import random
+from dataclasses import asdict
 
 import httpx
 import pytest
 
+from prefixserve.cache import BlockKeyer, RadixCache
 from prefixserve.cache.scoping import compose_salt
+from prefixserve.cache.tree_view import build_tree_view
 
 from browser_helpers import (LiveRouter, Traffic, browser_page, enter_admin_key, save_screenshot,
                              wait_for_updates)
@@ -117,6 +121,45 @@ def test_the_price_sliders_change_the_what_if_outputs(server):
         page.wait_for_selector('#capacity-body[data-state="ready"] tr[data-pool-blocks]')
         page.wait_for_selector('#ttl-body[data-state="ready"]')
         save_screenshot(page, "dashboard-whatif.png", ".whatif-grid")
+        assert page.js_errors == []
+
+
+def big_tree(num_blocks: int = 100_000) -> dict:
+    """The snapshot tree of a pool holding `num_blocks` cached blocks: 4 system prompts, random tails."""
+    size = 16
+    cache, keyer = RadixCache(num_blocks + 500, size), BlockKeyer(size)
+    rng = random.Random(0)
+    while cache.num_cached_blocks < num_blocks:
+        tokens = [rng.randrange(4)] * (size * 32) + [rng.randrange(8000) for _ in range(size * rng.randrange(1, 40))]
+        keys = keyer.keys(b"s" * 32, tokens)
+        parent = b"s" * 32
+        for i, key in enumerate(keys):
+            block = cache.get(key)
+            if block is None:
+                block = cache.insert(cache.allocate(1)[0], key, tokens[i * size:(i + 1) * size], parent)
+                cache.release([block])
+            parent = block
+    tree = asdict(build_tree_view(map(cache.get, cache.keys()), size))
+    tree["max_nodes"] = 300
+    return tree
+
+
+def test_a_pool_of_100000_blocks_draws_at_most_300_bars(server):
+    """The page against the largest tree the server sends (the snapshot intercepted, its tree replaced)."""
+    snapshot = httpx.get(server.url + "/dashboard/api/snapshot", headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()
+    snapshot["tree"] = big_tree()
+    assert snapshot["tree"]["num_blocks"] >= 100_000
+    with browser_page() as page:
+        page.route("**/dashboard/api/snapshot*", lambda route: route.fulfill(
+            status=200, content_type="application/json", body=json.dumps(snapshot)))
+        page.goto(server.url + "/dashboard")
+        enter_admin_key(page, ADMIN_KEY)
+        wait_for_updates(page, 2, tree=True)
+        num_bars = page.eval_on_selector_all("#tree rect", "rects => rects.length")
+        assert 100 <= num_bars <= 300
+        assert page.eval_on_selector_all("#tree rect.more", "rects => rects.length") >= 1
+        assert "100,0" in page.inner_text("#tree-summary")
+        save_screenshot(page, "dashboard-tree-100k.png", "#tree-wrap")
         assert page.js_errors == []
 
 

@@ -1,7 +1,8 @@
 // The radix tree of resident prefixes as an icicle in plain SVG.
 //
 //   x: token position (a bar starts where its parent ends; its length is its own tokens)
-//   y: each node's band is split among its children by the blocks below them
+//   y: each node's band is split among its children by the blocks below them, on a log scale
+//      (log2(1 + blocks)), so a fold of 20,000 blocks does not squeeze its 39-block siblings to nothing
 //
 //   scope │ [shared prompt, 512 tok ]┬[tail 64]
 //         │                          ├[tail 48]
@@ -13,7 +14,7 @@
 "use strict";
 
 const WIDTH = 1200;
-const HEIGHT = 440;
+const HEIGHT = 560;
 const SCOPE_WIDTH = 110; // the scope column (tenant or shared), before token 0
 const MORE_WIDTH = 64; // a folded "N more" node has no single length: a fixed stub
 const MIN_LABEL_WIDTH = 46;
@@ -48,10 +49,11 @@ Dash.drawTree = (svg, tree, detail) => {
   const band = (node, y0, y1) => {
     if (node.kind !== "root") shapes.push(shape(node, y0, y1, scale));
     const children = [...node.children].sort((a, b) => b.subtree_blocks - a.subtree_blocks);
-    const total = children.reduce((sum, c) => sum + c.subtree_blocks, 0) || 1;
+    const weight = (child) => Math.log2(1 + child.subtree_blocks);
+    const total = children.reduce((sum, c) => sum + weight(c), 0) || 1;
     let y = y0;
     for (const child of children) {
-      const height = ((y1 - y0) * child.subtree_blocks) / total;
+      const height = ((y1 - y0) * weight(child)) / total;
       band(child, y, y + height);
       y += height;
     }
@@ -62,7 +64,7 @@ Dash.drawTree = (svg, tree, detail) => {
     for (const other of svg.querySelectorAll("rect.selected")) other.classList.remove("selected");
     rect.classList.add("selected");
     selectedId = node.id;
-    detail.textContent = describe(node, tree.block_size);
+    detail.textContent = describe(node);
   };
   svg.onmouseover = svg.onclick = (event) => {
     const rect = event.target.closest("rect");
@@ -83,6 +85,7 @@ function shape(node, y0, y1, scale) {
     width = node.kind === "more" ? MORE_WIDTH : Math.max(2, node.num_tokens * scale);
   }
   const classes = [node.kind];
+  if (y1 - y0 < 3) classes.push("thin"); // no white outline: it would hide the colour
   if (node.pinned) classes.push("pinned");
   if (node.ref_count > 0) classes.push("hot");
   if (node.expiring) classes.push("expiring");
@@ -93,7 +96,7 @@ function shape(node, y0, y1, scale) {
     dataset: { id: node.id, kind: node.kind, key: node.label, tokens: node.num_tokens, blocks: node.num_blocks,
                subtreeBlocks: node.subtree_blocks },
   });
-  rect.append(Dash.svg("title", {}, describe(node, null)));
+  rect.append(Dash.svg("title", {}, describe(node)));
   const out = [rect];
   if (width >= MIN_LABEL_WIDTH && y1 - y0 >= MIN_LABEL_HEIGHT) {
     out.push(Dash.svg("text", { x: (x + 4).toFixed(1), y: ((y0 + y1) / 2 + 4).toFixed(1) }, label(node, width)));

@@ -79,8 +79,8 @@ Dash.fmt = {
     return v < 1 ? (1000 * v).toFixed(v < 0.01 ? 2 : 1) + " ms" : v.toFixed(2) + " s";
   },
   usd: (v) => (v === null || v === undefined ? "–" : "$" + (v < 0.01 ? v.toPrecision(3) : v.toFixed(4))),
-  // a /metrics value exactly as JSON carried it: integers without separators
-  exact: (v) => (Number.isInteger(v) ? String(v) : String(v)),
+  // a /metrics value exactly as JSON carried it (integers without separators), for comparing with /metrics
+  exact: (v) => String(v),
 };
 
 // Prometheus' histogram_quantile over [[upper bound, cumulative count], ...] (+Inf last); null when empty.
