@@ -24,6 +24,7 @@ from .errors import install_error_handlers
 from ..config import DEFAULT_MAX_CACHE_TTL
 from .inputs import RequestBuilder
 from .responses import TokenTexts
+from .pins import pin_routes
 from .reload import ReloadGate, reload_routes
 from .routes import routes
 
@@ -74,6 +75,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     app.include_router(routes)
     app.include_router(admin_routes)
     app.include_router(reload_routes)
+    app.include_router(pin_routes)
     app.include_router(dashboard_routes)
     app.include_router(whatif_routes)
     return app

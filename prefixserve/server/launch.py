@@ -71,6 +71,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fcfs: arrival order; lpm: longest cached prefix first, within a window")
     parser.add_argument("--prefix-ttl", type=float, metavar="SECONDS", default=None,
                         help="seconds an unused cached prefix lives (default: until evicted)")
+    parser.add_argument("--hot-prefix-min-requests", type=int, metavar="K", default=EngineConfig.hot_prefix_min_requests,
+                        help="pin a cached prefix reused by at least K requests within --hot-prefix-window, until it "
+                             "cools (0: off; pins stay within half of the pin cap)")
+    parser.add_argument("--hot-prefix-window", type=float, metavar="SECONDS", default=EngineConfig.hot_prefix_window,
+                        help="the window in which --hot-prefix-min-requests reuses make a prefix hot")
     parser.add_argument("--max-cache-ttl", type=float, metavar="SECONDS", default=DEFAULT_MAX_CACHE_TTL,
                         help="cap on the cache_ttl a request body or a tenant's keys-file entry asks for")
     parser.add_argument("--enable-kv-events", action="store_true",
