@@ -99,6 +99,10 @@ def test_tier_counts_name_blocks_only_a_lower_tier_holds():
                                                              "disk": [b"k" * 32, b"j" * 32]})
     assert view.tiers == [TierCount("device", 2, 1), TierCount("host", 2, 1), TierCount("disk", 2, 2)]
     assert {n.tier for n in view.nodes} == {"device"}
+    segment = next(n for n in view.nodes if n.kind == "prefix")
+    assert segment.num_blocks == 2 and segment.copies == ()  # host holds only the first of its blocks
+    both = build_tree_view(blocks_of(cache), SIZE, tier_keys={"host": request.keys, "disk": []})
+    assert [n.copies for n in both.nodes] == [(), (), ("host",)]
 
 
 def test_an_empty_pool_is_a_root_alone_and_max_nodes_below_two_is_refused():

@@ -131,3 +131,20 @@ def test_histogram_quantile_interpolates_within_the_bucket_as_prometheus_does():
     assert histogram_quantile(0.99, buckets) == pytest.approx(0.2 + 0.3 * 9.8 / 10)
     assert histogram_quantile(0.5, [(0.1, 0.0), (float("inf"), 0.0)]) is None
     assert histogram_quantile(0.5, [(0.1, 0.0), (float("inf"), 4.0)]) == 0.1  # +Inf: the largest finite bound
+
+
+def test_with_a_host_tier_the_tree_counts_blocks_only_the_host_holds():
+    with LiveServer("--admin-api-key", "dash-admin", "--kv-host-cache-bytes", str(64 << 20)) as live:
+        for i in range(16):  # 16 distinct prompts of 12 full blocks: more than the 128-block pool holds
+            complete(live.url, [10 + i] * 200)
+        live.wait_idle()
+        tree = httpx.get(live.url + "/dashboard/api/snapshot", headers=ADMIN).json()["tree"]
+        host_keys = live.engine.engine.tiers.tier_keys()["CPU"]
+        tiers = {row["tier"]: row for row in tree["tiers"]}
+        assert tiers["host"]["num_blocks"] == len(host_keys) > 0
+        assert tiers["host"]["num_only_here"] > 0  # evicted from the pool, kept in host RAM
+        assert tiers["device"]["num_blocks"] == tree["num_blocks"]
+        complete(live.url, [10] * 200)  # the first prompt again: its blocks come back from host RAM
+        live.wait_idle()
+        tree = httpx.get(live.url + "/dashboard/api/snapshot", headers=ADMIN).json()["tree"]
+        assert any("host" in node["copies"] for node in tree["nodes"])

@@ -46,6 +46,7 @@ class TreeNode:
     expiring: bool  # some block has a TTL deadline
     expires_in: Optional[float]  # seconds to the earliest deadline (None: no deadline, or no clock given)
     tier: str  # where its KV lives: "device" for the pool
+    copies: tuple[str, ...]  # lower tiers that also hold every block of a segment (spilled or written through)
     num_folded: int  # a "more" node: subtrees folded into it; 0 otherwise
 
 
@@ -105,11 +106,13 @@ def build_tree_view(
     """At most `max_nodes` nodes picturing `cached_blocks` (a RadixCache's: `map(cache.get, cache.keys())`).
 
     `scope_names` names scope digests (a tenant id, "shared"); `tier_keys` gives each lower
-    tier's keys, counted per tier; `now` (the cache's clock) turns TTL deadlines into seconds.
+    tier's keys (counted per tier, and named in a segment's `copies`); `now` (the cache's clock)
+    turns TTL deadlines into seconds.
     """
     if max_nodes < 2:
         raise ValueError(f"max_nodes must be at least 2 (a root and one more), got {max_nodes}")
     blocks = list(cached_blocks)
+    lower = {tier: set(keys) for tier, keys in (tier_keys or {}).items()}
     counter = itertools.count()
     root, segments = _merge_chains(blocks, scope_names or {}, counter)
     ticks = [b.last_access for b in blocks]
@@ -125,7 +128,8 @@ def build_tree_view(
             recency=(group.last_access - oldest) / span if span and group.subtree_blocks else 1.0,
             ref_count=group.ref_count, pinned=group.pinned, expiring=group.expire_at is not None,
             expires_in=None if group.expire_at is None or now is None else group.expire_at - now,
-            tier="device", num_folded=num_folded)
+            tier="device", num_folded=num_folded,
+            copies=tuple(tier for tier, keys in lower.items() if group.blocks and all(b.key in keys for b in group.blocks)))
 
     nodes: list[TreeNode] = []
     parents: dict[str, Optional[str]] = {root.id: None}
@@ -167,7 +171,7 @@ def build_tree_view(
     for scope in root.children:
         by_scope[scope.label] = by_scope.get(scope.label, 0) + scope.subtree_blocks
     return TreeView(nodes=nodes, block_size=block_size, num_blocks=len(blocks), num_segments=segments,
-                    num_folded_blocks=num_folded_blocks, tiers=_tier_counts(blocks, tier_keys or {}),
+                    num_folded_blocks=num_folded_blocks, tiers=_tier_counts(blocks, lower),
                     blocks_by_scope=by_scope)
 
 
@@ -206,9 +210,8 @@ def _merge_chains(blocks: list[Block], scope_names: Mapping[bytes, str], counter
     return root, num_segments
 
 
-def _tier_counts(blocks: list[Block], tier_keys: Mapping[str, Iterable[bytes]]) -> list[TierCount]:
+def _tier_counts(blocks: list[Block], lower: Mapping[str, set[bytes]]) -> list[TierCount]:
     device = {block.key for block in blocks}
-    lower = {tier: set(keys) for tier, keys in tier_keys.items()}
     below = set().union(*lower.values())
     counts = [TierCount("device", len(device), len(device - below))]
     counts += [TierCount(tier, len(keys), len(keys - device)) for tier, keys in lower.items()]

@@ -125,7 +125,7 @@ function describe(node) {
   if (node.expiring) {
     parts.push(node.expires_in === null ? "has a TTL" : `expires in ${Math.max(0, node.expires_in).toFixed(0)} s`);
   }
-  parts.push(`tier ${node.tier}`);
+  parts.push(`tier ${node.tier}` + (node.copies && node.copies.length ? `, copies in ${node.copies.join(", ")}` : ""));
   return parts.join(" · ");
 }
 
