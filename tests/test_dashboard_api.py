@@ -99,6 +99,21 @@ def test_counters_equal_metrics_and_tenants_and_ttft_split_add_up(server):
     assert 0.0 <= pool["pressure"] <= 1.0
 
 
+def test_a_streamed_request_counts_for_the_tenant_of_its_key(server):
+    def tenant_b_requests():
+        snapshot = httpx.get(server.url + "/dashboard/api/snapshot?tree=false", headers=ADMIN).json()
+        return next((row["num_requests"] for row in snapshot["tenants"] if row["tenant"] == "tenant-b"), 0)
+
+    before = tenant_b_requests()
+    with httpx.stream("POST", server.url + "/v1/completions", headers={"Authorization": "Bearer key-b"}, timeout=120,
+                      json={"model": "prefixserve-tiny", "prompt": [5, 6, 7] * 10, "max_tokens": 3,
+                            "stream": True}) as response:
+        assert response.status_code == 200
+        assert "[DONE]" in "".join(response.iter_text())
+    server.wait_idle()
+    assert tenant_b_requests() == before + 1
+
+
 def test_the_tree_shows_a_shared_prefix_and_never_tokens_or_text(server):
     complete(server.url, f"{SECRET_WORD} " * 40, "key-a")
     for i in range(2):
