@@ -105,7 +105,7 @@ def build_tree_view(
 ) -> TreeView:
     """At most `max_nodes` nodes picturing `cached_blocks` (a RadixCache's: `map(cache.get, cache.keys())`).
 
-    `scope_names` names scope digests (a tenant id, "shared"); `tier_keys` gives each lower
+    `scope_names` names scope digests (a tenant id, "(shared)"); `tier_keys` gives each lower
     tier's keys (counted per tier, and named in a segment's `copies`); `now` (the cache's clock)
     turns TTL deadlines into seconds.
     """

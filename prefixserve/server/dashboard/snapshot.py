@@ -18,7 +18,7 @@ from ...cache.tree_view import DEFAULT_MAX_NODES, build_tree_view
 from ...engine.kv_tiers import TIER_MEDIA
 from .recorder import NO_KEY
 
-SHARED_SCOPE = "shared"  # the model's unsalted scope: requests without a tenant key or salt, public prefixes
+SHARED_SCOPE = "(shared)"  # the unsalted scope (no tenant key, no salt; public prefixes); parenthesised like "(no key)"
 TTFT_BY_CACHE = "prefixserve:time_to_first_token_by_cache_seconds"
 TTFT = "prefixserve:time_to_first_token_seconds"
 
