@@ -60,15 +60,21 @@ function refreshCapacity() {
 }
 
 // Fetch one panel's JSON and draw it; a refusal or a missing endpoint says so in the panel.
+// Only the latest request of a panel is drawn: an older answer arriving late is dropped.
+const latest = new Map();
 async function panel(id, path, render) {
   const body = document.getElementById(id);
+  const ticket = (latest.get(id) || 0) + 1;
+  latest.set(id, ticket);
   try {
     const data = await Dash.getJson(path);
+    if (latest.get(id) !== ticket) return;
     body.replaceChildren(...[].concat(data.available === false
       ? el("p", { class: "unavailable" }, data.reason || "nothing measured yet")
       : render(data)));
     body.dataset.state = "ready";
   } catch (error) {
+    if (latest.get(id) !== ticket) return;
     const text = error.status === 404 && error.code !== "admin_disabled"
       ? "This server has no what-if endpoint for this panel."
       : error.message;
