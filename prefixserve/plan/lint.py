@@ -5,7 +5,8 @@ it is identical. Given OpenAI request bodies, the lint
 
 1. groups them into prompt families: same model, same endpoint, and templates (the tool block and the
    leading system messages; a completion's text but its last line) that agree once detected values
-   are masked, on at least half their lines or half their characters;
+   are masked and tools and keys sorted, on at least half their lines or in half their characters
+   (shared at both ends);
 2. per family, finds where the requests' rendered prompts stop agreeing (the stable prefix) and what
    is there (lint_findings.py), applies the fix to every request and looks again, until the requests
    agree up to their own text (the conversation, or a completion's last line) or the difference is
@@ -19,18 +20,17 @@ Lengths are counted in tokens of the given tokenizer (the server's blocks), or i
 
 from __future__ import annotations
 
-import difflib
 import os
 from dataclasses import dataclass
 from typing import Iterable, Optional, Protocol, Sequence
 
 from .lint_findings import Finding, classify
 from .lint_input import Prompt, prompts_from_bodies
-from .lint_patterns import mask
+from .lint_patterns import canonical_json, mask
 
 MAX_FINDINGS = 12  # per family: a log with more has one problem many times over
 SIMILARITY = 0.5  # two templates this alike (lines or characters) are one family
-COMPARED_CHARS = 4000  # of a template, for the character similarity (quadratic in the worst case)
+COMPARED_FAMILIES = 64  # a new template is compared with this many of the latest families
 
 
 class Encoder(Protocol):
@@ -41,7 +41,7 @@ class CharacterEncoder:
     """One "token" per character: lengths and blocks in characters, for a lint without a tokenizer."""
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return [ord(char) for char in text]
+        return list(map(ord, text))
 
 
 @dataclass(frozen=True)
@@ -97,36 +97,46 @@ def lint_prompts(prompts: Sequence[Prompt], encoder: Optional[Encoder] = None, b
         raise ValueError(f"block size must be a positive number of tokens, got {block_size}")
     encoder = encoder or CharacterEncoder()
     unit = "characters" if isinstance(encoder, CharacterEncoder) else "tokens"
-    families, fixed = [], list(prompts)
+    tokens = [_encode(prompt, encoder) for prompt in prompts]
+    families, fixed_tokens = [], list(tokens)
     for number, members in enumerate(group_families(prompts), start=1):
         family = [prompts[index] for index in members]
-        findings, rewritten = find_and_fix(family)
-        for index, prompt in zip(members, rewritten):
-            fixed[index] = prompt
-        families.append(_family_report(number, family, rewritten, findings, encoder, block_size))
-    return LintReport(unit, block_size, tuple(families), replay([_encode(p, encoder) for p in prompts], block_size),
-                      replay([_encode(p, encoder) for p in fixed], block_size))
+        findings, fixed = find_and_fix(family)
+        if fixed != family:
+            for index, prompt in zip(members, fixed):
+                fixed_tokens[index] = _encode(prompt, encoder)
+        families.append(_family_report(number, family, fixed, findings, [tokens[index] for index in members],
+                                       [fixed_tokens[index] for index in members], block_size))
+    return LintReport(unit, block_size, tuple(families), replay(tokens, block_size), replay(fixed_tokens, block_size))
 
 
 def group_families(prompts: Sequence[Prompt]) -> list[list[int]]:
-    """Indices of the prompts of each family, families in order of first appearance."""
+    """Indices of the prompts of each family, families in order of first appearance.
+
+    A template seen before joins its family at once; a new one is compared with the latest
+    COMPARED_FAMILIES families only, so a log of thousands of unrelated prompts stays linear."""
     families: list[list[int]] = []
     templates: list[tuple[str, str, str]] = []  # (model, kind, masked template) of each family's first prompt
+    known: dict[tuple[str, str, str], int] = {}  # every masked template seen, to its family
     for index, prompt in enumerate(prompts):
         template = (prompt.model, prompt.kind, mask(_template_text(prompt)))
-        family = next((number for number, known in enumerate(templates) if _same_family(known, template)), None)
+        family = known.get(template)
         if family is None:
+            recent = range(len(templates) - 1, max(len(templates) - COMPARED_FAMILIES, 0) - 1, -1)
+            family = next((number for number in recent if _same_family(templates[number], template)), None)
+        if family is None:
+            family = len(families)
             templates.append(template)
-            families.append([index])
-        else:
-            families[family].append(index)
+            families.append([])
+        known[template] = family
+        families[family].append(index)
     return families
 
 
 def _template_text(prompt: Prompt) -> str:
-    if prompt.kind == "completion":
-        return prompt.parts[0].text[:prompt.tail_start()]
-    return "\n".join(part.text for part in prompt.parts[:prompt.tail_index])
+    """The template as it would be with tools and keys in order: requests that differ only there are one family."""
+    tools = sorted(canonical_json(tool) for tool in prompt.tools)
+    return "\n".join(tools + [part.text for part in prompt.parts[:prompt.tail_index] if part.label != "tools"])
 
 
 def _same_family(known: tuple[str, str, str], template: tuple[str, str, str]) -> bool:
@@ -138,8 +148,12 @@ def _same_family(known: tuple[str, str, str], template: tuple[str, str, str]) ->
     shared = sum(min(lines.count(line), other_lines.count(line)) for line in set(lines))
     if shared >= SIMILARITY * max(len(lines), len(other_lines)):
         return True
-    matcher = difflib.SequenceMatcher(None, known[2][:COMPARED_CHARS], template[2][:COMPARED_CHARS], autojunk=False)
-    return matcher.quick_ratio() >= SIMILARITY and matcher.ratio() >= SIMILARITY
+    # One line that differs in a value the detectors do not know (a name mid-sentence): what the two share
+    # at both ends. Linear, where a full diff would be quadratic on thousands of unrelated prompts.
+    first, second = known[2], template[2]
+    head = common_prefix_len([first, second])
+    tail = common_prefix_len([first[head:][::-1], second[head:][::-1]])
+    return head + tail >= SIMILARITY * max(len(first), len(second))
 
 
 def find_and_fix(family: Sequence[Prompt]) -> tuple[tuple[Finding, ...], list[Prompt]]:
@@ -154,14 +168,19 @@ def find_and_fix(family: Sequence[Prompt]) -> tuple[tuple[Finding, ...], list[Pr
         if other is None or stable >= min(current[0].tail_start(), current[other].tail_start()):
             break  # the requests agree up to their own text: nothing left to move
         step = classify(current[0], current[other], stable)
+        if findings and _same_place(findings[-1], step.finding):
+            break  # the last fix did not move this difference: stop rather than report it again
         findings.append(step.finding)
-        if step.rewrite is None:
+        rewritten = [step.rewrite(prompt) for prompt in current] if step.rewrite else current
+        if rewritten == current:
             break
-        rewritten = [step.rewrite(prompt) for prompt in current]
-        if common_prefix_len([prompt.render().text for prompt in rewritten]) <= stable:
-            break  # the fix did not move the first difference: stop rather than report it again
         current = rewritten
     return tuple(findings), current
+
+
+def _same_place(first: Finding, second: Finding) -> bool:
+    return (first.kind, first.location.part, first.location.line, first.location.column) == (
+        second.kind, second.location.part, second.location.line, second.location.column)
 
 
 def common_prefix_len(sequences: Sequence[Sequence]) -> int:
@@ -193,8 +212,7 @@ def _encode(prompt: Prompt, encoder: Encoder) -> list[int]:
 
 
 def _family_report(number: int, family: Sequence[Prompt], fixed: Sequence[Prompt], findings: tuple[Finding, ...],
-                   encoder: Encoder, block_size: int) -> FamilyReport:
-    tokens, fixed_tokens = [_encode(p, encoder) for p in family], [_encode(p, encoder) for p in fixed]
+                   tokens: list[list[int]], fixed_tokens: list[list[int]], block_size: int) -> FamilyReport:
     first = family[0]
     title = next((line for part in first.parts if part.label != "tools" for line in part.text.split("\n")
                   if line.strip()), "")

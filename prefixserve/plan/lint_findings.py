@@ -102,14 +102,16 @@ def _tools_step(first: Prompt, other: Prompt, part_index: int, offset: int, posi
     names, other_names = [tool_name(tool) for tool in first.tools], [tool_name(tool) for tool in other.tools]
     line_start, line_end = line_bounds(part.text, offset)
     if names != other_names and sorted(names) == sorted(other_names):
-        return Step(_finding("tool order", part, offset, position, (line_start, line_end),
+        name_at = part.text.find(json.dumps(names[0], ensure_ascii=False), line_start, line_end)
+        span = (name_at, name_at + len(json.dumps(names[0], ensure_ascii=False))) if name_at >= 0 else (offset, line_end)
+        return Step(_finding("tool order", part, offset, position, span,
                              (", ".join(names), ", ".join(other_names)),
                              "sort the tools by name before sending them (the same tools arrive in different "
                              "orders)"), _sort_tools)
     tool_index = part.text.count("\n", 0, offset)
     if (names == other_names and tool_index < len(other.tools)
             and differ_in_key_order(first.tools[tool_index], other.tools[tool_index])):
-        return Step(_finding("key order", part, offset, position, (offset, line_end),
+        return Step(_finding("key order", part, offset, position, _key_span(part.text, offset),
                              _first_keys(first.tools[tool_index], other.tools[tool_index]),
                              "serialize the tool schemas with sort_keys=True (the same schema arrives with its keys "
                              "in different orders)"), _sort_tool_keys)
@@ -124,7 +126,7 @@ def _json_key_order_step(part: Part, other_part: Part, part_index: int, offset: 
     if not differ_in_key_order(found.value, other_found.value):
         return None
     line = part.text.count("\n", 0, found.start) + 1
-    return Step(_finding("key order", part, offset, position, (offset, found.end),
+    return Step(_finding("key order", part, offset, position, _key_span(part.text, offset),
                          _first_keys(found.value, other_found.value),
                          f"serialize the JSON on line {line} of {_part_name(part)} with json.dumps(..., "
                          f"sort_keys=True)"), lambda prompt: _sort_json_keys(prompt, part_index, found.start))
@@ -164,6 +166,13 @@ def _structure(prompt: Prompt, position: int) -> Step:
                   "send the same system messages, in the same order, with every request")
     part = Part("markup", "", prompt.render().text)
     return Step(_finding("structure", part, position, position, (position, position + 1), (), suggestion), None)
+
+
+def _key_span(text: str, offset: int) -> tuple[int, int]:
+    """The key where two serializations part: from the first differing character to its closing quote."""
+    start = text.rfind('"', 0, offset + 1) if text[offset:offset + 1] != '"' else offset
+    end = text.find('"', max(start, offset) + 1)
+    return (start, end + 1) if 0 <= start and end > 0 else (offset, offset + 1)
 
 
 def _part_name(part: Part) -> str:

@@ -37,7 +37,7 @@ class Part:
 @dataclass(frozen=True)
 class Prompt:
     """One request as the lint sees it. Parts from `tail_index` on are the request's own variable tail
-    (the conversation after the template, or a completion's last line), where variable text belongs."""
+    (the conversation after the template; a completion's last line), where variable text belongs."""
 
     line_number: int  # of the JSONL line it came from (1-based); 0 when given as bodies
     model: str
@@ -47,8 +47,9 @@ class Prompt:
     tail_index: int
 
     def render(self) -> "Rendered":
-        if self.kind == "completion":
-            return Rendered(self.parts[0].text, (0,))
+        if self.kind == "completion":  # the text as sent, its parts back to back
+            starts = tuple(sum(len(part.text) for part in self.parts[:index]) for index in range(len(self.parts)))
+            return Rendered("".join(part.text for part in self.parts), starts)
         pieces, starts, offset = [BEGIN_OF_TEXT], [], len(BEGIN_OF_TEXT)
         for part in self.parts:
             head = f"<|im_start|>{part.role}\n"
@@ -60,9 +61,6 @@ class Prompt:
 
     def tail_start(self) -> int:
         """Offset in the rendered text where the variable tail begins (its text, after any markup)."""
-        if self.kind == "completion":
-            text = self.parts[0].text.rstrip("\n")
-            return text.rfind("\n") + 1 if "\n" in text else len(text)
         return self.render().part_starts[self.tail_index]
 
 
@@ -129,9 +127,17 @@ def _prompts_from_body(body: Any, where: str, line_number: int) -> list[Prompt]:
         if not isinstance(texts, list) or not texts or not all(isinstance(text, str) for text in texts):
             raise LintInputError(f"{where}: 'prompt' is {_describe(body['prompt'])}; the lint reads text prompts: "
                                  f"a string or a list of strings (token ids cannot be read as text)")
-        return [Prompt(line_number, model, "completion", (), (Part("prompt", "", text),), 0) for text in texts]
+        return [Prompt(line_number, model, "completion", (), _split_last_line(text), 1) for text in texts]
     raise LintInputError(f"{where} has neither 'messages' (chat completions) nor 'prompt' (completions); give the "
                          f"request body as sent to /v1/chat/completions or /v1/completions")
+
+
+def _split_last_line(text: str) -> tuple[Part, Part]:
+    """A completion's prompt as its template and its last line (the request's own text); a one-line prompt is all
+    template, so a value in it is still found."""
+    body = text.rstrip("\n")
+    split = body.rfind("\n") + 1 if "\n" in body else len(text)
+    return Part("prompt", "", text[:split]), Part("prompt (last line)", "", text[split:])
 
 
 def _chat_prompt(body: dict, model: str, where: str, line_number: int) -> Prompt:

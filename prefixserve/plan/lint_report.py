@@ -12,9 +12,10 @@ QUOTE_WIDTH = 96  # characters of an offending line shown around its mark
 
 
 def format_report(report: LintReport) -> list[str]:
-    lines = [f"{report.num_requests} requests, {len(report.families)} prompt "
-             f"famil{'y' if len(report.families) == 1 else 'ies'}; lengths in {report.unit}; hit rates: the log "
-             f"replayed in order through an unlimited prefix cache, blocks of {report.block_size} {report.unit}", ""]
+    lines = [f"{report.num_requests} requests in {len(report.families)} prompt "
+             f"famil{'y' if len(report.families) == 1 else 'ies'}, lengths in {report.unit}",
+             f"hit rates: the log replayed in order through an unlimited prefix cache, blocks of {report.block_size} "
+             f"{report.unit}", ""]
     lines += _table(report)
     for family in report.families:
         lines += [""] + _family_lines(family, report.unit)
@@ -46,7 +47,7 @@ def _percent(hit_rate: HitRate) -> str:
 
 def _family_lines(family: FamilyReport, unit: str) -> list[str]:
     line_numbers = [number for number in family.line_numbers if number]
-    lines_text = f", log lines {_ranges(line_numbers)}" if line_numbers else ""
+    lines_text = f", log line{'s' if len(line_numbers) > 1 else ''} {_ranges(line_numbers)}" if line_numbers else ""
     lines = [f"Family {family.number}: {family.model or '(no model)'} {family.kind}, {family.num_requests} "
              f"request{'s' if family.num_requests != 1 else ''}{lines_text}: \"{family.title}\"",
              f"  stable prefix: {_length(family.stable_prefix_chars, family.stable_prefix_tokens, unit)}"]
