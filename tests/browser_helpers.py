@@ -1,6 +1,7 @@
-"""A real browser for page tests: Debian's chromium driven by Playwright (never Playwright's own download).
+"""The dashboard tests' helpers: a real browser (Debian's chromium driven by Playwright, never Playwright's
+own download), background traffic, a live router, /metrics as a dict.
 
-`.ci/run` installs both; elsewhere the tests that need them skip, naming what is missing.
+`.ci/run` installs chromium and Playwright; elsewhere the tests that need them skip, naming what is missing.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Callable, Iterator, Optional
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 # Screenshots go to a temporary folder, so a test run leaves the checkout clean;
 # PREFIXSERVE_SCREENSHOTS=docs/screenshots regenerates the README's.
@@ -49,6 +51,18 @@ def browser_page(width: int = 1400, height: int = 1000) -> Iterator[object]:
             yield page
         finally:
             browser.close()
+
+
+def metrics_samples(url: str) -> dict:
+    """/metrics as {'name{label="v",...}': value}, histogram buckets and _created left out."""
+    out = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for sample in family.samples:
+            if sample.name.endswith(("_created", "_bucket")):
+                continue
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            out[sample.name + ("{" + labels + "}" if labels else "")] = sample.value
+    return out
 
 
 def enter_admin_key(page, key: str) -> None:

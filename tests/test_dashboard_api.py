@@ -4,28 +4,16 @@ import json
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from prefixserve.cache.scoping import compose_salt
 from prefixserve.server.dashboard.snapshot import histogram_quantile
 
+from browser_helpers import metrics_samples
 from server_helpers import LiveServer, assert_openai_error
 
 ADMIN = {"Authorization": "Bearer dash-admin"}
 SHARED = list(range(300, 300 + 64))  # 4 full blocks every prompt starts with
 SECRET_WORD = "zebracornflakes"
-
-
-def metrics_samples(url: str) -> dict:
-    """/metrics as {'name{label="v",...}': value}, histogram buckets and _created left out."""
-    out = {}
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
-        for sample in family.samples:
-            if sample.name.endswith(("_created", "_bucket")):
-                continue
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
-            out[sample.name + ("{" + labels + "}" if labels else "")] = sample.value
-    return out
 
 
 def complete(url: str, prompt, key: str = "") -> dict:
