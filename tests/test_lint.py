@@ -166,6 +166,29 @@ def test_json_key_order_in_tool_schemas_and_in_a_message():
         HEAD + f"{RULES}\nAccount: {canonical}\nThank the user.<|im_end|>\n<|im_start|>user\n")
 
 
+@pytest.mark.parametrize("first, second, kind, value", [
+    ("Today is March 3, 2025.", "Today is March 4, 2025.", "date", "March 3, 2025"),
+    ("Today is 03/11/2025.", "Today is 04/11/2025.", "date", "03/11/2025"),
+    ("Sent Mon, 3 Mar 2025 10:15:00 +0000", "Sent Tue, 4 Mar 2025 08:00:00 +0000", "timestamp",
+     "Mon, 3 Mar 2025 10:15:00 +0000"),
+    ("Epoch 1740996900", "Epoch 1741083300", "timestamp", "1740996900"),
+    ("Call id: req_8f2k1m9q", "Call id: req_7d3n0p2r", "request id", "req_8f2k1m9q"),
+    ('Profile: {"username": "ann.lee", "tier": 2}', 'Profile: {"username": "bo.chan", "tier": 2}', "user name",
+     "ann.lee"),
+    ("Visitors online: 1234", "Visitors online: 987", "number", "1234"),
+])
+def test_detectors_name_what_varies(first, second, kind, value):
+    bodies = [chat(f"{RULES}\n{line}\nThank you.", "Hi") for line in (first, second)]
+    (family,) = lint_bodies(bodies).families
+    finding = family.findings[0]
+    assert (finding.kind, finding.location.line, finding.line_text[finding.mark_start:finding.mark_end]) == (
+        kind, 4, value)
+    assert finding.examples[0] == value and finding.examples[1] in second
+    fixed = [chat_text([("system", f"{RULES}\n{line.replace(moved, '', 1)}\nThank you."), ("user", f"Hi\n{moved}")])
+             for line, moved in zip((first, second), finding.examples)]
+    assert family.after_fix == expected_hits(fixed)
+
+
 def test_two_variable_parts_are_found_in_order():
     bodies = [chat(f"Now: 2026-03-0{day} 09:30\n{RULES}\nName: {name}\nEnd.", question)
               for day, name, question in [(1, "Ann", QUESTIONS[0]), (2, "Ben", QUESTIONS[1])]]
@@ -190,6 +213,33 @@ def test_plain_text_that_differs_in_the_template_is_reported_and_not_rewritten()
     assert (finding.kind, finding.location.line, finding.location.column, finding.examples) == (
         "text", 4, 7, ("French.", "German."))
     assert family.after_fix == family.today
+
+
+def test_different_template_roles_are_a_structure_finding():
+    bodies = [chat(RULES, "Hi"), {"model": "m", "messages": [{"role": "developer", "content": RULES},
+                                                             {"role": "user", "content": "Hi"}]}]
+    (family,) = lint_bodies(bodies).families
+    (finding,) = family.findings
+    assert (finding.kind, finding.location.offset, finding.examples) == (
+        "structure", len(BOS + "<|im_start|>"), (BOS + "<|im_start|>system", BOS + "<|im_start|>developer"))
+    assert family.after_fix == family.today
+
+
+def test_a_date_in_a_tool_description_after_the_tool_order():
+    def described(name: str, day: str) -> dict:
+        return {"type": "function", "function": {"name": name, "description": f"Prices as of 2026-01-{day}."}}
+
+    tool_lists = [[described("a", "01"), described("b", "09")], [described("b", "09"), described("a", "02")]]
+    bodies = [chat(RULES, question, tools=tools) for tools, question in zip(tool_lists, QUESTIONS)]
+    (family,) = lint_bodies(bodies).families
+    assert [(finding.kind, finding.location.part, finding.location.line) for finding in family.findings] == [
+        ("tool order", "tools", 1), ("date", "tools", 1)]
+    assert family.findings[1].suggestion == ("take the date out of the tool block (line 1 of the tool block); send "
+                                             "it at the end of the last user message")
+    fixed = [chat_text([("system", RULES), ("user", f"{question}\n2026-01-{day}")],
+                       [{"type": "function", "function": {"name": "a", "description": "Prices as of ."}},
+                        described("b", "09")]) for day, question in zip(["01", "02"], QUESTIONS)]
+    assert family.after_fix == expected_hits(fixed)
 
 
 def test_completions_bodies_and_a_prompt_list():

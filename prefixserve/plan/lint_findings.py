@@ -54,8 +54,8 @@ def classify(first: Prompt, other: Prompt, position: int) -> Step:
     witness = first if position < len(first.render().text) else other
     part_index, offset = _part_at(witness, position)
     if part_index is None or _part_at(other if witness is first else first, position)[0] != part_index:
-        return _structure(witness, position)
-    part, other_part = first.parts[part_index], _part_or_empty(other, part_index)
+        return _structure(first, other, position)
+    part, other_part = _part_or_empty(first, part_index), _part_or_empty(other, part_index)
     if part.label == "tools":
         step = _tools_step(first, other, part_index, offset, position)
         if step is not None:
@@ -143,8 +143,7 @@ def _value_step(first: Prompt, part: Part, other_part: Part, part_index: int, of
         examples = tuple(text[found.start:found.end] for text, found in zip(texts, spans))
         where = f"line {line + 1} of {_part_name(part)}"
         if part.label == "tools":
-            suggestion = (f"take the {detector.kind} out of the tool block ({where}); send it in "
-                          f"{_destination(first)} instead")
+            suggestion = f"take the {detector.kind} out of the tool block ({where}); send it at {_destination(first)}"
         else:
             suggestion = f"move the {detector.kind} on {where} to {_destination(first)}"
         return Step(_finding(detector.kind, part, offset, position, (shown.start, shown.end), examples, suggestion),
@@ -161,11 +160,15 @@ def _text_step(first: Prompt, part: Part, other_part: Part, offset: int, positio
                          suggestion), None)
 
 
-def _structure(prompt: Prompt, position: int) -> Step:
+def _structure(first: Prompt, other: Prompt, position: int) -> Step:
+    """The requests part in the chat markup: a message's role, or the number of template messages."""
     suggestion = ("the requests differ in which messages come before the conversation (their roles or number); "
                   "send the same system messages, in the same order, with every request")
-    part = Part("markup", "", prompt.render().text)
-    return Step(_finding("structure", part, position, position, (position, position + 1), (), suggestion), None)
+    texts = [prompt.render().text for prompt in (first, other)]
+    examples = tuple(_rest_of_line(text, text.rfind("\n", 0, position) + 1) for text in texts)
+    part = Part("markup", "", texts[0])
+    return Step(_finding("structure", part, position, position, (position, position + 1), examples, suggestion),
+                None)
 
 
 def _key_span(text: str, offset: int) -> tuple[int, int]:
@@ -224,9 +227,11 @@ def _with_text(prompt: Prompt, part_index: int, text: str) -> Prompt:
     tools = prompt.tools
     if parts[part_index].label == "tools":  # keep the tools in step, so a later sort keeps this fix
         try:
-            tools = tuple(json.loads(line) for line in text.split("\n"))
+            parsed = tuple(json.loads(line) for line in text.split("\n"))
         except json.JSONDecodeError:
-            pass
+            parsed = ()
+        if parsed and all(isinstance(tool, dict) for tool in parsed):
+            tools = parsed
     return dataclasses.replace(prompt, tools=tools, parts=tuple(parts))
 
 
