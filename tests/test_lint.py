@@ -93,14 +93,16 @@ def test_timestamp_on_the_first_line_of_the_system_prompt():
 
 
 def test_uuid_request_id_then_hex_request_id():
-    ids = [("3b0f6a4e-8c1d-4f2a-9e7b-1a2b3c4d5e6f", "9f3a2b1c7d"), ("c47d2e19-0b5a-4e8f-8d6c-6f5e4d3c2b1a", "0b1c2d3e4f")]
+    ids = [("3b0f6a4e-8c1d-4f2a-9e7b-1a2b3c4d5e6f", "9f3a2b1c7d"),
+           ("c47d2e19-0b5a-4e8f-8d6c-6f5e4d3c2b1a", "0b1c2d3e4f")]
     bodies = [chat(f"{RULES}\nRequest: {uuid}\nTrace: {trace}\nBe brief.", question)
               for (uuid, trace), question in zip(ids, QUESTIONS)]
     (family,) = lint_bodies(bodies).families
     assert [(finding.kind, finding.location.line, finding.location.column) for finding in family.findings] == [
         ("uuid", 4, 10), ("request id", 5, 8)]
     assert family.findings[1].examples == ("9f3a2b1c7d", "0b1c2d3e4f")
-    fixed = [chat_text([("system", f"{RULES}\nRequest: \nTrace: \nBe brief."), ("user", f"{question}\n{uuid}\n{trace}")])
+    fixed = [chat_text([("system", f"{RULES}\nRequest: \nTrace: \nBe brief."),
+                        ("user", f"{question}\n{uuid}\n{trace}")])
              for (uuid, trace), question in zip(ids, QUESTIONS)]
     assert family.after_fix == expected_hits(fixed)
 
@@ -193,7 +195,8 @@ def test_two_variable_parts_are_found_in_order():
     bodies = [chat(f"Now: 2026-03-0{day} 09:30\n{RULES}\nName: {name}\nEnd.", question)
               for day, name, question in [(1, "Ann", QUESTIONS[0]), (2, "Ben", QUESTIONS[1])]]
     (family,) = lint_bodies(bodies).families
-    assert [(finding.kind, finding.location.line) for finding in family.findings] == [("timestamp", 1), ("user name", 5)]
+    assert [(finding.kind, finding.location.line) for finding in family.findings] == [
+        ("timestamp", 1), ("user name", 5)]
 
 
 def test_a_clean_log_has_no_finding_and_its_hit_rate_is_already_high():
@@ -243,7 +246,8 @@ def test_a_date_in_a_tool_description_after_the_tool_order():
 
 
 def test_completions_bodies_and_a_prompt_list():
-    prompts = [f"Date: 2026-05-1{day}\nTranslate into French.\nText: {text}" for day, text in [(1, "hello"), (2, "bye")]]
+    prompts = [f"Date: 2026-05-1{day}\nTranslate into French.\nText: {text}"
+               for day, text in [(1, "hello"), (2, "bye")]]
     report = lint_bodies([{"model": "m", "prompt": prompts}, {"model": "m", "prompt": "Summarize: a report"}])
     first, second = report.families
     assert (first.kind, first.num_requests, second.num_requests) == ("completion", 2, 1)
@@ -300,7 +304,8 @@ def test_the_lint_renders_chats_as_the_built_in_template_does():
     ({"messages": ["hi"]}, "request 1: messages[0] is a JSON string (\"hi\"); each message must be an object"),
     ({"messages": [{"role": "user", "content": 5}]}, "request 1: messages[0].content is a JSON number (5); it must be "
                                                      "a string or a list of content parts"),
-    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "request 1: messages[0].content[0] has no string 'text'"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+     "request 1: messages[0].content[0] has no string 'text'"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": {"a": 1}}, "request 1: 'tools' is a JSON object"),
     ({"prompt": [1, 2, 3]}, "request 1: 'prompt' is a JSON array ([1, 2, 3]); the lint reads text prompts"),
 ])
@@ -357,7 +362,8 @@ def test_cli_reads_stdin_and_takes_the_block_size(monkeypatch, capsys):
 @pytest.mark.parametrize("content, message", [
     (None, "prefixserve lint: error: {path}: no such file; give the path of a JSONL request log, or '-' for stdin"),
     ('{"prompt": "a"}\n{oops\n', "prefixserve lint: error: line 2 is not JSON (Expecting property name enclosed in "
-                                 "double quotes at column 2); the file must be JSONL: one OpenAI request body per line"),
+                                 "double quotes at column 2); the file must be JSONL: one OpenAI request body per "
+                                 "line"),
     ('"just a string"\n', "prefixserve lint: error: line 1 is a JSON string, not an object; each line must be one "
                           "OpenAI request body, like {\"model\": ..., \"messages\": [...]}"),
     ('{"model": "m", "input": "hi"}\n', "prefixserve lint: error: line 1 has neither 'messages' (chat completions) "

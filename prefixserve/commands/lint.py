@@ -62,7 +62,8 @@ def _read_lines(file: str) -> list[str]:
     try:
         return path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError as error:
-        raise ValueError(f"{file} is not UTF-8 text (byte {error.start}); give a JSONL file of request bodies") from None
+        raise ValueError(f"{file} is not UTF-8 text (byte {error.start}); give a JSONL file of request "
+                         f"bodies") from None
 
 
 def _builtin_tokenizer():

@@ -101,14 +101,15 @@ def _tools_step(first: Prompt, other: Prompt, part_index: int, offset: int, posi
     part = first.parts[part_index]
     names, other_names = [tool_name(tool) for tool in first.tools], [tool_name(tool) for tool in other.tools]
     line_start, line_end = line_bounds(part.text, offset)
+    tool_index = part.text.count("\n", 0, offset)  # one tool per line
     if names != other_names and sorted(names) == sorted(other_names):
-        name_at = part.text.find(json.dumps(names[0], ensure_ascii=False), line_start, line_end)
-        span = (name_at, name_at + len(json.dumps(names[0], ensure_ascii=False))) if name_at >= 0 else (offset, line_end)
+        quoted_name = json.dumps(names[min(tool_index, len(names) - 1)], ensure_ascii=False)
+        name_at = part.text.find(quoted_name, line_start, line_end)
+        span = (name_at, name_at + len(quoted_name)) if name_at >= 0 else (offset, line_end)
         return Step(_finding("tool order", part, offset, position, span,
                              (", ".join(names), ", ".join(other_names)),
                              "sort the tools by name before sending them (the same tools arrive in different "
                              "orders)"), _sort_tools)
-    tool_index = part.text.count("\n", 0, offset)
     if (names == other_names and tool_index < len(other.tools)
             and differ_in_key_order(first.tools[tool_index], other.tools[tool_index])):
         return Step(_finding("key order", part, offset, position, _key_span(part.text, offset),
