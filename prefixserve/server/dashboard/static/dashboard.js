@@ -177,6 +177,7 @@ function start() {
     Dash.setAdminKey(input.value.trim());
     input.value = "";
     poll();
+    if (mode !== "fleet") Dash.startWhatIf();
   });
   if (mode === "fleet") {
     document.getElementById("server-view").hidden = true;
@@ -186,8 +187,7 @@ function start() {
   } else {
     charts = serverCharts();
     Dash.treeLegend(document.getElementById("tree-legend"));
-    if (Dash.adminKey()) Dash.startWhatIf();
-    else document.getElementById("key-form").addEventListener("submit", () => Dash.startWhatIf(), { once: true });
+    if (Dash.adminKey()) Dash.startWhatIf(); // else once a key is entered
   }
   poll();
 }

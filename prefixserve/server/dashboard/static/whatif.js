@@ -8,7 +8,15 @@ const { el, fmt } = Dash;
 let priceTimer = null;
 let sliderTouched = false;
 
+let started = false;
+
+// Start the panels (the first call), or refresh them now (a new admin key was entered).
 Dash.startWhatIf = () => {
+  if (started) {
+    refreshAll();
+    return;
+  }
+  started = true;
   const hit = document.getElementById("price-hit-rate");
   const tokens = document.getElementById("price-prompt-tokens");
   const onSlide = () => {
