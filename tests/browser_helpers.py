@@ -40,8 +40,10 @@ def browser_page(width: int = 1400, height: int = 1000) -> Iterator[object]:
     if path is None:
         pytest.skip("no chromium binary: apt-get install chromium (or set PREFIXSERVE_CHROMIUM)")
     with sync_api.sync_playwright() as playwright:
-        # --no-sandbox: CI runs as root, where chromium's sandbox refuses to start
-        browser = playwright.chromium.launch(executable_path=path, headless=True, args=["--no-sandbox"])
+        # --no-sandbox: CI runs as root, where chromium's sandbox refuses to start;
+        # --disable-dev-shm-usage: containers often have a tiny /dev/shm, which crashes renderers
+        browser = playwright.chromium.launch(executable_path=path, headless=True,
+                                             args=["--no-sandbox", "--disable-dev-shm-usage"])
         try:
             page = browser.new_page(viewport={"width": width, "height": height})
             page.set_default_timeout(WAIT_MS)
