@@ -294,6 +294,14 @@ def test_the_lint_renders_chats_as_the_built_in_template_does():
     assert _encode(prompt, tokenizer) == tokenizer.encode_chat(joined)
 
 
+def test_batch_api_lines_and_log_line_numbers():
+    lines = [json.dumps({"custom_id": f"r{day}", "method": "POST", "url": "/v1/chat/completions",
+                         "body": chat(f"Time: 2026-01-0{day}T10:00:00Z\n{RULES}", "Hi")}) for day in (1, 2)]
+    report = lint_bodies(bodies_from_jsonl([lines[0], "", lines[1]]))
+    (family,) = report.families
+    assert (family.line_numbers, family.findings[0].kind) == ((1, 3), "timestamp")
+
+
 # ---- bad input ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("body, message", [
