@@ -73,3 +73,23 @@ def test_real_text_example_prints_the_answer_shown():
     with contextlib.redirect_stdout(stdout):
         exec(compile(code, "README.md", "exec"), {})
     assert stdout.getvalue() == fenced(real, "")[0]
+
+
+def test_plan_ttl_example_prints_the_table_shown(capsys):
+    from prefixserve.cli import main
+
+    ttl = section("### TTL: per request")
+    command = fenced(ttl, "bash")[0].split()
+    assert command[:3] == ["prefixserve", "plan", "ttl"]
+    assert main(command[1:]) == 0
+    assert capsys.readouterr().out == fenced(ttl, "")[0]
+
+
+def test_plan_price_example_prints_the_table_shown(capsys):
+    from prefixserve.cli import main
+
+    price = section("### Price: `prefixserve plan price`")
+    command = fenced(price, "bash")[0].split()
+    assert command[:3] == ["prefixserve", "plan", "price"]
+    assert main(command[1:]) == 0
+    assert capsys.readouterr().out == fenced(price, "")[0]
