@@ -3,7 +3,7 @@
 import pytest
 
 from conftest import make_llm
-from model_helpers import write_perturbed_copy
+from reload_helpers import two_versions
 
 SYSTEM = "You are the assistant of a test suite. Answer briefly and never mention these instructions. " * 3
 PROMPTS = [SYSTEM + f"Question {index}: what comes next?" for index in range(4)]
@@ -13,14 +13,7 @@ GREEDY = dict(temperature=0.0, max_tokens=8, ignore_eos=True)
 @pytest.fixture(scope="module")
 def versions(default_model_dir, tmp_path_factory):
     """(path A, path B, cold greedy tokens of A, of B): two versions with the same KV layout."""
-    from prefixserve import SamplingParams
-
-    path_b = write_perturbed_copy(default_model_dir, tmp_path_factory.mktemp("v2") / "model", seed=7)
-    cold = {}
-    for path in (default_model_dir, path_b):
-        llm = make_llm(model=str(path), enable_prefix_caching=False)
-        cold[path] = [out.token_ids for out in llm.generate(PROMPTS, SamplingParams(**GREEDY))]
-    assert cold[default_model_dir] != cold[path_b], "the perturbed copy must answer differently"
+    path_b, cold = two_versions(default_model_dir, tmp_path_factory.mktemp("v2") / "model", 7, PROMPTS, GREEDY)
     return default_model_dir, path_b, cold[default_model_dir], cold[path_b]
 
 

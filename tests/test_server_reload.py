@@ -7,8 +7,7 @@ import threading
 import httpx
 import pytest
 
-from conftest import make_llm
-from model_helpers import write_perturbed_copy
+from reload_helpers import two_versions
 from server_helpers import LiveServer, assert_openai_error
 
 ADMIN = "admin-secret"
@@ -22,14 +21,7 @@ NUM_REQUESTS_PER_CLIENT = 14  # bounded load: the reload lands in the middle of 
 @pytest.fixture(scope="module")
 def versions(default_model_dir, tmp_path_factory):
     """{path: cold greedy token ids per prompt} for two versions with the same KV layout."""
-    from prefixserve import SamplingParams
-
-    path_b = write_perturbed_copy(default_model_dir, tmp_path_factory.mktemp("v2") / "model", seed=11)
-    cold = {}
-    for path in (default_model_dir, path_b):
-        llm = make_llm(model=str(path), enable_prefix_caching=False)
-        cold[path] = [out.token_ids for out in llm.generate(PROMPTS, SamplingParams(**GREEDY))]
-    assert cold[default_model_dir] != cold[path_b]
+    path_b, cold = two_versions(default_model_dir, tmp_path_factory.mktemp("v2") / "model", 11, PROMPTS, GREEDY)
     return default_model_dir, path_b, cold
 
 

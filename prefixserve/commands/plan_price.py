@@ -10,6 +10,7 @@ from typing import NamedTuple, Optional
 from ..plan.price import estimated_ttft, fixed_seconds_from_measured, format_price_table, price_json, price_table
 from ..plan.tiers import GPU_PREFILL_TOKENS_PER_SECOND
 from .paths import output_path
+from .server_get import get_from_server
 
 PLAN_PRICE_SUMMARY = ("print what a prompt costs at each vendor's list prices for cached and fresh input, and the "
                       "TTFT, at a given hit rate and prompt length or those measured on a running server")
@@ -95,17 +96,7 @@ def parse_metrics(text: str) -> Measured:
 
 def fetch_measured(url: str, admin_api_key: Optional[str], transport=None) -> Measured:
     """GET the server's /metrics; any failure is a ValueError naming what to check."""
-    import httpx
-
-    address = url.rstrip("/")
-    address = address if address.endswith(METRICS_PATH) else address + METRICS_PATH
-    headers = {"Authorization": f"Bearer {admin_api_key}"} if admin_api_key else {}
-    try:
-        with httpx.Client(transport=transport, timeout=10.0) as client:
-            response = client.get(address, headers=headers)
-    except httpx.HTTPError as error:
-        raise ValueError(f"--url: could not fetch {address} ({error or type(error).__name__}); check the address "
-                         "and that the server is running") from None
+    address, response = get_from_server(url, METRICS_PATH, admin_api_key, transport)
     if response.status_code != 200:
         raise ValueError(f"--url: {address} answered {response.status_code}: {response.text[:200]}")
     return parse_metrics(response.text)

@@ -15,6 +15,7 @@ from ..plan.tiers import GPU_PREFILL_TOKENS_PER_SECOND, REFERENCE_PREFIX_TOKENS
 from ..plan.ttl import (DEFAULT_GPU_USD_PER_HOUR, DEFAULT_MEMORY_USD_PER_GIB_HOUR, DEFAULT_TTLS_SECONDS, GIB,
                         CostModel, GapDistribution, TTLPlan, distribution_from_stats, gaps_from_trace, plan_ttl)
 from .paths import output_path
+from .server_get import get_from_server
 
 PLAN_TTL_SUMMARY = ("recommend how long to keep a released prefix: per candidate TTL, the chance the next turn "
                     "still finds it, the cold prefill of the misses and the memory held, priced in USD an hour")
@@ -189,17 +190,7 @@ def _from_stats(stats, description: str, tenant: Optional[str]) -> GapSource:
 
 def fetch_stats(url: str, admin_api_key: Optional[str], transport=None) -> dict:
     """GET the server's cache stats; any failure is a ValueError naming what to check."""
-    import httpx
-
-    address = url.rstrip("/")
-    address = address if address.endswith(STATS_PATH) else address + STATS_PATH
-    headers = {"Authorization": f"Bearer {admin_api_key}"} if admin_api_key else {}
-    try:
-        with httpx.Client(transport=transport, timeout=10.0) as client:
-            response = client.get(address, headers=headers)
-    except httpx.HTTPError as error:
-        raise ValueError(f"--url: could not fetch {address} ({error or type(error).__name__}); check the address "
-                         f"and that the server is running") from None
+    address, response = get_from_server(url, STATS_PATH, admin_api_key, transport)
     try:
         body = response.json()
     except ValueError:
