@@ -245,9 +245,15 @@ def fmt(value: Optional[float], spec: str, scale: float = 1.0) -> str:
     return "n/a" if value is None else format(value * scale, spec)
 
 
+def cell(value: Optional[float], width: int, spec: str, scale: float = 1.0, unit: str = "") -> str:
+    """A right-aligned table cell with its unit, or n/a (no unit) when there is no value (vLLM absent)."""
+    return ("n/a" if value is None else format(value * scale, spec) + unit).rjust(width)
+
+
 def print_tables(dtype: str, runs: dict, names: list[str], notes: dict) -> list[str]:
     lines = [f"== {dtype} == (ratio = prefixserve / vLLM; same tokens = outputs equal to prefixserve-nocache)"]
-    header = f"{'workload':<14} {'engine':<20} {'wall s':>8} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'hit rate':>8} {'vs vLLM':>8} {'same tok':>8}"
+    header = (f"{'workload':<14} {'engine':<20} {'wall s':>8} {'tok/s':>8} {'TTFT p50':>10} {'TTFT p99':>10} "
+              f"{'hit rate':>8} {'vs vLLM':>8} {'same tok':>8}")
     lines.append(header)
     for name in names:
         vllm = runs.get("vllm", {}).get("workloads", {}).get(name)
@@ -263,8 +269,8 @@ def print_tables(dtype: str, runs: dict, names: list[str], notes: dict) -> list[
             ratio = row["wall_s"] / vllm["wall_s"] if vllm else None
             agree = same_tokens(result, reference) if reference else None
             lines.append(f"{name:<14} {engine:<20} {row['wall_s']:>8.2f} {row['tokens_per_s']:>8.1f} "
-                         f"{fmt(row['ttft_p50'], '>8.0f', 1e3)}m {fmt(row['ttft_p99'], '>8.0f', 1e3)}m "
-                         f"{fmt(row['hit_rate'], '>8.1%')} {fmt(ratio, '>7.2f')}x {fmt(agree, '>8.0%')}")
+                         f"{cell(row['ttft_p50'], 10, '.0f', 1e3, ' ms')} {cell(row['ttft_p99'], 10, '.0f', 1e3, ' ms')} "
+                         f"{cell(row['hit_rate'], 8, '.1%')} {cell(ratio, 8, '.2f', unit='x')} {cell(agree, 8, '.0%')}")
     lines.append(f"TTFT probe, {PROBE['prefix_len']} cached + {PROBE['suffix_len']} new tokens, one output token "
                  "(median of 5, ms):")
     for engine in ENGINES:
