@@ -15,7 +15,9 @@ SYSTEM = "You are the assistant of a test suite. Answer briefly and never mentio
 PROMPTS = [SYSTEM + f"Question {index}: what comes next?" for index in range(6)]
 GREEDY = dict(temperature=0.0, max_tokens=6, ignore_eos=True)
 NUM_CLIENTS = 3
-NUM_REQUESTS_PER_CLIENT = 14  # bounded load: the reload lands in the middle of it
+NUM_BEFORE = 4  # client 0's requests before the reload is asked for
+NUM_AFTER = 3  # each client's requests after the reload answered
+MAX_REQUESTS_PER_CLIENT = 300  # the bound on the load, however slow the machine
 
 
 @pytest.fixture(scope="module")
@@ -39,13 +41,19 @@ def test_a_reload_under_load_never_mixes_versions_and_fails_nothing(versions):
     with LiveServer("--model", str(path_a), "--admin-api-key", ADMIN, "--kv-host-cache-bytes", str(64 << 20)) as server:
         fingerprint_a = engine_call(server, lambda core: core.scope.model_fingerprint)
         old_digest = engine_call(server, lambda core: core.scope.digest)
-        results, reload_started = [], threading.Event()
+        results, reload_started, reload_done = [], threading.Event(), threading.Event()
 
         def client_loop(client_index):
+            """Requests until the reload has answered and NUM_AFTER more were sent: the swap lands mid-load."""
+            num_after = 0
             with httpx.Client() as client:
-                for number in range(NUM_REQUESTS_PER_CLIENT):
-                    if number == NUM_REQUESTS_PER_CLIENT // 3 and client_index == 0:
+                for number in range(MAX_REQUESTS_PER_CLIENT):
+                    if number == NUM_BEFORE and client_index == 0:
                         reload_started.set()
+                    if reload_done.is_set():
+                        if num_after == NUM_AFTER:
+                            return
+                        num_after += 1
                     index = (client_index + number) % len(PROMPTS)
                     response = complete(client, server.url, index)
                     results.append((index, response.status_code, response.json()))
@@ -55,6 +63,7 @@ def test_a_reload_under_load_never_mixes_versions_and_fails_nothing(versions):
             assert reload_started.wait(timeout=120)
             reload = httpx.post(server.url + "/v1/admin/reload", json={"model": str(path_b)},
                                 headers={"Authorization": f"Bearer {ADMIN}"}, timeout=300)
+            reload_done.set()
             for future in clients:
                 future.result(timeout=300)
         assert reload.status_code == 200, reload.text
@@ -63,7 +72,7 @@ def test_a_reload_under_load_never_mixes_versions_and_fails_nothing(versions):
         assert report["reclaimed_blocks"] > 0  # the old version's blocks were freed at the swap
 
         fingerprints = {"fp_" + fingerprint_a[:16]: path_a, "fp_" + report["model_fingerprint"][:16]: path_b}
-        assert len(results) == NUM_CLIENTS * NUM_REQUESTS_PER_CLIENT
+        assert len(results) < NUM_CLIENTS * MAX_REQUESTS_PER_CLIENT  # every client saw the reload answer
         served_by = {path_a: 0, path_b: 0}
         for index, status, body in results:
             assert status == 200, body  # zero failed requests
