@@ -73,24 +73,23 @@ class EngineCollector:
 
 
 def reuse_gap_families(reuse_gaps: dict):
-    """The release -> next use gap of prefixes, per tenant (the TTL planner's input), and releases."""
+    """The release -> next use gap of prefixes over all tenants (the TTL planner's input), and releases.
+    Per tenant they are in GET /v1/cache/stats, behind the admin key: /metrics answers anyone, and a
+    tenant's activity over time is no one else's business."""
     if not reuse_gaps:
         return
-    gaps = HistogramMetricFamily("prefixserve:prefix_reuse_gap_seconds",
-                                 "Time from a request releasing its prefix to the next request that uses it.",
-                                 labels=["tenant"])
-    releases = CounterMetricFamily("prefixserve:prefix_releases", "Prefixes released by finished requests.",
-                                   labels=["tenant"])
+    overall = reuse_gaps["overall"]
     bounds = [str(float(bound)) for bound in reuse_gaps["bucket_upper_bounds"]] + ["+Inf"]
-    for tenant, histogram in reuse_gaps["by_tenant"].items():
-        cumulative, buckets = 0, []
-        for bound, count in zip(bounds, histogram["counts"]):
-            cumulative += count
-            buckets.append((bound, cumulative))
-        gaps.add_metric([tenant], buckets, histogram["sum"])
-        releases.add_metric([tenant], histogram["num_releases"])
+    cumulative, buckets = 0, []
+    for bound, count in zip(bounds, overall["counts"]):
+        cumulative += count
+        buckets.append((bound, cumulative))
+    gaps = HistogramMetricFamily("prefixserve:prefix_reuse_gap_seconds",
+                                 "Time from a request releasing its prefix to the next request that continues it.")
+    gaps.add_metric([], buckets, overall["sum"])
     yield gaps
-    yield releases
+    yield _single(CounterMetricFamily, "prefix_releases", "Prefixes released by finished requests.",
+                  overall["num_releases"])
 
 
 TIER_COUNTERS = (  # (metric name, TierStats field, help)
