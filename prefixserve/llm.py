@@ -11,6 +11,7 @@ from tqdm import tqdm
 from .config import EngineConfig
 from .engine.engine import LLMEngine, PromptType
 from .engine.outputs import RequestOutput
+from .engine.reload import purge_previous_remote
 from .engine.sampling_params import SamplingParams
 from .prompts import split_prompts
 
@@ -25,12 +26,18 @@ class LLM:
         # Flush the KV tiers' pending disk writes when this LLM goes away, or at exit at the latest.
         self._finalizer = weakref.finalize(self, self.engine.close)
 
-    def reload(self, model: Optional[str] = None):
+    def reload(self, model: Optional[str] = None, purge_remote: bool = False):
         """Serve another checkpoint with the same KV layout (None: the same path again, e.g. rewritten
         weights) without rebuilding the KV pool; the old version's cached blocks are freed at once and
-        its records leave the host and disk tiers. Returns the ReloadReport."""
+        its records leave the host and disk tiers (and the remote tier with `purge_remote`, once no
+        other replica serves the old version). Returns the ReloadReport."""
+        tiers = self.engine.tiers
+        if purge_remote and (tiers is None or "remote" not in tiers.tiers):
+            raise ValueError("purge_remote needs a remote tier (kv_remote_url); leave it out")
         report = self.engine.reload(model)
         self.tokenizer = self.engine.tokenizer
+        if purge_remote:
+            purge_previous_remote(self.engine, report)
         return report
 
     def pin(self, prompt: PromptType, ttl: Optional[float] = None, cache_salt: Optional[str] = None) -> dict:

@@ -96,3 +96,29 @@ def test_a_request_made_before_a_reload_is_refused_after_it(versions):
     llm.reload(str(path_b))
     with pytest.raises(ValueError, match="make it again"):
         llm.engine.submit(stale)
+
+
+def test_the_old_versions_remote_records_stay_for_other_replicas_until_the_operator_purges_them(versions,
+                                                                                                 redis_server):
+    import redis
+
+    path_a, path_b, _, cold_b = versions
+    client = redis.Redis.from_url(redis_server.url)
+    llm = make_llm(model=str(path_a), kv_remote_url=redis_server.url)
+    generate(llm)
+    llm.engine.tiers.tiers["remote"].flush()
+    old = llm.engine.scope.digest.hex().encode()
+    assert len(list(client.scan_iter(match=b"*" + old + b"*"))) > 0
+    llm.reload(str(path_b))  # a rolling deploy: other replicas may still read version A's records
+    assert len(list(client.scan_iter(match=b"*" + old + b"*"))) > 0
+    assert [out.token_ids for out in generate(llm)] == cold_b
+    with pytest.raises(ValueError, match="remote tier"):
+        make_llm(model=str(path_a)).reload(str(path_b), purge_remote=True)
+    llm.reload(str(path_a))
+    llm.reload(str(path_b), purge_remote=True)  # the last replica moved: version A's records go now
+    assert list(client.scan_iter(match=b"*" + old + b"*")) == []
+    new = llm.engine.scope.digest.hex().encode()
+    llm.engine.tiers.tiers["remote"].flush()
+    assert [out.token_ids for out in generate(llm)] == cold_b
+    llm.engine.tiers.tiers["remote"].flush()
+    assert len(list(client.scan_iter(match=b"*" + new + b"*"))) > 0  # the serving version's records stay

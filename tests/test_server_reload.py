@@ -107,6 +107,10 @@ def test_reload_is_for_the_operator_only_and_names_bad_input(versions, tmp_path)
                             param="model", code="invalid_model")
         assert_openai_error(httpx.post(url, headers=admin, json={"model": 3}, timeout=30), 400, param="model")
         assert_openai_error(httpx.post(url, headers=admin, json={"weights": "x"}, timeout=30), 400)
+        assert_openai_error(httpx.post(url, headers=admin, json={"purge_remote": "yes"}, timeout=30), 400,
+                            param="purge_remote")
+        assert_openai_error(httpx.post(url, headers=admin, json={"purge_remote": True}, timeout=30), 400,
+                            param="purge_remote")  # no remote tier here
         assert_openai_error(httpx.post(url, headers=admin, content=b"{not json", timeout=30), 400, code="invalid_json")
         ok = httpx.post(server.url + "/v1/completions", headers={"Authorization": "Bearer tenant-key"},
                         json={"prompt": "still serving", "max_tokens": 2}, timeout=60)

@@ -8,7 +8,8 @@
             host and disk tiers: the old scope's records deleted (they could never load again)
             remote tier: this replica reads and writes the new scope's keys; the old scope's
                          records stay for replicas still serving it (a rolling deploy) and age
-                         out with Redis's TTL or eviction
+                         out with Redis's TTL or eviction, or go at once when the operator says
+                         no replica serves the old version any more (purge_previous_remote)
        -> requests made before the swap (tokenized by the old tokenizer) are refused, not run
 
 The KV pool is kept, so the new version must have the old one's KV layout (layers, KV heads,
@@ -40,6 +41,7 @@ class ReloadReport:
     num_reclaimed_records: dict  # tier name -> records of the old scope deleted
     num_restored_pins: int  # operator pins warmed and pinned again on the new version
     swap_seconds: float
+    previous_scope_digest: bytes = b""
 
     def to_dict(self) -> dict:
         return {"model": self.model, "previous_fingerprint": self.previous_fingerprint,
@@ -59,6 +61,15 @@ def check_swappable(engine, version: ModelVersion) -> None:
         raise IncompatibleModelError(
             f"{version.name} has a different KV layout (layers, KV heads, head size) {new} from the served "
             f"model's {old}; a hot reload keeps the KV pool, so restart the server with the new model instead")
+
+
+def purge_previous_remote(engine, report: ReloadReport) -> int:
+    """Delete the previous version's records from the fleet's remote tier: for the operator to ask once
+    no replica serves that version any more (the last step of a rolling deploy). Returns how many."""
+    remote = engine.tiers.tiers.get("remote") if engine.tiers is not None else None
+    if remote is None:
+        raise ValueError("this server has no remote tier (--kv-remote-url): there is nothing to purge")
+    return remote.purge_scope(report.previous_scope_digest)
 
 
 def swap_model(engine, version: ModelVersion) -> ReloadReport:
@@ -97,7 +108,7 @@ def swap_model(engine, version: ModelVersion) -> ReloadReport:
     report = ReloadReport(model=version.name, previous_fingerprint=previous.model_fingerprint,
                           model_fingerprint=engine.scope.model_fingerprint, num_reclaimed_blocks=num_blocks,
                           num_reclaimed_records=records, num_restored_pins=num_pins,
-                          swap_seconds=time.perf_counter() - began)
+                          swap_seconds=time.perf_counter() - began, previous_scope_digest=previous.digest)
     logger.info("reloaded %s (model %s, was %s): %d pooled blocks and %s tier records of the old scope reclaimed",
                 version.name, report.model_fingerprint[:12], report.previous_fingerprint[:12], num_blocks,
                 records or "no")

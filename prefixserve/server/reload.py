@@ -17,7 +17,7 @@ from typing import Optional
 from fastapi import APIRouter, Request
 
 from ..engine.async_engine import EngineDeadError
-from ..engine.reload import IncompatibleModelError
+from ..engine.reload import IncompatibleModelError, purge_previous_remote
 from ..http import parse_json_body
 from .errors import APIError
 from .generation import engine_dead
@@ -91,22 +91,26 @@ class ReloadGate:
                 condition.notify_all()
 
 
-async def _reload_body(request: Request) -> Optional[str]:
+async def _reload_body(request: Request) -> tuple[Optional[str], bool]:
+    """(model or None, purge_remote) from an empty body or {"model": ..., "purge_remote": bool}."""
     raw = await request.body()
     if not raw.strip():
-        return None
+        return None, False
     try:
         body = parse_json_body(raw)
     except ValueError as error:
         raise APIError(400, str(error), code="invalid_json") from None
-    if not isinstance(body, dict) or set(body) - {"model"}:
+    if not isinstance(body, dict) or set(body) - {"model", "purge_remote"}:
         raise APIError(400, "the body is empty (reload the served checkpoint again) or {\"model\": \"<checkpoint "
-                            "directory, .gguf file or model name>\"}", code="invalid_value")
+                            "directory, .gguf file or model name>\", \"purge_remote\": false}", code="invalid_value")
     model = body.get("model")
     if model is not None and (not isinstance(model, str) or not model.strip()):
         raise APIError(400, "model must be a non-empty string: a checkpoint directory, a .gguf file or a model name",
                        param="model", code="invalid_value")
-    return model
+    purge_remote = body.get("purge_remote", False)
+    if not isinstance(purge_remote, bool):
+        raise APIError(400, "purge_remote must be true or false", param="purge_remote", code="invalid_value")
+    return model, purge_remote
 
 
 @reload_routes.post("/v1/admin/reload")
@@ -114,7 +118,11 @@ async def reload_model(request: Request):
     """Load `model` (default: the served path again) and swap it in; answers once new requests use it."""
     state = request.app.state.server
     state.auth.require_admin(request)
-    model = await _reload_body(request)
+    model, purge_remote = await _reload_body(request)
+    tiers = state.engine.engine.tiers
+    if purge_remote and (tiers is None or "remote" not in tiers.tiers):
+        raise APIError(400, "purge_remote needs a remote tier (--kv-remote-url); leave it out", param="purge_remote",
+                       code="invalid_value")
     gate: ReloadGate = state.reload_gate
     if gate.reload_lock.locked():
         raise APIError(409, "a reload is already in progress; wait for it to finish", code="reload_in_progress")
@@ -133,4 +141,6 @@ async def reload_model(request: Request):
                            code="invalid_model") from None
     body = report.to_dict()
     body.update(object="reload", load_seconds=loaded - began, held_seconds=time.perf_counter() - loaded)
+    if purge_remote:  # after the gate opened: deleting many keys must not hold requests back
+        body["purged_remote_records"] = await asyncio.to_thread(purge_previous_remote, state.engine.engine, report)
     return body

@@ -153,6 +153,18 @@ class RedisTier(KVTier):
             batch = keys[offset : offset + GET_BATCH_KEYS]  # DEL per key: a multi-key DEL is CROSSSLOT on a cluster
             self._pipeline("delete", lambda pipe: [pipe.delete(self._name(key)) for key in batch])
 
+    def purge_scope(self, scope_digest: bytes) -> int:
+        """Delete every record of another scope (an old model version no replica serves any more);
+        returns how many were found. Never this tier's own scope."""
+        if scope_digest == self.scope_digest:
+            raise ValueError("purge_scope deletes another scope's records, not the one this tier serves")
+        prefix = KEY_PREFIX + scope_digest.hex().encode() + b":"
+        names = self._call("purge", lambda: list(self._client.scan_iter(match=prefix + b"*", count=1000))) or []
+        for offset in range(0, len(names), GET_BATCH_KEYS):
+            batch = names[offset : offset + GET_BATCH_KEYS]  # DEL per key: a multi-key DEL is CROSSSLOT on a cluster
+            self._pipeline("purge", lambda pipe: [pipe.delete(name) for name in batch])
+        return len(names)
+
     def rescope(self, scope_digest: bytes) -> None:
         """Read and write another scope's keys from now on (a hot reload; flush first)."""
         with self._lock:
