@@ -24,7 +24,7 @@ from .device import measure_cuda_kv_budget, resolve_device, resolve_dtype
 from .input_processor import InputProcessor, PromptType
 from .kv_tiers import TieredKV, build_tiers, empty_breakdown
 from .model_version import load_version
-from .pins import Pin, PinTable
+from .pins import Pin, PinTable, restore_pins
 from .reload import ReloadReport, swap_model
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
@@ -250,22 +250,7 @@ class LLMEngine:
     def restore_pins(self) -> int:
         """Warm the pins waiting to be restored (after a restart or a reload) and pin them again; call
         with no request in flight. Returns how many were restored."""
-        waiting, self.pins.to_restore = self.pins.to_restore, []
-        warmers = [self.add_request(pin.token_ids, SamplingParams(max_tokens=1), cache_salt=pin.salt)
-                   for pin in waiting]
-        self.run_until_finished([request.request_id for request in warmers])
-        num_restored = 0
-        now = self.pins.wall_clock()
-        for pin in waiting:
-            ttl = None if pin.expires_at is None else pin.expires_at - now
-            if ttl is not None and ttl <= 0:
-                continue
-            try:
-                self.pins.pin(self.scoper, pin.token_ids, pin.tenant, pin.salt, ttl, pin.pin_id, pin.created_at)
-                num_restored += 1
-            except ValueError as error:
-                logger.warning("could not restore pin %s: %s", pin.pin_id, error)
-        return num_restored
+        return restore_pins(self)
 
     def _maintain_pins(self) -> None:
         """Between steps: expire operator pins, and let the hot-prefix policy pin and unpin."""

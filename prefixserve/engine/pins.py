@@ -146,3 +146,28 @@ class PinTable:
             return []
         now = self.wall_clock()
         return [pin for pin in pins if pin.expires_at is None or pin.expires_at > now]
+
+
+def restore_pins(engine) -> int:
+    """Warm `engine`'s pins waiting to be restored (a one-token generation each: a hit from the disk
+    tier after a restart, a prefill after a reload) and pin them again; call with no request in
+    flight. Returns how many were restored; one that cannot be is logged and dropped."""
+    from .sampling_params import SamplingParams
+
+    table = engine.pins
+    waiting, table.to_restore = table.to_restore, []
+    warmers = [engine.add_request(pin.token_ids, SamplingParams(max_tokens=1), cache_salt=pin.salt)
+               for pin in waiting]
+    engine.run_until_finished([request.request_id for request in warmers])
+    num_restored = 0
+    now = table.wall_clock()
+    for pin in waiting:
+        ttl = None if pin.expires_at is None else pin.expires_at - now
+        if ttl is not None and ttl <= 0:
+            continue
+        try:
+            table.pin(engine.scoper, pin.token_ids, pin.tenant, pin.salt, ttl, pin.pin_id, pin.created_at)
+            num_restored += 1
+        except ValueError as error:
+            logger.warning("could not restore pin %s: %s", pin.pin_id, error)
+    return num_restored
