@@ -327,3 +327,13 @@ def test_successful_polls_stay_out_of_the_access_log_at_info():
         assert quiet.filter(record("/health", 200))
     finally:
         access.setLevel(previous)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-cache-ttl", "-1"], "--max-cache-ttl must be a positive number"),
+    (["--max-cache-ttl", "nan"], "--max-cache-ttl must be a positive number"),
+    (["--hot-prefix-min-requests", "1"], "--hot-prefix-min-requests must be 0 (off) or at least 2"),
+    (["--hot-prefix-window", "0"], "--hot-prefix-window must be positive"),
+])
+def test_lifecycle_options_are_checked_before_the_model_loads(no_model_load, argv, message):
+    assert message in serve_error("--port", "0", *argv)
