@@ -226,10 +226,11 @@ def scenarios(target: list[int], rng: random.Random) -> dict[str, list[list[tupl
                        ("B", others["B"], 90 + i, 91 + i)]
                       for i, position in enumerate(range(prefill_len, length))]
     inside = [7, 25, 40] + [28] * (length // 28 + 1)
-    # chunks+batch: every step 45 tokens of the target next to a 30-token chunk of B.
+    # chunks+batch: every step 45 tokens of the target after a 30-token chunk of B (while B lasts).
     mixed = []
     for i, (name, toks, first, end) in enumerate(chunked("T", target, [45] * (length // 45 + 1))):
-        mixed.append([("B", others["B"], 30 * i, 30 * i + 30), (name, toks, first, end)])
+        b_chunk = [("B", others["B"], 30 * i, 30 * i + 30)] if 30 * i + 30 <= len(others["B"]) else []
+        mixed.append(b_chunk + [(name, toks, first, end)])
     return {
         "alone": [[("T", target, 0, length)]],
         "batch": [[("A", others["A"], 0, 37), ("T", target, 0, length), ("B", others["B"], 0, 150),
