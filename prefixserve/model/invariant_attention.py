@@ -16,7 +16,7 @@ benchmarks/batch_invariance.py), a row comes out the same only when every call h
                                          keys [0, ceil512(p + 16))   mask: key <= row position
 
 A chunk's entries are grouped by key count (one call each, its keys gathered once and expanded
-over the entries); all decodes go in one call. The price: up to KEY_SPLIT - 1 masked keys per
+over the entries); decodes are grouped by key count too. The price: up to KEY_SPLIT - 1 masked keys per
 row and entries padded to ROWS_PER_ENTRY rows (benchmarks/bf16_step_time.py measures it).
 """
 
@@ -47,7 +47,7 @@ def _ceil(value: int, multiple: int) -> int:
 
 
 def invariant_calls(meta, block_size: int, group: int) -> list[InvariantCall]:
-    """The step's calls: per prefill chunk one per key count, one for all decodes."""
+    """The step's calls: per prefill chunk one per key count, and one per key count for the decodes."""
     device = meta.block_tables.device
     rows_per_entry = max(2, MAX_FOLDED_ROWS // group)
     calls, decode_ids = [], []
@@ -76,8 +76,10 @@ def invariant_calls(meta, block_size: int, group: int) -> list[InvariantCall]:
                 slots=_slots(meta, i, keys.clamp(max=seq_len - 1), block_size),
                 visible=keys[None, :] <= (offset_tensor + past)[:, None],
                 rows_per_entry=rows_per_entry))
-    if decode_ids:
-        calls.append(_decode_call(meta, decode_ids, block_size, device))
+    by_num_keys = {}  # decodes grouped by key count: a short one never reads a long one's padding
+    for i in decode_ids:
+        by_num_keys.setdefault(_ceil(meta.seq_lens_list[i], KEY_SPLIT), []).append(i)
+    calls += [_decode_call(meta, ids, block_size, device) for ids in by_num_keys.values()]
     return calls
 
 
