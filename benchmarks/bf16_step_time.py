@@ -1,6 +1,6 @@
 """Model step times (prefill, cache hit, decode) of the built-in model, to price a numerics change.
 
-    PYTHONPATH=<tree> python benchmarks/bf16_step_time.py [--dtype bfloat16] [--repeats 5]
+    PYTHONPATH=<tree> python benchmarks/bf16_step_time.py [--dtype bfloat16] [--repeats 5] [--threads 1]
 
 Runs the model directly over a paged cache (no engine, no scheduler), each case `repeats`
 times after one warm-up, and prints the median and min milliseconds per step. Compare two trees
@@ -41,7 +41,10 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--only", default=None, help="comma-separated case names (prefixes)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     model = load_model(ensure_default_model(), dtype, "cpu").model
     model.pack_linear_weights(batch_size_hint=2048)

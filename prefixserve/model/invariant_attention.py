@@ -7,7 +7,7 @@ trims each query block's keys, a partial last key block sums in another order; a
 log-sum-exp merges (shared prefix, in-place bodies) round each part to bf16. Measured (see
 benchmarks/batch_invariance.py), a row comes out the same only when every call has one shape:
 
-  * an ENTRY is ROWS_PER_ENTRY rows of one sequence (decodes: the row and a copy of it), their
+  * an ENTRY is 2 to 32 / group rows of one sequence (decodes: the row and a copy of it), their
     KV group's query heads folded into the query axis: 4 to 32 query rows, never packed;
   * its keys are ALL of the sequence's from position 0, in whole blocks of KEY_SPLIT (the
     kernel's key split), masked causally; extra wholly masked blocks change nothing:
@@ -17,7 +17,7 @@ benchmarks/batch_invariance.py), a row comes out the same only when every call h
 
 A chunk's entries are grouped by key count (one call each, its keys gathered once and expanded
 over the entries); decodes are grouped by key count too. The price: up to KEY_SPLIT - 1 masked keys per
-row and entries padded to ROWS_PER_ENTRY rows (benchmarks/bf16_step_time.py measures it).
+row, and each decode computed twice (benchmarks/bf16_step_time.py measures it).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def _ceil(value: int, multiple: int) -> int:
 def invariant_calls(meta, block_size: int, group: int) -> list[InvariantCall]:
     """The step's calls: per prefill chunk one per key count, and one per key count for the decodes."""
     device = meta.block_tables.device
-    rows_per_entry = max(2, MAX_FOLDED_ROWS // group)
+    max_rows_per_entry = max(2, MAX_FOLDED_ROWS // group)
     calls, decode_ids = [], []
     start = 0
     for i, (query_len, seq_len) in enumerate(zip(meta.query_lens, meta.seq_lens_list)):
@@ -58,6 +58,10 @@ def invariant_calls(meta, block_size: int, group: int) -> list[InvariantCall]:
         if query_len == 1:
             decode_ids.append(i)
             continue
+        # Equal entries, as few as fit: 20 rows are two entries of 10, not 16 + 4 padded to 16
+        # (any 2 to max rows per entry round alike).
+        num_entries = -(-query_len // max_rows_per_entry)
+        rows_per_entry = -(-query_len // num_entries)
         by_num_keys: dict[int, list[int]] = {}  # key count -> offsets in the chunk of its entries' rows
         for entry_start in range(0, query_len, rows_per_entry):
             entry_end = min(entry_start + rows_per_entry, query_len)
