@@ -3,21 +3,24 @@ else is in the step and however its sequence was split into prefill chunks (issu
 
 PyTorch's CPU flash kernel rounds differently with the shape of a call: 64 or more query rows may
 switch it to packed oneDNN micro-kernels, 2 query rows to another gemm than 4 to 32, `is_causal`
-trims each query block's keys, a partial last key block sums in another order; and the plan's
-log-sum-exp merges (shared prefix, in-place bodies) round each part to bf16. Measured (see
-benchmarks/batch_invariance.py), a row comes out the same only when every call has one shape:
+trims each query block's keys, and the length of the last key block (keys mod 512) changes the
+order of its sums, masked keys included; the plan's log-sum-exp merges (shared prefix, in-place
+bodies) also round each part to bf16. Measured (benchmarks/batch_invariance.py and the kernel
+alone), a row comes out the same whenever its call has this shape:
 
-  * an ENTRY is 2 to 32 / group rows of one sequence (decodes: the row and a copy of it), their
+  * an ENTRY is 2 to 32 / group query rows of one sequence (a decode: its row twice), with their
     KV group's query heads folded into the query axis: 4 to 32 query rows, never packed;
-  * its keys are ALL of the sequence's from position 0, in whole blocks of KEY_SPLIT (the
-    kernel's key split), masked causally; extra wholly masked blocks change nothing:
+  * a row at position p reads exactly the keys [0, ceil64(p + 1)) of its sequence, masked
+    causally: the key count is a function of p alone, so rows of one 64-position span share a call:
 
-    entry of rows at positions p..p+15:  q [kv_heads, 16 x group, d]
-                                         keys [0, ceil512(p + 16))   mask: key <= row position
+    chunk rows at positions 100..229    calls: 100..127 over keys [0, 128)   (2 entries of 14)
+                                               128..191 over keys [0, 192)   (4 entries of 16)
+                                               192..229 over keys [0, 256)   (3 entries of 13)
+    a decode at position 300            keys [0, 320), with the decodes of 256..319
 
-A chunk's entries are grouped by key count (one call each, its keys gathered once and expanded
-over the entries); decodes are grouped by key count too. The price: up to KEY_SPLIT - 1 masked keys per
-row, and each decode computed twice (benchmarks/bf16_step_time.py measures it).
+A chunk's keys are gathered once and each call reads a prefix of them; decodes are grouped by
+key count. The price: up to KEY_MULTIPLE - 1 masked keys a row, a call per 64 positions, and
+each decode computed twice (benchmarks/bf16_step_time.py measures it).
 """
 
 from __future__ import annotations
@@ -26,20 +29,21 @@ from dataclasses import dataclass
 
 import torch
 
-KEY_SPLIT = 512       # the CPU flash kernel's key block for long contexts (kv_split_size)
+KEY_MULTIPLE = 64     # a row at position p reads ceil(p + 1) keys to this multiple: fewer calls vs fewer masked keys
 MAX_FOLDED_ROWS = 32  # query rows per entry: under the 64 at which the kernel may pack
 
 
 @dataclass
 class InvariantCall:
-    """Entries of `rows_per_entry` query rows attending over gathered key slots."""
+    """Entries of `rows_per_entry` query rows attending over the first `num_keys` of gathered key slots."""
 
-    rows: torch.Tensor   # int64 [entries * rows_per_entry]: row of q of each query row (padding repeats)
-    keep: torch.Tensor   # int64: which of those are real (first occurrence), in the order of `targets`
+    rows: torch.Tensor     # int64 [entries * rows_per_entry]: row of q of each query row (padding repeats)
+    keep: torch.Tensor     # int64: which of those are real (first occurrence), in the order of `targets`
     targets: torch.Tensor  # int64: the q rows they answer
-    slots: torch.Tensor  # int64 [num_keys] shared by every entry, or [entries, num_keys] per entry
+    slots: torch.Tensor    # int64 [>= num_keys] shared by a chunk's calls, or [entries, num_keys] (decodes)
     visible: torch.Tensor  # bool [entries * rows_per_entry, num_keys]
     rows_per_entry: int
+    num_keys: int
 
 
 def _ceil(value: int, multiple: int) -> int:
@@ -47,51 +51,54 @@ def _ceil(value: int, multiple: int) -> int:
 
 
 def invariant_calls(meta, block_size: int, group: int) -> list[InvariantCall]:
-    """The step's calls: per prefill chunk one per key count, and one per key count for the decodes."""
+    """The step's calls: a chunk's rows by 64-position span, the decodes by key count."""
     device = meta.block_tables.device
-    max_rows_per_entry = max(2, MAX_FOLDED_ROWS // group)
-    calls, decode_ids = [], []
+    max_rows = max(2, MAX_FOLDED_ROWS // group)
+    calls, decodes_by_keys = [], {}
     start = 0
     for i, (query_len, seq_len) in enumerate(zip(meta.query_lens, meta.seq_lens_list)):
         first_row, past = start, seq_len - query_len
         start += query_len
         if query_len == 1:
-            decode_ids.append(i)
+            decodes_by_keys.setdefault(_ceil(seq_len, KEY_MULTIPLE), []).append(i)
             continue
-        # Equal entries, as few as fit: 20 rows are two entries of 10, not 16 + 4 padded to 16
-        # (any 2 to max rows per entry round alike).
-        num_entries = -(-query_len // max_rows_per_entry)
-        rows_per_entry = -(-query_len // num_entries)
-        by_num_keys: dict[int, list[int]] = {}  # key count -> offsets in the chunk of its entries' rows
-        for entry_start in range(0, query_len, rows_per_entry):
-            entry_end = min(entry_start + rows_per_entry, query_len)
-            num_keys = _ceil(past + entry_end, KEY_SPLIT)
-            offsets = list(range(entry_start, entry_end))
-            offsets += [entry_end - 1] * (rows_per_entry - len(offsets))
-            by_num_keys.setdefault(num_keys, []).extend(offsets)
-        for num_keys, offsets in by_num_keys.items():
-            offset_tensor = torch.tensor(offsets, dtype=torch.int64, device=device)
-            keys = torch.arange(num_keys, device=device)
-            real = [index for index, offset in enumerate(offsets) if index == 0 or offset != offsets[index - 1]]
-            calls.append(InvariantCall(
-                rows=offset_tensor + first_row,
-                keep=torch.tensor(real, dtype=torch.int64, device=device),
-                targets=offset_tensor[real] + first_row,
-                slots=_slots(meta, i, keys.clamp(max=seq_len - 1), block_size),
-                visible=keys[None, :] <= (offset_tensor + past)[:, None],
-                rows_per_entry=rows_per_entry))
-    by_num_keys = {}  # decodes grouped by key count: a short one never reads a long one's padding
-    for i in decode_ids:
-        by_num_keys.setdefault(_ceil(meta.seq_lens_list[i], KEY_SPLIT), []).append(i)
-    calls += [_decode_call(meta, ids, block_size, device) for ids in by_num_keys.values()]
+        chunk_keys = torch.arange(_ceil(seq_len, KEY_MULTIPLE), device=device)
+        slots = _slots(meta, i, chunk_keys.clamp(max=seq_len - 1), block_size)  # padding reads a written slot
+        position = past
+        while position < seq_len:
+            span_end = min(_ceil(position + 1, KEY_MULTIPLE), seq_len)  # positions sharing a key count
+            calls.append(_chunk_call(position, span_end, first_row - past, slots, max_rows, device))
+            position = span_end
+    for num_keys, ids in decodes_by_keys.items():
+        calls.append(_decode_call(meta, ids, num_keys, block_size, device))
     return calls
 
 
-def _decode_call(meta, decode_ids: list[int], block_size: int, device) -> InvariantCall:
-    """Every decode as a two-row entry (its row twice: two query rows would take another gemm)."""
+def _chunk_call(first: int, end: int, row_of_position_0: int, slots: torch.Tensor, max_rows: int,
+                device) -> InvariantCall:
+    """Rows at positions first..end-1 (one span), in equal entries of 2 to max_rows rows."""
+    count = end - first
+    num_entries = -(-count // max_rows)
+    per_entry = max(2, -(-count // num_entries))
+    positions = []
+    for entry_start in range(first, end, per_entry):
+        entry = list(range(entry_start, min(entry_start + per_entry, end)))
+        positions += entry + [entry[-1]] * (per_entry - len(entry))  # padding repeats the last row
+    real = [index for index, p in enumerate(positions) if index == 0 or p != positions[index - 1]]
+    position_tensor = torch.tensor(positions, dtype=torch.int64, device=device)
+    num_keys = _ceil(first + 1, KEY_MULTIPLE)
+    keys = torch.arange(num_keys, device=device)
+    rows = position_tensor + row_of_position_0
+    return InvariantCall(rows=rows, keep=torch.tensor(real, dtype=torch.int64, device=device), targets=rows[real],
+                         slots=slots, visible=keys[None, :] <= position_tensor[:, None], rows_per_entry=per_entry,
+                         num_keys=num_keys)
+
+
+def _decode_call(meta, decode_ids: list[int], num_keys: int, block_size: int, device) -> InvariantCall:
+    """Decodes of one key count, each a two-row entry (its row twice: two query rows would take
+    another gemm than four)."""
     ids = torch.tensor(decode_ids, dtype=torch.int64, device=device)
     lens = meta.seq_lens.index_select(0, ids)
-    num_keys = _ceil(max(meta.seq_lens_list[i] for i in decode_ids), KEY_SPLIT)
     keys = torch.arange(num_keys, device=device)
     visible = keys[None, :] < lens[:, None]
     positions = torch.where(visible, keys, lens[:, None] - 1)  # padding reads the own, written, slot
@@ -99,7 +106,8 @@ def _decode_call(meta, decode_ids: list[int], block_size: int, device) -> Invari
     slots = tables.gather(1, positions // block_size) * block_size + positions % block_size
     rows = meta.query_start_loc.index_select(0, ids)
     return InvariantCall(rows=rows.repeat_interleave(2), keep=torch.arange(0, 2 * len(ids), 2, device=device),
-                         targets=rows, slots=slots, visible=visible.repeat_interleave(2, dim=0), rows_per_entry=2)
+                         targets=rows, slots=slots, visible=visible.repeat_interleave(2, dim=0), rows_per_entry=2,
+                         num_keys=num_keys)
 
 
 def _slots(meta, i: int, positions: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -114,10 +122,10 @@ def invariant_attention(q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Ten
     num_kv_heads = flat_k.shape[1]
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
+    gathered: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # a chunk's keys, read once per layer
     for index, call in enumerate(calls):
-        per_entry = call.rows_per_entry
+        per_entry, num_keys = call.rows_per_entry, call.num_keys
         num_entries = len(call.rows) // per_entry
-        num_keys = call.visible.shape[1]
         mask = masks.get(("invariant", index, q.dtype))
         if mask is None:  # additive, [entries, 1, rows x group, keys]: built once per step, shared by the layers
             additive = torch.zeros(call.visible.shape, dtype=q.dtype).masked_fill(~call.visible, float("-inf"))
@@ -125,9 +133,13 @@ def invariant_attention(q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Ten
             mask = masks[("invariant", index, q.dtype)] = mask.reshape(num_entries, 1, per_entry * group, num_keys)
         query = q.index_select(0, call.rows).view(num_entries, per_entry, num_kv_heads, group, head_dim)
         query = query.transpose(1, 2).reshape(num_entries, num_kv_heads, per_entry * group, head_dim)
-        if call.slots.dim() == 1:  # one sequence's keys, read by each of its entries
-            keys = flat_k.index_select(0, call.slots).transpose(0, 1).unsqueeze(0).expand(num_entries, -1, -1, -1)
-            values = flat_v.index_select(0, call.slots).transpose(0, 1).unsqueeze(0).expand(num_entries, -1, -1, -1)
+        if call.slots.dim() == 1:  # a prefix of one chunk's keys, read by each of the call's entries
+            if id(call.slots) not in gathered:
+                gathered[id(call.slots)] = (flat_k.index_select(0, call.slots).transpose(0, 1).unsqueeze(0),
+                                            flat_v.index_select(0, call.slots).transpose(0, 1).unsqueeze(0))
+            chunk_keys, chunk_values = gathered[id(call.slots)]
+            keys = chunk_keys[:, :, :num_keys].expand(num_entries, -1, -1, -1)
+            values = chunk_values[:, :, :num_keys].expand(num_entries, -1, -1, -1)
         else:
             shape = (num_entries, num_keys, num_kv_heads, head_dim)
             keys = flat_k.index_select(0, call.slots.reshape(-1)).view(shape).transpose(1, 2)
