@@ -63,8 +63,8 @@ def main() -> None:
     outputs["cache off, again"] = run(make(enable_prefix_caching=False), prompts)
 
     agreement = {}
-    print(f"{args.dtype}: {args.prompts} prompts, {args.prefix_len}-token shared prefix, {args.max_tokens} greedy tokens;"
-          " identical requests vs caching off")
+    print(f"{args.dtype}: {args.prompts} prompts, {args.prefix_len}-token shared prefix, "
+          f"{args.max_tokens} greedy tokens; identical requests vs caching off")
     for name, got in outputs.items():
         same = sum(a == b for a, b in zip(got, baseline))
         agreement[name] = same / len(baseline)
