@@ -313,9 +313,24 @@ def print_table(title: str, table: dict[str, dict[str, dict]]) -> None:
     print(f"{'op':<20}" + "".join(f"{name:>15}" for name in names))
     for op in OPS:
         print(f"{op:<20}" + "".join(f"{cell(table[name].get(op)):>15}" for name in names))
-    firsts = {name: next((op for op in OPS if op in table[name] and not table[name][op]["identical"]), None)
-              for name in names}
+    firsts = {name: first_to_differ(table[name]) for name in names}
     print(f"{'first to differ':<20}" + "".join(f"{str(firsts[name]):>15}" for name in names))
+
+
+def first_to_differ(result: dict[str, dict]) -> Optional[str]:
+    """The op that differs first in forward order (layer by layer), as 'op@layer'."""
+    def forward_order(op: str) -> tuple[int, int]:
+        layer = result[op]["first_layer"]
+        if op == "embedding":
+            layer = -1
+        elif op in ("final_norm", "logits"):
+            layer = 1 << 30
+        return layer, OPS.index(op)
+    differing = [op for op in OPS if op in result and not result[op]["identical"]]
+    if not differing:
+        return None
+    op = min(differing, key=forward_order)
+    return op if op in ("embedding", "final_norm", "logits") else f"{op}@{result[op]['first_layer']}"
 
 
 @torch.inference_mode()
