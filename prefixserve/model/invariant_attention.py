@@ -2,14 +2,15 @@
 else is in the step and however its sequence was split into prefill chunks (issue 15).
 
 PyTorch's CPU flash kernel rounds differently with the shape of a call: 64 or more query rows may
-switch it to packed oneDNN micro-kernels, 2 query rows to another gemm than 4 to 32, `is_causal`
+switch it to packed oneDNN micro-kernels, 2 or 3 query rows to another gemm than 4 to 63, `is_causal`
 trims each query block's keys, and the length of the last key block (keys mod 512) changes the
 order of its sums, masked keys included; the plan's log-sum-exp merges (shared prefix, in-place
 bodies) also round each part to bf16. Measured (benchmarks/batch_invariance.py and the kernel
 alone), a row comes out the same whenever its call has this shape:
 
-  * an ENTRY is 2 to 32 / group query rows of one sequence (a decode: its row twice), with their
-    KV group's query heads folded into the query axis: 4 to 32 query rows, never packed;
+  * an ENTRY is rows of one sequence with their KV group's query heads folded into the query
+    axis, 4 to 32 query rows (never packed; 2 or 3 take another gemm): with 2 heads a group,
+    2 to 16 rows, a decode's row twice;
   * a row at position p reads exactly the keys [0, ceil64(p + 1)) of its sequence, masked
     causally: the key count is a function of p alone, so rows of one 64-position span share a call:
 
@@ -20,7 +21,7 @@ alone), a row comes out the same whenever its call has this shape:
 
 A chunk's keys are gathered once and each call reads a prefix of them; decodes are grouped by
 key count. The price: up to KEY_MULTIPLE - 1 masked keys a row, a call per 64 positions, and
-each decode computed twice (benchmarks/bf16_step_time.py measures it).
+each decode computed twice with 2 heads a group (benchmarks/bf16_step_time.py measures it).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 KEY_MULTIPLE = 64     # a row at position p reads ceil(p + 1) keys to this multiple: fewer calls vs fewer masked keys
+MIN_FOLDED_ROWS = 4   # query rows per entry: 2 or 3 take another gemm (measured with 1, 2 and 3 heads a group)
 MAX_FOLDED_ROWS = 32  # query rows per entry: under the 64 at which the kernel may pack
 
 
@@ -53,7 +55,8 @@ def _ceil(value: int, multiple: int) -> int:
 def invariant_calls(meta, block_size: int, group: int) -> list[InvariantCall]:
     """The step's calls: a chunk's rows by 64-position span, the decodes by key count."""
     device = meta.block_tables.device
-    max_rows = max(2, MAX_FOLDED_ROWS // group)
+    min_rows = -(-MIN_FOLDED_ROWS // group)  # rows (each `group` query rows) an entry needs
+    max_rows = max(min_rows, MAX_FOLDED_ROWS // group)
     calls, decodes_by_keys = [], {}
     start = 0
     for i, (query_len, seq_len) in enumerate(zip(meta.query_lens, meta.seq_lens_list)):
@@ -67,19 +70,19 @@ def invariant_calls(meta, block_size: int, group: int) -> list[InvariantCall]:
         position = past
         while position < seq_len:
             span_end = min(_ceil(position + 1, KEY_MULTIPLE), seq_len)  # positions sharing a key count
-            calls.append(_chunk_call(position, span_end, first_row - past, slots, max_rows, device))
+            calls.append(_chunk_call(position, span_end, first_row - past, slots, min_rows, max_rows, device))
             position = span_end
     for num_keys, ids in decodes_by_keys.items():
-        calls.append(_decode_call(meta, ids, num_keys, block_size, device))
+        calls.append(_decode_call(meta, ids, num_keys, block_size, min_rows, device))
     return calls
 
 
-def _chunk_call(first: int, end: int, row_of_position_0: int, slots: torch.Tensor, max_rows: int,
+def _chunk_call(first: int, end: int, row_of_position_0: int, slots: torch.Tensor, min_rows: int, max_rows: int,
                 device) -> InvariantCall:
-    """Rows at positions first..end-1 (one span), in equal entries of 2 to max_rows rows."""
+    """Rows at positions first..end-1 (one span), in equal entries of min_rows to max_rows rows."""
     count = end - first
     num_entries = -(-count // max_rows)
-    per_entry = max(2, -(-count // num_entries))
+    per_entry = max(min_rows, -(-count // num_entries))
     positions = []
     for entry_start in range(first, end, per_entry):
         entry = list(range(entry_start, min(entry_start + per_entry, end)))
@@ -94,9 +97,10 @@ def _chunk_call(first: int, end: int, row_of_position_0: int, slots: torch.Tenso
                          num_keys=num_keys)
 
 
-def _decode_call(meta, decode_ids: list[int], num_keys: int, block_size: int, device) -> InvariantCall:
-    """Decodes of one key count, each a two-row entry (its row twice: two query rows would take
-    another gemm than four)."""
+def _decode_call(meta, decode_ids: list[int], num_keys: int, block_size: int, min_rows: int,
+                 device) -> InvariantCall:
+    """Decodes of one key count, each an entry of its row repeated min_rows times (with 2 heads a
+    group, twice: 2 query rows would take another gemm than 4; with 4 or more, once)."""
     ids = torch.tensor(decode_ids, dtype=torch.int64, device=device)
     lens = meta.seq_lens.index_select(0, ids)
     keys = torch.arange(num_keys, device=device)
@@ -105,8 +109,9 @@ def _decode_call(meta, decode_ids: list[int], num_keys: int, block_size: int, de
     tables = meta.block_tables.index_select(0, ids)
     slots = tables.gather(1, positions // block_size) * block_size + positions % block_size
     rows = meta.query_start_loc.index_select(0, ids)
-    return InvariantCall(rows=rows.repeat_interleave(2), keep=torch.arange(0, 2 * len(ids), 2, device=device),
-                         targets=rows, slots=slots, visible=visible.repeat_interleave(2, dim=0), rows_per_entry=2,
+    keep = torch.arange(0, min_rows * len(ids), min_rows, device=device)
+    return InvariantCall(rows=rows.repeat_interleave(min_rows), keep=keep, targets=rows, slots=slots,
+                         visible=visible.repeat_interleave(min_rows, dim=0), rows_per_entry=min_rows,
                          num_keys=num_keys)
 
 
