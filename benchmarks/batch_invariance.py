@@ -341,11 +341,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-pack", action="store_true", help="leave the linear weights unpacked (F.linear)")
     parser.add_argument("--output", type=Path, default=RESULTS, help=f"JSON written here (default {RESULTS})")
+    parser.add_argument("--model", type=Path, default=None, help="a checkpoint directory (default: the built-in model)")
     args = parser.parse_args()
     began = time.perf_counter()
     torch.manual_seed(args.seed)
     dtype = getattr(torch, args.dtype)
-    model = load_model(ensure_default_model(), dtype, "cpu").model
+    model = load_model(args.model or ensure_default_model(), dtype, "cpu").model
     packed = False if args.no_pack else model.pack_linear_weights(batch_size_hint=2048)
     rng = random.Random(args.seed)
     target = [rng.randrange(10, 8000) for _ in range(args.length)]

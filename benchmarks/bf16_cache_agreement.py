@@ -38,6 +38,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=20)
     parser.add_argument("--prefix-len", type=int, default=70, help="shared system prefix tokens")
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--model", default=None, help="a checkpoint directory or a named model (default: built-in)")
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
     began = time.perf_counter()
@@ -45,7 +46,7 @@ def main() -> None:
     prompts = token_prompts(args.prompts, args.prefix_len)
 
     def make(**options) -> LLM:
-        return LLM(dtype=args.dtype, kv_cache_memory_bytes=64 << 20, log_stats=False, **options)
+        return LLM(model=args.model, dtype=args.dtype, kv_cache_memory_bytes=256 << 20, log_stats=False, **options)
 
     def run(llm: LLM, batch: list[list[int]]) -> list[list[int]]:
         return [out.token_ids for out in llm.generate(batch, greedy, use_tqdm=False)]
