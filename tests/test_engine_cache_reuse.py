@@ -78,3 +78,28 @@ def test_generated_output_blocks_are_cached_too():
     # The last output token's KV is never computed (nothing ran after it was sampled).
     computed = len(prompt) + len(first.token_ids) - 1
     assert second.num_cached_tokens == computed // 16 * 16
+
+
+def test_bfloat16_cache_hits_keep_outputs():
+    """bfloat16 too: attention's batch-invariant path (model/invariant_attention.py) and the
+    two-row bf16 matmul keep a token's numbers the same in any batch, chunk split or decode.
+    Without them 0-15% of such requests kept their tokens (benchmarks/bf16_cache_agreement.py)."""
+    from prefixserve.engine.runner import cpu_has_fast_bfloat16
+
+    if not cpu_has_fast_bfloat16():
+        pytest.skip("measured on CPUs with bf16 instructions only")
+    rng = random.Random(3)
+    system = [rng.randrange(10, 8000) for _ in range(150)]
+    prompts = [system + [rng.randrange(10, 8000) for _ in range(rng.randrange(3, 30))] for _ in range(4)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+    def run(llm, batch):
+        return [out.token_ids for out in llm.generate(batch, params, use_tqdm=False)]
+
+    baseline = run(make_llm(dtype="bfloat16", enable_prefix_caching=False), prompts)
+    llm = make_llm(dtype="bfloat16")
+    assert run(llm, prompts[:1]) + run(llm, prompts[1:]) == baseline  # the rest hit the first's prefix
+    assert run(llm, prompts) == baseline  # warm
+    chunked = make_llm(dtype="bfloat16", max_num_batched_tokens=45)
+    assert run(chunked, prompts) == baseline
+    assert run(chunked, prompts) == baseline

@@ -19,11 +19,13 @@ def resolve_device(name: str) -> torch.device:
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """auto: bfloat16 on CUDA, float32 on CPU.
 
-    On CPU, float32 keeps the cache's promise that a hit never changes a greedy output: in
-    bfloat16 a prefix computed in another batch shape rounds differently, and on the built-in
-    model cache-on and cache-off greedy tokens then agree on only 9-19% of requests
-    (benchmarks/compare.py). CPUs with bf16 instructions run `dtype="bfloat16"` 2-3x faster;
-    the engine says so at start-up, and the choice is the operator's.
+    On CPU, bfloat16 keeps the cache's promise too since its attention became batch-invariant
+    (model/invariant_attention.py; before, cache-on and cache-off greedy tokens agreed on only
+    9-19% of requests), but that path gives up the shared-prefix cascade: 32 requests decoding
+    over a shared 300-token prefix take 1.3-1.6x the time of the fastest bf16 path, and more
+    than float32 with its cascade (issue 15), over the 15% the issue allows, so auto stays
+    float32 on CPU for now. Per step, bf16 runs 1.3-2.2x faster than float32 on CPUs with bf16
+    instructions (benchmarks/bf16_step_time.py); the engine says so at start-up.
     """
     if name != "auto":
         return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]

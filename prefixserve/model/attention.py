@@ -38,8 +38,12 @@ import torch
 import torch.nn.functional as F
 
 from .attention_plan import StepPlan, build_plan
+from .invariant_attention import invariant_attention, invariant_calls
 
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+# Dtypes whose CPU attention takes the batch-invariant path (invariant_attention.py): in bfloat16
+# the fast path's rounding depends on the batch shape and a cache hit changes greedy tokens.
+BATCH_INVARIANT_DTYPES = {torch.bfloat16}
 
 
 @dataclass
@@ -192,6 +196,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         plan = plan_step(meta, k_cache)
     flat_k = k_cache.view(-1, num_kv_heads, head_dim)
     flat_v = v_cache.view(-1, num_kv_heads, head_dim)
+    if q.dtype in BATCH_INVARIANT_DTYPES and q.device.type == "cpu" and _CPU_FLASH is not None:
+        if plan.invariant_calls is None:
+            plan.invariant_calls = invariant_calls(meta, k_cache.shape[1], group)
+        return invariant_attention(q, flat_k, flat_v, plan.invariant_calls, plan.masks, scale, _attend)
     out = torch.empty_like(q)
     pieces: list[tuple[torch.Tensor, torch.Tensor]] = []  # (out, lse) in plan.merge_index order
     merge_ids: list = []

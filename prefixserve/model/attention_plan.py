@@ -94,6 +94,7 @@ class StepPlan:
     merged_rows: Optional[torch.Tensor]  # int64 [num_merged]: rows of q assembled from parts
     merge_index: Optional[torch.Tensor] = None  # int64: merged id of each contribution, in order
     masks: dict = field(default_factory=dict)   # additive decode masks per dtype
+    invariant_calls: Optional[list] = None      # the batch-invariant path's calls (invariant_attention.py)
 
 
 def _ascending_run(table: list[int], start: int, end: int) -> int:

@@ -46,6 +46,12 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None or x.shape[0] not in self.packed_rows:
             return F.linear(x, self.weight, self.bias)
+        if x.shape[0] == 1 and x.dtype == torch.bfloat16:
+            # oneDNN's one-row bf16 kernel sums K=1,344 (the default model's down_proj) in another
+            # order than its 2+ row kernel: a lone decode would round differently from the same
+            # token in a batch (benchmarks/batch_invariance.py). Two copies of the row cost the same.
+            return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1).contiguous(), self.packed, self.bias,
+                                                      "none", [], "")[:1]
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
