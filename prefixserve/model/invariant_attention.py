@@ -34,6 +34,7 @@ import torch
 KEY_MULTIPLE = 64     # a row at position p reads ceil(p + 1) keys to this multiple: fewer calls vs fewer masked keys
 MIN_FOLDED_ROWS = 4   # query rows per entry: 2 or 3 take another gemm (measured with 1, 2 and 3 heads a group)
 MAX_FOLDED_ROWS = 32  # query rows per entry: under the 64 at which the kernel may pack
+MAX_GATHERED_ENTRIES = 4  # a segment read by more entries gets its own call, its keys gathered once
 SEGMENT_KEYS = 256    # keys [0, 256), [256, 512), ... before a row's own segment: read once by all rows that share them
 
 
@@ -73,8 +74,9 @@ class InvariantPlan:
 
     calls: list[InvariantCall]
     segment_calls: list[SegmentCall]
-    merged_rows: torch.Tensor   # int64 [M]: q rows whose output is a merge
+    merged_rows: torch.Tensor   # int64 [M]: q rows whose output is a merge, by k
     merge_index: list[Optional[torch.Tensor]]  # per call: index in merged_rows of its kept rows, None if k = 0
+    merge_groups: list[tuple[int, int, int]]   # (k, first, end): merged_rows[first:end] merge k segments and a tail
     num_parts: int              # max k + 1 (the tail is the last part)
 
 
@@ -92,7 +94,7 @@ def invariant_calls(meta, block_size: int, group: int) -> InvariantPlan:
     blocks_per_segment = SEGMENT_KEYS // block_size
     calls, decodes_by_keys = [], {}
     rows_by_segment: dict[tuple, list[tuple[int, int]]] = {}  # a segment's block ids -> (q row, segment number)
-    merged_rows: list[int] = []
+    merged: list[tuple[int, int]] = []  # (k, q row) of each row with k whole segments, k > 0
     start = 0
     for i, (query_len, seq_len) in enumerate(zip(meta.query_lens, meta.seq_lens_list)):
         first_row, past = start, seq_len - query_len
@@ -103,7 +105,8 @@ def invariant_calls(meta, block_size: int, group: int) -> InvariantPlan:
             first = max(past, (segment + 1) * SEGMENT_KEYS)
             rows_by_segment.setdefault(block_ids, []).extend(
                 (first_row + position - past, segment) for position in range(first, seq_len))
-        merged_rows.extend(range(first_row + max(past, SEGMENT_KEYS) - past, first_row + query_len))
+        merged.extend((position // SEGMENT_KEYS, first_row + position - past)
+                      for position in range(max(past, SEGMENT_KEYS), seq_len))
         if query_len == 1:
             decodes_by_keys.setdefault(_ceil(seq_len, KEY_MULTIPLE), []).append(i)
             continue
@@ -116,19 +119,27 @@ def invariant_calls(meta, block_size: int, group: int) -> InvariantPlan:
             position = span_end
     for num_keys, ids in decodes_by_keys.items():
         calls.append(_decode_call(meta, ids, num_keys, block_size, min_rows, device))
+    merged.sort()
+    merged_rows = [row for _, row in merged]
     merged_index = {row: index for index, row in enumerate(merged_rows)}
+    merge_groups, first = [], 0
+    for index, (k, _) in enumerate(merged):
+        if index + 1 == len(merged) or merged[index + 1][0] != k:
+            merge_groups.append((k, first, index + 1))
+            first = index + 1
     merge_index = [torch.tensor([merged_index[row] for row in call.targets.tolist()], dtype=torch.int64, device=device)
                    if call.key_start else None for call in calls]
     segment_calls = _segment_calls(rows_by_segment, merged_index, block_size, min_rows, max_rows, device)
     num_parts = max((call.key_start // SEGMENT_KEYS for call in calls), default=0) + 1
     return InvariantPlan(calls, segment_calls, torch.tensor(merged_rows, dtype=torch.int64, device=device),
-                         merge_index, num_parts)
+                         merge_index, merge_groups, num_parts)
 
 
 def _segment_calls(rows_by_segment: dict, merged_index: dict, block_size: int, min_rows: int, max_rows: int,
                    device) -> list[SegmentCall]:
-    """A call per segment that more than one entry reads (its keys gathered once), and one call for
-    all the others, an entry each, padded to the longest (any 4 to 32 query rows round alike)."""
+    """A call per segment that many entries read (its keys gathered once, expanded), and one call for
+    all the others, their keys gathered per entry, entries padded to the longest (any 4 to 32 query
+    rows round alike, so neither the padding nor the call a segment lands in changes a row)."""
     offsets = torch.arange(block_size, device=device)
 
     def segment_slots(block_ids) -> torch.Tensor:
@@ -146,19 +157,19 @@ def _segment_calls(rows_by_segment: dict, merged_index: dict, block_size: int, m
         as_tensor = lambda values: torch.tensor(values, dtype=torch.int64, device=device)
         return SegmentCall(as_tensor(rows), as_tensor(keep), as_tensor(targets), as_tensor(parts), slots, per_entry)
 
-    calls, singles = [], []
+    calls, gathered_entries, gathered_slots = [], [], []
     for block_ids, readers in rows_by_segment.items():
-        if len(readers) <= max_rows:
-            singles.append((block_ids, readers))
-            continue
         num_entries = -(-len(readers) // max_rows)
         per_entry = -(-len(readers) // num_entries)
         entries = [readers[index:index + per_entry] for index in range(0, len(readers), per_entry)]
-        calls.append(build(entries, per_entry, segment_slots(block_ids)[None, :]))
-    if singles:
-        per_entry = max(min_rows, max(len(readers) for _, readers in singles))
-        slots = torch.stack([segment_slots(block_ids) for block_ids, _ in singles])
-        calls.append(build([readers for _, readers in singles], per_entry, slots))
+        if num_entries > MAX_GATHERED_ENTRIES:
+            calls.append(build(entries, max(min_rows, per_entry), segment_slots(block_ids)[None, :]))
+        else:
+            gathered_entries += entries
+            gathered_slots += [segment_slots(block_ids)] * num_entries
+    if gathered_entries:
+        per_entry = max(min_rows, max(len(entry) for entry in gathered_entries))
+        calls.append(build(gathered_entries, per_entry, torch.stack(gathered_slots)))
     return calls
 
 
@@ -215,8 +226,9 @@ def invariant_attention(q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Ten
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
     num_merged, tail = len(plan.merged_rows), plan.num_parts - 1
-    parts = torch.zeros((num_merged, plan.num_parts, num_heads, head_dim))  # float32 partials, tail last
-    lses = torch.full((num_merged, plan.num_parts, num_heads), float("-inf"))
+    # float32 partials, part-major, tail last; a row's unused parts stay unwritten and are never read
+    parts = torch.empty((plan.num_parts, num_merged, num_heads, head_dim))
+    lses = torch.empty((plan.num_parts, num_merged, num_heads))
 
     def fold(call, num_entries):
         per_entry = call.rows_per_entry
@@ -238,8 +250,8 @@ def invariant_attention(q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Ten
         if len(call.slots) == 1:  # one segment read by all the call's entries
             keys, values = keys.expand(num_entries, -1, -1, -1), values.expand(num_entries, -1, -1, -1)
         attended, lse = unfold(call, num_entries, *attend(fold(call, num_entries), keys, values, scale))
-        parts[call.targets, call.parts] = attended.float()
-        lses[call.targets, call.parts] = lse
+        parts[call.parts, call.targets] = attended.float()
+        lses[call.parts, call.targets] = lse
 
     gathered: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # a chunk's keys, read once per layer
     for index, call in enumerate(plan.calls):
@@ -266,20 +278,27 @@ def invariant_attention(q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Ten
         if merge_index is None:
             out.index_copy_(0, call.targets, attended)
         else:
-            parts[merge_index, tail] = attended.float()
-            lses[merge_index, tail] = lse
+            parts[tail, merge_index] = attended.float()
+            lses[tail, merge_index] = lse
 
     if num_merged:
-        out.index_copy_(0, plan.merged_rows, _merge(parts, lses).to(q.dtype))
+        merged = torch.empty((num_merged, num_heads, head_dim))
+        for k, first, end in plan.merge_groups:
+            order = [*range(k), tail]
+            merged[first:end] = _merge([parts[part, first:end] for part in order], [lses[part, first:end] for part in order])
+        out.index_copy_(0, plan.merged_rows, merged.to(q.dtype))
     return out
 
 
-def _merge(parts: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
-    """Log-sum-exp average of parts [M, P, H, d] in part order, one elementwise step a part, so a
-    row's result does not depend on the others (a missing part weighs exactly 0 and adds 0)."""
-    weights = (lses - lses.amax(1, keepdim=True)).exp_()
-    total, merged = weights[:, 0], parts[:, 0] * weights[:, 0, :, None]
-    for part in range(1, parts.shape[1]):
-        total = total + weights[:, part]
-        merged = merged + parts[:, part] * weights[:, part, :, None]
+def _merge(parts: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
+    """Log-sum-exp average of parts [M, H, d] (float32) in list order, one elementwise step a part,
+    so a row's result does not depend on the other rows."""
+    top = lses[0]
+    for lse in lses[1:]:
+        top = torch.maximum(top, lse)
+    total = merged = None
+    for part, lse in zip(parts, lses):
+        weight = (lse - top).exp_()
+        total = weight if total is None else total + weight
+        merged = part * weight[..., None] if merged is None else merged + part * weight[..., None]
     return merged / total[..., None]
