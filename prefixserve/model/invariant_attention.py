@@ -19,9 +19,20 @@ alone), a row comes out the same whenever its call has this shape:
                                                192..229 over keys [0, 256)   (3 entries of 13)
     a decode at position 300            keys [0, 320), with the decodes of 256..319
 
-A chunk's keys are gathered once and each call reads a prefix of them; decodes are grouped by
+A chunk's keys are gathered once and each call reads a part of them; decodes are grouped by
 key count. The price: up to KEY_MULTIPLE - 1 masked keys a row, a call per 64 positions, and
 each decode computed twice with 2 heads a group (benchmarks/bf16_step_time.py measures it).
+
+Invariant cascade: keys are cut into SEGMENT_KEYS-key segments at fixed positions. A row at p
+reads its k = p // 256 whole segments without a mask and only its TAIL [256k, ceil64(p + 1))
+as above, then merges the k + 1 partials (bf16 output, float32 log-sum-exp) in float32, segment
+0, 1, ..., tail, one elementwise step a part. A segment held by several sequences (the same
+block ids: a prefix-cache hit) is read once for all their rows, packed 4 to 32 query rows an
+entry: the kernel rounds a row alike for any such entry, so sharing changes no bit:
+
+    position:   0          256         512        p   ceil64(p + 1)
+    row at p:   [segment 0 ][segment 1 ][tail .....|....)
+                 shared by every sequence whose blocks hold it   own, causal, masked past p
 """
 
 from __future__ import annotations
