@@ -33,7 +33,12 @@ def cases(rng: random.Random) -> dict[str, list[tuple[int, int]]]:
         "decode x1 @512": [(511, 1)],
         "decode x16 @200-900": [(n, 1) for n in decode_lens],
         "decode x64 @300": [(299, 1)] * 64,
+        "decode x32 @300 shared 288": [(299, 1)] * 32,
     }
+
+
+# Case name -> leading blocks every sequence's table shares (a prefix-cache hit: the cascade's case).
+SHARED_BLOCKS = {"decode x32 @300 shared 288": 288 // BLOCK_SIZE}
 
 
 def main() -> None:
@@ -59,10 +64,11 @@ def main() -> None:
     caches = [(torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)) for _ in range(config.num_hidden_layers)]
     print(f"{prefixserve.__file__}  {args.dtype}, {torch.get_num_threads()} threads, median (min) of {args.repeats}")
     for name, seqs in all_cases.items():
-        tables, next_block = [], 0
+        shared = list(range(SHARED_BLOCKS.get(name, 0)))
+        tables, next_block = [], len(shared)
         for past, new in seqs:
-            count = -(-(past + new) // BLOCK_SIZE)
-            tables.append(list(range(next_block, next_block + count)))
+            count = -(-(past + new) // BLOCK_SIZE) - len(shared)
+            tables.append(shared + list(range(next_block, next_block + count)))
             next_block += count
         query_lens = [new for _, new in seqs]
         seq_lens = [past + new for past, new in seqs]

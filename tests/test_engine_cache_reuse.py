@@ -103,3 +103,25 @@ def test_bfloat16_cache_hits_keep_outputs():
     chunked = make_llm(dtype="bfloat16", max_num_batched_tokens=45)
     assert run(chunked, prompts) == baseline
     assert run(chunked, prompts) == baseline
+
+
+def test_bfloat16_shared_segments_keep_outputs():
+    """Past 256 keys bf16 attention reads whole 256-key segments, once for all the rows whose blocks
+    hold them (the invariant cascade): 20 requests over a 300-token prefix read it in one call of 2
+    entries with caching on, and each its own copy with caching off; their tokens must not differ."""
+    from prefixserve.engine.runner import cpu_has_fast_bfloat16
+
+    if not cpu_has_fast_bfloat16():
+        pytest.skip("measured on CPUs with bf16 instructions only")
+    rng = random.Random(5)
+    system = [rng.randrange(10, 8000) for _ in range(300)]
+    prompts = [system + [rng.randrange(10, 8000) for _ in range(rng.randrange(3, 30))] for _ in range(20)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+    def run(llm, batch):
+        return [out.token_ids for out in llm.generate(batch, params, use_tqdm=False)]
+
+    baseline = run(make_llm(dtype="bfloat16", enable_prefix_caching=False), prompts)
+    llm = make_llm(dtype="bfloat16")
+    assert run(llm, prompts[:1]) + run(llm, prompts[1:]) == baseline
+    assert run(make_llm(dtype="bfloat16", max_num_batched_tokens=45), prompts) == baseline
