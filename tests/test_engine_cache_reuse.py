@@ -80,23 +80,29 @@ def test_generated_output_blocks_are_cached_too():
     assert second.num_cached_tokens == computed // 16 * 16
 
 
-def test_bfloat16_cache_hits_keep_outputs():
-    """bfloat16 too: attention's batch-invariant path (model/invariant_attention.py) and the
-    two-row bf16 matmul keep a token's numbers the same in any batch, chunk split or decode.
-    Without them 0-15% of such requests kept their tokens (benchmarks/bf16_cache_agreement.py)."""
+def bfloat16_case(seed: int, prefix_len: int, num_prompts: int, max_tokens: int):
+    """(prompts sharing a random prefix, run(llm, batch) -> greedy token ids, the cache-off baseline) in
+    bfloat16; skips on CPUs without bf16 instructions, where invariance was not measured."""
     from prefixserve.engine.runner import cpu_has_fast_bfloat16
 
     if not cpu_has_fast_bfloat16():
         pytest.skip("measured on CPUs with bf16 instructions only")
-    rng = random.Random(3)
-    system = [rng.randrange(10, 8000) for _ in range(150)]
-    prompts = [system + [rng.randrange(10, 8000) for _ in range(rng.randrange(3, 30))] for _ in range(4)]
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    rng = random.Random(seed)
+    system = [rng.randrange(10, 8000) for _ in range(prefix_len)]
+    prompts = [system + [rng.randrange(10, 8000) for _ in range(rng.randrange(3, 30))] for _ in range(num_prompts)]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
     def run(llm, batch):
         return [out.token_ids for out in llm.generate(batch, params, use_tqdm=False)]
 
-    baseline = run(make_llm(dtype="bfloat16", enable_prefix_caching=False), prompts)
+    return prompts, run, run(make_llm(dtype="bfloat16", enable_prefix_caching=False), prompts)
+
+
+def test_bfloat16_cache_hits_keep_outputs():
+    """bfloat16 too: attention's batch-invariant path (model/invariant_attention.py) and the
+    two-row bf16 matmul keep a token's numbers the same in any batch, chunk split or decode.
+    Without them 0-15% of such requests kept their tokens (benchmarks/bf16_cache_agreement.py)."""
+    prompts, run, baseline = bfloat16_case(seed=3, prefix_len=150, num_prompts=4, max_tokens=24)
     llm = make_llm(dtype="bfloat16")
     assert run(llm, prompts[:1]) + run(llm, prompts[1:]) == baseline  # the rest hit the first's prefix
     assert run(llm, prompts) == baseline  # warm
@@ -109,19 +115,7 @@ def test_bfloat16_shared_segments_keep_outputs():
     """Past 256 keys bf16 attention reads whole 256-key segments, once for all the rows whose blocks
     hold them (the invariant cascade): 20 requests over a 300-token prefix read it in one call of 2
     entries with caching on, and each its own copy with caching off; their tokens must not differ."""
-    from prefixserve.engine.runner import cpu_has_fast_bfloat16
-
-    if not cpu_has_fast_bfloat16():
-        pytest.skip("measured on CPUs with bf16 instructions only")
-    rng = random.Random(5)
-    system = [rng.randrange(10, 8000) for _ in range(300)]
-    prompts = [system + [rng.randrange(10, 8000) for _ in range(rng.randrange(3, 30))] for _ in range(20)]
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-
-    def run(llm, batch):
-        return [out.token_ids for out in llm.generate(batch, params, use_tqdm=False)]
-
-    baseline = run(make_llm(dtype="bfloat16", enable_prefix_caching=False), prompts)
+    prompts, run, baseline = bfloat16_case(seed=5, prefix_len=300, num_prompts=20, max_tokens=12)
     llm = make_llm(dtype="bfloat16")
     assert run(llm, prompts[:1]) + run(llm, prompts[1:]) == baseline
     assert run(make_llm(dtype="bfloat16", max_num_batched_tokens=45), prompts) == baseline
