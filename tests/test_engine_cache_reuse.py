@@ -119,3 +119,30 @@ def test_bfloat16_shared_segments_keep_outputs():
     llm = make_llm(dtype="bfloat16")
     assert run(llm, prompts[:1]) + run(llm, prompts[1:]) == baseline
     assert run(make_llm(dtype="bfloat16", max_num_batched_tokens=45), prompts) == baseline
+
+
+def test_batch_invariant_false_takes_the_faster_bfloat16_path(monkeypatch):
+    """batch_invariant=False (--no-batch-invariant) is the opt-out: no invariant attention call and no
+    one-row Linear rule; the default takes both. (Whether outputs then differ depends on the CPU.)"""
+    import prefixserve.model.attention as attention
+    from prefixserve.model.llama import Linear
+
+    if attention._CPU_FLASH is None:
+        pytest.skip("this torch has no CPU flash attention: the invariant path is never taken")
+    calls = []
+    real = attention.invariant_attention
+    monkeypatch.setattr(attention, "invariant_attention", lambda *args: calls.append(1) or real(*args))
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    prompt = list(range(10, 90))
+    fast = make_llm(dtype="bfloat16", batch_invariant=False)
+    assert all(not module.batch_invariant for module in fast.engine.runner.model.modules()
+               if isinstance(module, Linear))
+    fast.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+    assert calls == []
+    exact = make_llm(dtype="bfloat16")
+    assert all(module.batch_invariant for module in exact.engine.runner.model.modules() if isinstance(module, Linear))
+    exact.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+    assert calls
+    fast.reload(None)  # a reloaded model keeps the engine's choice
+    assert all(not module.batch_invariant for module in fast.engine.runner.model.modules()
+               if isinstance(module, Linear))

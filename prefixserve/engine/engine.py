@@ -77,7 +77,7 @@ class LLMEngine:
         self._log_progress(f"allocating the KV pool: {num_blocks} blocks "
                            f"({num_blocks * config.block_size * bytes_per_token / 2**20:.0f} MiB) ...")
         self.runner = ModelRunner(loaded.model, loaded.config, num_blocks, config.block_size, self.dtype,
-                                  self.device, config.seed)
+                                  self.device, config.seed, batch_invariant=config.batch_invariant)
         self.tiers = self._build_tiers()
         self.inputs = InputProcessor(self.tokenizer, loaded.config.vocab_size, self.max_model_len, self.scoper,
                                      self.eos_token_ids, config.prefix_ttl)

@@ -80,7 +80,7 @@ def swap_model(engine, version: ModelVersion) -> ReloadReport:
     began = time.perf_counter()
     previous = engine.scope
     same_tokenizer = version.tokenizer.fingerprint == engine.tokenizer.fingerprint
-    engine.runner.model = version.loaded.model
+    engine.runner.use_model(version.loaded.model)
     engine.model_config = version.loaded.config
     engine.model_path, engine.model_name = version.path, version.name
     engine.tokenizer, engine.eos_token_ids = version.tokenizer, version.eos_token_ids

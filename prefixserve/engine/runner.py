@@ -15,6 +15,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 
 from ..model import AttentionMetadata, LlamaForCausalLM, ModelConfig
+from ..model.llama import Linear
 from .outputs import TokenLogprob
 from .sampling import Sampler
 from .scheduler import ScheduledRequest
@@ -54,8 +55,10 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         seed: int = 0,
+        batch_invariant: bool = True,
     ) -> None:
-        self.model = model
+        self.batch_invariant = batch_invariant
+        self.use_model(model)
         self.block_size = block_size
         self.device = device
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
@@ -66,6 +69,13 @@ class ModelRunner:
             for _ in range(config.num_hidden_layers)
         ]
         self.sampler = Sampler(seed)
+
+    def use_model(self, model: LlamaForCausalLM) -> None:
+        """Run `model` from now on (start-up, a hot reload), with this engine's batch-invariance choice."""
+        for module in model.modules():
+            if isinstance(module, Linear):
+                module.batch_invariant = self.batch_invariant
+        self.model = model
 
     @property
     def block_shape(self) -> tuple[int, ...]:
@@ -115,6 +125,7 @@ class ModelRunner:
                 sample_rows.append(len(input_ids) - 1)
                 sampled_requests.append(request)
         meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size, self.device)
+        meta.batch_invariant = self.batch_invariant
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.int64, device=self.device),
             meta.positions,

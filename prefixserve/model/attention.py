@@ -59,6 +59,7 @@ class AttentionMetadata:
     block_table_lists: list[list[int]]  # the unpadded lists given to build: sharing and runs are found here
     positions: Optional[torch.Tensor] = None  # int64 [num_tokens]: position of each row (for rotary)
     first_slot: Optional[int] = None    # set when the slot mapping is first_slot, first_slot + 1, ...
+    batch_invariant: bool = True  # bf16 on CPU: the batch-invariant path (False: the faster one whose rounding varies)
 
     def __post_init__(self) -> None:
         num_seqs = len(self.query_lens)
@@ -196,7 +197,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         plan = plan_step(meta, k_cache)
     flat_k = k_cache.view(-1, num_kv_heads, head_dim)
     flat_v = v_cache.view(-1, num_kv_heads, head_dim)
-    if q.dtype in BATCH_INVARIANT_DTYPES and q.device.type == "cpu" and _CPU_FLASH is not None:
+    if meta.batch_invariant and q.dtype in BATCH_INVARIANT_DTYPES and q.device.type == "cpu" and _CPU_FLASH is not None:
         if plan.invariant_calls is None:
             plan.invariant_calls = invariant_calls(meta, k_cache.shape[1], group)
         return invariant_attention(q, flat_k, flat_v, plan.invariant_calls, plan.masks, scale, _attend)

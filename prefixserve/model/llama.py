@@ -37,6 +37,8 @@ class Linear(nn.Linear):
     # rows 10% to 2x faster, 2,000 rows even); bf16 is faster packed at every size.
     PACKED_ROWS = {torch.float32: range(4, 513), torch.bfloat16: range(1, 1 << 62)}
 
+    batch_invariant = True  # bf16: a one-row matmul rounds as in a batch (ModelRunner sets it per engine)
+
     def pack(self, batch_size_hint: int) -> None:
         """Lay the weight out for oneDNN; call again after the weight changes (bf16 results are
         the same oneDNN kernels'; float32 differs from MKL's sgemm in summation order only)."""
@@ -46,7 +48,7 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None or x.shape[0] not in self.packed_rows:
             return F.linear(x, self.weight, self.bias)
-        if x.shape[0] == 1 and x.dtype == torch.bfloat16:
+        if self.batch_invariant and x.shape[0] == 1 and x.dtype == torch.bfloat16:
             # oneDNN's one-row bf16 kernel sums K=1,344 (the default model's down_proj) in another
             # order than its 2+ row kernel: a lone decode would round differently from the same
             # token in a batch (benchmarks/batch_invariance.py). Two copies of the row cost the same.

@@ -67,6 +67,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KV pool budget (default: 2 GiB on CPU; on CUDA the free memory measured after "
                              "loading the model x 0.9)")
     parser.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching (a baseline)")
+    parser.add_argument("--no-batch-invariant", action="store_true",
+                        help="bfloat16 on CPU: take the faster attention whose outputs depend on batching and cache "
+                             "hits, instead of the batch-invariant one (a cache hit never changes an output)")
     parser.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES,
                         help="fcfs: arrival order; lpm: longest cached prefix first, within a window")
     parser.add_argument("--prefix-ttl", type=float, metavar="SECONDS", default=None,
@@ -111,9 +114,10 @@ def _port_number(text: str) -> int:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """Each flag is a config field's name with dashes; --no-prefix-caching is the one that reads inverted."""
+    """Each flag is a config field's name with dashes; --no-prefix-caching and --no-batch-invariant read inverted."""
     options = {field.name: getattr(args, field.name) for field in fields(EngineConfig) if hasattr(args, field.name)}
     options["enable_prefix_caching"] = not args.no_prefix_caching
+    options["batch_invariant"] = not args.no_batch_invariant
     return EngineConfig(**options)
 
 
