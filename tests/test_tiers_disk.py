@@ -17,7 +17,7 @@ from prefixserve.tiers import DiskTier, RecordError, decode_record, encode_recor
 from prefixserve.tiers.disk_files import record_path
 from prefixserve.tiers.record import header_length
 
-from tier_helpers import OTHER_SCOPE, SCOPE, expect, make_chain, size
+from tier_helpers import OTHER_SCOPE, SCOPE, expect, make_chain, run_in_threads, size
 
 BIG = 1 << 30
 
@@ -307,27 +307,19 @@ def test_concurrent_puts_gets_and_async_puts(tmp_path):
     chains = [make_chain([t * 10_000 + c * 100 + i for i in range(12)]) for t in range(num_threads) for c in range(6)]
     shared = make_chain(list(range(12)))
     capacity = 25 * size(shared[1])  # less than the 75 records put
-    failures: list[BaseException] = []
     with DiskTier(tmp_path, capacity) as tier:
         barrier = threading.Barrier(num_threads)
 
         def work(thread: int) -> None:
-            try:
-                barrier.wait()
-                for records in chains[thread * 6 : (thread + 1) * 6]:
-                    (tier.put_async if thread % 2 else tier.put)(records)
-                    tier.put(shared)
-                    for record, data in zip(records + shared, tier.fetch([r.key for r in records + shared]).result()):
-                        if data is not None:
-                            assert decode_record(data, expect(record)) == record
-            except BaseException as error:  # reported in the main thread
-                failures.append(error)
+            barrier.wait()
+            for records in chains[thread * 6 : (thread + 1) * 6]:
+                (tier.put_async if thread % 2 else tier.put)(records)
+                tier.put(shared)
+                for record, data in zip(records + shared, tier.fetch([r.key for r in records + shared]).result()):
+                    if data is not None:
+                        assert decode_record(data, expect(record)) == record
 
-        threads = [threading.Thread(target=work, args=(thread,)) for thread in range(num_threads)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        failures = run_in_threads(work, range(num_threads))
         tier.flush()
         assert failures == []
         tier.check_integrity()

@@ -9,7 +9,7 @@ import pytest
 
 from prefixserve.tiers import BlockRecord, HostTier, decode_record, encode_record
 
-from tier_helpers import expect, make_chain, size
+from tier_helpers import expect, make_chain, run_in_threads, size
 
 def names(tier, named: dict[str, BlockRecord]) -> set[str]:
     present = set(tier.keys())
@@ -125,27 +125,18 @@ def test_concurrent_puts_and_gets_from_several_threads():
     shared = make_chain(list(range(16)))  # every thread puts and reads this one too
     tier = HostTier(capacity_bytes=20 * size(shared[1]))  # far less than the ~200 records put
     barrier = threading.Barrier(num_threads)
-    failures: list[BaseException] = []
 
     def work(thread: int) -> None:
-        try:
-            barrier.wait()
-            for chain in chains[thread * num_chains : (thread + 1) * num_chains]:
-                for batch in (shared, chain):
-                    tier.put(batch)
-                    for record, data in zip(batch, tier.get([record.key for record in batch])):
-                        if data is not None:
-                            assert decode_record(data, expect(record)) == record
-                    tier.contains([record.key for record in batch])
-        except BaseException as error:  # reported in the main thread
-            failures.append(error)
+        barrier.wait()
+        for chain in chains[thread * num_chains : (thread + 1) * num_chains]:
+            for batch in (shared, chain):
+                tier.put(batch)
+                for record, data in zip(batch, tier.get([record.key for record in batch])):
+                    if data is not None:
+                        assert decode_record(data, expect(record)) == record
+                tier.contains([record.key for record in batch])
 
-    threads = [threading.Thread(target=work, args=(thread,)) for thread in range(num_threads)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert failures == []
+    assert run_in_threads(work, range(num_threads)) == []
     tier.check_integrity()
     stats = tier.stats
     assert stats.hits + stats.misses == num_threads * num_chains * 8

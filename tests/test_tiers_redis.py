@@ -4,13 +4,13 @@ the write cap, the write queue, URLs (password, database, TLS) and threads."""
 from __future__ import annotations
 
 import logging
-import threading
 
 import pytest
 
 from prefixserve.tiers import BlockRecord, decode_record, encode_record
 from redis_helpers import OTHER_SCOPE, SCOPE, RedisServer, expect, keys_of, make_chain, redis_name
 from redis_helpers import redis_server  # noqa: F401  (a fixture)
+from tier_helpers import run_in_threads
 
 pytest.importorskip("redis", reason="redis-py is not installed: pip install 'redis>=5' to test the remote tier")
 from prefixserve.tiers.redis import RedisTier  # noqa: E402
@@ -199,22 +199,14 @@ def test_memory_comes_from_redis_and_is_asked_at_most_once_a_second(tmp_path):
 
 def test_threads_share_one_tier(redis_server):
     chains = [make_chain(5, first_token=1000 * index) for index in range(8)]
-    errors: list[BaseException] = []
     with RedisTier(redis_server.url, scope_digest=SCOPE) as tier:
         def work(chain: list[BlockRecord]) -> None:
-            try:
-                for _ in range(5):
-                    tier.put_async(chain)
-                    tier.contains(keys_of(chain))
-                    tier.fetch(keys_of(chain)).result(timeout=10)
-            except BaseException as error:  # reported below: a thread's assertion would vanish otherwise
-                errors.append(error)
+            for _ in range(5):
+                tier.put_async(chain)
+                tier.contains(keys_of(chain))
+                tier.fetch(keys_of(chain)).result(timeout=10)
 
-        threads = [threading.Thread(target=work, args=(chain,)) for chain in chains]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=30)
+        errors = run_in_threads(work, chains, timeout=30)
         tier.flush()
         assert errors == []
         tier.check_integrity()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+from typing import Callable, Iterable, Optional
+
 from prefixserve.cache import BlockKeyer
 from prefixserve.tiers import BlockRecord, RecordExpectation, encode_record
 
@@ -28,3 +31,22 @@ def expect(record: BlockRecord) -> RecordExpectation:
 
 def size(record: BlockRecord) -> int:
     return len(encode_record(record))
+
+
+def run_in_threads(work: Callable, arguments: Iterable, timeout: Optional[float] = None) -> list[BaseException]:
+    """work(argument) in a thread of its own for each argument, all joined; returns what they raised
+    (an assertion in a thread would vanish otherwise)."""
+    failures: list[BaseException] = []
+
+    def guarded(argument) -> None:
+        try:
+            work(argument)
+        except BaseException as error:
+            failures.append(error)
+
+    threads = [threading.Thread(target=guarded, args=(argument,)) for argument in arguments]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout)
+    return failures
