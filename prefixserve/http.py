@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-from typing import Mapping, Optional
+from typing import Mapping, NamedTuple, Optional
 
 from starlette.responses import JSONResponse
 
@@ -74,6 +74,39 @@ class KeyTable:
             if hmac.compare_digest(stored, digest):
                 found = tenant
         return found
+
+
+class AdminRefusal(NamedTuple):
+    status: int
+    message: str
+    type: str
+    code: str
+
+
+class AdminKey:
+    """The operator's key (server or router), compared in constant time as a SHA-256 digest.
+
+    Endpoints that reveal cache or fleet state answer it only: without one configured they are
+    off (404), a missing key is 401, any other key (a tenant's) 403.
+    """
+
+    def __init__(self, key: Optional[str], owner: str) -> None:
+        self._digest = hashlib.sha256(key.encode()).digest() if key else None
+        self.owner = owner  # "server" or "router": where --admin-api-key is given
+
+    def refusal(self, authorization: Optional[str]) -> Optional[AdminRefusal]:
+        """None when `authorization` carries the admin key; else why not, as an error to answer."""
+        if self._digest is None:
+            return AdminRefusal(404, f"this endpoint is off; start the {self.owner} with --admin-api-key to enable it",
+                                "not_found_error", "admin_disabled")
+        key = bearer_token(authorization)
+        if not key:
+            return AdminRefusal(401, "this endpoint needs the admin API key; send 'Authorization: Bearer <admin key>'",
+                                "authentication_error", "invalid_api_key")
+        if not hmac.compare_digest(hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest(), self._digest):
+            return AdminRefusal(403, "this endpoint needs the operator's admin API key, not a tenant key",
+                                "permission_error", "admin_only")
+        return None
 
 
 def is_valid_tenant_id(tenant: str) -> bool:

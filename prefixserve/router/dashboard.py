@@ -9,8 +9,6 @@ nothing from server/ (see DESIGN.md).
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import re
 import time
 from importlib import resources
@@ -20,7 +18,7 @@ import httpx
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, Response
 
-from ..http import bearer_token, error_response
+from ..http import error_response
 
 STATIC_NAME = re.compile(r"[a-z]+\.(js|css)")
 MEDIA_TYPES = {"js": "text/javascript; charset=utf-8", "css": "text/css; charset=utf-8"}
@@ -49,22 +47,6 @@ async def fleet_static(name: str):
     return Response(path.read_bytes(), media_type=MEDIA_TYPES[name.rsplit(".", 1)[1]], headers=NO_CACHE)
 
 
-def _refusal(request: Request, admin_api_key: Optional[str]):
-    """None for the router's admin key; else the error answer (404 when the router has no admin key)."""
-    if not admin_api_key:
-        return error_response(404, "the fleet dashboard is off; start the router with --admin-api-key to enable it",
-                              "not_found_error", code="admin_disabled")
-    key = bearer_token(request.headers.get("authorization"))
-    if not key:
-        return error_response(401, "the fleet dashboard needs the admin API key; send 'Authorization: Bearer <admin key>'",
-                              "authentication_error", code="invalid_api_key")
-    digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
-    if not hmac.compare_digest(digest, hashlib.sha256(admin_api_key.encode()).digest()):
-        return error_response(403, "the fleet dashboard needs the router's admin API key, not a tenant key",
-                              "permission_error", code="admin_only")
-    return None
-
-
 async def replica_hits(client: httpx.AsyncClient, url: str, timeout: float) -> Optional[tuple[float, float]]:
     """(prompt tokens looked up, tokens hit) from a replica's /metrics; None when it does not answer them."""
     try:
@@ -86,9 +68,9 @@ async def replica_hits(client: httpx.AsyncClient, url: str, timeout: float) -> O
 @fleet_dashboard_routes.get("/dashboard/api/fleet")
 async def fleet_snapshot(request: Request):
     router = request.app.state.router
-    refusal = _refusal(request, router.settings.admin_api_key)
+    refusal = router.admin.refusal(request.headers.get("authorization"))
     if refusal is not None:
-        return refusal
+        return error_response(refusal.status, refusal.message, refusal.type, code=refusal.code)
     replicas = router.replicas
     answers = await asyncio.gather(*(replica_hits(router.client, r.url, router.settings.control_timeout)
                                      if r.healthy else _nothing() for r in replicas))

@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from ..cache import BlockKeyer, CacheScope
 from ..cache.scoping import PromptScoper
-from ..http import KeyTable, bearer_token
+from ..http import AdminKey, KeyTable, bearer_token
 from .costs import policy_options_for
 from .policies import RouteRequest, make_policy
 from .replicas import Replica
@@ -61,6 +61,7 @@ class Router:
         self.tokenizer = Tokenizer.from_dir(settings.model or ensure_default_model())
         self.max_chars_per_token = self.tokenizer.max_chars_per_token  # computed once, over the vocabulary
         self.keys = KeyTable(settings.api_keys)
+        self.admin = AdminKey(settings.admin_api_key, "router")  # who may read the fleet dashboard
         self.metrics = RouterMetrics()
         self.scoper: Optional[PromptScoper] = None  # learned from the first replica that answers
         self._scope_learned_at = float("-inf")

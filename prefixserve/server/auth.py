@@ -6,13 +6,11 @@ Tenant keys and the admin key are separate: endpoints that reveal cache state
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 from typing import Mapping, Optional
 
 from fastapi import Request
 
-from ..http import KeyTable, bearer_token
+from ..http import AdminKey, KeyTable, bearer_token
 from .errors import APIError
 
 
@@ -21,7 +19,7 @@ class Authenticator:
         if admin_api_key is not None and admin_api_key in api_keys:
             raise ValueError("the admin API key is also a tenant key; give the operator a key of its own")
         self.tenants = KeyTable(api_keys)
-        self._admin_digest = hashlib.sha256(admin_api_key.encode()).digest() if admin_api_key else None
+        self.admin = AdminKey(admin_api_key, "server")
 
     def tenant(self, request: Request) -> Optional[str]:
         """The tenant of the request's API key (None when no keys are configured: auth is off)."""
@@ -35,13 +33,6 @@ class Authenticator:
 
     def require_admin(self, request: Request) -> None:
         """Admit the operator's key only; these endpoints are off when no admin key is configured."""
-        if self._admin_digest is None:
-            raise APIError(404, "this endpoint is off; start the server with --admin-api-key to enable it",
-                           "not_found_error", code="admin_disabled")
-        key = bearer_token(request.headers.get("authorization"))
-        if not key:
-            raise APIError(401, "this endpoint needs the admin API key; send 'Authorization: Bearer <admin key>'",
-                           "authentication_error", code="invalid_api_key")
-        if not hmac.compare_digest(hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest(), self._admin_digest):
-            raise APIError(403, "this endpoint needs the operator's admin API key, not a tenant key",
-                           "permission_error", code="admin_only")
+        refusal = self.admin.refusal(request.headers.get("authorization"))
+        if refusal is not None:
+            raise APIError(refusal.status, refusal.message, refusal.type, code=refusal.code)
