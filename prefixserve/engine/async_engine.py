@@ -25,8 +25,8 @@ from typing import AsyncIterator, Optional
 from ..cache.stats import CacheStats, CacheUsage
 from ..config import EngineConfig
 from .engine import LLMEngine, PromptType
-from .model_version import ModelVersion, load_version
-from .reload import check_swappable, swap_model
+from .model_version import ModelVersion
+from .reload import swap_model
 from .outputs import RequestOutput
 from .request import Request
 from .sampling_params import SamplingParams
@@ -131,35 +131,26 @@ class AsyncLLMEngine:
 
     async def call(self, function):
         """Run `function(engine)` on the engine thread between steps (a consistent view); returns its result."""
-        if self.is_dead:
-            raise EngineDeadError(f"the engine loop stopped: {self._error!r}; restart the server")
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(("call", (function, future)))
-        self._wake.set()
-        return await asyncio.wrap_future(future)
+        return await self._on_engine_thread("call", function)
 
     async def load_version(self, model: Optional[str] = None) -> ModelVersion:
         """Load `model` (None: the served path again) in a worker thread while the engine serves;
         raises FileNotFoundError / ValueError naming the fix when it cannot be swapped in."""
-        core = self.engine
-        target = str(core.model_path) if model is None else model
-        version = await asyncio.to_thread(load_version, target, core.dtype, core.device,
-                                          core.config.max_num_batched_tokens)
-        check_swappable(core, version)  # reads fixed config only: fail before draining anything
-        return version
+        return await asyncio.to_thread(self.engine.load_version, model)
 
     async def swap(self, version: ModelVersion):
         """Swap `version` in once the requests already queued have finished on the old one (reload.py);
         returns the ReloadReport. Callers must make no request until this returns (the server's
         ReloadGate sees to it): one made before the swap is refused after it."""
-        return await self._call_when_idle(lambda engine: swap_model(engine, version))
+        return await self._on_engine_thread("idle_call", lambda engine: swap_model(engine, version))
 
-    async def _call_when_idle(self, function):
-        """Run `function(engine)` on the engine thread once no request is unfinished."""
+    async def _on_engine_thread(self, kind: str, function):
+        """Run `function(engine)` on the engine thread: between steps ("call") or once no request is
+        unfinished ("idle_call"); returns its result."""
         if self.is_dead:
             raise EngineDeadError(f"the engine loop stopped: {self._error!r}; restart the server")
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(("idle_call", (function, future)))
+        self._commands.put((kind, (function, future)))
         self._wake.set()
         return await asyncio.wrap_future(future)
 
@@ -211,11 +202,14 @@ class AsyncLLMEngine:
     def _run_idle_calls(self) -> None:
         calls, self._idle_calls = self._idle_calls, []
         for function, future in calls:
-            try:
-                future.set_result(function(self.engine))
-            except Exception as error:
-                future.set_exception(error)
+            self._run(function, future)
         self.snapshot = EngineSnapshot.of(self.engine)
+
+    def _run(self, function, future: concurrent.futures.Future) -> None:
+        try:
+            future.set_result(function(self.engine))
+        except Exception as error:
+            future.set_exception(error)
 
     def _fail_unfinished(self, error: Exception) -> None:
         scheduler = self.engine.scheduler
@@ -233,11 +227,7 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return
             if kind == "call":
-                function, future = payload
-                try:
-                    future.set_result(function(self.engine))
-                except Exception as error:
-                    future.set_exception(error)
+                self._run(*payload)
             elif kind == "idle_call":
                 self._idle_calls.append(payload)
             elif kind == "add":

@@ -23,9 +23,9 @@ from ..config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from .device import measure_cuda_kv_budget, resolve_device, resolve_dtype
 from .input_processor import InputProcessor, PromptType
 from .kv_tiers import TieredKV, build_tiers, empty_breakdown
-from .model_version import load_version
+from .model_version import ModelVersion, load_version
 from .pins import Pin, PinTable, restore_pins
-from .reload import ReloadReport, swap_model
+from .reload import ReloadReport, check_swappable, swap_model
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
 from .request import Request
@@ -326,12 +326,19 @@ class LLMEngine:
             output.cached_tokens_by_tier = empty_breakdown(output.num_cached_tokens)
         return output
 
+    def load_version(self, model: Optional[str] = None) -> ModelVersion:
+        """Load `model` (None: the served path again) for a reload, packed for this engine's steps; reads
+        fixed settings only, so it may run in another thread while the engine serves. Raises
+        FileNotFoundError / ValueError (IncompatibleModelError) naming the fix."""
+        version = load_version(str(self.model_path) if model is None else model, self.dtype, self.device,
+                               batch_size_hint=self.config.max_num_batched_tokens)
+        check_swappable(self, version)
+        return version
+
     def reload(self, model: Optional[str] = None) -> ReloadReport:
         """Serve another checkpoint (or the same path again) from now on; call with no request in flight.
         Raises FileNotFoundError / ValueError (IncompatibleModelError) naming the fix, changing nothing."""
-        version = load_version(str(self.model_path) if model is None else model, self.dtype, self.device,
-                               batch_size_hint=self.config.max_num_batched_tokens)
-        return swap_model(self, version)
+        return swap_model(self, self.load_version(model))
 
     def close(self) -> None:
         """Flush what the tiers still have to write (a clean shutdown); idempotent."""
