@@ -149,9 +149,12 @@ def test_ttl_from_the_measured_reuse_gaps():
         counts[bounds.index(30)] = count  # the (10, 30] bucket
         return {"counts": counts, "count": count, "sum": 20.0 * count, "num_releases": count}
 
-    core.reuse_gaps = SimpleNamespace(mean_reused_prefix_tokens=640.0, snapshot=lambda: {
-        "bucket_upper_bounds": bounds, "overall": histogram(3),
-        "by_tenant": {"acme": histogram(2), "beta": histogram(1)}})
+    def snapshot():
+        return {"bucket_upper_bounds": bounds, "overall": histogram(3),
+                "by_tenant": {"acme": histogram(2), "beta": histogram(1)}}
+
+    core.reuse_gaps = SimpleNamespace(mean_reused_prefix_tokens=640.0, snapshot=snapshot,
+                                      stats_body=lambda: {"reuse_gaps": snapshot(), "mean_reused_prefix_tokens": 640.0})
     body = client.get("/dashboard/api/ttl?ttls=10,30,60&prefix_tokens=1000", headers=ADMIN).json()
     assert body["available"] is True and body["num_releases"] == 3 and body["return_fraction"] == 1.0
     rows = {row["ttl_seconds"]: row for row in body["rows"]}

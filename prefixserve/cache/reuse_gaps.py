@@ -125,6 +125,11 @@ class ReuseGapTracker:
                 "mean_reused_prefix_tokens": self.mean_reused_prefix_tokens}
         return self._snapshot
 
+    def stats_body(self) -> dict:
+        """What the TTL planner reads (plan/ttl.py distribution_from_stats): the histograms and the mean
+        reused prefix, as GET /v1/cache/stats answers them."""
+        return {"reuse_gaps": self.snapshot(), "mean_reused_prefix_tokens": self.mean_reused_prefix_tokens}
+
     @property
     def mean_reused_prefix_tokens(self) -> float:
         return self.overall.reused_prefix_tokens / self.overall.count if self.overall.count else 0.0

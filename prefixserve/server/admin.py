@@ -57,13 +57,13 @@ async def cache_keys(request: Request):
 
 @admin_routes.get("/v1/cache/stats")
 async def cache_stats(request: Request):
-    """What the TTL planner takes: the reuse-gap histograms (overall and per tenant), pool usage, pins."""
+    """What the TTL planner takes: the reuse-gap histograms (overall and per tenant), the TTL settings,
+    pool usage."""
     state = _admin_state(request)
 
     def stats(core):
         usage = core.cache.usage()
-        return {"object": "cache.stats", "reuse_gaps": core.reuse_gaps.snapshot(),
-                "mean_reused_prefix_tokens": core.reuse_gaps.mean_reused_prefix_tokens,
+        return {"object": "cache.stats", **core.reuse_gaps.stats_body(),
                 "block_size": core.config.block_size, "prefix_ttl": core.config.prefix_ttl,
                 "max_cache_ttl": state.settings.max_cache_ttl,
                 "usage": {"num_blocks": usage.num_blocks, "num_free_blocks": usage.num_free_blocks,

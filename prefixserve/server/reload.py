@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 from typing import Optional
 
@@ -22,7 +21,6 @@ from ..http import parse_json_body
 from .errors import APIError
 from .generation import engine_dead
 
-logger = logging.getLogger("prefixserve")
 reload_routes = APIRouter()
 
 
@@ -30,39 +28,18 @@ class ReloadGate:
     """Many requests may be admitting at once; a reload waits for them, then keeps new ones out."""
 
     def __init__(self) -> None:
-        self._condition: Optional[asyncio.Condition] = None  # made on the server's event loop
+        # asyncio primitives bind to the running loop at first use (Python 3.10+), so they can be made here.
+        self._condition = asyncio.Condition()
         self._num_admitting = 0
         self._is_reloading = False
-        self.num_waiting = 0  # requests held at the gate by a reload (a gauge for operators)
-        self._reload_lock: Optional[asyncio.Lock] = None
-
-    @property
-    def reload_lock(self) -> asyncio.Lock:
-        """One reload at a time (its load included)."""
-        if self._reload_lock is None:
-            self._reload_lock = asyncio.Lock()
-        return self._reload_lock
-
-    @property
-    def is_reloading(self) -> bool:
-        return self._is_reloading
-
-    def _lock(self) -> asyncio.Condition:
-        if self._condition is None:
-            self._condition = asyncio.Condition()
-        return self._condition
+        self.reload_lock = asyncio.Lock()  # one reload at a time, its load included
 
     @contextlib.asynccontextmanager
     async def admitting(self):
         """Tokenize and queue inside this: no reload swaps the model meanwhile."""
-        condition = self._lock()
+        condition = self._condition
         async with condition:
-            if self._is_reloading:
-                self.num_waiting += 1
-                try:
-                    await condition.wait_for(lambda: not self._is_reloading)
-                finally:
-                    self.num_waiting -= 1
+            await condition.wait_for(lambda: not self._is_reloading)
             self._num_admitting += 1
         try:
             yield
@@ -74,7 +51,7 @@ class ReloadGate:
     @contextlib.asynccontextmanager
     async def exclusive(self):
         """Hold new requests back until the body is done (one caller at a time: see reload_lock)."""
-        condition = self._lock()
+        condition = self._condition
         async with condition:
             self._is_reloading = True
             try:

@@ -217,9 +217,7 @@ async def ttl(request: Request):
 
     def read(core):
         log = core.outputs.request_log.snapshot()
-        return ({"reuse_gaps": core.reuse_gaps.snapshot(),
-                 "mean_reused_prefix_tokens": core.reuse_gaps.mean_reused_prefix_tokens},
-                engine_costs(core), [entry.arrival_time for entry in log if entry.finished])
+        return (core.reuse_gaps.stats_body(), engine_costs(core), [entry.arrival_time for entry in log if entry.finished])
 
     _, (stats, costs, finished_arrivals) = await _admin_engine(request, read)
     by_tenant = stats["reuse_gaps"].get("by_tenant", {})
