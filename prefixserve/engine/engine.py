@@ -133,8 +133,7 @@ class LLMEngine:
         if self.dtype == torch.float32 and self.device.type == "cpu" and cpu_has_fast_bfloat16():
             summary += (
                 "; this CPU has bf16 instructions: dtype bfloat16 runs most steps 1.3-2.2x faster, and cache "
-                "hits never change its greedy outputs either (decodes over a long shared prefix are the "
-                "exception: float32 reads that prefix once and is faster there)")
+                "hits never change its greedy outputs either (its attention is batch-invariant)")
         return summary
 
     def _resolve_max_model_len(self) -> int:
