@@ -174,8 +174,16 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     flat_v.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
+def takes_invariant_path(meta: AttentionMetadata, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether this step's attention runs invariant_attention.py (bf16 on CPU, unless opted out)."""
+    return meta.batch_invariant and dtype in BATCH_INVARIANT_DTYPES and device.type == "cpu" and _CPU_FLASH is not None
+
+
 def plan_step(meta: AttentionMetadata, k_cache: torch.Tensor) -> StepPlan:
-    """The step's attention plan for caches shaped like `k_cache`: build once, pass to every layer."""
+    """The step's attention plan for caches shaped like `k_cache`: build once, pass to every layer.
+    The invariant path plans its own calls (on first use), so the cascade's plan is not built for it."""
+    if takes_invariant_path(meta, k_cache.dtype, k_cache.device):
+        return StepPlan(parts=[], chunks=[], own_batches=[], decodes=None, merged_rows=None)
     return build_plan(meta, k_cache.shape[1], k_cache.element_size())
 
 
@@ -197,7 +205,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         plan = plan_step(meta, k_cache)
     flat_k = k_cache.view(-1, num_kv_heads, head_dim)
     flat_v = v_cache.view(-1, num_kv_heads, head_dim)
-    if meta.batch_invariant and q.dtype in BATCH_INVARIANT_DTYPES and q.device.type == "cpu" and _CPU_FLASH is not None:
+    if takes_invariant_path(meta, q.dtype, q.device):
         if plan.invariant_calls is None:
             plan.invariant_calls = invariant_calls(meta, k_cache.shape[1], group)
         return invariant_attention(q, flat_k, flat_v, plan.invariant_calls, plan.masks, scale, _attend)
