@@ -59,8 +59,7 @@ class PinTable:
     def pin(self, scoper, token_ids: list[int], tenant: Optional[str], salt: Optional[str],
             ttl: Optional[float], pin_id: Optional[str] = None, created_at: Optional[float] = None) -> Pin:
         """Pin the cached full blocks of `token_ids` in its scope; raises ValueError naming the fix."""
-        scope_digest, private_from = scoper.scope_for(token_ids, salt)
-        keys = self.keyer.keys(scope_digest, token_ids, private_from)
+        keys = self._keys(scoper, token_ids, salt)
         if not keys:
             raise ValueError(f"the prompt has {len(token_ids)} tokens, less than one block of {self.block_size}; "
                              "pin a longer prefix")
@@ -97,8 +96,12 @@ class PinTable:
 
     def _release(self, pin: Pin, scoper) -> None:
         if pin.num_blocks:
-            scope_digest, private_from = scoper.scope_for(pin.token_ids, pin.salt)
-            self.cache.unpin(self.keyer.keys(scope_digest, pin.token_ids, private_from)[:pin.num_blocks])
+            self.cache.unpin(self._keys(scoper, pin.token_ids, pin.salt)[:pin.num_blocks])
+
+    def _keys(self, scoper, token_ids: list[int], salt: Optional[str]) -> list[bytes]:
+        """The block keys of `token_ids` in the scope a request with this salt gets."""
+        scope_digest, private_from = scoper.scope_for(token_ids, salt)
+        return self.keyer.keys(scope_digest, token_ids, private_from)
 
     def on_cleared(self, tokenizer_fingerprint: str) -> None:
         """The pool was cleared by a reload: every pin is to be warmed again on the new version,
