@@ -50,3 +50,16 @@ def make_llm(**options):
     options.setdefault("kv_cache_memory_bytes", SMALL_KV)
     options.setdefault("log_stats", False)
     return LLM(**options)
+
+
+@pytest.fixture(params=["compiled", "reference"])
+def decode_path(request, monkeypatch):
+    """Run a test with decode attention on the compiled kernel and on the pure-PyTorch reference."""
+    from prefixserve.model import attention, kernels
+
+    if request.param == "compiled":
+        if kernels.compiled is None:
+            pytest.skip("prefixserve's compiled kernels are not built")
+    else:
+        monkeypatch.setattr(attention, "decode_kernel_for", lambda k_cache: None)
+    return request.param

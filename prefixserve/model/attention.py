@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from .attention_plan import StepPlan, build_plan
 from .invariant_attention import invariant_attention, invariant_calls
+from .kernels import decode_kernel_for
 
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 # Dtypes whose CPU attention takes the batch-invariant path (invariant_attention.py): in bfloat16
@@ -184,7 +185,8 @@ def plan_step(meta: AttentionMetadata, k_cache: torch.Tensor) -> StepPlan:
     The invariant path plans its own calls (on first use), so the cascade's plan is not built for it."""
     if takes_invariant_path(meta, k_cache.dtype, k_cache.device):
         return StepPlan(parts=[], chunks=[], own_batches=[], decodes=None, merged_rows=None)
-    return build_plan(meta, k_cache.shape[1], k_cache.element_size())
+    kernel_decodes = decode_kernel_for(k_cache) is not None and k_cache.is_contiguous()
+    return build_plan(meta, k_cache.shape[1], k_cache.element_size(), kernel_decodes)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -223,7 +225,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         pieces.append(_attend_own_batch(q, batch, flat_k, flat_v, k, v, scale))
         merge_ids.append(batch.merge_ids)
     if plan.decodes is not None:
-        attended, lse = _attend_decodes(q, plan, flat_k, flat_v, scale, group)
+        if plan.decodes.tables is not None:
+            attended, lse = decode_kernel_for(k_cache)(q, plan.decodes.rows, k_cache, v_cache, plan.decodes.tables,
+                                                       plan.decodes.first, plan.decodes.last, scale)
+        else:
+            attended, lse = _attend_decodes(q, plan, flat_k, flat_v, scale, group)
         if plan.decodes.merge_ids is None:
             out.index_copy_(0, plan.decodes.rows, attended)
         else:

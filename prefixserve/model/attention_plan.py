@@ -77,12 +77,16 @@ class _OwnBatch:
 
 @dataclass
 class _Decodes:
-    """Every decode of the step as one padded batch over its gathered slots (own token included)."""
+    """Every decode of the step as one padded batch over its gathered slots (own token included),
+    or, for the compiled kernel (kernels.py), its block table and key range, read in place."""
 
     rows: torch.Tensor       # int64 [num_decodes]
-    slots: torch.Tensor      # int64 [num_decodes, max_len]
-    valid: torch.Tensor      # bool [num_decodes, 1, 1, max_len]
+    slots: Optional[torch.Tensor]  # int64 [num_decodes, max_len]
+    valid: Optional[torch.Tensor]  # bool [num_decodes, 1, 1, max_len]
     merge_ids: Optional[torch.Tensor]  # None: no decode has another part
+    tables: Optional[torch.Tensor] = None  # int64 [num_decodes, max_blocks] (the kernel's)
+    first: Optional[torch.Tensor] = None   # int64 [num_decodes]: positions [first, last) are read
+    last: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -135,15 +139,16 @@ def _shared_prefixes(meta: AttentionMetadata, past_lens: list[int], block_size: 
     return found
 
 
-def build_plan(meta: AttentionMetadata, block_size: int, element_size: int) -> StepPlan:
-    return _PlanBuilder(meta, block_size, element_size).build()
+def build_plan(meta: AttentionMetadata, block_size: int, element_size: int, kernel_decodes: bool = False) -> StepPlan:
+    """`kernel_decodes`: decodes are read in place by the compiled kernel (no gathered slots, no body views)."""
+    return _PlanBuilder(meta, block_size, element_size, kernel_decodes).build()
 
 
 class _PlanBuilder:
     """One step's plan in stages: shared prefixes, in-place bodies, merge ids, then the calls."""
 
-    def __init__(self, meta: AttentionMetadata, block_size: int, element_size: int) -> None:
-        self.meta, self.block_size = meta, block_size
+    def __init__(self, meta: AttentionMetadata, block_size: int, element_size: int, kernel_decodes: bool) -> None:
+        self.meta, self.block_size, self.kernel_decodes = meta, block_size, kernel_decodes
         self.device = meta.block_tables.device
         self.starts = [0, *accumulate(meta.query_lens)]
         self.past_lens = [seq_len - query_len for seq_len, query_len in zip(meta.seq_lens_list, meta.query_lens)]
@@ -199,6 +204,8 @@ class _PlanBuilder:
         block_size = self.block_size
         bodies = {}
         for i, table in enumerate(self.meta.block_table_lists):
+            if self.kernel_decodes and self.meta.query_lens[i] == 1:
+                continue  # the kernel reads a decode's blocks in place already
             first_block = self.covered[i] // block_size
             run = _ascending_run(table, first_block, self.past_lens[i] // block_size)
             if run >= self.min_view_blocks:
@@ -273,6 +280,10 @@ class _PlanBuilder:
         ids = self.as_tensor(decode_ids)
         first = self.as_tensor([self.covered[i] for i in decode_ids])
         last = meta.seq_lens.index_select(0, ids)  # exclusive: the own token is the last key
+        merge_ids = self.as_tensor([self.merge_start[i] for i in decode_ids]) if split_decodes else None
+        rows = self.as_tensor([self.starts[i] for i in decode_ids])
+        if self.kernel_decodes:
+            return _Decodes(rows, None, None, merge_ids, meta.block_tables.index_select(0, ids), first, last)
         max_len = max(meta.seq_lens_list[i] - self.covered[i] for i in decode_ids)
         positions = first[:, None] + torch.arange(max_len, device=self.device)
         valid = positions < last[:, None]
@@ -281,8 +292,7 @@ class _PlanBuilder:
         positions = torch.where(valid, positions, last[:, None] - 1)
         tables = meta.block_tables.index_select(0, ids)
         slots = tables.gather(1, positions // block_size) * block_size + positions % block_size
-        merge_ids = self.as_tensor([self.merge_start[i] for i in decode_ids]) if split_decodes else None
-        return _Decodes(self.as_tensor([self.starts[i] for i in decode_ids]), slots, valid[:, None, None, :], merge_ids)
+        return _Decodes(rows, slots, valid[:, None, None, :], merge_ids)
 
 
 # ---- attention calls -----------------------------------------------------------------------------

@@ -1,0 +1,40 @@
+"""prefixserve's compiled CPU kernels (prefixserve/csrc/, built by `pip install -e .`), or None.
+
+Each kernel has a pure-PyTorch reference path that stays the fallback and the test oracle:
+
+    paged_decode   decode attention read in place from the paged cache   reference: attention._attend_decodes
+
+Where the extension was not built (no compiler at install time) a warning is logged once and
+the reference paths run. PREFIXSERVE_KERNELS=0 turns the kernels off (to compare the paths).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger("prefixserve.model")
+
+
+def _load():
+    if os.environ.get("PREFIXSERVE_KERNELS", "1") == "0":
+        return None
+    try:
+        from prefixserve import _C
+    except ImportError as error:
+        logger.warning("prefixserve's compiled kernels are not built (%s): decode attention runs the slower "
+                       "pure-PyTorch path. Reinstall with `pip install -e .` on a machine with gcc.", error)
+        return None
+    return _C
+
+
+compiled = _load()
+
+
+def decode_kernel_for(k_cache: torch.Tensor):
+    """The compiled paged_decode for this cache, or None (not built, or not a CPU float32/bfloat16 cache)."""
+    if compiled is None or k_cache.device.type != "cpu" or k_cache.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    return compiled.paged_decode
