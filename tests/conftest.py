@@ -54,7 +54,7 @@ def make_llm(**options):
 
 @pytest.fixture(params=["compiled", "reference"])
 def decode_path(request, monkeypatch):
-    """Run a test with decode attention on the compiled kernel and on the pure-PyTorch reference."""
+    """Run a test with attention on the compiled kernels and on the pure-PyTorch reference paths."""
     from prefixserve.model import attention, kernels
 
     if request.param == "compiled":
@@ -62,4 +62,5 @@ def decode_path(request, monkeypatch):
             pytest.skip("prefixserve's compiled kernels are not built")
     else:
         monkeypatch.setattr(attention, "decode_kernel_for", lambda k_cache: None)
+        monkeypatch.setattr(attention, "causal_kernel_for", lambda k_cache: None)
     return request.param

@@ -109,3 +109,45 @@ def test_paged_decode_refuses_what_it_cannot_read():
         kernels.compiled.paged_decode(q, rows, k_cache, v_cache, tables, first, last + 10**6, 0.25)
     with pytest.raises(RuntimeError, match="int64"):
         kernels.compiled.paged_decode(q, rows.int(), k_cache, v_cache, tables, first, last, 0.25)
+
+
+@compiled
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_causal_rows_are_alike_in_any_chunking_batch_or_decode(dtype):
+    """A row at position p reads keys [0, p + 1): its bits must not depend on the chunk it came in,
+    the sequences beside it, or whether it is a decode (16-row blocks take the transposed path,
+    single rows the decode path; both sum in one order). float32 also matches dense attention."""
+    generator = torch.Generator().manual_seed(11)
+    block_size, num_kv_heads, num_heads, head_dim, length = 16, 4, 8, 64, 150
+    num_blocks = 40
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
+    table = torch.randperm(num_blocks, generator=generator)[:-(-length // block_size)]
+    q = torch.randn(length, num_heads, head_dim, generator=generator).to(dtype)
+
+    def causal(splits, neighbours=0):
+        """The rows of `length` positions computed in chunks ending at `splits`, each chunk beside
+        `neighbours` copies of a 37-row chunk of another sequence (the same blocks, other positions)."""
+        rows, start = [], 0
+        for stop in splits:
+            seqs = [(start, stop)] + [(0, 37)] * neighbours
+            chunk_q = torch.cat([q[a:b] for a, b in seqs])
+            query_start = torch.tensor([0] + [b - a for a, b in seqs]).cumsum(0)
+            seq_lens = torch.tensor([b for _, b in seqs])
+            tables = table.expand(len(seqs), -1).contiguous()
+            out = kernels.compiled.paged_causal(chunk_q, k_cache, v_cache, tables, query_start, seq_lens, 0.125)
+            rows.append(out[:stop - start])
+            start = stop
+        return torch.cat(rows)
+
+    whole = causal([length])
+    for splits, neighbours in [([64, 65, 130, length], 0), ([1, 17, 40, 41, 149, length], 2),
+                               (list(range(1, length + 1)), 0), ([length], 3)]:
+        assert torch.equal(causal(splits, neighbours), whole), (splits, neighbours)
+    if dtype == torch.float32:
+        keys = k_cache[table].reshape(-1, num_kv_heads, head_dim)[:length].double().repeat_interleave(2, 1)
+        values = v_cache[table].reshape(-1, num_kv_heads, head_dim)[:length].double().repeat_interleave(2, 1)
+        scores = torch.einsum("qhd,khd->hqk", q.double(), keys) * 0.125
+        scores = scores.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
+        expected = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).float()
+        torch.testing.assert_close(whole, expected, atol=1e-5, rtol=1e-5)

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from .attention_plan import StepPlan, build_plan
 from .invariant_attention import invariant_attention, invariant_calls
-from .kernels import decode_kernel_for
+from .kernels import causal_kernel_for, decode_kernel_for
 
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 # Dtypes whose CPU attention takes the batch-invariant path (invariant_attention.py): in bfloat16
@@ -185,7 +185,7 @@ def plan_step(meta: AttentionMetadata, k_cache: torch.Tensor) -> StepPlan:
     The invariant path plans its own calls (on first use), so the cascade's plan is not built for it."""
     if takes_invariant_path(meta, k_cache.dtype, k_cache.device):
         return StepPlan(parts=[], chunks=[], own_batches=[], decodes=None, merged_rows=None)
-    kernel_decodes = decode_kernel_for(k_cache) is not None and k_cache.is_contiguous()
+    kernel_decodes = decode_kernel_for(k_cache) is not None
     return build_plan(meta, k_cache.shape[1], k_cache.element_size(), kernel_decodes)
 
 
@@ -208,6 +208,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     flat_k = k_cache.view(-1, num_kv_heads, head_dim)
     flat_v = v_cache.view(-1, num_kv_heads, head_dim)
     if takes_invariant_path(meta, q.dtype, q.device):
+        causal = causal_kernel_for(k_cache)
+        if causal is not None:  # compiled: each row's sums in a fixed order of its own (csrc/paged_attention.cpp)
+            return causal(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale)
         if plan.invariant_calls is None:
             plan.invariant_calls = invariant_calls(meta, k_cache.shape[1], group)
         return invariant_attention(q, flat_k, flat_v, plan.invariant_calls, plan.masks, scale, _attend)

@@ -3,6 +3,8 @@
 Each kernel has a pure-PyTorch reference path that stays the fallback and the test oracle:
 
     paged_decode   decode attention read in place from the paged cache   reference: attention._attend_decodes
+    paged_causal   every row of a step, each row's bits its own (bf16's   reference: invariant_attention.py
+                   batch-invariant path; a row reads keys [0, p + 1))      and _attend (float32)
 
 Where the extension was not built (no compiler at install time) a warning is logged once and
 the reference paths run. PREFIXSERVE_KERNELS=0 turns the kernels off (to compare the paths).
@@ -33,8 +35,16 @@ def _load():
 compiled = _load()
 
 
+def _usable(k_cache: torch.Tensor) -> bool:
+    return (compiled is not None and k_cache.device.type == "cpu" and k_cache.dtype in (torch.float32, torch.bfloat16)
+            and k_cache.is_contiguous())
+
+
+def causal_kernel_for(k_cache: torch.Tensor):
+    """The compiled paged_causal for this cache, or None."""
+    return compiled.paged_causal if _usable(k_cache) else None
+
+
 def decode_kernel_for(k_cache: torch.Tensor):
-    """The compiled paged_decode for this cache, or None (not built, or not a CPU float32/bfloat16 cache)."""
-    if compiled is None or k_cache.device.type != "cpu" or k_cache.dtype not in (torch.float32, torch.bfloat16):
-        return None
-    return compiled.paged_decode
+    """The compiled paged_decode for this cache, or None (not built, or not a contiguous CPU float32/bfloat16 cache)."""
+    return compiled.paged_decode if _usable(k_cache) else None
