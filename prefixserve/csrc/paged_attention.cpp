@@ -1,15 +1,15 @@
-// Decode attention read in place from the paged KV cache: no gather, one pass over each key.
+// prefixserve's compiled CPU attention, read in place from the paged KV cache (no gather):
 //
-// For decode row i and KV head h, the group of query heads h*G .. h*G+G-1 attends over the keys at
-// positions [first[i], last[i]) of its sequence, found through its block table:
+//   paged_decode   decode row i's group of query heads over keys [first[i], last[i]) of its sequence;
+//                  returns (out, float32 log-sum-exp), the pair the cascade's merge takes.
+//                  Reference: attention.py's _attend_decodes.
+//   paged_causal   every row of a step, a row at position p over keys [0, p + 1): bf16's batch-invariant
+//                  path. Reference: invariant_attention.py (and _attend in float32).
 //
-//     position p -> block tables[i][p / block_size], offset p % block_size
-//
-// Keys are taken in tiles of TILE positions aligned to multiples of TILE; each tile's scores update a
-// running max and sum (online softmax, float32), then its values are accumulated in float32. The
-// order of every sum depends on the row's own key range only, never on the other rows of the step.
-// Returns (out [D, H, d] in q's dtype, log-sum-exp [D, H] float32 of the scaled scores), the pair
-// the cascade's merge takes. The pure-PyTorch reference is attention.py's _attend_decodes.
+// A position p lives at block tables[i][p / block_size], offset p % block_size. Keys are taken in
+// tiles of TILE positions aligned to multiples of TILE; each tile's scores update a running max and
+// sum (online softmax, float32), then its values are accumulated in float32. The order of every sum
+// depends on the row's own key range only, never on the other rows of the step.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -117,6 +117,25 @@ inline __m512 exp16(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
     return _mm512_scalef_ps(p, n);
 }
+
+// One tile's online-softmax step for one query vector, shared by both paths so that they round
+// alike: the live lanes of `scores` update the running max and sum, the accumulator is rescaled,
+// and the tile's weights (0 in dead lanes) are stored to `weights` for the value sums.
+inline void softmax_step(__m512 scores, __mmask16 live, float& running_max, float& running_sum, float* acc,
+                         int64_t head_dim, float* weights) {
+    const __m512 tile = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), live, scores);
+    const float new_max = std::max(running_max, _mm512_reduce_max_ps(tile));
+    const float correction = running_max == new_max ? 1.f
+                             : _mm512_cvtss_f32(exp16(_mm512_set1_ps(running_max - new_max)));
+    const __m512 p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(tile, _mm512_set1_ps(new_max))));
+    _mm512_storeu_ps(weights, p);
+    running_sum = running_sum * correction + tree16(p);
+    running_max = new_max;
+    if (correction != 1.f) {
+        const __m512 c = _mm512_set1_ps(correction);
+        for (int64_t j = 0; j < head_dim; j += 16) _mm512_storeu_ps(acc + j, _mm512_mul_ps(_mm512_loadu_ps(acc + j), c));
+    }
+}
 #endif
 
 #if !defined(__AVX512F__)
@@ -157,35 +176,24 @@ inline void tile_avx512(const float* query, const uint16_t* query_bits, float sc
                         const T* const* value_of, int64_t n, int64_t group, int64_t head_dim, float* scores,
                         float* running_max, float* running_sum, float* acc) {
     const __mmask16 live = static_cast<__mmask16>((1u << n) - 1u);
+    const bool pairs = bf16_dot_for<T>() && head_dim % 32 == 0;
     for (int64_t g = 0; g < group; ++g) {
         const float* qg = query + g * head_dim;
         float* s = scores + g * TILE;
-#if defined(__AVX512BF16__)
-        if constexpr (bf16_dot_for<T>()) {
-            if (head_dim % 32 == 0) {
-                for (int64_t t = 0; t < n; ++t) s[t] = tree16(dot_pairs(query_bits + g * head_dim, key_of[t], head_dim)) * scale;
-            }
-        }
-        if (!bf16_dot_for<T>() || head_dim % 32 != 0)
-#endif
         for (int64_t t = 0; t < n; ++t) {
+#if defined(__AVX512BF16__)
+            if constexpr (bf16_dot_for<T>()) {
+                if (pairs) {
+                    s[t] = tree16(dot_pairs(query_bits + g * head_dim, key_of[t], head_dim)) * scale;
+                    continue;
+                }
+            }
+#endif
             __m512 sum = _mm512_mul_ps(load16(qg), load16(key_of[t]));
             for (int64_t j = 16; j < head_dim; j += 16) sum = _mm512_fmadd_ps(load16(qg + j), load16(key_of[t] + j), sum);
             s[t] = tree16(sum);
         }
-        const __m512 tile = _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), live, s);
-        const float new_max = std::max(running_max[g], _mm512_reduce_max_ps(tile));
-        const float correction = running_max[g] == new_max ? 1.f
-                                 : _mm512_cvtss_f32(exp16(_mm512_set1_ps(running_max[g] - new_max)));
-        const __m512 p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(tile, _mm512_set1_ps(new_max))));
-        _mm512_storeu_ps(s, p);
-        running_sum[g] = running_sum[g] * correction + tree16(p);
-        running_max[g] = new_max;
-        if (correction != 1.f) {
-            float* a = acc + g * head_dim;
-            const __m512 c = _mm512_set1_ps(correction);
-            for (int64_t j = 0; j < head_dim; j += 16) _mm512_storeu_ps(a + j, _mm512_mul_ps(load16(a + j), c));
-        }
+        softmax_step(_mm512_loadu_ps(s), live, running_max[g], running_sum[g], acc + g * head_dim, head_dim, s);
     }
     for (int64_t j = 0; j < head_dim; j += 16) {
         for (int64_t g = 0; g < group; ++g) {
@@ -237,8 +245,7 @@ inline void load_query(const T* q_row, int64_t q_head_stride, int64_t h, int64_t
 // The group of query heads of one row over keys [first, last), a tile at a time (the decode path).
 template <typename T>
 void attend_row(const float* query, const uint16_t* query_bits, float scale, int64_t first, int64_t last,
-                const Blocks& blocks, const T* k_cache,
-                const T* v_cache, int64_t slot_stride, int64_t h, int64_t group, int64_t head_dim, bool vectorized,
+                const Blocks& blocks, const T* k_cache, const T* v_cache, int64_t slot_stride, int64_t h, int64_t group, int64_t head_dim, bool vectorized,
                 float* scores, float* running_max, float* running_sum, float* acc) {
     std::fill(acc, acc + group * head_dim, 0.f);
     std::fill(running_max, running_max + group, -std::numeric_limits<float>::infinity());
@@ -296,9 +303,9 @@ void decode_kernel(const T* q, int64_t q_row_stride, int64_t q_head_stride, cons
             load_query(q + rows[i] * q_row_stride, q_head_stride, h, group, head_dim, scale, scratch.query.data(),
                        scratch.query_bits.data());
             const Blocks blocks{tables + i * table_stride, shift, block_size - 1};
-            attend_row(scratch.query.data(), scratch.query_bits.data(), scale, first[i], last[i], blocks, k_cache, v_cache, slot_stride, h, group, head_dim,
-                       vectorized, scratch.scores.data(), scratch.running_max.data(), scratch.running_sum.data(),
-                       scratch.acc.data());
+            attend_row(scratch.query.data(), scratch.query_bits.data(), scale, first[i], last[i], blocks, k_cache,
+                       v_cache, slot_stride, h, group, head_dim, vectorized, scratch.scores.data(),
+                       scratch.running_max.data(), scratch.running_sum.data(), scratch.acc.data());
             finish(scratch.acc.data(), scratch.running_max.data(), scratch.running_sum.data(), group, head_dim,
                    out + (i * num_heads + h * group) * head_dim, lse + i * num_heads + h * group);
         }
@@ -317,12 +324,7 @@ template <typename T>
 void attend_rows_transposed(int64_t count, int64_t p0, const Blocks& blocks, const T* k_cache, const T* v_cache,
                             int64_t slot_stride, int64_t h, int64_t group, int64_t head_dim, float scale,
                             Scratch& scratch) {
-#if defined(__AVX512BF16__)
-    constexpr bool pairs_possible = bf16_dot_for<T>();
-#else
-    constexpr bool pairs_possible = false;
-#endif
-    const bool pairs = pairs_possible && head_dim % 32 == 0;  // keys_t then holds [d / 2][16] bf16 pairs
+    const bool pairs = bf16_dot_for<T>() && head_dim % 32 == 0;  // keys_t then holds [d / 2][16] bf16 pairs
     const int64_t vectors = count * group;
     float* query = scratch.query.data();
     float* acc = scratch.acc.data();
@@ -398,19 +400,7 @@ void attend_rows_transposed(int64_t count, int64_t p0, const Blocks& blocks, con
                     for (int64_t l = 0; l < 2; ++l) pg[l] = _mm512_add_ps(pg[l], pg[l + 2]);
                     const __m512 scores = pairs ? _mm512_mul_ps(_mm512_add_ps(pg[0], pg[1]), _mm512_set1_ps(scale))
                                                 : _mm512_add_ps(pg[0], pg[1]);
-                    const __m512 tile = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), live, scores);
-                    const float new_max = std::max(running_max[v], _mm512_reduce_max_ps(tile));
-                    const float correction = running_max[v] == new_max ? 1.f
-                                             : _mm512_cvtss_f32(exp16(_mm512_set1_ps(running_max[v] - new_max)));
-                    const __m512 weights = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(tile, _mm512_set1_ps(new_max))));
-                    _mm512_storeu_ps(p + g * TILE, weights);
-                    running_sum[v] = running_sum[v] * correction + tree16(weights);
-                    running_max[v] = new_max;
-                    if (correction != 1.f) {
-                        float* a = acc + v * head_dim;
-                        const __m512 c = _mm512_set1_ps(correction);
-                        for (int64_t j = 0; j < head_dim; j += 16) _mm512_storeu_ps(a + j, _mm512_mul_ps(_mm512_loadu_ps(a + j), c));
-                    }
+                    softmax_step(scores, live, running_max[v], running_sum[v], acc + v * head_dim, head_dim, p + g * TILE);
                 }
                 for (int64_t j = 0; j < head_dim; j += 16) {
                     __m512 sum[HEADS_AT_ONCE];
@@ -448,42 +438,47 @@ void causal_kernel(const T* q, int64_t q_row_stride, int64_t q_head_stride, cons
             item_row.push_back(r);
         }
     }
-    const int64_t num_items = static_cast<int64_t>(item_seq.size()) * num_kv_heads;
-    // Item k goes to worker k mod workers: later rows read more keys, so their cost is dealt out evenly.
-    const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
-    at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
-      Scratch scratch(ROWS, group, head_dim);
-      for (int64_t w = begin; w < end; ++w) {
-        for (int64_t k = w; k < num_items; k += workers) {
+    // Item k: rows item_row[k / num_kv_heads] .. of sequence item_seq[...], KV head k % num_kv_heads.
+    auto attend_item = [&](int64_t k, Scratch& scratch) {
         const int64_t item = k / num_kv_heads, h = k % num_kv_heads;
         const int64_t i = item_seq[item], r0 = item_row[item];
         const int64_t count = std::min(ROWS, query_start[i + 1] - r0);
         const int64_t p0 = seq_lens[i] - (query_start[i + 1] - query_start[i]) + (r0 - query_start[i]);
         const Blocks blocks{tables + i * table_stride, shift, block_size - 1};
+        const int64_t per_row = group * head_dim;
         for (int64_t r = 0; r < count; ++r) {
             load_query(q + (r0 + r) * q_row_stride, q_head_stride, h, group, head_dim, scale,
-                       scratch.query.data() + r * group * head_dim, scratch.query_bits.data() + r * group * head_dim);
+                       scratch.query.data() + r * per_row, scratch.query_bits.data() + r * per_row);
         }
+        T* out_row = out + (r0 * num_heads + h * group) * head_dim;  // row r0's heads of this KV group
+        const int64_t out_row_stride = num_heads * head_dim;
 #if defined(__AVX512F__)
         if (vectorized && count >= MIN_TRANSPOSED) {
             attend_rows_transposed(count, p0, blocks, k_cache, v_cache, slot_stride, h, group, head_dim, scale, scratch);
             for (int64_t r = 0; r < count; ++r) {
-                finish(scratch.acc.data() + r * group * head_dim, scratch.running_max.data() + r * group,
-                       scratch.running_sum.data() + r * group, group, head_dim,
-                       out + ((r0 + r) * num_heads + h * group) * head_dim, static_cast<float*>(nullptr));
+                finish(scratch.acc.data() + r * per_row, scratch.running_max.data() + r * group,
+                       scratch.running_sum.data() + r * group, group, head_dim, out_row + r * out_row_stride,
+                       static_cast<float*>(nullptr));
             }
-            continue;
+            return;
         }
 #endif
         for (int64_t r = 0; r < count; ++r) {
-            const float* query = scratch.query.data() + r * group * head_dim;
-            attend_row(query, scratch.query_bits.data() + r * group * head_dim, scale, 0, p0 + r + 1, blocks, k_cache, v_cache, slot_stride, h, group, head_dim, vectorized,
-                       scratch.scores.data(), scratch.running_max.data(), scratch.running_sum.data(), scratch.acc.data());
+            attend_row(scratch.query.data() + r * per_row, scratch.query_bits.data() + r * per_row, scale, 0, p0 + r + 1,
+                       blocks, k_cache, v_cache, slot_stride, h, group, head_dim, vectorized, scratch.scores.data(),
+                       scratch.running_max.data(), scratch.running_sum.data(), scratch.acc.data());
             finish(scratch.acc.data(), scratch.running_max.data(), scratch.running_sum.data(), group, head_dim,
-                   out + ((r0 + r) * num_heads + h * group) * head_dim, static_cast<float*>(nullptr));
+                   out_row + r * out_row_stride, static_cast<float*>(nullptr));
         }
+    };
+    const int64_t num_items = static_cast<int64_t>(item_seq.size()) * num_kv_heads;
+    // Item k goes to worker k mod workers: later rows read more keys, so their cost is dealt out evenly.
+    const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
+    at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+        Scratch scratch(ROWS, group, head_dim);
+        for (int64_t w = begin; w < end; ++w) {
+            for (int64_t k = w; k < num_items; k += workers) attend_item(k, scratch);
         }
-      }
     });
 }
 
@@ -505,6 +500,18 @@ void check_inputs(const torch::Tensor& q, const torch::Tensor& k_cache, const to
     TORCH_CHECK(k_cache.size(1) > 0 && (k_cache.size(1) & (k_cache.size(1) - 1)) == 0, "block_size must be a power of two");
 }
 
+// Every block holding positions [first, last) of sequence i must exist: a bad table is an error,
+// never a stray read.
+void check_blocks(const torch::Tensor& tables, int64_t i, int64_t first, int64_t last, int64_t block_size,
+                  int64_t num_blocks) {
+    TORCH_CHECK(first >= 0 && first <= last && (last == 0 || (last - 1) / block_size < tables.size(1)),
+                "key range [first, last) outside the block table");
+    const int64_t* table = tables.data_ptr<int64_t>() + i * tables.stride(0);
+    for (int64_t b = first / block_size; b * block_size < last; ++b) {
+        TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "block id out of range");
+    }
+}
+
 std::vector<torch::Tensor> paged_decode(const torch::Tensor& q, const torch::Tensor& rows, const torch::Tensor& k_cache,
                                         const torch::Tensor& v_cache, const torch::Tensor& tables,
                                         const torch::Tensor& first, const torch::Tensor& last, double scale) {
@@ -513,20 +520,12 @@ std::vector<torch::Tensor> paged_decode(const torch::Tensor& q, const torch::Ten
     const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
     TORCH_CHECK(tables.dim() == 2 && tables.size(0) == num_decodes && first.size(0) == num_decodes &&
                     last.size(0) == num_decodes, "one block table, first and last per decode");
-    {  // every block a decode reads must exist: a bad table is an error, never a stray read
-        const int64_t* table = tables.data_ptr<int64_t>();
-        const int64_t* lo = first.data_ptr<int64_t>();
-        const int64_t* hi = last.data_ptr<int64_t>();
-        const int64_t* row = rows.data_ptr<int64_t>();
-        for (int64_t i = 0; i < num_decodes; ++i) {
-            TORCH_CHECK(row[i] >= 0 && row[i] < q.size(0), "decode row out of range");
-            TORCH_CHECK(lo[i] >= 0 && lo[i] <= hi[i] && (hi[i] == 0 || (hi[i] - 1) / block_size < tables.size(1)),
-                        "key range [first, last) outside the block table");
-            for (int64_t b = lo[i] / block_size; b * block_size < hi[i]; ++b) {
-                const int64_t id = table[i * tables.stride(0) + b];
-                TORCH_CHECK(id >= 0 && id < k_cache.size(0), "block id out of range");
-            }
-        }
+    const int64_t* lo = first.data_ptr<int64_t>();
+    const int64_t* hi = last.data_ptr<int64_t>();
+    const int64_t* row = rows.data_ptr<int64_t>();
+    for (int64_t i = 0; i < num_decodes; ++i) {
+        TORCH_CHECK(row[i] >= 0 && row[i] < q.size(0), "decode row out of range");
+        check_blocks(tables, i, lo[i], hi[i], block_size, k_cache.size(0));
     }
     auto out = torch::empty({num_decodes, num_heads, head_dim}, q.options());
     auto lse = torch::empty({num_decodes, num_heads}, q.options().dtype(torch::kFloat32));
@@ -549,7 +548,6 @@ std::vector<torch::Tensor> paged_decode(const torch::Tensor& q, const torch::Ten
     return {out, lse};
 }
 
-
 torch::Tensor paged_causal(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                            const torch::Tensor& tables, const torch::Tensor& query_start, const torch::Tensor& seq_lens,
                            double scale) {
@@ -558,20 +556,13 @@ torch::Tensor paged_causal(const torch::Tensor& q, const torch::Tensor& k_cache,
     const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
     TORCH_CHECK(tables.dim() == 2 && tables.size(0) == num_seqs && query_start.size(0) == num_seqs + 1,
                 "one block table and seq_len per sequence, num_seqs + 1 query starts");
-    {  // every row's keys must lie in its table, every block it reads must exist
-        const int64_t* start = query_start.data_ptr<int64_t>();
-        const int64_t* lens = seq_lens.data_ptr<int64_t>();
-        const int64_t* table = tables.data_ptr<int64_t>();
-        TORCH_CHECK(start[0] == 0 && start[num_seqs] == q.size(0), "query starts must cover q's rows");
-        for (int64_t i = 0; i < num_seqs; ++i) {
-            const int64_t query_len = start[i + 1] - start[i];
-            TORCH_CHECK(query_len >= 0 && lens[i] >= query_len, "each sequence needs 0 <= query_len <= seq_len");
-            TORCH_CHECK(lens[i] == 0 || (lens[i] - 1) / block_size < tables.size(1), "seq_len outside the block table");
-            for (int64_t b = 0; b * block_size < lens[i] && query_len > 0; ++b) {
-                const int64_t id = table[i * tables.stride(0) + b];
-                TORCH_CHECK(id >= 0 && id < k_cache.size(0), "block id out of range");
-            }
-        }
+    const int64_t* start = query_start.data_ptr<int64_t>();
+    const int64_t* lens = seq_lens.data_ptr<int64_t>();
+    TORCH_CHECK(start[0] == 0 && start[num_seqs] == q.size(0), "query starts must cover q's rows");
+    for (int64_t i = 0; i < num_seqs; ++i) {
+        const int64_t query_len = start[i + 1] - start[i];
+        TORCH_CHECK(query_len >= 0 && lens[i] >= query_len, "each sequence needs 0 <= query_len <= seq_len");
+        check_blocks(tables, i, 0, lens[i], block_size, k_cache.size(0));
     }
     auto out = torch::empty({q.size(0), num_heads, head_dim}, q.options());
     AT_DISPATCH_SWITCH(q.scalar_type(), "paged_causal",
