@@ -32,22 +32,19 @@ class Linear(nn.Linear):
     """nn.Linear that uses a prepacked oneDNN weight once `pack` has run (CPU only)."""
 
     packed: Optional[torch.Tensor] = None
-    # Rows for which the packed weight is used: every size. On this project's 2-core AVX-512 AMD
-    # CPU oneDNN's packed float32 kernel takes 0.19-0.62x MKL's sgemm time from 1 to 4,096 rows
-    # (2,048 x 512 -> 2,688: 11.0 against 25.7 ms; MKL takes its AVX2 path on AMD); bf16 is
-    # faster packed at every size too. Kept as a table for CPUs that measure otherwise.
-    PACKED_ROWS = {torch.float32: range(1, 1 << 62), torch.bfloat16: range(1, 1 << 62)}
-
+    # The packed weight serves every batch size (an empty batch takes F.linear). On this project's
+    # 2-core AVX-512 AMD CPU oneDNN's packed float32 kernel takes 0.19-0.62x MKL's sgemm time from
+    # 1 to 4,096 rows (2,048 x 512 -> 2,688: 11.0 against 25.7 ms; MKL takes its AVX2 path on AMD);
+    # bf16 is faster packed at every size too.
     batch_invariant = True  # bf16: a one-row matmul rounds as in a batch (ModelRunner sets it per engine)
 
     def pack(self, batch_size_hint: int) -> None:
         """Lay the weight out for oneDNN; call again after the weight changes (bf16 results are
         the same oneDNN kernels'; float32 differs from MKL's sgemm in summation order only)."""
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), batch_size_hint)
-        self.packed_rows = self.PACKED_ROWS.get(self.weight.dtype, range(1, 1 << 62))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None or x.shape[0] not in self.packed_rows:
+        if self.packed is None or x.shape[0] == 0:
             return F.linear(x, self.weight, self.bias)
         if self.batch_invariant and x.shape[0] == 1 and x.dtype == torch.bfloat16:
             # oneDNN's one-row bf16 kernel sums K=1,344 (the default model's down_proj) in another
