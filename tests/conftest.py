@@ -53,7 +53,7 @@ def make_llm(**options):
 
 
 @pytest.fixture(params=["compiled", "reference"])
-def decode_path(request, monkeypatch):
+def attention_path(request, monkeypatch):
     """Run a test with attention on the compiled kernels and on the pure-PyTorch reference paths."""
     from prefixserve.model import attention, kernels
 

@@ -98,7 +98,7 @@ def bfloat16_case(seed: int, prefix_len: int, num_prompts: int, max_tokens: int)
     return prompts, run, run(make_llm(dtype="bfloat16", enable_prefix_caching=False), prompts)
 
 
-@pytest.mark.usefixtures("decode_path")  # the compiled kernel (csrc/paged_attention.cpp) and invariant_attention.py
+@pytest.mark.usefixtures("attention_path")  # the compiled kernel (csrc/paged_attention.cpp) and invariant_attention.py
 def test_bfloat16_cache_hits_keep_outputs():
     """bfloat16 too: attention's batch-invariant path (compiled, or model/invariant_attention.py) and the
     two-row bf16 matmul keep a token's numbers the same in any batch, chunk split or decode.
@@ -112,7 +112,7 @@ def test_bfloat16_cache_hits_keep_outputs():
     assert run(chunked, prompts) == baseline
 
 
-@pytest.mark.usefixtures("decode_path")
+@pytest.mark.usefixtures("attention_path")
 def test_bfloat16_shared_segments_keep_outputs():
     """Past 256 keys bf16 attention reads whole 256-key segments, once for all the rows whose blocks
     hold them (the invariant cascade): 20 requests over a 300-token prefix read it in one call of 2

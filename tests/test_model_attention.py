@@ -8,7 +8,7 @@ import torch
 from prefixserve.model import AttentionMetadata, paged_attention, write_kv
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 16, 4, 40
-pytestmark = pytest.mark.usefixtures("decode_path")  # decodes on the compiled kernel and on the reference
+pytestmark = pytest.mark.usefixtures("attention_path")  # attention on the compiled kernels and on the reference paths
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -17,7 +17,7 @@ from prefixserve.model.attention import plan_step
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 8, 2, 16, 4, 200
 SCALE = HEAD_DIM ** -0.5
-pytestmark = pytest.mark.usefixtures("decode_path")  # every test on the compiled decode kernel and the reference
+pytestmark = pytest.mark.usefixtures("attention_path")  # every test on the compiled kernels and the reference paths
 
 
 def dense_attention(q, k, v):

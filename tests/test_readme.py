@@ -75,21 +75,12 @@ def test_real_text_example_prints_the_answer_shown():
     assert stdout.getvalue() == fenced(real, "")[0]
 
 
-def test_plan_ttl_example_prints_the_table_shown(capsys):
+@pytest.mark.parametrize("title,verb", [("### TTL: per request", "ttl"), ("### Price: `prefixserve plan price`", "price")])
+def test_plan_example_prints_the_table_shown(capsys, title, verb):
     from prefixserve.cli import main
 
-    ttl = section("### TTL: per request")
-    command = fenced(ttl, "bash")[0].split()
-    assert command[:3] == ["prefixserve", "plan", "ttl"]
+    text = section(title)
+    command = fenced(text, "bash")[0].split()
+    assert command[:3] == ["prefixserve", "plan", verb]
     assert main(command[1:]) == 0
-    assert capsys.readouterr().out == fenced(ttl, "")[0]
-
-
-def test_plan_price_example_prints_the_table_shown(capsys):
-    from prefixserve.cli import main
-
-    price = section("### Price: `prefixserve plan price`")
-    command = fenced(price, "bash")[0].split()
-    assert command[:3] == ["prefixserve", "plan", "price"]
-    assert main(command[1:]) == 0
-    assert capsys.readouterr().out == fenced(price, "")[0]
+    assert capsys.readouterr().out == fenced(text, "")[0]
