@@ -3,9 +3,9 @@
 The extension is optional: where it cannot be built (no compiler), the install still succeeds
 and prefixserve.model.kernels logs a warning and runs the pure-PyTorch reference paths.
 -march=native: the kernels are built for the machine that installs them (pip install -e . here).
--ffp-contract=off: no multiply-add is fused behind the code's back; where two paths must give a
-row the same bits (csrc/paged_attention.cpp's decode and transposed paths) fusing one and not the
-other broke that (measured: 1-ulp differences until this flag).
+-ffp-contract=off: no multiply-add is fused behind the code's back. A row's bits must not depend on
+where its sums were inlined (csrc/paged_causal.cpp computes a row alone or in a block of rows); gcc
+fusing a scalar multiply-add in one place and not another broke that once (1-ulp differences).
 """
 
 from setuptools import setup
@@ -15,7 +15,8 @@ setup(
     ext_modules=[
         CppExtension(
             "prefixserve._C",
-            ["prefixserve/csrc/paged_attention.cpp"],
+            ["prefixserve/csrc/module.cpp", "prefixserve/csrc/paged_decode.cpp", "prefixserve/csrc/paged_causal.cpp"],
+            depends=["prefixserve/csrc/attention_tiles.h", "prefixserve/csrc/kernels.h"],
             extra_compile_args=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
             extra_link_args=["-fopenmp"],
             optional=True,

@@ -98,7 +98,7 @@ def bfloat16_case(seed: int, prefix_len: int, num_prompts: int, max_tokens: int)
     return prompts, run, run(make_llm(dtype="bfloat16", enable_prefix_caching=False), prompts)
 
 
-@pytest.mark.usefixtures("attention_path")  # the compiled kernel (csrc/paged_attention.cpp) and invariant_attention.py
+@pytest.mark.usefixtures("attention_path")  # the compiled kernel (csrc/paged_causal.cpp) and invariant_attention.py
 def test_bfloat16_cache_hits_keep_outputs():
     """bfloat16 too: attention's batch-invariant path (compiled, or model/invariant_attention.py) and the
     two-row bf16 matmul keep a token's numbers the same in any batch, chunk split or decode.

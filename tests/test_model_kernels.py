@@ -113,12 +113,13 @@ def test_paged_decode_refuses_what_it_cannot_read():
 
 @compiled
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_causal_rows_are_alike_in_any_chunking_batch_or_decode(dtype):
+@pytest.mark.parametrize("head_dim", [64, 48])  # bf16: pairs by the dot-product instruction; floats
+def test_paged_causal_rows_are_alike_in_any_chunking_batch_or_decode(dtype, head_dim):
     """A row at position p reads keys [0, p + 1): its bits must not depend on the chunk it came in,
-    the sequences beside it, or whether it is a decode (16-row blocks take the transposed path,
-    single rows the decode path; both sum in one order). float32 also matches dense attention."""
+    the sequences beside it, or whether it is a decode (rows are computed in blocks of up to 32 that
+    share each key tile; every row sums in one order). float32 also matches dense attention."""
     generator = torch.Generator().manual_seed(11)
-    block_size, num_kv_heads, num_heads, head_dim, length = 16, 4, 8, 64, 150
+    block_size, num_kv_heads, num_heads, length = 16, 4, 8, 150
     num_blocks = 40
     k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
     v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
@@ -151,3 +152,46 @@ def test_paged_causal_rows_are_alike_in_any_chunking_batch_or_decode(dtype):
         scores = scores.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
         expected = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).float()
         torch.testing.assert_close(whole, expected, atol=1e-5, rtol=1e-5)
+
+
+@compiled
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [
+    (8, 4, 64, 16),   # the built-in model's shape
+    (9, 3, 64, 32),   # 3:1 groups
+    (4, 4, 16, 1),    # no grouping, one-token blocks
+    (6, 2, 24, 4),    # head_dim not a multiple of 16: the portable loop
+    (4, 2, 48, 8),    # three registers of values per vector
+    (8, 1, 128, 8),   # one KV head, wide heads
+])
+def test_paged_causal_matches_dense_attention_in_float32(num_heads, num_kv_heads, head_dim, block_size):
+    """Prefill chunks with and without a past, and decodes, in one call, over scattered blocks whose
+    every unowned slot is NaN: each row matches dense causal attention in float64."""
+    generator = torch.Generator().manual_seed(num_heads * 1000 + head_dim * 10 + block_size)
+    specs = [(0, 45), (30, 7), (70, 1), (5, 33), (0, 1), (100, 40)]  # (past, query_len) per sequence
+    lengths = [past + new for past, new in specs]
+    num_blocks = sum(-(-n // block_size) for n in lengths) + 2
+    order = (torch.randperm(num_blocks, generator=generator)).tolist()
+    tables = [[order.pop() for _ in range(-(-n // block_size))] for n in lengths]
+    width = max(len(t) for t in tables)
+    padded = torch.tensor([t + [-1] * (width - len(t)) for t in tables])
+    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"))
+    v_cache = torch.full_like(k_cache, float("nan"))
+    for table, n in zip(tables, lengths):
+        for p in range(n):
+            k_cache[table[p // block_size], p % block_size] = torch.randn(num_kv_heads, head_dim, generator=generator)
+            v_cache[table[p // block_size], p % block_size] = torch.randn(num_kv_heads, head_dim, generator=generator)
+    q = torch.randn(sum(new for _, new in specs), num_heads, head_dim, generator=generator)
+    query_start = torch.tensor([0] + [new for _, new in specs]).cumsum(0)
+    scale = head_dim ** -0.5
+    out = kernels.compiled.paged_causal(q, k_cache, v_cache, padded, query_start, torch.tensor(lengths), scale)
+    group = num_heads // num_kv_heads
+    for i, ((past, new), table) in enumerate(zip(specs, tables)):
+        positions = torch.arange(past + new)
+        slots = torch.tensor(table)[positions // block_size] * block_size + positions % block_size
+        keys = k_cache.reshape(-1, num_kv_heads, head_dim)[slots].double().repeat_interleave(group, 1)
+        values = v_cache.reshape(-1, num_kv_heads, head_dim)[slots].double().repeat_interleave(group, 1)
+        rows = slice(int(query_start[i]), int(query_start[i + 1]))
+        scores = torch.einsum("qhd,khd->hqk", q[rows].double(), keys) * scale
+        future = positions[None, :] > torch.arange(past, past + new)[:, None]
+        expected = torch.einsum("hqk,khd->qhd", scores.masked_fill(future, float("-inf")).softmax(-1), values)
+        torch.testing.assert_close(out[rows], expected.float(), atol=1e-5, rtol=1e-5)

@@ -97,18 +97,27 @@ def shared_scenario():
 
 
 @pytest.mark.parametrize("pass_new_kv", [True, False])
-def test_cascade_matches_dense_and_plain(monkeypatch, eager_thresholds, pass_new_kv):
+def test_cascade_matches_dense_and_plain(monkeypatch, eager_thresholds, attention_path, pass_new_kv):
     scenario = Scenario(shared_scenario())
     out, plan = scenario.run(pass_new_kv)
-    # The 40-block prefix is one part over the rows of all six sequences: read once.
     shared = [part for part in plan.parts if part.keys.slots is not None and len(part.keys.slots) == 40 * BLOCK_SIZE]
-    assert len(shared) == 1 and len(shared[0].rows) == 1 + 1 + 1 + 7 + 6 + 7
-    # The own tokens of the two 7-token chunks attend causally in one batched call.
-    assert sorted(len(batch.rows) for batch in plan.own_batches) == [5, 6, 14]
-    # The consecutive 12-block prefix is a view (no slot list), shared by both of its sequences.
     views = [part for part in plan.parts if part.keys.slots is None]
-    assert any(part.keys.length == 12 * BLOCK_SIZE and not isinstance(part.rows, slice) for part in views)
-    assert any(part.keys.length == 11 * BLOCK_SIZE for part in views)  # the body run
+    if attention_path == "compiled":
+        # Every prefill chunk goes to the causal kernel whole, in one call; the three decodes after
+        # the 40-block prefix still read it once, and the decode after the 12-block run (alone now
+        # that its partner is a prefill) reads it in place in the decode kernel: no view.
+        assert plan.prefills.query_start.tolist() == [0, 7, 13, 20, 25, 36]
+        assert not plan.chunks and not plan.own_batches
+        assert len(shared) == 1 and len(shared[0].rows) == 3
+        assert not views
+    else:
+        # The 40-block prefix is one part over the rows of all six sequences: read once.
+        assert len(shared) == 1 and len(shared[0].rows) == 1 + 1 + 1 + 7 + 6 + 7
+        # The own tokens of the two 7-token chunks attend causally in one batched call.
+        assert sorted(len(batch.rows) for batch in plan.own_batches) == [5, 6, 14]
+        # The consecutive 12-block prefix is a view (no slot list), shared by both of its sequences.
+        assert any(part.keys.length == 12 * BLOCK_SIZE and not isinstance(part.rows, slice) for part in views)
+        assert any(part.keys.length == 11 * BLOCK_SIZE for part in views)  # the body run
     assert not torch.isnan(out).any()
     torch.testing.assert_close(out, scenario.expected(), atol=1e-5, rtol=1e-5)
 

@@ -186,7 +186,8 @@ def plan_step(meta: AttentionMetadata, k_cache: torch.Tensor) -> StepPlan:
     if takes_invariant_path(meta, k_cache.dtype, k_cache.device):
         return StepPlan(parts=[], chunks=[], own_batches=[], decodes=None, merged_rows=None)
     kernel_decodes = decode_kernel_for(k_cache) is not None
-    return build_plan(meta, k_cache.shape[1], k_cache.element_size(), kernel_decodes)
+    kernel_prefills = causal_kernel_for(k_cache) is not None
+    return build_plan(meta, k_cache.shape[1], k_cache.element_size(), kernel_decodes, kernel_prefills)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -209,12 +210,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     flat_v = v_cache.view(-1, num_kv_heads, head_dim)
     if takes_invariant_path(meta, q.dtype, q.device):
         causal = causal_kernel_for(k_cache)
-        if causal is not None:  # compiled: each row's sums in a fixed order of its own (csrc/paged_attention.cpp)
+        if causal is not None:  # compiled: each row's sums in a fixed order of its own (csrc/paged_causal.cpp)
             return causal(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale)
         if plan.invariant_calls is None:
             plan.invariant_calls = invariant_calls(meta, k_cache.shape[1], group)
         return invariant_attention(q, flat_k, flat_v, plan.invariant_calls, plan.masks, scale, _attend)
+    prefills = plan.prefills
+    if prefills is not None and plan.decodes is None and isinstance(prefills.rows, slice) \
+            and prefills.rows == slice(0, num_tokens):
+        return _attend_prefills(q, k_cache, v_cache, prefills, scale)  # nothing else in the step
     out = torch.empty_like(q)
+    if prefills is not None:
+        out[prefills.rows] = _attend_prefills(q[prefills.rows], k_cache, v_cache, prefills, scale)
     pieces: list[tuple[torch.Tensor, torch.Tensor]] = []  # (out, lse) in plan.merge_index order
     merge_ids: list = []
 
@@ -242,6 +249,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if pieces:
         _merge_into(out, plan, pieces, merge_ids)
     return out
+
+
+def _attend_prefills(q_rows, k_cache, v_cache, prefills, scale: float) -> torch.Tensor:
+    """The step's prefill chunks in one call of the compiled causal kernel, read in place."""
+    return causal_kernel_for(k_cache)(q_rows, k_cache, v_cache, prefills.tables, prefills.query_start,
+                                      prefills.seq_lens, scale)
 
 
 def _attend_chunk(q, chunk, flat_k, flat_v, k, v, scale: float, group: int) -> torch.Tensor:

@@ -3,8 +3,9 @@
 Each kernel has a pure-PyTorch reference path that stays the fallback and the test oracle:
 
     paged_decode   decode attention read in place from the paged cache   reference: attention._attend_decodes
-    paged_causal   every row of a step, each row's bits its own (bf16's   reference: invariant_attention.py
-                   batch-invariant path; a row reads keys [0, p + 1))      and _attend (float32)
+    paged_causal   rows of a step, each row's bits its own (every row on   reference: invariant_attention.py
+                   bf16's batch-invariant path; the prefill chunks         and _attend_chunk
+                   otherwise; a row at p reads keys [0, p + 1))
 
 Where the extension was not built (no compiler at install time) a warning is logged once and
 the reference paths run. PREFIXSERVE_KERNELS=0 turns the kernels off (to compare the paths).
@@ -26,7 +27,7 @@ def _load():
     try:
         from prefixserve import _C
     except ImportError as error:
-        logger.warning("prefixserve's compiled kernels are not built (%s): decode attention runs the slower "
+        logger.warning("prefixserve's compiled kernels are not built (%s): attention runs the slower "
                        "pure-PyTorch path. Reinstall with `pip install -e .` on a machine with gcc.", error)
         return None
     return _C

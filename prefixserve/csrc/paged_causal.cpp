@@ -1,0 +1,313 @@
+// Causal attention of every row of a step, read in place from the paged cache: a row at position p
+// attends to keys [0, p + 1). The float32 prefill and bf16's batch-invariant path (every row).
+//
+// A work item is up to ROWS consecutive rows of one sequence and one KV head: ROWS x group query
+// vectors. Keys go by in tiles of TILE positions aligned to multiples of TILE (absolute positions):
+//
+//   key tile, transposed in registers     key_t[c] lane k = element c of key k (a bf16 pair, or a float)
+//   a vector's 16 scores                  sum over c of q[c] * key_t[c], in CHAINS running sums
+//                                         (c mod CHAINS), added in a fixed tree: one register
+//   online softmax step                   attention_tiles.h's softmax_step (running max and sum)
+//   values                                acc += w[k] * value[k] for k = 0 .. 15 in turn, float32
+//
+// Each vector's sums are the same operations in the same order whatever other rows share its item:
+// a decode (1 row), a prefill chunk, wherever the chunk starts. A row's bits are its own, so a
+// cache hit, a different batch or another chunking gives the same tokens (tests/test_model_kernels.py).
+// Vectors are computed in blocks (SCORE_BLOCK, VALUE_BLOCK) only so that one load of a key or value
+// register serves several of them; blocking changes no vector's order of operations.
+#include "attention_tiles.h"
+#include "kernels.h"
+
+#include <ATen/Parallel.h>
+
+namespace prefixserve {
+namespace {
+
+constexpr int64_t ROWS = 32;  // rows of one sequence a work item takes
+
+// Scratch of one worker: ROWS rows of `group` vectors.
+struct CausalScratch {
+    std::vector<uint32_t> query;  // per vector: bf16 pairs as stored, or the bits of q * scale (floats)
+    std::vector<float> acc, running_max, running_sum, weights, key_t, values, zeros;
+    CausalScratch(int64_t group, int64_t head_dim)
+        : query(ROWS * group * head_dim), acc(ROWS * group * head_dim), running_max(ROWS * group),
+          running_sum(ROWS * group), weights(ROWS * group * TILE), key_t(head_dim * TILE), values(TILE * head_dim),
+          zeros(head_dim, 0.f) {}
+};
+
+#if defined(__AVX512F__)
+constexpr int CHAINS = 4;        // running sums per score: enough independent chains for one decode row
+constexpr int SCORE_BLOCK = 6;   // vectors scored together: SCORE_BLOCK x CHAINS accumulators
+constexpr int VALUE_BLOCK = 6;   // vectors whose values are summed together: 6 x 4 registers of 16 dims
+constexpr int VALUE_WIDTH = 4;   // registers of 16 dims a value pass holds per vector
+
+// 16 registers of 16 32-bit lanes, transposed in place: afterwards r[j] lane k = before r[k] lane j.
+inline void transpose16(__m512 r[16]) {
+    __m512 t[16], u[16];
+    for (int m = 0; m < 8; ++m) {
+        t[2 * m] = _mm512_unpacklo_ps(r[2 * m], r[2 * m + 1]);
+        t[2 * m + 1] = _mm512_unpackhi_ps(r[2 * m], r[2 * m + 1]);
+    }
+    for (int m = 0; m < 4; ++m) {  // u[4m + e], 128-bit lane L: rows 4m .. 4m + 3 at element 4L + e
+        const __m512d a = _mm512_castps_pd(t[4 * m]), b = _mm512_castps_pd(t[4 * m + 2]);
+        const __m512d c = _mm512_castps_pd(t[4 * m + 1]), d = _mm512_castps_pd(t[4 * m + 3]);
+        u[4 * m] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+        u[4 * m + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+        u[4 * m + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+        u[4 * m + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+    }
+    for (int e = 0; e < 4; ++e) {
+        const __m512 x0 = _mm512_shuffle_f32x4(u[e], u[4 + e], 0x88), x1 = _mm512_shuffle_f32x4(u[e], u[4 + e], 0xDD);
+        const __m512 y0 = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0x88);
+        const __m512 y1 = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0xDD);
+        r[e] = _mm512_shuffle_f32x4(x0, y0, 0x88);
+        r[8 + e] = _mm512_shuffle_f32x4(x0, y0, 0xDD);
+        r[4 + e] = _mm512_shuffle_f32x4(x1, y1, 0x88);
+        r[12 + e] = _mm512_shuffle_f32x4(x1, y1, 0xDD);
+    }
+}
+
+// Keys as 32-bit elements: bf16 pairs (PAIRS: the bf16 dot-product instruction multiplies a pair
+// per lane) or floats. `elements` per key, a multiple of 16.
+template <typename T, bool PAIRS>
+inline __m512 load_elements(const T* key, int64_t e) {
+    if constexpr (PAIRS) {
+        return _mm512_castsi512_ps(_mm512_loadu_si512(reinterpret_cast<const uint32_t*>(key) + e));
+    } else {
+        return load16(key + e);
+    }
+}
+
+template <typename T, bool PAIRS>
+inline void load_key_tile(const T* const* key_of, int64_t n, int64_t elements, float* key_t) {
+    for (int64_t e0 = 0; e0 < elements; e0 += 16) {
+        __m512 r[16];
+        for (int64_t k = 0; k < 16; ++k) r[k] = k < n ? load_elements<T, PAIRS>(key_of[k], e0) : _mm512_setzero_ps();
+        transpose16(r);
+        for (int64_t c = 0; c < 16; ++c) _mm512_storeu_ps(key_t + (e0 + c) * 16, r[c]);
+    }
+}
+
+// Scores of NV vectors (query bits [NV][elements]) against the key tile.
+template <int NV, bool PAIRS>
+inline void score_block(const uint32_t* query, int64_t elements, const float* key_t, float scale, __m512* scores) {
+    __m512 sum[NV][CHAINS];
+    for (int v = 0; v < NV; ++v) {
+        for (int ch = 0; ch < CHAINS; ++ch) sum[v][ch] = _mm512_setzero_ps();
+    }
+    for (int64_t c = 0; c < elements; c += CHAINS) {
+        for (int ch = 0; ch < CHAINS; ++ch) {
+            const __m512 k = _mm512_loadu_ps(key_t + (c + ch) * 16);
+            for (int v = 0; v < NV; ++v) {
+                const __m512i q = _mm512_set1_epi32(static_cast<int>(query[v * elements + c + ch]));
+#if defined(__AVX512BF16__)
+                if constexpr (PAIRS) {
+                    sum[v][ch] = _mm512_dpbf16_ps(sum[v][ch], (__m512bh)q, (__m512bh)_mm512_castps_si512(k));
+                    continue;
+                }
+#endif
+                sum[v][ch] = _mm512_fmadd_ps(_mm512_castsi512_ps(q), k, sum[v][ch]);
+            }
+        }
+    }
+    for (int v = 0; v < NV; ++v) {
+        const __m512 total = _mm512_add_ps(_mm512_add_ps(sum[v][0], sum[v][1]), _mm512_add_ps(sum[v][2], sum[v][3]));
+        scores[v] = PAIRS ? _mm512_mul_ps(total, _mm512_set1_ps(scale)) : total;
+    }
+}
+
+// acc[v][j .. j + 16 W) += sum over t of weights[v][t] * value_rows[t][j ..], t = 0 .. 15 in turn.
+template <int NV, int W>
+inline void value_block(float* acc, int64_t head_dim, const float* weights, const float* const* value_rows, int64_t j) {
+    __m512 a[NV][W];
+    for (int v = 0; v < NV; ++v) {
+        for (int m = 0; m < W; ++m) a[v][m] = _mm512_loadu_ps(acc + v * head_dim + j + 16 * m);
+    }
+    for (int t = 0; t < TILE; ++t) {
+        __m512 value[W];
+        for (int m = 0; m < W; ++m) value[m] = _mm512_loadu_ps(value_rows[t] + j + 16 * m);
+        for (int v = 0; v < NV; ++v) {
+            const __m512 w = _mm512_set1_ps(weights[v * TILE + t]);
+            for (int m = 0; m < W; ++m) a[v][m] = _mm512_fmadd_ps(w, value[m], a[v][m]);
+        }
+    }
+    for (int v = 0; v < NV; ++v) {
+        for (int m = 0; m < W; ++m) _mm512_storeu_ps(acc + v * head_dim + j + 16 * m, a[v][m]);
+    }
+}
+
+template <int NV>
+inline void value_columns(float* acc, int64_t head_dim, const float* weights, const float* const* value_rows) {
+    int64_t j = 0;
+    for (; j + 16 * VALUE_WIDTH <= head_dim; j += 16 * VALUE_WIDTH) {
+        value_block<NV, VALUE_WIDTH>(acc, head_dim, weights, value_rows, j);
+    }
+    switch ((head_dim - j) / 16) {
+        case 3: value_block<NV, 3>(acc, head_dim, weights, value_rows, j); break;
+        case 2: value_block<NV, 2>(acc, head_dim, weights, value_rows, j); break;
+        case 1: value_block<NV, 1>(acc, head_dim, weights, value_rows, j); break;
+        default: break;
+    }
+}
+
+template <typename T, bool PAIRS>
+void load_queries(const Queries<T>& q, int64_t r0, int64_t count, int64_t h, int64_t group, int64_t head_dim,
+                  float scale, uint32_t* query) {
+    const int64_t elements = PAIRS ? head_dim / 2 : head_dim;
+    for (int64_t r = 0; r < count; ++r) {
+        for (int64_t g = 0; g < group; ++g) {
+            const T* head = q.data + (r0 + r) * q.row_stride + (h * group + g) * q.head_stride;
+            uint32_t* bits = query + (r * group + g) * elements;
+            if constexpr (PAIRS) {
+                std::memcpy(bits, head, head_dim * sizeof(T));
+            } else {
+                for (int64_t j = 0; j < head_dim; ++j) {
+                    const float value = load(head, j) * scale;
+                    std::memcpy(bits + j, &value, sizeof(value));
+                }
+            }
+        }
+    }
+}
+
+// `count` rows at positions p0, p0 + 1, ... of one sequence, KV head h; leaves each vector's
+// unnormalised sums, running max and running sum in the scratch.
+template <typename T, bool PAIRS>
+void attend_rows(int64_t count, int64_t p0, const Blocks& blocks, const PagedKV<T>& kv, int64_t h, int64_t group,
+                 float scale, CausalScratch& s) {
+    const int64_t head_dim = kv.head_dim, elements = PAIRS ? head_dim / 2 : head_dim;
+    const int64_t slot_stride = kv.num_kv_heads * head_dim;
+    const int64_t vectors = count * group;
+    std::fill(s.acc.begin(), s.acc.begin() + vectors * head_dim, 0.f);
+    std::fill(s.running_max.begin(), s.running_max.begin() + vectors, -std::numeric_limits<float>::infinity());
+    std::fill(s.running_sum.begin(), s.running_sum.begin() + vectors, 0.f);
+    const T* key_of[TILE];
+    const float* value_rows[TILE];
+    const int64_t end = p0 + count;
+    for (int64_t start = 0; start < end; start += TILE) {
+        const int64_t in_tile = std::min(TILE, end - start);
+        for (int64_t t = 0; t < TILE; ++t) {
+            if (t >= in_tile) {
+                value_rows[t] = s.zeros.data();  // weight 0 in every vector; zeros, never unread memory
+                continue;
+            }
+            const int64_t offset = blocks.slot(start + t) * slot_stride + h * head_dim;
+            key_of[t] = kv.keys + offset;
+            if constexpr (std::is_same<T, float>::value) {
+                value_rows[t] = kv.values + offset;
+            } else {
+                float* row = s.values.data() + t * head_dim;
+                for (int64_t j = 0; j < head_dim; j += 16) _mm512_storeu_ps(row + j, load16(kv.values + offset + j));
+                value_rows[t] = row;
+            }
+        }
+        load_key_tile<T, PAIRS>(key_of, in_tile, elements, s.key_t.data());
+        // Rows before the tile's start see none of it: the live vectors are a suffix of the item's.
+        const int64_t first = std::max<int64_t>(0, start - p0) * group;
+        for (int64_t v0 = first; v0 < vectors; v0 += SCORE_BLOCK) {
+            __m512 scores[SCORE_BLOCK];
+            const uint32_t* query = s.query.data() + v0 * elements;
+            switch (std::min<int64_t>(SCORE_BLOCK, vectors - v0)) {
+                case 6: score_block<6, PAIRS>(query, elements, s.key_t.data(), scale, scores); break;
+                case 5: score_block<5, PAIRS>(query, elements, s.key_t.data(), scale, scores); break;
+                case 4: score_block<4, PAIRS>(query, elements, s.key_t.data(), scale, scores); break;
+                case 3: score_block<3, PAIRS>(query, elements, s.key_t.data(), scale, scores); break;
+                case 2: score_block<2, PAIRS>(query, elements, s.key_t.data(), scale, scores); break;
+                default: score_block<1, PAIRS>(query, elements, s.key_t.data(), scale, scores); break;
+            }
+            for (int64_t v = v0; v < std::min(v0 + SCORE_BLOCK, vectors); ++v) {
+                const int64_t n = std::min(TILE, p0 + v / group + 1 - start);  // keys of the tile this row sees
+                softmax_step(scores[v - v0], static_cast<__mmask16>((1u << n) - 1u), s.running_max[v], s.running_sum[v],
+                             s.acc.data() + v * head_dim, head_dim, s.weights.data() + v * TILE);
+            }
+        }
+        for (int64_t v0 = first; v0 < vectors; v0 += VALUE_BLOCK) {
+            float* acc = s.acc.data() + v0 * head_dim;
+            const float* weights = s.weights.data() + v0 * TILE;
+            switch (std::min<int64_t>(VALUE_BLOCK, vectors - v0)) {
+                case 6: value_columns<6>(acc, head_dim, weights, value_rows); break;
+                case 5: value_columns<5>(acc, head_dim, weights, value_rows); break;
+                case 4: value_columns<4>(acc, head_dim, weights, value_rows); break;
+                case 3: value_columns<3>(acc, head_dim, weights, value_rows); break;
+                case 2: value_columns<2>(acc, head_dim, weights, value_rows); break;
+                default: value_columns<1>(acc, head_dim, weights, value_rows); break;
+            }
+        }
+    }
+}
+#endif
+
+}  // namespace
+
+template <typename T>
+void causal_kernel(const Queries<T>& q, const PagedKV<T>& kv, const int64_t* query_start, const int64_t* seq_lens,
+                   int64_t num_seqs, float scale, T* out) {
+    const int64_t num_kv_heads = kv.num_kv_heads, head_dim = kv.head_dim;
+    const int64_t group = q.num_heads / num_kv_heads;
+    const int64_t slot_stride = num_kv_heads * head_dim;
+    const int64_t shift = log2_exact(kv.block_size);
+    const bool vectorized = VECTOR_PATH && head_dim % 16 == 0;
+    const bool pairs = bf16_dot_for<T>() && head_dim % 32 == 0;
+    std::vector<int64_t> item_seq, item_row;  // a work item: up to ROWS rows of a sequence (all KV heads)
+    for (int64_t i = 0; i < num_seqs; ++i) {
+        for (int64_t r = query_start[i]; r < query_start[i + 1]; r += ROWS) {
+            item_seq.push_back(i);
+            item_row.push_back(r);
+        }
+    }
+    const int64_t out_row_stride = q.num_heads * head_dim;
+    // Item k: rows item_row[k / num_kv_heads] .. of sequence item_seq[...], KV head k % num_kv_heads.
+    auto attend_item = [&](int64_t k, Scratch& rows_scratch, CausalScratch& s) {
+        const int64_t item = k / num_kv_heads, h = k % num_kv_heads;
+        const int64_t i = item_seq[item], r0 = item_row[item];
+        const int64_t count = std::min(ROWS, query_start[i + 1] - r0);
+        const int64_t p0 = seq_lens[i] - (query_start[i + 1] - query_start[i]) + (r0 - query_start[i]);
+        const Blocks blocks{kv.tables + i * kv.table_stride, shift, kv.block_size - 1};
+        T* out_row = out + r0 * out_row_stride + h * group * head_dim;  // row r0's heads of this KV group
+#if defined(__AVX512F__)
+        if (vectorized) {
+            if (pairs) {
+                load_queries<T, true>(q, r0, count, h, group, head_dim, scale, s.query.data());
+                attend_rows<T, true>(count, p0, blocks, kv, h, group, scale, s);
+            } else {
+                load_queries<T, false>(q, r0, count, h, group, head_dim, scale, s.query.data());
+                attend_rows<T, false>(count, p0, blocks, kv, h, group, scale, s);
+            }
+            for (int64_t r = 0; r < count; ++r) {
+                finish(s.acc.data() + r * group * head_dim, s.running_max.data() + r * group,
+                       s.running_sum.data() + r * group, group, head_dim, out_row + r * out_row_stride,
+                       static_cast<float*>(nullptr));
+            }
+            return;
+        }
+#endif
+        // Portable path (no AVX-512, or head_dim not a multiple of 16): a row at a time.
+        Scratch& row = rows_scratch;
+        for (int64_t r = 0; r < count; ++r) {
+            load_query(q.data + (r0 + r) * q.row_stride, q.head_stride, h, group, head_dim, scale, row.query.data(),
+                       row.query_bits.data());
+            attend_row(row.query.data(), row.query_bits.data(), scale, 0, p0 + r + 1, blocks, kv.keys, kv.values,
+                       slot_stride, h, group, head_dim, false, row.scores.data(), row.running_max.data(),
+                       row.running_sum.data(), row.acc.data());
+            finish(row.acc.data(), row.running_max.data(), row.running_sum.data(), group, head_dim,
+                   out_row + r * out_row_stride, static_cast<float*>(nullptr));
+        }
+    };
+    const int64_t num_items = static_cast<int64_t>(item_seq.size()) * num_kv_heads;
+    // Item k goes to worker k mod workers: later rows read more keys, so their cost is dealt out evenly.
+    const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
+    at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+        Scratch rows_scratch(1, group, head_dim);
+        CausalScratch causal_scratch(group, head_dim);
+        for (int64_t w = begin; w < end; ++w) {
+            for (int64_t k = w; k < num_items; k += workers) attend_item(k, rows_scratch, causal_scratch);
+        }
+    });
+}
+
+template void causal_kernel<float>(const Queries<float>&, const PagedKV<float>&, const int64_t*, const int64_t*,
+                                   int64_t, float, float*);
+template void causal_kernel<at::BFloat16>(const Queries<at::BFloat16>&, const PagedKV<at::BFloat16>&, const int64_t*,
+                                          const int64_t*, int64_t, float, at::BFloat16*);
+
+}  // namespace prefixserve
