@@ -1,14 +1,16 @@
 // Causal attention of every row of a step, read in place from the paged cache: a row at position p
-// attends to keys [0, p + 1). The float32 prefill and bf16's batch-invariant path (every row).
+// attends to keys [0, p + 1). The prefill chunks of float32 and of --no-batch-invariant bf16, and every
+// row of bf16's batch-invariant path.
 //
 // A work item is up to ROWS consecutive rows of one sequence and one KV head: ROWS x group query
-// vectors. Keys go by in tiles of TILE positions aligned to multiples of TILE (absolute positions):
+// vectors. Keys go by in steps of STEP = 32 positions aligned to multiples of 32 (absolute positions),
+// each step two tiles of 16:
 //
 //   key tile, transposed in registers     key_t[c] lane k = element c of key k (a bf16 pair, or a float)
-//   a vector's 16 scores                  sum over c of q[c] * key_t[c], in CHAINS running sums
+//   a vector's 16 scores per tile         sum over c of q[c] * key_t[c], in CHAINS running sums
 //                                         (c mod CHAINS), added in a fixed tree: one register
-//   online softmax step                   attention_tiles.h's softmax_step (running max and sum)
-//   values                                acc += w[k] * value[k] for k = 0 .. 15 in turn, float32
+//   online softmax step over 32 scores    running max and sum, float32
+//   values                                acc += w[k] * value[k] for k = 0 .. 31 in turn, float32
 //
 // Each vector's sums are the same operations in the same order whatever other rows share its item:
 // a decode (1 row), a prefill chunk, wherever the chunk starts. A row's bits are its own, so a
@@ -24,14 +26,16 @@ namespace prefixserve {
 namespace {
 
 constexpr int64_t ROWS = 32;  // rows of one sequence a work item takes
+constexpr int64_t STEP = 2 * TILE;  // keys per online-softmax step: two 16-key tiles
 
 // Scratch of one worker: ROWS rows of `group` vectors.
 struct CausalScratch {
-    std::vector<uint32_t> query;  // per vector: bf16 pairs as stored, or the bits of q * scale (floats)
+    std::vector<uint32_t> query_pairs;  // per vector: bf16 pairs as stored (PAIRS)
+    std::vector<float> query_floats;    // or q * scale as floats
     std::vector<float> acc, running_max, running_sum, weights, key_t, values, zeros;
     CausalScratch(int64_t group, int64_t head_dim)
-        : query(ROWS * group * head_dim), acc(ROWS * group * head_dim), running_max(ROWS * group),
-          running_sum(ROWS * group), weights(ROWS * group * TILE), key_t(head_dim * TILE), values(TILE * head_dim),
+        : query_pairs(ROWS * group * head_dim / 2), query_floats(ROWS * group * head_dim), acc(ROWS * group * head_dim), running_max(ROWS * group),
+          running_sum(ROWS * group), weights(ROWS * group * STEP), key_t(head_dim * STEP), values(STEP * head_dim),
           zeros(head_dim, 0.f) {}
 };
 
@@ -88,9 +92,13 @@ inline void load_key_tile(const T* const* key_of, int64_t n, int64_t elements, f
     }
 }
 
-// Scores of NV vectors (query bits [NV][elements]) against the key tile.
+template <bool PAIRS>
+using QueryElement = std::conditional_t<PAIRS, uint32_t, float>;
+
+// Scores of NV vectors (queries [NV][elements]) against the key tile.
 template <int NV, bool PAIRS>
-inline void score_block(const uint32_t* query, int64_t elements, const float* key_t, float scale, __m512* scores) {
+inline void score_block(const QueryElement<PAIRS>* query, int64_t elements, const float* key_t, float scale,
+                        __m512* scores) {
     __m512 sum[NV][CHAINS];
     for (int v = 0; v < NV; ++v) {
         for (int ch = 0; ch < CHAINS; ++ch) sum[v][ch] = _mm512_setzero_ps();
@@ -99,14 +107,14 @@ inline void score_block(const uint32_t* query, int64_t elements, const float* ke
         for (int ch = 0; ch < CHAINS; ++ch) {
             const __m512 k = _mm512_loadu_ps(key_t + (c + ch) * 16);
             for (int v = 0; v < NV; ++v) {
-                const __m512i q = _mm512_set1_epi32(static_cast<int>(query[v * elements + c + ch]));
-#if defined(__AVX512BF16__)
                 if constexpr (PAIRS) {
+#if defined(__AVX512BF16__)
+                    const __m512i q = _mm512_set1_epi32(static_cast<int>(query[v * elements + c + ch]));
                     sum[v][ch] = _mm512_dpbf16_ps(sum[v][ch], (__m512bh)q, (__m512bh)_mm512_castps_si512(k));
-                    continue;
-                }
 #endif
-                sum[v][ch] = _mm512_fmadd_ps(_mm512_castsi512_ps(q), k, sum[v][ch]);
+                } else {
+                    sum[v][ch] = _mm512_fmadd_ps(_mm512_set1_ps(query[v * elements + c + ch]), k, sum[v][ch]);
+                }
             }
         }
     }
@@ -116,18 +124,55 @@ inline void score_block(const uint32_t* query, int64_t elements, const float* ke
     }
 }
 
-// acc[v][j .. j + 16 W) += sum over t of weights[v][t] * value_rows[t][j ..], t = 0 .. 15 in turn.
+template <bool PAIRS>
+inline void score_vectors(int64_t count, const QueryElement<PAIRS>* query, int64_t elements, const float* key_t, float scale,
+                          __m512* scores) {
+    switch (count) {
+        case 6: score_block<6, PAIRS>(query, elements, key_t, scale, scores); break;
+        case 5: score_block<5, PAIRS>(query, elements, key_t, scale, scores); break;
+        case 4: score_block<4, PAIRS>(query, elements, key_t, scale, scores); break;
+        case 3: score_block<3, PAIRS>(query, elements, key_t, scale, scores); break;
+        case 2: score_block<2, PAIRS>(query, elements, key_t, scale, scores); break;
+        default: score_block<1, PAIRS>(query, elements, key_t, scale, scores); break;
+    }
+}
+
+// One step's online softmax for one vector, its STEP scores in two registers (keys 0-15, 16-31):
+// the live lanes update the running max and sum, the sums so far are rescaled when the max grows,
+// and the step's weights (0 in dead lanes) go to `weights` for the value sums.
+inline void softmax_step2(__m512 low, __m512 high, __mmask16 live_low, __mmask16 live_high, float& running_max,
+                          float& running_sum, float* acc, int64_t head_dim, float* weights) {
+    const __m512 none = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    low = _mm512_mask_mov_ps(none, live_low, low);
+    high = _mm512_mask_mov_ps(none, live_high, high);
+    const float new_max = std::max(running_max, _mm512_reduce_max_ps(_mm512_max_ps(low, high)));
+    const float correction = running_max == new_max ? 1.f
+                             : _mm512_cvtss_f32(exp16(_mm512_set1_ps(running_max - new_max)));
+    const __m512 top = _mm512_set1_ps(new_max);
+    const __m512 p_low = _mm512_maskz_mov_ps(live_low, exp16(_mm512_sub_ps(low, top)));
+    const __m512 p_high = _mm512_maskz_mov_ps(live_high, exp16(_mm512_sub_ps(high, top)));
+    _mm512_storeu_ps(weights, p_low);
+    _mm512_storeu_ps(weights + TILE, p_high);
+    running_sum = running_sum * correction + tree16(_mm512_add_ps(p_low, p_high));
+    running_max = new_max;
+    if (correction != 1.f) {
+        const __m512 c = _mm512_set1_ps(correction);
+        for (int64_t j = 0; j < head_dim; j += 16) _mm512_storeu_ps(acc + j, _mm512_mul_ps(_mm512_loadu_ps(acc + j), c));
+    }
+}
+
+// acc[v][j .. j + 16 W) += sum over t of weights[v][t] * value_rows[t][j ..], t = 0 .. STEP - 1 in turn.
 template <int NV, int W>
 inline void value_block(float* acc, int64_t head_dim, const float* weights, const float* const* value_rows, int64_t j) {
     __m512 a[NV][W];
     for (int v = 0; v < NV; ++v) {
         for (int m = 0; m < W; ++m) a[v][m] = _mm512_loadu_ps(acc + v * head_dim + j + 16 * m);
     }
-    for (int t = 0; t < TILE; ++t) {
+    for (int t = 0; t < STEP; ++t) {
         __m512 value[W];
         for (int m = 0; m < W; ++m) value[m] = _mm512_loadu_ps(value_rows[t] + j + 16 * m);
         for (int v = 0; v < NV; ++v) {
-            const __m512 w = _mm512_set1_ps(weights[v * TILE + t]);
+            const __m512 w = _mm512_set1_ps(weights[v * STEP + t]);
             for (int m = 0; m < W; ++m) a[v][m] = _mm512_fmadd_ps(w, value[m], a[v][m]);
         }
     }
@@ -152,21 +197,27 @@ inline void value_columns(float* acc, int64_t head_dim, const float* weights, co
 
 template <typename T, bool PAIRS>
 void load_queries(const Queries<T>& q, int64_t r0, int64_t count, int64_t h, int64_t group, int64_t head_dim,
-                  float scale, uint32_t* query) {
+                  float scale, QueryElement<PAIRS>* query) {
     const int64_t elements = PAIRS ? head_dim / 2 : head_dim;
     for (int64_t r = 0; r < count; ++r) {
         for (int64_t g = 0; g < group; ++g) {
             const T* head = q.data + (r0 + r) * q.row_stride + (h * group + g) * q.head_stride;
-            uint32_t* bits = query + (r * group + g) * elements;
+            QueryElement<PAIRS>* vector = query + (r * group + g) * elements;
             if constexpr (PAIRS) {
-                std::memcpy(bits, head, head_dim * sizeof(T));
+                std::memcpy(vector, head, head_dim * sizeof(T));  // pairs as stored; scale after the sums
             } else {
-                for (int64_t j = 0; j < head_dim; ++j) {
-                    const float value = load(head, j) * scale;
-                    std::memcpy(bits + j, &value, sizeof(value));
-                }
+                for (int64_t j = 0; j < head_dim; ++j) vector[j] = load(head, j) * scale;
             }
         }
+    }
+}
+
+template <bool PAIRS>
+QueryElement<PAIRS>* queries_in(CausalScratch& s) {
+    if constexpr (PAIRS) {
+        return s.query_pairs.data();
+    } else {
+        return s.query_floats.data();
     }
 }
 
@@ -181,13 +232,14 @@ void attend_rows(int64_t count, int64_t p0, const Blocks& blocks, const PagedKV<
     std::fill(s.acc.begin(), s.acc.begin() + vectors * head_dim, 0.f);
     std::fill(s.running_max.begin(), s.running_max.begin() + vectors, -std::numeric_limits<float>::infinity());
     std::fill(s.running_sum.begin(), s.running_sum.begin() + vectors, 0.f);
-    const T* key_of[TILE];
-    const float* value_rows[TILE];
+    const T* key_of[STEP];
+    const float* value_rows[STEP];
+    float* key_t = s.key_t.data();  // the step's two transposed tiles, one after the other
     const int64_t end = p0 + count;
-    for (int64_t start = 0; start < end; start += TILE) {
-        const int64_t in_tile = std::min(TILE, end - start);
-        for (int64_t t = 0; t < TILE; ++t) {
-            if (t >= in_tile) {
+    for (int64_t start = 0; start < end; start += STEP) {
+        const int64_t in_step = std::min(STEP, end - start);
+        for (int64_t t = 0; t < STEP; ++t) {
+            if (t >= in_step) {
                 value_rows[t] = s.zeros.data();  // weight 0 in every vector; zeros, never unread memory
                 continue;
             }
@@ -201,29 +253,32 @@ void attend_rows(int64_t count, int64_t p0, const Blocks& blocks, const PagedKV<
                 value_rows[t] = row;
             }
         }
-        load_key_tile<T, PAIRS>(key_of, in_tile, elements, s.key_t.data());
-        // Rows before the tile's start see none of it: the live vectors are a suffix of the item's.
+        load_key_tile<T, PAIRS>(key_of, std::min(TILE, in_step), elements, key_t);
+        const bool two_tiles = in_step > TILE;
+        if (two_tiles) load_key_tile<T, PAIRS>(key_of + TILE, in_step - TILE, elements, key_t + elements * TILE);
+        // Rows before the step's start see none of it: the live vectors are a suffix of the item's.
         const int64_t first = std::max<int64_t>(0, start - p0) * group;
         for (int64_t v0 = first; v0 < vectors; v0 += SCORE_BLOCK) {
-            __m512 scores[SCORE_BLOCK];
-            const uint32_t* query = s.query.data() + v0 * elements;
-            switch (std::min<int64_t>(SCORE_BLOCK, vectors - v0)) {
-                case 6: score_block<6, PAIRS>(query, elements, s.key_t.data(), scale, scores); break;
-                case 5: score_block<5, PAIRS>(query, elements, s.key_t.data(), scale, scores); break;
-                case 4: score_block<4, PAIRS>(query, elements, s.key_t.data(), scale, scores); break;
-                case 3: score_block<3, PAIRS>(query, elements, s.key_t.data(), scale, scores); break;
-                case 2: score_block<2, PAIRS>(query, elements, s.key_t.data(), scale, scores); break;
-                default: score_block<1, PAIRS>(query, elements, s.key_t.data(), scale, scores); break;
+            const int64_t block = std::min<int64_t>(SCORE_BLOCK, vectors - v0);
+            __m512 low[SCORE_BLOCK], high[SCORE_BLOCK];
+            const QueryElement<PAIRS>* query = queries_in<PAIRS>(s) + v0 * elements;
+            score_vectors<PAIRS>(block, query, elements, key_t, scale, low);
+            if (two_tiles) {
+                score_vectors<PAIRS>(block, query, elements, key_t + elements * TILE, scale, high);
+            } else {
+                for (int64_t v = 0; v < block; ++v) high[v] = _mm512_setzero_ps();  // masked out below
             }
-            for (int64_t v = v0; v < std::min(v0 + SCORE_BLOCK, vectors); ++v) {
-                const int64_t n = std::min(TILE, p0 + v / group + 1 - start);  // keys of the tile this row sees
-                softmax_step(scores[v - v0], static_cast<__mmask16>((1u << n) - 1u), s.running_max[v], s.running_sum[v],
-                             s.acc.data() + v * head_dim, head_dim, s.weights.data() + v * TILE);
+            for (int64_t v = v0; v < v0 + block; ++v) {
+                const int64_t n = std::min(STEP, p0 + v / group + 1 - start);  // keys of the step this row sees
+                const __mmask16 live_low = static_cast<__mmask16>(n >= TILE ? 0xFFFFu : (1u << n) - 1u);
+                const __mmask16 live_high = static_cast<__mmask16>(n > TILE ? (1u << (n - TILE)) - 1u : 0u);
+                softmax_step2(low[v - v0], high[v - v0], live_low, live_high, s.running_max[v], s.running_sum[v],
+                              s.acc.data() + v * head_dim, head_dim, s.weights.data() + v * STEP);
             }
         }
         for (int64_t v0 = first; v0 < vectors; v0 += VALUE_BLOCK) {
             float* acc = s.acc.data() + v0 * head_dim;
-            const float* weights = s.weights.data() + v0 * TILE;
+            const float* weights = s.weights.data() + v0 * STEP;
             switch (std::min<int64_t>(VALUE_BLOCK, vectors - v0)) {
                 case 6: value_columns<6>(acc, head_dim, weights, value_rows); break;
                 case 5: value_columns<5>(acc, head_dim, weights, value_rows); break;
@@ -267,10 +322,10 @@ void causal_kernel(const Queries<T>& q, const PagedKV<T>& kv, const int64_t* que
 #if defined(__AVX512F__)
         if (vectorized) {
             if (pairs) {
-                load_queries<T, true>(q, r0, count, h, group, head_dim, scale, s.query.data());
+                load_queries<T, true>(q, r0, count, h, group, head_dim, scale, queries_in<true>(s));
                 attend_rows<T, true>(count, p0, blocks, kv, h, group, scale, s);
             } else {
-                load_queries<T, false>(q, r0, count, h, group, head_dim, scale, s.query.data());
+                load_queries<T, false>(q, r0, count, h, group, head_dim, scale, queries_in<false>(s));
                 attend_rows<T, false>(count, p0, blocks, kv, h, group, scale, s);
             }
             for (int64_t r = 0; r < count; ++r) {
