@@ -195,3 +195,44 @@ def test_paged_causal_matches_dense_attention_in_float32(num_heads, num_kv_heads
         future = positions[None, :] > torch.arange(past, past + new)[:, None]
         expected = torch.einsum("hqk,khd->qhd", scores.masked_fill(future, float("-inf")).softmax(-1), values)
         torch.testing.assert_close(out[rows], expected.float(), atol=1e-5, rtol=1e-5)
+
+
+@compiled
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [16, 4])
+def test_paged_causal_decodes_sharing_a_prefix_are_each_as_alone(dtype, block_size):
+    """Decodes whose tables start with the same blocks share each transposed key tile (one work item);
+    tables diverge at different depths, within a 32-key step or at its edge. Every decode's bits
+    equal those it gets alone, and float32 matches dense attention."""
+    generator = torch.Generator().manual_seed(block_size)
+    num_kv_heads, num_heads, head_dim = 2, 4, 64
+    shared = torch.arange(1, 1 + 96 // block_size).tolist()  # a 96-token prefix, blocks 1, 2, ...
+    spare = iter(range(len(shared) + 1, 400))
+    # (blocks kept from the shared prefix, length): diverging after 96, 40, 50 (mid-step), 64, 0 tokens
+    specs = [(len(shared), 130), (len(shared), 97), (40 // block_size, 75), (48 // block_size, 51),
+             (64 // block_size, 200), (0, 33), (len(shared), 96)]
+    tables, lengths = [], []
+    for kept, length in specs:
+        table = shared[:kept]
+        table += [next(spare) for _ in range(-(-length // block_size) - len(table))]
+        tables.append(table)
+        lengths.append(length)
+    width = max(len(t) for t in tables)
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    k_cache = torch.randn(400, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
+    v_cache = torch.randn(400, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
+    q = torch.randn(len(specs), num_heads, head_dim, generator=generator).to(dtype)
+    together = kernels.compiled.paged_causal(q, k_cache, v_cache, padded, torch.arange(len(specs) + 1),
+                                             torch.tensor(lengths), 0.125)
+    for i, length in enumerate(lengths):
+        alone = kernels.compiled.paged_causal(q[i:i + 1], k_cache, v_cache, padded[i:i + 1], torch.tensor([0, 1]),
+                                              torch.tensor([length]), 0.125)
+        assert torch.equal(alone[0], together[i]), i
+        if dtype == torch.float32:
+            positions = torch.arange(length)
+            slots = padded[i][positions // block_size] * block_size + positions % block_size
+            keys = k_cache.reshape(-1, num_kv_heads, head_dim)[slots].double().repeat_interleave(2, 1)
+            values = v_cache.reshape(-1, num_kv_heads, head_dim)[slots].double().repeat_interleave(2, 1)
+            scores = torch.einsum("hd,khd->hk", q[i].double(), keys) * 0.125
+            expected = torch.einsum("hk,khd->hd", scores.softmax(-1), values).float()
+            torch.testing.assert_close(together[i], expected, atol=1e-5, rtol=1e-5)

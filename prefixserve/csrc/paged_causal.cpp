@@ -28,6 +28,23 @@ namespace {
 constexpr int64_t ROWS = 32;  // rows of one sequence a work item takes
 constexpr int64_t STEP = 2 * TILE;  // keys per online-softmax step: two 16-key tiles
 
+// A query row: its sequence's block table, its position (it reads keys [0, position + 1)), its row of q.
+struct Row {
+    const int64_t* table;
+    int64_t position, q_row;
+};
+
+// Whether rows a and b (a's position <= b's) read the same blocks for the keys of the step from
+// `start` that a sees: then one transposed copy of b's keys serves both.
+inline bool same_blocks(const Row& a, const Row& b, int64_t start, int64_t shift) {
+    if (a.table == b.table) return true;
+    const int64_t last = std::min(start + STEP, a.position + 1) - 1;
+    for (int64_t block = start >> shift; block <= (last >> shift); ++block) {
+        if (a.table[block] != b.table[block]) return false;
+    }
+    return true;
+}
+
 // Scratch of one worker: ROWS rows of `group` vectors.
 struct CausalScratch {
     std::vector<uint32_t> query_pairs;  // per vector: bf16 pairs as stored (PAIRS)
@@ -196,12 +213,12 @@ inline void value_columns(float* acc, int64_t head_dim, const float* weights, co
 }
 
 template <typename T, bool PAIRS>
-void load_queries(const Queries<T>& q, int64_t r0, int64_t count, int64_t h, int64_t group, int64_t head_dim,
+void load_queries(const Queries<T>& q, const Row* rows, int64_t count, int64_t h, int64_t group, int64_t head_dim,
                   float scale, QueryElement<PAIRS>* query) {
     const int64_t elements = PAIRS ? head_dim / 2 : head_dim;
     for (int64_t r = 0; r < count; ++r) {
         for (int64_t g = 0; g < group; ++g) {
-            const T* head = q.data + (r0 + r) * q.row_stride + (h * group + g) * q.head_stride;
+            const T* head = q.data + rows[r].q_row * q.row_stride + (h * group + g) * q.head_stride;
             QueryElement<PAIRS>* vector = query + (r * group + g) * elements;
             if constexpr (PAIRS) {
                 std::memcpy(vector, head, head_dim * sizeof(T));  // pairs as stored; scale after the sums
@@ -221,10 +238,12 @@ QueryElement<PAIRS>* queries_in(CausalScratch& s) {
     }
 }
 
-// `count` rows at positions p0, p0 + 1, ... of one sequence, KV head h; leaves each vector's
-// unnormalised sums, running max and running sum in the scratch.
+// The `count` rows of an item (positions ascending), KV head h; leaves each vector's unnormalised
+// sums, running max and running sum in the scratch. A step's rows that read the same blocks (all
+// rows of one sequence; decodes of sequences sharing a cached prefix) form a run that shares one
+// transposed copy of the keys; a row's sums are the same whichever run it is in.
 template <typename T, bool PAIRS>
-void attend_rows(int64_t count, int64_t p0, const Blocks& blocks, const PagedKV<T>& kv, int64_t h, int64_t group,
+void attend_rows(const Row* rows, int64_t count, int64_t shift, const PagedKV<T>& kv, int64_t h, int64_t group,
                  float scale, CausalScratch& s) {
     const int64_t head_dim = kv.head_dim, elements = PAIRS ? head_dim / 2 : head_dim;
     const int64_t slot_stride = kv.num_kv_heads * head_dim;
@@ -235,62 +254,106 @@ void attend_rows(int64_t count, int64_t p0, const Blocks& blocks, const PagedKV<
     const T* key_of[STEP];
     const float* value_rows[STEP];
     float* key_t = s.key_t.data();  // the step's two transposed tiles, one after the other
-    const int64_t end = p0 + count;
+    const int64_t end = rows[count - 1].position + 1;
+    int64_t first_row = 0;  // rows before it end before the step: positions ascend
     for (int64_t start = 0; start < end; start += STEP) {
-        const int64_t in_step = std::min(STEP, end - start);
-        for (int64_t t = 0; t < STEP; ++t) {
-            if (t >= in_step) {
-                value_rows[t] = s.zeros.data();  // weight 0 in every vector; zeros, never unread memory
-                continue;
+        while (rows[first_row].position < start) ++first_row;
+        for (int64_t run = first_row, run_end; run < count; run = run_end) {
+            run_end = run + 1;
+            while (run_end < count && same_blocks(rows[run_end - 1], rows[run_end], start, shift)) ++run_end;
+            const Row& widest = rows[run_end - 1];  // reads the most keys of the step
+            const Blocks blocks{widest.table, shift, (int64_t{1} << shift) - 1};
+            const int64_t in_step = std::min(STEP, widest.position + 1 - start);
+            for (int64_t t = 0; t < STEP; ++t) {
+                if (t >= in_step) {
+                    value_rows[t] = s.zeros.data();  // weight 0 in every vector; zeros, never unread memory
+                    continue;
+                }
+                const int64_t offset = blocks.slot(start + t) * slot_stride + h * head_dim;
+                key_of[t] = kv.keys + offset;
+                if constexpr (std::is_same<T, float>::value) {
+                    value_rows[t] = kv.values + offset;
+                } else {
+                    float* row = s.values.data() + t * head_dim;
+                    for (int64_t j = 0; j < head_dim; j += 16) _mm512_storeu_ps(row + j, load16(kv.values + offset + j));
+                    value_rows[t] = row;
+                }
             }
-            const int64_t offset = blocks.slot(start + t) * slot_stride + h * head_dim;
-            key_of[t] = kv.keys + offset;
-            if constexpr (std::is_same<T, float>::value) {
-                value_rows[t] = kv.values + offset;
-            } else {
-                float* row = s.values.data() + t * head_dim;
-                for (int64_t j = 0; j < head_dim; j += 16) _mm512_storeu_ps(row + j, load16(kv.values + offset + j));
-                value_rows[t] = row;
+            load_key_tile<T, PAIRS>(key_of, std::min(TILE, in_step), elements, key_t);
+            const bool two_tiles = in_step > TILE;
+            if (two_tiles) load_key_tile<T, PAIRS>(key_of + TILE, in_step - TILE, elements, key_t + elements * TILE);
+            const int64_t run_vectors = run_end * group;
+            for (int64_t v0 = run * group; v0 < run_vectors; v0 += SCORE_BLOCK) {
+                const int64_t block = std::min<int64_t>(SCORE_BLOCK, run_vectors - v0);
+                __m512 low[SCORE_BLOCK], high[SCORE_BLOCK];
+                const QueryElement<PAIRS>* query = queries_in<PAIRS>(s) + v0 * elements;
+                score_vectors<PAIRS>(block, query, elements, key_t, scale, low);
+                if (two_tiles) {
+                    score_vectors<PAIRS>(block, query, elements, key_t + elements * TILE, scale, high);
+                } else {
+                    for (int64_t v = 0; v < block; ++v) high[v] = _mm512_setzero_ps();  // masked out below
+                }
+                for (int64_t v = v0; v < v0 + block; ++v) {
+                    const int64_t n = std::min(STEP, rows[v / group].position + 1 - start);  // keys of the step it sees
+                    const __mmask16 live_low = static_cast<__mmask16>(n >= TILE ? 0xFFFFu : (1u << n) - 1u);
+                    const __mmask16 live_high = static_cast<__mmask16>(n > TILE ? (1u << (n - TILE)) - 1u : 0u);
+                    softmax_step2(low[v - v0], high[v - v0], live_low, live_high, s.running_max[v], s.running_sum[v],
+                                  s.acc.data() + v * head_dim, head_dim, s.weights.data() + v * STEP);
+                }
             }
-        }
-        load_key_tile<T, PAIRS>(key_of, std::min(TILE, in_step), elements, key_t);
-        const bool two_tiles = in_step > TILE;
-        if (two_tiles) load_key_tile<T, PAIRS>(key_of + TILE, in_step - TILE, elements, key_t + elements * TILE);
-        // Rows before the step's start see none of it: the live vectors are a suffix of the item's.
-        const int64_t first = std::max<int64_t>(0, start - p0) * group;
-        for (int64_t v0 = first; v0 < vectors; v0 += SCORE_BLOCK) {
-            const int64_t block = std::min<int64_t>(SCORE_BLOCK, vectors - v0);
-            __m512 low[SCORE_BLOCK], high[SCORE_BLOCK];
-            const QueryElement<PAIRS>* query = queries_in<PAIRS>(s) + v0 * elements;
-            score_vectors<PAIRS>(block, query, elements, key_t, scale, low);
-            if (two_tiles) {
-                score_vectors<PAIRS>(block, query, elements, key_t + elements * TILE, scale, high);
-            } else {
-                for (int64_t v = 0; v < block; ++v) high[v] = _mm512_setzero_ps();  // masked out below
-            }
-            for (int64_t v = v0; v < v0 + block; ++v) {
-                const int64_t n = std::min(STEP, p0 + v / group + 1 - start);  // keys of the step this row sees
-                const __mmask16 live_low = static_cast<__mmask16>(n >= TILE ? 0xFFFFu : (1u << n) - 1u);
-                const __mmask16 live_high = static_cast<__mmask16>(n > TILE ? (1u << (n - TILE)) - 1u : 0u);
-                softmax_step2(low[v - v0], high[v - v0], live_low, live_high, s.running_max[v], s.running_sum[v],
-                              s.acc.data() + v * head_dim, head_dim, s.weights.data() + v * STEP);
-            }
-        }
-        for (int64_t v0 = first; v0 < vectors; v0 += VALUE_BLOCK) {
-            float* acc = s.acc.data() + v0 * head_dim;
-            const float* weights = s.weights.data() + v0 * STEP;
-            switch (std::min<int64_t>(VALUE_BLOCK, vectors - v0)) {
-                case 6: value_columns<6>(acc, head_dim, weights, value_rows); break;
-                case 5: value_columns<5>(acc, head_dim, weights, value_rows); break;
-                case 4: value_columns<4>(acc, head_dim, weights, value_rows); break;
-                case 3: value_columns<3>(acc, head_dim, weights, value_rows); break;
-                case 2: value_columns<2>(acc, head_dim, weights, value_rows); break;
-                default: value_columns<1>(acc, head_dim, weights, value_rows); break;
+            for (int64_t v0 = run * group; v0 < run_vectors; v0 += VALUE_BLOCK) {
+                float* acc = s.acc.data() + v0 * head_dim;
+                const float* weights = s.weights.data() + v0 * STEP;
+                switch (std::min<int64_t>(VALUE_BLOCK, run_vectors - v0)) {
+                    case 6: value_columns<6>(acc, head_dim, weights, value_rows); break;
+                    case 5: value_columns<5>(acc, head_dim, weights, value_rows); break;
+                    case 4: value_columns<4>(acc, head_dim, weights, value_rows); break;
+                    case 3: value_columns<3>(acc, head_dim, weights, value_rows); break;
+                    case 2: value_columns<2>(acc, head_dim, weights, value_rows); break;
+                    default: value_columns<1>(acc, head_dim, weights, value_rows); break;
+                }
             }
         }
     }
 }
 #endif
+
+// Work items of up to ROWS rows, positions ascending. A prefill chunk's rows go ROWS at a time; the
+// decodes (one row each) of sequences whose tables start with the same block go together, so that
+// the keys of the prefix they share are transposed once for all of them.
+std::vector<int64_t> make_items(const int64_t* query_start, const int64_t* seq_lens, int64_t num_seqs,
+                                const int64_t* tables, int64_t table_stride, std::vector<Row>& rows) {
+    std::vector<int64_t> item_start;  // item k: rows[item_start[k] .. item_start[k + 1])
+    std::vector<std::pair<int64_t, int64_t>> decodes;  // (first block id, sequence)
+    for (int64_t i = 0; i < num_seqs; ++i) {
+        const int64_t query_len = query_start[i + 1] - query_start[i];
+        const int64_t* table = tables + i * table_stride;
+        if (query_len == 1) {
+            decodes.emplace_back(table[0], i);
+            continue;
+        }
+        for (int64_t r0 = query_start[i]; r0 < query_start[i + 1]; r0 += ROWS) {
+            item_start.push_back(static_cast<int64_t>(rows.size()));
+            for (int64_t r = r0; r < std::min(r0 + ROWS, query_start[i + 1]); ++r) {
+                rows.push_back({table, seq_lens[i] - query_len + (r - query_start[i]), r});
+            }
+        }
+    }
+    std::stable_sort(decodes.begin(), decodes.end(),
+                     [](const auto& a, const auto& b) { return a.first < b.first; });
+    for (size_t d = 0; d < decodes.size();) {
+        item_start.push_back(static_cast<int64_t>(rows.size()));
+        const size_t first = d;
+        for (; d < decodes.size() && d - first < ROWS && decodes[d].first == decodes[first].first; ++d) {
+            const int64_t i = decodes[d].second;
+            rows.push_back({tables + i * table_stride, seq_lens[i] - 1, query_start[i]});
+        }
+        std::sort(rows.begin() + item_start.back(), rows.end(),
+                  [](const Row& a, const Row& b) { return a.position < b.position; });
+    }
+    item_start.push_back(static_cast<int64_t>(rows.size()));
+    return item_start;
+}
 
 }  // namespace
 
@@ -303,59 +366,54 @@ void causal_kernel(const Queries<T>& q, const PagedKV<T>& kv, const int64_t* que
     const int64_t shift = log2_exact(kv.block_size);
     const bool vectorized = VECTOR_PATH && head_dim % 16 == 0;
     const bool pairs = bf16_dot_for<T>() && head_dim % 32 == 0;
-    std::vector<int64_t> item_seq, item_row;  // a work item: up to ROWS rows of a sequence (all KV heads)
-    for (int64_t i = 0; i < num_seqs; ++i) {
-        for (int64_t r = query_start[i]; r < query_start[i + 1]; r += ROWS) {
-            item_seq.push_back(i);
-            item_row.push_back(r);
-        }
-    }
+    std::vector<Row> rows;
+    const std::vector<int64_t> item_start = make_items(query_start, seq_lens, num_seqs, kv.tables, kv.table_stride, rows);
     const int64_t out_row_stride = q.num_heads * head_dim;
-    // Item k: rows item_row[k / num_kv_heads] .. of sequence item_seq[...], KV head k % num_kv_heads.
-    auto attend_item = [&](int64_t k, Scratch& rows_scratch, CausalScratch& s) {
+    // Item k: rows of item k / num_kv_heads, KV head k % num_kv_heads.
+    auto attend_item = [&](int64_t k, Scratch& row_scratch, CausalScratch& s) {
         const int64_t item = k / num_kv_heads, h = k % num_kv_heads;
-        const int64_t i = item_seq[item], r0 = item_row[item];
-        const int64_t count = std::min(ROWS, query_start[i + 1] - r0);
-        const int64_t p0 = seq_lens[i] - (query_start[i + 1] - query_start[i]) + (r0 - query_start[i]);
-        const Blocks blocks{kv.tables + i * kv.table_stride, shift, kv.block_size - 1};
-        T* out_row = out + r0 * out_row_stride + h * group * head_dim;  // row r0's heads of this KV group
+        const Row* item_rows = rows.data() + item_start[item];
+        const int64_t count = item_start[item + 1] - item_start[item];
+        auto out_of = [&](const Row& row) { return out + row.q_row * out_row_stride + h * group * head_dim; };
 #if defined(__AVX512F__)
         if (vectorized) {
             if (pairs) {
-                load_queries<T, true>(q, r0, count, h, group, head_dim, scale, queries_in<true>(s));
-                attend_rows<T, true>(count, p0, blocks, kv, h, group, scale, s);
+                load_queries<T, true>(q, item_rows, count, h, group, head_dim, scale, queries_in<true>(s));
+                attend_rows<T, true>(item_rows, count, shift, kv, h, group, scale, s);
             } else {
-                load_queries<T, false>(q, r0, count, h, group, head_dim, scale, queries_in<false>(s));
-                attend_rows<T, false>(count, p0, blocks, kv, h, group, scale, s);
+                load_queries<T, false>(q, item_rows, count, h, group, head_dim, scale, queries_in<false>(s));
+                attend_rows<T, false>(item_rows, count, shift, kv, h, group, scale, s);
             }
             for (int64_t r = 0; r < count; ++r) {
                 finish(s.acc.data() + r * group * head_dim, s.running_max.data() + r * group,
-                       s.running_sum.data() + r * group, group, head_dim, out_row + r * out_row_stride,
+                       s.running_sum.data() + r * group, group, head_dim, out_of(item_rows[r]),
                        static_cast<float*>(nullptr));
             }
             return;
         }
 #endif
         // Portable path (no AVX-512, or head_dim not a multiple of 16): a row at a time.
-        Scratch& row = rows_scratch;
+        Scratch& one = row_scratch;
         for (int64_t r = 0; r < count; ++r) {
-            load_query(q.data + (r0 + r) * q.row_stride, q.head_stride, h, group, head_dim, scale, row.query.data(),
-                       row.query_bits.data());
-            attend_row(row.query.data(), row.query_bits.data(), scale, 0, p0 + r + 1, blocks, kv.keys, kv.values,
-                       slot_stride, h, group, head_dim, false, row.scores.data(), row.running_max.data(),
-                       row.running_sum.data(), row.acc.data());
-            finish(row.acc.data(), row.running_max.data(), row.running_sum.data(), group, head_dim,
-                   out_row + r * out_row_stride, static_cast<float*>(nullptr));
+            const Row& row = item_rows[r];
+            const Blocks blocks{row.table, shift, kv.block_size - 1};
+            load_query(q.data + row.q_row * q.row_stride, q.head_stride, h, group, head_dim, scale, one.query.data(),
+                       one.query_bits.data());
+            attend_row(one.query.data(), one.query_bits.data(), scale, 0, row.position + 1, blocks, kv.keys, kv.values,
+                       slot_stride, h, group, head_dim, false, one.scores.data(), one.running_max.data(),
+                       one.running_sum.data(), one.acc.data());
+            finish(one.acc.data(), one.running_max.data(), one.running_sum.data(), group, head_dim, out_of(row),
+                   static_cast<float*>(nullptr));
         }
     };
-    const int64_t num_items = static_cast<int64_t>(item_seq.size()) * num_kv_heads;
+    const int64_t num_items = static_cast<int64_t>(item_start.size() - 1) * num_kv_heads;
     // Item k goes to worker k mod workers: later rows read more keys, so their cost is dealt out evenly.
     const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
     at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
-        Scratch rows_scratch(1, group, head_dim);
+        Scratch row_scratch(1, group, head_dim);
         CausalScratch causal_scratch(group, head_dim);
         for (int64_t w = begin; w < end; ++w) {
-            for (int64_t k = w; k < num_items; k += workers) attend_item(k, rows_scratch, causal_scratch);
+            for (int64_t k = w; k < num_items; k += workers) attend_item(k, row_scratch, causal_scratch);
         }
     });
 }
