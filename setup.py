@@ -15,7 +15,7 @@ setup(
     ext_modules=[
         CppExtension(
             "prefixserve._C",
-            ["prefixserve/csrc/module.cpp", "prefixserve/csrc/paged_decode.cpp", "prefixserve/csrc/paged_causal.cpp"],
+            ["prefixserve/csrc/module.cpp", "prefixserve/csrc/paged_causal.cpp"],
             depends=["prefixserve/csrc/attention_tiles.h", "prefixserve/csrc/kernels.h"],
             extra_compile_args=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
             extra_link_args=["-fopenmp"],

@@ -61,6 +61,5 @@ def attention_path(request, monkeypatch):
         if kernels.compiled is None:
             pytest.skip("prefixserve's compiled kernels are not built")
     else:
-        monkeypatch.setattr(attention, "decode_kernel_for", lambda k_cache: None)
         monkeypatch.setattr(attention, "causal_kernel_for", lambda k_cache: None)
     return request.param

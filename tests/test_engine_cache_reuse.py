@@ -124,13 +124,15 @@ def test_bfloat16_shared_segments_keep_outputs():
 
 
 def test_batch_invariant_false_takes_the_faster_bfloat16_path(monkeypatch):
-    """batch_invariant=False (--no-batch-invariant) is the opt-out: no invariant attention call and no
-    one-row Linear rule; the default takes both. (Whether outputs then differ depends on the CPU.)"""
+    """batch_invariant=False (--no-batch-invariant) is the opt-out: no one-row Linear rule and, on the
+    pure-PyTorch path, no invariant attention call; the default takes both. (The compiled kernel's
+    attention is batch-invariant either way. Whether outputs then differ depends on the CPU.)"""
     import prefixserve.model.attention as attention
     from prefixserve.model.llama import Linear
 
     if attention._CPU_FLASH is None:
         pytest.skip("this torch has no CPU flash attention: the invariant path is never taken")
+    monkeypatch.setattr(attention, "causal_kernel_for", lambda k_cache: None)
     calls = []
     real = attention.takes_invariant_path
     monkeypatch.setattr(attention, "takes_invariant_path", lambda *args: calls.append(real(*args)) or calls[-1])

@@ -1,7 +1,7 @@
-"""The compiled kernels (prefixserve/csrc/) against plain PyTorch, and that CI builds them.
+"""The compiled kernel (prefixserve/csrc/) against plain PyTorch, and that CI builds it.
 
-paged_decode reads each decode's keys [first, last) through its block table; the reference is
-dense attention in float64 over the same keys, gathered by hand.
+paged_causal reads each row's keys [0, p + 1) through its sequence's block table; the references are
+dense attention in float64 over the same keys, gathered by hand, and the row computed alone.
 """
 
 from __future__ import annotations
@@ -23,92 +23,28 @@ def test_ci_builds_the_compiled_kernels():
     assert kernels.compiled is not None, "prefixserve._C was not built by `pip install -e .`"
 
 
-def make_case(generator, num_decodes, num_heads, num_kv_heads, head_dim, block_size, dtype, max_len=90):
-    lengths = torch.randint(1, max_len, (num_decodes,), generator=generator).tolist()
-    num_blocks = sum(-(-n // block_size) for n in lengths) + 3
-    order = (torch.randperm(num_blocks - 1, generator=generator) + 1).tolist()  # block 0 never used
-    tables = [[order.pop() for _ in range(-(-n // block_size))] for n in lengths]
-    width = max(len(t) for t in tables)
-    padded = torch.tensor([t + [-1] * (width - len(t)) for t in tables])  # padding is never read
-    # NaN in every slot no decode owns: a stray read would show.
-    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"))
-    v_cache = torch.full_like(k_cache, float("nan"))
-    for table, n in zip(tables, lengths):
-        for p in range(n):
-            k_cache[table[p // block_size], p % block_size] = torch.randn(num_kv_heads, head_dim, generator=generator)
-            v_cache[table[p // block_size], p % block_size] = torch.randn(num_kv_heads, head_dim, generator=generator)
-    first = torch.tensor([torch.randint(0, n, (1,), generator=generator).item() for n in lengths])
-    last = torch.tensor(lengths)
-    q = torch.randn(num_decodes + 3, num_heads, head_dim, generator=generator)  # 3 rows no decode reads
-    rows = torch.randperm(num_decodes + 3, generator=generator)[:num_decodes]
-    return [x.to(dtype) if x.is_floating_point() else x for x in (q, rows, k_cache, v_cache, padded, first, last)]
-
-
-def reference(q, rows, k_cache, v_cache, tables, first, last, scale):
-    """Dense attention per decode over its keys [first, last), in float64: (out, log-sum-exp)."""
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = q.shape[1] // num_kv_heads
-    outs, lses = [], []
-    for i in range(len(rows)):
-        positions = torch.arange(int(first[i]), int(last[i]))
-        slots = tables[i][positions // block_size] * block_size + positions % block_size
-        k = k_cache.reshape(-1, num_kv_heads, k_cache.shape[3])[slots].double().repeat_interleave(group, 1)
-        v = v_cache.reshape(-1, num_kv_heads, v_cache.shape[3])[slots].double().repeat_interleave(group, 1)
-        scores = torch.einsum("hd,khd->hk", q[rows[i]].double(), k) * scale
-        lses.append(scores.logsumexp(-1))
-        outs.append(torch.einsum("hk,khd->hd", scores.softmax(-1), v))
-    return torch.stack(outs), torch.stack(lses)
-
-
 @compiled
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [
-    (8, 4, 64, 16),   # the built-in model's shape
-    (9, 3, 64, 32),   # SmolLM2's 3:1 groups
-    (4, 4, 16, 1),    # no grouping, one-token blocks
-    (6, 2, 24, 4),    # head_dim not a multiple of 16: the portable loop
-    (8, 1, 128, 8),   # one KV head, wide heads
-])
-def test_paged_decode_matches_dense_attention_in_float32(num_heads, num_kv_heads, head_dim, block_size):
-    generator = torch.Generator().manual_seed(num_heads * 100 + head_dim + block_size)
-    case = make_case(generator, 12, num_heads, num_kv_heads, head_dim, block_size, torch.float32)
-    scale = head_dim ** -0.5
-    out, lse = kernels.compiled.paged_decode(*case, scale)
-    expected_out, expected_lse = reference(*case, scale)
-    assert not torch.isnan(out).any()
-    torch.testing.assert_close(out, expected_out.float(), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(lse, expected_lse.float(), atol=1e-5, rtol=1e-5)
-
-
-@compiled
-def test_paged_decode_in_bfloat16_is_close_and_batch_invariant():
-    """bf16 K/V read as float32: close to float64 attention, and each row's bits are its own,
-    whatever other decodes share the call or where its row sits."""
-    generator = torch.Generator().manual_seed(7)
-    q, rows, k_cache, v_cache, tables, first, last = make_case(generator, 10, 8, 4, 64, 16, torch.bfloat16, 300)
-    out, lse = kernels.compiled.paged_decode(q, rows, k_cache, v_cache, tables, first, last, 0.125)
-    expected, _ = reference(q, rows, k_cache, v_cache, tables, first, last, 0.125)
-    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
-    for i in range(10):
-        alone, alone_lse = kernels.compiled.paged_decode(q, rows[i:i + 1], k_cache, v_cache, tables[i:i + 1],
-                                                         first[i:i + 1], last[i:i + 1], 0.125)
-        assert torch.equal(alone[0], out[i]) and torch.equal(alone_lse[0], lse[i])
-
-
-@compiled
-def test_paged_decode_refuses_what_it_cannot_read():
-    generator = torch.Generator().manual_seed(1)
-    q, rows, k_cache, v_cache, tables, first, last = make_case(generator, 2, 4, 2, 16, 4, torch.float32)
+def test_paged_causal_refuses_what_it_cannot_read():
+    k_cache = torch.zeros(6, 4, 2, 16)
+    q = torch.zeros(3, 4, 16)
+    tables, query_start, seq_lens = torch.tensor([[1, 2]]), torch.tensor([0, 3]), torch.tensor([7])
+    causal = kernels.compiled.paged_causal
+    causal(q, k_cache, k_cache, tables, query_start, seq_lens, 0.25)  # what follows differs in one thing each
     with pytest.raises(RuntimeError, match="power of two"):
-        odd = torch.zeros(k_cache.shape[0], 3, 2, 16)
-        kernels.compiled.paged_decode(q, rows, odd, odd, tables, first, last, 0.25)
+        odd = torch.zeros(6, 3, 2, 16)
+        causal(q, odd, odd, tables, query_start, seq_lens, 0.25)
     with pytest.raises(RuntimeError, match="dtype"):
-        kernels.compiled.paged_decode(q.double(), rows, k_cache, v_cache, tables, first, last, 0.25)
+        causal(q.double(), k_cache, k_cache, tables, query_start, seq_lens, 0.25)
     with pytest.raises(RuntimeError, match="block id out of range"):
-        kernels.compiled.paged_decode(q, rows, k_cache, v_cache, tables + k_cache.shape[0], first, last, 0.25)
+        causal(q, k_cache, k_cache, tables + 5, query_start, seq_lens, 0.25)
     with pytest.raises(RuntimeError, match="outside the block table"):
-        kernels.compiled.paged_decode(q, rows, k_cache, v_cache, tables, first, last + 10**6, 0.25)
+        causal(q, k_cache, k_cache, tables, query_start, torch.tensor([9]), 0.25)
+    with pytest.raises(RuntimeError, match="query_len <= seq_len"):
+        causal(q, k_cache, k_cache, tables, query_start, torch.tensor([2]), 0.25)
+    with pytest.raises(RuntimeError, match="cover q's rows"):
+        causal(q, k_cache, k_cache, tables, torch.tensor([0, 2]), seq_lens, 0.25)
     with pytest.raises(RuntimeError, match="int64"):
-        kernels.compiled.paged_decode(q, rows.int(), k_cache, v_cache, tables, first, last, 0.25)
+        causal(q, k_cache, k_cache, tables.int(), query_start, seq_lens, 0.25)
 
 
 @compiled

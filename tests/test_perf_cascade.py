@@ -17,7 +17,13 @@ from prefixserve.model.attention import plan_step
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 8, 2, 16, 4, 200
 SCALE = HEAD_DIM ** -0.5
-pytestmark = pytest.mark.usefixtures("attention_path")  # every test on the compiled kernels and the reference paths
+
+
+@pytest.fixture(autouse=True)
+def pure_pytorch_attention(monkeypatch):
+    """The plan (cascade, views, gathers) is how the pure-PyTorch path reads the cache; the compiled
+    kernel reads every row in place and needs none (tests/test_model_kernels.py covers it)."""
+    monkeypatch.setattr(attention_module, "causal_kernel_for", lambda k_cache: None)
 
 
 def dense_attention(q, k, v):
@@ -97,27 +103,18 @@ def shared_scenario():
 
 
 @pytest.mark.parametrize("pass_new_kv", [True, False])
-def test_cascade_matches_dense_and_plain(monkeypatch, eager_thresholds, attention_path, pass_new_kv):
+def test_cascade_matches_dense_and_plain(monkeypatch, eager_thresholds, pass_new_kv):
     scenario = Scenario(shared_scenario())
     out, plan = scenario.run(pass_new_kv)
+    # The 40-block prefix is one part over the rows of all six sequences: read once.
     shared = [part for part in plan.parts if part.keys.slots is not None and len(part.keys.slots) == 40 * BLOCK_SIZE]
+    assert len(shared) == 1 and len(shared[0].rows) == 1 + 1 + 1 + 7 + 6 + 7
+    # The own tokens of the two 7-token chunks attend causally in one batched call.
+    assert sorted(len(batch.rows) for batch in plan.own_batches) == [5, 6, 14]
+    # The consecutive 12-block prefix is a view (no slot list), shared by both of its sequences.
     views = [part for part in plan.parts if part.keys.slots is None]
-    if attention_path == "compiled":
-        # Every prefill chunk goes to the causal kernel whole, in one call; the three decodes after
-        # the 40-block prefix still read it once, and the decode after the 12-block run (alone now
-        # that its partner is a prefill) reads it in place in the decode kernel: no view.
-        assert plan.prefills.query_start.tolist() == [0, 7, 13, 20, 25, 36]
-        assert not plan.chunks and not plan.own_batches
-        assert len(shared) == 1 and len(shared[0].rows) == 3
-        assert not views
-    else:
-        # The 40-block prefix is one part over the rows of all six sequences: read once.
-        assert len(shared) == 1 and len(shared[0].rows) == 1 + 1 + 1 + 7 + 6 + 7
-        # The own tokens of the two 7-token chunks attend causally in one batched call.
-        assert sorted(len(batch.rows) for batch in plan.own_batches) == [5, 6, 14]
-        # The consecutive 12-block prefix is a view (no slot list), shared by both of its sequences.
-        assert any(part.keys.length == 12 * BLOCK_SIZE and not isinstance(part.rows, slice) for part in views)
-        assert any(part.keys.length == 11 * BLOCK_SIZE for part in views)  # the body run
+    assert any(part.keys.length == 12 * BLOCK_SIZE and not isinstance(part.rows, slice) for part in views)
+    assert any(part.keys.length == 11 * BLOCK_SIZE for part in views)  # the body run
     assert not torch.isnan(out).any()
     torch.testing.assert_close(out, scenario.expected(), atol=1e-5, rtol=1e-5)
 
@@ -136,10 +133,7 @@ def test_many_decodes_share_one_read():
     scenario = Scenario(specs, seed=3, num_blocks=900)
     out, plan = scenario.run()
     assert len(plan.parts) == 1 and plan.parts[0].keys.length == 2000 and len(plan.parts[0].rows) == 32
-    if plan.decodes.tables is not None:  # the compiled kernel reads the rest in place
-        assert plan.decodes.first.tolist() == [2000] * 32
-    else:
-        assert plan.decodes.slots.shape == (32, 27)  # at most 20 + 6 past tokens beyond the prefix, + own
+    assert plan.decodes.slots.shape == (32, 27)  # at most 20 + 6 past tokens beyond the prefix, + own
     torch.testing.assert_close(out, scenario.expected(), atol=1e-5, rtol=1e-5)
 
 

@@ -1,6 +1,6 @@
-// The per-tile machinery both attention kernels share (paged_decode.cpp, paged_causal.cpp): loads
-// of float32 and bf16, the fixed reduction tree, exp, one online-softmax step, and the decode path
-// that reads a row's keys a tile at a time. Every sum here runs in an order fixed by the row's own
+// What paged_causal.cpp builds on: loads of float32 and bf16, a fixed 16-lane reduction tree, exp,
+// where a position's keys live, and the portable path (no AVX-512, or head_dim not a multiple of 16)
+// that reads one row's keys a tile at a time. Every sum here runs in an order fixed by the row's own
 // key range, never by the other rows of a call.
 #pragma once
 
@@ -63,8 +63,8 @@ inline __m512 load16(const at::BFloat16* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
-// The sum of 16 lanes in a fixed tree: (l, l+8), then (l, l+4), (l, l+2), (0, 1): the decode path's
-// scores, and every tile's sum of weights in softmax_step.
+// The sum of 16 lanes in a fixed tree: (l, l+8), then (l, l+4), (l, l+2), (0, 1) (paged_causal.cpp's
+// sum of a step's weights).
 inline float tree16(__m512 a) {
     const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
     const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
@@ -84,16 +84,6 @@ constexpr bool bf16_dot_for() {
 #endif
 }
 
-#if defined(__AVX512BF16__)
-inline __m512 dot_pairs(const uint16_t* q, const at::BFloat16* k, int64_t head_dim) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t j = 0; j < head_dim; j += 32) {
-        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + j), (__m512bh)_mm512_loadu_si512(k + j));
-    }
-    return acc;
-}
-#endif
-
 // e^x for x <= 0 (scores minus their max): 2^n * e^r, |r| <= ln2/2, e^r by its degree-6 Taylor
 // polynomial (relative error under 2e-7); a fixed sequence of operations, so bit-reproducible.
 inline __m512 exp16(__m512 x) {
@@ -112,24 +102,6 @@ inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-// One tile's online-softmax step for one query vector, shared by both kernels: the live lanes of
-// `scores` update the running max and sum, the accumulator is rescaled, and the tile's weights (0 in
-// dead lanes) are stored to `weights` for the value sums.
-inline void softmax_step(__m512 scores, __mmask16 live, float& running_max, float& running_sum, float* acc,
-                         int64_t head_dim, float* weights) {
-    const __m512 tile = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), live, scores);
-    const float new_max = std::max(running_max, _mm512_reduce_max_ps(tile));
-    const float correction = running_max == new_max ? 1.f
-                             : _mm512_cvtss_f32(exp16(_mm512_set1_ps(running_max - new_max)));
-    const __m512 p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(tile, _mm512_set1_ps(new_max))));
-    _mm512_storeu_ps(weights, p);
-    running_sum = running_sum * correction + tree16(p);
-    running_max = new_max;
-    if (correction != 1.f) {
-        const __m512 c = _mm512_set1_ps(correction);
-        for (int64_t j = 0; j < head_dim; j += 16) _mm512_storeu_ps(acc + j, _mm512_mul_ps(_mm512_loadu_ps(acc + j), c));
-    }
-}
 #endif
 
 #if !defined(__AVX512F__)
@@ -164,43 +136,6 @@ inline void tile_portable(const float* query, const T* const* key_of, const T* c
     }
 }
 
-#if defined(__AVX512F__)
-template <typename T>
-inline void tile_avx512(const float* query, const uint16_t* query_bits, float scale, const T* const* key_of,
-                        const T* const* value_of, int64_t n, int64_t group, int64_t head_dim, float* scores,
-                        float* running_max, float* running_sum, float* acc) {
-    const __mmask16 live = static_cast<__mmask16>((1u << n) - 1u);
-    const bool pairs = bf16_dot_for<T>() && head_dim % 32 == 0;
-    for (int64_t g = 0; g < group; ++g) {
-        const float* qg = query + g * head_dim;
-        float* s = scores + g * TILE;
-        for (int64_t t = 0; t < n; ++t) {
-#if defined(__AVX512BF16__)
-            if constexpr (bf16_dot_for<T>()) {
-                if (pairs) {
-                    s[t] = tree16(dot_pairs(query_bits + g * head_dim, key_of[t], head_dim)) * scale;
-                    continue;
-                }
-            }
-#endif
-            __m512 sum = _mm512_mul_ps(load16(qg), load16(key_of[t]));
-            for (int64_t j = 16; j < head_dim; j += 16) sum = _mm512_fmadd_ps(load16(qg + j), load16(key_of[t] + j), sum);
-            s[t] = tree16(sum);
-        }
-        softmax_step(_mm512_loadu_ps(s), live, running_max[g], running_sum[g], acc + g * head_dim, head_dim, s);
-    }
-    for (int64_t j = 0; j < head_dim; j += 16) {
-        for (int64_t g = 0; g < group; ++g) {
-            float* a = acc + g * head_dim + j;
-            const float* p = scores + g * TILE;
-            __m512 sum = load16(a);
-            for (int64_t t = 0; t < n; ++t) sum = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), load16(value_of[t] + j), sum);
-            _mm512_storeu_ps(a, sum);
-        }
-    }
-}
-#endif
-
 // Where one sequence's keys live: position p -> slot, through its block table (block size 2^shift).
 struct Blocks {
     const int64_t* table;
@@ -214,32 +149,28 @@ inline int64_t log2_exact(int64_t block_size) {
     return shift;
 }
 
-// Scratch of one worker on the decode path: up to `rows` query rows of `group` heads.
+// Scratch of one worker on the portable path: one row of `group` heads.
 struct Scratch {
     std::vector<float> query, acc, scores, running_max, running_sum;
-    std::vector<uint16_t> query_bits;  // bf16 q as stored (the bf16 dot product reads it)
-    Scratch(int64_t rows, int64_t group, int64_t head_dim)
-        : query(rows * group * head_dim), acc(rows * group * head_dim), scores(group * TILE), running_max(rows * group),
-          running_sum(rows * group), query_bits(rows * group * head_dim) {}
+    Scratch(int64_t group, int64_t head_dim)
+        : query(group * head_dim), acc(group * head_dim), scores(group * TILE), running_max(group),
+          running_sum(group) {}
 };
 
 template <typename T>
 inline void load_query(const T* q_row, int64_t q_head_stride, int64_t h, int64_t group, int64_t head_dim, float scale,
-                       float* query, uint16_t* query_bits) {
+                       float* query) {
     for (int64_t g = 0; g < group; ++g) {
         const T* head = q_row + (h * group + g) * q_head_stride;
         for (int64_t j = 0; j < head_dim; ++j) query[g * head_dim + j] = load(head, j) * scale;
-        if constexpr (std::is_same<T, at::BFloat16>::value) {
-            std::memcpy(query_bits + g * head_dim, head, head_dim * sizeof(uint16_t));
-        }
     }
 }
 
-// The group of query heads of one row over keys [first, last), a tile at a time (the decode path).
+// The group of query heads of one row over keys [first, last), a tile at a time (the portable path).
 template <typename T>
-inline void attend_row(const float* query, const uint16_t* query_bits, float scale, int64_t first, int64_t last,
-                const Blocks& blocks, const T* k_cache, const T* v_cache, int64_t slot_stride, int64_t h, int64_t group, int64_t head_dim, bool vectorized,
-                float* scores, float* running_max, float* running_sum, float* acc) {
+inline void attend_row(const float* query, int64_t first, int64_t last, const Blocks& blocks, const T* k_cache,
+                       const T* v_cache, int64_t slot_stride, int64_t h, int64_t group, int64_t head_dim, float* scores,
+                       float* running_max, float* running_sum, float* acc) {
     std::fill(acc, acc + group * head_dim, 0.f);
     std::fill(running_max, running_max + group, -std::numeric_limits<float>::infinity());
     std::fill(running_sum, running_sum + group, 0.f);
@@ -253,15 +184,7 @@ inline void attend_row(const float* query, const uint16_t* query_bits, float sca
             key_of[t] = k_cache + slot * slot_stride + h * head_dim;
             value_of[t] = v_cache + slot * slot_stride + h * head_dim;
         }
-#if defined(__AVX512F__)
-        if (vectorized) {
-            tile_avx512(query, query_bits, scale, key_of, value_of, n, group, head_dim, scores, running_max, running_sum,
-                        acc);
-        } else
-#endif
-        {
-            tile_portable(query, key_of, value_of, n, group, head_dim, scores, running_max, running_sum, acc);
-        }
+        tile_portable(query, key_of, value_of, n, group, head_dim, scores, running_max, running_sum, acc);
         start = stop;
     }
 }

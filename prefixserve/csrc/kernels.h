@@ -24,12 +24,6 @@ struct Queries {
     int64_t row_stride, head_stride, num_heads;
 };
 
-// Decode i: q row rows[i]'s heads over its sequence's keys [first[i], last[i]). out [decodes, heads,
-// head_dim], lse [decodes, heads] (float32).
-template <typename T>
-void decode_kernel(const Queries<T>& q, const PagedKV<T>& kv, const int64_t* rows, const int64_t* first,
-                   const int64_t* last, int64_t num_decodes, float scale, T* out, float* lse);
-
 // Sequence i's rows query_start[i] .. query_start[i + 1] are its last positions, up to seq_lens[i];
 // a row at position p reads keys [0, p + 1). out [rows, heads, head_dim].
 template <typename T>

@@ -1,11 +1,9 @@
 // prefixserve._C: the compiled CPU attention kernels, read in place from the paged KV cache (no gather).
 //
-//   paged_decode   decode row i's group of query heads over keys [first[i], last[i]) of its sequence;
-//                  returns (out, float32 log-sum-exp), the pair the cascade's merge takes.
-//                  Kernel: paged_decode.cpp. Reference: attention.py's _attend_decodes.
-//   paged_causal   every row of a step, a row at position p over keys [0, p + 1), each row's bits its
-//                  own whatever else is in the call. Kernel: paged_causal.cpp. Reference:
-//                  invariant_attention.py (and _attend in float32).
+//   paged_causal   every row of a step (prefill chunks and decodes), a row at position p over keys
+//                  [0, p + 1), each row's bits its own whatever else is in the call.
+//                  Kernel: paged_causal.cpp. Reference: attention.py's plan path (float32) and
+//                  invariant_attention.py (bf16).
 //
 // This file checks what a caller hands in (shapes, dtypes, every block id of every range read: a bad
 // table is an error, never a stray read) and dispatches on the dtype.
@@ -58,37 +56,6 @@ PagedKV<T> paged_kv_of(const torch::Tensor& k_cache, const torch::Tensor& v_cach
             tables.data_ptr<int64_t>(), tables.stride(0)};
 }
 
-std::vector<torch::Tensor> paged_decode(const torch::Tensor& q, const torch::Tensor& rows, const torch::Tensor& k_cache,
-                                        const torch::Tensor& v_cache, const torch::Tensor& tables,
-                                        const torch::Tensor& first, const torch::Tensor& last, double scale) {
-    check_inputs(q, k_cache, v_cache, {&rows, &tables, &first, &last});
-    const int64_t num_decodes = rows.size(0), num_heads = q.size(1), head_dim = q.size(2);
-    const int64_t block_size = k_cache.size(1);
-    TORCH_CHECK(tables.dim() == 2 && tables.size(0) == num_decodes && first.size(0) == num_decodes &&
-                    last.size(0) == num_decodes, "one block table, first and last per decode");
-    const int64_t* lo = first.data_ptr<int64_t>();
-    const int64_t* hi = last.data_ptr<int64_t>();
-    const int64_t* row = rows.data_ptr<int64_t>();
-    for (int64_t i = 0; i < num_decodes; ++i) {
-        TORCH_CHECK(row[i] >= 0 && row[i] < q.size(0), "decode row out of range");
-        check_blocks(tables, i, lo[i], hi[i], block_size, k_cache.size(0));
-    }
-    auto out = torch::empty({num_decodes, num_heads, head_dim}, q.options());
-    auto lse = torch::empty({num_decodes, num_heads}, q.options().dtype(torch::kFloat32));
-    AT_DISPATCH_SWITCH(q.scalar_type(), "paged_decode",
-        AT_DISPATCH_CASE(torch::kFloat32, [&] {
-            prefixserve::decode_kernel<float>(queries_of<float>(q), paged_kv_of<float>(k_cache, v_cache, tables), row,
-                                              lo, hi, num_decodes, static_cast<float>(scale), out.data_ptr<float>(),
-                                              lse.data_ptr<float>());
-        })
-        AT_DISPATCH_CASE(torch::kBFloat16, [&] {
-            prefixserve::decode_kernel<at::BFloat16>(
-                queries_of<at::BFloat16>(q), paged_kv_of<at::BFloat16>(k_cache, v_cache, tables), row, lo, hi,
-                num_decodes, static_cast<float>(scale), out.data_ptr<at::BFloat16>(), lse.data_ptr<float>());
-        }));
-    return {out, lse};
-}
-
 torch::Tensor paged_causal(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                            const torch::Tensor& tables, const torch::Tensor& query_start, const torch::Tensor& seq_lens,
                            double scale) {
@@ -123,6 +90,5 @@ torch::Tensor paged_causal(const torch::Tensor& q, const torch::Tensor& k_cache,
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "prefixserve's compiled CPU kernels (the pure-PyTorch paths in prefixserve.model are their reference)";
-    m.def("paged_decode", &paged_decode, "decode attention read in place from the paged KV cache");
     m.def("paged_causal", &paged_causal, "causal attention of every row of a step, each row alike in any batch");
 }

@@ -157,7 +157,7 @@ inline void score_vectors(int64_t count, const QueryElement<PAIRS>* query, int64
 // One step's online softmax for one vector, its STEP scores in two registers (keys 0-15, 16-31):
 // the live lanes update the running max and sum, the sums so far are rescaled when the max grows,
 // and the step's weights (0 in dead lanes) go to `weights` for the value sums.
-inline void softmax_step2(__m512 low, __m512 high, __mmask16 live_low, __mmask16 live_high, float& running_max,
+inline void softmax_step(__m512 low, __m512 high, __mmask16 live_low, __mmask16 live_high, float& running_max,
                           float& running_sum, float* acc, int64_t head_dim, float* weights) {
     const __m512 none = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     low = _mm512_mask_mov_ps(none, live_low, low);
@@ -297,7 +297,7 @@ void attend_rows(const Row* rows, int64_t count, int64_t shift, const PagedKV<T>
                     const int64_t n = std::min(STEP, rows[v / group].position + 1 - start);  // keys of the step it sees
                     const __mmask16 live_low = static_cast<__mmask16>(n >= TILE ? 0xFFFFu : (1u << n) - 1u);
                     const __mmask16 live_high = static_cast<__mmask16>(n > TILE ? (1u << (n - TILE)) - 1u : 0u);
-                    softmax_step2(low[v - v0], high[v - v0], live_low, live_high, s.running_max[v], s.running_sum[v],
+                    softmax_step(low[v - v0], high[v - v0], live_low, live_high, s.running_max[v], s.running_sum[v],
                                   s.acc.data() + v * head_dim, head_dim, s.weights.data() + v * STEP);
                 }
             }
@@ -397,11 +397,9 @@ void causal_kernel(const Queries<T>& q, const PagedKV<T>& kv, const int64_t* que
         for (int64_t r = 0; r < count; ++r) {
             const Row& row = item_rows[r];
             const Blocks blocks{row.table, shift, kv.block_size - 1};
-            load_query(q.data + row.q_row * q.row_stride, q.head_stride, h, group, head_dim, scale, one.query.data(),
-                       one.query_bits.data());
-            attend_row(one.query.data(), one.query_bits.data(), scale, 0, row.position + 1, blocks, kv.keys, kv.values,
-                       slot_stride, h, group, head_dim, false, one.scores.data(), one.running_max.data(),
-                       one.running_sum.data(), one.acc.data());
+            load_query(q.data + row.q_row * q.row_stride, q.head_stride, h, group, head_dim, scale, one.query.data());
+            attend_row(one.query.data(), 0, row.position + 1, blocks, kv.keys, kv.values, slot_stride, h, group,
+                       head_dim, one.scores.data(), one.running_max.data(), one.running_sum.data(), one.acc.data());
             finish(one.acc.data(), one.running_max.data(), one.running_sum.data(), group, head_dim, out_of(row),
                    static_cast<float*>(nullptr));
         }
@@ -410,7 +408,7 @@ void causal_kernel(const Queries<T>& q, const PagedKV<T>& kv, const int64_t* que
     // Item k goes to worker k mod workers: later rows read more keys, so their cost is dealt out evenly.
     const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
     at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
-        Scratch row_scratch(1, group, head_dim);
+        Scratch row_scratch(group, head_dim);
         CausalScratch causal_scratch(group, head_dim);
         for (int64_t w = begin; w < end; ++w) {
             for (int64_t k = w; k < num_items; k += workers) attend_item(k, row_scratch, causal_scratch);

@@ -26,6 +26,11 @@ not depend on key order, so each part is read the cheapest way and the parts are
 
 A sequence with nothing to share and no long run takes a single call and no merge. The plan
 (attention_plan.py) is built once per step by the model (`plan_step`) and handed to every layer.
+
+That is the pure-PyTorch path. Where the compiled kernel is built (kernels.py, csrc/paged_causal.cpp)
+every row of the step goes to it in one call instead: it reads each row's keys in place through the
+block table (no gather, no merge; decodes sharing a cached prefix share each transposed key tile),
+and each row's sums run in an order of its own, so no dtype's outputs depend on the batch.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ import torch.nn.functional as F
 
 from .attention_plan import StepPlan, build_plan
 from .invariant_attention import invariant_attention, invariant_calls
-from .kernels import causal_kernel_for, decode_kernel_for
+from .kernels import causal_kernel_for
 
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 # Dtypes whose CPU attention takes the batch-invariant path (invariant_attention.py): in bfloat16
@@ -182,12 +187,11 @@ def takes_invariant_path(meta: AttentionMetadata, dtype: torch.dtype, device: to
 
 def plan_step(meta: AttentionMetadata, k_cache: torch.Tensor) -> StepPlan:
     """The step's attention plan for caches shaped like `k_cache`: build once, pass to every layer.
-    The invariant path plans its own calls (on first use), so the cascade's plan is not built for it."""
-    if takes_invariant_path(meta, k_cache.dtype, k_cache.device):
+    The compiled kernel needs none, and the invariant path plans its own calls (on first use), so the
+    cascade's plan is built for neither."""
+    if causal_kernel_for(k_cache) is not None or takes_invariant_path(meta, k_cache.dtype, k_cache.device):
         return StepPlan(parts=[], chunks=[], own_batches=[], decodes=None, merged_rows=None)
-    kernel_decodes = decode_kernel_for(k_cache) is not None
-    kernel_prefills = causal_kernel_for(k_cache) is not None
-    return build_plan(meta, k_cache.shape[1], k_cache.element_size(), kernel_decodes, kernel_prefills)
+    return build_plan(meta, k_cache.shape[1], k_cache.element_size())
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -204,24 +208,21 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_kv_heads = k_cache.shape[2]
     assert num_heads % num_kv_heads == 0, f"{num_heads} heads not a multiple of {num_kv_heads} KV heads"
     group = num_heads // num_kv_heads
+    causal = causal_kernel_for(k_cache)
+    if causal is not None:
+        # Compiled (csrc/paged_causal.cpp): every row of the step in one call, prefill chunks and
+        # decodes alike, read in place through the block tables; each row's sums in an order of its
+        # own, so in every dtype a row's bits do not depend on the batch or the chunking.
+        return causal(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale)
     if plan is None:
         plan = plan_step(meta, k_cache)
     flat_k = k_cache.view(-1, num_kv_heads, head_dim)
     flat_v = v_cache.view(-1, num_kv_heads, head_dim)
     if takes_invariant_path(meta, q.dtype, q.device):
-        causal = causal_kernel_for(k_cache)
-        if causal is not None:  # compiled: each row's sums in a fixed order of its own (csrc/paged_causal.cpp)
-            return causal(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale)
         if plan.invariant_calls is None:
             plan.invariant_calls = invariant_calls(meta, k_cache.shape[1], group)
         return invariant_attention(q, flat_k, flat_v, plan.invariant_calls, plan.masks, scale, _attend)
-    prefills = plan.prefills
-    if prefills is not None and plan.decodes is None and isinstance(prefills.rows, slice) \
-            and prefills.rows == slice(0, num_tokens):
-        return _attend_prefills(q, k_cache, v_cache, prefills, scale)  # nothing else in the step
     out = torch.empty_like(q)
-    if prefills is not None:
-        out[prefills.rows] = _attend_prefills(q[prefills.rows], k_cache, v_cache, prefills, scale)
     pieces: list[tuple[torch.Tensor, torch.Tensor]] = []  # (out, lse) in plan.merge_index order
     merge_ids: list = []
 
@@ -235,11 +236,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         pieces.append(_attend_own_batch(q, batch, flat_k, flat_v, k, v, scale))
         merge_ids.append(batch.merge_ids)
     if plan.decodes is not None:
-        if plan.decodes.tables is not None:
-            attended, lse = decode_kernel_for(k_cache)(q, plan.decodes.rows, k_cache, v_cache, plan.decodes.tables,
-                                                       plan.decodes.first, plan.decodes.last, scale)
-        else:
-            attended, lse = _attend_decodes(q, plan, flat_k, flat_v, scale, group)
+        attended, lse = _attend_decodes(q, plan, flat_k, flat_v, scale, group)
         if plan.decodes.merge_ids is None:
             out.index_copy_(0, plan.decodes.rows, attended)
         else:
@@ -249,12 +246,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if pieces:
         _merge_into(out, plan, pieces, merge_ids)
     return out
-
-
-def _attend_prefills(q_rows, k_cache, v_cache, prefills, scale: float) -> torch.Tensor:
-    """The step's prefill chunks in one call of the compiled causal kernel, read in place."""
-    return causal_kernel_for(k_cache)(q_rows, k_cache, v_cache, prefills.tables, prefills.query_start,
-                                      prefills.seq_lens, scale)
 
 
 def _attend_chunk(q, chunk, flat_k, flat_v, k, v, scale: float, group: int) -> torch.Tensor:

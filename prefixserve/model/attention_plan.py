@@ -77,27 +77,12 @@ class _OwnBatch:
 
 @dataclass
 class _Decodes:
-    """Every decode of the step as one padded batch over its gathered slots (own token included),
-    or, for the compiled kernel (kernels.py), its block table and key range, read in place."""
+    """Every decode of the step as one padded batch over its gathered slots (own token included)."""
 
     rows: torch.Tensor       # int64 [num_decodes]
-    slots: Optional[torch.Tensor]  # int64 [num_decodes, max_len]
-    valid: Optional[torch.Tensor]  # bool [num_decodes, 1, 1, max_len]
+    slots: torch.Tensor      # int64 [num_decodes, max_len]
+    valid: torch.Tensor      # bool [num_decodes, 1, 1, max_len]
     merge_ids: Optional[torch.Tensor]  # None: no decode has another part
-    tables: Optional[torch.Tensor] = None  # int64 [num_decodes, max_blocks] (the kernel's)
-    first: Optional[torch.Tensor] = None   # int64 [num_decodes]: positions [first, last) are read
-    last: Optional[torch.Tensor] = None
-
-
-@dataclass
-class _Prefills:
-    """Every prefill chunk of the step in one call of the compiled causal kernel (kernels.py), which
-    reads each chunk's past and own keys in place through its block table: no gather, no merge."""
-
-    rows: torch.Tensor | slice   # rows of q, sequence by sequence
-    tables: torch.Tensor         # int64 [num_prefills, max_blocks]
-    query_start: torch.Tensor    # int64 [num_prefills + 1]: offsets of each chunk's rows in `rows`
-    seq_lens: torch.Tensor       # int64 [num_prefills]
 
 
 @dataclass
@@ -107,7 +92,6 @@ class StepPlan:
     own_batches: list[_OwnBatch]
     decodes: Optional[_Decodes]
     merged_rows: Optional[torch.Tensor]  # int64 [num_merged]: rows of q assembled from parts
-    prefills: Optional[_Prefills] = None  # set when the compiled causal kernel answers the prefill chunks
     merge_index: Optional[torch.Tensor] = None  # int64: merged id of each contribution, in order
     masks: dict = field(default_factory=dict)   # additive decode masks per dtype
     invariant_calls: Optional[list] = None      # the batch-invariant path's calls (invariant_attention.py)
@@ -131,11 +115,11 @@ def _ascending_run(table: list[int], start: int, end: int) -> int:
 
 
 def _shared_prefixes(meta: AttentionMetadata, past_lens: list[int], block_size: int,
-                     min_saved_tokens: int, eligible: list[bool]) -> list[tuple[list[int], int]]:
+                     min_saved_tokens: int) -> list[tuple[list[int], int]]:
     """(members, number of common leading blocks) of each group worth reading once."""
     groups: dict[int, list[int]] = {}
     for i, table in enumerate(meta.block_table_lists):
-        if eligible[i] and past_lens[i] >= block_size:
+        if past_lens[i] >= block_size:
             groups.setdefault(table[0], []).append(i)
     found = []
     for members in groups.values():
@@ -151,21 +135,15 @@ def _shared_prefixes(meta: AttentionMetadata, past_lens: list[int], block_size: 
     return found
 
 
-def build_plan(meta: AttentionMetadata, block_size: int, element_size: int, kernel_decodes: bool = False,
-               kernel_prefills: bool = False) -> StepPlan:
-    """`kernel_decodes`: decodes are read in place by the compiled decode kernel (no gathered slots, no
-    body views); they still share prefixes (the cascade). `kernel_prefills`: every prefill chunk goes
-    to the compiled causal kernel whole (no shared part, body view or gather for it)."""
-    return _PlanBuilder(meta, block_size, element_size, kernel_decodes, kernel_prefills).build()
+def build_plan(meta: AttentionMetadata, block_size: int, element_size: int) -> StepPlan:
+    return _PlanBuilder(meta, block_size, element_size).build()
 
 
 class _PlanBuilder:
     """One step's plan in stages: shared prefixes, in-place bodies, merge ids, then the calls."""
 
-    def __init__(self, meta: AttentionMetadata, block_size: int, element_size: int, kernel_decodes: bool,
-                 kernel_prefills: bool) -> None:
+    def __init__(self, meta: AttentionMetadata, block_size: int, element_size: int) -> None:
         self.meta, self.block_size = meta, block_size
-        self.kernel_decodes, self.kernel_prefills = kernel_decodes, kernel_prefills
         self.device = meta.block_tables.device
         self.starts = [0, *accumulate(meta.query_lens)]
         self.past_lens = [seq_len - query_len for seq_len, query_len in zip(meta.seq_lens_list, meta.query_lens)]
@@ -191,24 +169,13 @@ class _PlanBuilder:
         parts = self._shared_parts(shared) + [
             _Part(self.rows_of(i), _Keys(start_slot, length), self._merge_slice(i))
             for i, (start_slot, length) in bodies.items()]
-        prefill_ids = [i for i in range(self.num_seqs) if self.meta.query_lens[i] > 1]
-        prefills = None
-        if self.kernel_prefills:
-            chunks, split_by_len = [], {}
-            prefills = self._prefills(prefill_ids) if prefill_ids else None
-        else:
-            chunks, split_by_len = self._prefill_chunks(parts)
+        chunks, split_by_len = self._prefill_chunks(parts)
         own_batches = [self._own_batch(query_len, members) for query_len, members in split_by_len.items()]
         decodes = self._decodes(decode_ids, split_decodes) if decode_ids else None
         merged_rows = None
         if num_merged:
             merged_rows = self.as_tensor([r for i in sorted(self.merge_start) for r in range(*self._row_range(i))])
-        return StepPlan(parts, chunks, own_batches, decodes, merged_rows, prefills=prefills)
-
-    def _in_kernel(self, i: int) -> bool:
-        """Whether a compiled kernel reads sequence i's blocks in place (then no body view for it)."""
-        is_decode = self.meta.query_lens[i] == 1
-        return self.kernel_decodes if is_decode else self.kernel_prefills
+        return StepPlan(parts, chunks, own_batches, decodes, merged_rows)
 
     def _row_range(self, i: int) -> tuple[int, int]:
         return self.starts[i], self.starts[i + 1]
@@ -217,9 +184,7 @@ class _PlanBuilder:
         """(members, common blocks, whether those blocks are one consecutive run) of each shared group."""
         meta, block_size = self.meta, self.block_size
         shared = []
-        # The causal kernel answers a prefill chunk whole: only decodes share a prefix then.
-        eligible = [not (self.kernel_prefills and query_len > 1) for query_len in meta.query_lens]
-        for members, num_common in _shared_prefixes(meta, self.past_lens, block_size, self.min_saved, eligible):
+        for members, num_common in _shared_prefixes(meta, self.past_lens, block_size, self.min_saved):
             table = meta.block_table_lists[members[0]]
             first = table[0]
             contiguous = table[:num_common] == list(range(first, first + num_common))
@@ -234,8 +199,6 @@ class _PlanBuilder:
         block_size = self.block_size
         bodies = {}
         for i, table in enumerate(self.meta.block_table_lists):
-            if self._in_kernel(i):
-                continue  # the kernel reads the blocks in place already
             first_block = self.covered[i] // block_size
             run = _ascending_run(table, first_block, self.past_lens[i] // block_size)
             if run >= self.min_view_blocks:
@@ -301,18 +264,6 @@ class _PlanBuilder:
                 parts.append(_Part(rows, _Keys(slots=self._slots_of(i, self.covered[i], past)), self._merge_slice(i)))
         return chunks, split_by_len
 
-    def _prefills(self, prefill_ids: list[int]) -> _Prefills:
-        meta = self.meta
-        ids = self.as_tensor(prefill_ids)
-        row_lists = [range(*self._row_range(i)) for i in prefill_ids]
-        first, last = row_lists[0].start, row_lists[-1].stop
-        if sum(len(rows) for rows in row_lists) == last - first:  # consecutive: a view of q
-            rows = slice(first, last)
-        else:
-            rows = self.as_tensor([r for rows in row_lists for r in rows])
-        query_start = self.as_tensor([0, *accumulate(meta.query_lens[i] for i in prefill_ids)])
-        return _Prefills(rows, meta.block_tables.index_select(0, ids), query_start, meta.seq_lens.index_select(0, ids))
-
     def _own_batch(self, query_len: int, members: list[int]) -> _OwnBatch:
         rows = self.as_tensor([r for i in members for r in range(*self._row_range(i))])
         return _OwnBatch(query_len, rows, self.meta.slot_mapping.index_select(0, rows), self._merge_ids(members))
@@ -322,10 +273,6 @@ class _PlanBuilder:
         ids = self.as_tensor(decode_ids)
         first = self.as_tensor([self.covered[i] for i in decode_ids])
         last = meta.seq_lens.index_select(0, ids)  # exclusive: the own token is the last key
-        merge_ids = self.as_tensor([self.merge_start[i] for i in decode_ids]) if split_decodes else None
-        rows = self.as_tensor([self.starts[i] for i in decode_ids])
-        if self.kernel_decodes:
-            return _Decodes(rows, None, None, merge_ids, meta.block_tables.index_select(0, ids), first, last)
         max_len = max(meta.seq_lens_list[i] - self.covered[i] for i in decode_ids)
         positions = first[:, None] + torch.arange(max_len, device=self.device)
         valid = positions < last[:, None]
@@ -334,7 +281,8 @@ class _PlanBuilder:
         positions = torch.where(valid, positions, last[:, None] - 1)
         tables = meta.block_tables.index_select(0, ids)
         slots = tables.gather(1, positions // block_size) * block_size + positions % block_size
-        return _Decodes(rows, slots, valid[:, None, None, :], merge_ids)
+        merge_ids = self.as_tensor([self.merge_start[i] for i in decode_ids]) if split_decodes else None
+        return _Decodes(self.as_tensor([self.starts[i] for i in decode_ids]), slots, valid[:, None, None, :], merge_ids)
 
 
 # ---- attention calls -----------------------------------------------------------------------------

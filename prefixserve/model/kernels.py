@@ -2,10 +2,10 @@
 
 Each kernel has a pure-PyTorch reference path that stays the fallback and the test oracle:
 
-    paged_decode   decode attention read in place from the paged cache   reference: attention._attend_decodes
-    paged_causal   rows of a step, each row's bits its own (every row on   reference: invariant_attention.py
-                   bf16's batch-invariant path; the prefill chunks         and _attend_chunk
-                   otherwise; a row at p reads keys [0, p + 1))
+    paged_causal   every row of a step (prefill chunks and decodes),       reference: attention.py's plan
+                   read in place from the paged cache; a row at p reads    path (float32) and
+                   keys [0, p + 1), and its bits are its own whatever      invariant_attention.py (bf16)
+                   else is in the batch
 
 Where the extension was not built (no compiler at install time) a warning is logged once and
 the reference paths run. PREFIXSERVE_KERNELS=0 turns the kernels off (to compare the paths).
@@ -45,7 +45,3 @@ def causal_kernel_for(k_cache: torch.Tensor):
     """The compiled paged_causal for this cache, or None."""
     return compiled.paged_causal if _usable(k_cache) else None
 
-
-def decode_kernel_for(k_cache: torch.Tensor):
-    """The compiled paged_decode for this cache, or None (not built, or not a contiguous CPU float32/bfloat16 cache)."""
-    return compiled.paged_decode if _usable(k_cache) else None
