@@ -1,7 +1,7 @@
 """prefixserve against its peers on the workload suite (benchmarks/workloads.py), one table per dtype.
 
     python benchmarks/compare.py [--dtype float32|bfloat16|both] [--workloads system-prompt,...]
-                                 [--engines prefixserve,prefixserve-nocache,transformers,vllm]
+                                 [--engines prefixserve,prefixserve-nocache,transformers,vllm,vllm-nocache]
                                  [--vllm-python /tmp/vllm-peer/bin/python] [--vllm-cores all|default]
                                  [--rounds 2]
 
@@ -14,13 +14,16 @@ Engines, all on the built-in model in the same dtype, each warmed once before ti
                        when that venv is missing. --vllm-cores all (default) lets vLLM compute on
                        every core, as our engine does; `default` keeps vLLM's own choice (one core
                        reserved for its engine process).
+  vllm-nocache         the same with enable_prefix_caching=False (the batch-invariance control).
 Each round of a workload is submitted at once; the next round waits for its outputs. The suite runs
 --rounds times (default 2), the engines taking turns, and each workload keeps its fastest round:
 a shared 2-core machine's noise only ever adds time, and it comes in spells of seconds to minutes.
-(transformers runs once; prefixserve-nocache repeats only no-sharing, its one target.) vLLM starts
-afresh each round (load and compile, about a minute, not timed).
+(transformers and vllm-nocache run once; prefixserve-nocache repeats only no-sharing, its one target.)
+vLLM starts afresh each round (load and compile, about a minute, not timed).
 Per engine and workload: wall time, output tokens/s, TTFT p50/p99 (from submission of the round),
-and the token-weighted prefix hit rate (cached prompt tokens / prompt tokens). A TTFT probe times
+the token-weighted prefix hit rate (cached prompt tokens / prompt tokens), and "same tok": the share of
+requests whose greedy tokens equal the same engine's with caching off (a cache hit, another batch or
+chunking must not change an output; the batch-invariance report closes each table). A TTFT probe times
 a one-token request on a 2,000-token prefix + 20 new tokens: a miss, then a hit (median of 5).
 Prints the tables with ratios against vLLM, checks the targets, saves
 benchmarks/results/compare_<dtype>.png and .json.
@@ -49,7 +52,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from workloads import Completion, Turn, build_workloads, drive, random_tokens  # noqa: E402
 
-ENGINES = ("prefixserve", "prefixserve-nocache", "transformers", "vllm")
+ENGINES = ("prefixserve", "prefixserve-nocache", "transformers", "vllm", "vllm-nocache")
+CACHING_OFF = {"prefixserve": "prefixserve-nocache", "prefixserve-nocache": "prefixserve-nocache",
+               "vllm": "vllm-nocache", "vllm-nocache": "vllm-nocache"}  # whose tokens "same tok" compares with
 RESULTS = Path(__file__).resolve().parent / "results"
 PROBE = {"prefix_len": 2000, "suffix_len": 20, "repeats": 5}
 HF_BATCH = 8
@@ -185,9 +190,10 @@ def keep_fastest(best: Optional[dict], new: dict) -> dict:
     return best
 
 
-def run_vllm(python: str, dtype: str, names: list[str], seed: int, cores: str, bar, model_dir: Path) -> dict:
+def run_vllm(python: str, dtype: str, names: list[str], seed: int, cores: str, bar, model_dir: Path,
+             caching: bool = True) -> dict:
     task = {"model": str(model_dir), "dtype": dtype, "seed": seed, "workloads": names,
-            "ttft_probe": PROBE, "kv_cache_gib": 2}
+            "ttft_probe": PROBE, "kv_cache_gib": 2, "prefix_caching": caching}
     env = dict(os.environ)
     if cores == "all":
         env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
@@ -251,14 +257,14 @@ def cell(value: Optional[float], width: int, spec: str, scale: float = 1.0, unit
 
 
 def print_tables(dtype: str, runs: dict, names: list[str], notes: dict) -> list[str]:
-    lines = [f"== {dtype} == (ratio = prefixserve / vLLM; same tokens = outputs equal to prefixserve-nocache)"]
+    lines = [f"== {dtype} == (ratio = engine / vLLM; same tok = outputs equal to the same engine with caching off)"]
     header = (f"{'workload':<14} {'engine':<20} {'wall s':>8} {'tok/s':>8} {'TTFT p50':>10} {'TTFT p99':>10} "
               f"{'hit rate':>8} {'vs vLLM':>8} {'same tok':>8}")
     lines.append(header)
     for name in names:
         vllm = runs.get("vllm", {}).get("workloads", {}).get(name)
-        reference = runs.get("prefixserve-nocache", {}).get("workloads", {}).get(name)
         for engine in ENGINES:
+            reference = runs.get(CACHING_OFF.get(engine), {}).get("workloads", {}).get(name)
             if engine not in runs and engine in notes:
                 lines.append(f"{name:<14} {engine:<20} {notes[engine]}")
                 continue
@@ -277,7 +283,23 @@ def print_tables(dtype: str, runs: dict, names: list[str], notes: dict) -> list[
         probe = runs.get(engine, {}).get("ttft_probe")
         if probe:
             lines.append(f"  {engine:<20} miss {fmt(probe['miss_s'], '>7.1f', 1e3)}   hit {fmt(probe['hit_s'], '>7.1f', 1e3)}")
+    lines += invariance_report(runs, names)
     lines += check_targets(runs, names)
+    return lines
+
+
+def invariance_report(runs: dict, names: list[str]) -> list[str]:
+    """Per engine, over every request of the suite: identical greedy tokens with caching on and off."""
+    lines = ["batch invariance (requests whose tokens are identical with caching on and off, all workloads):"]
+    for engine in ("prefixserve", "vllm"):
+        on, off = runs.get(engine), runs.get(CACHING_OFF[engine])
+        if not on or not off:
+            lines.append(f"  {engine:<20} n/a (needs {engine} and {CACHING_OFF[engine]})")
+            continue
+        pairs = [(a, b) for name in names
+                 for a, b in zip(on["workloads"][name]["turns"], off["workloads"][name]["turns"])]
+        same = sum(a["output_token_ids"] == b["output_token_ids"] for a, b in pairs)
+        lines.append(f"  {engine:<20} {same / len(pairs):.1%} ({same} of {len(pairs)})")
     return lines
 
 
@@ -294,25 +316,22 @@ def check_targets(runs: dict, names: list[str]) -> list[str]:
     def wall(run, name):
         return run["workloads"][name]["wall_s"] if run and name in run["workloads"] else None
 
-    if "system-prompt" in names:
-        a, b = wall(ours, "system-prompt"), wall(vllm, "system-prompt")
-        verdict("system-prompt wall <= 0.67x vLLM", a / b if a and b else None, 0.67, "{:.2f}x")
-    for kind in ("hit", "miss"):
-        a = ours and ours["ttft_probe"][f"{kind}_s"]
-        b = vllm and vllm["ttft_probe"][f"{kind}_s"]
-        verdict(f"TTFT {kind} <= {0.8 if kind == 'hit' else 1.0}x vLLM", a / b if a and b else None,
-                0.8 if kind == "hit" else 1.0, "{:.2f}x")
-    for name in ("multi-turn", "agent-loop", "few-shot"):
-        if name not in names:
-            continue
+    # The goals of the engine-speed issue: every workload at or below vLLM's wall time, the
+    # system prompt well below it, a miss no slower, a hit at half or less.
+    for name in names:
         a, b = wall(ours, name), wall(vllm, name)
-        verdict(f"{name} wall < 1.0x vLLM", a / b if a and b else None, 0.9999, "{:.2f}x")
-        if ours and vllm:
+        limit = 0.6 if name == "system-prompt" else 1.0
+        verdict(f"{name} wall <= {limit}x vLLM", a / b if a and b else None, limit, "{:.2f}x")
+        if ours and vllm and name in ("multi-turn", "agent-loop", "few-shot"):
             hit_ours = summarise(ours["workloads"][name])["hit_rate"]
             hit_vllm = summarise(vllm["workloads"][name])["hit_rate"]
             if hit_ours is not None and hit_vllm is not None:
                 lines.append(f"  {name + ' hit rate >= vLLM':<44} {hit_ours:.1%} vs {hit_vllm:.1%}  "
                              f"{'MET' if hit_ours >= hit_vllm else 'MISSED'}")
+    for kind, limit in (("hit", 0.5), ("miss", 1.0)):
+        a = ours and ours["ttft_probe"][f"{kind}_s"]
+        b = vllm and vllm["ttft_probe"][f"{kind}_s"]
+        verdict(f"TTFT {kind} <= {limit}x vLLM", a / b if a and b else None, limit, "{:.2f}x")
     if "no-sharing" in names:
         a, b = wall(ours, "no-sharing"), wall(off, "no-sharing")
         verdict("no-sharing: caching on <= 1.03x caching off", a / b if a and b else None, 1.03, "{:.3f}x")
@@ -380,9 +399,10 @@ def main() -> None:
     tag = "" if args.model is None else f"{Path(args.model).stem}_"
     print(f"model: {args.model or 'prefixserve-tiny'} ({model_dir})")
     notes = {}
-    if "vllm" in engines and not Path(args.vllm_python).exists():
-        notes["vllm"] = f"not installed ({args.vllm_python} missing; see vllm_peer.py)"
-        engines.remove("vllm")
+    for engine in ("vllm", "vllm-nocache"):
+        if engine in engines and not Path(args.vllm_python).exists():
+            notes[engine] = f"not installed ({args.vllm_python} missing; see vllm_peer.py)"
+            engines.remove(engine)
     started = time.perf_counter()
     for dtype in dtypes:
         runs: dict[str, dict] = {}
@@ -395,13 +415,14 @@ def main() -> None:
         # disable=None: a bar only on a terminal, not thousands of redraws in a log file
         with tqdm(total=sum(len(todo) for _, _, todo in schedule), desc=f"compare {dtype}", disable=None) as bar:
             for round_index, engine, todo in schedule:
-                if engine == "vllm":
-                    if "vllm" in notes:
+                if engine.startswith("vllm"):
+                    if engine in notes:
                         continue
                     try:
-                        result = run_vllm(args.vllm_python, dtype, todo, args.seed, args.vllm_cores, bar, model_dir)
+                        result = run_vllm(args.vllm_python, dtype, todo, args.seed, args.vllm_cores, bar, model_dir,
+                                          caching=engine == "vllm")
                     except RuntimeError as error:
-                        notes["vllm"] = "failed (see the message above the table)"
+                        notes[engine] = "failed (see the message above the table)"
                         print(error, file=sys.stderr)
                         continue
                 else:

@@ -3,7 +3,7 @@
     /tmp/vllm-peer/bin/python benchmarks/vllm_peer.py TASK.json RESULT.json
 
 TASK.json: {"model": DIR, "dtype": "float32", "seed": 0, "workloads": [names], "engine": {...},
-            "ttft_probe": {"prefix_len": 2000, "suffix_len": 20, "repeats": 3}}
+            "prefix_caching": true, "ttft_probe": {"prefix_len": 2000, "suffix_len": 20, "repeats": 3}}
 RESULT.json: {"version", "warmup_s", "workloads": {name: {"wall_s", "turns": [...]}}, "ttft_probe": {...}}
 
 Imports nothing from prefixserve (it is not installed in vLLM's venv); the workloads module is
@@ -71,7 +71,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams, __version__
 
     start = time.perf_counter()
-    llm = LLM(model=task["model"], dtype=task["dtype"], enable_prefix_caching=True, seed=0,
+    llm = LLM(model=task["model"], dtype=task["dtype"], enable_prefix_caching=task.get("prefix_caching", True), seed=0,
               disable_log_stats=False, **task.get("engine", {}))
     load_s = time.perf_counter() - start
     generate = make_generate(llm, SamplingParams)
