@@ -21,7 +21,7 @@ DEFAULT_DISK_CACHE_BYTES = 16 << 30
 @dataclass(frozen=True)
 class EngineConfig:
     model: Optional[str] = None  # a Hugging Face checkpoint directory; None = built-in prefixserve-tiny
-    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU (exact cache reuse; see engine/device.py)
+    dtype: str = "auto"  # auto: bfloat16 on CUDA and on CPUs with bf16 instructions, else float32 (engine/device.py)
     device: str = "auto"  # auto: cuda when available, else cpu
     block_size: int = 16
     enable_prefix_caching: bool = True

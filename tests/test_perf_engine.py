@@ -72,10 +72,18 @@ def test_packed_linear_weights_match_plain(default_model_dir, dtype):
     assert packed.argmax(-1).tolist() == plain.argmax(-1).tolist()
 
 
-def test_auto_dtype_is_float32_on_cpu_even_with_bf16_instructions(monkeypatch):
-    # float32 keeps greedy outputs independent of cache hits; bfloat16 is the operator's choice.
+def test_auto_dtype_is_bfloat16_on_cpus_with_bf16_instructions_and_the_compiled_kernel(monkeypatch):
+    # bfloat16 keeps cache hits exact only where attention is the compiled, batch-invariant kernel.
+    from prefixserve.model import kernels
+
     cpu = torch.device("cpu")
     monkeypatch.setattr(runner_module, "cpu_has_fast_bfloat16", lambda: True)
+    monkeypatch.setattr(kernels, "compiled", object())
+    assert resolve_dtype("auto", cpu) == torch.bfloat16
+    monkeypatch.setattr(kernels, "compiled", None)  # the pure-PyTorch invariant path is slow: float32
+    assert resolve_dtype("auto", cpu) == torch.float32
+    monkeypatch.setattr(kernels, "compiled", object())
+    monkeypatch.setattr(runner_module, "cpu_has_fast_bfloat16", lambda: False)
     assert resolve_dtype("auto", cpu) == torch.float32
     assert resolve_dtype("bfloat16", cpu) == torch.bfloat16
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16

@@ -139,7 +139,7 @@ def test_every_plan_tiers_flag_has_help_and_a_stated_default():
 
 def test_plan_tiers_prints_and_writes_the_report(tmp_path, capsys):
     path = tmp_path / "plan.json"
-    code = main(["plan", "tiers", "--prefill-seconds-per-token", "0.001", "--disk-dir", str(tmp_path),
+    code = main(["plan", "tiers", "--dtype", "float32", "--prefill-seconds-per-token", "0.001", "--disk-dir", str(tmp_path),
                  "--json", str(path)])
     out = capsys.readouterr().out
     assert code == 0

@@ -35,7 +35,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                        help="checkpoint whose KV blocks and prefill are planned for: a Hugging Face directory, a "
                             ".gguf file or a model name (default: the built-in prefixserve-tiny)")
     tiers.add_argument("--dtype", choices=DTYPES, default="auto",
-                       help="KV dtype; auto is the engine's choice (float32 on CPU, bfloat16 on CUDA)")
+                       help="KV dtype; auto is the engine's choice (bfloat16 on CUDA and on CPUs with bf16 "
+                            "instructions, else float32)")
     tiers.add_argument("--block-size", type=int, default=EngineConfig.block_size, metavar="N",
                        help="tokens per KV block, as the engine's block_size")
     tiers.add_argument("--prefill-seconds-per-token", type=float, metavar="SECONDS",

@@ -17,19 +17,26 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """auto: bfloat16 on CUDA, float32 on CPU.
+    """auto: bfloat16 on CUDA; on CPU, bfloat16 where the CPU has bf16 instructions and the compiled
+    kernel is built, else float32.
 
-    On CPU, bfloat16 keeps the cache's promise too since its attention became batch-invariant
-    (model/invariant_attention.py; before, cache-on and cache-off greedy tokens agreed on only
-    9-19% of requests), but that path gives up the shared-prefix cascade: 32 requests decoding
-    over a shared 300-token prefix take 1.3-1.6x the time of the fastest bf16 path, and more
-    than float32 with its cascade (issue 15), over the 15% the issue allows, so auto stays
-    float32 on CPU for now. Per step, bf16 runs 1.3-2.2x faster than float32 on CPUs with bf16
-    instructions (benchmarks/bf16_step_time.py); the engine says so at start-up.
+    Why bfloat16 is safe on CPU: a cache hit must never change an output, and in bf16 rounding
+    depends on the order of every sum. The compiled attention kernel (csrc/paged_causal.cpp) sums
+    each row in an order of its own and the linear layers round a lone row as in a batch, so a
+    token's numbers do not depend on its batch, its chunking or a cache hit: greedy tokens with
+    caching on and off are identical on 100% of benchmarks/compare.py's requests (vLLM's CPU build:
+    64%), and that exactness costs 1-10% over the --no-batch-invariant path (the agent loop's lone
+    decodes pay most). bf16 runs the suite 1.25-1.6x faster than float32. Without the compiled kernel
+    bf16's exact attention is the much slower invariant_attention.py, so auto stays float32.
     """
     if name != "auto":
         return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if device.type == "cuda":
+        return torch.bfloat16
+    from ..model import kernels
+    from .runner import cpu_has_fast_bfloat16
+
+    return torch.bfloat16 if cpu_has_fast_bfloat16() and kernels.compiled is not None else torch.float32
 
 
 def measure_cuda_kv_budget(loaded, config: EngineConfig, device: torch.device, dtype: torch.dtype,

@@ -53,7 +53,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-waiting", type=int, metavar="N", default=256,
                         help="waiting requests past which new ones get HTTP 429")
     parser.add_argument("--dtype", default="auto", choices=DTYPES,
-                        help="weights and KV cache; auto is bfloat16 on CUDA and float32 on CPU (exact cache reuse)")
+                        help="weights and KV cache; auto is bfloat16 on CUDA and on CPUs with bf16 instructions "
+                             "(batch-invariant there: cache hits stay exact), else float32")
     parser.add_argument("--device", default="auto", choices=DEVICES, help="auto: cuda when available, else cpu")
     parser.add_argument("--block-size", type=int, metavar="N", default=16,
                         help="tokens per KV block, the unit of cache reuse")
