@@ -30,7 +30,8 @@ A sequence with nothing to share and no long run takes a single call and no merg
 That is the pure-PyTorch path. Where the compiled kernel is built (kernels.py, csrc/paged_causal.cpp)
 every row of the step goes to it in one call instead: it reads each row's keys in place through the
 block table (no gather, no merge; decodes sharing a cached prefix share each transposed key tile),
-and each row's sums run in an order of its own, so no dtype's outputs depend on the batch.
+and each row's sums run in an order of its own, so in either dtype a row's attention does not
+depend on the batch or the chunking (bf16's batch invariance also needs llama.Linear's one-row rule).
 """
 
 from __future__ import annotations
@@ -212,7 +213,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if causal is not None:
         # Compiled (csrc/paged_causal.cpp): every row of the step in one call, prefill chunks and
         # decodes alike, read in place through the block tables; each row's sums in an order of its
-        # own, so in every dtype a row's bits do not depend on the batch or the chunking.
+        # own, so in either dtype a row's attention bits do not depend on the batch or the chunking.
         return causal(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale)
     if plan is None:
         plan = plan_step(meta, k_cache)
