@@ -51,9 +51,9 @@ struct CausalScratch {
     std::vector<float> query_floats;    // or q * scale as floats
     std::vector<float> acc, running_max, running_sum, weights, key_t, values, zeros;
     CausalScratch(int64_t group, int64_t head_dim)
-        : query_pairs(ROWS * group * head_dim / 2), query_floats(ROWS * group * head_dim), acc(ROWS * group * head_dim), running_max(ROWS * group),
-          running_sum(ROWS * group), weights(ROWS * group * STEP), key_t(head_dim * STEP), values(STEP * head_dim),
-          zeros(head_dim, 0.f) {}
+        : query_pairs(ROWS * group * head_dim / 2), query_floats(ROWS * group * head_dim),
+          acc(ROWS * group * head_dim), running_max(ROWS * group), running_sum(ROWS * group),
+          weights(ROWS * group * STEP), key_t(head_dim * STEP), values(STEP * head_dim), zeros(head_dim, 0.f) {}
 };
 
 #if defined(__AVX512F__)
@@ -135,6 +135,7 @@ inline void score_block(const QueryElement<PAIRS>* query, int64_t elements, cons
             }
         }
     }
+    static_assert(CHAINS == 4, "the fixed tree below adds four running sums");
     for (int v = 0; v < NV; ++v) {
         const __m512 total = _mm512_add_ps(_mm512_add_ps(sum[v][0], sum[v][1]), _mm512_add_ps(sum[v][2], sum[v][3]));
         scores[v] = PAIRS ? _mm512_mul_ps(total, _mm512_set1_ps(scale)) : total;
@@ -142,8 +143,8 @@ inline void score_block(const QueryElement<PAIRS>* query, int64_t elements, cons
 }
 
 template <bool PAIRS>
-inline void score_vectors(int64_t count, const QueryElement<PAIRS>* query, int64_t elements, const float* key_t, float scale,
-                          __m512* scores) {
+inline void score_vectors(int64_t count, const QueryElement<PAIRS>* query, int64_t elements, const float* key_t,
+                          float scale, __m512* scores) {
     switch (count) {
         case 6: score_block<6, PAIRS>(query, elements, key_t, scale, scores); break;
         case 5: score_block<5, PAIRS>(query, elements, key_t, scale, scores); break;
@@ -158,7 +159,7 @@ inline void score_vectors(int64_t count, const QueryElement<PAIRS>* query, int64
 // the live lanes update the running max and sum, the sums so far are rescaled when the max grows,
 // and the step's weights (0 in dead lanes) go to `weights` for the value sums.
 inline void softmax_step(__m512 low, __m512 high, __mmask16 live_low, __mmask16 live_high, float& running_max,
-                          float& running_sum, float* acc, int64_t head_dim, float* weights) {
+                         float& running_sum, float* acc, int64_t head_dim, float* weights) {
     const __m512 none = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     low = _mm512_mask_mov_ps(none, live_low, low);
     high = _mm512_mask_mov_ps(none, live_high, high);
