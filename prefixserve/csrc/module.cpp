@@ -34,13 +34,12 @@ void check_inputs(const torch::Tensor& q, const torch::Tensor& k_cache, const to
     TORCH_CHECK(k_cache.size(1) > 0 && (k_cache.size(1) & (k_cache.size(1) - 1)) == 0, "block_size must be a power of two");
 }
 
-// Every block holding positions [first, last) of sequence i must exist.
-void check_blocks(const torch::Tensor& tables, int64_t i, int64_t first, int64_t last, int64_t block_size,
-                  int64_t num_blocks) {
-    TORCH_CHECK(first >= 0 && first <= last && (last == 0 || (last - 1) / block_size < tables.size(1)),
-                "key range [first, last) outside the block table");
+// Every block holding positions [0, seq_len) of sequence i must exist.
+void check_blocks(const torch::Tensor& tables, int64_t i, int64_t seq_len, int64_t block_size, int64_t num_blocks) {
+    TORCH_CHECK(seq_len == 0 || (seq_len - 1) / block_size < tables.size(1),
+                "key range [0, seq_len) outside the block table");
     const int64_t* table = tables.data_ptr<int64_t>() + i * tables.stride(0);
-    for (int64_t b = first / block_size; b * block_size < last; ++b) {
+    for (int64_t b = 0; b * block_size < seq_len; ++b) {
         TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "block id out of range");
     }
 }
@@ -70,7 +69,7 @@ torch::Tensor paged_causal(const torch::Tensor& q, const torch::Tensor& k_cache,
     for (int64_t i = 0; i < num_seqs; ++i) {
         const int64_t query_len = start[i + 1] - start[i];
         TORCH_CHECK(query_len >= 0 && lens[i] >= query_len, "each sequence needs 0 <= query_len <= seq_len");
-        check_blocks(tables, i, 0, lens[i], block_size, k_cache.size(0));
+        check_blocks(tables, i, lens[i], block_size, k_cache.size(0));
     }
     auto out = torch::empty({q.size(0), num_heads, head_dim}, q.options());
     AT_DISPATCH_SWITCH(q.scalar_type(), "paged_causal",

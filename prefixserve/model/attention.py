@@ -66,7 +66,7 @@ class AttentionMetadata:
     block_table_lists: list[list[int]]  # the unpadded lists given to build: sharing and runs are found here
     positions: Optional[torch.Tensor] = None  # int64 [num_tokens]: position of each row (for rotary)
     first_slot: Optional[int] = None    # set when the slot mapping is first_slot, first_slot + 1, ...
-    batch_invariant: bool = True  # bf16 on CPU: the batch-invariant path (False: the faster one whose rounding varies)
+    batch_invariant: bool = True  # bf16, pure-PyTorch path: invariant_attention.py (False: faster, rounding varies)
 
     def __post_init__(self) -> None:
         num_seqs = len(self.query_lens)

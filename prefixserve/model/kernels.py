@@ -1,6 +1,6 @@
-"""prefixserve's compiled CPU kernels (prefixserve/csrc/, built by `pip install -e .`), or None.
+"""prefixserve's compiled CPU kernel (prefixserve/csrc/, built by `pip install -e .`), or None.
 
-Each kernel has a pure-PyTorch reference path that stays the fallback and the test oracle:
+It has pure-PyTorch reference paths that stay the fallback and the test oracle:
 
     paged_causal   every row of a step (prefill chunks and decodes),       reference: attention.py's plan
                    read in place from the paged cache; a row at p reads    path (float32) and
@@ -8,7 +8,7 @@ Each kernel has a pure-PyTorch reference path that stays the fallback and the te
                    else is in the batch
 
 Where the extension was not built (no compiler at install time) a warning is logged once and
-the reference paths run. PREFIXSERVE_KERNELS=0 turns the kernels off (to compare the paths).
+the reference paths run. PREFIXSERVE_KERNELS=0 turns the kernel off (to compare the paths).
 """
 
 from __future__ import annotations
@@ -44,4 +44,3 @@ def _usable(k_cache: torch.Tensor) -> bool:
 def causal_kernel_for(k_cache: torch.Tensor):
     """The compiled paged_causal for this cache, or None."""
     return compiled.paged_causal if _usable(k_cache) else None
-

@@ -69,8 +69,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "loading the model x 0.9)")
     parser.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching (a baseline)")
     parser.add_argument("--no-batch-invariant", action="store_true",
-                        help="bfloat16 on CPU: take the faster attention whose outputs depend on batching and cache "
-                             "hits, instead of the batch-invariant one (a cache hit never changes an output)")
+                        help="bfloat16 on CPU: let outputs depend on batching and cache hits for speed (a lone "
+                             "decode's matmul up to 10%% faster; without the compiled kernel, the faster attention)")
     parser.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES,
                         help="fcfs: arrival order; lpm: longest cached prefix first, within a window")
     parser.add_argument("--prefix-ttl", type=float, metavar="SECONDS", default=None,
