@@ -15,8 +15,8 @@ setup(
     ext_modules=[
         CppExtension(
             "prefixserve._C",
-            ["prefixserve/csrc/module.cpp", "prefixserve/csrc/paged_causal.cpp"],
-            depends=["prefixserve/csrc/attention_tiles.h", "prefixserve/csrc/kernels.h"],
+            ["prefixserve/csrc/module.cpp", "prefixserve/csrc/paged_causal.cpp", "prefixserve/csrc/rowwise.cpp"],
+            depends=["prefixserve/csrc/attention_tiles.h", "prefixserve/csrc/kernels.h", "prefixserve/csrc/rowwise.h"],
             extra_compile_args=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
             extra_link_args=["-fopenmp"],
             optional=True,

@@ -1,15 +1,19 @@
-// prefixserve._C: the compiled CPU attention kernels, read in place from the paged KV cache (no gather).
+// prefixserve._C: the compiled CPU kernels.
 //
 //   paged_causal   every row of a step (prefill chunks and decodes), a row at position p over keys
-//                  [0, p + 1), each row's bits its own whatever else is in the call.
-//                  Kernel: paged_causal.cpp. Reference: attention.py's plan path (float32) and
-//                  invariant_attention.py (bf16).
+//                  [0, p + 1), read in place from the paged KV cache, each row's bits its own whatever
+//                  else is in the call. Kernel: paged_causal.cpp. Reference: attention.py's plan path
+//                  (float32) and invariant_attention.py (bf16).
+//   rms_norm, add_rms_norm_, rotate_heads_, silu_mul
+//                  the decoder layer's row-wise float32 work, one pass each (AVX-512 builds only).
+//                  Kernels: rowwise.cpp. Reference: llama.py's RMSNorm, rotate and MLP.
 //
 // This file checks what a caller hands in (shapes, dtypes, every block id of every range read: a bad
 // table is an error, never a stray read) and dispatches on the dtype.
 #include <torch/extension.h>
 
 #include "kernels.h"
+#include "rowwise.h"
 
 namespace {
 
@@ -85,9 +89,73 @@ torch::Tensor paged_causal(const torch::Tensor& q, const torch::Tensor& k_cache,
     return out;
 }
 
+#if defined(__AVX512F__)
+void check_rows(const torch::Tensor& x, const char* name) {
+    TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
+                name, " must be a contiguous float32 CPU tensor [rows, width]");
+    TORCH_CHECK(x.size(1) % 16 == 0, name, "'s width must be a multiple of 16");
+}
+
+void check_weight(const torch::Tensor& weight, const torch::Tensor& x) {
+    TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == torch::kFloat32 && weight.dim() == 1 &&
+                    weight.is_contiguous() && weight.size(0) == x.size(1),
+                "weight must be a contiguous float32 CPU tensor of x's width");
+}
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+    check_rows(x, "x");
+    check_weight(weight, x);
+    auto out = torch::empty_like(x);
+    prefixserve::rms_norm_rows(x.data_ptr<float>(), x.size(0), x.size(1), weight.data_ptr<float>(),
+                               static_cast<float>(eps), out.data_ptr<float>());
+    return out;
+}
+
+torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& delta, const torch::Tensor& weight, double eps) {
+    check_rows(x, "x");
+    check_rows(delta, "delta");
+    TORCH_CHECK(delta.sizes() == x.sizes(), "delta must have x's shape");
+    check_weight(weight, x);
+    auto out = torch::empty_like(x);
+    prefixserve::add_rms_norm_rows(x.data_ptr<float>(), delta.data_ptr<float>(), x.size(0), x.size(1),
+                                   weight.data_ptr<float>(), static_cast<float>(eps), out.data_ptr<float>());
+    return out;
+}
+
+void rotate_heads_(torch::Tensor& x, int64_t heads, int64_t head_dim, const torch::Tensor& cos,
+                   const torch::Tensor& sin) {
+    TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1,
+                "x must be a float32 CPU tensor [rows, columns] with contiguous columns");
+    TORCH_CHECK(heads >= 0 && head_dim > 0 && head_dim % 32 == 0 && heads * head_dim <= x.size(1),
+                "the rotated heads must fit in x's columns, head_dim a multiple of 32");
+    for (const torch::Tensor* table : {&cos, &sin}) {
+        TORCH_CHECK(table->device().is_cpu() && table->scalar_type() == torch::kFloat32 && table->is_contiguous() &&
+                        table->numel() == x.size(0) * (head_dim / 2),
+                    "cos and sin must be contiguous float32 with head_dim / 2 values per row of x");
+    }
+    prefixserve::rotate_heads_rows(x.data_ptr<float>(), x.size(0), x.stride(0), heads, head_dim,
+                                   cos.data_ptr<float>(), sin.data_ptr<float>());
+}
+
+torch::Tensor silu_mul(const torch::Tensor& gate_up) {
+    check_rows(gate_up, "gate_up");
+    TORCH_CHECK(gate_up.size(1) % 32 == 0, "gate_up's width must be twice a multiple of 16");
+    const int64_t width = gate_up.size(1) / 2;
+    auto out = torch::empty({gate_up.size(0), width}, gate_up.options());
+    prefixserve::silu_mul_rows(gate_up.data_ptr<float>(), gate_up.size(0), width, out.data_ptr<float>());
+    return out;
+}
+#endif
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "prefixserve's compiled CPU kernels (the pure-PyTorch paths in prefixserve.model are their reference)";
     m.def("paged_causal", &paged_causal, "causal attention of every row of a step, each row alike in any batch");
+#if defined(__AVX512F__)
+    m.def("rms_norm", &rms_norm, "RMSNorm of each row of float32 x [rows, width], times weight");
+    m.def("add_rms_norm_", &add_rms_norm_, "x += delta in place, then RMSNorm(x) * weight");
+    m.def("rotate_heads_", &rotate_heads_, "rotate the first heads of each row of x in place (rotate-half)");
+    m.def("silu_mul", &silu_mul, "silu(gate) * up of gate_up [rows, 2 width]");
+#endif
 }

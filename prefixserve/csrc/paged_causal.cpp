@@ -7,16 +7,17 @@
 // each step two tiles of 16:
 //
 //   key tile, transposed in registers     key_t[c] lane k = element c of key k (a bf16 pair, or a float)
-//   a vector's 16 scores per tile         sum over c of q[c] * key_t[c], in CHAINS running sums
-//                                         (c mod CHAINS), added in a fixed tree: one register
+//   a vector's 16 scores per tile         sum over c of q[c] * key_t[c]: bf16 pairs in CHAINS running
+//                                         sums (c mod CHAINS) added in a fixed tree; floats in one
+//                                         running sum, c in turn. One register either way
 //   online softmax step over 32 scores    running max and sum, float32
 //   values                                acc += w[k] * value[k] for k = 0 .. 31 in turn, float32
 //
 // Each vector's sums are the same operations in the same order whatever other rows share its item:
 // a decode (1 row), a prefill chunk, wherever the chunk starts. A row's bits are its own, so a
 // cache hit, a different batch or another chunking gives the same tokens (tests/test_model_kernels.py).
-// Vectors are computed in blocks (SCORE_BLOCK, VALUE_BLOCK) only so that one load of a key or value
-// register serves several of them; blocking changes no vector's order of operations.
+// Vectors are computed in blocks (PAIR_BLOCK, FLOAT_BLOCK, VALUE_BLOCK) only so that one load of a
+// key or value register serves several of them; blocking changes no vector's order of operations.
 #include "attention_tiles.h"
 #include "kernels.h"
 
@@ -57,8 +58,10 @@ struct CausalScratch {
 };
 
 #if defined(__AVX512F__)
-constexpr int CHAINS = 4;        // running sums per score: enough independent chains for one decode row
-constexpr int SCORE_BLOCK = 6;   // vectors scored together: SCORE_BLOCK x CHAINS accumulators
+constexpr int CHAINS = 4;        // bf16: running sums per score, enough independent chains for one decode row
+constexpr int PAIR_BLOCK = 6;    // bf16 vectors scored together, a tile at a time: 6 x CHAINS accumulators
+constexpr int FLOAT_BLOCK = 8;   // float32 vectors scored together against both tiles: 8 x 2 accumulators
+constexpr int SCORE_BLOCK = std::max(PAIR_BLOCK, FLOAT_BLOCK);
 constexpr int VALUE_BLOCK = 6;   // vectors whose values are summed together: 6 x 4 registers of 16 dims
 constexpr int VALUE_WIDTH = 4;   // registers of 16 dims a value pass holds per vector
 
@@ -112,46 +115,77 @@ inline void load_key_tile(const T* const* key_of, int64_t n, int64_t elements, f
 template <bool PAIRS>
 using QueryElement = std::conditional_t<PAIRS, uint32_t, float>;
 
-// Scores of NV vectors (queries [NV][elements]) against the key tile.
-template <int NV, bool PAIRS>
-inline void score_block(const QueryElement<PAIRS>* query, int64_t elements, const float* key_t, float scale,
-                        __m512* scores) {
+// Calls body(std::integral_constant<int, n>) for count = n in 1 .. N: blocks of every size compile
+// with their accumulators in registers.
+template <int N, typename Body>
+inline void with_block(int64_t count, Body&& body) {
+    if constexpr (N > 1) {
+        if (count < N) return with_block<N - 1>(count, body);
+    }
+    body(std::integral_constant<int, N>{});
+}
+
+// bf16 scores of NV vectors (pairs [NV][elements]) against one key tile, times scale.
+template <int NV>
+inline void score_pairs(const uint32_t* query, int64_t elements, const float* key_t, float scale, __m512* scores) {
+#if defined(__AVX512BF16__)
     __m512 sum[NV][CHAINS];
     for (int v = 0; v < NV; ++v) {
         for (int ch = 0; ch < CHAINS; ++ch) sum[v][ch] = _mm512_setzero_ps();
     }
     for (int64_t c = 0; c < elements; c += CHAINS) {
         for (int ch = 0; ch < CHAINS; ++ch) {
-            const __m512 k = _mm512_loadu_ps(key_t + (c + ch) * 16);
+            const __m512bh k = (__m512bh)_mm512_castps_si512(_mm512_loadu_ps(key_t + (c + ch) * 16));
             for (int v = 0; v < NV; ++v) {
-                if constexpr (PAIRS) {
-#if defined(__AVX512BF16__)
-                    const __m512i q = _mm512_set1_epi32(static_cast<int>(query[v * elements + c + ch]));
-                    sum[v][ch] = _mm512_dpbf16_ps(sum[v][ch], (__m512bh)q, (__m512bh)_mm512_castps_si512(k));
-#endif
-                } else {
-                    sum[v][ch] = _mm512_fmadd_ps(_mm512_set1_ps(query[v * elements + c + ch]), k, sum[v][ch]);
-                }
+                const __m512i q = _mm512_set1_epi32(static_cast<int>(query[v * elements + c + ch]));
+                sum[v][ch] = _mm512_dpbf16_ps(sum[v][ch], (__m512bh)q, k);
             }
         }
     }
     static_assert(CHAINS == 4, "the fixed tree below adds four running sums");
     for (int v = 0; v < NV; ++v) {
         const __m512 total = _mm512_add_ps(_mm512_add_ps(sum[v][0], sum[v][1]), _mm512_add_ps(sum[v][2], sum[v][3]));
-        scores[v] = PAIRS ? _mm512_mul_ps(total, _mm512_set1_ps(scale)) : total;
+        scores[v] = _mm512_mul_ps(total, _mm512_set1_ps(scale));
+    }
+#endif
+}
+
+// float32 scores of NV vectors (q * scale, [NV][elements]) against both tiles of the step, one running
+// sum each: per element, two key registers serve 2 NV multiply-adds, and 2 NV independent sums keep
+// the multiply-add units busy (a block of four vectors' sums measured 1.5x slower: latency-bound).
+// Not inlined: inlined into attend_rows it measured 6-8% slower over the whole prefill (registers).
+template <int NV>
+__attribute__((noinline)) void score_floats(const float* query, int64_t elements, const float* key_t, __m512* low, __m512* high) {
+    __m512 a[NV], b[NV];
+    for (int v = 0; v < NV; ++v) a[v] = b[v] = _mm512_setzero_ps();
+    const float* key_high = key_t + elements * TILE;
+    for (int64_t c = 0; c < elements; ++c) {
+        const __m512 k_low = _mm512_loadu_ps(key_t + c * 16), k_high = _mm512_loadu_ps(key_high + c * 16);
+        for (int v = 0; v < NV; ++v) {
+            const __m512 q = _mm512_set1_ps(query[v * elements + c]);
+            a[v] = _mm512_fmadd_ps(q, k_low, a[v]);
+            b[v] = _mm512_fmadd_ps(q, k_high, b[v]);
+        }
+    }
+    for (int v = 0; v < NV; ++v) {
+        low[v] = a[v];
+        high[v] = b[v];
     }
 }
 
+// A block of `count` vectors' scores for the step: keys 0-15 in low, 16-31 in high (zeros past the
+// step's keys, masked out by the caller).
 template <bool PAIRS>
-inline void score_vectors(int64_t count, const QueryElement<PAIRS>* query, int64_t elements, const float* key_t,
-                          float scale, __m512* scores) {
-    switch (count) {
-        case 6: score_block<6, PAIRS>(query, elements, key_t, scale, scores); break;
-        case 5: score_block<5, PAIRS>(query, elements, key_t, scale, scores); break;
-        case 4: score_block<4, PAIRS>(query, elements, key_t, scale, scores); break;
-        case 3: score_block<3, PAIRS>(query, elements, key_t, scale, scores); break;
-        case 2: score_block<2, PAIRS>(query, elements, key_t, scale, scores); break;
-        default: score_block<1, PAIRS>(query, elements, key_t, scale, scores); break;
+inline void score_step(int64_t count, const QueryElement<PAIRS>* query, int64_t elements, const float* key_t,
+                       bool two_tiles, float scale, __m512* low, __m512* high) {
+    if constexpr (PAIRS) {
+        with_block<PAIR_BLOCK>(count, [&](auto nv) {
+            score_pairs<decltype(nv)::value>(query, elements, key_t, scale, low);
+            if (two_tiles) score_pairs<decltype(nv)::value>(query, elements, key_t + elements * TILE, scale, high);
+        });
+        if (!two_tiles) std::fill(high, high + count, _mm512_setzero_ps());
+    } else {
+        with_block<FLOAT_BLOCK>(count, [&](auto nv) { score_floats<decltype(nv)::value>(query, elements, key_t, low, high); });
     }
 }
 
@@ -299,18 +333,17 @@ void attend_rows(const Row* rows, int64_t count, int64_t shift, const PagedKV<T>
             }
             load_key_tile<T, PAIRS>(key_of, std::min(TILE, in_step), elements, key_t);
             const bool two_tiles = in_step > TILE;
-            if (two_tiles) load_key_tile<T, PAIRS>(key_of + TILE, in_step - TILE, elements, key_t + elements * TILE);
+            if (two_tiles || !PAIRS) {  // float32 scores both tiles at once: zeros where the step has no keys
+                load_key_tile<T, PAIRS>(key_of + TILE, std::max<int64_t>(0, in_step - TILE), elements,
+                                        key_t + elements * TILE);
+            }
             const int64_t run_vectors = run_end * group;
-            for (int64_t v0 = run * group; v0 < run_vectors; v0 += SCORE_BLOCK) {
-                const int64_t block = std::min<int64_t>(SCORE_BLOCK, run_vectors - v0);
+            constexpr int64_t block_size = PAIRS ? PAIR_BLOCK : FLOAT_BLOCK;
+            for (int64_t v0 = run * group; v0 < run_vectors; v0 += block_size) {
+                const int64_t block = std::min<int64_t>(block_size, run_vectors - v0);
                 __m512 low[SCORE_BLOCK], high[SCORE_BLOCK];
-                const QueryElement<PAIRS>* query = queries_in<PAIRS>(s) + v0 * elements;
-                score_vectors<PAIRS>(block, query, elements, key_t, scale, low);
-                if (two_tiles) {
-                    score_vectors<PAIRS>(block, query, elements, key_t + elements * TILE, scale, high);
-                } else {
-                    for (int64_t v = 0; v < block; ++v) high[v] = _mm512_setzero_ps();  // masked out below
-                }
+                score_step<PAIRS>(block, queries_in<PAIRS>(s) + v0 * elements, elements, key_t, two_tiles, scale, low,
+                                  high);
                 for (int64_t v = v0; v < v0 + block; ++v) {
                     const int64_t n = std::min(STEP, rows[v / group].position + 1 - start);  // keys of the step it sees
                     const __mmask16 live_low = static_cast<__mmask16>(n >= TILE ? 0xFFFFu : (1u << n) - 1u);
@@ -322,14 +355,9 @@ void attend_rows(const Row* rows, int64_t count, int64_t shift, const PagedKV<T>
             for (int64_t v0 = run * group; v0 < run_vectors; v0 += VALUE_BLOCK) {
                 float* acc = s.acc.data() + v0 * head_dim;
                 const float* weights = s.weights.data() + v0 * STEP;
-                switch (std::min<int64_t>(VALUE_BLOCK, run_vectors - v0)) {
-                    case 6: value_columns<6>(acc, head_dim, weights, value_rows); break;
-                    case 5: value_columns<5>(acc, head_dim, weights, value_rows); break;
-                    case 4: value_columns<4>(acc, head_dim, weights, value_rows); break;
-                    case 3: value_columns<3>(acc, head_dim, weights, value_rows); break;
-                    case 2: value_columns<2>(acc, head_dim, weights, value_rows); break;
-                    default: value_columns<1>(acc, head_dim, weights, value_rows); break;
-                }
+                with_block<VALUE_BLOCK>(std::min<int64_t>(VALUE_BLOCK, run_vectors - v0), [&](auto nv) {
+                    value_columns<decltype(nv)::value>(acc, head_dim, weights, value_rows);
+                });
             }
         }
     }

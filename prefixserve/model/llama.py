@@ -5,7 +5,10 @@ Reads like the reference (transformers' modeling_llama) with four serving change
   * q/k/v and gate/up are fused into one matmul each (load_weights maps the HF names),
   * attention writes K/V into the paged cache and reads the context back from it,
   * on CPU, `pack_linear_weights` lays the weights out once in oneDNN's blocked format: a plain
-    matmul re-packs its weight on every call, which dominates at decode batch sizes (about 2x).
+    matmul re-packs its weight on every call, which dominates at decode batch sizes (about 2x),
+  * on CPU in float32, RMSNorm (with the residual add before it), rotary and SiLU * up run as
+    compiled kernels, one pass over memory each (kernels.rowwise_for); the PyTorch ops here are
+    their reference and the fallback.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from torch import nn
 
 from .attention import AttentionMetadata, paged_attention, plan_step, write_kv
 from .attention_plan import StepPlan
+from .kernels import rowwise_for
 from .model_config import ModelConfig
 from .rope import RotaryEmbedding
 
@@ -62,6 +66,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        compiled = self._kernel_for(x)
+        if compiled is not None:
+            return compiled.rms_norm(x, self.weight, self.eps)
         # Normalise in float32 and round to x's dtype before the weight, as the reference does,
         # with as few passes over x as possible (these tensors are [tokens, hidden]).
         if x.dtype == torch.float32:
@@ -73,6 +80,18 @@ class RMSNorm(nn.Module):
         mean_square = torch.linalg.vector_norm(x32, dim=-1, keepdim=True).square_()
         x32.mul_(mean_square.div_(x.shape[-1]).add_(self.eps).rsqrt_())
         return x32.to(x.dtype).mul_(self.weight)
+
+    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """x += delta in place (the residual stream), then this norm of x."""
+        compiled = self._kernel_for(x)
+        if compiled is not None and delta.is_contiguous() and delta.dtype == x.dtype:
+            return compiled.add_rms_norm_(x, delta, self.weight, self.eps)
+        return self(x.add_(delta))
+
+    def _kernel_for(self, x: torch.Tensor):
+        if x.dim() != 2 or x.shape[-1] % 16 or self.weight.dtype != torch.float32:
+            return None
+        return rowwise_for(x)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -104,8 +123,14 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         # q and k heads are adjacent columns: rotate them in one pass (half the elementwise ops).
         qk_size = self.q_size + self.kv_size
-        qk = qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-        q, k = rotate(qk, *rotary).split([self.num_heads, self.num_kv_heads], dim=1)
+        compiled = rowwise_for(qkv) if self.head_dim % 32 == 0 else None
+        if compiled is not None:  # in place, in qkv's own memory
+            compiled.rotate_heads_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, *rotary)
+            q = qkv[:, :self.q_size].view(num_tokens, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size:qk_size].view(num_tokens, self.num_kv_heads, self.head_dim)
+        else:
+            qk = qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+            q, k = rotate(qk, *rotary).split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.first_slot)
@@ -121,7 +146,11 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        compiled = rowwise_for(gate_up) if self.intermediate_size % 16 == 0 else None
+        if compiled is not None:
+            return self.down_proj(compiled.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         # silu writes a contiguous [T, I] that mul_ reuses: the matmul then needs no copy of a view.
         return self.down_proj(F.silu(gate).mul_(up))
 
@@ -136,8 +165,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rotary: Rotary, kv_cache: KVCache,
                 meta: AttentionMetadata, plan: StepPlan) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rotary, kv_cache, meta, plan)
-        return x.add_(self.mlp(self.post_attention_layernorm(x)))
+        # x is this step's residual stream (the embedding's output, then each layer's): updated in place.
+        attended = self.self_attn(self.input_layernorm(x), rotary, kv_cache, meta, plan)
+        return x.add_(self.mlp(self.post_attention_layernorm.add_and_norm(x, attended)))
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,0 +1,107 @@
+// The decoder layer's row-wise float32 work in one pass each, where PyTorch takes several (a pass
+// is a trip over [tokens, hidden] through memory): RMSNorm (and the residual add before it),
+// rotary embedding of q and k in place, SiLU(gate) * up.
+//
+// Each output element is computed from its own row only, in an order fixed by the row, so a token's
+// bits are the same in any batch. Against the PyTorch reference (llama.py): rotary and the residual
+// add round exactly as it does; RMSNorm's sum of squares runs in another order (16 running sums and
+// a fixed tree) and SiLU uses exp16, so those agree to float32 rounding (a few ulp), not bit for bit.
+#include "rowwise.h"
+
+#include "attention_tiles.h"
+
+#include <ATen/Parallel.h>
+
+namespace prefixserve {
+
+#if defined(__AVX512F__)
+namespace {
+
+// Rows per task: enough work that a thread's start-up is paid back, and one task for a decode step.
+int64_t grain_rows(int64_t width) { return std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(width, 1)); }
+
+// The sum of x[j]^2 over a row of `width` floats (a multiple of 16): 16 running sums, a fixed tree.
+inline float sum_of_squares(const float* x, int64_t width) {
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < width; j += 16) {
+        const __m512 v = _mm512_loadu_ps(x + j);
+        sum = _mm512_add_ps(sum, _mm512_mul_ps(v, v));
+    }
+    return tree16(sum);
+}
+
+// out = x * (1 / sqrt(mean(x^2) + eps)) * weight, with each product rounded as the reference rounds it.
+inline void normalise_row(const float* x, const float* weight, int64_t width, float eps, float* out) {
+    const float scale = 1.f / std::sqrt(sum_of_squares(x, width) / static_cast<float>(width) + eps);
+    const __m512 s = _mm512_set1_ps(scale);
+    for (int64_t j = 0; j < width; j += 16) {
+        const __m512 normed = _mm512_mul_ps(_mm512_loadu_ps(x + j), s);
+        _mm512_storeu_ps(out + j, _mm512_mul_ps(normed, _mm512_loadu_ps(weight + j)));
+    }
+}
+
+}  // namespace
+
+void rms_norm_rows(const float* x, int64_t rows, int64_t width, const float* weight, float eps, float* out) {
+    at::parallel_for(0, rows, grain_rows(width), [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) normalise_row(x + r * width, weight, width, eps, out + r * width);
+    });
+}
+
+void add_rms_norm_rows(float* x, const float* delta, int64_t rows, int64_t width, const float* weight, float eps,
+                       float* out) {
+    at::parallel_for(0, rows, grain_rows(width), [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+            float* row = x + r * width;
+            const float* d = delta + r * width;
+            for (int64_t j = 0; j < width; j += 16) {
+                _mm512_storeu_ps(row + j, _mm512_add_ps(_mm512_loadu_ps(row + j), _mm512_loadu_ps(d + j)));
+            }
+            normalise_row(row, weight, width, eps, out + r * width);
+        }
+    });
+}
+
+void rotate_heads_rows(float* x, int64_t rows, int64_t row_stride, int64_t heads, int64_t head_dim, const float* cos,
+                       const float* sin) {
+    const int64_t half = head_dim / 2;
+    at::parallel_for(0, rows, grain_rows(heads * head_dim), [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+            const float* c = cos + r * half;
+            const float* s = sin + r * half;
+            for (int64_t h = 0; h < heads; ++h) {
+                float* x1 = x + r * row_stride + h * head_dim;
+                float* x2 = x1 + half;
+                for (int64_t j = 0; j < half; j += 16) {
+                    const __m512 a = _mm512_loadu_ps(x1 + j), b = _mm512_loadu_ps(x2 + j);
+                    const __m512 cj = _mm512_loadu_ps(c + j), sj = _mm512_loadu_ps(s + j);
+                    // x1 cos - x2 sin and x2 cos + x1 sin rounded as llama.py's rotate rounds them (a
+                    // product, then PyTorch's addcmul_: one fused multiply-add).
+                    _mm512_storeu_ps(x1 + j, _mm512_fnmadd_ps(b, sj, _mm512_mul_ps(a, cj)));
+                    _mm512_storeu_ps(x2 + j, _mm512_fmadd_ps(a, sj, _mm512_mul_ps(b, cj)));
+                }
+            }
+        }
+    });
+}
+
+void silu_mul_rows(const float* gate_up, int64_t rows, int64_t width, float* out) {
+    const __m512 one = _mm512_set1_ps(1.f);
+    at::parallel_for(0, rows, grain_rows(2 * width), [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+            const float* gate = gate_up + r * 2 * width;
+            const float* up = gate + width;
+            float* o = out + r * width;
+            for (int64_t j = 0; j < width; j += 16) {
+                const __m512 g = _mm512_loadu_ps(gate + j);
+                // silu(g) = g / (1 + e^-g); e^-g overflows to inf for g < -88, giving -0 as it should.
+                const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+                _mm512_storeu_ps(o + j, _mm512_mul_ps(silu, _mm512_loadu_ps(up + j)));
+            }
+        }
+    });
+}
+
+#endif
+
+}  // namespace prefixserve
