@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Optional
 
 import torch
 from safetensors.torch import save_file
@@ -124,16 +125,17 @@ class PagedSequences:
 
     @torch.inference_mode()
     def step(self, chunks: list[list[int]], contexts_before: list[int],
-             tables: list[list[int]]) -> torch.Tensor:
+             tables: list[list[int]], output_rows: Optional[list[int]] = None) -> torch.Tensor:
         """Run one step; chunk i continues a sequence that already has contexts_before[i] tokens
-        cached. Returns float32 logits for every input token, flat [sum(len(chunk)), vocab]."""
+        cached. Returns float32 logits for every input token, flat [sum(len(chunk)), vocab], or
+        for `output_rows` only (the model's last layer then computes those rows alone)."""
         query_lens = [len(chunk) for chunk in chunks]
         seq_lens = [before + query_len for before, query_len in zip(contexts_before, query_lens)]
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size)
         input_ids = torch.tensor([token for chunk in chunks for token in chunk])
         positions = torch.tensor([p for before, n in zip(contexts_before, query_lens)
                                   for p in range(before, before + n)])
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, output_rows=output_rows)
         return self.model.compute_logits(hidden)
 
 

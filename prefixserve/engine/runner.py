@@ -126,16 +126,19 @@ class ModelRunner:
                 sampled_requests.append(request)
         meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size, self.device)
         meta.batch_invariant = self.batch_invariant
+        # Only the sampled rows' outputs are used: the last layer computes those alone (every row's
+        # K/V is still written). A step of decodes samples every row.
+        every_row = len(sample_rows) == len(input_ids)
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.int64, device=self.device),
             meta.positions,
             self.kv_caches,
             meta,
+            output_rows=None if every_row else sample_rows,
         )
         if not sample_rows:
             return StepResult([None] * len(scheduled), [None] * len(scheduled))
-        rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        logits = self.model.compute_logits(hidden)
         sampled = self.sampler.sample(
             logits,
             [request.sampling_params for request in sampled_requests],

@@ -36,6 +36,7 @@ depend on the batch or the chunking (bf16's batch invariance also needs llama.Li
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Optional
@@ -123,6 +124,34 @@ class AttentionMetadata:
             positions=positions.to(device),
             first_slot=first_slot,
         )
+
+
+@dataclass
+class OutputRows:
+    """The rows of a step whose outputs are used (those sampled). The model's last layer attends
+    and runs its MLP for these rows only: no later layer reads the others, and every row's K/V is
+    written before attention in any case (llama.LlamaForCausalLM.forward)."""
+
+    index: torch.Tensor                  # int64 [R]: the rows, in the order their outputs come back
+    meta: Optional[AttentionMetadata]    # each row as a one-row query at its own position (None: R = 0)
+
+    @classmethod
+    def of(cls, meta: AttentionMetadata, rows: list[int], block_size: int,
+           device: torch.device | str = "cpu") -> "OutputRows":
+        starts = list(accumulate(meta.query_lens, initial=0))
+        positions, tables = [], []
+        for row in rows:
+            if not 0 <= row < starts[-1]:
+                raise ValueError(f"output row {row} is not a row of this step ({starts[-1]} rows)")
+            sequence = bisect_right(starts, row) - 1
+            # Row r of sequence i sits at position (seq_len_i - query_len_i) + (r - start_i).
+            positions.append(meta.seq_lens_list[sequence] - meta.query_lens[sequence] + row - starts[sequence])
+            tables.append(meta.block_table_lists[sequence])
+        one_row = None
+        if rows:
+            one_row = AttentionMetadata.build([1] * len(rows), [p + 1 for p in positions], tables, block_size, device)
+            one_row.batch_invariant = meta.batch_invariant
+        return cls(index=torch.tensor(rows, dtype=torch.int64, device=device), meta=one_row)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, is_causal: bool = False,

@@ -6,6 +6,8 @@ Reads like the reference (transformers' modeling_llama) with four serving change
   * attention writes K/V into the paged cache and reads the context back from it,
   * on CPU, `pack_linear_weights` lays the weights out once in oneDNN's blocked format: a plain
     matmul re-packs its weight on every call, which dominates at decode batch sizes (about 2x),
+  * the last layer attends and runs its MLP only for the rows whose outputs are used (`output_rows`:
+    the sampled ones); every row's K/V is still written,
   * on CPU in float32, RMSNorm (with the residual add before it), rotary and SiLU * up run as
     compiled kernels, one pass over memory each (kernels.rowwise_for); the PyTorch ops here are
     their reference and the fallback.
@@ -20,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import AttentionMetadata, paged_attention, plan_step, write_kv
+from .attention import AttentionMetadata, OutputRows, paged_attention, plan_step, write_kv
 from .attention_plan import StepPlan
 from .kernels import rowwise_for
 from .model_config import ModelConfig
@@ -117,8 +119,9 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
 
-    def forward(self, x: torch.Tensor, rotary: Rotary, kv_cache: KVCache,
-                meta: AttentionMetadata, plan: StepPlan) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary: Rotary, kv_cache: KVCache, meta: AttentionMetadata,
+                plan: StepPlan, output_rows: Optional[OutputRows] = None) -> torch.Tensor:
+        """[T, hidden]; with `output_rows`, only those rows' [R, hidden] (every row's K/V is written)."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         # q and k heads are adjacent columns: rotate them in one pass (half the elementwise ops).
@@ -134,6 +137,14 @@ class Attention(nn.Module):
         v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.first_slot)
+        if output_rows is not None:
+            if output_rows.meta is None:  # nothing is sampled: this layer's K/V were all that was needed
+                return x.new_empty((0, x.shape[1]))
+            # Each kept row alone at its position reads the same keys as in the step (a row's sums are
+            # its own on the compiled path, so its bits are too).
+            out = paged_attention(q.index_select(0, output_rows.index), k_cache, v_cache, output_rows.meta,
+                                  self.scale)
+            return self.o_proj(out.reshape(len(output_rows.index), self.q_size))
         out = paged_attention(q, k_cache, v_cache, meta, self.scale, k, v, plan)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -163,10 +174,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, rotary: Rotary, kv_cache: KVCache,
-                meta: AttentionMetadata, plan: StepPlan) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary: Rotary, kv_cache: KVCache, meta: AttentionMetadata,
+                plan: StepPlan, output_rows: Optional[OutputRows] = None) -> torch.Tensor:
         # x is this step's residual stream (the embedding's output, then each layer's): updated in place.
-        attended = self.self_attn(self.input_layernorm(x), rotary, kv_cache, meta, plan)
+        attended = self.self_attn(self.input_layernorm(x), rotary, kv_cache, meta, plan, output_rows)
+        if output_rows is not None:
+            x = x.index_select(0, output_rows.index)
         return x.add_(self.mlp(self.post_attention_layernorm.add_and_norm(x, attended)))
 
 
@@ -207,15 +220,24 @@ class LlamaForCausalLM(nn.Module):
         return True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata) -> torch.Tensor:
-        """Final-normed hidden states [T, hidden] of the flat tokens input_ids [T] at positions [T]."""
+                meta: AttentionMetadata, output_rows: Optional[list[int]] = None) -> torch.Tensor:
+        """Final-normed hidden states [T, hidden] of the flat tokens input_ids [T] at positions [T].
+
+        With `output_rows` (row indices), only those rows' states [R, hidden], in that order: the last
+        layer then attends and runs its MLP for them alone (a 2,020-token prompt sampling one row
+        skips an eighth of the built-in model's work). Every row's K/V is written to the cache either way.
+        """
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
+        kept = None
+        if output_rows is not None:
+            kept = OutputRows.of(meta, list(output_rows), kv_caches[0][0].shape[1], input_ids.device)
         x = self.embed_tokens(input_ids)
         rotary = self.rotary(positions, x.dtype)
         plan = plan_step(meta, kv_caches[0][0])  # once per step; every layer reads the same slots
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, rotary, kv_cache, meta, plan)
+        last = len(self.layers) - 1
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            x = layer(x, rotary, kv_cache, meta, plan, kept if index == last else None)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
