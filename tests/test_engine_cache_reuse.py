@@ -83,7 +83,7 @@ def test_generated_output_blocks_are_cached_too():
 def bfloat16_case(seed: int, prefix_len: int, num_prompts: int, max_tokens: int):
     """(prompts sharing a random prefix, run(llm, batch) -> greedy token ids, the cache-off baseline) in
     bfloat16; skips on CPUs without bf16 instructions, where invariance was not measured."""
-    from prefixserve.engine.runner import cpu_has_fast_bfloat16
+    from prefixserve.engine.device import cpu_has_fast_bfloat16
 
     if not cpu_has_fast_bfloat16():
         pytest.skip("measured on CPUs with bf16 instructions only")

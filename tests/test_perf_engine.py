@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from prefixserve import SamplingParams
+from prefixserve.engine import device as device_module
 from prefixserve.engine import engine as engine_module
-from prefixserve.engine import runner as runner_module
 from prefixserve.engine.engine import resolve_dtype
 from prefixserve.model import attention as attention_module
 from prefixserve.model.llama import Linear
@@ -77,13 +77,13 @@ def test_auto_dtype_is_bfloat16_on_cpus_with_bf16_instructions_and_the_compiled_
     from prefixserve.model import kernels
 
     cpu = torch.device("cpu")
-    monkeypatch.setattr(runner_module, "cpu_has_fast_bfloat16", lambda: True)
+    monkeypatch.setattr(device_module, "cpu_has_fast_bfloat16", lambda: True)
     monkeypatch.setattr(kernels, "compiled", object())
     assert resolve_dtype("auto", cpu) == torch.bfloat16
     monkeypatch.setattr(kernels, "compiled", None)  # the pure-PyTorch invariant path is slow: float32
     assert resolve_dtype("auto", cpu) == torch.float32
     monkeypatch.setattr(kernels, "compiled", object())
-    monkeypatch.setattr(runner_module, "cpu_has_fast_bfloat16", lambda: False)
+    monkeypatch.setattr(device_module, "cpu_has_fast_bfloat16", lambda: False)
     assert resolve_dtype("auto", cpu) == torch.float32
     assert resolve_dtype("bfloat16", cpu) == torch.bfloat16
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
@@ -92,15 +92,15 @@ def test_auto_dtype_is_bfloat16_on_cpus_with_bf16_instructions_and_the_compiled_
 
 
 def test_cpu_flags_are_read_from_cpuinfo(monkeypatch, tmp_path):
-    runner_module.cpu_has_fast_bfloat16.cache_clear()
+    device_module.cpu_has_fast_bfloat16.cache_clear()
     try:
         fake = tmp_path / "cpuinfo"
         fake.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx512f amx_bf16 amx_tile\n")
         real_open = open
         monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(fake if path == "/proc/cpuinfo" else path, *a, **k))
-        assert runner_module.cpu_has_fast_bfloat16()
-        runner_module.cpu_has_fast_bfloat16.cache_clear()
+        assert device_module.cpu_has_fast_bfloat16()
+        device_module.cpu_has_fast_bfloat16.cache_clear()
         fake.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2\n")
-        assert not runner_module.cpu_has_fast_bfloat16()
+        assert not device_module.cpu_has_fast_bfloat16()
     finally:
-        runner_module.cpu_has_fast_bfloat16.cache_clear()
+        device_module.cpu_has_fast_bfloat16.cache_clear()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..config import EngineConfig
@@ -14,6 +16,17 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' was asked for but no CUDA device is available; use device='cpu'")
     return torch.device(name)
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_has_fast_bfloat16() -> bool:
+    """True when the CPU has bf16 dot-product or tile instructions (Linux: /proc/cpuinfo flags)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -34,7 +47,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if device.type == "cuda":
         return torch.bfloat16
     from ..model import kernels
-    from .runner import cpu_has_fast_bfloat16
 
     return torch.bfloat16 if cpu_has_fast_bfloat16() and kernels.compiled is not None else torch.float32
 

@@ -20,7 +20,7 @@ from ..cache.hot_prefixes import HotPrefixPolicy
 from ..cache.reuse_gaps import ReuseGapTracker
 from ..cache.scoping import PromptScoper
 from ..config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
-from .device import measure_cuda_kv_budget, resolve_device, resolve_dtype
+from .device import cpu_has_fast_bfloat16, measure_cuda_kv_budget, resolve_device, resolve_dtype
 from .input_processor import InputProcessor, PromptType
 from .kv_tiers import TieredKV, build_tiers, empty_breakdown
 from .model_version import ModelVersion, load_version
@@ -29,7 +29,7 @@ from .reload import ReloadReport, check_swappable, swap_model
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
 from .request import Request
-from .runner import ModelRunner, cpu_has_fast_bfloat16, kv_bytes_per_token
+from .runner import ModelRunner, kv_bytes_per_token
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 

@@ -9,7 +9,6 @@ other, each request's rows being the last `num_new` positions of its context.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple, Optional, Sequence
 
 import torch
@@ -27,17 +26,6 @@ class StepResult(NamedTuple):
 
     token_ids: list[Optional[int]]
     logprobs: list[Optional[TokenLogprob]]
-
-
-@functools.lru_cache(maxsize=None)
-def cpu_has_fast_bfloat16() -> bool:
-    """True when the CPU has bf16 dot-product or tile instructions (Linux: /proc/cpuinfo flags)."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
