@@ -5,7 +5,8 @@
 
 Submits the first round of a workload (benchmarks/workloads.py) to one engine, steps it to the
 end, prints every step's wall time with its batch (prompt tokens computed, tokens out), then for each chosen
-step the operators by self CPU time. Prints only; nothing is saved.
+step the operators by self CPU time (the compiled kernels as prefixserve::<name>: torch.profiler
+does not see pybind functions, so this script names each call). Prints only; nothing is saved.
 """
 
 from __future__ import annotations
@@ -15,13 +16,31 @@ import sys
 import time
 from pathlib import Path
 
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from workloads import build_workloads  # noqa: E402
 
 from prefixserve import LLM, SamplingParams  # noqa: E402
+from prefixserve.model import kernels  # noqa: E402
+
+
+class NamedKernels:
+    """The compiled module, each call inside record_function("prefixserve::<name>") so that the
+    profiler's table has a row for it (a few microseconds a call: this script only)."""
+
+    def __init__(self, compiled) -> None:
+        self.compiled = compiled
+
+    def __getattr__(self, name: str):
+        function = getattr(self.compiled, name)
+
+        def named(*args):
+            with record_function(f"prefixserve::{name}"):
+                return function(*args)
+
+        return named
 
 
 def main() -> None:
@@ -34,6 +53,8 @@ def main() -> None:
     parser.add_argument("--no-prefix-caching", action="store_true")
     args = parser.parse_args()
     profiled = {int(step) for step in args.steps.split(",") if step}
+    if kernels.compiled is not None:
+        kernels.compiled = NamedKernels(kernels.compiled)
 
     llm = LLM(dtype=args.dtype, enable_prefix_caching=not args.no_prefix_caching, log_stats=False)
     llm.generate([[5] * 64], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm up
