@@ -25,7 +25,8 @@ def _generator() -> torch.Generator:
 
 
 def _each_row_alone(function, *row_tensors) -> torch.Tensor:
-    return torch.cat([function(*(tensor[r:r + 1].clone() for tensor in row_tensors)) for r in range(row_tensors[0].shape[0])])
+    rows = range(row_tensors[0].shape[0])
+    return torch.cat([function(*(tensor[r:r + 1].clone() for tensor in row_tensors)) for r in rows])
 
 
 @rowwise

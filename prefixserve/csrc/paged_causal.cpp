@@ -155,7 +155,8 @@ inline void score_pairs(const uint32_t* query, int64_t elements, const float* ke
 // the multiply-add units busy (a block of four vectors' sums measured 1.5x slower: latency-bound).
 // Not inlined: inlined into attend_rows it measured 6-8% slower over the whole prefill (registers).
 template <int NV>
-__attribute__((noinline)) void score_floats(const float* query, int64_t elements, const float* key_t, __m512* low, __m512* high) {
+__attribute__((noinline)) void score_floats(const float* query, int64_t elements, const float* key_t, __m512* low,
+                                             __m512* high) {
     __m512 a[NV], b[NV];
     for (int v = 0; v < NV; ++v) a[v] = b[v] = _mm512_setzero_ps();
     const float* key_high = key_t + elements * TILE;
@@ -185,7 +186,9 @@ inline void score_step(int64_t count, const QueryElement<PAIRS>* query, int64_t 
         });
         if (!two_tiles) std::fill(high, high + count, _mm512_setzero_ps());
     } else {
-        with_block<FLOAT_BLOCK>(count, [&](auto nv) { score_floats<decltype(nv)::value>(query, elements, key_t, low, high); });
+        with_block<FLOAT_BLOCK>(count, [&](auto nv) {
+            score_floats<decltype(nv)::value>(query, elements, key_t, low, high);
+        });
     }
 }
 
