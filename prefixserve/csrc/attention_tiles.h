@@ -189,16 +189,13 @@ inline void attend_row(const float* query, int64_t first, int64_t last, const Bl
     }
 }
 
+// A row's `group` heads out: each head's value sums divided by its sum of weights.
 template <typename T>
-inline void finish(const float* acc, const float* running_max, const float* running_sum, int64_t group,
-                   int64_t head_dim, T* out_heads, float* lse_heads) {
+inline void finish(const float* acc, const float* running_sum, int64_t group, int64_t head_dim, T* out_heads) {
     for (int64_t g = 0; g < group; ++g) {
         const float total = running_sum[g];
         const float inverse = total > 0.f ? 1.f / total : 0.f;
         for (int64_t j = 0; j < head_dim; ++j) out_heads[g * head_dim + j] = static_cast<T>(acc[g * head_dim + j] * inverse);
-        if (lse_heads != nullptr) {
-            lse_heads[g] = total > 0.f ? running_max[g] + std::log(total) : -std::numeric_limits<float>::infinity();
-        }
     }
 }
 

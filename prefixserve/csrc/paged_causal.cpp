@@ -1,6 +1,6 @@
 // Causal attention of every row of a step, read in place from the paged cache: a row at position p
-// attends to keys [0, p + 1). The prefill chunks of float32 and of --no-batch-invariant bf16, and every
-// row of bf16's batch-invariant path.
+// attends to keys [0, p + 1). Every row of every step, prefill chunks and decodes, float32 and bf16
+// (attention.py calls nothing else where the kernel is built).
 //
 // A work item is up to ROWS consecutive rows of one sequence and one KV head: ROWS x group query
 // vectors. Keys go by in steps of STEP = 32 positions aligned to multiples of 32 (absolute positions),
@@ -434,9 +434,8 @@ void causal_kernel(const Queries<T>& q, const PagedKV<T>& kv, const int64_t* que
                 attend_rows<T, false>(item_rows, count, shift, kv, h, group, scale, s);
             }
             for (int64_t r = 0; r < count; ++r) {
-                finish(s.acc.data() + r * group * head_dim, s.running_max.data() + r * group,
-                       s.running_sum.data() + r * group, group, head_dim, out_of(item_rows[r]),
-                       static_cast<float*>(nullptr));
+                finish(s.acc.data() + r * group * head_dim, s.running_sum.data() + r * group, group, head_dim,
+                       out_of(item_rows[r]));
             }
             return;
         }
@@ -449,8 +448,7 @@ void causal_kernel(const Queries<T>& q, const PagedKV<T>& kv, const int64_t* que
             load_query(q.data + row.q_row * q.row_stride, q.head_stride, h, group, head_dim, scale, one.query.data());
             attend_row(one.query.data(), 0, row.position + 1, blocks, kv.keys, kv.values, slot_stride, h, group,
                        head_dim, one.scores.data(), one.running_max.data(), one.running_sum.data(), one.acc.data());
-            finish(one.acc.data(), one.running_max.data(), one.running_sum.data(), group, head_dim, out_of(row),
-                   static_cast<float*>(nullptr));
+            finish(one.acc.data(), one.running_sum.data(), group, head_dim, out_of(row));
         }
     };
     const int64_t num_items = static_cast<int64_t>(item_start.size() - 1) * num_kv_heads;
