@@ -114,6 +114,8 @@ def test_rowwise_kernels_refuse_what_they_cannot_take():
         compiled.add_rms_norm_(x, torch.zeros(3, 32), weight, 1e-5)
     with pytest.raises(RuntimeError, match="fit"):
         compiled.rotate_heads_(x, 2, 32, torch.zeros(2, 16), torch.zeros(2, 16))
+    with pytest.raises(RuntimeError, match="overlap"):
+        compiled.rotate_heads_(torch.zeros(1, 32).expand(2, 32), 1, 32, torch.zeros(2, 16), torch.zeros(2, 16))
     with pytest.raises(RuntimeError, match="per row"):
         compiled.rotate_heads_(x, 1, 32, torch.zeros(3, 16), torch.zeros(3, 16))
     with pytest.raises(RuntimeError, match="twice"):

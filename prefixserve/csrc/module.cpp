@@ -128,6 +128,8 @@ void rotate_heads_(torch::Tensor& x, int64_t heads, int64_t head_dim, const torc
                 "x must be a float32 CPU tensor [rows, columns] with contiguous columns");
     TORCH_CHECK(heads >= 0 && head_dim > 0 && head_dim % 32 == 0 && heads * head_dim <= x.size(1),
                 "the rotated heads must fit in x's columns, head_dim a multiple of 32");
+    TORCH_CHECK(x.size(0) <= 1 || x.stride(0) >= x.size(1),
+                "rows of x must not overlap (rows are rotated in parallel)");
     for (const torch::Tensor* table : {&cos, &sin}) {
         TORCH_CHECK(table->device().is_cpu() && table->scalar_type() == torch::kFloat32 && table->is_contiguous() &&
                         table->numel() == x.size(0) * (head_dim / 2),
