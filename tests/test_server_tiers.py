@@ -25,6 +25,7 @@ def test_usage_and_metrics_report_each_tier(tmp_path):
         assert [details["cached_tokens_by_tier"] for details in second] == [
             {"device": 0, "host": 512, "disk": 0, "remote": 0}] * 5
         assert [details["cached_tokens"] for details in second] == [512] * 5
+        server.engine.engine.tiers.disk.flush()  # the write-through to disk is in the background: let it land
         text = httpx.get(server.url + "/metrics", timeout=10).text
         snapshot = httpx.get(server.url + "/v1/cache/keys", headers={"Authorization": "Bearer ops"}, timeout=10).json()
     assert set(snapshot["tiers"]) == {"CPU", "DISK"}  # a router resyncs each tier's keys from here

@@ -192,6 +192,27 @@ def test_a_full_write_queue_drops_and_counts_without_blocking(tmp_path, chain):
         tier.check_integrity()
 
 
+def test_a_record_queued_for_the_writer_is_served_from_memory(tmp_path, chain):
+    """Read your writes: while the disk lags, what put_async accepted is still found; a dropped one is not."""
+    with DiskTier(tmp_path, BIG, max_pending_bytes=3 * len(chain[0].payload)) as tier:
+        release = threading.Event()
+        write = tier._writer._write
+        tier._writer._write = lambda records: (release.wait(), write(records))
+        tier.put_async(chain)  # room for three payloads: chain[3:] dropped
+        assert tier.contains([record.key for record in chain]) == 3
+        assert tier.keys() == [] and files_under(tmp_path) == []  # nothing on disk yet
+        assert tier.get([record.key for record in chain]) == [encode_record(record) for record in chain[:3]] + [None]
+        assert tier.stats.hits == 3 and tier.read_cost.num_observations == 0  # memory does not time the disk
+        tier.delete([chain[2].key])
+        assert tier.contains([record.key for record in chain]) == 2
+        release.set()
+        tier.flush()
+        assert tier.get([chain[0].key]) == [encode_record(chain[0])]  # now from its file
+        assert tier.read_cost.num_observations == 1
+        assert set(tier.keys()) == {chain[0].key, chain[1].key}  # chain[2] was deleted before the writer began it
+        tier.check_integrity()
+
+
 def test_full_disk_drops_counts_and_logs_once(tmp_path, chain, monkeypatch, caplog):
     with DiskTier(tmp_path, BIG) as tier:
         tier.put(chain[:2])

@@ -135,13 +135,16 @@ class KVTier(abc.ABC):
         with self._lock:
             self._lru.on_added, self._lru.on_removed = on_added, on_removed
 
-    def _account_reads(self, results: list[Optional[bytes]], started: float) -> list[Optional[bytes]]:
-        """Count a `get`'s hits, misses and bytes, and teach `read_cost` how long it took; returns `results`."""
+    def _account_reads(self, results: list[Optional[bytes]], started: float,
+                       num_memory_bytes: int = 0) -> list[Optional[bytes]]:
+        """Count a `get`'s hits, misses and bytes, and teach `read_cost` how long it took; returns `results`.
+
+        `num_memory_bytes` of them came from memory, not the medium (a write still queued): counted, not timed."""
         num_hits = sum(data is not None for data in results)
         num_bytes = sum(len(data) for data in results if data is not None)
         self._count(hits=num_hits, misses=len(results) - num_hits, bytes_read=num_bytes)
-        if num_bytes:
-            self.read_cost.observe(num_bytes, time.perf_counter() - started)
+        if num_bytes > num_memory_bytes:
+            self.read_cost.observe(num_bytes - num_memory_bytes, time.perf_counter() - started)
         return results
 
     def reject(self, key: bytes, reason: str) -> None:

@@ -2,7 +2,8 @@
 
 Writes go through a background thread (`put_async`, bounded, never blocking) or
 run in the caller (`put`); reads through a small thread pool (`fetch`) or in the
-caller (`get`). The index lock is never held across a data write or a read: a
+caller (`get`). A record `put_async` accepted is served from memory until its file
+lands (read your writes): a slow disk never turns a just-computed block into a miss. The index lock is never held across a data write or a read: a
 record is written and fsynced under a temporary name first, and only the rename
 into place, the index update and the eviction's unlinks happen under the lock, so
 the index always equals the files and an engine step never waits for the disk.
@@ -56,28 +57,42 @@ class DiskTier(KVTier):
         self._lock_fd: Optional[int] = None
         self._can_write = True  # False when another process serves the directory
         self._closed = False
+        self._queued: dict[bytes, BlockRecord] = {}  # accepted by put_async, file not written yet: under `_lock`
         self.rebuild_report = self._open()
         self._writer = BackgroundWriter(self._write_batch, max_pending_bytes, "prefixserve-disk-writer")
         self._readers = ThreadPoolExecutor(num_read_threads, thread_name_prefix="prefixserve-disk-reader")
 
     # ------------------------------------------------------------------ reads
-    def get(self, keys: Sequence[bytes]) -> list[Optional[bytes]]:
-        start = time.perf_counter()
+    def contains(self, keys: Sequence[bytes]) -> int:
         with self._lock:
-            present = [(index, self._lru.get(key)) for index, key in enumerate(keys)]
+            for index, key in enumerate(keys):
+                if key not in self._queued and self._lru.get(key) is None:
+                    return index
+            return len(keys)
+
+    def get(self, keys: Sequence[bytes]) -> list[Optional[bytes]]:
+        with self._lock:
+            queued = {index: self._queued[key] for index, key in enumerate(keys) if key in self._queued}
+            present = [(index, self._lru.get(key)) for index, key in enumerate(keys) if index not in queued]
             present = [(index, entry) for index, entry in present if entry is not None]
             for _, entry in present:
                 self._lru.touch(entry)
         results: list[Optional[bytes]] = [None] * len(keys)
+        for index, record in queued.items():
+            results[index] = encode_record(record)
+        start = time.perf_counter()
         for index, entry in present:
             results[index] = self._read(entry)
-        return self._account_reads(results, start)
+        return self._account_reads(results, start, num_memory_bytes=sum(len(results[index]) for index in queued))
 
     # ----------------------------------------------------------------- writes
     def put_async(self, records: Sequence[BlockRecord]) -> None:
         """Queue records for the writer thread; what does not fit in the queue is dropped and counted."""
+        with self._lock:  # visible before the writer can finish them, so never in neither place
+            self._queued.update((record.key, record) for record in records)
         num_accepted = self._writer.submit(records)
         if num_accepted < len(records):
+            self._unqueue(records[num_accepted:])
             self._count(dropped_puts=len(records) - num_accepted)
             self._log_once("queue", "full", "disk tier: write queue full (or closed); %d records dropped", len(records) - num_accepted)
 
@@ -87,6 +102,7 @@ class DiskTier(KVTier):
     def delete(self, keys: Sequence[bytes]) -> None:
         with self._lock:
             for key in keys:
+                self._queued.pop(key, None)  # not served, nor written unless the writer has begun it
                 if self._lru.remove(key) is not None:
                     self._unlink_locked(key)
 
@@ -100,7 +116,18 @@ class DiskTier(KVTier):
                 self._lock_fd = None
 
     def _write_batch(self, records: list[BlockRecord]) -> None:
-        self.put(records)
+        with self._lock:  # a record deleted while queued is not written
+            wanted = [record for record in records if self._queued.get(record.key) is record]
+        try:
+            self.put(wanted)  # each record is in the index (or dropped) before it leaves `_queued`
+        finally:
+            self._unqueue(records)
+
+    def _unqueue(self, records: Sequence[BlockRecord]) -> None:
+        with self._lock:
+            for record in records:
+                if self._queued.get(record.key) is record:  # not a later put_async of the same key
+                    del self._queued[record.key]
 
     def _put_one(self, record: BlockRecord) -> bool:
         with self._lock:
@@ -238,6 +265,7 @@ class DiskTier(KVTier):
         Waits for the writes already queued first: a write in flight has a temporary file by design."""
         self.flush()
         with self._lock:
+            assert not self._queued, f"{len(self._queued)} records still queued after flush"
             self._lru.check_integrity()
             assert self._lru.used_bytes <= self.capacity_bytes, "over capacity"
             files: dict[bytes, int] = {}
