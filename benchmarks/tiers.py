@@ -14,7 +14,8 @@
 3. TTFT of a 2,000-token prefix + 16 new tokens served from disk after a restart (page cache dropped)
    versus recomputed, float32 and bfloat16, with the greedy tokens compared.
 
---quick runs the same code at toy sizes in seconds, without vLLM. Greedy decoding throughout.
+--quick runs the same code at toy sizes in seconds, without vLLM. Greedy decoding throughout; every
+lower-tier hit is fetched (kv_fetch_policy="always"), so each table measures the tiers, not the planner.
 Writes <results-dir>/tiers[_quick].json and .png (default benchmarks/results) and prints each path.
 """
 

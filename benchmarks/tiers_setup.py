@@ -51,9 +51,13 @@ def kv_bytes_per_token(dtype: str) -> int:
 
 
 def engine(dtype: str, kv_cache_memory_bytes: int, warm: bool = True, **options):
-    """The built-in model with a pool of exactly this many bytes, warmed up once (nothing left cached)."""
+    """The built-in model with a pool of exactly this many bytes, warmed up once (nothing left cached).
+
+    Every lower-tier hit is fetched (kv_fetch_policy="always"): these tables measure what each tier costs
+    when it serves, so the planner must not swap a slow read for a recompute (it would at --quick sizes)."""
     from prefixserve import LLM
 
+    options.setdefault("kv_fetch_policy", "always")
     llm = LLM(dtype=dtype, kv_cache_memory_bytes=kv_cache_memory_bytes, log_stats=False, **options)
     if warm:
         warm_up(llm)

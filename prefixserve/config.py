@@ -13,6 +13,7 @@ from .cache.keys import HASH_FUNCTIONS
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULING_POLICIES = ("fcfs", "lpm")
+FETCH_POLICIES = ("cost", "always")  # how lower-tier hits are fetched: see kv_fetch_policy
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
 DEFAULT_MAX_CACHE_TTL = 3600.0  # seconds: the server's cap on a requested cache_ttl (Anthropic's longest, 1 hour)
 DEFAULT_DISK_CACHE_BYTES = 16 << 30
@@ -53,6 +54,9 @@ class EngineConfig:
     kv_remote_ttl: Optional[float] = None  # seconds a remote record lives; None: until Redis evicts it
     kv_remote_write_bytes_per_second: Optional[int] = None  # cap on what one replica writes; None: no cap
     kv_remote_timeout: float = 1.0  # seconds a remote read may take before it counts as a miss
+    # "cost": fetch a lower-tier run only where reading it is measured to beat recomputing it (tiers/policy.py);
+    # "always": fetch every block a tier holds, as LMCache does (predictable hits, whatever the timings).
+    kv_fetch_policy: str = "cost"
     seed: int = 0
     log_stats: bool = True
 
@@ -95,6 +99,8 @@ class EngineConfig:
         require(self.kv_remote_write_bytes_per_second is None or self.kv_remote_write_bytes_per_second > 0,
                 f"kv_remote_write_bytes_per_second must be positive, got {self.kv_remote_write_bytes_per_second}")
         require(self.kv_remote_timeout > 0, f"kv_remote_timeout must be positive, got {self.kv_remote_timeout}")
+        require(self.kv_fetch_policy in FETCH_POLICIES,
+                f"kv_fetch_policy must be one of {FETCH_POLICIES}, got {self.kv_fetch_policy!r}")
         require(self.kv_disk_cache_bytes is None or self.kv_disk_cache_dir is not None,
                 "kv_disk_cache_bytes needs kv_disk_cache_dir (the directory the disk tier writes to)")
 

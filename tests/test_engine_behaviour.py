@@ -119,6 +119,8 @@ def test_bad_engine_options_raise_clear_errors(tmp_path):
         LLM(max_num_seq=4)
     with pytest.raises(ValueError, match="max_model_len"):
         make_llm(max_model_len=10**6)
+    with pytest.raises(ValueError, match=r"kv_fetch_policy must be one of \('cost', 'always'\), got 'sometimes'"):
+        make_llm(kv_fetch_policy="sometimes")
 
 
 def test_n_samples_of_a_seeded_request_differ_and_reproduce(llm):

@@ -105,7 +105,8 @@ def test_pins_are_listed_and_removed_and_bad_pins_name_the_fix():
 
 
 def test_pins_survive_a_restart_with_a_disk_tier(tmp_path):
-    options = dict(kv_cache_memory_bytes=POOL, hot_prefix_min_requests=0, kv_disk_cache_dir=str(tmp_path))
+    options = dict(kv_cache_memory_bytes=POOL, hot_prefix_min_requests=0, kv_disk_cache_dir=str(tmp_path),
+                   kv_fetch_policy="always")  # warmed from disk whatever this machine's read and prefill times
     first = make_llm(**options)
     pin = first.pin(SYSTEM)
     first.close()

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from conftest import make_llm
+import conftest
 from model_helpers import write_qwen2_checkpoint
 from prefixserve import SamplingParams
 from prefixserve.tiers.disk_files import record_path
@@ -19,6 +19,14 @@ ALL_FROM = {tier: {"device": 0, "host": 0, "disk": 0, "remote": 0, tier: PREFIX_
 
 
 SECOND_PREFIX_LEN = 256  # the second checkpoint has 512 positions
+
+
+def make_llm(**options):
+    """Every lower-tier hit fetched: the default planner ("cost") learns read and prefill times from this
+    machine, so on a slow one it may rightly recompute a short run, and exact per-tier counts would depend
+    on speed. The planner's own decisions are tested in test_tiers_policy.py and at the end of this file."""
+    options.setdefault("kv_fetch_policy", "always")
+    return conftest.make_llm(**options)
 
 
 def make_prompts(seed: int = 0, prefix_len: int = PREFIX_LEN) -> list[list[int]]:
@@ -236,3 +244,24 @@ def test_kv_events_carry_each_tiers_medium(reference, tmp_path):
             mirrored[event.medium].difference_update(event.keys)
     assert mirrored == held  # the events alone rebuild what each tier holds
     llm.close()
+
+
+def test_the_cost_planner_recomputes_a_run_it_prices_above_prefill(reference, tmp_path):
+    """kv_fetch_policy="cost" (the default) with a disk priced at an hour a read: nothing is fetched, the same
+    tokens come out, and the disk is never asked; "always" fetches the same records."""
+    from prefixserve.tiers import TierCost
+
+    prompts, expected = reference
+    llm = conftest.make_llm(kv_cache_memory_bytes=POOL, kv_disk_cache_dir=str(tmp_path))
+    assert llm.engine.config.kv_fetch_policy == "cost"
+    disk = llm.engine.tiers.disk
+    disk.read_cost = TierCost(latency_seconds=3600.0, bytes_per_second=1.0)  # never observed: it is never read
+    run(llm, prompts[:4])
+    second = run(llm, prompts[:4])  # prompt 0 left the pool for prompt 3: its run is on disk only
+    assert [out.token_ids for out in second] == expected[:4]
+    assert [out.cached_tokens_by_tier["disk"] for out in second] == [0] * 4
+    assert disk.contains(_first_keys(llm, prompts[0], 32)) == 32 and disk.stats.hits == disk.stats.misses == 0
+    llm.close()
+    always = make_llm(kv_cache_memory_bytes=POOL, kv_disk_cache_dir=str(tmp_path))
+    always.engine.tiers.disk.read_cost = TierCost(latency_seconds=3600.0, bytes_per_second=1.0)
+    assert [out.cached_tokens_by_tier["disk"] for out in run(always, prompts[:1])] == [PREFIX_LEN]

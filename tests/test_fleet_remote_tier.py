@@ -32,7 +32,9 @@ def wait_for_records(client, at_least: int, timeout: float = 60.0) -> int:
 
 def test_a_prefix_computed_on_one_replica_is_served_to_another(redis_server):
     redis = pytest.importorskip("redis")
-    with Fleet(2, replica_args=("--kv-remote-url", redis_server.url), policy="round_robin") as fleet:
+    # every remote hit fetched: the default planner may recompute a short run on a machine that reads slowly
+    with Fleet(2, replica_args=("--kv-remote-url", redis_server.url, "--kv-fetch-policy", "always"),
+               policy="round_robin") as fleet:
         first = chat(fleet.url, "Which replica computed this?")
         usage = first.json()["usage"]
         full_blocks = (usage["prompt_tokens"] - 1) // 16

@@ -12,7 +12,8 @@ def test_usage_and_metrics_report_each_tier(tmp_path):
     rng = random.Random(4)
     prompts = [[rng.randrange(10, 8000) for _ in range(512)] + [7, 8, 9] for _ in range(5)]
     with LiveServer("--kv-cache-memory-bytes", str(28 << 20), "--kv-host-cache-bytes", str(256 << 20),
-                    "--kv-disk-cache-dir", str(tmp_path), "--enable-kv-events", "--admin-api-key", "ops") as server:
+                    "--kv-disk-cache-dir", str(tmp_path), "--enable-kv-events", "--admin-api-key", "ops",
+                    "--kv-fetch-policy", "always") as server:  # exact tier counts, whatever this machine's speed
         def usage(prompt):
             response = httpx.post(server.url + "/v1/completions", timeout=120,
                                   json={"prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True})

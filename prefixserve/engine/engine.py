@@ -99,7 +99,7 @@ class LLMEngine:
             return None
         self._log_progress("KV tiers below the pool: " + ", ".join(
             f"{tier.name} {tier.capacity_bytes / 2**20:.0f} MiB" for tier in tiers))
-        return TieredKV(tiers, self.runner, self.cache, self.keyer, self.scope.digest)
+        return TieredKV(tiers, self.runner, self.cache, self.keyer, self.scope.digest, self.config.kv_fetch_policy)
 
     def _log_progress(self, message: str) -> None:
         if self.config.log_stats:

@@ -5,7 +5,8 @@
          └──every block computed──> disk tier        (write-through, on a background thread: a restart
                                                       finds what was computed seconds before)
 
-    a waiting request: device match ─> host run ─> disk run ─> fetch or recompute (tiers/policy.py)
+    a waiting request: device match ─> host run ─> disk run ─> fetch or recompute (tiers/policy.py;
+                                                            kv_fetch_policy="always": fetch all)
         host: read now, copied into fresh pool blocks and cached there (a memory copy)
         disk: read on a background thread; the request waits (not the engine), then the same
 
@@ -30,7 +31,7 @@ from ..cache.events import BlockRemoved, BlockStored
 from ..cache.keys import unpack_tokens
 from ..cache.stats import LatencyHistogram
 from ..tiers import (BlockRecord, DiskTier, HostTier, KVTier, RecordError, RecordExpectation, TierStats, decode_record,
-                     plan_fetch)
+                     plan_fetch, plan_fetch_all)
 from ..tiers.record import DTYPE_SIZES
 from .request import Request
 from .runner import ModelRunner
@@ -71,8 +72,9 @@ class TierSnapshot:
 
 class TieredKV:
     def __init__(self, tiers: Sequence[KVTier], runner: ModelRunner, cache: RadixCache, keyer: BlockKeyer,
-                 scope_digest: bytes) -> None:
+                 scope_digest: bytes, fetch_policy: str = "cost") -> None:
         self.tiers = {tier.name: tier for tier in tiers}
+        self.fetch_policy = fetch_policy  # EngineConfig.kv_fetch_policy
         self.host: Optional[KVTier] = self.tiers.get("host")
         self.disk: Optional[KVTier] = self.tiers.get("disk")
         self.runner, self.cache, self.keyer = runner, cache, keyer
@@ -195,8 +197,11 @@ class TieredKV:
             start += found
         if not any(found for _, found in runs):
             return
-        plan = plan_fetch(runs, self.block_bytes, self.prefill_seconds_per_token, self.block_size,
-                          {name: tier.read_cost for name, tier in self.tiers.items()})
+        costs = {name: tier.read_cost for name, tier in self.tiers.items()}
+        if self.fetch_policy == "always":
+            plan = plan_fetch_all(runs, self.block_bytes, costs)
+        else:
+            plan = plan_fetch(runs, self.block_bytes, self.prefill_seconds_per_token, self.block_size, costs)
         start = fetch.start
         for name, found in runs:
             count = plan.num_fetch_blocks_by_tier.get(name, 0)

@@ -18,7 +18,7 @@ from typing import Optional
 from dataclasses import fields
 from pathlib import Path
 
-from ..config import DEFAULT_MAX_CACHE_TTL, DEVICES, DTYPES, SCHEDULING_POLICIES, EngineConfig
+from ..config import DEFAULT_MAX_CACHE_TTL, DEVICES, DTYPES, FETCH_POLICIES, SCHEDULING_POLICIES, EngineConfig
 from ..http import DEFAULT_MAX_REQUEST_BYTES, load_api_keys, load_tenant_cache_ttls
 
 logger = logging.getLogger("prefixserve.server")
@@ -101,6 +101,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cap on the bytes this replica writes to the remote tier per second (default: no cap)")
     parser.add_argument("--kv-remote-timeout", metavar="SECONDS", type=float, default=1.0,
                         help="a remote read slower than this counts as a miss (the request recomputes)")
+    parser.add_argument("--kv-fetch-policy", choices=FETCH_POLICIES, default="cost",
+                        help="cost: fetch a run from host, disk or remote only where reading it is measured to be "
+                             "faster than recomputing it; always: fetch every block a tier holds (default: cost)")
     parser.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="engine and uvicorn logging")
 
 
