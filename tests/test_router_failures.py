@@ -19,7 +19,7 @@ from prefixserve.model import Tokenizer
 from prefixserve.router.inbound import read_request
 from prefixserve.router.launch import add_route_arguments, configure_logging, settings_from_args
 
-from router_fakes import ADMIN_KEY, Failure, assert_only_down_for, fake_fleet, post
+from router_fakes import ADMIN_KEY, Failure, assert_only_down_for, fake_fleet, post, wait_until
 
 OPENAI_ERROR_KEYS = {"message", "type", "param", "code"}
 
@@ -108,7 +108,8 @@ def test_an_unexpected_router_error_is_an_openai_500_body(tokenizer, monkeypatch
 
 def test_control_calls_carry_the_admin_key_and_client_calls_the_tenants(tokenizer, tmp_path):
     with fake_fleet(tokenizer, 1, api_keys={"tenant-key": "acme"}) as (url, fakes, router):
-        time.sleep(0.3)  # a few event polls
+        wait_until(lambda: {"/v1/cache/info", "/v1/kv_events"} <= {path for path, _ in fakes[0].control_auth}
+                   and router.replicas[0].can_mirror, timeout=30)  # the first polls have run
         response = post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 2},
                         headers={"authorization": "Bearer tenant-key"})
         assert response.status_code == 200
@@ -177,11 +178,8 @@ def test_idle_health_checks_and_event_polls_log_nothing(tokenizer, caplog):
         with fake_fleet(tokenizer, health_interval=0.02, sync_interval=0.02) as (url, fakes, router):
             caplog.clear()
             with caplog.at_level(logging.INFO):
-                deadline = time.monotonic() + 0.5
-                while time.monotonic() < deadline:
-                    time.sleep(0.05)
-            polls = len(fakes[0].control_auth)
-        assert polls > 0
+                start = len(fakes[0].control_auth)
+                wait_until(lambda: len(fakes[0].control_auth) >= start + 10, timeout=30)  # ten more control polls
         noisy = [r for r in caplog.records if r.name in ("httpx", "prefixserve.router")]
         assert noisy == [], [r.getMessage() for r in noisy]
     finally:
