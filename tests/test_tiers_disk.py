@@ -198,13 +198,14 @@ def test_a_record_queued_for_the_writer_is_served_from_memory(tmp_path, chain):
         release = threading.Event()
         write = tier._writer._write
         tier._writer._write = lambda records: (release.wait(), write(records))
+        keys = [record.key for record in chain]
         tier.put_async(chain)  # room for three payloads: chain[3:] dropped
-        assert tier.contains([record.key for record in chain]) == 3
+        assert tier.contains(keys) == 3
         assert tier.keys() == [] and files_under(tmp_path) == []  # nothing on disk yet
-        assert tier.get([record.key for record in chain]) == [encode_record(record) for record in chain[:3]] + [None]
+        assert tier.get(keys) == [encode_record(record) for record in chain[:3]] + [None]
         assert tier.stats.hits == 3 and tier.read_cost.num_observations == 0  # memory does not time the disk
         tier.delete([chain[2].key])
-        assert tier.contains([record.key for record in chain]) == 2
+        assert tier.contains(keys) == 2
         release.set()
         tier.flush()
         assert tier.get([chain[0].key]) == [encode_record(chain[0])]  # now from its file

@@ -31,7 +31,7 @@ from ..cache.events import BlockRemoved, BlockStored
 from ..cache.keys import unpack_tokens
 from ..cache.stats import LatencyHistogram
 from ..tiers import (BlockRecord, DiskTier, HostTier, KVTier, RecordError, RecordExpectation, TierStats, decode_record,
-                     plan_fetch, plan_fetch_all)
+                     plan_fetch)
 from ..tiers.record import DTYPE_SIZES
 from .request import Request
 from .runner import ModelRunner
@@ -197,14 +197,14 @@ class TieredKV:
             start += found
         if not any(found for _, found in runs):
             return
-        costs = {name: tier.read_cost for name, tier in self.tiers.items()}
         if self.fetch_policy == "always":
-            plan = plan_fetch_all(runs, self.block_bytes, costs)
+            num_fetch = dict(runs)  # one entry per tier: the whole run
         else:
-            plan = plan_fetch(runs, self.block_bytes, self.prefill_seconds_per_token, self.block_size, costs)
+            num_fetch = plan_fetch(runs, self.block_bytes, self.prefill_seconds_per_token, self.block_size,
+                                   {name: tier.read_cost for name, tier in self.tiers.items()}).num_fetch_blocks_by_tier
         start = fetch.start
         for name, found in runs:
-            count = plan.num_fetch_blocks_by_tier.get(name, 0)
+            count = num_fetch.get(name, 0)
             if not count:
                 if found:
                     return  # the planner stops here: what follows is recomputed

@@ -7,7 +7,7 @@ runner turns pool tensors into record payloads and back.
 from .base import KVTier, TierStats
 from .disk import DiskTier, RebuildReport
 from .host import HostTier
-from .policy import FetchPlan, TierCost, crossover_tokens, plan_fetch, plan_fetch_all
+from .policy import FetchPlan, TierCost, crossover_tokens, plan_fetch
 from .record import BlockRecord, RecordError, RecordExpectation, RecordHeader, decode_record, encode_record, read_header
 
 __all__ = [
@@ -26,6 +26,5 @@ __all__ = [
     "decode_record",
     "encode_record",
     "plan_fetch",
-    "plan_fetch_all",
     "read_header",
 ]

@@ -3,10 +3,11 @@
 Writes go through a background thread (`put_async`, bounded, never blocking) or
 run in the caller (`put`); reads through a small thread pool (`fetch`) or in the
 caller (`get`). A record `put_async` accepted is served from memory until its file
-lands (read your writes): a slow disk never turns a just-computed block into a miss. The index lock is never held across a data write or a read: a
-record is written and fsynced under a temporary name first, and only the rename
-into place, the index update and the eviction's unlinks happen under the lock, so
-the index always equals the files and an engine step never waits for the disk.
+lands (read your writes): a slow disk never turns a just-computed block into a miss.
+The index lock is never held across a data write or a read: a record is written and
+fsynced under a temporary name first, and only the rename into place, the index
+update and the eviction's unlinks happen under the lock, so the index always equals
+the files and an engine step never waits for the disk.
 
 Faults never reach the caller. A directory that cannot be written, a full disk or
 an unreadable file drops the put (or turns the read into a miss), is counted in

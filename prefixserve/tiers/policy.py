@@ -123,15 +123,6 @@ def plan_fetch(
     return FetchPlan(fetched, num_recompute, sum(fetch_by_segment[:best_cut]), num_recompute * recompute_per_block)
 
 
-def plan_fetch_all(num_blocks_by_tier: list[tuple[str, int]], block_bytes: int, costs: dict[str, TierCost]) -> FetchPlan:
-    """The plan of `kv_fetch_policy="always"`: the whole run is fetched, whatever it is estimated to cost."""
-    fetched: dict[str, int] = {tier: 0 for tier, _ in num_blocks_by_tier}
-    for tier, num_blocks in num_blocks_by_tier:
-        fetched[tier] += num_blocks
-    seconds = sum(costs[tier].seconds(num_blocks * block_bytes) for tier, num_blocks in num_blocks_by_tier if num_blocks)
-    return FetchPlan(fetched, 0, seconds, 0.0)
-
-
 def crossover_tokens(cost: TierCost, block_bytes: int, block_size: int, prefill_seconds_per_token: float) -> float:
     """Prefix length in tokens above which one fetch from this tier beats recomputing it.
 
