@@ -52,6 +52,28 @@ def make_llm(**options):
     return LLM(**options)
 
 
+def _variant_names() -> list[str]:
+    from prefixserve.model.kernel_variants import variants_for
+
+    return [variant.name for variant in variants_for()]
+
+
+@pytest.fixture(params=_variant_names())
+def kernel_variant(request, monkeypatch):
+    """Each compiled variant this CPU runs (up to PREFIXSERVE_CPU_ISA's cap), loaded in this process and
+    made the one the model calls; its CompiledKernels. Skips the variants the CPU cannot run."""
+    from prefixserve.model import kernels
+
+    name = request.param
+    if name not in {variant.name for variant in kernels.allowed()}:
+        pytest.skip(f"this CPU does not run the {name} kernels (or {kernels.CAP_VARIABLE} caps them)")
+    if not kernels.is_built(name):
+        pytest.skip(f"the {name} kernels are not built ({kernels.describe_build()})")
+    loaded = kernels.load(name)
+    monkeypatch.setattr(kernels, "compiled", loaded)
+    return loaded
+
+
 @pytest.fixture(params=["compiled", "reference"])
 def attention_path(request, monkeypatch):
     """Run a test with attention on the compiled kernels and on the pure-PyTorch reference paths."""

@@ -1,7 +1,9 @@
-"""The compiled kernel (prefixserve/csrc/) against plain PyTorch, and that CI builds it.
+"""The compiled kernel (prefixserve/csrc/) against plain PyTorch, in every variant this CPU runs, and
+that CI builds them.
 
 paged_causal reads each row's keys [0, p + 1) through its sequence's block table; the references are
-dense attention in float64 over the same keys, gathered by hand, and the row computed alone.
+dense attention in float64 over the same keys, gathered by hand, and the row computed alone. Each
+test runs once per variant (the kernel_variant fixture: portable, avx2, avx512, ... as the CPU allows).
 """
 
 from __future__ import annotations
@@ -13,22 +15,23 @@ import torch
 
 from prefixserve.model import kernels
 
-compiled = pytest.mark.skipif(kernels.compiled is None, reason="prefixserve's compiled kernels are not built")
 
 
 def test_ci_builds_the_compiled_kernels():
-    """`pip install -e .` compiles them; CI must run the compiled path, not fall back in silence."""
+    """`pip install -e .` compiles every variant of this machine; CI must run the best one the CPU (and
+    the cap) allows, not fall back in silence."""
     if not os.environ.get("CI"):
         pytest.skip("outside CI a missing compiler only costs speed (a warning is logged)")
-    assert kernels.compiled is not None, "prefixserve._C was not built by `pip install -e .`"
+    assert kernels.compiled is not None, "prefixserve's kernels were not built by `pip install -e .`"
+    assert kernels.available() == tuple(variant.name for variant in kernels.executable())
+    assert kernels.variant() == kernels.allowed()[-1].name
 
 
-@compiled
-def test_paged_causal_refuses_what_it_cannot_read():
+def test_paged_causal_refuses_what_it_cannot_read(kernel_variant):
     k_cache = torch.zeros(6, 4, 2, 16)
     q = torch.zeros(3, 4, 16)
     tables, query_start, seq_lens = torch.tensor([[1, 2]]), torch.tensor([0, 3]), torch.tensor([7])
-    causal = kernels.compiled.paged_causal
+    causal = kernel_variant.paged_causal
     causal(q, k_cache, k_cache, tables, query_start, seq_lens, 0.25)  # what follows differs in one thing each
     with pytest.raises(RuntimeError, match="power of two"):
         odd = torch.zeros(6, 3, 2, 16)
@@ -47,10 +50,9 @@ def test_paged_causal_refuses_what_it_cannot_read():
         causal(q, k_cache, k_cache, tables.int(), query_start, seq_lens, 0.25)
 
 
-@compiled
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [64, 48])  # bf16: pairs by the dot-product instruction; floats
-def test_paged_causal_rows_are_alike_in_any_chunking_batch_or_decode(dtype, head_dim):
+@pytest.mark.parametrize("head_dim", [64, 48, 20])  # bf16 pairs (AVX512_BF16), floats, the scalar path
+def test_paged_causal_rows_are_alike_in_any_chunking_batch_or_decode(dtype, head_dim, kernel_variant):
     """A row at position p reads keys [0, p + 1): its bits must not depend on the chunk it came in,
     the sequences beside it, or whether it is a decode (rows are computed in blocks of up to 32 that
     share each key tile; every row sums in one order). float32 also matches dense attention."""
@@ -72,7 +74,7 @@ def test_paged_causal_rows_are_alike_in_any_chunking_batch_or_decode(dtype, head
             query_start = torch.tensor([0] + [b - a for a, b in seqs]).cumsum(0)
             seq_lens = torch.tensor([b for _, b in seqs])
             tables = table.expand(len(seqs), -1).contiguous()
-            out = kernels.compiled.paged_causal(chunk_q, k_cache, v_cache, tables, query_start, seq_lens, 0.125)
+            out = kernel_variant.paged_causal(chunk_q, k_cache, v_cache, tables, query_start, seq_lens, 0.125)
             rows.append(out[:stop - start])
             start = stop
         return torch.cat(rows)
@@ -90,16 +92,17 @@ def test_paged_causal_rows_are_alike_in_any_chunking_batch_or_decode(dtype, head
         torch.testing.assert_close(whole, expected, atol=1e-5, rtol=1e-5)
 
 
-@compiled
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [
     (8, 4, 64, 16),   # the built-in model's shape
     (9, 3, 64, 32),   # 3:1 groups
     (4, 4, 16, 1),    # no grouping, one-token blocks
-    (6, 2, 24, 4),    # head_dim not a multiple of 16: the portable loop
+    (6, 2, 24, 4),    # head_dim not a multiple of 16 (AVX-512: the scalar loop)
+    (4, 2, 20, 16),   # not a multiple of 8 or 4: the scalar loop everywhere
     (4, 2, 48, 8),    # three registers of values per vector
     (8, 1, 128, 8),   # one KV head, wide heads
 ])
-def test_paged_causal_matches_dense_attention_in_float32(num_heads, num_kv_heads, head_dim, block_size):
+def test_paged_causal_matches_dense_attention_in_float32(num_heads, num_kv_heads, head_dim, block_size,
+                                                        kernel_variant):
     """Prefill chunks with and without a past, and decodes, in one call, over scattered blocks whose
     every unowned slot is NaN: each row matches dense causal attention in float64."""
     generator = torch.Generator().manual_seed(num_heads * 1000 + head_dim * 10 + block_size)
@@ -119,7 +122,7 @@ def test_paged_causal_matches_dense_attention_in_float32(num_heads, num_kv_heads
     q = torch.randn(sum(new for _, new in specs), num_heads, head_dim, generator=generator)
     query_start = torch.tensor([0] + [new for _, new in specs]).cumsum(0)
     scale = head_dim ** -0.5
-    out = kernels.compiled.paged_causal(q, k_cache, v_cache, padded, query_start, torch.tensor(lengths), scale)
+    out = kernel_variant.paged_causal(q, k_cache, v_cache, padded, query_start, torch.tensor(lengths), scale)
     group = num_heads // num_kv_heads
     for i, ((past, new), table) in enumerate(zip(specs, tables)):
         positions = torch.arange(past + new)
@@ -133,10 +136,9 @@ def test_paged_causal_matches_dense_attention_in_float32(num_heads, num_kv_heads
         torch.testing.assert_close(out[rows], expected.float(), atol=1e-5, rtol=1e-5)
 
 
-@compiled
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [16, 4])
-def test_paged_causal_decodes_sharing_a_prefix_are_each_as_alone(dtype, block_size):
+def test_paged_causal_decodes_sharing_a_prefix_are_each_as_alone(dtype, block_size, kernel_variant):
     """Decodes whose tables start with the same blocks share each transposed key tile (one work item);
     tables diverge at different depths, within a 32-key step or at its edge. Every decode's bits
     equal those it gets alone, and float32 matches dense attention."""
@@ -158,10 +160,10 @@ def test_paged_causal_decodes_sharing_a_prefix_are_each_as_alone(dtype, block_si
     k_cache = torch.randn(400, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
     v_cache = torch.randn(400, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
     q = torch.randn(len(specs), num_heads, head_dim, generator=generator).to(dtype)
-    together = kernels.compiled.paged_causal(q, k_cache, v_cache, padded, torch.arange(len(specs) + 1),
+    together = kernel_variant.paged_causal(q, k_cache, v_cache, padded, torch.arange(len(specs) + 1),
                                              torch.tensor(lengths), 0.125)
     for i, length in enumerate(lengths):
-        alone = kernels.compiled.paged_causal(q[i:i + 1], k_cache, v_cache, padded[i:i + 1], torch.tensor([0, 1]),
+        alone = kernel_variant.paged_causal(q[i:i + 1], k_cache, v_cache, padded[i:i + 1], torch.tensor([0, 1]),
                                               torch.tensor([length]), 0.125)
         assert torch.equal(alone[0], together[i]), i
         if dtype == torch.float32:

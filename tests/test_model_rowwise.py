@@ -1,4 +1,5 @@
-"""The compiled row-wise float32 kernels (csrc/rowwise.cpp) against llama.py's PyTorch ops.
+"""The compiled row-wise float32 kernels (csrc/rowwise.cpp) against llama.py's PyTorch ops, in every
+variant this CPU runs that has them.
 
 rms_norm, add_rms_norm_, rotate_heads_ and silu_mul each compute a row from that row alone: a row's
 bits must be the same alone and in any batch (the engine's batch invariance), and the values must be
@@ -12,12 +13,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from prefixserve.model import kernels
 from prefixserve.model import llama as llama_module
 from prefixserve.model.llama import RMSNorm, rotate
 
-rowwise = pytest.mark.skipif(kernels.compiled is None or not hasattr(kernels.compiled, "silu_mul"),
-                             reason="the row-wise kernels are built with AVX-512 only")
+
+
+@pytest.fixture
+def compiled(kernel_variant):
+    """Each variant this CPU runs that has the row-wise kernels (every one with a fused multiply-add)."""
+    if not kernel_variant.has_rowwise:
+        pytest.skip(f"the {kernel_variant.variant} variant has no row-wise kernels (no fused multiply-add)")
+    return kernel_variant
 
 
 def _generator() -> torch.Generator:
@@ -29,9 +35,8 @@ def _each_row_alone(function, *row_tensors) -> torch.Tensor:
     return torch.cat([function(*(tensor[r:r + 1].clone() for tensor in row_tensors)) for r in rows])
 
 
-@rowwise
 @pytest.mark.parametrize("rows, width", [(1, 512), (7, 576), (300, 16), (2020, 512)])
-def test_rms_norm_matches_the_reference_and_each_row_is_its_own(rows, width, monkeypatch):
+def test_rms_norm_matches_the_reference_and_each_row_is_its_own(rows, width, monkeypatch, compiled):
     generator = _generator()
     x = torch.randn(rows, width, generator=generator) * 3
     norm = RMSNorm(width, 1e-5)
@@ -40,33 +45,31 @@ def test_rms_norm_matches_the_reference_and_each_row_is_its_own(rows, width, mon
         got = norm(x)
         monkeypatch.setattr(llama_module, "rowwise_for", lambda tensor: None)
         expected = norm(x)  # llama.py's PyTorch ops
-    assert torch.equal(got, kernels.compiled.rms_norm(x, norm.weight, 1e-5))  # norm(x) took the kernel
+    assert torch.equal(got, compiled.rms_norm(x, norm.weight, 1e-5))  # norm(x) took the kernel
     torch.testing.assert_close(got, expected, rtol=2e-6, atol=1e-6)
-    assert torch.equal(got, _each_row_alone(lambda row: kernels.compiled.rms_norm(row, norm.weight, 1e-5), x))
+    assert torch.equal(got, _each_row_alone(lambda row: compiled.rms_norm(row, norm.weight, 1e-5), x))
 
 
-@rowwise
 @pytest.mark.parametrize("rows", [1, 9, 2020])
-def test_add_rms_norm_adds_in_place_and_normalises_the_sum(rows):
+def test_add_rms_norm_adds_in_place_and_normalises_the_sum(rows, compiled):
     generator = _generator()
     x, delta = torch.randn(rows, 512, generator=generator), torch.randn(rows, 512, generator=generator)
     weight = torch.randn(512, generator=generator)
     residual = x.clone()
-    normed = kernels.compiled.add_rms_norm_(residual, delta, weight, 1e-6)
+    normed = compiled.add_rms_norm_(residual, delta, weight, 1e-6)
     assert torch.equal(residual, x + delta)  # the residual stream rounds as PyTorch's add
-    assert torch.equal(normed, kernels.compiled.rms_norm(x + delta, weight, 1e-6))
+    assert torch.equal(normed, compiled.rms_norm(x + delta, weight, 1e-6))
 
 
-@rowwise
 @pytest.mark.parametrize("rows, heads, head_dim", [(1, 12, 64), (33, 3, 128), (2020, 12, 64)])
-def test_rotate_heads_is_llama_rotate_bit_for_bit_and_leaves_the_other_columns(rows, heads, head_dim):
+def test_rotate_heads_is_llama_rotate_bit_for_bit_and_leaves_the_other_columns(rows, heads, head_dim, compiled):
     generator = _generator()
     columns = heads * head_dim + 2 * head_dim  # the v columns after q and k are not rotated
     qkv = torch.randn(rows, columns, generator=generator)
     angles = torch.randn(rows, head_dim // 2, generator=generator) * 4
     cos, sin = angles.cos(), angles.sin()
     rotated = qkv.clone()
-    kernels.compiled.rotate_heads_(rotated, heads, head_dim, cos, sin)
+    compiled.rotate_heads_(rotated, heads, head_dim, cos, sin)
     qk = qkv[:, :heads * head_dim].view(rows, heads, head_dim)
     # The definition: x1 cos - x2 sin and x2 cos + x1 sin, a rounded product then one fused
     # multiply-add (float64 holds a float32 product exactly).
@@ -80,29 +83,25 @@ def test_rotate_heads_is_llama_rotate_bit_for_bit_and_leaves_the_other_columns(r
     assert torch.equal(rotated[:, heads * head_dim:], qkv[:, heads * head_dim:])
 
 
-@rowwise
 @pytest.mark.parametrize("rows, width", [(1, 1344), (5, 16), (2020, 1344)])
-def test_silu_mul_matches_the_reference_and_each_row_is_its_own(rows, width):
+def test_silu_mul_matches_the_reference_and_each_row_is_its_own(rows, width, compiled):
     generator = _generator()
     gate_up = torch.randn(rows, 2 * width, generator=generator) * 6
-    got = kernels.compiled.silu_mul(gate_up)
+    got = compiled.silu_mul(gate_up)
     gate, up = gate_up.split(width, dim=-1)
     torch.testing.assert_close(got, F.silu(gate) * up, rtol=2e-6, atol=1e-7)
-    assert torch.equal(got, _each_row_alone(kernels.compiled.silu_mul, gate_up))
+    assert torch.equal(got, _each_row_alone(compiled.silu_mul, gate_up))
 
 
-@rowwise
-def test_silu_mul_at_the_ends_of_float32():
+def test_silu_mul_at_the_ends_of_float32(compiled):
     gate = torch.tensor([-100.0, 100.0, 0.0, float("inf"), float("-inf"), float("nan"), -88.0, 88.0] + [1.0] * 8)
-    got = kernels.compiled.silu_mul(torch.cat([gate, torch.ones(16)])[None])[0]
+    got = compiled.silu_mul(torch.cat([gate, torch.ones(16)])[None])[0]
     expected = F.silu(gate)
     assert torch.equal(got.isnan(), expected.isnan())
     torch.testing.assert_close(got[~expected.isnan()], expected[~expected.isnan()], rtol=2e-6, atol=0)
 
 
-@rowwise
-def test_rowwise_kernels_refuse_what_they_cannot_take():
-    compiled = kernels.compiled
+def test_rowwise_kernels_refuse_what_they_cannot_take(compiled):
     x, weight = torch.zeros(2, 32), torch.ones(32)
     with pytest.raises(RuntimeError, match="multiple of 16"):
         compiled.rms_norm(torch.zeros(2, 24), torch.ones(24), 1e-5)
@@ -122,8 +121,7 @@ def test_rowwise_kernels_refuse_what_they_cannot_take():
         compiled.silu_mul(torch.zeros(2, 48))
 
 
-@rowwise
-def test_the_model_gives_the_same_tokens_with_and_without_the_rowwise_kernels(monkeypatch):
+def test_the_model_gives_the_same_tokens_with_and_without_the_rowwise_kernels(monkeypatch, compiled):
     """The whole float32 model, fused against llama.py's PyTorch ops (the fallback)."""
     from prefixserve import LLM, SamplingParams
 

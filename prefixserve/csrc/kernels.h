@@ -1,6 +1,10 @@
-// The compiled kernels' entry points on raw pointers: module.cpp checks the tensors (shapes,
-// dtypes, every block id of every range read) and calls these.
+// What one compiled variant (a build of the kernel sources for one instruction set) hands to the
+// binding module (module.cpp): its entry points on raw pointers, in a table of plain function
+// pointers. module.cpp checks the tensors (shapes, dtypes, every block id of every range read) and
+// calls through the table; Python picks the table (prefixserve.model.kernels).
 #pragma once
+
+#include <c10/util/BFloat16.h>
 
 #include <cstdint>
 
@@ -29,5 +33,30 @@ struct Queries {
 template <typename T>
 void causal_kernel(const Queries<T>& q, const PagedKV<T>& kv, const int64_t* query_start, const int64_t* seq_lens,
                    int64_t num_seqs, float scale, T* out);
+
+template <typename T>
+using CausalKernel = void (*)(const Queries<T>&, const PagedKV<T>&, const int64_t*, const int64_t*, int64_t, float, T*);
+
+// Bumped whenever the table's layout or a kernel's contract changes: module.cpp refuses a variant
+// built against another (a stale build left beside a new one).
+constexpr uint32_t KERNEL_TABLE_VERSION = 2;
+constexpr const char* KERNEL_TABLE_CAPSULE = "prefixserve.KernelTable";
+
+struct KernelTable {
+    uint32_t version;
+    const char* variant;  // the name setup.py built it under ("avx2", ...)
+    const char* backend;  // simd.h's backend ("avx512", "avx2", "neon", "portable")
+    int32_t lanes;        // float32 lanes of a vector
+    bool bf16_pairs;      // bf16 scores by the dot-product instruction
+    CausalKernel<float> causal_float32;
+    CausalKernel<at::BFloat16> causal_bfloat16;
+    // Row-wise float32 kernels (rowwise.h); null where the variant has none.
+    void (*rms_norm_rows)(const float*, int64_t, int64_t, const float*, float, float*);
+    void (*add_rms_norm_rows)(float*, const float*, int64_t, int64_t, const float*, float, float*);
+    void (*rotate_heads_rows)(float*, int64_t, int64_t, int64_t, int64_t, const float*, const float*);
+    void (*silu_mul_rows)(const float*, int64_t, int64_t, float*);
+    // The variant's float32 multiply-add peak (peak.h): flops done in `iterations` rounds.
+    int64_t (*multiply_add_flops)(int64_t iterations);
+};
 
 }  // namespace prefixserve

@@ -1,24 +1,47 @@
-// prefixserve._C: the compiled CPU kernels.
+// prefixserve._C: the binding of the compiled CPU kernels. Built once, for the baseline of the
+// architecture; the kernels themselves come in variants (prefixserve._kernels_<variant>, one build of
+// the kernel sources per instruction set, see setup.py), each a KernelTable. Every function here
+// takes the table to run as its first argument (prefixserve.model.kernels binds the one in use), so
+// several variants can serve one process (the tests compare them).
 //
 //   paged_causal   every row of a step (prefill chunks and decodes), a row at position p over keys
 //                  [0, p + 1), read in place from the paged KV cache, each row's bits its own whatever
 //                  else is in the call. Kernel: paged_causal.cpp. Reference: attention.py's plan path
 //                  (float32) and invariant_attention.py (bf16).
 //   rms_norm, add_rms_norm_, rotate_heads_, silu_mul
-//                  the decoder layer's row-wise float32 work, one pass each (AVX-512 builds only).
+//                  the decoder layer's row-wise float32 work, one pass each (variants with a fused
+//                  multiply-add: all but portable).
 //                  Kernels: rowwise.cpp. Reference: llama.py's RMSNorm, rotate and MLP.
 //
 // This file checks what a caller hands in (shapes, dtypes, every block id of every range read: a bad
-// table is an error, never a stray read) and dispatches on the dtype.
+// table is an error, never a stray read) and dispatches on the dtype and the variant.
 #include <torch/extension.h>
 
 #include "kernels.h"
-#include "rowwise.h"
 
 namespace {
 
+using prefixserve::KernelTable;
 using prefixserve::PagedKV;
 using prefixserve::Queries;
+
+// The KernelTable in a variant module's `table` capsule, checked for its layout version.
+const KernelTable& table_of(const py::object& capsule) {
+    void* pointer = PyCapsule_GetPointer(capsule.ptr(), prefixserve::KERNEL_TABLE_CAPSULE);
+    if (pointer == nullptr) throw py::error_already_set();
+    const auto& table = *static_cast<const KernelTable*>(pointer);
+    TORCH_CHECK(table.version == prefixserve::KERNEL_TABLE_VERSION, "kernel variant ", table.variant,
+                " was built for table version ", table.version, ", this binding reads version ",
+                prefixserve::KERNEL_TABLE_VERSION, ": reinstall with `pip install -e .`");
+    return table;
+}
+
+// The variant's row-wise kernel, or an error where it has none.
+template <typename F>
+F rowwise_of(const KernelTable& table, F kernel) {
+    TORCH_CHECK(kernel != nullptr, "kernel variant ", table.variant, " has no row-wise kernels");
+    return kernel;
+}
 
 void check_inputs(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                   std::initializer_list<const torch::Tensor*> indices) {
@@ -59,9 +82,10 @@ PagedKV<T> paged_kv_of(const torch::Tensor& k_cache, const torch::Tensor& v_cach
             tables.data_ptr<int64_t>(), tables.stride(0)};
 }
 
-torch::Tensor paged_causal(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+torch::Tensor paged_causal(const py::object& capsule, const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                            const torch::Tensor& tables, const torch::Tensor& query_start, const torch::Tensor& seq_lens,
                            double scale) {
+    const KernelTable& kernels = table_of(capsule);
     check_inputs(q, k_cache, v_cache, {&tables, &query_start, &seq_lens});
     const int64_t num_seqs = seq_lens.size(0), num_heads = q.size(1), head_dim = q.size(2);
     const int64_t block_size = k_cache.size(1);
@@ -78,18 +102,16 @@ torch::Tensor paged_causal(const torch::Tensor& q, const torch::Tensor& k_cache,
     auto out = torch::empty({q.size(0), num_heads, head_dim}, q.options());
     AT_DISPATCH_SWITCH(q.scalar_type(), "paged_causal",
         AT_DISPATCH_CASE(torch::kFloat32, [&] {
-            prefixserve::causal_kernel<float>(queries_of<float>(q), paged_kv_of<float>(k_cache, v_cache, tables), start,
-                                              lens, num_seqs, static_cast<float>(scale), out.data_ptr<float>());
+            kernels.causal_float32(queries_of<float>(q), paged_kv_of<float>(k_cache, v_cache, tables), start, lens,
+                                   num_seqs, static_cast<float>(scale), out.data_ptr<float>());
         })
         AT_DISPATCH_CASE(torch::kBFloat16, [&] {
-            prefixserve::causal_kernel<at::BFloat16>(
-                queries_of<at::BFloat16>(q), paged_kv_of<at::BFloat16>(k_cache, v_cache, tables), start, lens, num_seqs,
-                static_cast<float>(scale), out.data_ptr<at::BFloat16>());
+            kernels.causal_bfloat16(queries_of<at::BFloat16>(q), paged_kv_of<at::BFloat16>(k_cache, v_cache, tables),
+                                    start, lens, num_seqs, static_cast<float>(scale), out.data_ptr<at::BFloat16>());
         }));
     return out;
 }
 
-#if defined(__AVX512F__)
 void check_rows(const torch::Tensor& x, const char* name) {
     TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
                 name, " must be a contiguous float32 CPU tensor [rows, width]");
@@ -102,28 +124,35 @@ void check_weight(const torch::Tensor& weight, const torch::Tensor& x) {
                 "weight must be a contiguous float32 CPU tensor of x's width");
 }
 
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+torch::Tensor rms_norm(const py::object& capsule, const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+    const KernelTable& kernels = table_of(capsule);
+    const auto kernel = rowwise_of(kernels, kernels.rms_norm_rows);
     check_rows(x, "x");
     check_weight(weight, x);
     auto out = torch::empty_like(x);
-    prefixserve::rms_norm_rows(x.data_ptr<float>(), x.size(0), x.size(1), weight.data_ptr<float>(),
-                               static_cast<float>(eps), out.data_ptr<float>());
+    kernel(x.data_ptr<float>(), x.size(0), x.size(1), weight.data_ptr<float>(), static_cast<float>(eps),
+           out.data_ptr<float>());
     return out;
 }
 
-torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& delta, const torch::Tensor& weight, double eps) {
+torch::Tensor add_rms_norm_(const py::object& capsule, torch::Tensor& x, const torch::Tensor& delta,
+                            const torch::Tensor& weight, double eps) {
+    const KernelTable& kernels = table_of(capsule);
+    const auto kernel = rowwise_of(kernels, kernels.add_rms_norm_rows);
     check_rows(x, "x");
     check_rows(delta, "delta");
     TORCH_CHECK(delta.sizes() == x.sizes(), "delta must have x's shape");
     check_weight(weight, x);
     auto out = torch::empty_like(x);
-    prefixserve::add_rms_norm_rows(x.data_ptr<float>(), delta.data_ptr<float>(), x.size(0), x.size(1),
-                                   weight.data_ptr<float>(), static_cast<float>(eps), out.data_ptr<float>());
+    kernel(x.data_ptr<float>(), delta.data_ptr<float>(), x.size(0), x.size(1), weight.data_ptr<float>(),
+           static_cast<float>(eps), out.data_ptr<float>());
     return out;
 }
 
-void rotate_heads_(torch::Tensor& x, int64_t heads, int64_t head_dim, const torch::Tensor& cos,
-                   const torch::Tensor& sin) {
+void rotate_heads_(const py::object& capsule, torch::Tensor& x, int64_t heads, int64_t head_dim,
+                   const torch::Tensor& cos, const torch::Tensor& sin) {
+    const KernelTable& kernels = table_of(capsule);
+    const auto kernel = rowwise_of(kernels, kernels.rotate_heads_rows);
     TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1,
                 "x must be a float32 CPU tensor [rows, columns] with contiguous columns");
     TORCH_CHECK(heads >= 0 && head_dim > 0 && head_dim % 32 == 0 && heads * head_dim <= x.size(1),
@@ -135,29 +164,48 @@ void rotate_heads_(torch::Tensor& x, int64_t heads, int64_t head_dim, const torc
                         table->numel() == x.size(0) * (head_dim / 2),
                     "cos and sin must be contiguous float32 with head_dim / 2 values per row of x");
     }
-    prefixserve::rotate_heads_rows(x.data_ptr<float>(), x.size(0), x.stride(0), heads, head_dim,
-                                   cos.data_ptr<float>(), sin.data_ptr<float>());
+    kernel(x.data_ptr<float>(), x.size(0), x.stride(0), heads, head_dim, cos.data_ptr<float>(), sin.data_ptr<float>());
 }
 
-torch::Tensor silu_mul(const torch::Tensor& gate_up) {
+torch::Tensor silu_mul(const py::object& capsule, const torch::Tensor& gate_up) {
+    const KernelTable& kernels = table_of(capsule);
+    const auto kernel = rowwise_of(kernels, kernels.silu_mul_rows);
     check_rows(gate_up, "gate_up");
     TORCH_CHECK(gate_up.size(1) % 32 == 0, "gate_up's width must be twice a multiple of 16");
     const int64_t width = gate_up.size(1) / 2;
     auto out = torch::empty({gate_up.size(0), width}, gate_up.options());
-    prefixserve::silu_mul_rows(gate_up.data_ptr<float>(), gate_up.size(0), width, out.data_ptr<float>());
+    kernel(gate_up.data_ptr<float>(), gate_up.size(0), width, out.data_ptr<float>());
     return out;
 }
-#endif
+
+int64_t multiply_add_flops(const py::object& capsule, int64_t iterations) {
+    TORCH_CHECK(iterations > 0, "iterations must be positive");
+    const KernelTable& kernels = table_of(capsule);
+    py::gil_scoped_release released;
+    return kernels.multiply_add_flops(iterations);
+}
+
+// What a variant's table says of itself, for prefixserve.model.kernels.
+py::dict describe(const py::object& capsule) {
+    const KernelTable& kernels = table_of(capsule);
+    py::dict info;
+    info["variant"] = kernels.variant;
+    info["backend"] = kernels.backend;
+    info["lanes"] = kernels.lanes;
+    info["bf16_pairs"] = kernels.bf16_pairs;
+    info["rowwise"] = kernels.silu_mul_rows != nullptr;
+    return info;
+}
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "prefixserve's compiled CPU kernels (the pure-PyTorch paths in prefixserve.model are their reference)";
     m.def("paged_causal", &paged_causal, "causal attention of every row of a step, each row alike in any batch");
-#if defined(__AVX512F__)
     m.def("rms_norm", &rms_norm, "RMSNorm of each row of float32 x [rows, width], times weight");
     m.def("add_rms_norm_", &add_rms_norm_, "x += delta in place, then RMSNorm(x) * weight");
     m.def("rotate_heads_", &rotate_heads_, "rotate the first heads of each row of x in place (rotate-half)");
     m.def("silu_mul", &silu_mul, "silu(gate) * up of gate_up [rows, 2 width]");
-#endif
+    m.def("describe", &describe, "what a variant's kernel table says of itself");
+    m.def("multiply_add_flops", &multiply_add_flops, "run the variant's multiply-add peak loop; its flops");
 }

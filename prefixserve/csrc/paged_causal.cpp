@@ -2,32 +2,67 @@
 // attends to keys [0, p + 1). Every row of every step, prefill chunks and decodes, float32 and bf16
 // (attention.py calls nothing else where the kernel is built).
 //
-// A work item is up to ROWS consecutive rows of one sequence and one KV head: ROWS x group query
-// vectors. Keys go by in steps of STEP = 32 positions aligned to multiples of 32 (absolute positions),
-// each step two tiles of 16:
+// Written once over simd.h and compiled once per CPU variant (W float32 lanes: 16 on AVX-512, 8 on
+// AVX2, 4 on NEON and portable). A work item is up to ROWS consecutive rows of one sequence and one
+// KV head: ROWS x group query vectors. Keys go by in steps of STEP = 32 positions aligned to
+// multiples of 32 (absolute positions), each step TILES = 32 / W tiles of W keys:
 //
 //   key tile, transposed in registers     key_t[c] lane k = element c of key k (a bf16 pair, or a float)
-//   a vector's 16 scores per tile         sum over c of q[c] * key_t[c]: bf16 pairs in CHAINS running
-//                                         sums (c mod CHAINS) added in a fixed tree; floats in one
-//                                         running sum, c in turn. One register either way
+//   a vector's W scores per tile          sum over c of q[c] * key_t[c]: bf16 pairs (AVX512_BF16) in
+//                                         CHAINS running sums (c mod CHAINS) added in a fixed tree;
+//                                         floats in one running sum, c in turn. One register either way
 //   online softmax step over 32 scores    running max and sum, float32
 //   values                                acc += w[k] * value[k] for k = 0 .. 31 in turn, float32
 //
 // Each vector's sums are the same operations in the same order whatever other rows share its item:
 // a decode (1 row), a prefill chunk, wherever the chunk starts. A row's bits are its own, so a
 // cache hit, a different batch or another chunking gives the same tokens (tests/test_model_kernels.py).
-// Vectors are computed in blocks (PAIR_BLOCK, FLOAT_BLOCK, VALUE_BLOCK) only so that one load of a
-// key or value register serves several of them; blocking changes no vector's order of operations.
+// Vectors are computed in blocks (PAIR_BLOCK, FLOAT_BLOCK, VALUE_BLOCK, sized to each variant's
+// registers) only so that one load of a key or value register serves several of them; blocking
+// changes no vector's order of operations. head_dim not a multiple of W takes the scalar path of
+// attention_tiles.h, a row at a time.
 #include "attention_tiles.h"
 #include "kernels.h"
+#include "simd.h"
 
 #include <ATen/Parallel.h>
 
 namespace prefixserve {
 namespace {
 
+using simd::vf;
+using simd::W;
+
 constexpr int64_t ROWS = 32;  // rows of one sequence a work item takes
-constexpr int64_t STEP = 2 * TILE;  // keys per online-softmax step: two 16-key tiles
+constexpr int64_t STEP = 32;  // keys per online-softmax step
+constexpr int64_t TILE = W;   // keys per tile: one register of scores
+constexpr int TILES = STEP / W;
+static_assert(STEP % W == 0, "a step is a whole number of tiles");
+
+// Register blocking per variant: vectors scored together (FLOAT_BLOCK x FLOAT_PASS accumulators),
+// tiles each float32 scoring pass holds, vectors whose values are summed together (VALUE_BLOCK x
+// VALUE_WIDTH accumulators of W dims). AVX-512 and NEON have 32 registers, AVX2 16.
+#if defined(PREFIXSERVE_SIMD_AVX512)
+constexpr int FLOAT_BLOCK = 8, FLOAT_PASS = 2, VALUE_BLOCK = 6, VALUE_WIDTH = 4;
+#elif defined(PREFIXSERVE_SIMD_NEON)
+constexpr int FLOAT_BLOCK = 4, FLOAT_PASS = 4, VALUE_BLOCK = 4, VALUE_WIDTH = 4;
+#elif defined(PREFIXSERVE_SIMD_AVX2)
+constexpr int FLOAT_BLOCK = 4, FLOAT_PASS = 2, VALUE_BLOCK = 2, VALUE_WIDTH = 4;
+#else  // portable: 4-lane vectors, 16 registers on baseline x86-64
+constexpr int FLOAT_BLOCK = 4, FLOAT_PASS = 2, VALUE_BLOCK = 2, VALUE_WIDTH = 4;
+#endif
+static_assert(TILES % FLOAT_PASS == 0, "scoring passes cover the step's tiles");
+
+// bf16 scores by the bf16 dot-product instruction (AVX512_BF16): lane i of a chunk sums the pair
+// (2i, 2i + 1); used when head_dim is a multiple of 32.
+template <typename T>
+constexpr bool bf16_pairs_for() {
+#if defined(__AVX512BF16__)
+    return std::is_same<T, at::BFloat16>::value;
+#else
+    return false;
+#endif
+}
 
 // A query row: its sequence's block table, its position (it reads keys [0, position + 1)), its row of q.
 struct Row {
@@ -57,58 +92,33 @@ struct CausalScratch {
           weights(ROWS * group * STEP), key_t(head_dim * STEP), values(STEP * head_dim), zeros(head_dim, 0.f) {}
 };
 
-#if defined(__AVX512F__)
+#if defined(__AVX512BF16__)
 constexpr int CHAINS = 4;        // bf16: running sums per score, enough independent chains for one decode row
 constexpr int PAIR_BLOCK = 6;    // bf16 vectors scored together, a tile at a time: 6 x CHAINS accumulators
-constexpr int FLOAT_BLOCK = 8;   // float32 vectors scored together against both tiles: 8 x 2 accumulators
+#else
+constexpr int PAIR_BLOCK = 1;
+#endif
 constexpr int SCORE_BLOCK = std::max(PAIR_BLOCK, FLOAT_BLOCK);
-constexpr int VALUE_BLOCK = 6;   // vectors whose values are summed together: 6 x 4 registers of 16 dims
-constexpr int VALUE_WIDTH = 4;   // registers of 16 dims a value pass holds per vector
-
-// 16 registers of 16 32-bit lanes, transposed in place: afterwards r[j] lane k = before r[k] lane j.
-inline void transpose16(__m512 r[16]) {
-    __m512 t[16], u[16];
-    for (int m = 0; m < 8; ++m) {
-        t[2 * m] = _mm512_unpacklo_ps(r[2 * m], r[2 * m + 1]);
-        t[2 * m + 1] = _mm512_unpackhi_ps(r[2 * m], r[2 * m + 1]);
-    }
-    for (int m = 0; m < 4; ++m) {  // u[4m + e], 128-bit lane L: rows 4m .. 4m + 3 at element 4L + e
-        const __m512d a = _mm512_castps_pd(t[4 * m]), b = _mm512_castps_pd(t[4 * m + 2]);
-        const __m512d c = _mm512_castps_pd(t[4 * m + 1]), d = _mm512_castps_pd(t[4 * m + 3]);
-        u[4 * m] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
-        u[4 * m + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
-        u[4 * m + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
-        u[4 * m + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
-    }
-    for (int e = 0; e < 4; ++e) {
-        const __m512 x0 = _mm512_shuffle_f32x4(u[e], u[4 + e], 0x88), x1 = _mm512_shuffle_f32x4(u[e], u[4 + e], 0xDD);
-        const __m512 y0 = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0x88);
-        const __m512 y1 = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0xDD);
-        r[e] = _mm512_shuffle_f32x4(x0, y0, 0x88);
-        r[8 + e] = _mm512_shuffle_f32x4(x0, y0, 0xDD);
-        r[4 + e] = _mm512_shuffle_f32x4(x1, y1, 0x88);
-        r[12 + e] = _mm512_shuffle_f32x4(x1, y1, 0xDD);
-    }
-}
 
 // Keys as 32-bit elements: bf16 pairs (PAIRS: the bf16 dot-product instruction multiplies a pair
 // per lane) or floats. `elements` per key, a multiple of 16.
 template <typename T, bool PAIRS>
-inline __m512 load_elements(const T* key, int64_t e) {
-    if constexpr (PAIRS) {
-        return _mm512_castsi512_ps(_mm512_loadu_si512(reinterpret_cast<const uint32_t*>(key) + e));
+inline vf load_elements(const T* key, int64_t e) {
+    if constexpr (PAIRS) {  // the raw bits of W pairs, never converted
+        return simd::load(reinterpret_cast<const float*>(reinterpret_cast<const uint32_t*>(key) + e));
     } else {
-        return load16(key + e);
+        return simd::load(key + e);
     }
 }
 
+// n keys of a tile (zeros for the rest), transposed: key_t[c * W + k] = element c of key k.
 template <typename T, bool PAIRS>
 inline void load_key_tile(const T* const* key_of, int64_t n, int64_t elements, float* key_t) {
-    for (int64_t e0 = 0; e0 < elements; e0 += 16) {
-        __m512 r[16];
-        for (int64_t k = 0; k < 16; ++k) r[k] = k < n ? load_elements<T, PAIRS>(key_of[k], e0) : _mm512_setzero_ps();
-        transpose16(r);
-        for (int64_t c = 0; c < 16; ++c) _mm512_storeu_ps(key_t + (e0 + c) * 16, r[c]);
+    for (int64_t e0 = 0; e0 < elements; e0 += W) {
+        vf r[W];
+        for (int64_t k = 0; k < W; ++k) r[k] = k < n ? load_elements<T, PAIRS>(key_of[k], e0) : simd::zero();
+        simd::transpose(r);
+        for (int64_t c = 0; c < W; ++c) simd::store(key_t + (e0 + c) * W, r[c]);
     }
 }
 
@@ -125,9 +135,9 @@ inline void with_block(int64_t count, Body&& body) {
     body(std::integral_constant<int, N>{});
 }
 
-// bf16 scores of NV vectors (pairs [NV][elements]) against one key tile, times scale.
+// bf16 scores of NV vectors (pairs [NV][elements]) against one key tile, times scale (AVX512_BF16).
 template <int NV>
-inline void score_pairs(const uint32_t* query, int64_t elements, const float* key_t, float scale, __m512* scores) {
+inline void score_pairs(const uint32_t* query, int64_t elements, const float* key_t, float scale, vf* scores) {
 #if defined(__AVX512BF16__)
     __m512 sum[NV][CHAINS];
     for (int v = 0; v < NV; ++v) {
@@ -147,106 +157,121 @@ inline void score_pairs(const uint32_t* query, int64_t elements, const float* ke
         const __m512 total = _mm512_add_ps(_mm512_add_ps(sum[v][0], sum[v][1]), _mm512_add_ps(sum[v][2], sum[v][3]));
         scores[v] = _mm512_mul_ps(total, _mm512_set1_ps(scale));
     }
+#else
+    (void)query, (void)elements, (void)key_t, (void)scale, (void)scores;
 #endif
 }
 
-// float32 scores of NV vectors (q * scale, [NV][elements]) against both tiles of the step, one running
-// sum each: per element, two key registers serve 2 NV multiply-adds, and 2 NV independent sums keep
-// the multiply-add units busy (a block of four vectors' sums measured 1.5x slower: latency-bound).
+// float32 scores of NV vectors (q * scale, [NV][elements]) against the step's TILES tiles, one running
+// sum each, FLOAT_PASS tiles a pass: per element, FLOAT_PASS key registers serve FLOAT_PASS x NV
+// multiply-adds, and as many independent sums keep the multiply-add units busy (on AVX-512 a block of
+// four vectors' sums measured 1.5x slower than eight: latency-bound). scores[v * TILES + t].
 // Not inlined: inlined into attend_rows it measured 6-8% slower over the whole prefill (registers).
 template <int NV>
-__attribute__((noinline)) void score_floats(const float* query, int64_t elements, const float* key_t, __m512* low,
-                                             __m512* high) {
-    __m512 a[NV], b[NV];
-    for (int v = 0; v < NV; ++v) a[v] = b[v] = _mm512_setzero_ps();
-    const float* key_high = key_t + elements * TILE;
-    for (int64_t c = 0; c < elements; ++c) {
-        const __m512 k_low = _mm512_loadu_ps(key_t + c * 16), k_high = _mm512_loadu_ps(key_high + c * 16);
+__attribute__((noinline)) void score_floats(const float* query, int64_t elements, const float* key_t, vf* scores) {
+    for (int t0 = 0; t0 < TILES; t0 += FLOAT_PASS) {
+        vf sum[NV][FLOAT_PASS];
         for (int v = 0; v < NV; ++v) {
-            const __m512 q = _mm512_set1_ps(query[v * elements + c]);
-            a[v] = _mm512_fmadd_ps(q, k_low, a[v]);
-            b[v] = _mm512_fmadd_ps(q, k_high, b[v]);
+            for (int p = 0; p < FLOAT_PASS; ++p) sum[v][p] = simd::zero();
         }
-    }
-    for (int v = 0; v < NV; ++v) {
-        low[v] = a[v];
-        high[v] = b[v];
+        const float* tiles = key_t + t0 * elements * TILE;
+        for (int64_t c = 0; c < elements; ++c) {
+            vf key[FLOAT_PASS];
+            for (int p = 0; p < FLOAT_PASS; ++p) key[p] = simd::load(tiles + (p * elements + c) * TILE);
+            for (int v = 0; v < NV; ++v) {
+                const vf q = simd::set1(query[v * elements + c]);
+                for (int p = 0; p < FLOAT_PASS; ++p) sum[v][p] = simd::fmadd(q, key[p], sum[v][p]);
+            }
+        }
+        for (int v = 0; v < NV; ++v) {
+            for (int p = 0; p < FLOAT_PASS; ++p) scores[v * TILES + t0 + p] = sum[v][p];
+        }
     }
 }
 
-// A block of `count` vectors' scores for the step: keys 0-15 in low, 16-31 in high (zeros past the
-// step's keys, masked out by the caller).
+// A block of `count` vectors' scores for the step, scores[v * TILES + t] for keys t W .. t W + W - 1;
+// tiles past `live_tiles` hold what the caller masks out.
 template <bool PAIRS>
 inline void score_step(int64_t count, const QueryElement<PAIRS>* query, int64_t elements, const float* key_t,
-                       bool two_tiles, float scale, __m512* low, __m512* high) {
+                       int64_t live_tiles, float scale, vf* scores) {
     if constexpr (PAIRS) {
         with_block<PAIR_BLOCK>(count, [&](auto nv) {
-            score_pairs<decltype(nv)::value>(query, elements, key_t, scale, low);
-            if (two_tiles) score_pairs<decltype(nv)::value>(query, elements, key_t + elements * TILE, scale, high);
+            constexpr int NV = decltype(nv)::value;
+            for (int t = 0; t < TILES; ++t) {
+                vf tile[NV];
+                if (t < live_tiles) {
+                    score_pairs<NV>(query, elements, key_t + t * elements * TILE, scale, tile);
+                } else {
+                    std::fill(tile, tile + NV, simd::zero());
+                }
+                for (int v = 0; v < NV; ++v) scores[v * TILES + t] = tile[v];
+            }
         });
-        if (!two_tiles) std::fill(high, high + count, _mm512_setzero_ps());
     } else {
-        with_block<FLOAT_BLOCK>(count, [&](auto nv) {
-            score_floats<decltype(nv)::value>(query, elements, key_t, low, high);
-        });
+        with_block<FLOAT_BLOCK>(count, [&](auto nv) { score_floats<decltype(nv)::value>(query, elements, key_t, scores); });
     }
 }
 
-// One step's online softmax for one vector, its STEP scores in two registers (keys 0-15, 16-31):
-// the live lanes update the running max and sum, the sums so far are rescaled when the max grows,
-// and the step's weights (0 in dead lanes) go to `weights` for the value sums.
-inline void softmax_step(__m512 low, __m512 high, __mmask16 live_low, __mmask16 live_high, float& running_max,
-                         float& running_sum, float* acc, int64_t head_dim, float* weights) {
-    const __m512 none = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    low = _mm512_mask_mov_ps(none, live_low, low);
-    high = _mm512_mask_mov_ps(none, live_high, high);
-    const float new_max = std::max(running_max, _mm512_reduce_max_ps(_mm512_max_ps(low, high)));
-    const float correction = running_max == new_max ? 1.f
-                             : _mm512_cvtss_f32(exp16(_mm512_set1_ps(running_max - new_max)));
-    const __m512 top = _mm512_set1_ps(new_max);
-    const __m512 p_low = _mm512_maskz_mov_ps(live_low, exp16(_mm512_sub_ps(low, top)));
-    const __m512 p_high = _mm512_maskz_mov_ps(live_high, exp16(_mm512_sub_ps(high, top)));
-    _mm512_storeu_ps(weights, p_low);
-    _mm512_storeu_ps(weights + TILE, p_high);
-    running_sum = running_sum * correction + tree16(_mm512_add_ps(p_low, p_high));
+// One step's online softmax for one vector, its STEP scores in TILES registers of which the first n
+// lanes are live: they update the running max and sum, the sums so far are rescaled when the max
+// grows, and the step's weights (0 in dead lanes) go to `weights` for the value sums.
+inline void softmax_step(const vf* scores, int64_t n, float& running_max, float& running_sum, float* acc,
+                         int64_t head_dim, float* weights) {
+    const vf none = simd::set1(-std::numeric_limits<float>::infinity());
+    vf live[TILES];
+    for (int t = 0; t < TILES; ++t) live[t] = simd::keep_first(scores[t], n - t * TILE, none);
+    vf top_lanes = live[0];
+    for (int t = 1; t < TILES; ++t) top_lanes = simd::max(top_lanes, live[t]);
+    const float new_max = std::max(running_max, simd::max_lanes(top_lanes));
+    const float correction = running_max == new_max ? 1.f : simd::first_lane(simd::exp(simd::set1(running_max - new_max)));
+    const vf top = simd::set1(new_max);
+    vf p[TILES];
+    for (int t = 0; t < TILES; ++t) {
+        p[t] = simd::keep_first(simd::exp(simd::sub(live[t], top)), n - t * TILE, simd::zero());
+        simd::store(weights + t * TILE, p[t]);
+    }
+    for (int width = TILES / 2; width > 0; width /= 2) {  // the tiles' weights in a fixed tree
+        for (int t = 0; t < width; ++t) p[t] = simd::add(p[t], p[t + width]);
+    }
+    running_sum = running_sum * correction + simd::sum_lanes(p[0]);
     running_max = new_max;
     if (correction != 1.f) {
-        const __m512 c = _mm512_set1_ps(correction);
-        for (int64_t j = 0; j < head_dim; j += 16) _mm512_storeu_ps(acc + j, _mm512_mul_ps(_mm512_loadu_ps(acc + j), c));
+        const vf c = simd::set1(correction);
+        for (int64_t j = 0; j < head_dim; j += W) simd::store(acc + j, simd::mul(simd::load(acc + j), c));
     }
 }
 
-// acc[v][j .. j + 16 W) += sum over t of weights[v][t] * value_rows[t][j ..], t = 0 .. STEP - 1 in turn.
-template <int NV, int W>
+// acc[v][j .. j + WIDTH W) += sum over t of weights[v][t] * value_rows[t][j ..], t = 0 .. STEP - 1 in turn.
+template <int NV, int WIDTH>
 inline void value_block(float* acc, int64_t head_dim, const float* weights, const float* const* value_rows, int64_t j) {
-    __m512 a[NV][W];
+    vf a[NV][WIDTH];
     for (int v = 0; v < NV; ++v) {
-        for (int m = 0; m < W; ++m) a[v][m] = _mm512_loadu_ps(acc + v * head_dim + j + 16 * m);
+        for (int m = 0; m < WIDTH; ++m) a[v][m] = simd::load(acc + v * head_dim + j + W * m);
     }
     for (int t = 0; t < STEP; ++t) {
-        __m512 value[W];
-        for (int m = 0; m < W; ++m) value[m] = _mm512_loadu_ps(value_rows[t] + j + 16 * m);
+        vf value[WIDTH];
+        for (int m = 0; m < WIDTH; ++m) value[m] = simd::load(value_rows[t] + j + W * m);
         for (int v = 0; v < NV; ++v) {
-            const __m512 w = _mm512_set1_ps(weights[v * STEP + t]);
-            for (int m = 0; m < W; ++m) a[v][m] = _mm512_fmadd_ps(w, value[m], a[v][m]);
+            const vf w = simd::set1(weights[v * STEP + t]);
+            for (int m = 0; m < WIDTH; ++m) a[v][m] = simd::fmadd(w, value[m], a[v][m]);
         }
     }
     for (int v = 0; v < NV; ++v) {
-        for (int m = 0; m < W; ++m) _mm512_storeu_ps(acc + v * head_dim + j + 16 * m, a[v][m]);
+        for (int m = 0; m < WIDTH; ++m) simd::store(acc + v * head_dim + j + W * m, a[v][m]);
     }
 }
 
 template <int NV>
 inline void value_columns(float* acc, int64_t head_dim, const float* weights, const float* const* value_rows) {
     int64_t j = 0;
-    for (; j + 16 * VALUE_WIDTH <= head_dim; j += 16 * VALUE_WIDTH) {
+    for (; j + W * VALUE_WIDTH <= head_dim; j += W * VALUE_WIDTH) {
         value_block<NV, VALUE_WIDTH>(acc, head_dim, weights, value_rows, j);
     }
-    switch ((head_dim - j) / 16) {
-        case 3: value_block<NV, 3>(acc, head_dim, weights, value_rows, j); break;
-        case 2: value_block<NV, 2>(acc, head_dim, weights, value_rows, j); break;
-        case 1: value_block<NV, 1>(acc, head_dim, weights, value_rows, j); break;
-        default: break;
+    const int64_t rest = (head_dim - j) / W;  // registers left, fewer than VALUE_WIDTH
+    if (rest > 0) {
+        with_block<VALUE_WIDTH - 1>(rest, [&](auto width) {
+            value_block<NV, decltype(width)::value>(acc, head_dim, weights, value_rows, j);
+        });
     }
 }
 
@@ -261,7 +286,7 @@ void load_queries(const Queries<T>& q, const Row* rows, int64_t count, int64_t h
             if constexpr (PAIRS) {
                 std::memcpy(vector, head, head_dim * sizeof(T));  // pairs as stored; scale after the sums
             } else {
-                for (int64_t j = 0; j < head_dim; ++j) vector[j] = load(head, j) * scale;
+                for (int64_t j = 0; j < head_dim; ++j) vector[j] = load_scalar(head, j) * scale;
             }
         }
     }
@@ -273,6 +298,25 @@ QueryElement<PAIRS>* queries_in(CausalScratch& s) {
         return s.query_pairs.data();
     } else {
         return s.query_floats.data();
+    }
+}
+
+// Ask for the widest row's next step (keys and values) while this one computes: its rows sit in
+// other blocks, scattered over the pool, where the hardware's stride prefetch does not follow, and a
+// decode, computing little per key, waits on memory otherwise (AVX-512, 32 bf16 decodes at 1,000
+// tokens over scattered blocks: 3.1 -> 1.6 ms a layer).
+template <typename T>
+inline void prefetch_step(const PagedKV<T>& kv, const Blocks& blocks, int64_t first, int64_t last, int64_t slot_stride,
+                          int64_t h) {
+    const int64_t row_bytes = kv.head_dim * static_cast<int64_t>(sizeof(T));
+    for (int64_t p = first; p < last; ++p) {
+        const int64_t offset = blocks.slot(p) * slot_stride + h * kv.head_dim;
+        const char* key = reinterpret_cast<const char*>(kv.keys + offset);
+        const char* value = reinterpret_cast<const char*>(kv.values + offset);
+        for (int64_t byte = 0; byte < row_bytes; byte += 64) {
+            simd::prefetch(key + byte);
+            simd::prefetch(value + byte);
+        }
     }
 }
 
@@ -291,7 +335,7 @@ void attend_rows(const Row* rows, int64_t count, int64_t shift, const PagedKV<T>
     std::fill(s.running_sum.begin(), s.running_sum.begin() + vectors, 0.f);
     const T* key_of[STEP];
     const float* value_rows[STEP];
-    float* key_t = s.key_t.data();  // the step's two transposed tiles, one after the other
+    float* key_t = s.key_t.data();  // the step's tiles, transposed, one after the other
     const int64_t end = rows[count - 1].position + 1;
     int64_t first_row = 0;  // rows before it end before the step: positions ascend
     for (int64_t start = 0; start < end; start += STEP) {
@@ -313,46 +357,27 @@ void attend_rows(const Row* rows, int64_t count, int64_t shift, const PagedKV<T>
                     value_rows[t] = kv.values + offset;
                 } else {
                     float* row = s.values.data() + t * head_dim;
-                    for (int64_t j = 0; j < head_dim; j += 16) _mm512_storeu_ps(row + j, load16(kv.values + offset + j));
+                    for (int64_t j = 0; j < head_dim; j += W) simd::store(row + j, simd::load(kv.values + offset + j));
                     value_rows[t] = row;
                 }
             }
-            {   // Ask for the widest row's next step (keys and values) while this one computes: its rows sit
-                // in other blocks, scattered over the pool, where the hardware's stride prefetch does
-                // not follow, and a decode, computing little per key, waits on memory otherwise (32 bf16
-                // decodes at 1,000 tokens over scattered blocks: 3.1 -> 1.6 ms a layer). Written inline:
-                // the same loop as a separate function measured no faster than none at all.
-                const int64_t next = start + STEP, next_end = std::min(next + STEP, widest.position + 1);
-                const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(T));
-                for (int64_t p = next; p < next_end; ++p) {
-                    const int64_t offset = blocks.slot(p) * slot_stride + h * head_dim;
-                    const char* key = reinterpret_cast<const char*>(kv.keys + offset);
-                    const char* value = reinterpret_cast<const char*>(kv.values + offset);
-                    for (int64_t byte = 0; byte < row_bytes; byte += 64) {
-                        _mm_prefetch(key + byte, _MM_HINT_T0);
-                        _mm_prefetch(value + byte, _MM_HINT_T0);
-                    }
-                }
-            }
-            load_key_tile<T, PAIRS>(key_of, std::min(TILE, in_step), elements, key_t);
-            const bool two_tiles = in_step > TILE;
-            if (two_tiles || !PAIRS) {  // float32 scores both tiles at once: zeros where the step has no keys
-                load_key_tile<T, PAIRS>(key_of + TILE, std::max<int64_t>(0, in_step - TILE), elements,
-                                        key_t + elements * TILE);
+            prefetch_step(kv, blocks, start + STEP, std::min(start + 2 * STEP, widest.position + 1), slot_stride, h);
+            const int64_t live_tiles = (in_step + TILE - 1) / TILE;
+            for (int64_t t = 0; t < live_tiles; ++t) {  // tiles past them are masked out of every score
+                load_key_tile<T, PAIRS>(key_of + t * TILE, std::min(TILE, in_step - t * TILE), elements,
+                                        key_t + t * elements * TILE);
             }
             const int64_t run_vectors = run_end * group;
             constexpr int64_t block_size = PAIRS ? PAIR_BLOCK : FLOAT_BLOCK;
             for (int64_t v0 = run * group; v0 < run_vectors; v0 += block_size) {
                 const int64_t block = std::min<int64_t>(block_size, run_vectors - v0);
-                __m512 low[SCORE_BLOCK], high[SCORE_BLOCK];
-                score_step<PAIRS>(block, queries_in<PAIRS>(s) + v0 * elements, elements, key_t, two_tiles, scale, low,
-                                  high);
+                vf scores[SCORE_BLOCK * TILES];
+                score_step<PAIRS>(block, queries_in<PAIRS>(s) + v0 * elements, elements, key_t, live_tiles, scale,
+                                  scores);
                 for (int64_t v = v0; v < v0 + block; ++v) {
                     const int64_t n = std::min(STEP, rows[v / group].position + 1 - start);  // keys of the step it sees
-                    const __mmask16 live_low = static_cast<__mmask16>(n >= TILE ? 0xFFFFu : (1u << n) - 1u);
-                    const __mmask16 live_high = static_cast<__mmask16>(n > TILE ? (1u << (n - TILE)) - 1u : 0u);
-                    softmax_step(low[v - v0], high[v - v0], live_low, live_high, s.running_max[v], s.running_sum[v],
-                                  s.acc.data() + v * head_dim, head_dim, s.weights.data() + v * STEP);
+                    softmax_step(scores + (v - v0) * TILES, n, s.running_max[v], s.running_sum[v],
+                                 s.acc.data() + v * head_dim, head_dim, s.weights.data() + v * STEP);
                 }
             }
             for (int64_t v0 = run * group; v0 < run_vectors; v0 += VALUE_BLOCK) {
@@ -365,7 +390,6 @@ void attend_rows(const Row* rows, int64_t count, int64_t shift, const PagedKV<T>
         }
     }
 }
-#endif
 
 // Work items of up to ROWS rows, positions ascending. A prefill chunk's rows go ROWS at a time; the
 // decodes (one row each) of sequences whose tables start with the same block go together, so that
@@ -413,8 +437,8 @@ void causal_kernel(const Queries<T>& q, const PagedKV<T>& kv, const int64_t* que
     const int64_t group = q.num_heads / num_kv_heads;
     const int64_t slot_stride = num_kv_heads * head_dim;
     const int64_t shift = log2_exact(kv.block_size);
-    const bool vectorized = VECTOR_PATH && head_dim % 16 == 0;
-    const bool pairs = bf16_dot_for<T>() && head_dim % 32 == 0;
+    const bool vectorized = head_dim % W == 0;
+    const bool pairs = bf16_pairs_for<T>() && head_dim % 32 == 0;
     std::vector<Row> rows;
     const std::vector<int64_t> item_start = make_items(query_start, seq_lens, num_seqs, kv.tables, kv.table_stride, rows);
     const int64_t out_row_stride = q.num_heads * head_dim;
@@ -424,7 +448,6 @@ void causal_kernel(const Queries<T>& q, const PagedKV<T>& kv, const int64_t* que
         const Row* item_rows = rows.data() + item_start[item];
         const int64_t count = item_start[item + 1] - item_start[item];
         auto out_of = [&](const Row& row) { return out + row.q_row * out_row_stride + h * group * head_dim; };
-#if defined(__AVX512F__)
         if (vectorized) {
             if (pairs) {
                 load_queries<T, true>(q, item_rows, count, h, group, head_dim, scale, queries_in<true>(s));
@@ -439,8 +462,7 @@ void causal_kernel(const Queries<T>& q, const PagedKV<T>& kv, const int64_t* que
             }
             return;
         }
-#endif
-        // Portable path (no AVX-512, or head_dim not a multiple of 16): a row at a time.
+        // The scalar path (head_dim not a multiple of W): a row at a time.
         Scratch& one = row_scratch;
         for (int64_t r = 0; r < count; ++r) {
             const Row& row = item_rows[r];

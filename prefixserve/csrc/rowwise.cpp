@@ -1,42 +1,45 @@
 // The decoder layer's row-wise float32 work in one pass each, where PyTorch takes several (a pass
 // is a trip over [tokens, hidden] through memory): RMSNorm (and the residual add before it),
-// rotary embedding of q and k in place, SiLU(gate) * up.
+// rotary embedding of q and k in place, SiLU(gate) * up. Written over simd.h, compiled per variant.
 //
 // Each output element is computed from its own row only, in an order fixed by the row, so a token's
 // bits are the same in any batch. Against the PyTorch reference (llama.py): rotary and the residual
-// add round exactly as it does; RMSNorm's sum of squares runs in another order (16 running sums and
-// a fixed tree) and SiLU uses exp16, so those agree to float32 rounding (a few ulp), not bit for bit.
+// add round exactly as it does; RMSNorm's sum of squares runs in another order (W running sums and
+// a fixed tree) and SiLU uses simd::exp, so those agree to float32 rounding (a few ulp), not bit for bit.
 #include "rowwise.h"
 
-#include "attention_tiles.h"
+#include "simd.h"
 
 #include <ATen/Parallel.h>
 
+#if PREFIXSERVE_SIMD_FUSED  // rotary rounds as PyTorch's addcmul_: one fused multiply-add
 namespace prefixserve {
 
-#if defined(__AVX512F__)
+using simd::vf;
+using simd::W;
+
 namespace {
 
 // Rows per task: enough work that a thread's start-up is paid back, and one task for a decode step.
 int64_t grain_rows(int64_t width) { return std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(width, 1)); }
 
-// The sum of x[j]^2 over a row of `width` floats (a multiple of 16): 16 running sums, a fixed tree.
+// The sum of x[j]^2 over a row of `width` floats (a multiple of W): W running sums, a fixed tree.
 inline float sum_of_squares(const float* x, int64_t width) {
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < width; j += 16) {
-        const __m512 v = _mm512_loadu_ps(x + j);
-        sum = _mm512_add_ps(sum, _mm512_mul_ps(v, v));
+    vf sum = simd::zero();
+    for (int64_t j = 0; j < width; j += W) {
+        const vf v = simd::load(x + j);
+        sum = simd::add(sum, simd::mul(v, v));
     }
-    return tree16(sum);
+    return simd::sum_lanes(sum);
 }
 
 // out = x * (1 / sqrt(mean(x^2) + eps)) * weight, with each product rounded as the reference rounds it.
 inline void normalise_row(const float* x, const float* weight, int64_t width, float eps, float* out) {
     const float scale = 1.f / std::sqrt(sum_of_squares(x, width) / static_cast<float>(width) + eps);
-    const __m512 s = _mm512_set1_ps(scale);
-    for (int64_t j = 0; j < width; j += 16) {
-        const __m512 normed = _mm512_mul_ps(_mm512_loadu_ps(x + j), s);
-        _mm512_storeu_ps(out + j, _mm512_mul_ps(normed, _mm512_loadu_ps(weight + j)));
+    const vf s = simd::set1(scale);
+    for (int64_t j = 0; j < width; j += W) {
+        const vf normed = simd::mul(simd::load(x + j), s);
+        simd::store(out + j, simd::mul(normed, simd::load(weight + j)));
     }
 }
 
@@ -54,9 +57,7 @@ void add_rms_norm_rows(float* x, const float* delta, int64_t rows, int64_t width
         for (int64_t r = begin; r < end; ++r) {
             float* row = x + r * width;
             const float* d = delta + r * width;
-            for (int64_t j = 0; j < width; j += 16) {
-                _mm512_storeu_ps(row + j, _mm512_add_ps(_mm512_loadu_ps(row + j), _mm512_loadu_ps(d + j)));
-            }
+            for (int64_t j = 0; j < width; j += W) simd::store(row + j, simd::add(simd::load(row + j), simd::load(d + j)));
             normalise_row(row, weight, width, eps, out + r * width);
         }
     });
@@ -72,13 +73,13 @@ void rotate_heads_rows(float* x, int64_t rows, int64_t row_stride, int64_t heads
             for (int64_t h = 0; h < heads; ++h) {
                 float* x1 = x + r * row_stride + h * head_dim;
                 float* x2 = x1 + half;
-                for (int64_t j = 0; j < half; j += 16) {
-                    const __m512 a = _mm512_loadu_ps(x1 + j), b = _mm512_loadu_ps(x2 + j);
-                    const __m512 cj = _mm512_loadu_ps(c + j), sj = _mm512_loadu_ps(s + j);
+                for (int64_t j = 0; j < half; j += W) {
+                    const vf a = simd::load(x1 + j), b = simd::load(x2 + j);
+                    const vf cj = simd::load(c + j), sj = simd::load(s + j);
                     // x1 cos - x2 sin and x2 cos + x1 sin rounded as llama.py's rotate rounds them (a
                     // product, then PyTorch's addcmul_: one fused multiply-add).
-                    _mm512_storeu_ps(x1 + j, _mm512_fnmadd_ps(b, sj, _mm512_mul_ps(a, cj)));
-                    _mm512_storeu_ps(x2 + j, _mm512_fmadd_ps(a, sj, _mm512_mul_ps(b, cj)));
+                    simd::store(x1 + j, simd::fnmadd(b, sj, simd::mul(a, cj)));
+                    simd::store(x2 + j, simd::fmadd(a, sj, simd::mul(b, cj)));
                 }
             }
         }
@@ -86,22 +87,21 @@ void rotate_heads_rows(float* x, int64_t rows, int64_t row_stride, int64_t heads
 }
 
 void silu_mul_rows(const float* gate_up, int64_t rows, int64_t width, float* out) {
-    const __m512 one = _mm512_set1_ps(1.f);
+    const vf one = simd::set1(1.f);
     at::parallel_for(0, rows, grain_rows(2 * width), [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r) {
             const float* gate = gate_up + r * 2 * width;
             const float* up = gate + width;
             float* o = out + r * width;
-            for (int64_t j = 0; j < width; j += 16) {
-                const __m512 g = _mm512_loadu_ps(gate + j);
-                // silu(g) = g / (1 + e^-g); e^-g overflows to inf for g < -88, giving -0 as it should.
-                const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-                _mm512_storeu_ps(o + j, _mm512_mul_ps(silu, _mm512_loadu_ps(up + j)));
+            for (int64_t j = 0; j < width; j += W) {
+                const vf g = simd::load(gate + j);
+                // silu(g) = g / (1 + e^-g); e^-g overflows to inf for g < -88.7, giving -0 as it should.
+                const vf silu = simd::div(g, simd::add(one, simd::exp(simd::sub(simd::zero(), g))));
+                simd::store(o + j, simd::mul(silu, simd::load(up + j)));
             }
         }
     });
 }
 
-#endif
-
 }  // namespace prefixserve
+#endif

@@ -1,6 +1,5 @@
-"""prefixserve's compiled CPU kernels (prefixserve/csrc/, built by `pip install -e .`), or None.
-
-They have pure-PyTorch reference paths that stay the fallback and the test oracle:
+"""prefixserve's compiled CPU kernels (prefixserve/csrc/, built by `pip install -e .`) in the variant
+this CPU runs best, or None.
 
     paged_causal   every row of a step (prefill chunks and decodes),       reference: attention.py's plan
                    read in place from the paged cache; a row at p reads    path (float32) and
@@ -8,35 +7,164 @@ They have pure-PyTorch reference paths that stay the fallback and the test oracl
                    else is in the batch
     rms_norm, add_rms_norm_, rotate_heads_, silu_mul                       reference: llama.py's RMSNorm,
                    float32 row-wise work of a decoder layer in one pass    rotate and MLP
-                   each (AVX-512 builds only)
+                   each (every variant with a fused multiply-add)
 
-Where the extension was not built (no compiler at install time) a warning is logged once and
-the reference paths run. PREFIXSERVE_KERNELS=0 turns the kernels off (to compare the paths).
+The kernel sources are built once per instruction set (kernel_variants.py: portable, avx2, avx512,
+avx512_bf16 on x86-64; portable, neon on aarch64). At import the most capable variant whose
+instructions the CPU has is loaded; PREFIXSERVE_CPU_ISA=<variant> caps the choice (as
+ONEDNN_MAX_CPU_ISA and ATEN_CPU_CAPABILITY cap PyTorch's), PREFIXSERVE_KERNELS=0 turns the kernels
+off. Where nothing was built (no compiler at install time) a warning is logged once and the
+reference paths run. `variant()` names what runs: a variant, or "pytorch".
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+import importlib.util
 import logging
 import os
+from typing import Optional
 
 import torch
 
+from .kernel_variants import Variant, module_name, variants_for
+
 logger = logging.getLogger("prefixserve.model")
 
+CAP_VARIABLE = "PREFIXSERVE_CPU_ISA"
+PYTORCH = "pytorch"  # variant() where no compiled kernel runs
 
-def _load():
+# /proc/cpuinfo flag -> the name torch's cpuinfo report gives it (the fallback reads the former).
+_PROC_FLAGS = {"avx2": "avx2", "fma": "fma3", "avx512f": "avx512_f", "avx512bw": "avx512_bw",
+               "avx512dq": "avx512_dq", "avx512vl": "avx512_vl", "avx512_bf16": "avx512_bf16",
+               "amx_bf16": "amx_bf16", "amx_tile": "amx_tile", "avx512_vnni": "avx512_vnni"}
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_features() -> frozenset[str]:
+    """The CPU's instruction-set features, named as torch's cpuinfo report names them (the OS's
+    support for the registers included): from PyTorch, else Linux's /proc/cpuinfo."""
+    report = getattr(torch._C._cpu, "_get_cpu_capability", None)
+    if report is not None:
+        return frozenset(name for name, present in report().items() if present is True)
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    return frozenset(_PROC_FLAGS[flag] for flag in flags if flag in _PROC_FLAGS)
+
+
+def cap() -> Optional[str]:
+    """PREFIXSERVE_CPU_ISA's variant, checked against this machine's variants; None when unset."""
+    value = os.environ.get(CAP_VARIABLE, "").strip().lower()
+    if not value:
+        return None
+    names = [variant.name for variant in variants_for()]
+    if value not in names:
+        raise ValueError(f"{CAP_VARIABLE}={value!r} names no kernel variant of this machine; "
+                         f"use one of {', '.join(names)} (or unset it for the best this CPU runs)")
+    return value
+
+
+def executable() -> tuple[Variant, ...]:
+    """The variants whose instructions this CPU has, least capable first (the cap not applied)."""
+    features = cpu_features()
+    return tuple(variant for variant in variants_for() if set(variant.needs) <= features)
+
+
+def allowed() -> tuple[Variant, ...]:
+    """The executable variants up to the cap, least capable first."""
+    limit = cap()
+    runnable = executable()
+    if limit is None:
+        return runnable
+    order = [variant.name for variant in variants_for()]
+    return tuple(variant for variant in runnable if order.index(variant.name) <= order.index(limit))
+
+
+def is_built(name: str) -> bool:
+    return importlib.util.find_spec(module_name(name)) is not None
+
+
+class CompiledKernels:
+    """One variant's kernels, each bound to its table: `compiled.paged_causal(q, k_cache, ...)`.
+    The row-wise kernels are attributes only where the variant has them."""
+
+    def __init__(self, binding, module) -> None:
+        self.table = module.table
+        info = binding.describe(self.table)
+        self.variant: str = info["variant"]
+        self.backend: str = info["backend"]
+        self.lanes: int = info["lanes"]
+        self.bf16_pairs: bool = info["bf16_pairs"]
+        self.has_rowwise: bool = info["rowwise"]
+        self.paged_causal = functools.partial(binding.paged_causal, self.table)
+        self.multiply_add_flops = functools.partial(binding.multiply_add_flops, self.table)  # benchmarks' peak
+        if self.has_rowwise:
+            self.rms_norm = functools.partial(binding.rms_norm, self.table)
+            self.add_rms_norm_ = functools.partial(binding.add_rms_norm_, self.table)
+            self.rotate_heads_ = functools.partial(binding.rotate_heads_, self.table)
+            self.silu_mul = functools.partial(binding.silu_mul, self.table)
+
+    def __repr__(self) -> str:
+        return f"CompiledKernels({self.variant!r}, {self.lanes} float32 lanes)"
+
+
+def load(name: str) -> CompiledKernels:
+    """The kernels of one variant; ValueError where this CPU cannot run it or it was not built."""
+    if name not in {variant.name for variant in executable()}:
+        raise ValueError(f"this CPU cannot run the {name!r} kernels (it runs "
+                         f"{', '.join(variant.name for variant in executable())})")
+    from prefixserve import _C  # ImportError where the binding was not built
+
+    return CompiledKernels(_C, importlib.import_module(module_name(name)))
+
+
+def available() -> tuple[str, ...]:
+    """The variants this CPU runs that were built, least capable first (the cap not applied): what the
+    tests run one after another."""
+    if importlib.util.find_spec("prefixserve._C") is None:
+        return ()
+    return tuple(variant.name for variant in executable() if is_built(variant.name))
+
+
+def _choose() -> Optional[CompiledKernels]:
     if os.environ.get("PREFIXSERVE_KERNELS", "1") == "0":
         return None
-    try:
-        from prefixserve import _C
-    except ImportError as error:
-        logger.warning("prefixserve's compiled kernels are not built (%s): attention runs the slower "
-                       "pure-PyTorch path. Reinstall with `pip install -e .` on a machine with gcc.", error)
-        return None
-    return _C
+    candidates = [variant.name for variant in allowed()]
+    for name in reversed(candidates):
+        if not is_built(name):
+            continue
+        try:
+            return load(name)
+        except ImportError as error:
+            logger.warning("prefixserve's %s kernels did not load (%s)", name, error)
+    logger.warning("prefixserve's compiled kernels are not built for this CPU (it runs %s; %s): attention runs "
+                   "the slower pure-PyTorch path. Reinstall with `pip install -e .` on a machine with gcc.",
+                   ", ".join(candidates) or "none of them", describe_build())
+    return None
 
 
-compiled = _load()
+def describe_build() -> str:
+    built = [variant.name for variant in variants_for() if is_built(variant.name)]
+    return "built: " + (", ".join(built) if built else "none")
+
+
+compiled = _choose()
+
+
+def variant() -> str:
+    """The compiled variant in use ("avx2", ...), or "pytorch" when no compiled kernel runs."""
+    return compiled.variant if compiled is not None else PYTORCH
+
+
+def describe() -> str:
+    """One line for the start-up log: what runs, what the CPU could run, the cap."""
+    limit = cap()
+    return (f"kernels: {variant()} (CPU runs {', '.join(v.name for v in executable()) or 'none'}; "
+            f"{describe_build()}" + (f"; capped at {limit} by {CAP_VARIABLE}" if limit else "") + ")")
 
 
 def _usable(k_cache: torch.Tensor) -> bool:
@@ -50,9 +178,9 @@ def causal_kernel_for(k_cache: torch.Tensor):
 
 
 def rowwise_for(x: torch.Tensor):
-    """The compiled module when its row-wise kernels take x (float32, CPU, contiguous), or None.
+    """The compiled kernels when their row-wise kernels take x (float32, CPU, contiguous), or None.
     Callers still check their widths (multiples of 16; head_dim a multiple of 32)."""
-    if (compiled is None or not hasattr(compiled, "silu_mul") or x.device.type != "cpu"
+    if (compiled is None or not compiled.has_rowwise or x.device.type != "cpu"
             or x.dtype != torch.float32 or not x.is_contiguous()):
         return None
     return compiled
