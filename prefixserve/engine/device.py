@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from ..config import EngineConfig
@@ -18,37 +16,35 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-@functools.lru_cache(maxsize=None)
 def cpu_has_fast_bfloat16() -> bool:
-    """True when the CPU has bf16 dot-product or tile instructions (Linux: /proc/cpuinfo flags)."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    """Whether bf16 is this CPU's fastest exact dtype: the kernel variant in use scores bf16 with the
+    CPU's bf16 dot-product instructions (avx512_bf16, not capped below it by PREFIXSERVE_CPU_ISA) and
+    oneDNN multiplies bf16 natively (not capped by ONEDNN_MAX_CPU_ISA). Elsewhere bf16 is served
+    exactly too (linear.py computes its matmuls in float32), only not faster than float32."""
+    from ..model import kernels
+    from ..model.linear import native_bfloat16_matmul
+
+    return kernels.variant() == "avx512_bf16" and native_bfloat16_matmul()
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """auto: bfloat16 on CUDA; on CPU, bfloat16 where the CPU has bf16 instructions and the compiled
-    kernel is built, else float32.
+    """auto: bfloat16 on CUDA; on CPU, the fastest exact dtype: bfloat16 where cpu_has_fast_bfloat16,
+    else float32.
 
     Why bfloat16 is safe on CPU: a cache hit must never change an output, and in bf16 rounding
     depends on the order of every sum. The compiled attention kernel (csrc/paged_causal.cpp) sums
-    each row in an order of its own and the linear layers round a lone row as in a batch, so a
-    token's numbers do not depend on its batch, its chunking or a cache hit: greedy tokens with
-    caching on and off are identical on 100% of benchmarks/compare.py's requests (vLLM's CPU build:
-    64%), and that exactness costs 1-10% over the --no-batch-invariant path (the agent loop's lone
-    decodes pay most). bf16 runs the suite 1.25-1.6x faster than float32. Without the compiled kernel
-    bf16's exact attention is the much slower invariant_attention.py, so auto stays float32.
+    each row in an order of its own and the linear layers are called only with row counts measured
+    to round a row as in any batch (model/row_calls.py), so a token's numbers do not depend on its
+    batch, its chunking or a cache hit: greedy tokens with caching on and off are identical on 100%
+    of benchmarks/compare.py's requests (vLLM's CPU build: 64%). On a CPU with bf16 instructions bf16
+    runs the suite 1.25-1.6x faster than float32 (AVX-512 BF16, measured on an AMD EPYC). Without
+    them (AVX2) bf16's matmuls run in float32 and cost more than float32 itself, so auto is float32.
     """
     if name != "auto":
         return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
     if device.type == "cuda":
         return torch.bfloat16
-    from ..model import kernels
-
-    return torch.bfloat16 if cpu_has_fast_bfloat16() and kernels.compiled is not None else torch.float32
+    return torch.bfloat16 if cpu_has_fast_bfloat16() else torch.float32
 
 
 def measure_cuda_kv_budget(loaded, config: EngineConfig, device: torch.device, dtype: torch.dtype,

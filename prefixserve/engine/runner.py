@@ -14,7 +14,6 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 
 from ..model import AttentionMetadata, LlamaForCausalLM, ModelConfig
-from ..model.llama import Linear
 from .outputs import TokenLogprob
 from .sampling import Sampler
 from .scheduler import ScheduledRequest
@@ -42,10 +41,13 @@ class ModelRunner:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
         seed: int = 0,
         batch_invariant: bool = True,
     ) -> None:
         self.batch_invariant = batch_invariant
+        self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.use_model(model)
         self.block_size = block_size
         self.device = device
@@ -59,10 +61,9 @@ class ModelRunner:
         self.sampler = Sampler(seed)
 
     def use_model(self, model: LlamaForCausalLM) -> None:
-        """Run `model` from now on (start-up, a hot reload), with this engine's batch-invariance choice."""
-        for module in model.modules():
-            if isinstance(module, Linear):
-                module.batch_invariant = self.batch_invariant
+        """Run `model` from now on (start-up, a hot reload), with this engine's batch-invariance choice:
+        each linear layer's row calls are measured for the step sizes this engine makes."""
+        model.plan_rows(self.batch_invariant, self.max_num_batched_tokens, self.max_num_seqs)
         self.model = model
 
     @property

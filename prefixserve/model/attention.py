@@ -31,7 +31,8 @@ That is the pure-PyTorch path. Where the compiled kernel is built (kernels.py, c
 every row of the step goes to it in one call instead: it reads each row's keys in place through the
 block table (no gather, no merge; decodes sharing a cached prefix share each transposed key tile),
 and each row's sums run in an order of its own, so in either dtype a row's attention does not
-depend on the batch or the chunking (bf16's batch invariance also needs llama.Linear's one-row rule).
+depend on the batch or the chunking (batch invariance also needs the linear layers' measured row calls,
+row_calls.py).
 """
 
 from __future__ import annotations

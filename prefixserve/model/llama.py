@@ -4,8 +4,8 @@ Reads like the reference (transformers' modeling_llama) with four serving change
   * tokens are flat [T, ...] (no batch axis); sequences are told apart by AttentionMetadata,
   * q/k/v and gate/up are fused into one matmul each (load_weights maps the HF names),
   * attention writes K/V into the paged cache and reads the context back from it,
-  * on CPU, `pack_linear_weights` lays the weights out once in oneDNN's blocked format: a plain
-    matmul re-packs its weight on every call, which dominates at decode batch sizes (about 2x),
+  * on CPU, `pack_linear_weights` lays the weights out once in oneDNN's blocked format, and calls
+    are sized so that a row's result never depends on its batch (linear.py),
   * the last layer attends and runs its MLP only for the rows whose outputs are used (`output_rows`:
     the sampled ones); every row's K/V is still written,
   * on CPU in float32, RMSNorm (with the residual add before it), rotary and SiLU * up run as
@@ -25,6 +25,7 @@ from torch import nn
 from .attention import AttentionMetadata, OutputRows, paged_attention, plan_step, write_kv
 from .attention_plan import StepPlan
 from .kernels import rowwise_for
+from .linear import Linear, native_bfloat16_matmul
 from .model_config import ModelConfig
 from .rope import RotaryEmbedding
 
@@ -32,33 +33,6 @@ PACKED_WEIGHTS_MAX_BYTES = 2 << 30  # packing keeps a second copy of each weight
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [blocks, block_size, kv_heads, d]
 Rotary = tuple[torch.Tensor, torch.Tensor]   # (cos, sin) of this step's positions, shared by all layers
-
-
-class Linear(nn.Linear):
-    """nn.Linear that uses a prepacked oneDNN weight once `pack` has run (CPU only)."""
-
-    packed: Optional[torch.Tensor] = None
-    # The packed weight serves every batch size (an empty batch takes F.linear). On this project's
-    # 2-core AVX-512 AMD CPU oneDNN's packed float32 kernel takes 0.19-0.62x MKL's sgemm time from
-    # 1 to 4,096 rows (2,048 x 512 -> 2,688: 11.0 against 25.7 ms; MKL takes its AVX2 path on AMD);
-    # bf16 is faster packed at every size too.
-    batch_invariant = True  # bf16: a one-row matmul rounds as in a batch (ModelRunner sets it per engine)
-
-    def pack(self, batch_size_hint: int) -> None:
-        """Lay the weight out for oneDNN; call again after the weight changes (bf16 results are
-        the same oneDNN kernels'; float32 differs from MKL's sgemm in summation order only)."""
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), batch_size_hint)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None or x.shape[0] == 0:
-            return F.linear(x, self.weight, self.bias)
-        if self.batch_invariant and x.shape[0] == 1 and x.dtype == torch.bfloat16:
-            # oneDNN's one-row bf16 kernel sums K=1,344 (the default model's down_proj) in another
-            # order than its 2+ row kernel: a lone decode would round differently from the same
-            # token in a batch (benchmarks/batch_invariance.py). Two copies of the row cost the same.
-            return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1).contiguous(), self.packed, self.bias,
-                                                      "none", [], "")[:1]
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
 class RMSNorm(nn.Module):
@@ -204,12 +178,14 @@ class LlamaForCausalLM(nn.Module):
         """Prepack every linear weight for oneDNN (CPU, float32 or bfloat16); True when done.
 
         Skipped (False) off the CPU, without oneDNN (these are the ops torch.compile's CPU backend
-        uses for frozen linears), or when the copies would exceed PACKED_WEIGHTS_MAX_BYTES.
+        uses for frozen linears), or when the copies would exceed PACKED_WEIGHTS_MAX_BYTES (bf16 on a
+        CPU without bf16 matmuls packs float32 copies: twice the bytes).
         `batch_size_hint` is the typical number of rows per matmul.
         """
         linears = [module for module in self.modules() if isinstance(module, Linear)]
         weight = self.embed_tokens.weight
-        packed_bytes = sum(module.weight.numel() for module in linears) * weight.element_size()
+        element_size = 4 if weight.dtype == torch.bfloat16 and not native_bfloat16_matmul() else weight.element_size()
+        packed_bytes = sum(module.weight.numel() for module in linears) * element_size
         if (weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16)
                 or not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise")
                 or packed_bytes > PACKED_WEIGHTS_MAX_BYTES):
@@ -239,6 +215,13 @@ class LlamaForCausalLM(nn.Module):
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             x = layer(x, rotary, kv_cache, meta, plan, kept if index == last else None)
         return self.norm(x)
+
+    def plan_rows(self, batch_invariant: bool, max_rows: int, max_sampled_rows: int) -> None:
+        """Every linear layer's row calls (linear.py): probed where batch invariance is asked for.
+        `max_rows` is a step's token budget; lm_head sees at most `max_sampled_rows` (one per sequence)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.plan_rows(batch_invariant, max_sampled_rows if module is self.lm_head else max_rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab]; pass only the rows whose next token is sampled."""

@@ -53,8 +53,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-waiting", type=int, metavar="N", default=256,
                         help="waiting requests past which new ones get HTTP 429")
     parser.add_argument("--dtype", default="auto", choices=DTYPES,
-                        help="weights and KV cache; auto is bfloat16 on CUDA and on CPUs with bf16 instructions "
-                             "(batch-invariant there: cache hits stay exact), else float32")
+                        help="weights and KV cache; auto is the fastest exact dtype: bfloat16 on CUDA and on CPUs "
+                             "with bf16 instructions, else float32 (bfloat16 is served exactly on every CPU)")
     parser.add_argument("--device", default="auto", choices=DEVICES, help="auto: cuda when available, else cpu")
     parser.add_argument("--block-size", type=int, metavar="N", default=16,
                         help="tokens per KV block, the unit of cache reuse")
@@ -69,8 +69,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "loading the model x 0.9)")
     parser.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching (a baseline)")
     parser.add_argument("--no-batch-invariant", action="store_true",
-                        help="bfloat16 on CPU: let outputs depend on batching and cache hits for speed (a lone "
-                             "decode's matmul up to 10%% faster; without the compiled kernel, the faster attention)")
+                        help="let outputs depend on batching and cache hits for speed: each matmul one call of "
+                             "its rows (a lone bf16 decode up to 10%% faster, AMX bf16 prefill matmuls up to 2x); "
+                             "without the compiled kernel, the faster attention")
     parser.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES,
                         help="fcfs: arrival order; lpm: longest cached prefix first, within a window")
     parser.add_argument("--prefix-ttl", type=float, metavar="SECONDS", default=None,

@@ -1,0 +1,81 @@
+"""The linear layer of every model here: oneDNN's packed weights on CPU, bf16 on CPUs without bf16
+matmuls, and calls sized so that a row's result never depends on its batch.
+
+  * `pack` lays the weight out once in oneDNN's blocked format: a plain matmul re-packs its weight
+    on every call, which dominates at decode batch sizes (about 2x). The packed weight serves every
+    batch size (an empty batch takes F.linear). float32 results differ from MKL's sgemm in summation
+    order only; bf16 results are the same oneDNN kernels'.
+  * bfloat16 where the CPU has no bf16 matmul (AVX2, or oneDNN capped below AVX-512): oneDNN cannot
+    pack bf16 weights there, so the weight is upcast once (exactly) and packed in float32, and each
+    call takes the bf16 input in float32 and rounds its output to bf16. That is the bf16 matmul's
+    own arithmetic (bf16 products are exact in float32, sums in float32), at float32's speed.
+  * batch invariance (`batch_invariant`, the default): calls are made only with the row counts
+    row_calls.py measured to give each row the reference's bits (ModelRunner probes each shape once).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .row_calls import RowCalls, probe_once
+
+
+@functools.lru_cache(maxsize=None)
+def native_bfloat16_matmul() -> bool:
+    """Whether oneDNN multiplies bf16 on this CPU (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT, and
+    honours ONEDNN_MAX_CPU_ISA)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(check()) if check is not None else False
+
+
+class Linear(nn.Linear):
+    """nn.Linear that uses a prepacked oneDNN weight once `pack` has run (CPU only)."""
+
+    packed: Optional[torch.Tensor] = None
+    packed_bias: Optional[torch.Tensor] = None
+    batch_size_hint: Optional[int] = None
+    emulated = False  # bf16 weights multiplied in float32 (no bf16 matmul on this CPU)
+    batch_invariant = True  # ModelRunner sets it per engine, with the row calls it measured
+    row_calls = RowCalls.ALL
+
+    def pack(self, batch_size_hint: int) -> None:
+        """Lay the weight out for oneDNN; call again after the weight changes (then plan the rows again)."""
+        weight = self.weight.detach()
+        self.emulated = weight.dtype == torch.bfloat16 and not native_bfloat16_matmul()
+        if self.emulated:
+            weight = weight.float()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_size_hint)
+        self.packed_bias = None if self.bias is None else self.bias.detach().to(weight.dtype)
+        self.batch_size_hint = batch_size_hint
+        self.row_calls = RowCalls.ALL
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """One call of the library, whatever x's row count."""
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        if self.emulated:
+            out = torch.ops.mkldnn._linear_pointwise(x.float(), self.packed, self.packed_bias, "none", [], "")
+            return out.to(x.dtype)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.packed_bias, "none", [], "")
+
+    def plan_rows(self, batch_invariant: bool, max_rows: int) -> None:
+        """Batch invariance on (probe this shape's accepted row counts, once per process) or off."""
+        self.batch_invariant = batch_invariant
+        if not batch_invariant:
+            self.row_calls = RowCalls.ALL
+            return
+        layout = ("packed", self.batch_size_hint, self.emulated) if self.packed is not None else ("plain",)
+        key = ("linear", self.out_features, self.bias is not None) + layout
+        self.row_calls = probe_once(key, self.matmul, self.in_features, self.weight.dtype, self.weight.device, max_rows)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 0:
+            return F.linear(x, self.weight, self.bias)
+        return self.row_calls.run(self.matmul, x)
