@@ -23,7 +23,7 @@ from typing import Callable, Optional, Sequence, Tuple
 HashFunction = Callable[[bytes], bytes]
 PrivateFrom = Tuple[int, bytes]  # (first private block index, private scope digest)
 
-_SCOPE_DOMAIN = b"prefixserve-scope-v1"
+_SCOPE_DOMAIN = b"prefixserve-scope-v2"  # v2: the numerics field
 
 
 def _sha256(data: bytes) -> bytes:
@@ -79,6 +79,7 @@ class CacheScope:
     tokenizer_fingerprint: str
     adapter_id: str = ""
     cache_salt: str = ""
+    numerics: str = ""  # how the engine computes K/V (dtype, kernel variant, libraries): engine/numerics.py
 
     def __post_init__(self) -> None:
         if not self.model_fingerprint:
@@ -90,14 +91,16 @@ class CacheScope:
     def digest(self) -> bytes:
         """SHA-256 of the length-prefixed fields: the parent key of block 0."""
         hasher = hashlib.sha256(_SCOPE_DOMAIN)
-        for field in (self.model_fingerprint, self.tokenizer_fingerprint, self.adapter_id, self.cache_salt):
+        for field in (self.model_fingerprint, self.tokenizer_fingerprint, self.adapter_id, self.cache_salt,
+                      self.numerics):
             encoded = field.encode("utf-8")
             hasher.update(len(encoded).to_bytes(4, "little"))
             hasher.update(encoded)
         return hasher.digest()
 
     def with_salt(self, cache_salt: str) -> "CacheScope":
-        return CacheScope(self.model_fingerprint, self.tokenizer_fingerprint, self.adapter_id, cache_salt)
+        return CacheScope(self.model_fingerprint, self.tokenizer_fingerprint, self.adapter_id, cache_salt,
+                          self.numerics)
 
 
 class BlockKeyer:

@@ -20,10 +20,12 @@ from ..cache.hot_prefixes import HotPrefixPolicy
 from ..cache.reuse_gaps import ReuseGapTracker
 from ..cache.scoping import PromptScoper
 from ..config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from ..model import kernels
 from .device import cpu_has_fast_bfloat16, measure_cuda_kv_budget, resolve_device, resolve_dtype
 from .input_processor import InputProcessor, PromptType
 from .kv_tiers import TieredKV, build_tiers, empty_breakdown
 from .model_version import ModelVersion, load_version
+from .numerics import numerics_fingerprint
 from .pins import Pin, PinTable, restore_pins
 from .reload import ReloadReport, check_swappable, swap_model
 from .output_processor import OutputProcessor
@@ -41,7 +43,8 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        version = load_version(config.model, self.dtype, self.device)
+        self.numerics = numerics_fingerprint(self.dtype, self.device, config.batch_invariant)
+        version = load_version(config.model, self.dtype, self.device, self.numerics)
         loaded = version.loaded
         self.model_path, self.model_name = version.path, version.name
         self.model_config = loaded.config
@@ -77,7 +80,8 @@ class LLMEngine:
         self._log_progress(f"allocating the KV pool: {num_blocks} blocks "
                            f"({num_blocks * config.block_size * bytes_per_token / 2**20:.0f} MiB) ...")
         self.runner = ModelRunner(loaded.model, loaded.config, num_blocks, config.block_size, self.dtype,
-                                  self.device, config.seed, batch_invariant=config.batch_invariant)
+                                  self.device, config.max_num_batched_tokens, config.max_num_seqs, config.seed,
+                                  batch_invariant=config.batch_invariant)
         self.tiers = self._build_tiers()
         self.inputs = InputProcessor(self.tokenizer, loaded.config.vocab_size, self.max_model_len, self.scoper,
                                      self.eos_token_ids, config.prefix_ttl)
@@ -128,13 +132,14 @@ class LLMEngine:
             f"{num_blocks} blocks x {config.block_size} = {num_blocks * config.block_size} tokens fit "
             f"({num_blocks * config.block_size * bytes_per_token / 2**20:.0f} MiB); "
             f"max_model_len {self.max_model_len}{max_model_len_note}; "
-            f"prefix caching {'on' if config.enable_prefix_caching else 'off'}"
+            f"prefix caching {'on' if config.enable_prefix_caching else 'off'}; numerics {self.numerics}"
         )
+        if self.device.type == "cpu":
+            summary += "; " + kernels.describe()
         if self.dtype == torch.float32 and self.device.type == "cpu" and cpu_has_fast_bfloat16():
             summary += (
                 "; this CPU has bf16 instructions: dtype bfloat16 runs the workload suite 1.25-1.6x faster, and cache "
-                "hits never change its greedy outputs either (batch-invariant; the default where the compiled "
-                "kernel is built)")
+                "hits never change its greedy outputs either (batch-invariant; the default on such CPUs)")
         return summary
 
     def _resolve_max_model_len(self) -> int:
@@ -331,7 +336,7 @@ class LLMEngine:
         fixed settings only, so it may run in another thread while the engine serves. Raises
         FileNotFoundError / ValueError (IncompatibleModelError) naming the fix."""
         version = load_version(str(self.model_path) if model is None else model, self.dtype, self.device,
-                               batch_size_hint=self.config.max_num_batched_tokens)
+                               self.numerics, batch_size_hint=self.config.max_num_batched_tokens)
         check_swappable(self, version)
         return version
 

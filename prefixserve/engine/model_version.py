@@ -28,11 +28,13 @@ class ModelVersion:
     loaded: LoadedModel
     tokenizer: Tokenizer
     eos_token_ids: frozenset[int]
+    numerics: str  # how K/V is computed here (numerics.py): replicas that differ share no blocks
 
     @property
     def scope(self) -> CacheScope:
-        """Model and tokenizer fingerprints: a new version of either makes every old block unreachable."""
-        return CacheScope(self.loaded.model_fingerprint, self.tokenizer.fingerprint)
+        """Model and tokenizer fingerprints and the numerics: a new version of any makes every old block
+        unreachable."""
+        return CacheScope(self.loaded.model_fingerprint, self.tokenizer.fingerprint, numerics=self.numerics)
 
 
 def resolve_model_path(model: Optional[str]) -> Path:
@@ -50,10 +52,10 @@ def resolve_model_path(model: Optional[str]) -> Path:
     return path
 
 
-def load_version(model: Optional[str], dtype: torch.dtype, device: torch.device,
+def load_version(model: Optional[str], dtype: torch.dtype, device: torch.device, numerics: str,
                  batch_size_hint: Optional[int] = None) -> ModelVersion:
     """Load weights and tokenizer; with `batch_size_hint`, also lay the linear weights out for
-    oneDNN (CPU) sized for a step of that many tokens."""
+    oneDNN (CPU) sized for a step of that many tokens. `numerics`: numerics_fingerprint()'s."""
     path = resolve_model_path(model)
     loaded = load_model(path, dtype, device)
     tokenizer = Tokenizer.from_dir(path)
@@ -61,4 +63,4 @@ def load_version(model: Optional[str], dtype: torch.dtype, device: torch.device,
     if batch_size_hint is not None:
         loaded.model.pack_linear_weights(batch_size_hint=batch_size_hint)
     return ModelVersion(path=path, name=str(model) if model else DEFAULT_MODEL_NAME, loaded=loaded,
-                        tokenizer=tokenizer, eos_token_ids=eos)
+                        tokenizer=tokenizer, eos_token_ids=eos, numerics=numerics)

@@ -143,7 +143,8 @@ class Router:
                                     replica.name, response.status_code)
                     continue
                 scoper = PromptScoper(CacheScope(info["model_fingerprint"], info["tokenizer_fingerprint"],
-                                                 info["adapter_id"]), info["block_size"])
+                                                 info["adapter_id"], numerics=info.get("numerics", "")),
+                                      info["block_size"])
                 for prefix in info["shared_prefixes"]:
                     scoper.declare_shared_prefix(prefix)
                 self.keyer = BlockKeyer(info["block_size"], info["prefix_hash"])

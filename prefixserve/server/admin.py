@@ -81,7 +81,8 @@ async def cache_info(request: Request):
     def info(core):
         return {"model_fingerprint": core.scope.model_fingerprint,
                 "tokenizer_fingerprint": core.scope.tokenizer_fingerprint,
-                "adapter_id": core.scope.adapter_id, "block_size": core.config.block_size,
+                "adapter_id": core.scope.adapter_id, "numerics": core.scope.numerics,
+                "block_size": core.config.block_size,
                 "prefix_hash": core.config.prefix_hash,
                 "shared_prefixes": [list(prefix) for prefix in core.scoper.shared_prefixes],
                 "max_model_len": core.max_model_len, "served_model_name": settings.served_model_name,
