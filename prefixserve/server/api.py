@@ -27,6 +27,7 @@ from .responses import TokenTexts
 from .pins import pin_routes
 from .reload import ReloadGate, reload_routes
 from .routes import routes
+from .tokenize import tokenize_routes
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
     app.add_middleware(TenantContext)  # outermost: the tenant of each request's key, for the dashboard
     app.include_router(routes)
+    app.include_router(tokenize_routes)
     app.include_router(admin_routes)
     app.include_router(reload_routes)
     app.include_router(pin_routes)
