@@ -94,12 +94,21 @@ def bfloat16_case(seed: int, prefix_len: int, num_prompts: int, max_tokens: int)
     return prompts, run, run(make_llm(dtype="bfloat16", enable_prefix_caching=False), prompts)
 
 
-@pytest.mark.usefixtures("attention_path")  # the compiled kernel (csrc/paged_causal.cpp) and invariant_attention.py
-def test_bfloat16_cache_hits_keep_outputs():
+def skip_unmeasured(attention_path: str) -> None:
+    from prefixserve.model import invariant_attention
+
+    if attention_path == "reference" and not invariant_attention.measured_here():
+        pytest.skip("bf16's pure-PyTorch path is exact only where it was measured (AVX-512 libraries); "
+                    "the engine refuses it elsewhere (test_bfloat16_without_kernels_is_refused_where_unmeasured)")
+
+
+# attention_path: the compiled kernel (csrc/paged_causal.cpp) and invariant_attention.py
+def test_bfloat16_cache_hits_keep_outputs(attention_path):
     """bfloat16 too: attention's batch-invariant path (compiled, or model/invariant_attention.py) and the
     measured row calls of the linear layers (model/row_calls.py) keep a token's numbers the same in any
     batch, chunk split or decode.
     Without them 0-15% of such requests kept their tokens (benchmarks/bf16_cache_agreement.py)."""
+    skip_unmeasured(attention_path)
     prompts, run, baseline = bfloat16_case(seed=3, prefix_len=150, num_prompts=4, max_tokens=24)
     llm = make_llm(dtype="bfloat16")
     assert run(llm, prompts[:1]) + run(llm, prompts[1:]) == baseline  # the rest hit the first's prefix
@@ -109,15 +118,30 @@ def test_bfloat16_cache_hits_keep_outputs():
     assert run(chunked, prompts) == baseline
 
 
-@pytest.mark.usefixtures("attention_path")
-def test_bfloat16_shared_segments_keep_outputs():
+def test_bfloat16_shared_segments_keep_outputs(attention_path):
     """Past 256 keys bf16 attention reads whole 256-key segments, once for all the rows whose blocks
     hold them (the invariant cascade): 20 requests over a 300-token prefix read it in one call of 2
     entries with caching on, and each its own copy with caching off; their tokens must not differ."""
+    skip_unmeasured(attention_path)
     prompts, run, baseline = bfloat16_case(seed=5, prefix_len=300, num_prompts=20, max_tokens=12)
     llm = make_llm(dtype="bfloat16")
     assert run(llm, prompts[:1]) + run(llm, prompts[1:]) == baseline
     assert run(make_llm(dtype="bfloat16", max_num_batched_tokens=45), prompts) == baseline
+
+
+def test_bfloat16_without_kernels_is_refused_where_unmeasured(monkeypatch):
+    """No compiled kernel and a CPU (or library caps) the invariant path was not measured on: a ValueError
+    naming --dtype float32, never an engine whose cache hits may change outputs. Opting out is allowed."""
+    from prefixserve.model import invariant_attention, kernels
+
+    monkeypatch.setattr(kernels, "compiled", None)
+    monkeypatch.setattr(invariant_attention, "measured_here", lambda: False)
+    with pytest.raises(ValueError, match="--dtype float32"):
+        make_llm(dtype="bfloat16")
+    make_llm(dtype="bfloat16", batch_invariant=False)
+    make_llm(dtype="float32")
+    monkeypatch.setattr(invariant_attention, "measured_here", lambda: True)
+    make_llm(dtype="bfloat16")
 
 
 def test_batch_invariant_false_takes_the_faster_bfloat16_path(monkeypatch):

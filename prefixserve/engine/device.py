@@ -47,6 +47,23 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if cpu_has_fast_bfloat16() else torch.float32
 
 
+def check_exact(dtype: torch.dtype, device: torch.device, batch_invariant: bool) -> None:
+    """Refuse a batch-invariant bfloat16 engine that cannot keep its promise: on CPU without the
+    compiled kernel, bf16 attention is exact only through invariant_attention.py, measured on AVX-512."""
+    from ..model import invariant_attention, kernels
+
+    if dtype != torch.bfloat16 or device.type != "cpu" or not batch_invariant or kernels.compiled is not None:
+        return
+    if invariant_attention.measured_here():
+        return
+    raise ValueError(
+        "bfloat16 needs prefixserve's compiled kernels on this CPU to keep cache hits exact (without them bf16 "
+        f"attention is exact only on AVX-512 CPUs; this one runs PyTorch at {invariant_attention.aten_capability()}"
+        f" and its kernels are {kernels.variant()!r}: {kernels.describe_build()}). Use --dtype float32 (dtype="
+        "'float32'), reinstall with a C++ compiler (`pip install -e .`), or pass --no-batch-invariant to accept "
+        "outputs that depend on batching")
+
+
 def measure_cuda_kv_budget(loaded, config: EngineConfig, device: torch.device, dtype: torch.dtype,
                            max_model_len: int) -> int:
     """Free device memory after weights and a measured activation peak, times the utilisation."""

@@ -21,7 +21,7 @@ from ..cache.reuse_gaps import ReuseGapTracker
 from ..cache.scoping import PromptScoper
 from ..config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from ..model import kernels
-from .device import cpu_has_fast_bfloat16, measure_cuda_kv_budget, resolve_device, resolve_dtype
+from .device import check_exact, cpu_has_fast_bfloat16, measure_cuda_kv_budget, resolve_device, resolve_dtype
 from .input_processor import InputProcessor, PromptType
 from .kv_tiers import TieredKV, build_tiers, empty_breakdown
 from .model_version import ModelVersion, load_version
@@ -43,6 +43,7 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        check_exact(self.dtype, self.device, config.batch_invariant)
         self.numerics = numerics_fingerprint(self.dtype, self.device, config.batch_invariant)
         version = load_version(config.model, self.dtype, self.device, self.numerics)
         loaded = version.loaded

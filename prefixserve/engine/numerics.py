@@ -18,6 +18,7 @@ import os
 import torch
 
 from ..model import kernels
+from ..model.cpu_caps import cpu_features
 
 # The CPU features that change which kernels PyTorch, oneDNN and MKL run (torch's cpuinfo names).
 _GEMM_FEATURES = ("avx2", "fma3", "avx512_f", "avx512_bw", "avx512_dq", "avx512_vl", "avx512_vnni", "avx512_bf16",
@@ -34,7 +35,7 @@ def numerics_description(dtype: torch.dtype, device: torch.device, batch_invaria
         described["gpu"] = torch.cuda.get_device_name(device)
         described["capability"] = list(torch.cuda.get_device_capability(device))
         return described
-    features = kernels.cpu_features()
+    features = cpu_features()
     described.update({
         "kernels": kernels.variant(),
         "cpu_features": [name for name in _GEMM_FEATURES if name in features],

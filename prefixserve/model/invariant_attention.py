@@ -42,11 +42,22 @@ from typing import Optional
 
 import torch
 
+from .cpu_caps import AVX512, aten_capability, cpu_features, mkl_allows_avx512, onednn_allows
+
 KEY_MULTIPLE = 64     # a row at position p reads ceil(p + 1) keys to this multiple: fewer calls vs fewer masked keys
 MIN_FOLDED_ROWS = 4   # query rows per entry: 2 or 3 take another gemm (measured with 1, 2 and 3 heads a group)
 MAX_FOLDED_ROWS = 32  # query rows per entry: under the 64 at which the kernel may pack
 MAX_GATHERED_ENTRIES = 4  # a segment read by more entries gets its own call, its keys gathered once
 SEGMENT_KEYS = 256    # keys [0, 256), [256, 512), ... before a row's own segment: read once by all rows that share them
+
+
+def measured_here() -> bool:
+    """Whether this CPU runs the flash kernel's gemms that the shapes above were measured on: AVX-512
+    in ATen, MKL and oneDNN (not capped below it). MKL's AVX2 sgemm rounds other shapes differently
+    (measured: MKL_ENABLE_INSTRUCTIONS=AVX2 changes cache-hit outputs), so elsewhere bf16 without the
+    compiled kernel is not known to be exact and the engine refuses it (engine/device.py)."""
+    return (AVX512 <= cpu_features() and aten_capability() == "AVX512" and mkl_allows_avx512()
+            and onednn_allows("AVX512_CORE"))
 
 
 @dataclass

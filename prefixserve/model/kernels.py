@@ -28,33 +28,13 @@ from typing import Optional
 
 import torch
 
+from .cpu_caps import cpu_features
 from .kernel_variants import Variant, module_name, variants_for
 
 logger = logging.getLogger("prefixserve.model")
 
 CAP_VARIABLE = "PREFIXSERVE_CPU_ISA"
 PYTORCH = "pytorch"  # variant() where no compiled kernel runs
-
-# /proc/cpuinfo flag -> the name torch's cpuinfo report gives it (the fallback reads the former).
-_PROC_FLAGS = {"avx2": "avx2", "fma": "fma3", "avx512f": "avx512_f", "avx512bw": "avx512_bw",
-               "avx512dq": "avx512_dq", "avx512vl": "avx512_vl", "avx512_bf16": "avx512_bf16",
-               "amx_bf16": "amx_bf16", "amx_tile": "amx_tile", "avx512_vnni": "avx512_vnni"}
-
-
-@functools.lru_cache(maxsize=None)
-def cpu_features() -> frozenset[str]:
-    """The CPU's instruction-set features, named as torch's cpuinfo report names them (the OS's
-    support for the registers included): from PyTorch, else Linux's /proc/cpuinfo."""
-    report = getattr(torch._C._cpu, "_get_cpu_capability", None)
-    if report is not None:
-        return frozenset(name for name, present in report().items() if present is True)
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
-    except OSError:
-        flags = []
-    return frozenset(_PROC_FLAGS[flag] for flag in flags if flag in _PROC_FLAGS)
-
 
 def cap() -> Optional[str]:
     """PREFIXSERVE_CPU_ISA's variant, checked against this machine's variants; None when unset."""

@@ -5,9 +5,10 @@ matmuls, and calls sized so that a row's result never depends on its batch.
     on every call, which dominates at decode batch sizes (about 2x). The packed weight serves every
     batch size (an empty batch takes F.linear). float32 results differ from MKL's sgemm in summation
     order only; bf16 results are the same oneDNN kernels'.
-  * bfloat16 where the CPU has no bf16 matmul (AVX2, or oneDNN capped below AVX-512): oneDNN cannot
-    pack bf16 weights there, so the weight is upcast once (exactly) and packed in float32, and each
-    call takes the bf16 input in float32 and rounds its output to bf16. That is the bf16 matmul's
+  * bfloat16 where the CPU has no bf16 instructions (AVX2, AVX-512 without BF16, or oneDNN capped
+    below them): oneDNN cannot pack bf16 weights on AVX2 and is 4.5x slower than float32 without the
+    bf16 instructions, so the weight is upcast once (exactly) and packed in float32, and each call
+    takes the bf16 input in float32 and rounds its output to bf16. That is the bf16 matmul's
     own arithmetic (bf16 products are exact in float32, sums in float32), at float32's speed.
   * batch invariance (`batch_invariant`, the default): calls are made only with the row counts
     row_calls.py measured to give each row the reference's bits (ModelRunner probes each shape once).
@@ -22,17 +23,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .cpu_caps import cpu_features, onednn_allows
 from .row_calls import RowCalls, probe_once
 
 
 @functools.lru_cache(maxsize=None)
 def native_bfloat16_matmul() -> bool:
-    """Whether oneDNN multiplies bf16 on this CPU (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT, and
-    honours ONEDNN_MAX_CPU_ISA)."""
+    """Whether oneDNN multiplies bf16 with the CPU's bf16 instructions here (AVX-512 BF16 or AMX, not
+    capped below them by ONEDNN_MAX_CPU_ISA). Elsewhere bf16 weights are multiplied in float32: below
+    those instructions oneDNN converts and multiplies in float32 itself, 4.5x slower than a packed
+    float32 matmul (benchmarks/cpu_variants.py), and on AVX2 it cannot pack bf16 at all."""
     if not torch.backends.mkldnn.is_available():
         return False
     check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    return bool(check()) if check is not None else False
+    if check is None or not check():
+        return False
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_features()) and onednn_allows("AVX512_CORE_BF16")
 
 
 class Linear(nn.Linear):
@@ -59,6 +65,9 @@ class Linear(nn.Linear):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """One call of the library, whatever x's row count."""
         if self.packed is None:
+            if x.dtype == torch.bfloat16 and x.device.type == "cpu" and not native_bfloat16_matmul():
+                bias = None if self.bias is None else self.bias.float()
+                return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)  # as packed, unpacked
             return F.linear(x, self.weight, self.bias)
         if self.emulated:
             out = torch.ops.mkldnn._linear_pointwise(x.float(), self.packed, self.packed_bias, "none", [], "")
