@@ -3,7 +3,14 @@
     python benchmarks/compare.py [--dtype float32|bfloat16|both] [--workloads system-prompt,...]
                                  [--engines prefixserve,prefixserve-nocache,transformers,vllm,vllm-nocache]
                                  [--vllm-python /tmp/vllm-peer/bin/python] [--vllm-cores all|default]
-                                 [--rounds 2]
+                                 [--rounds 2] [--cpu-isa avx2] [--serve-bench]
+
+--cpu-isa VARIANT runs every engine as a CPU of that class would: our kernels capped
+(PREFIXSERVE_CPU_ISA), PyTorch's libraries capped (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA,
+MKL_ENABLE_INSTRUCTIONS; kernel_variants.capped_environment), and vLLM's own kernel choice capped
+(benchmarks/vllm_caps/sitecustomize.py: it picks _C_AVX2 / _C_AVX512 / AMX paths from torch.cpu's
+hardware checks, which the library caps do not change). The script re-executes itself with them.
+--serve-bench also runs vLLM's own client (`vllm bench serve`, serve_bench.py) against both servers.
 
 Engines, all on the built-in model in the same dtype, each warmed once before timing:
   prefixserve          LLM() with prefix caching (the default)
@@ -56,6 +63,7 @@ ENGINES = ("prefixserve", "prefixserve-nocache", "transformers", "vllm", "vllm-n
 CACHING_OFF = {"prefixserve": "prefixserve-nocache", "prefixserve-nocache": "prefixserve-nocache",
                "vllm": "vllm-nocache", "vllm-nocache": "vllm-nocache"}  # whose tokens "same tok" compares with
 RESULTS = Path(__file__).resolve().parent / "results"
+VLLM_CAPS = Path(__file__).resolve().parent / "vllm_caps"  # on vLLM's PYTHONPATH under --cpu-isa
 PROBE = {"prefix_len": 2000, "suffix_len": 20, "repeats": 5}
 HF_BATCH = 8
 
@@ -190,13 +198,21 @@ def keep_fastest(best: Optional[dict], new: dict) -> dict:
     return best
 
 
+def peer_environment(cores: str) -> dict:
+    """vLLM's environment: every core when asked, and under --cpu-isa its own kernel choice capped too."""
+    env = dict(os.environ)
+    if cores == "all":
+        env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+    if env.get("PREFIXSERVE_CPU_ISA"):
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(VLLM_CAPS), env.get("PYTHONPATH", "")]))
+    return env
+
+
 def run_vllm(python: str, dtype: str, names: list[str], seed: int, cores: str, bar, model_dir: Path,
              caching: bool = True) -> dict:
     task = {"model": str(model_dir), "dtype": dtype, "seed": seed, "workloads": names,
             "ttft_probe": PROBE, "kv_cache_gib": 2, "prefix_caching": caching}
-    env = dict(os.environ)
-    if cores == "all":
-        env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+    env = peer_environment(cores)
     with tempfile.TemporaryDirectory() as tmp:
         task_path, result_path, log_path = Path(tmp, "task.json"), Path(tmp, "result.json"), Path(tmp, "vllm.log")
         task_path.write_text(json.dumps(task))
@@ -362,6 +378,22 @@ def plot(dtype: str, runs: dict, names: list[str], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def cap_and_reexecute(variant: str) -> None:
+    """Run this script again with the caps of `variant` in the environment (ATen and oneDNN read them
+    once, at start), unless they are set already."""
+    from prefixserve.model.kernel_variants import capped_environment, variants_for
+
+    names = [candidate.name for candidate in variants_for()]
+    if variant not in names:
+        raise SystemExit(f"--cpu-isa {variant!r}: this machine's variants are {', '.join(names)}")
+    wanted = capped_environment(variant)
+    if all(os.environ.get(name) == value for name, value in wanted.items()):
+        return
+    env = {**os.environ, **wanted}
+    print("running as a " + variant + " CPU: " + " ".join(f"{k}={v}" for k, v in wanted.items()), flush=True)
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
 def resolve_model_dir(model: Optional[str]) -> Path:
     """The checkpoint directory every engine loads: the built-in model, or --model resolved (a GGUF is
     converted once), so prefixserve, transformers and vLLM read the very same weights."""
@@ -388,7 +420,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=2,
                         help="rounds of the suite; each workload keeps its fastest round (see above)")
+    parser.add_argument("--cpu-isa", default=None,
+                        help="run every engine as a CPU of this kernel variant's class (portable, avx2, ...)")
+    parser.add_argument("--serve-bench", action="store_true",
+                        help="also run `vllm bench serve` against both servers (serve_bench.py)")
     args = parser.parse_args()
+    if args.cpu_isa:
+        cap_and_reexecute(args.cpu_isa)
     names = args.workloads.split(",")
     engines = args.engines.split(",")
     unknown = sorted(set(names) - set(build_workloads())) + sorted(set(engines) - set(ENGINES))
@@ -444,6 +482,15 @@ def main() -> None:
         print(f"wrote {stem.with_suffix('.json')}")
         plot(dtype, runs, names, stem.with_suffix(".png"))
         print(f"wrote {stem.with_suffix('.png')}")
+        if args.serve_bench:
+            import serve_bench
+
+            served, table_lines = serve_bench.run(model_dir, Path(args.model or "prefixserve-tiny").name, dtype,
+                                                  list(serve_bench.DATASETS), args.vllm_python)
+            print("\n".join(table_lines))
+            served_path = RESULTS / f"serve_bench_{tag}{dtype}.json"
+            served_path.write_text(json.dumps({"results": served, "table": table_lines}, indent=1))
+            print(f"wrote {served_path}")
     print(f"total {time.perf_counter() - started:.0f} s")
 
 
