@@ -35,6 +35,8 @@ class NamedKernels:
 
     def __getattr__(self, name: str):
         function = getattr(self.compiled, name)
+        if not callable(function):  # variant, lanes, has_rowwise, ...
+            return function
 
         def named(*args):
             with record_function(f"prefixserve::{name}"):

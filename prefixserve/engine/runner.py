@@ -14,6 +14,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 
 from ..model import AttentionMetadata, LlamaForCausalLM, ModelConfig
+from .kv_memory import zeroed_pool
 from .outputs import TokenLogprob
 from .sampling import Sampler
 from .scheduler import ScheduledRequest
@@ -54,10 +55,9 @@ class ModelRunner:
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         # Zeroed, not empty, as a defence only: the attention plan never reads an unwritten slot (decode
         # padding reads the sequence's own newest slot; tests fill unwritten slots with NaN to prove it).
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(config.num_hidden_layers)
-        ]
+        # On Linux CPUs in huge pages (kv_memory.py): decodes read blocks scattered over the pool.
+        self.kv_caches = [(zeroed_pool(shape, dtype, device), zeroed_pool(shape, dtype, device))
+                          for _ in range(config.num_hidden_layers)]
         self.sampler = Sampler(seed)
 
     def use_model(self, model: LlamaForCausalLM) -> None:
