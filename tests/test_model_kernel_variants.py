@@ -34,10 +34,11 @@ def test_every_variant_names_its_instructions_and_none_asks_for_the_build_machin
         for variant in variants:
             assert not any("native" in flag for flag in variant.flags), variant
     x86 = {variant.name: variant for variant in kernel_variants.variants_for("x86_64")}
-    assert list(x86) == ["portable", "avx2", "avx512", "avx512_bf16"]
+    assert list(x86) == ["portable", "avx2", "avx512", "avx512_bf16", "amx"]
     assert x86["portable"].flags == ("-march=x86-64", "-mtune=generic")  # baseline x86-64: no AVX at all
     assert "-mavx2" in x86["avx2"].flags and not any("avx512" in flag for flag in x86["avx2"].flags)
     assert x86["avx512_bf16"].needs[-1] == "avx512_bf16"
+    assert {"amx_tile", "amx_bf16"} <= set(x86["amx"].needs) and "-mamx-bf16" in x86["amx"].flags
     assert kernel_variants.machine("AMD64") == "x86_64" and kernel_variants.machine("arm64") == "aarch64"
     assert kernel_variants.variants_for("riscv64") == kernel_variants.GENERIC
 
@@ -62,6 +63,13 @@ def test_the_cap_keeps_the_choice_at_or_below_it_and_an_unknown_cap_names_the_ch
     monkeypatch.setattr(kernels, "variants_for", lambda: kernel_variants.variants_for("x86_64"))
     monkeypatch.delenv(kernels.CAP_VARIABLE, raising=False)
     assert [variant.name for variant in kernels.allowed()] == ["portable", "avx2", "avx512", "avx512_bf16"]
+    monkeypatch.setattr(kernels, "amx_permitted", lambda: True)  # the OS grants the tile state
+    monkeypatch.setattr(kernels, "cpu_features", lambda: frozenset({"avx2", "fma3", "avx512_f", "avx512_bw",
+                                                                     "avx512_dq", "avx512_vl", "avx512_bf16",
+                                                                     "amx_tile", "amx_bf16"}))
+    assert kernels.allowed()[-1].name == "amx"
+    monkeypatch.setattr(kernels, "amx_permitted", lambda: False)  # it refuses: never loaded (SIGILL)
+    assert kernels.allowed()[-1].name == "avx512_bf16"
     monkeypatch.setenv(kernels.CAP_VARIABLE, "AVX2")
     assert [variant.name for variant in kernels.allowed()] == ["portable", "avx2"]
     monkeypatch.setenv(kernels.CAP_VARIABLE, "portable")
@@ -70,7 +78,7 @@ def test_the_cap_keeps_the_choice_at_or_below_it_and_an_unknown_cap_names_the_ch
     monkeypatch.setenv(kernels.CAP_VARIABLE, "avx512_bf16")  # a cap is a ceiling: the CPU still decides
     assert [variant.name for variant in kernels.allowed()] == ["portable", "avx2"]
     monkeypatch.setenv(kernels.CAP_VARIABLE, "sse9")
-    with pytest.raises(ValueError, match="portable, avx2, avx512, avx512_bf16"):
+    with pytest.raises(ValueError, match="portable, avx2, avx512, avx512_bf16, amx"):
         kernels.allowed()
 
 
@@ -190,3 +198,26 @@ def test_the_kernels_compile_for_aarch64(backend, tmp_path):
                                  "-o", str(tmp_path / f"{source}.o")], capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr[-3000:]
         assert (tmp_path / f"{source}.o").stat().st_size > 0
+
+
+@pytest.mark.skipif(shutil.which(CROSS_COMPILER) is None or shutil.which("qemu-aarch64") is None,
+                    reason=f"needs {CROSS_COMPILER} and qemu-aarch64 (Debian's qemu-user; .ci/run installs both)")
+@pytest.mark.parametrize("backend", ["NEON", "PORTABLE"])
+def test_the_aarch64_kernels_compute_attention_under_qemu(backend, tmp_path):
+    """The kernels built for aarch64, run: tests/aarch64/check_kernels.cpp links them statically with a
+    serial stand-in for ATen's parallel_for and checks every row against double precision (float32 and
+    bf16 K/V), each sequence alone bit for bit as in the batch, and the row-wise kernels."""
+    from torch.utils.cpp_extension import include_paths
+
+    program = tmp_path / f"check_{backend.lower()}"
+    here = ROOT / "tests" / "aarch64"
+    build = [CROSS_COMPILER, "-std=c++17", "-O2", "-march=armv8-a", "-ffp-contract=off", "-static",
+             f"-DPREFIXSERVE_SIMD_{backend}", f"-I{here}", f"-I{ROOT / 'prefixserve' / 'csrc'}",
+             *[f"-I{path}" for path in include_paths()],
+             str(ROOT / "prefixserve" / "csrc" / "paged_causal.cpp"), str(ROOT / "prefixserve" / "csrc" / "rowwise.cpp"),
+             str(here / "check_kernels.cpp"), "-o", str(program)]
+    built = subprocess.run(build, capture_output=True, text=True, timeout=600)
+    assert built.returncode == 0, built.stderr[-3000:]
+    ran = subprocess.run(["qemu-aarch64", str(program)], capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert f"{backend.lower()} float32" in ran.stdout and "alone as in the batch: yes" in ran.stdout

@@ -21,11 +21,14 @@
 // registers) only so that one load of a key or value register serves several of them; blocking
 // changes no vector's order of operations. head_dim not a multiple of W takes the scalar path of
 // attention_tiles.h, a row at a time.
+#include "amx_tiles.h"
 #include "attention_tiles.h"
 #include "kernels.h"
 #include "simd.h"
 
 #include <ATen/Parallel.h>
+
+#include <optional>
 
 namespace prefixserve {
 namespace {
@@ -64,6 +67,17 @@ constexpr bool bf16_pairs_for() {
 #endif
 }
 
+// bf16 scores and value sums on AMX tiles (amx_tiles.h), where the variant is built with them.
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
+#define PREFIXSERVE_AMX 1
+#else
+#define PREFIXSERVE_AMX 0
+#endif
+template <typename T>
+constexpr bool amx_for() {
+    return PREFIXSERVE_AMX && std::is_same<T, at::BFloat16>::value;
+}
+
 // A query row: its sequence's block table, its position (it reads keys [0, position + 1)), its row of q.
 struct Row {
     const int64_t* table;
@@ -83,13 +97,18 @@ inline bool same_blocks(const Row& a, const Row& b, int64_t start, int64_t shift
 
 // Scratch of one worker: ROWS rows of `group` vectors.
 struct CausalScratch {
-    std::vector<uint32_t> query_pairs;  // per vector: bf16 pairs as stored (PAIRS)
+    std::vector<uint32_t> query_pairs;  // per vector: bf16 pairs as stored (PAIRS); 16 vectors of slack
     std::vector<float> query_floats;    // or q * scale as floats
     std::vector<float> acc, running_max, running_sum, weights, key_t, values, zeros;
+    // AMX: a block's scores and value sums, its bf16 weights, the step's values interleaved, a zero row
+    std::vector<float> block_scores, block_out;
+    std::vector<uint16_t> block_weights, vnni, zero_row;
     CausalScratch(int64_t group, int64_t head_dim)
-        : query_pairs(ROWS * group * head_dim / 2), query_floats(ROWS * group * head_dim),
+        : query_pairs((ROWS * group + 16) * head_dim / 2), query_floats(ROWS * group * head_dim),
           acc(ROWS * group * head_dim), running_max(ROWS * group), running_sum(ROWS * group),
-          weights(ROWS * group * STEP), key_t(head_dim * STEP), values(STEP * head_dim), zeros(head_dim, 0.f) {}
+          weights(ROWS * group * STEP), key_t(head_dim * STEP), values(STEP * head_dim), zeros(head_dim, 0.f),
+          block_scores(16 * STEP), block_out(16 * head_dim), block_weights(16 * STEP), vnni(head_dim * STEP),
+          zero_row(head_dim, 0) {}
 };
 
 #if defined(__AVX512BF16__)
@@ -391,6 +410,92 @@ void attend_rows(const Row* rows, int64_t count, int64_t shift, const PagedKV<T>
     }
 }
 
+#if PREFIXSERVE_AMX
+// One step's online softmax for one vector on AMX: as softmax_step, its weights rounded to bf16 into
+// `weights` (the A operand of the value tile) and the rounded weights summed.
+inline void softmax_step_bf16(const float* scores, int64_t n, float scale, float& running_max, float& running_sum,
+                              float* acc, int64_t head_dim, uint16_t* weights) {
+    const __m512 none = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    const __m512 low = simd::keep_first(_mm512_mul_ps(_mm512_loadu_ps(scores), _mm512_set1_ps(scale)), n, none);
+    const __m512 high = simd::keep_first(_mm512_mul_ps(_mm512_loadu_ps(scores + 16), _mm512_set1_ps(scale)), n - 16,
+                                         none);
+    const float new_max = std::max(running_max, _mm512_reduce_max_ps(_mm512_max_ps(low, high)));
+    const float correction = running_max == new_max ? 1.f : simd::first_lane(simd::exp(simd::set1(running_max - new_max)));
+    const __m512 top = _mm512_set1_ps(new_max);
+    const __m512 p_low = amx::round_to_bf16(simd::keep_first(simd::exp(_mm512_sub_ps(low, top)), n, simd::zero()),
+                                            weights);
+    const __m512 p_high = amx::round_to_bf16(
+        simd::keep_first(simd::exp(_mm512_sub_ps(high, top)), n - 16, simd::zero()), weights + 16);
+    running_sum = running_sum * correction + simd::sum_lanes(_mm512_add_ps(p_low, p_high));
+    running_max = new_max;
+    if (correction != 1.f) {
+        const __m512 c = _mm512_set1_ps(correction);
+        for (int64_t j = 0; j < head_dim; j += 16) _mm512_storeu_ps(acc + j, _mm512_mul_ps(_mm512_loadu_ps(acc + j), c));
+    }
+}
+
+// attend_rows on AMX tiles (bf16, head_dim a multiple of 32): the same steps, runs and shared key
+// tiles; scores and value sums by tile products, 16 vectors a block.
+template <typename T>
+void attend_rows_amx(const Row* rows, int64_t count, int64_t shift, const PagedKV<T>& kv, int64_t h, int64_t group,
+                     float scale, CausalScratch& s) {
+    const int64_t head_dim = kv.head_dim, elements = head_dim / 2;
+    const int64_t slot_stride = kv.num_kv_heads * head_dim;
+    const int64_t vectors = count * group;
+    std::fill(s.acc.begin(), s.acc.begin() + vectors * head_dim, 0.f);
+    std::fill(s.running_max.begin(), s.running_max.begin() + vectors, -std::numeric_limits<float>::infinity());
+    std::fill(s.running_sum.begin(), s.running_sum.begin() + vectors, 0.f);
+    const T* key_of[STEP];
+    const uint16_t* value_rows[STEP];
+    const uint16_t* values = reinterpret_cast<const uint16_t*>(kv.values);
+    float* key_t = s.key_t.data();
+    const int64_t end = rows[count - 1].position + 1;
+    int64_t first_row = 0;
+    for (int64_t start = 0; start < end; start += STEP) {
+        while (rows[first_row].position < start) ++first_row;
+        for (int64_t run = first_row, run_end; run < count; run = run_end) {
+            run_end = run + 1;
+            while (run_end < count && same_blocks(rows[run_end - 1], rows[run_end], start, shift)) ++run_end;
+            const Row& widest = rows[run_end - 1];
+            const Blocks blocks{widest.table, shift, (int64_t{1} << shift) - 1};
+            const int64_t in_step = std::min(STEP, widest.position + 1 - start);
+            for (int64_t t = 0; t < STEP; ++t) {
+                if (t >= in_step) {
+                    value_rows[t] = s.zero_row.data();
+                    continue;
+                }
+                const int64_t offset = blocks.slot(start + t) * slot_stride + h * head_dim;
+                key_of[t] = kv.keys + offset;
+                value_rows[t] = values + offset;
+            }
+            prefetch_step(kv, blocks, start + STEP, std::min(start + 2 * STEP, widest.position + 1), slot_stride, h);
+            load_key_tile<T, true>(key_of, std::min(TILE, in_step), elements, key_t);
+            load_key_tile<T, true>(key_of + TILE, std::max<int64_t>(0, in_step - TILE), elements, key_t + elements * TILE);
+            amx::interleave_values(value_rows, head_dim, s.vnni.data());
+            for (int64_t v0 = run * group; v0 < run_end * group; v0 += amx::ROWS) {
+                const int64_t block = std::min<int64_t>(amx::ROWS, run_end * group - v0);
+                amx::score_block(s.query_pairs.data() + v0 * elements, elements * 4, key_t, elements,
+                                 s.block_scores.data());
+                for (int64_t v = v0; v < v0 + block; ++v) {
+                    const int64_t n = std::min(STEP, rows[v / group].position + 1 - start);
+                    softmax_step_bf16(s.block_scores.data() + (v - v0) * STEP, n, scale, s.running_max[v],
+                                      s.running_sum[v], s.acc.data() + v * head_dim, head_dim,
+                                      s.block_weights.data() + (v - v0) * STEP);
+                }
+                amx::value_block(s.block_weights.data(), s.vnni.data(), head_dim, s.block_out.data());
+                for (int64_t v = v0; v < v0 + block; ++v) {
+                    float* acc = s.acc.data() + v * head_dim;
+                    const float* out = s.block_out.data() + (v - v0) * head_dim;
+                    for (int64_t j = 0; j < head_dim; j += 16) {
+                        _mm512_storeu_ps(acc + j, _mm512_add_ps(_mm512_loadu_ps(acc + j), _mm512_loadu_ps(out + j)));
+                    }
+                }
+            }
+        }
+    }
+}
+#endif
+
 // Work items of up to ROWS rows, positions ascending. A prefill chunk's rows go ROWS at a time; the
 // decodes (one row each) of sequences whose tables start with the same block go together, so that
 // the keys of the prefix they share are transposed once for all of them.
@@ -439,6 +544,8 @@ void causal_kernel(const Queries<T>& q, const PagedKV<T>& kv, const int64_t* que
     const int64_t shift = log2_exact(kv.block_size);
     const bool vectorized = head_dim % W == 0;
     const bool pairs = bf16_pairs_for<T>() && head_dim % 32 == 0;
+    const bool tiles = amx_for<T>() && head_dim % 32 == 0;
+    (void)tiles;  // read only where the variant has AMX
     std::vector<Row> rows;
     const std::vector<int64_t> item_start = make_items(query_start, seq_lens, num_seqs, kv.tables, kv.table_stride, rows);
     const int64_t out_row_stride = q.num_heads * head_dim;
@@ -449,6 +556,12 @@ void causal_kernel(const Queries<T>& q, const PagedKV<T>& kv, const int64_t* que
         const int64_t count = item_start[item + 1] - item_start[item];
         auto out_of = [&](const Row& row) { return out + row.q_row * out_row_stride + h * group * head_dim; };
         if (vectorized) {
+#if PREFIXSERVE_AMX
+            if (tiles) {
+                load_queries<T, true>(q, item_rows, count, h, group, head_dim, scale, queries_in<true>(s));
+                attend_rows_amx<T>(item_rows, count, shift, kv, h, group, scale, s);
+            } else
+#endif
             if (pairs) {
                 load_queries<T, true>(q, item_rows, count, h, group, head_dim, scale, queries_in<true>(s));
                 attend_rows<T, true>(item_rows, count, shift, kv, h, group, scale, s);
@@ -479,6 +592,10 @@ void causal_kernel(const Queries<T>& q, const PagedKV<T>& kv, const int64_t* que
     at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
         Scratch row_scratch(group, head_dim);
         CausalScratch causal_scratch(group, head_dim);
+#if PREFIXSERVE_AMX
+        std::optional<amx::AmxTiles> configured;  // this thread's tiles, released when it is done
+        if (tiles) configured.emplace();
+#endif
         for (int64_t w = begin; w < end; ++w) {
             for (int64_t k = w; k < num_items; k += workers) attend_item(k, row_scratch, causal_scratch);
         }

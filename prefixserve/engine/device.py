@@ -16,15 +16,18 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+BF16_VARIANTS = ("avx512_bf16", "amx")  # the kernel variants that score bf16 with bf16 instructions
+
+
 def cpu_has_fast_bfloat16() -> bool:
     """Whether bf16 is this CPU's fastest exact dtype: the kernel variant in use scores bf16 with the
-    CPU's bf16 dot-product instructions (avx512_bf16, not capped below it by PREFIXSERVE_CPU_ISA) and
+    CPU's bf16 instructions (avx512_bf16 or amx, not capped below them by PREFIXSERVE_CPU_ISA) and
     oneDNN multiplies bf16 natively (not capped by ONEDNN_MAX_CPU_ISA). Elsewhere bf16 is served
     exactly too (linear.py computes its matmuls in float32), only not faster than float32."""
     from ..model import kernels
     from ..model.linear import native_bfloat16_matmul
 
-    return kernels.variant() == "avx512_bf16" and native_bfloat16_matmul()
+    return kernels.variant() in BF16_VARIANTS and native_bfloat16_matmul()
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

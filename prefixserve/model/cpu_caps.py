@@ -44,6 +44,14 @@ def cpu_features() -> frozenset[str]:
     return frozenset(_PROC_FLAGS[flag] for flag in flags if flag in _PROC_FLAGS)
 
 
+@functools.lru_cache(maxsize=None)
+def amx_permitted() -> bool:
+    """Whether this process may use AMX tiles: Linux grants the tile state on request (torch asks for
+    it, as oneDNN does); without the grant a tile instruction is SIGILL."""
+    request = getattr(torch._C._cpu, "_init_amx", None)
+    return bool(request()) if request is not None and {"amx_tile", "amx_bf16"} <= cpu_features() else False
+
+
 def onednn_allows(level: str) -> bool:
     cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").strip().upper()
     if not cap or cap not in ONEDNN_LEVELS:  # unset, ALL, or a name newer than this table: no cap below

@@ -31,6 +31,10 @@ VARIANTS: dict[str, tuple[Variant, ...]] = {
         Variant("avx2", "AVX2", _AVX2, ("avx2", "fma3")),
         Variant("avx512", "AVX512", _AVX512, _AVX512_NEEDS),
         Variant("avx512_bf16", "AVX512", _AVX512 + ("-mavx512bf16",), _AVX512_NEEDS + ("avx512_bf16",)),
+        # bf16 attention on AMX tiles (Sapphire Rapids and later); the OS must grant the tile state
+        # (kernels.py asks for it through torch before loading this variant).
+        Variant("amx", "AVX512", _AVX512 + ("-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
+                _AVX512_NEEDS + ("avx512_bf16", "amx_tile", "amx_bf16")),
     ),
     # NEON is part of the aarch64 baseline: every aarch64 CPU runs both.
     "aarch64": (
@@ -52,6 +56,7 @@ LIBRARY_CAPS: dict[str, dict[str, str]] = {
                "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
     "avx512_bf16": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
                     "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
+    "amx": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX", "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
 }
 
 

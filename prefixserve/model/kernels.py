@@ -10,7 +10,7 @@ this CPU runs best, or None.
                    each (every variant with a fused multiply-add)
 
 The kernel sources are built once per instruction set (kernel_variants.py: portable, avx2, avx512,
-avx512_bf16 on x86-64; portable, neon on aarch64). At import the most capable variant whose
+avx512_bf16, amx on x86-64; portable, neon on aarch64). At import the most capable variant whose
 instructions the CPU has is loaded; PREFIXSERVE_CPU_ISA=<variant> caps the choice (as
 ONEDNN_MAX_CPU_ISA and ATEN_CPU_CAPABILITY cap PyTorch's), PREFIXSERVE_KERNELS=0 turns the kernels
 off. Where nothing was built (no compiler at install time) a warning is logged once and the
@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from .cpu_caps import cpu_features
+from .cpu_caps import amx_permitted, cpu_features
 from .kernel_variants import Variant, module_name, variants_for
 
 logger = logging.getLogger("prefixserve.model")
@@ -49,9 +49,11 @@ def cap() -> Optional[str]:
 
 
 def executable() -> tuple[Variant, ...]:
-    """The variants whose instructions this CPU has, least capable first (the cap not applied)."""
+    """The variants whose instructions this CPU has, least capable first (the cap not applied); AMX
+    variants also need the OS's grant of the tile state."""
     features = cpu_features()
-    return tuple(variant for variant in variants_for() if set(variant.needs) <= features)
+    return tuple(variant for variant in variants_for() if set(variant.needs) <= features
+                 and ("amx_tile" not in variant.needs or amx_permitted()))
 
 
 def allowed() -> tuple[Variant, ...]:

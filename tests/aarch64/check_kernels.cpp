@@ -1,0 +1,150 @@
+// paged_causal and the row-wise kernels built for aarch64 (the neon or portable backend), run under
+// qemu by test_model_kernel_variants.py: every row against attention in double precision, in float32
+// and with bf16 keys and values, and each decode alone bit for bit as in the batch. Exit 0 when all hold.
+#include "kernels.h"
+#include "rowwise.h"
+#include "simd.h"
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <vector>
+
+using namespace prefixserve;
+
+namespace {
+
+constexpr int64_t BLOCK = 16, KV_HEADS = 2, HEAD_DIM = 64, HEADS = 4, BLOCKS = 40, WIDTH = 10;
+const std::vector<int64_t> LENGTHS = {45, 100, 1, 130, 77}, QUERY_LENS = {45, 7, 1, 1, 1};
+
+template <typename T>
+std::vector<T> converted(const std::vector<float>& values) {
+    std::vector<T> out(values.size());
+    for (size_t i = 0; i < values.size(); ++i) out[i] = static_cast<T>(values[i]);
+    return out;
+}
+
+template <typename T>
+double as_double(T value) {
+    return static_cast<double>(static_cast<float>(value));
+}
+
+struct Case {
+    std::vector<float> keys, values, queries;
+    std::vector<int64_t> tables, query_start;
+};
+
+template <typename T>
+std::vector<T> attend(const Case& c, const std::vector<T>& keys, const std::vector<T>& values,
+                      const std::vector<T>& queries, const std::vector<int64_t>& seqs) {
+    // The rows of the sequences in `seqs`, computed in one call.
+    std::vector<T> q;
+    std::vector<int64_t> starts = {0}, lens, tables;
+    for (int64_t s : seqs) {
+        q.insert(q.end(), queries.begin() + c.query_start[s] * HEADS * HEAD_DIM,
+                 queries.begin() + c.query_start[s + 1] * HEADS * HEAD_DIM);
+        starts.push_back(starts.back() + QUERY_LENS[s]);
+        lens.push_back(LENGTHS[s]);
+        tables.insert(tables.end(), c.tables.begin() + s * WIDTH, c.tables.begin() + (s + 1) * WIDTH);
+    }
+    std::vector<T> out(q.size());
+    const Queries<T> view{q.data(), HEADS * HEAD_DIM, HEAD_DIM, HEADS};
+    const PagedKV<T> kv{keys.data(), values.data(), BLOCK, KV_HEADS, HEAD_DIM, tables.data(), WIDTH};
+    causal_kernel<T>(view, kv, starts.data(), lens.data(), static_cast<int64_t>(seqs.size()), 0.125f, out.data());
+    return out;
+}
+
+template <typename T>
+double worst_error(const Case& c, const std::vector<T>& keys, const std::vector<T>& values,
+                   const std::vector<T>& queries, const std::vector<T>& out) {
+    double worst = 0;
+    for (size_t s = 0; s < LENGTHS.size(); ++s) {
+        for (int64_t r = c.query_start[s]; r < c.query_start[s + 1]; ++r) {
+            const int64_t position = LENGTHS[s] - QUERY_LENS[s] + (r - c.query_start[s]);
+            for (int64_t h = 0; h < HEADS; ++h) {
+                const int64_t g = h / (HEADS / KV_HEADS);
+                std::vector<double> scores(position + 1);
+                double top = -1e300, total = 0;
+                auto slot = [&](int64_t p) { return c.tables[s * WIDTH + p / BLOCK] * BLOCK + p % BLOCK; };
+                for (int64_t p = 0; p <= position; ++p) {
+                    double dot = 0;
+                    for (int64_t j = 0; j < HEAD_DIM; ++j) {
+                        dot += as_double(queries[(r * HEADS + h) * HEAD_DIM + j]) *
+                               as_double(keys[(slot(p) * KV_HEADS + g) * HEAD_DIM + j]);
+                    }
+                    scores[p] = dot * 0.125;
+                    top = std::max(top, scores[p]);
+                }
+                for (double& score : scores) total += (score = std::exp(score - top));
+                for (int64_t j = 0; j < HEAD_DIM; ++j) {
+                    double sum = 0;
+                    for (int64_t p = 0; p <= position; ++p) {
+                        sum += scores[p] * as_double(values[(slot(p) * KV_HEADS + g) * HEAD_DIM + j]);
+                    }
+                    worst = std::max(worst, std::fabs(sum / total - as_double(out[(r * HEADS + h) * HEAD_DIM + j])));
+                }
+            }
+        }
+    }
+    return worst;
+}
+
+template <typename T>
+bool check(const Case& c, const char* name, double tolerance) {
+    const auto keys = converted<T>(c.keys), values = converted<T>(c.values), queries = converted<T>(c.queries);
+    std::vector<int64_t> all(LENGTHS.size());
+    for (size_t s = 0; s < all.size(); ++s) all[s] = static_cast<int64_t>(s);
+    const std::vector<T> together = attend(c, keys, values, queries, all);
+    const double worst = worst_error(c, keys, values, queries, together);
+    bool alike = true;
+    for (size_t s = 0; s < all.size(); ++s) {  // each sequence alone: the same bits as in the batch
+        const std::vector<T> alone = attend(c, keys, values, queries, {static_cast<int64_t>(s)});
+        alike = alike && std::memcmp(alone.data(), together.data() + c.query_start[s] * HEADS * HEAD_DIM,
+                                     alone.size() * sizeof(T)) == 0;
+    }
+    std::printf("%s %s: max error %.3g, each sequence alone as in the batch: %s\n", simd::BACKEND, name, worst,
+                alike ? "yes" : "NO");
+    return worst < tolerance && alike;
+}
+
+bool check_rowwise() {
+#if PREFIXSERVE_SIMD_FUSED
+    std::vector<float> gate_up(2 * 64), out(64), x(64), weight(64, 1.5f), normed(64);
+    for (int j = 0; j < 128; ++j) gate_up[j] = std::sin(0.37f * j) * 4.f;
+    for (int j = 0; j < 64; ++j) x[j] = std::cos(0.11f * j);
+    silu_mul_rows(gate_up.data(), 1, 64, out.data());
+    rms_norm_rows(x.data(), 1, 64, weight.data(), 1e-6f, normed.data());
+    double worst = 0, sum_of_squares = 0;
+    for (int j = 0; j < 64; ++j) sum_of_squares += double(x[j]) * x[j];
+    for (int j = 0; j < 64; ++j) {
+        const double g = gate_up[j];
+        worst = std::max(worst, std::fabs(g / (1 + std::exp(-g)) * gate_up[64 + j] - out[j]));
+        worst = std::max(worst, std::fabs(x[j] / std::sqrt(sum_of_squares / 64 + 1e-6) * 1.5 - normed[j]));
+    }
+    std::printf("%s row-wise: max error %.3g\n", simd::BACKEND, worst);
+    return worst < 1e-5;
+#else
+    return true;
+#endif
+}
+
+}  // namespace
+
+int main() {
+    std::mt19937 generator(1);
+    std::normal_distribution<float> normal;
+    Case c;
+    c.keys.resize(BLOCKS * BLOCK * KV_HEADS * HEAD_DIM);
+    c.values.resize(c.keys.size());
+    for (float& value : c.keys) value = normal(generator);
+    for (float& value : c.values) value = normal(generator);
+    c.tables.resize(LENGTHS.size() * WIDTH);
+    for (size_t i = 0; i < c.tables.size(); ++i) c.tables[i] = static_cast<int64_t>((i * 7 + i / WIDTH) % BLOCKS);
+    c.query_start = {0};
+    for (int64_t n : QUERY_LENS) c.query_start.push_back(c.query_start.back() + n);
+    c.queries.resize(c.query_start.back() * HEADS * HEAD_DIM);
+    for (float& value : c.queries) value = normal(generator);
+    const bool ok = check<float>(c, "float32", 1e-5) & check<at::BFloat16>(c, "bfloat16", 2e-2) & check_rowwise();
+    return ok ? 0 : 1;
+}
