@@ -1,9 +1,10 @@
-"""The compiled row-wise float32 kernels (csrc/rowwise.cpp) against llama.py's PyTorch ops, in every
-variant this CPU runs that has them.
+"""The compiled row-wise kernels (csrc/rowwise.cpp, float32 and bf16) against llama.py's PyTorch ops, in
+every variant this CPU runs that has them.
 
 rms_norm, add_rms_norm_, rotate_heads_ and silu_mul each compute a row from that row alone: a row's
 bits must be the same alone and in any batch (the engine's batch invariance), and the values must be
-the reference's to float32 rounding (rotary and the residual add: bit for bit). The model with and
+the reference's to rounding (a few float32 ulp, one bf16 ulp; rotary and the residual add: bit for
+bit by their definition). The model with and
 without them must give the same greedy tokens.
 """
 
@@ -35,61 +36,74 @@ def _each_row_alone(function, *row_tensors) -> torch.Tensor:
     return torch.cat([function(*(tensor[r:r + 1].clone() for tensor in row_tensors)) for r in rows])
 
 
+# bf16: two roundings (the normed value, then its product), each may land a bf16 ulp off the reference.
+TOLERANCE = {torch.float32: {"rtol": 2e-6, "atol": 1e-6}, torch.bfloat16: {"rtol": 2 ** -6, "atol": 1e-5}}
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+
+
+@DTYPES
 @pytest.mark.parametrize("rows, width", [(1, 512), (7, 576), (300, 16), (2020, 512)])
-def test_rms_norm_matches_the_reference_and_each_row_is_its_own(rows, width, monkeypatch, compiled):
+def test_rms_norm_matches_the_reference_and_each_row_is_its_own(rows, width, dtype, monkeypatch, compiled):
     generator = _generator()
-    x = torch.randn(rows, width, generator=generator) * 3
-    norm = RMSNorm(width, 1e-5)
+    x = (torch.randn(rows, width, generator=generator) * 3).to(dtype)
+    norm = RMSNorm(width, 1e-5).to(dtype)
     with torch.no_grad():
         norm.weight.copy_(torch.randn(width, generator=generator))
         got = norm(x)
         monkeypatch.setattr(llama_module, "rowwise_for", lambda tensor: None)
         expected = norm(x)  # llama.py's PyTorch ops
     assert torch.equal(got, compiled.rms_norm(x, norm.weight, 1e-5))  # norm(x) took the kernel
-    torch.testing.assert_close(got, expected, rtol=2e-6, atol=1e-6)
+    torch.testing.assert_close(got.float(), expected.float(), **TOLERANCE[dtype])
     assert torch.equal(got, _each_row_alone(lambda row: compiled.rms_norm(row, norm.weight, 1e-5), x))
 
 
+@DTYPES
 @pytest.mark.parametrize("rows", [1, 9, 2020])
-def test_add_rms_norm_adds_in_place_and_normalises_the_sum(rows, compiled):
+def test_add_rms_norm_adds_in_place_and_normalises_the_sum(rows, dtype, compiled):
     generator = _generator()
-    x, delta = torch.randn(rows, 512, generator=generator), torch.randn(rows, 512, generator=generator)
-    weight = torch.randn(512, generator=generator)
+    x, delta = (torch.randn(rows, 512, generator=generator).to(dtype),
+                torch.randn(rows, 512, generator=generator).to(dtype))
+    weight = torch.randn(512, generator=generator).to(dtype)
     residual = x.clone()
     normed = compiled.add_rms_norm_(residual, delta, weight, 1e-6)
     assert torch.equal(residual, x + delta)  # the residual stream rounds as PyTorch's add
     assert torch.equal(normed, compiled.rms_norm(x + delta, weight, 1e-6))
 
 
+@DTYPES
 @pytest.mark.parametrize("rows, heads, head_dim", [(1, 12, 64), (33, 3, 128), (2020, 12, 64)])
-def test_rotate_heads_is_llama_rotate_bit_for_bit_and_leaves_the_other_columns(rows, heads, head_dim, compiled):
+def test_rotate_heads_is_llama_rotate_bit_for_bit_and_leaves_the_other_columns(rows, heads, head_dim, dtype,
+                                                                                compiled):
     generator = _generator()
     columns = heads * head_dim + 2 * head_dim  # the v columns after q and k are not rotated
-    qkv = torch.randn(rows, columns, generator=generator)
+    qkv = torch.randn(rows, columns, generator=generator).to(dtype)
     angles = torch.randn(rows, head_dim // 2, generator=generator) * 4
-    cos, sin = angles.cos(), angles.sin()
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     rotated = qkv.clone()
     compiled.rotate_heads_(rotated, heads, head_dim, cos, sin)
     qk = qkv[:, :heads * head_dim].view(rows, heads, head_dim)
-    # The definition: x1 cos - x2 sin and x2 cos + x1 sin, a rounded product then one fused
-    # multiply-add (float64 holds a float32 product exactly).
+    # The definition: x1 cos - x2 sin and x2 cos + x1 sin, a product rounded to the dtype, then one
+    # fused multiply-add rounded to float32 and then to the dtype (float64 holds these products exactly).
     x1, x2 = (part.double() for part in qk.chunk(2, dim=-1))
     c, s = cos.double()[:, None, :], sin.double()[:, None, :]
-    first = ((x1 * c).float().double() - x2 * s).float()
-    second = ((x2 * c).float().double() + x1 * s).float()
+    first = ((x1 * c).float().to(dtype).double() - x2 * s).float().to(dtype)
+    second = ((x2 * c).float().to(dtype).double() + x1 * s).float().to(dtype)
     assert torch.equal(rotated[:, :heads * head_dim].view(rows, heads, head_dim), torch.cat([first, second], dim=-1))
-    torch.testing.assert_close(rotated[:, :heads * head_dim].view(rows, heads, head_dim),
-                               rotate(qk, cos[:, None, :], sin[:, None, :]), rtol=0, atol=1e-6)
+    reference = rotate(qk, cos[:, None, :], sin[:, None, :])
+    torch.testing.assert_close(rotated[:, :heads * head_dim].view(rows, heads, head_dim).float(), reference.float(),
+                               rtol=0 if dtype == torch.float32 else 2 ** -7, atol=1e-6)
     assert torch.equal(rotated[:, heads * head_dim:], qkv[:, heads * head_dim:])
 
 
+@DTYPES
 @pytest.mark.parametrize("rows, width", [(1, 1344), (5, 16), (2020, 1344)])
-def test_silu_mul_matches_the_reference_and_each_row_is_its_own(rows, width, compiled):
+def test_silu_mul_matches_the_reference_and_each_row_is_its_own(rows, width, dtype, compiled):
     generator = _generator()
-    gate_up = torch.randn(rows, 2 * width, generator=generator) * 6
+    gate_up = (torch.randn(rows, 2 * width, generator=generator) * 6).to(dtype)
     got = compiled.silu_mul(gate_up)
     gate, up = gate_up.split(width, dim=-1)
-    torch.testing.assert_close(got, F.silu(gate) * up, rtol=2e-6, atol=1e-7)
+    tolerance = {"rtol": 2e-6, "atol": 1e-7} if dtype == torch.float32 else TOLERANCE[dtype]
+    torch.testing.assert_close(got.float(), (F.silu(gate) * up).float(), **tolerance)
     assert torch.equal(got, _each_row_alone(compiled.silu_mul, gate_up))
 
 
@@ -105,7 +119,9 @@ def test_rowwise_kernels_refuse_what_they_cannot_take(compiled):
     x, weight = torch.zeros(2, 32), torch.ones(32)
     with pytest.raises(RuntimeError, match="multiple of 16"):
         compiled.rms_norm(torch.zeros(2, 24), torch.ones(24), 1e-5)
-    with pytest.raises(RuntimeError, match="float32"):
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        compiled.rms_norm(x.double(), weight.double(), 1e-5)
+    with pytest.raises(RuntimeError, match="dtype"):
         compiled.rms_norm(x.bfloat16(), weight, 1e-5)
     with pytest.raises(RuntimeError, match="width"):
         compiled.rms_norm(x, torch.ones(16), 1e-5)

@@ -37,9 +37,17 @@ void causal_kernel(const Queries<T>& q, const PagedKV<T>& kv, const int64_t* que
 template <typename T>
 using CausalKernel = void (*)(const Queries<T>&, const PagedKV<T>&, const int64_t*, const int64_t*, int64_t, float, T*);
 
+template <typename T>
+struct RowwiseKernels {
+    void (*rms_norm)(const T*, int64_t, int64_t, const T*, float, T*);
+    void (*add_rms_norm)(T*, const T*, int64_t, int64_t, const T*, float, T*);
+    void (*rotate_heads)(T*, int64_t, int64_t, int64_t, int64_t, const T*, const T*);
+    void (*silu_mul)(const T*, int64_t, int64_t, T*);
+};
+
 // Bumped whenever the table's layout or a kernel's contract changes: module.cpp refuses a variant
 // built against another (a stale build left beside a new one).
-constexpr uint32_t KERNEL_TABLE_VERSION = 2;
+constexpr uint32_t KERNEL_TABLE_VERSION = 3;
 constexpr const char* KERNEL_TABLE_CAPSULE = "prefixserve.KernelTable";
 
 struct KernelTable {
@@ -50,11 +58,9 @@ struct KernelTable {
     bool bf16_pairs;      // bf16 scores by the dot-product instruction
     CausalKernel<float> causal_float32;
     CausalKernel<at::BFloat16> causal_bfloat16;
-    // Row-wise float32 kernels (rowwise.h); null where the variant has none.
-    void (*rms_norm_rows)(const float*, int64_t, int64_t, const float*, float, float*);
-    void (*add_rms_norm_rows)(float*, const float*, int64_t, int64_t, const float*, float, float*);
-    void (*rotate_heads_rows)(float*, int64_t, int64_t, int64_t, int64_t, const float*, const float*);
-    void (*silu_mul_rows)(const float*, int64_t, int64_t, float*);
+    // Row-wise kernels (rowwise.h) per dtype; null where the variant has none.
+    RowwiseKernels<float> rowwise_float32;
+    RowwiseKernels<at::BFloat16> rowwise_bfloat16;
     // The variant's float32 multiply-add peak (peak.h): flops done in `iterations` rounds.
     int64_t (*multiply_add_flops)(int64_t iterations);
 };

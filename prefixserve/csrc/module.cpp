@@ -9,8 +9,8 @@
 //                  else is in the call. Kernel: paged_causal.cpp. Reference: attention.py's plan path
 //                  (float32) and invariant_attention.py (bf16).
 //   rms_norm, add_rms_norm_, rotate_heads_, silu_mul
-//                  the decoder layer's row-wise float32 work, one pass each (variants with a fused
-//                  multiply-add: all but portable).
+//                  the decoder layer's row-wise work in float32 or bf16, one pass each (variants with
+//                  a fused multiply-add: all but portable).
 //                  Kernels: rowwise.cpp. Reference: llama.py's RMSNorm, rotate and MLP.
 //
 // This file checks what a caller hands in (shapes, dtypes, every block id of every range read: a bad
@@ -36,12 +36,6 @@ const KernelTable& table_of(const py::object& capsule) {
     return table;
 }
 
-// The variant's row-wise kernel, or an error where it has none.
-template <typename F>
-F rowwise_of(const KernelTable& table, F kernel) {
-    TORCH_CHECK(kernel != nullptr, "kernel variant ", table.variant, " has no row-wise kernels");
-    return kernel;
-}
 
 void check_inputs(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                   std::initializer_list<const torch::Tensor*> indices) {
@@ -113,68 +107,88 @@ torch::Tensor paged_causal(const py::object& capsule, const torch::Tensor& q, co
 }
 
 void check_rows(const torch::Tensor& x, const char* name) {
-    TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
-                name, " must be a contiguous float32 CPU tensor [rows, width]");
+    TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16) &&
+                    x.dim() == 2 && x.is_contiguous(),
+                name, " must be a contiguous float32 or bfloat16 CPU tensor [rows, width]");
     TORCH_CHECK(x.size(1) % 16 == 0, name, "'s width must be a multiple of 16");
 }
 
 void check_weight(const torch::Tensor& weight, const torch::Tensor& x) {
-    TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == torch::kFloat32 && weight.dim() == 1 &&
+    TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == x.scalar_type() && weight.dim() == 1 &&
                     weight.is_contiguous() && weight.size(0) == x.size(1),
-                "weight must be a contiguous float32 CPU tensor of x's width");
+                "weight must be a contiguous CPU tensor of x's dtype and width");
+}
+
+// Calls body(the variant's row-wise kernels for T, a T* of each tensor) for x's dtype.
+template <typename Body>
+void with_rowwise(const KernelTable& kernels, const torch::Tensor& x, Body&& body) {
+    if (x.scalar_type() == torch::kBFloat16) {
+        TORCH_CHECK(kernels.rowwise_bfloat16.silu_mul != nullptr, "kernel variant ", kernels.variant,
+                    " has no row-wise kernels");
+        body(kernels.rowwise_bfloat16, [](const torch::Tensor& t) { return t.data_ptr<at::BFloat16>(); });
+    } else {
+        TORCH_CHECK(kernels.rowwise_float32.silu_mul != nullptr, "kernel variant ", kernels.variant,
+                    " has no row-wise kernels");
+        body(kernels.rowwise_float32, [](const torch::Tensor& t) { return t.data_ptr<float>(); });
+    }
 }
 
 torch::Tensor rms_norm(const py::object& capsule, const torch::Tensor& x, const torch::Tensor& weight, double eps) {
     const KernelTable& kernels = table_of(capsule);
-    const auto kernel = rowwise_of(kernels, kernels.rms_norm_rows);
     check_rows(x, "x");
     check_weight(weight, x);
     auto out = torch::empty_like(x);
-    kernel(x.data_ptr<float>(), x.size(0), x.size(1), weight.data_ptr<float>(), static_cast<float>(eps),
-           out.data_ptr<float>());
+    with_rowwise(kernels, x, [&](const auto& rowwise, auto pointer) {
+        rowwise.rms_norm(pointer(x), x.size(0), x.size(1), pointer(weight), static_cast<float>(eps), pointer(out));
+    });
     return out;
 }
 
 torch::Tensor add_rms_norm_(const py::object& capsule, torch::Tensor& x, const torch::Tensor& delta,
                             const torch::Tensor& weight, double eps) {
     const KernelTable& kernels = table_of(capsule);
-    const auto kernel = rowwise_of(kernels, kernels.add_rms_norm_rows);
     check_rows(x, "x");
     check_rows(delta, "delta");
-    TORCH_CHECK(delta.sizes() == x.sizes(), "delta must have x's shape");
+    TORCH_CHECK(delta.sizes() == x.sizes() && delta.scalar_type() == x.scalar_type(),
+                "delta must have x's shape and dtype");
     check_weight(weight, x);
     auto out = torch::empty_like(x);
-    kernel(x.data_ptr<float>(), delta.data_ptr<float>(), x.size(0), x.size(1), weight.data_ptr<float>(),
-           static_cast<float>(eps), out.data_ptr<float>());
+    with_rowwise(kernels, x, [&](const auto& rowwise, auto pointer) {
+        rowwise.add_rms_norm(pointer(x), pointer(delta), x.size(0), x.size(1), pointer(weight), static_cast<float>(eps),
+                             pointer(out));
+    });
     return out;
 }
 
 void rotate_heads_(const py::object& capsule, torch::Tensor& x, int64_t heads, int64_t head_dim,
                    const torch::Tensor& cos, const torch::Tensor& sin) {
     const KernelTable& kernels = table_of(capsule);
-    const auto kernel = rowwise_of(kernels, kernels.rotate_heads_rows);
-    TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1,
-                "x must be a float32 CPU tensor [rows, columns] with contiguous columns");
+    TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16) &&
+                    x.dim() == 2 && x.stride(1) == 1,
+                "x must be a float32 or bfloat16 CPU tensor [rows, columns] with contiguous columns");
     TORCH_CHECK(heads >= 0 && head_dim > 0 && head_dim % 32 == 0 && heads * head_dim <= x.size(1),
                 "the rotated heads must fit in x's columns, head_dim a multiple of 32");
     TORCH_CHECK(x.size(0) <= 1 || x.stride(0) >= x.size(1),
                 "rows of x must not overlap (rows are rotated in parallel)");
     for (const torch::Tensor* table : {&cos, &sin}) {
-        TORCH_CHECK(table->device().is_cpu() && table->scalar_type() == torch::kFloat32 && table->is_contiguous() &&
+        TORCH_CHECK(table->device().is_cpu() && table->scalar_type() == x.scalar_type() && table->is_contiguous() &&
                         table->numel() == x.size(0) * (head_dim / 2),
-                    "cos and sin must be contiguous float32 with head_dim / 2 values per row of x");
+                    "cos and sin must be contiguous, of x's dtype, with head_dim / 2 values per row of x");
     }
-    kernel(x.data_ptr<float>(), x.size(0), x.stride(0), heads, head_dim, cos.data_ptr<float>(), sin.data_ptr<float>());
+    with_rowwise(kernels, x, [&](const auto& rowwise, auto pointer) {
+        rowwise.rotate_heads(pointer(x), x.size(0), x.stride(0), heads, head_dim, pointer(cos), pointer(sin));
+    });
 }
 
 torch::Tensor silu_mul(const py::object& capsule, const torch::Tensor& gate_up) {
     const KernelTable& kernels = table_of(capsule);
-    const auto kernel = rowwise_of(kernels, kernels.silu_mul_rows);
     check_rows(gate_up, "gate_up");
     TORCH_CHECK(gate_up.size(1) % 32 == 0, "gate_up's width must be twice a multiple of 16");
     const int64_t width = gate_up.size(1) / 2;
     auto out = torch::empty({gate_up.size(0), width}, gate_up.options());
-    kernel(gate_up.data_ptr<float>(), gate_up.size(0), width, out.data_ptr<float>());
+    with_rowwise(kernels, gate_up, [&](const auto& rowwise, auto pointer) {
+        rowwise.silu_mul(pointer(gate_up), gate_up.size(0), width, pointer(out));
+    });
     return out;
 }
 
@@ -193,7 +207,7 @@ py::dict describe(const py::object& capsule) {
     info["backend"] = kernels.backend;
     info["lanes"] = kernels.lanes;
     info["bf16_pairs"] = kernels.bf16_pairs;
-    info["rowwise"] = kernels.silu_mul_rows != nullptr;
+    info["rowwise"] = kernels.rowwise_float32.silu_mul != nullptr;
     return info;
 }
 
@@ -202,7 +216,7 @@ py::dict describe(const py::object& capsule) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "prefixserve's compiled CPU kernels (the pure-PyTorch paths in prefixserve.model are their reference)";
     m.def("paged_causal", &paged_causal, "causal attention of every row of a step, each row alike in any batch");
-    m.def("rms_norm", &rms_norm, "RMSNorm of each row of float32 x [rows, width], times weight");
+    m.def("rms_norm", &rms_norm, "RMSNorm of each row of x [rows, width] (float32 or bf16), times weight");
     m.def("add_rms_norm_", &add_rms_norm_, "x += delta in place, then RMSNorm(x) * weight");
     m.def("rotate_heads_", &rotate_heads_, "rotate the first heads of each row of x in place (rotate-half)");
     m.def("silu_mul", &silu_mul, "silu(gate) * up of gate_up [rows, 2 width]");

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <utility>
 
 // setup.py names the backend of each variant (-DPREFIXSERVE_SIMD_<NAME>); the instruction set must
@@ -76,6 +77,18 @@ inline vf load(const at::BFloat16* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 inline void store(float* p, vf x) { _mm512_storeu_ps(p, x); }
+// Rounded to bf16, nearest even (NaN stays NaN).
+inline void store(at::BFloat16* p, vf x) {
+#if defined(__AVX512BF16__)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(x));
+#else
+    const __m512i bits = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+    rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(rounded));
+#endif
+}
 inline vf add(vf a, vf b) { return _mm512_add_ps(a, b); }
 inline vf sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
 inline vf mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
@@ -141,6 +154,16 @@ inline vf load(const at::BFloat16* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
 inline void store(float* p, vf x) { _mm256_storeu_ps(p, x); }
+// Rounded to bf16, nearest even (NaN stays NaN).
+inline void store(at::BFloat16* p, vf x) {
+    const __m256i bits = _mm256_castps_si256(x);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+    rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0),
+                                 _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(rounded, rounded), 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
 inline vf add(vf a, vf b) { return _mm256_add_ps(a, b); }
 inline vf sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
 inline vf mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
@@ -209,6 +232,14 @@ inline vf load(const at::BFloat16* p) {
     return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(reinterpret_cast<const uint16_t*>(p)), 16));
 }
 inline void store(float* p, vf x) { vst1q_f32(p, x); }
+// Rounded to bf16, nearest even (NaN stays NaN).
+inline void store(at::BFloat16* p, vf x) {
+    const uint32x4_t bits = vreinterpretq_u32_f32(x);
+    const uint32x4_t odd = vandq_u32(vshrq_n_u32(bits, 16), vdupq_n_u32(1));
+    uint32x4_t rounded = vshrq_n_u32(vaddq_u32(bits, vaddq_u32(odd, vdupq_n_u32(0x7FFF))), 16);
+    rounded = vbslq_u32(vceqq_f32(x, x), rounded, vdupq_n_u32(0x7FC0));
+    vst1_u16(reinterpret_cast<uint16_t*>(p), vmovn_u32(rounded));
+}
 inline vf add(vf a, vf b) { return vaddq_f32(a, b); }
 inline vf sub(vf a, vf b) { return vsubq_f32(a, b); }
 inline vf mul(vf a, vf b) { return vmulq_f32(a, b); }
@@ -288,6 +319,9 @@ inline vf load(const at::BFloat16* p) {
     return bits_to_float(bits);
 }
 inline void store(float* p, vf x) { std::memcpy(p, &x, sizeof(x)); }
+inline void store(at::BFloat16* p, vf x) {  // c10's conversion: nearest even, NaN stays NaN
+    for (int l = 0; l < W; ++l) p[l] = static_cast<at::BFloat16>(x[l]);
+}
 inline vf add(vf a, vf b) { return a + b; }
 inline vf sub(vf a, vf b) { return a - b; }
 inline vf mul(vf a, vf b) { return a * b; }
@@ -335,6 +369,18 @@ inline void transpose(vf r[W]) {
     }
 }
 #endif
+
+// x rounded as storing it as T would (bf16: nearest even), back in float32 lanes.
+template <typename T>
+inline vf round_to(vf x) {
+    if constexpr (std::is_same<T, float>::value) {
+        return x;
+    } else {
+        alignas(64) T rounded[W];
+        store(rounded, x);
+        return load(rounded);
+    }
+}
 
 // e^x, lane by lane (see EXP_POLY).
 inline vf exp(vf x) {

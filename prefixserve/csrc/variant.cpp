@@ -20,6 +20,16 @@
 
 namespace {
 
+template <typename T>
+constexpr prefixserve::RowwiseKernels<T> rowwise() {
+#if PREFIXSERVE_SIMD_FUSED
+    return {&prefixserve::rms_norm_rows<T>, &prefixserve::add_rms_norm_rows<T>, &prefixserve::rotate_heads_rows<T>,
+            &prefixserve::silu_mul_rows<T>};
+#else
+    return {nullptr, nullptr, nullptr, nullptr};
+#endif
+}
+
 const prefixserve::KernelTable table = {
     prefixserve::KERNEL_TABLE_VERSION,
     PREFIXSERVE_STRING(PREFIXSERVE_VARIANT),
@@ -32,17 +42,8 @@ const prefixserve::KernelTable table = {
 #endif
     &prefixserve::causal_kernel<float>,
     &prefixserve::causal_kernel<at::BFloat16>,
-#if PREFIXSERVE_SIMD_FUSED
-    &prefixserve::rms_norm_rows,
-    &prefixserve::add_rms_norm_rows,
-    &prefixserve::rotate_heads_rows,
-    &prefixserve::silu_mul_rows,
-#else
-    nullptr,
-    nullptr,
-    nullptr,
-    nullptr,
-#endif
+    rowwise<float>(),
+    rowwise<at::BFloat16>(),
     &prefixserve::multiply_add_flops,
 };
 

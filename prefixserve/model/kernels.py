@@ -6,8 +6,8 @@ this CPU runs best, or None.
                    keys [0, p + 1), and its bits are its own whatever      invariant_attention.py (bf16)
                    else is in the batch
     rms_norm, add_rms_norm_, rotate_heads_, silu_mul                       reference: llama.py's RMSNorm,
-                   float32 row-wise work of a decoder layer in one pass    rotate and MLP
-                   each (every variant with a fused multiply-add)
+                   float32 and bf16 row-wise work of a decoder layer in    rotate and MLP
+                   one pass each (every variant with a fused multiply-add)
 
 The kernel sources are built once per instruction set (kernel_variants.py: portable, avx2, avx512,
 avx512_bf16, amx on x86-64; portable, neon on aarch64). At import the most capable variant whose
@@ -160,9 +160,9 @@ def causal_kernel_for(k_cache: torch.Tensor):
 
 
 def rowwise_for(x: torch.Tensor):
-    """The compiled kernels when their row-wise kernels take x (float32, CPU, contiguous), or None.
-    Callers still check their widths (multiples of 16; head_dim a multiple of 32)."""
+    """The compiled kernels when their row-wise kernels take x (float32 or bf16, CPU, contiguous), or
+    None. Callers still check their widths (multiples of 16; head_dim a multiple of 32)."""
     if (compiled is None or not compiled.has_rowwise or x.device.type != "cpu"
-            or x.dtype != torch.float32 or not x.is_contiguous()):
+            or x.dtype not in (torch.float32, torch.bfloat16) or not x.is_contiguous()):
         return None
     return compiled

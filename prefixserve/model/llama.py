@@ -8,8 +8,8 @@ Reads like the reference (transformers' modeling_llama) with four serving change
     are sized so that a row's result never depends on its batch (linear.py),
   * the last layer attends and runs its MLP only for the rows whose outputs are used (`output_rows`:
     the sampled ones); every row's K/V is still written,
-  * on CPU in float32, RMSNorm (with the residual add before it), rotary and SiLU * up run as
-    compiled kernels, one pass over memory each (kernels.rowwise_for); the PyTorch ops here are
+  * on CPU in float32 and bf16, RMSNorm (with the residual add before it), rotary and SiLU * up run
+    as compiled kernels, one pass over memory each (kernels.rowwise_for); the PyTorch ops here are
     their reference and the fallback.
 """
 
@@ -65,7 +65,7 @@ class RMSNorm(nn.Module):
         return self(x.add_(delta))
 
     def _kernel_for(self, x: torch.Tensor):
-        if x.dim() != 2 or x.shape[-1] % 16 or self.weight.dtype != torch.float32:
+        if x.dim() != 2 or x.shape[-1] % 16 or self.weight.dtype != x.dtype:
             return None
         return rowwise_for(x)
 
