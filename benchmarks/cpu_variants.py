@@ -21,30 +21,26 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def median_seconds(call, repeats: int) -> float:
-    call()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    from attention_kernel import median_ms
+
+    return median_ms(call, repeats) / 1e3
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def measure(repeats: int) -> dict:
     """This process's variant (as capped by its environment)."""
     import torch
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     import attention_kernel
 
     from prefixserve.model import kernels

@@ -339,22 +339,20 @@ inline void prefetch_step(const PagedKV<T>& kv, const Blocks& blocks, int64_t fi
     }
 }
 
-// The `count` rows of an item (positions ascending), KV head h; leaves each vector's unnormalised
-// sums, running max and running sum in the scratch. A step's rows that read the same blocks (all
-// rows of one sequence; decodes of sequences sharing a cached prefix) form a run that shares one
-// transposed copy of the keys; a row's sums are the same whichever run it is in.
-template <typename T, bool PAIRS>
-void attend_rows(const Row* rows, int64_t count, int64_t shift, const PagedKV<T>& kv, int64_t h, int64_t group,
-                 float scale, CausalScratch& s) {
-    const int64_t head_dim = kv.head_dim, elements = PAIRS ? head_dim / 2 : head_dim;
-    const int64_t slot_stride = kv.num_kv_heads * head_dim;
-    const int64_t vectors = count * group;
+// Zeroed sums, running maxima at -inf, for an item's `vectors` query vectors.
+inline void reset_sums(CausalScratch& s, int64_t vectors, int64_t head_dim) {
     std::fill(s.acc.begin(), s.acc.begin() + vectors * head_dim, 0.f);
     std::fill(s.running_max.begin(), s.running_max.begin() + vectors, -std::numeric_limits<float>::infinity());
     std::fill(s.running_sum.begin(), s.running_sum.begin() + vectors, 0.f);
-    const T* key_of[STEP];
-    const float* value_rows[STEP];
-    float* key_t = s.key_t.data();  // the step's tiles, transposed, one after the other
+}
+
+// The item's 32-key steps and, per step, its runs: rows (positions ascending) that read the same
+// blocks for the step's keys (all rows of one sequence; decodes of sequences sharing a cached
+// prefix), which share one transposed copy of the keys. visit(start, run, run_end, blocks, in_step,
+// widest_end): rows [run, run_end) read keys from `start`; the widest of them reads in_step of the
+// step's keys, through `blocks`, and keys up to widest_end in all.
+template <typename Visit>
+inline void for_each_step_run(const Row* rows, int64_t count, int64_t shift, Visit&& visit) {
     const int64_t end = rows[count - 1].position + 1;
     int64_t first_row = 0;  // rows before it end before the step: positions ascend
     for (int64_t start = 0; start < end; start += STEP) {
@@ -364,50 +362,68 @@ void attend_rows(const Row* rows, int64_t count, int64_t shift, const PagedKV<T>
             while (run_end < count && same_blocks(rows[run_end - 1], rows[run_end], start, shift)) ++run_end;
             const Row& widest = rows[run_end - 1];  // reads the most keys of the step
             const Blocks blocks{widest.table, shift, (int64_t{1} << shift) - 1};
-            const int64_t in_step = std::min(STEP, widest.position + 1 - start);
-            for (int64_t t = 0; t < STEP; ++t) {
-                if (t >= in_step) {
-                    value_rows[t] = s.zeros.data();  // weight 0 in every vector; zeros, never unread memory
-                    continue;
-                }
-                const int64_t offset = blocks.slot(start + t) * slot_stride + h * head_dim;
-                key_of[t] = kv.keys + offset;
-                if constexpr (std::is_same<T, float>::value) {
-                    value_rows[t] = kv.values + offset;
-                } else {
-                    float* row = s.values.data() + t * head_dim;
-                    for (int64_t j = 0; j < head_dim; j += W) simd::store(row + j, simd::load(kv.values + offset + j));
-                    value_rows[t] = row;
-                }
-            }
-            prefetch_step(kv, blocks, start + STEP, std::min(start + 2 * STEP, widest.position + 1), slot_stride, h);
-            const int64_t live_tiles = (in_step + TILE - 1) / TILE;
-            for (int64_t t = 0; t < live_tiles; ++t) {  // tiles past them are masked out of every score
-                load_key_tile<T, PAIRS>(key_of + t * TILE, std::min(TILE, in_step - t * TILE), elements,
-                                        key_t + t * elements * TILE);
-            }
-            const int64_t run_vectors = run_end * group;
-            constexpr int64_t block_size = PAIRS ? PAIR_BLOCK : FLOAT_BLOCK;
-            for (int64_t v0 = run * group; v0 < run_vectors; v0 += block_size) {
-                const int64_t block = std::min<int64_t>(block_size, run_vectors - v0);
-                vf scores[SCORE_BLOCK * TILES];
-                score_step<PAIRS>(block, queries_in<PAIRS>(s) + v0 * elements, elements, key_t, live_tiles, scale,
-                                  scores);
-                for (int64_t v = v0; v < v0 + block; ++v) {
-                    const int64_t n = std::min(STEP, rows[v / group].position + 1 - start);  // keys of the step it sees
-                    softmax_step(scores + (v - v0) * TILES, n, s.running_max[v], s.running_sum[v],
-                                 s.acc.data() + v * head_dim, head_dim, s.weights.data() + v * STEP);
-                }
-            }
-            for (int64_t v0 = run * group; v0 < run_vectors; v0 += VALUE_BLOCK) {
-                float* acc = s.acc.data() + v0 * head_dim;
-                const float* weights = s.weights.data() + v0 * STEP;
-                with_block<VALUE_BLOCK>(std::min<int64_t>(VALUE_BLOCK, run_vectors - v0), [&](auto nv) {
-                    value_columns<decltype(nv)::value>(acc, head_dim, weights, value_rows);
-                });
-            }
+            visit(start, run, run_end, blocks, std::min(STEP, widest.position + 1 - start), widest.position + 1);
         }
     }
+}
+
+// The `count` rows of an item (positions ascending), KV head h; leaves each vector's unnormalised
+// sums, running max and running sum in the scratch. A step's rows that read the same blocks (all
+// rows of one sequence; decodes of sequences sharing a cached prefix) form a run that shares one
+// transposed copy of the keys; a row's sums are the same whichever run it is in.
+template <typename T, bool PAIRS>
+void attend_rows(const Row* rows, int64_t count, int64_t shift, const PagedKV<T>& kv, int64_t h, int64_t group,
+                 float scale, CausalScratch& s) {
+    const int64_t head_dim = kv.head_dim, elements = PAIRS ? head_dim / 2 : head_dim;
+    const int64_t slot_stride = kv.num_kv_heads * head_dim;
+    reset_sums(s, count * group, head_dim);
+    const T* key_of[STEP];
+    const float* value_rows[STEP];
+    float* key_t = s.key_t.data();  // the step's tiles, transposed, one after the other
+    for_each_step_run(rows, count, shift, [&](int64_t start, int64_t run, int64_t run_end, const Blocks& blocks,
+                                              int64_t in_step, int64_t widest_end) {
+        for (int64_t t = 0; t < STEP; ++t) {
+            if (t >= in_step) {
+                value_rows[t] = s.zeros.data();  // weight 0 in every vector; zeros, never unread memory
+                continue;
+            }
+            const int64_t offset = blocks.slot(start + t) * slot_stride + h * head_dim;
+            key_of[t] = kv.keys + offset;
+            if constexpr (std::is_same<T, float>::value) {
+                value_rows[t] = kv.values + offset;
+            } else {
+                float* row = s.values.data() + t * head_dim;
+                for (int64_t j = 0; j < head_dim; j += W) simd::store(row + j, simd::load(kv.values + offset + j));
+                value_rows[t] = row;
+            }
+        }
+        prefetch_step(kv, blocks, start + STEP, std::min(start + 2 * STEP, widest_end), slot_stride, h);
+        const int64_t live_tiles = (in_step + TILE - 1) / TILE;
+        for (int64_t t = 0; t < live_tiles; ++t) {  // tiles past them are masked out of every score
+            load_key_tile<T, PAIRS>(key_of + t * TILE, std::min(TILE, in_step - t * TILE), elements,
+                                    key_t + t * elements * TILE);
+        }
+        const int64_t run_vectors = run_end * group;
+        constexpr int64_t block_size = PAIRS ? PAIR_BLOCK : FLOAT_BLOCK;
+        for (int64_t v0 = run * group; v0 < run_vectors; v0 += block_size) {
+            const int64_t block = std::min<int64_t>(block_size, run_vectors - v0);
+            vf scores[SCORE_BLOCK * TILES];
+            score_step<PAIRS>(block, queries_in<PAIRS>(s) + v0 * elements, elements, key_t, live_tiles, scale,
+                              scores);
+            for (int64_t v = v0; v < v0 + block; ++v) {
+                const int64_t n = std::min(STEP, rows[v / group].position + 1 - start);  // keys of the step it sees
+                softmax_step(scores + (v - v0) * TILES, n, s.running_max[v], s.running_sum[v],
+                             s.acc.data() + v * head_dim, head_dim, s.weights.data() + v * STEP);
+            }
+        }
+        for (int64_t v0 = run * group; v0 < run_vectors; v0 += VALUE_BLOCK) {
+            float* acc = s.acc.data() + v0 * head_dim;
+            const float* weights = s.weights.data() + v0 * STEP;
+            with_block<VALUE_BLOCK>(std::min<int64_t>(VALUE_BLOCK, run_vectors - v0), [&](auto nv) {
+                value_columns<decltype(nv)::value>(acc, head_dim, weights, value_rows);
+            });
+        }
+    });
 }
 
 #if PREFIXSERVE_AMX
@@ -441,58 +457,46 @@ void attend_rows_amx(const Row* rows, int64_t count, int64_t shift, const PagedK
                      float scale, CausalScratch& s) {
     const int64_t head_dim = kv.head_dim, elements = head_dim / 2;
     const int64_t slot_stride = kv.num_kv_heads * head_dim;
-    const int64_t vectors = count * group;
-    std::fill(s.acc.begin(), s.acc.begin() + vectors * head_dim, 0.f);
-    std::fill(s.running_max.begin(), s.running_max.begin() + vectors, -std::numeric_limits<float>::infinity());
-    std::fill(s.running_sum.begin(), s.running_sum.begin() + vectors, 0.f);
+    reset_sums(s, count * group, head_dim);
     const T* key_of[STEP];
     const uint16_t* value_rows[STEP];
     const uint16_t* values = reinterpret_cast<const uint16_t*>(kv.values);
     float* key_t = s.key_t.data();
-    const int64_t end = rows[count - 1].position + 1;
-    int64_t first_row = 0;
-    for (int64_t start = 0; start < end; start += STEP) {
-        while (rows[first_row].position < start) ++first_row;
-        for (int64_t run = first_row, run_end; run < count; run = run_end) {
-            run_end = run + 1;
-            while (run_end < count && same_blocks(rows[run_end - 1], rows[run_end], start, shift)) ++run_end;
-            const Row& widest = rows[run_end - 1];
-            const Blocks blocks{widest.table, shift, (int64_t{1} << shift) - 1};
-            const int64_t in_step = std::min(STEP, widest.position + 1 - start);
-            for (int64_t t = 0; t < STEP; ++t) {
-                if (t >= in_step) {
-                    value_rows[t] = s.zero_row.data();
-                    continue;
-                }
-                const int64_t offset = blocks.slot(start + t) * slot_stride + h * head_dim;
-                key_of[t] = kv.keys + offset;
-                value_rows[t] = values + offset;
+    for_each_step_run(rows, count, shift, [&](int64_t start, int64_t run, int64_t run_end, const Blocks& blocks,
+                                              int64_t in_step, int64_t widest_end) {
+        for (int64_t t = 0; t < STEP; ++t) {
+            if (t >= in_step) {
+                value_rows[t] = s.zero_row.data();
+                continue;
             }
-            prefetch_step(kv, blocks, start + STEP, std::min(start + 2 * STEP, widest.position + 1), slot_stride, h);
-            load_key_tile<T, true>(key_of, std::min(TILE, in_step), elements, key_t);
-            load_key_tile<T, true>(key_of + TILE, std::max<int64_t>(0, in_step - TILE), elements, key_t + elements * TILE);
-            amx::interleave_values(value_rows, head_dim, s.vnni.data());
-            for (int64_t v0 = run * group; v0 < run_end * group; v0 += amx::ROWS) {
-                const int64_t block = std::min<int64_t>(amx::ROWS, run_end * group - v0);
-                amx::score_block(s.query_pairs.data() + v0 * elements, elements * 4, key_t, elements,
-                                 s.block_scores.data());
-                for (int64_t v = v0; v < v0 + block; ++v) {
-                    const int64_t n = std::min(STEP, rows[v / group].position + 1 - start);
-                    softmax_step_bf16(s.block_scores.data() + (v - v0) * STEP, n, scale, s.running_max[v],
-                                      s.running_sum[v], s.acc.data() + v * head_dim, head_dim,
-                                      s.block_weights.data() + (v - v0) * STEP);
-                }
-                amx::value_block(s.block_weights.data(), s.vnni.data(), head_dim, s.block_out.data());
-                for (int64_t v = v0; v < v0 + block; ++v) {
-                    float* acc = s.acc.data() + v * head_dim;
-                    const float* out = s.block_out.data() + (v - v0) * head_dim;
-                    for (int64_t j = 0; j < head_dim; j += 16) {
-                        _mm512_storeu_ps(acc + j, _mm512_add_ps(_mm512_loadu_ps(acc + j), _mm512_loadu_ps(out + j)));
-                    }
+            const int64_t offset = blocks.slot(start + t) * slot_stride + h * head_dim;
+            key_of[t] = kv.keys + offset;
+            value_rows[t] = values + offset;
+        }
+        prefetch_step(kv, blocks, start + STEP, std::min(start + 2 * STEP, widest_end), slot_stride, h);
+        load_key_tile<T, true>(key_of, std::min(TILE, in_step), elements, key_t);
+        load_key_tile<T, true>(key_of + TILE, std::max<int64_t>(0, in_step - TILE), elements, key_t + elements * TILE);
+        amx::interleave_values(value_rows, head_dim, s.vnni.data());
+        for (int64_t v0 = run * group; v0 < run_end * group; v0 += amx::ROWS) {
+            const int64_t block = std::min<int64_t>(amx::ROWS, run_end * group - v0);
+            amx::score_block(s.query_pairs.data() + v0 * elements, elements * 4, key_t, elements,
+                             s.block_scores.data());
+            for (int64_t v = v0; v < v0 + block; ++v) {
+                const int64_t n = std::min(STEP, rows[v / group].position + 1 - start);
+                softmax_step_bf16(s.block_scores.data() + (v - v0) * STEP, n, scale, s.running_max[v],
+                                  s.running_sum[v], s.acc.data() + v * head_dim, head_dim,
+                                  s.block_weights.data() + (v - v0) * STEP);
+            }
+            amx::value_block(s.block_weights.data(), s.vnni.data(), head_dim, s.block_out.data());
+            for (int64_t v = v0; v < v0 + block; ++v) {
+                float* acc = s.acc.data() + v * head_dim;
+                const float* out = s.block_out.data() + (v - v0) * head_dim;
+                for (int64_t j = 0; j < head_dim; j += 16) {
+                    _mm512_storeu_ps(acc + j, _mm512_add_ps(_mm512_loadu_ps(acc + j), _mm512_loadu_ps(out + j)));
                 }
             }
         }
-    }
+    });
 }
 #endif
 
