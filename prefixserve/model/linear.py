@@ -64,15 +64,24 @@ class Linear(nn.Linear):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """One call of the library, whatever x's row count."""
+        out = self._sums(x)
+        return out if out.dtype == x.dtype else out.to(x.dtype)
+
+    def _sums(self, x: torch.Tensor) -> torch.Tensor:
+        """The matmul's result before any rounding of ours: float32 where bf16 is multiplied in float32."""
         if self.packed is None:
-            if x.dtype == torch.bfloat16 and x.device.type == "cpu" and not native_bfloat16_matmul():
+            if self._computes_in_float32(x):
                 bias = None if self.bias is None else self.bias.float()
-                return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)  # as packed, unpacked
+                return F.linear(x.float(), self.weight.float(), bias)  # as packed, unpacked
             return F.linear(x, self.weight, self.bias)
         if self.emulated:
-            out = torch.ops.mkldnn._linear_pointwise(x.float(), self.packed, self.packed_bias, "none", [], "")
-            return out.to(x.dtype)
+            return torch.ops.mkldnn._linear_pointwise(x.float(), self.packed, self.packed_bias, "none", [], "")
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.packed_bias, "none", [], "")
+
+    def _computes_in_float32(self, x: torch.Tensor) -> bool:
+        if self.packed is not None:
+            return self.emulated
+        return x.dtype == torch.bfloat16 and x.device.type == "cpu" and not native_bfloat16_matmul()
 
     def plan_rows(self, batch_invariant: bool, max_rows: int) -> None:
         """Batch invariance on (probe this shape's accepted row counts, once per process) or off."""
@@ -81,8 +90,10 @@ class Linear(nn.Linear):
             self.row_calls = RowCalls.ALL
             return
         layout = ("packed", self.batch_size_hint, self.emulated) if self.packed is not None else ("plain",)
-        key = ("linear", self.out_features, self.bias is not None) + layout
-        self.row_calls = probe_once(key, self.matmul, self.in_features, self.weight.dtype, self.weight.device, max_rows)
+        key = ("linear", self.bias is not None) + layout
+        # Probed before our rounding to bf16, which would hide most differences (row_calls.py).
+        self.row_calls = probe_once(key, self._sums, self.in_features, self.out_features, self.weight.dtype,
+                                    self.weight.device, max_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] == 0:

@@ -8,11 +8,15 @@ and a cache hit (a shorter step) can change a greedy output. Nothing documents t
 they differ by CPU, library version and thread count, so they are measured, once per matmul shape:
 
     reference   the probe rows x[0 .. R) computed in calls of REFERENCE_ROWS rows
-    candidate   C rows in one call (1 .. 32, then sizes growing by 1.5-2x up to the step's token
-                budget); accepted when all C rows equal the reference bit for bit
+    candidate   calls of C rows (1 .. 32, then sizes growing by 1.5-2x up to the step's token
+                budget) over at least PROBE_OUTPUTS outputs' worth of rows; accepted when every
+                row equals the reference bit for bit
 
-(The probe rows are random: two different orders of a sum agree on every output of a C x N call
-with vanishing probability, so equal results mean the same order.) A call of any other row count
+The probe rows are random, and a different order of a sum changes most float32 outputs. Rounded to
+bf16 it changes few (measured: oneDNN's float32 kernel at SSE4.1 sums a lone row unlike a row of 16
+in 75% of outputs, which after rounding to bf16 differ in about 1 of 2,688): so a layer that rounds
+its float32 sums to bf16 itself is probed before the rounding (linear.py), and every size is tried
+over enough rows that even a one-in-thousands difference shows (about 48 expected). A call of any other row count
 is served by accepted calls: padded with zero rows up to an accepted size when that costs at most a
 quarter (or 8) more rows, else split into the largest accepted sizes. Every row then takes the reference's
 order whatever its batch. `RowCalls.ALL` is the plan when invariance is not asked for.
@@ -29,6 +33,7 @@ Matmul = Callable[[torch.Tensor], torch.Tensor]
 
 REFERENCE_ROWS = 16
 SMALL_ROWS = 32  # every row count up to this is probed (decode batches)
+PROBE_OUTPUTS = 1 << 17  # outputs each candidate size computes at least (its calls repeated over more rows)
 MAX_PADDING = 0.25  # pad a call up to an accepted size costing at most this share more rows,
 MIN_PADDING = 8     # or this many (a small call's cost is mostly reading the weight)
 
@@ -107,17 +112,23 @@ class RowCalls:
 RowCalls.ALL = RowCalls(None)
 
 
-def probe(matmul: Matmul, in_features: int, dtype: torch.dtype, device: torch.device, max_rows: int) -> RowCalls:
+def probe(matmul: Matmul, in_features: int, out_features: int, dtype: torch.dtype, device: torch.device,
+          max_rows: int) -> RowCalls:
     """The sizes at which `matmul` computes every row of a call as a REFERENCE_ROWS-row call does."""
     sizes = candidate_sizes(max(max_rows, 1))
-    largest = max(sizes)
+    min_rows = -(-PROBE_OUTPUTS // max(out_features, 1))
+    rows_of = {size: -(-max(size, min_rows) // size) * size for size in sizes}  # whole calls of `size`
+    total = -(-max(rows_of.values()) // REFERENCE_ROWS) * REFERENCE_ROWS
     generator = torch.Generator().manual_seed(0x5EED)
-    total = -(-largest // REFERENCE_ROWS) * REFERENCE_ROWS
     x = torch.randn(total, in_features, generator=generator).to(device=device, dtype=dtype)
+
+    def calls_of(size: int, rows: int) -> torch.Tensor:
+        return torch.cat([matmul(x[start:start + size]) for start in range(0, rows, size)])
+
     with torch.inference_mode():
-        reference = torch.cat([matmul(x[start:start + REFERENCE_ROWS]) for start in range(0, total, REFERENCE_ROWS)])
-        accepted = tuple(size for size in sizes
-                         if size == REFERENCE_ROWS or torch.equal(matmul(x[:size]), reference[:size]))
+        reference = calls_of(REFERENCE_ROWS, total)
+        accepted = tuple(size for size in sizes if size == REFERENCE_ROWS
+                         or torch.equal(calls_of(size, rows_of[size]), reference[:rows_of[size]]))
     return RowCalls(accepted)
 
 
@@ -125,13 +136,13 @@ _probed: dict[tuple, RowCalls] = {}
 _probe_lock = threading.Lock()
 
 
-def probe_once(key: tuple, matmul: Matmul, in_features: int, dtype: torch.dtype, device: torch.device,
-               max_rows: int) -> RowCalls:
+def probe_once(key: tuple, matmul: Matmul, in_features: int, out_features: int, dtype: torch.dtype,
+               device: torch.device, max_rows: int) -> RowCalls:
     """probe(), remembered for this process under `key` (everything the library's choice can depend
     on: the shapes, dtypes, weight layout, bias, the thread count; the caller names them)."""
-    key = key + (in_features, dtype, str(device), max_rows, torch.get_num_threads())
+    key = key + (in_features, out_features, dtype, str(device), max_rows, torch.get_num_threads())
     with _probe_lock:
         found = _probed.get(key)
         if found is None:
-            found = _probed[key] = probe(matmul, in_features, dtype, device, max_rows)
+            found = _probed[key] = probe(matmul, in_features, out_features, dtype, device, max_rows)
         return found
