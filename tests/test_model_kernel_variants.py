@@ -18,6 +18,9 @@ import pytest
 from prefixserve.model import kernel_variants, kernels
 
 ROOT = Path(__file__).resolve().parents[1]
+# A build does not depend on the caps: CI's capped runs (as an AVX2 machine, ...) leave it to the uncapped one.
+builds = pytest.mark.skipif(bool(os.environ.get("PREFIXSERVE_CPU_ISA")),
+                            reason="the build is the same under any cap; the uncapped run tests it")
 
 
 @pytest.fixture
@@ -124,6 +127,7 @@ def _copy_build_tree(destination: Path) -> Path:
     return destination
 
 
+@builds
 def test_a_build_without_a_working_compiler_succeeds_without_kernels(tmp_path):
     """`pip install -e .` must never fail because of the kernels: no compiler is a warning."""
     tree = _copy_build_tree(tmp_path)
@@ -134,6 +138,7 @@ def test_a_build_without_a_working_compiler_succeeds_without_kernels(tmp_path):
     assert not list((tree / "prefixserve").glob("*.so"))
 
 
+@builds
 @pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
 def test_a_variant_the_compiler_cannot_build_is_left_out_and_the_rest_are_built(tmp_path):
     """An older compiler without -mavx512bf16, say: that variant is a warning, the others install."""
@@ -181,6 +186,7 @@ def test_a_built_variant_uses_no_instruction_set_above_its_own(name, forbidden):
 CROSS_COMPILER = "aarch64-linux-gnu-g++"
 
 
+@builds
 @pytest.mark.skipif(shutil.which(CROSS_COMPILER) is None,
                     reason=f"no {CROSS_COMPILER} (Debian's g++-aarch64-linux-gnu; .ci/run installs it)")
 @pytest.mark.parametrize("backend", ["PORTABLE", "NEON"])
@@ -200,6 +206,7 @@ def test_the_kernels_compile_for_aarch64(backend, tmp_path):
         assert (tmp_path / f"{source}.o").stat().st_size > 0
 
 
+@builds
 @pytest.mark.skipif(shutil.which(CROSS_COMPILER) is None or shutil.which("qemu-aarch64") is None,
                     reason=f"needs {CROSS_COMPILER} and qemu-aarch64 (Debian's qemu-user; .ci/run installs both)")
 @pytest.mark.parametrize("backend", ["NEON", "PORTABLE"])

@@ -15,8 +15,9 @@ they differ by CPU, library version and thread count, so they are measured, once
 The probe rows are random, and a different order of a sum changes most float32 outputs. Rounded to
 bf16 it changes few (measured: oneDNN's float32 kernel at SSE4.1 sums a lone row unlike a row of 16
 in 75% of outputs, which after rounding to bf16 differ in about 1 of 2,688): so a layer that rounds
-its float32 sums to bf16 itself is probed before the rounding (linear.py), and every size is tried
-over enough rows that even a one-in-thousands difference shows (about 48 expected). A call of any other row count
+its float32 sums to bf16 itself is probed before the rounding (linear.py), and where the library
+returns bf16 (its own rounding) every size is tried over enough rows that even a one-in-thousands
+difference shows (about 48 expected). A call of any other row count
 is served by accepted calls: padded with zero rows up to an accepted size when that costs at most a
 quarter (or 8) more rows, else split into the largest accepted sizes. Every row then takes the reference's
 order whatever its batch. `RowCalls.ALL` is the plan when invariance is not asked for.
@@ -116,10 +117,15 @@ def probe(matmul: Matmul, in_features: int, out_features: int, dtype: torch.dtyp
           max_rows: int) -> RowCalls:
     """The sizes at which `matmul` computes every row of a call as a REFERENCE_ROWS-row call does."""
     sizes = candidate_sizes(max(max_rows, 1))
-    min_rows = -(-PROBE_OUTPUTS // max(out_features, 1))
+    generator = torch.Generator().manual_seed(0x5EED)
+    first = torch.randn(1, in_features, generator=generator).to(device=device, dtype=dtype)
+    with torch.inference_mode():
+        rounded = matmul(first).dtype not in (torch.float32, torch.float64)
+    # A float32 result shows another order in most outputs: one call of each size is enough. A result
+    # the library rounded to bf16 itself shows it in few: each size is tried over many outputs.
+    min_rows = -(-PROBE_OUTPUTS // max(out_features, 1)) if rounded else 1
     rows_of = {size: -(-max(size, min_rows) // size) * size for size in sizes}  # whole calls of `size`
     total = -(-max(rows_of.values()) // REFERENCE_ROWS) * REFERENCE_ROWS
-    generator = torch.Generator().manual_seed(0x5EED)
     x = torch.randn(total, in_features, generator=generator).to(device=device, dtype=dtype)
 
     def calls_of(size: int, rows: int) -> torch.Tensor:
