@@ -174,3 +174,38 @@ def test_paged_causal_decodes_sharing_a_prefix_are_each_as_alone(dtype, block_si
             scores = torch.einsum("hd,khd->hk", q[i].double(), keys) * 0.125
             expected = torch.einsum("hk,khd->hd", scores.softmax(-1), values).float()
             torch.testing.assert_close(together[i], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_kernel_call_leaves_other_python_threads_running(kernel_variant):
+    """The engine thread's kernels run with the GIL released (as PyTorch's ops do): while one long
+    paged_causal call runs, another thread (the server's event loop answering /health) keeps running.
+    The other thread wakes every millisecond and holds the GIL only for a moment, so where the kernel
+    held it that thread could run only at the call's edges, never in its middle half."""
+    import threading
+    import time
+
+    generator = torch.Generator().manual_seed(3)
+    block_size, length = 16, 4096
+    k_cache = torch.randn(length // block_size, block_size, 4, 64, generator=generator)
+    q = torch.randn(length, 8, 64, generator=generator)
+    tables = torch.arange(length // block_size).unsqueeze(0)
+    query_start, seq_lens = torch.tensor([0, length]), torch.tensor([length])
+    stamps: list[float] = []
+    done = threading.Event()
+
+    def wake_up_often():
+        while not done.is_set():
+            stamps.append(time.monotonic())
+            time.sleep(0.001)
+
+    other = threading.Thread(target=wake_up_often)
+    other.start()
+    try:
+        start = time.monotonic()
+        kernel_variant.paged_causal(q, k_cache, k_cache, tables, query_start, seq_lens, 0.125)
+        end = time.monotonic()
+    finally:
+        done.set()
+        other.join()
+    middle = [t for t in stamps if start + 0.25 * (end - start) < t < start + 0.75 * (end - start)]
+    assert middle, "no other thread ran during the kernel call: it holds the GIL"

@@ -184,3 +184,68 @@ def test_idle_health_checks_and_event_polls_log_nothing(tokenizer, caplog):
         assert noisy == [], [r.getMessage() for r in noisy]
     finally:
         logging.getLogger("httpx").setLevel(previous)
+
+
+def test_busy_is_not_down_but_a_replica_that_stops_answering_is():
+    """A slow answer is a busy replica (a control call waits for the engine's step; a long step can hold
+    up /health): a sync that times out keeps it up with its mirror, and /health must time out
+    `health_failure_threshold` times in a row before it goes down. A refused connection takes it out at
+    once, and any answer resets the count."""
+    import asyncio
+
+    from prefixserve.router.replicas import Replica
+
+    behaviour = {"health": "ok", "sync": "ok"}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        kind = "health" if request.url.path == "/health" else "sync"
+        if behaviour[kind] == "slow":
+            raise httpx.ReadTimeout("timed out", request=request)
+        if behaviour[kind] == "refused":
+            raise httpx.ConnectError("connection refused", request=request)
+        if kind == "health":
+            return httpx.Response(200, json={"status": "ok"})
+        return httpx.Response(200, json={"keys": [b"k".hex()], "tiers": {}, "next": 1})
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            replica = Replica("http://replica", "busy", health_failure_threshold=3)
+            await replica.check_health(client, 1.0)
+            await replica.sync(client, {}, 1.0)
+            assert replica.healthy and replica.mirror.keys == {b"k"}
+            behaviour.update(health="slow", sync="slow")
+            for _ in range(2):
+                await replica.check_health(client, 1.0)
+                await replica.sync(client, {}, 1.0)
+            assert replica.healthy and replica.mirror.keys == {b"k"} and not replica.down_reasons
+            behaviour["health"] = "ok"  # an answer between slow ones starts the count over
+            await replica.check_health(client, 1.0)
+            behaviour["health"] = "slow"
+            for _ in range(2):
+                await replica.check_health(client, 1.0)
+            assert replica.healthy
+            await replica.check_health(client, 1.0)
+            assert not replica.healthy and "timed out 3 times in a row" in replica.down_reasons[-1].reason
+            behaviour.update(health="ok", sync="ok")
+            await replica.check_health(client, 1.0)
+            assert replica.healthy
+            behaviour["health"] = "refused"
+            await replica.check_health(client, 1.0)
+            assert not replica.healthy and "refused" in replica.down_reasons[-1].reason
+            behaviour.update(health="ok", sync="refused")
+            await replica.check_health(client, 1.0)
+            await replica.sync(client, {}, 1.0)
+            assert not replica.healthy and replica.down_reasons[-1].reason.startswith("transport failure during")
+
+    asyncio.run(run())
+
+
+def test_the_health_failure_threshold_is_a_route_flag():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_route_arguments(parser)
+    settings = settings_from_args(parser.parse_args(["--replica", "http://127.0.0.1:1", "--health-failure-threshold", "5"]))
+    assert settings.health_failure_threshold == 5
+    with pytest.raises(SystemExit, match="at least 1"):
+        settings_from_args(parser.parse_args(["--replica", "http://127.0.0.1:1", "--health-failure-threshold", "0"]))

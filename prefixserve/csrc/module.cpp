@@ -14,7 +14,9 @@
 //                  Kernels: rowwise.cpp. Reference: llama.py's RMSNorm, rotate and MLP.
 //
 // This file checks what a caller hands in (shapes, dtypes, every block id of every range read: a bad
-// table is an error, never a stray read) and dispatches on the dtype and the variant.
+// table is an error, never a stray read) and dispatches on the dtype and the variant. The kernels run
+// with the GIL released, as PyTorch's own ops do: the engine thread's step must leave the server's
+// event loop free to answer /health and stream tokens.
 #include <torch/extension.h>
 
 #include "kernels.h"
@@ -94,6 +96,7 @@ torch::Tensor paged_causal(const py::object& capsule, const torch::Tensor& q, co
         check_blocks(tables, i, lens[i], block_size, k_cache.size(0));
     }
     auto out = torch::empty({q.size(0), num_heads, head_dim}, q.options());
+    py::gil_scoped_release released;  // a long prefill must not stall the server's event loop
     AT_DISPATCH_SWITCH(q.scalar_type(), "paged_causal",
         AT_DISPATCH_CASE(torch::kFloat32, [&] {
             kernels.causal_float32(queries_of<float>(q), paged_kv_of<float>(k_cache, v_cache, tables), start, lens,
@@ -125,10 +128,12 @@ void with_rowwise(const KernelTable& kernels, const torch::Tensor& x, Body&& bod
     if (x.scalar_type() == torch::kBFloat16) {
         TORCH_CHECK(kernels.rowwise_bfloat16.silu_mul != nullptr, "kernel variant ", kernels.variant,
                     " has no row-wise kernels");
+        py::gil_scoped_release released;
         body(kernels.rowwise_bfloat16, [](const torch::Tensor& t) { return t.data_ptr<at::BFloat16>(); });
     } else {
         TORCH_CHECK(kernels.rowwise_float32.silu_mul != nullptr, "kernel variant ", kernels.variant,
                     " has no row-wise kernels");
+        py::gil_scoped_release released;
         body(kernels.rowwise_float32, [](const torch::Tensor& t) { return t.data_ptr<float>(); });
     }
 }

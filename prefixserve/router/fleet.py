@@ -56,7 +56,7 @@ class Router:
         from ..model import Tokenizer, ensure_default_model  # tokenizer only: no weights are loaded
 
         self.settings = settings
-        self.replicas = [Replica(url, name) for name, url in settings.named_replicas()]
+        self.replicas = [Replica(url, name, settings.health_failure_threshold) for name, url in settings.named_replicas()]
         self.policy = make_policy(settings.policy, policy_options_for(settings.cost))
         self.tokenizer = Tokenizer.from_dir(settings.model or ensure_default_model())
         self.max_chars_per_token = self.tokenizer.max_chars_per_token  # computed once, over the vocabulary
@@ -127,6 +127,8 @@ class Router:
             try:
                 response = await self.client.get(replica.url + "/v1/cache/info", headers=self.control_headers(),
                                                  timeout=self.settings.control_timeout)
+            except httpx.TimeoutException:
+                continue  # busy with a step, not down: another replica, or this one next time
             except httpx.TransportError as failure:
                 replica.mark_down(f"transport failure reading cache info: {failure!r}")
                 continue

@@ -26,6 +26,9 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
                         help="larger request bodies get 413 before they are read (default %(default)d)")
     parser.add_argument("--max-attempts", type=int, default=3,
                         help="distinct replicas a request (or a broken stream) may try (default %(default)d)")
+    parser.add_argument("--health-failure-threshold", type=int, default=3,
+                        help="/health checks timing out in a row that mark a replica down; a refused or reset "
+                             "connection marks it down at once (default %(default)d)")
     parser.add_argument("--kv-remote-url", metavar="URL", default=None,
                         help="the replicas' --kv-remote-url: kv_aware prices what the shared remote tier holds, so a "
                              "request may go to an idle replica that fetches its prefix (default: off)")
@@ -48,6 +51,7 @@ def settings_from_args(args: argparse.Namespace):
             admin_api_key=args.admin_api_key,
             cost=CostModel.load(args.costs) if args.costs else CostModel(),
             max_attempts=args.max_attempts,
+            health_failure_threshold=args.health_failure_threshold,
             kv_remote_url=args.kv_remote_url,
             max_request_bytes=args.max_request_bytes,
         )

@@ -6,10 +6,14 @@ never saw, it is rebuilt from a snapshot of the replica's keys (`/v1/cache/keys`
 Routing also adds a request's keys optimistically, so a burst of requests with
 one prefix sticks to one replica before its events arrive.
 
-Only the replica's own failures take it out: a transport failure (refused, reset,
-timed out) or a /health that is not 200. A response, even a 5xx, is an answer to
-one request and never marks a replica down. Each time it goes down the reason is
-kept in `down_reasons`, so an operator (and a test) can see why.
+Only the replica's own failures take it out: a connection refused or reset, a
+/health that is not 200, or /health timing out several checks in a row. Busy is
+not down: a control call (KV events, cache keys) waits for the engine's current
+step, so one that times out leaves the replica up and its mirror as it was, and a
+single slow /health (an event loop held up by a long step) is only counted. A
+response, even a 5xx, is an answer to one request and never marks a replica down.
+Each time it goes down the reason is kept in `down_reasons`, so an operator (and a
+test) can see why.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ def parse_replica(spec: str, index: int) -> tuple[str, str]:
 
 
 class Replica:
-    def __init__(self, url: str, name: Optional[str] = None) -> None:
+    def __init__(self, url: str, name: Optional[str] = None, health_failure_threshold: int = 3) -> None:
         self.url = url.rstrip("/")
         self.name = name or self.url
         self.mirror = PrefixMirror()
@@ -62,6 +66,8 @@ class Replica:
         self.num_predicted_hit_tokens = 0
         self.num_failures = 0
         self.down_reasons: deque[MarkedDown] = deque(maxlen=100)
+        self.health_failure_threshold = health_failure_threshold  # /health timeouts in a row that take it out
+        self.health_timeouts = 0  # in a row, reset by any answer
 
     @property
     def load(self) -> float:
@@ -102,9 +108,15 @@ class Replica:
     async def check_health(self, client: httpx.AsyncClient, timeout: float) -> None:
         try:
             response = await client.get(self.url + "/health", timeout=timeout)
+        except httpx.TimeoutException as error:
+            self.health_timeouts += 1
+            if self.health_timeouts >= self.health_failure_threshold:
+                self.mark_down(f"health check failed: timed out {self.health_timeouts} times in a row ({error!r})")
+            return
         except httpx.TransportError as error:
             self.mark_down(f"health check failed: {error!r}")
             return
+        self.health_timeouts = 0
         if response.status_code != 200:
             self.mark_down(f"health check answered {response.status_code}")
             return
@@ -137,6 +149,8 @@ class Replica:
             self.mirror.tier_keys = {medium: {bytes.fromhex(key) for key in keys}
                                      for medium, keys in (body.get("tiers") or {}).items()}
             self.cursor = body["next"]
+        except httpx.TimeoutException:
+            logger.debug("replica %s: cache sync timed out (busy with a step); trying again", self.name)
         except httpx.TransportError as error:
             self.mark_down(f"transport failure during cache sync: {error!r}")
         except (KeyError, TypeError, ValueError) as error:
