@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import random
+import secrets
 import shutil
 import socket
 import subprocess
@@ -120,8 +121,12 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory() as directory:
         redis, url = start_redis(directory)
+        secret = Path(directory) / "kv-tier.secret"  # the fleet's secret: every replica seals and checks records
+        secret.write_text(secrets.token_hex(32) + "\n")
+        secret.chmod(0o600)
         try:
-            for name, extra in (("local only", []), ("shared Redis tier", ["--kv-remote-url", url])):
+            for name, extra in (("local only", []),
+                                ("shared Redis tier", ["--kv-remote-url", url, "--kv-tier-secret-file", str(secret)])):
                 processes, urls = start_replicas(args.replicas, extra)
                 try:
                     results[name] = run(urls, requests, concurrency=args.replicas)

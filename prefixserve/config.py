@@ -56,6 +56,14 @@ class EngineConfig:
     kv_remote_ttl: Optional[float] = None  # seconds a remote record lives; None: until Redis evicts it
     kv_remote_write_bytes_per_second: Optional[int] = None  # cap on what one replica writes; None: no cap
     kv_remote_timeout: float = 1.0  # seconds a remote read may take before it counts as a miss
+    # The tiers are a trust boundary (tiers/seal.py). With a secret file every record is sealed (AES-256-GMAC)
+    # and only records sealed under one of its secrets are read back; the remote tier needs one, or
+    # kv_remote_insecure=True (then anyone who can write Redis can change this replica's answers).
+    kv_tier_secret_file: Optional[str] = None
+    kv_tier_encrypt: bool = False  # AES-256-GCM: token ids and KV encrypted at rest, a key per tenant scope
+    kv_remote_insecure: bool = False
+    # Seconds a request waits for a disk or remote read before it recomputes (the tier counted slow).
+    kv_tier_deadline: float = 0.5
     # "cost": fetch a lower-tier run only where reading it is measured to beat recomputing it (tiers/policy.py);
     # "always": fetch every block a tier holds, as LMCache does (predictable hits, whatever the timings).
     kv_fetch_policy: str = "cost"
@@ -101,6 +109,13 @@ class EngineConfig:
         require(self.kv_remote_write_bytes_per_second is None or self.kv_remote_write_bytes_per_second > 0,
                 f"kv_remote_write_bytes_per_second must be positive, got {self.kv_remote_write_bytes_per_second}")
         require(self.kv_remote_timeout > 0, f"kv_remote_timeout must be positive, got {self.kv_remote_timeout}")
+        require(not self.kv_tier_encrypt or self.kv_tier_secret_file is not None,
+                "kv_tier_encrypt needs kv_tier_secret_file: the keys are derived from the fleet's secret")
+        require(self.kv_remote_url is None or self.kv_tier_secret_file is not None or self.kv_remote_insecure,
+                "kv_remote_url needs kv_tier_secret_file (--kv-tier-secret-file), the fleet's secret that seals "
+                "every record, or else anyone who can write that Redis can change this replica's answers; "
+                "kv_remote_insecure=True (--kv-remote-insecure) runs without one")
+        require(self.kv_tier_deadline > 0, f"kv_tier_deadline must be positive, got {self.kv_tier_deadline}")
         require(self.kv_fetch_policy in FETCH_POLICIES,
                 f"kv_fetch_policy must be one of {FETCH_POLICIES}, got {self.kv_fetch_policy!r}")
         require(self.kv_disk_cache_bytes is None or self.kv_disk_cache_dir is not None,

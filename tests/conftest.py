@@ -40,6 +40,18 @@ def default_model(default_model_dir):
     return load_model(default_model_dir, torch.float32, torch.device("cpu"))
 
 
+TIER_SECRET = "prefixserve-tests-fleet-secret-0123456789abcdef"  # the tests' fleet secret (tiers/seal.py)
+
+
+@pytest.fixture(scope="session")
+def tier_secret_file(tmp_path_factory):
+    """A kv_tier_secret_file holding TIER_SECRET (mode 600), as every replica of a test fleet gets it."""
+    path = tmp_path_factory.mktemp("secret") / "kv-tier.secret"
+    path.write_text(TIER_SECRET + "\n")
+    path.chmod(0o600)
+    return str(path)
+
+
 SMALL_KV = 32 << 20  # 2,048 tokens of the default model in fp32: fast to allocate, plenty for tests
 
 

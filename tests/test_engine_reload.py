@@ -98,13 +98,13 @@ def test_a_request_made_before_a_reload_is_refused_after_it(versions):
         llm.engine.submit(stale)
 
 
-def test_the_old_versions_remote_records_stay_for_other_replicas_until_the_operator_purges_them(versions,
-                                                                                                 redis_server):
+def test_the_old_versions_remote_records_stay_for_other_replicas_until_the_operator_purges_them(
+        versions, redis_server, tier_secret_file):
     import redis
 
     path_a, path_b, _, cold_b = versions
     client = redis.Redis.from_url(redis_server.url)
-    llm = make_llm(model=str(path_a), kv_remote_url=redis_server.url)
+    llm = make_llm(model=str(path_a), kv_remote_url=redis_server.url, kv_tier_secret_file=tier_secret_file)
     generate(llm)
     llm.engine.tiers.tiers["remote"].flush()
     old = llm.engine.scope.digest.hex().encode()

@@ -30,10 +30,11 @@ def wait_for_records(client, at_least: int, timeout: float = 60.0) -> int:
     raise AssertionError(f"only {client.dbsize()} records reached Redis in {timeout} s")
 
 
-def test_a_prefix_computed_on_one_replica_is_served_to_another(redis_server):
+def test_a_prefix_computed_on_one_replica_is_served_to_another(redis_server, tier_secret_file):
     redis = pytest.importorskip("redis")
     # every remote hit fetched: the default planner may recompute a short run on a machine that reads slowly
-    with Fleet(2, replica_args=("--kv-remote-url", redis_server.url, "--kv-fetch-policy", "always"),
+    with Fleet(2, replica_args=("--kv-remote-url", redis_server.url, "--kv-tier-secret-file", tier_secret_file,
+                                          "--kv-fetch-policy", "always"),
                policy="round_robin") as fleet:
         first = chat(fleet.url, "Which replica computed this?")
         usage = first.json()["usage"]

@@ -8,6 +8,8 @@ import zlib
 import pytest
 
 from prefixserve.cache import BlockKeyer
+from prefixserve.engine.kv_tiers import payload_is_finite
+from prefixserve.tiers.seal import Keyring, Sealer
 from prefixserve.tiers.record import (
     FIXED_HEADER_SIZE,
     REASONS,
@@ -42,9 +44,9 @@ def expectation(record: BlockRecord, **changes) -> RecordExpectation:
     return RecordExpectation(**fields)
 
 
-def reason_of(data: bytes, expect: RecordExpectation) -> str:
+def reason_of(data: bytes, expect: RecordExpectation, sealer=None) -> str:
     with pytest.raises(RecordError) as caught:
-        decode_record(data, expect)
+        decode_record(data, expect, sealer)
     assert isinstance(caught.value, ValueError)
     return caught.value.reason
 
@@ -114,7 +116,7 @@ def test_bad_magic_and_version():
     assert reason_of(b"XSKV" + data[4:], expectation(record)) == "magic"
     assert reason_of(b"P", expectation(record)) == "truncated"  # a prefix of the magic is a short record
     assert reason_of(b"Q", expectation(record)) == "magic"
-    future = data[:4] + struct.pack("<H", 2) + data[6:]
+    future = data[:4] + struct.pack("<H", 3) + data[6:]
     assert reason_of(future, expectation(record)) == "version"
 
 
@@ -150,7 +152,14 @@ def test_every_reason_is_reachable():
         (data, dict(dtype="float16")),
         (data, dict(shape=(1,))),
     ]
-    assert [reason_of(bytes(damaged), expectation(record, **changes)) for damaged, changes in cases] == list(REASONS)
+    reasons = [reason_of(bytes(damaged), expectation(record, **changes)) for damaged, changes in cases]
+    sealer = Sealer(Keyring.from_secret("s" * 32))
+    reasons.append(reason_of(data, expectation(record), sealer))  # unsealed where a seal is required
+    nan = make_record(payload=struct.pack("<f", float("nan")) * (len(record.payload) // 4))
+    decode_record(encode_record(nan), expectation(nan))  # a record may hold NaN; the engine refuses it:
+    if not payload_is_finite(nan.payload, nan.dtype):
+        reasons.append("nonfinite")
+    assert reasons == list(REASONS)
 
 
 def test_header_describing_an_impossible_payload_is_refused():
@@ -165,7 +174,9 @@ def test_header_describing_an_impossible_payload_is_refused():
             forged[body_start : body_start + 7] = patch
         else:
             forged[body_start + 7 : body_start + 15] = struct.pack("<Q", 99)
-        forged[20:24] = struct.pack("<I", zlib.crc32(bytes(forged[FIXED_HEADER_SIZE:header_length(bytes(forged))]), zlib.crc32(bytes(forged[:20]))))
+        body = bytes(forged[FIXED_HEADER_SIZE:header_length(bytes(forged))])
+        forged[20:24] = struct.pack("<I", zlib.crc32(body, zlib.crc32(bytes(forged[28:FIXED_HEADER_SIZE]),
+                                                                     zlib.crc32(bytes(forged[:20])))))
         with pytest.raises(RecordError) as caught:
             read_header(bytes(forged))
         assert caught.value.reason == reason

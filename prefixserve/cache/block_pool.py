@@ -22,6 +22,8 @@ class Block:
         "key",
         "token_bytes",
         "parent",
+        "scope",
+        "device_only",
         "num_children",
         "pin_count",
         "last_access",
@@ -39,6 +41,11 @@ class Block:
         self.token_bytes: Optional[bytes] = None
         # The cached parent block, or the scope digest (bytes) for block 0 of a prefix.
         self.parent: Union["Block", bytes, None] = None
+        # The scope digest its tenant's chain hangs from (a private scope past a shared prefix): what a
+        # tier's encryption key for this block commits to.
+        self.scope: Optional[bytes] = None
+        # Its KV never leaves the device pool (cache_retention "device"): never spilled, never written down.
+        self.device_only = False
         self.num_children = 0  # cached children
         self.pin_count = 0
         self.last_access = 0  # logical tick: orders LRU eviction
@@ -129,7 +136,8 @@ class BlockPool:
     def free(self, block: Block) -> None:
         """Return an uncached, unreferenced block to the free list."""
         assert block.ref_count == 0 and block.key is None, f"cannot free {block}"
-        block.parent = None
+        block.parent = block.scope = None
+        block.device_only = False
         block.token_bytes = None
         block.ttl = block.expire_at = None
         self.free_list.append(block)

@@ -227,10 +227,14 @@ class RadixCache:
         token_ids: Sequence[int],
         parent: Parent,
         ttl: Optional[float] = None,
+        scope: Optional[bytes] = None,
+        device_only: bool = False,
     ) -> Block:
         """Register a full block whose KV is written; returns the block the caller should hold.
 
-        `parent` is the caller's previous block (or the scope digest for block 0).
+        `parent` is the caller's previous block (or the scope digest for block 0); `scope` the tenant
+        scope the block belongs to (Request.block_scope), by default its parent's; `device_only` keeps
+        its KV in the pool (a child of such a block is device-only too).
         If the same block was cached meanwhile by another request, the caller's
         copy is released and the cached one returned (referenced for the caller),
         so duplicates never linger and reference counts stay exact. A private
@@ -255,6 +259,8 @@ class RadixCache:
         block.key = key
         block.token_bytes = token_bytes
         block.parent = parent
+        block.scope = scope if scope is not None else (parent.scope if isinstance(parent, Block) else parent)
+        block.device_only = device_only or (isinstance(parent, Block) and parent.device_only)
         block.ttl = ttl
         block.expire_at = None if ttl is None else self.clock() + ttl
         if isinstance(parent, Block):
@@ -282,7 +288,8 @@ class RadixCache:
         else:
             pinned = False
         parent = block.parent
-        block.parent = None
+        block.parent = block.scope = None
+        block.device_only = False
         block.num_children = 0
         if block.ref_count == 0:
             self._num_cached_unreferenced -= 1

@@ -104,7 +104,8 @@ class LLMEngine:
             return None
         self._log_progress("KV tiers below the pool: " + ", ".join(
             f"{tier.name} {tier.capacity_bytes / 2**20:.0f} MiB" for tier in tiers))
-        return TieredKV(tiers, self.runner, self.cache, self.keyer, self.scope.digest, self.config.kv_fetch_policy)
+        return TieredKV(tiers, self.runner, self.cache, self.keyer, self.scope.digest, self.config.kv_fetch_policy,
+                        self.config.kv_tier_deadline)
 
     def _log_progress(self, message: str) -> None:
         if self.config.log_stats:
@@ -189,18 +190,21 @@ class LLMEngine:
         arrival_time: Optional[float] = None,
         prefix_ttl: Optional[float] = None,
         tenant: Optional[str] = None,
+        cache_retention: Optional[str] = None,
     ) -> Request:
-        request = self.make_request(prompt, params, request_id, cache_salt, arrival_time, prefix_ttl, tenant)
+        request = self.make_request(prompt, params, request_id, cache_salt, arrival_time, prefix_ttl, tenant,
+                                    cache_retention)
         self.submit(request)
         return request
 
     def make_request(self, prompt: PromptType, params: Optional[SamplingParams] = None,
                      request_id: Optional[str] = None, cache_salt: Optional[str] = None,
                      arrival_time: Optional[float] = None, prefix_ttl: Optional[float] = None,
-                     tenant: Optional[str] = None) -> Request:
+                     tenant: Optional[str] = None, cache_retention: Optional[str] = None) -> Request:
         """Tokenize and validate (raises ValueError with the fix); does not touch engine state."""
         version = self.num_reloads
-        request = self.inputs.make_request(prompt, params, request_id, cache_salt, arrival_time, prefix_ttl, tenant)
+        request = self.inputs.make_request(prompt, params, request_id, cache_salt, arrival_time, prefix_ttl, tenant,
+                                           cache_retention)
         request.model_version = version
         return request
 

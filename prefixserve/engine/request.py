@@ -55,6 +55,9 @@ class Request:
     max_model_len: int = 4096
     prefix_ttl: Optional[float] = None
     tenant: Optional[str] = None  # who asked: labels statistics (reuse gaps), never part of a key
+    # None: cached as usual; "device": its KV never leaves the device pool (no host, disk or remote tier);
+    # "none": nothing of it is kept once it finishes (its blocks are never cached).
+    cache_retention: Optional[str] = None
     model_version: int = 0  # the engine's num_reloads when it was made: a request of an older version is refused
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -77,6 +80,13 @@ class Request:
             self.token_ids = list(self.prompt_token_ids)
         if self.logprobs is None and self.sampling_params.logprobs is not None:
             self.logprobs = []
+
+    def block_scope(self, index: int) -> bytes:
+        """The scope block `index` of this request belongs to: the tenant's private one from
+        `private_from` on, else `scope_digest` (what a tier's encryption key commits to)."""
+        if self.private_from is not None and index >= self.private_from[0]:
+            return self.private_from[1]
+        return self.scope_digest
 
     @property
     def num_prompt_tokens(self) -> int:

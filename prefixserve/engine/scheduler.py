@@ -227,14 +227,15 @@ class Scheduler:
         """Register blocks whose KV is now fully written, prompt and output alike."""
         size = self.block_size
         num_full = request.num_computed_tokens // size
-        if num_full <= request.num_inserted_blocks:
-            return
+        if num_full <= request.num_inserted_blocks or request.cache_retention == "none":
+            return  # "none": its blocks stay private and are freed when it finishes
         keys = self.keyer.extend(request.block_keys, request.scope_digest, request.token_ids, request.private_from)
         blocks = request.blocks
         for i in range(request.num_inserted_blocks, num_full):
             parent = blocks[i - 1] if i else request.scope_digest
             blocks[i] = self.cache.insert(blocks[i], keys[i], request.token_ids[i * size : (i + 1) * size], parent,
-                                          request.prefix_ttl)
+                                          request.prefix_ttl, request.block_scope(i),
+                                          device_only=request.cache_retention == "device")
         request.num_inserted_blocks = num_full
 
     def finish_request(self, request: Request, reason: str, stop_reason: Optional[object] = None,

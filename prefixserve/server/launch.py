@@ -19,7 +19,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from ..config import DEFAULT_MAX_CACHE_TTL, DEVICES, DTYPES, FETCH_POLICIES, SCHEDULING_POLICIES, EngineConfig
-from ..http import DEFAULT_MAX_REQUEST_BYTES, load_api_keys, load_tenant_cache_ttls
+from ..http import DEFAULT_MAX_REQUEST_BYTES, load_api_keys, load_tenant_cache_retentions, load_tenant_cache_ttls
 
 logger = logging.getLogger("prefixserve.server")
 
@@ -102,6 +102,19 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cap on the bytes this replica writes to the remote tier per second (default: no cap)")
     parser.add_argument("--kv-remote-timeout", metavar="SECONDS", type=float, default=1.0,
                         help="a remote read slower than this counts as a miss (the request recomputes)")
+    parser.add_argument("--kv-tier-secret-file", metavar="FILE", default=None,
+                        help="the fleet's secret(s), one per line (the first seals; later ones are accepted until "
+                             "the until= each states): every tier record is sealed and only records "
+                             "sealed under one of them are read back (needed with --kv-remote-url; default: unsealed)")
+    parser.add_argument("--kv-tier-encrypt", action="store_true",
+                        help="encrypt token ids and KV in every tier (AES-256-GCM, a key per tenant scope derived "
+                             "from the secret), so a Redis dump or a copied disk reveals no prompt")
+    parser.add_argument("--kv-remote-insecure", action="store_true",
+                        help="run --kv-remote-url without --kv-tier-secret-file: anyone who can write that Redis "
+                             "can change this replica's answers (a warning at every start)")
+    parser.add_argument("--kv-tier-deadline", metavar="SECONDS", type=float, default=0.5,
+                        help="a request waits at most this long for a disk or remote read, then recomputes "
+                             "(default %(default)s)")
     parser.add_argument("--kv-fetch-policy", choices=FETCH_POLICIES, default="cost",
                         help="cost: fetch a run from host, disk or remote only where reading it is measured to be "
                              "faster than recomputing it; always: fetch every block a tier holds (default: cost)")
@@ -139,7 +152,8 @@ def build_server(args: argparse.Namespace):
     settings = ServerSettings(served_model_name=name, api_keys=load_api_keys(args.api_keys_file, args.api_key),
                               admin_api_key=args.admin_api_key, max_waiting=args.max_waiting,
                               max_request_bytes=args.max_request_bytes, max_cache_ttl=args.max_cache_ttl,
-                              tenant_cache_ttls=load_tenant_cache_ttls(args.api_keys_file))
+                              tenant_cache_ttls=load_tenant_cache_ttls(args.api_keys_file),
+                              tenant_cache_retentions=load_tenant_cache_retentions(args.api_keys_file))
     return engine, build_app(engine, settings)
 
 
@@ -200,6 +214,7 @@ def check_options(args: argparse.Namespace) -> None:
         read_shared_prefix(args.shared_prefix)
     load_api_keys(args.api_keys_file, args.api_key)
     load_tenant_cache_ttls(args.api_keys_file)
+    load_tenant_cache_retentions(args.api_keys_file)
     if not (math.isfinite(args.max_cache_ttl) and args.max_cache_ttl > 0):
         raise SystemExit(f"prefixserve serve: --max-cache-ttl must be a positive number of seconds, got {args.max_cache_ttl}")
 

@@ -99,6 +99,7 @@ TIER_COUNTERS = (  # (metric name, TierStats field, help)
     ("kv_tier_rejected_records", "rejected_records", "Records that failed verification (deleted, recomputed)."),
     ("kv_tier_dropped_puts", "dropped_puts", "Records a KV tier could not store (full, I/O fault, queue full)."),
     ("kv_tier_errors", "errors", "I/O faults of a KV tier."),
+    ("kv_tier_slow_reads", "slow_reads", "Reads given up on after the tier deadline (the request recomputed)."),
 )
 
 
@@ -111,6 +112,9 @@ def tier_families(tiers: dict):
     counters = [(CounterMetricFamily(f"prefixserve:{name}", doc, labels=["tier"]), field) for name, field, doc in TIER_COUNTERS]
     used = GaugeMetricFamily("prefixserve:kv_tier_used_bytes", "Bytes a KV tier holds.", labels=["tier"])
     capacity = GaugeMetricFamily("prefixserve:kv_tier_capacity_bytes", "Bytes a KV tier may hold.", labels=["tier"])
+    rejections = CounterMetricFamily("prefixserve:kv_tier_rejections", "Records a KV tier's reader refused, by "
+                                     "reason (auth: unsealed, forged or another secret's; nonfinite; checksum; ...).",
+                                     labels=["tier", "reason"])
     latency = HistogramMetricFamily("prefixserve:kv_tier_fetch_seconds",
                                     "Time from looking a prefix up in a tier to its blocks cached in the pool.",
                                     labels=["tier"])
@@ -121,11 +125,14 @@ def tier_families(tiers: dict):
         used.add_metric([name], tier.used_bytes)
         capacity.add_metric([name], tier.capacity_bytes)
         latency.add_metric([name], tier.fetch_buckets, tier.fetch_seconds_sum)
+        for reason, count in sorted(tier.rejections.items()):
+            rejections.add_metric([name, reason], count)
     yield hits
     for family, _ in counters:
         yield family
     yield used
     yield capacity
+    yield rejections
     yield latency
 
 

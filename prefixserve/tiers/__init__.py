@@ -1,7 +1,8 @@
 """KV tiers below the device pool: host RAM and local disk, the record they store, and the fetch planner.
 
-Standard library only (plus prefixserve.cache): bytes in, bytes out. The engine's
-runner turns pool tensors into record payloads and back.
+Standard library only (plus prefixserve.cache, and `cryptography` for the seal):
+bytes in, bytes out. The engine's runner turns pool tensors into record payloads
+and back.
 """
 
 from .base import KVTier, TierStats
@@ -9,6 +10,7 @@ from .disk import DiskTier, RebuildReport
 from .host import HostTier
 from .policy import FetchPlan, TierCost, crossover_tokens, plan_fetch
 from .record import BlockRecord, RecordError, RecordExpectation, RecordHeader, decode_record, encode_record, read_header
+from .seal import Keyring, Sealer
 
 __all__ = [
     "BlockRecord",
@@ -16,10 +18,12 @@ __all__ = [
     "FetchPlan",
     "HostTier",
     "KVTier",
+    "Keyring",
     "RebuildReport",
     "RecordError",
     "RecordExpectation",
     "RecordHeader",
+    "Sealer",
     "TierCost",
     "TierStats",
     "crossover_tokens",

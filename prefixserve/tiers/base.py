@@ -20,7 +20,8 @@ from typing import Callable, Optional, Sequence
 
 from .lru import LeafFirstLRU
 from .policy import TierCost
-from .record import BlockRecord
+from .record import BlockRecord, encode_record
+from .seal import Sealer
 
 logger = logging.getLogger("prefixserve.tiers")
 
@@ -38,18 +39,21 @@ class TierStats:
     dropped_puts: int = 0  # records not stored: too big, no leaf to evict, queue full, closed, or an I/O fault
     errors: int = 0  # I/O faults (each also logged, once per kind)
     reclaimed_records: int = 0  # records of another scope removed at start-up
+    slow_reads: int = 0  # reads a request gave up on after the tier deadline (it recomputed)
 
 
 class KVTier(abc.ABC):
     name: str = ""
 
-    def __init__(self, capacity_bytes: int, read_cost: TierCost) -> None:
+    def __init__(self, capacity_bytes: int, read_cost: TierCost, sealer: Optional[Sealer] = None) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"a {self.name} tier needs capacity_bytes >= 0, got {capacity_bytes}")
+        self.sealer = sealer  # None: records carry a CRC only (anyone who can write the tier can forge them)
         self.capacity_bytes = capacity_bytes
         self.read_cost = read_cost  # refreshed from this tier's reads; the fetch planner's input
         self._lock = threading.RLock()  # guards the index and `_stats`; re-entrant so helpers may count and log under it
         self._stats = TierStats()
+        self._rejections: dict[str, int] = {}  # rejected_records by RecordError.reason
         self._logged_failures: set[tuple[str, str]] = set()
         self._lru = LeafFirstLRU()  # every key present, with sizes, recency and children: under `_lock`
         self._readers: Optional[ThreadPoolExecutor] = None  # set by tiers whose reads are slow (disk, remote)
@@ -108,6 +112,12 @@ class KVTier(abc.ABC):
         with self._lock:
             return replace(self._stats)
 
+    @property
+    def rejections(self) -> dict[str, int]:
+        """Rejected records by reason (record.REASONS: "auth", "nonfinite", "checksum", ...)."""
+        with self._lock:
+            return dict(self._rejections)
+
     def fetch(self, keys: Sequence[bytes]) -> "Future[list[Optional[bytes]]]":
         """`get` without blocking the caller: on the tier's reader threads when it has them (slow reads),
         else done at once."""
@@ -147,10 +157,18 @@ class KVTier(abc.ABC):
             self.read_cost.observe(num_bytes - num_memory_bytes, time.perf_counter() - started)
         return results
 
+    def count_slow_read(self, deadline: float) -> None:
+        """A read outlived the deadline; the request recomputed. Logged once, counted always."""
+        self._count(slow_reads=1)
+        self._log_once("read", "slow", "%s tier: a read took longer than the %.2f s deadline; the request recomputed "
+                       "and the tier is skipped until that read returns (counted in slow_reads)", self.name, deadline)
+
     def reject(self, key: bytes, reason: str) -> None:
         """A record read from this tier failed verification (RecordError.reason): delete it and count it."""
         self.delete([key])
-        self._count(rejected_records=1)
+        with self._lock:
+            self._count_locked(rejected_records=1)
+            self._rejections[reason] = self._rejections.get(reason, 0) + 1
         self._log_once("rejected", reason, "%s tier: rejected a record (%s); it was deleted and will be recomputed", self.name, reason)
 
     def __enter__(self) -> "KVTier":
@@ -163,6 +181,10 @@ class KVTier(abc.ABC):
         return f"{type(self).__name__}(used={self.used_bytes}, capacity={self.capacity_bytes})"
 
     # ------------------------------------------------------------- for tiers
+    def encode(self, record: BlockRecord) -> bytes:
+        """The bytes this tier stores for `record`: sealed when the tier has a sealer."""
+        return encode_record(record, self.sealer)
+
     def _count(self, **deltas: int) -> None:
         with self._lock:
             self._count_locked(**deltas)

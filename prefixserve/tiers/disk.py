@@ -27,11 +27,12 @@ from pathlib import Path
 from typing import Optional, Sequence, Union
 
 from .base import KVTier
-from .disk_files import read_file, record_path, remove_quietly, scan, write_temp_file
+from .disk_files import NotARecordFile, read_file, record_path, remove_quietly, scan, write_temp_file
 from .disk_startup import RebuildReport, lock_directory, read_headers
 from .lru import Entry
 from .policy import TierCost
-from .record import BlockRecord, encode_record
+from .record import BlockRecord
+from .seal import Sealer
 from .writer import BackgroundWriter
 
 logger = logging.getLogger("prefixserve.tiers")
@@ -51,8 +52,10 @@ class DiskTier(KVTier):
         *,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
         num_read_threads: int = 2,
+        sealer: Optional[Sealer] = None,
     ) -> None:
-        super().__init__(capacity_bytes, TierCost(DISK_READ_COST.latency_seconds, DISK_READ_COST.bytes_per_second))
+        super().__init__(capacity_bytes, TierCost(DISK_READ_COST.latency_seconds, DISK_READ_COST.bytes_per_second),
+                         sealer)
         self.directory = Path(directory)
         self.expect_scope = expect_scope
         self._lock_fd: Optional[int] = None
@@ -80,7 +83,7 @@ class DiskTier(KVTier):
                 self._lru.touch(entry)
         results: list[Optional[bytes]] = [None] * len(keys)
         for index, record in queued.items():
-            results[index] = encode_record(record)
+            results[index] = self.encode(record)
         start = time.perf_counter()
         for index, entry in present:
             results[index] = self._read(entry)
@@ -139,13 +142,17 @@ class DiskTier(KVTier):
             if entry is not None:  # same key, same KV: refresh instead of writing again
                 self._lru.touch(entry)
                 return True
-        data = encode_record(record)
+        data = self.encode(record)
         if len(data) > self.capacity_bytes:
             self._count(dropped_puts=1)
             return False
         path = record_path(self.directory, record.key)
         try:
-            temp = write_temp_file(path, data)
+            try:
+                temp = write_temp_file(path, data)
+            except FileNotFoundError:  # the directory was deleted under us: start over in a fresh one
+                self._lost_directory()
+                temp = write_temp_file(path, data)
         except OSError as error:
             self._fault("write", error)
             self._count(dropped_puts=1)
@@ -169,13 +176,28 @@ class DiskTier(KVTier):
                 self._count_locked(dropped_puts=1)
             return admission.admitted
 
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of the records indexed; a directory deleted under the server holds none."""
+        if not self._closed and self._can_write and not self.directory.is_dir():
+            self._lost_directory()
+        return super().used_bytes
+
     # ---------------------------------------------------------------- helpers
     def _read(self, entry: Entry) -> Optional[bytes]:
-        """A record file's bytes, or None (the index entry dropped) when it is gone or unreadable."""
+        """A record file's bytes, or None (the index entry dropped) when it is gone, unreadable, not a
+        regular file or not the length indexed."""
+        damaged = False
         try:
-            data = read_file(record_path(self.directory, entry.key))
+            data = read_file(record_path(self.directory, entry.key), entry.size)
         except FileNotFoundError:
-            data = None  # removed behind our back
+            data = None  # removed behind our back (or the whole directory was)
+            self._lost_directory()
+        except NotARecordFile as error:
+            data, damaged = None, True
+            self._log_once("read", "not-regular", "disk tier: %s; it was removed and will be recomputed", error)
+        except ValueError:
+            data, damaged = None, True  # it changed length on disk
         except OSError as error:
             self._fault("read", error)
             data = None
@@ -185,9 +207,26 @@ class DiskTier(KVTier):
             if self._lru.get(entry.key) is entry:  # not replaced meanwhile
                 self._lru.remove(entry.key)
                 self._unlink_locked(entry.key)
-                if data is not None:  # it changed length on disk: damaged
+                if damaged or data is not None:
                     self._count_locked(rejected_records=1)
         return None
+
+    def _lost_directory(self) -> None:
+        """The directory itself is gone (deleted under a running server): forget every record, so
+        used_bytes and the index say what is there, and write into a fresh directory from now on."""
+        if self.directory.is_dir():
+            return
+        with self._lock:
+            lost = self._lru.keys()
+            for key in lost:
+                self._lru.remove(key)
+        if lost:
+            self._log_once("read", "directory-gone", "disk tier: %s was deleted; its %d records are forgotten and "
+                           "the tier starts over empty there", self.directory, len(lost))
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            self._fault("open", error)
 
     def _unlink_locked(self, key: bytes) -> None:
         try:

@@ -10,12 +10,18 @@ A record is written to its temporary name, fsynced, then renamed over its final
 name: a reader, or a restart after a kill, sees the whole record or none. (The
 directory itself is not fsynced after the rename, so a power cut may lose the
 newest records, never half of one.)
+
+Nothing here can block on what it opens: files are opened non-blocking and
+without following a symlink, and only a regular file is read (a FIFO or device
+planted under a record's name is refused at once). A medium that hangs anyway
+(a dead NFS server) is the engine's deadline's business (engine/kv_tiers.py).
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
@@ -62,9 +68,42 @@ def write_temp_file(path: Path, data: bytes) -> Path:
     return temp
 
 
-def read_file(path: Path) -> bytes:
-    with open(path, "rb", buffering=0) as file:
-        return file.readall()
+class NotARecordFile(OSError):
+    """Something other than a regular file under a record's name (a FIFO, a device, a symlink)."""
+
+
+def open_regular(path: Path) -> tuple[int, os.stat_result]:
+    """A descriptor of the regular file at `path` and its status; NotARecordFile for anything else."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as error:
+        if error.errno == getattr(os, "ELOOP", None) or path.is_symlink():
+            raise NotARecordFile(f"{path} is a symbolic link, not a record file") from None
+        raise
+    status = os.fstat(fd)
+    if not stat.S_ISREG(status.st_mode):
+        os.close(fd)
+        raise NotARecordFile(f"{path} is not a regular file (mode {stat.filemode(status.st_mode)})")
+    return fd, status
+
+
+def read_file(path: Path, expected_size: Optional[int] = None) -> bytes:
+    """A record file's bytes; None-free: raises OSError (NotARecordFile for a non-regular file) and
+    ValueError when the file is not `expected_size` bytes long (read no further)."""
+    fd, status = open_regular(path)
+    try:
+        if expected_size is not None and status.st_size != expected_size:
+            raise ValueError(f"{path} is {status.st_size} bytes, its index entry {expected_size}")
+        chunks, remaining = [], status.st_size
+        while remaining > 0:
+            chunk = os.read(fd, remaining)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            remaining -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def remove_quietly(path: Path) -> None:
@@ -87,11 +126,13 @@ def read_header_file(path: Path) -> HeaderRead:
 
     Raises RecordError for a damaged header and OSError for a file that cannot be read.
     """
-    with open(path, "rb", buffering=0) as file:
-        fixed = file.read(FIXED_HEADER_SIZE)
+    fd, status = open_regular(path)
+    try:
+        fixed = os.read(fd, FIXED_HEADER_SIZE)
         length = header_length(fixed)
-        rest = file.read(length - len(fixed))
-        status = os.fstat(file.fileno())
+        rest = os.read(fd, length - len(fixed))
+    finally:
+        os.close(fd)
     data = fixed + rest
     return HeaderRead(read_header(data), status.st_size, status.st_mtime_ns, len(data))
 
@@ -111,6 +152,8 @@ def scan(directory: Path) -> Iterator[ScanEntry]:
                 continue
             with os.scandir(shard.path) as files:
                 for file in files:
+                    if not file.is_file(follow_symlinks=False):
+                        continue  # a FIFO, device, socket, symlink or folder: never a record (never opened)
                     if file.name.endswith(TEMP_SUFFIX):
                         yield ScanEntry(Path(file.path), True, None)
                     elif file.name.endswith(RECORD_SUFFIX):

@@ -12,7 +12,8 @@ from typing import Optional, Sequence
 from .base import KVTier
 from .lru import LeafFirstLRU
 from .policy import TierCost
-from .record import BlockRecord, encode_record
+from .record import BlockRecord
+from .seal import Sealer
 
 HOST_READ_COST = TierCost(latency_seconds=2e-6, bytes_per_second=5e9)  # a prior until reads are observed
 
@@ -20,8 +21,9 @@ HOST_READ_COST = TierCost(latency_seconds=2e-6, bytes_per_second=5e9)  # a prior
 class HostTier(KVTier):
     name = "host"
 
-    def __init__(self, capacity_bytes: int) -> None:
-        super().__init__(capacity_bytes, TierCost(HOST_READ_COST.latency_seconds, HOST_READ_COST.bytes_per_second))
+    def __init__(self, capacity_bytes: int, sealer: Optional[Sealer] = None) -> None:
+        super().__init__(capacity_bytes, TierCost(HOST_READ_COST.latency_seconds, HOST_READ_COST.bytes_per_second),
+                         sealer)
         self._records: dict[bytes, bytes] = {}
 
     def get(self, keys: Sequence[bytes]) -> list[Optional[bytes]]:
@@ -41,7 +43,7 @@ class HostTier(KVTier):
             if entry is not None:  # same key, same KV: refresh instead of copying again
                 self._lru.touch(entry)
                 return True
-        data = encode_record(record)  # outside the lock: the checksum pass is the slow part
+        data = self.encode(record)  # outside the lock: the checksum or seal pass is the slow part
         with self._lock:
             admission = self._lru.insert_and_evict(record.key, record.parent_key, len(data), self.capacity_bytes)
             for victim in admission.evicted:

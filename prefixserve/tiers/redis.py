@@ -24,7 +24,8 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 from .base import KVTier
 from .policy import TierCost
-from .record import BlockRecord, encode_record
+from .record import BlockRecord
+from .seal import Sealer
 from .redis_backoff import Backoff
 from .redis_client import connect, memory_advice, redacted, require_redis
 from .redis_rate import TokenBucket
@@ -58,10 +59,10 @@ class RedisTier(KVTier):
     def __init__(self, url: str, *, scope_digest: bytes, ttl_seconds: Optional[float] = None,
                  max_write_bytes_per_second: Optional[int] = None, connect_timeout: float = 0.5,
                  read_timeout: float = 1.0, max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
-                 num_read_threads: int = 2) -> None:
+                 num_read_threads: int = 2, sealer: Optional[Sealer] = None) -> None:
         redis = require_redis()
         self._memory = MemoryInfo(0, 0, float("-inf"))  # before super().__init__, which sets capacity_bytes
-        super().__init__(0, TierCost(REMOTE_READ_COST.latency_seconds, REMOTE_READ_COST.bytes_per_second))
+        super().__init__(0, TierCost(REMOTE_READ_COST.latency_seconds, REMOTE_READ_COST.bytes_per_second), sealer)
         if ttl_seconds is not None and ttl_seconds <= 0:
             raise ValueError(f"ttl_seconds must be positive (or None: no expiry), got {ttl_seconds}")
         if connect_timeout <= 0 or read_timeout <= 0:
@@ -73,6 +74,7 @@ class RedisTier(KVTier):
         self._client = connect(url, connect_timeout, read_timeout)
         self._faults: tuple[type[BaseException], ...] = (redis.RedisError, OSError)  # end a call: an episode
         self._out_of_memory = redis.exceptions.OutOfMemoryError  # one command refused: Redis is full
+        self._response_error = redis.exceptions.ResponseError
         self._backoff = Backoff(BACKOFF_SECONDS)
         self._rate = None if max_write_bytes_per_second is None else TokenBucket(max_write_bytes_per_second)
         self._pending_bytes = 0  # accepted by put_async, not yet written or dropped
@@ -105,6 +107,8 @@ class RedisTier(KVTier):
             for index, reply in enumerate(replies):
                 if isinstance(reply, bytes):
                     results[offset + index] = reply
+                elif isinstance(reply, self._response_error) and "WRONGTYPE" in str(reply):
+                    self.reject(batch[index], "magic")  # not a record: deleted, so the next write stores one
         return self._account_reads(results, start)
 
     def keys(self) -> list[bytes]:
@@ -195,12 +199,14 @@ class RedisTier(KVTier):
         """Store what Redis lacks, within the rate cap; returns how many of `records` Redis now holds."""
         if not records:
             return 0
-        # EXISTS, or with a TTL PEXPIRE, which also renews a present record's TTL: one round trip either way.
-        present = self._pipeline("put", lambda pipe: [self._touch(pipe, self._name(record.key)) for record in records])
-        if present is None:
+        # TYPE (and with a TTL PEXPIRE, which renews a present record's TTL): one round trip. A key holding
+        # another type (a list planted under a record's name) is written over: SET replaces any type.
+        replies = self._pipeline("put", lambda pipe: [self._touch(pipe, self._name(record.key)) for record in records])
+        if replies is None:
             self._count(dropped_puts=len(records))
             return 0
-        missing = [record for record, reply in zip(records, present) if reply != 1]  # another replica may have it
+        kinds = replies[::2] if self.ttl_ms is not None else replies
+        missing = [record for record, kind in zip(records, kinds) if kind not in (b"string", "string")]
         num_stored = len(records) - len(missing)
         batches = self._encode_within_cap(missing)
         for index, batch in enumerate(batches):
@@ -219,7 +225,7 @@ class RedisTier(KVTier):
         batches: list[list[tuple[bytes, bytes]]] = []
         batch_bytes, dropped = PUT_BATCH_BYTES, set()
         for record in records:
-            data = encode_record(record)
+            data = self.encode(record)
             if record.parent_key in dropped or (self._rate is not None and not self._rate.try_take(len(data))):
                 dropped.add(record.key)
                 continue
@@ -242,8 +248,10 @@ class RedisTier(KVTier):
     def _read(self, pipe: Any, name: bytes) -> Any:
         return pipe.get(name) if self.ttl_ms is None else pipe.getex(name, px=self.ttl_ms)
 
-    def _touch(self, pipe: Any, name: bytes) -> Any:
-        return pipe.exists(name) if self.ttl_ms is None else pipe.pexpire(name, self.ttl_ms)
+    def _touch(self, pipe: Any, name: bytes) -> None:
+        pipe.type(name)
+        if self.ttl_ms is not None:
+            pipe.pexpire(name, self.ttl_ms)
 
     def _pipeline(self, operation: str, queue: Callable[[Any], object]) -> Optional[list[Any]]:
         """Queue commands on a pipeline and run them in one round trip; None on a fault or while backing off.
