@@ -194,9 +194,19 @@ def parse_json_body(raw: bytes):
         raise ValueError(f"the request body has a value that cannot be read: {error}") from None
 
 
-def _read_keys_file(api_keys_file: str) -> dict[str, tuple[str, Optional[float]]]:
-    """key -> (tenant, default cache TTL or None) from a JSON object whose values are a tenant id or
-    {"tenant": id, "cache_ttl": seconds}."""
+class KeyEntry(NamedTuple):
+    tenant: str
+    cache_ttl: Optional[float]  # the tenant's default cache TTL (seconds); None: the server's
+    cache_retention: Optional[str]  # "device" | "none": the tenant's KV never leaves the device / is never kept
+
+
+KEY_ENTRY_FIELDS = ("tenant", "cache_ttl", "cache_retention")
+CACHE_RETENTIONS = ("device", "none")
+
+
+def _read_keys_file(api_keys_file: str) -> dict[str, KeyEntry]:
+    """key -> KeyEntry from a JSON object whose values are a tenant id or {"tenant": id, "cache_ttl":
+    seconds, "cache_retention": "device" | "none"} (both optional)."""
     import math
     from pathlib import Path
 
@@ -207,21 +217,25 @@ def _read_keys_file(api_keys_file: str) -> dict[str, tuple[str, Optional[float]]
         raise SystemExit(f"--api-keys-file {path}: cannot read a JSON object of key -> tenant ({error})")
     if not isinstance(loaded, dict):
         raise SystemExit(f"--api-keys-file {path}: expected a JSON object mapping API key strings to tenant names")
-    entries: dict[str, tuple[str, Optional[float]]] = {}
+    entries: dict[str, KeyEntry] = {}
     for key, value in loaded.items():
         if not key:
             raise SystemExit(f"--api-keys-file {path}: an API key is empty; give every tenant a non-empty key")
-        ttl = None
+        ttl = retention = None
         if isinstance(value, dict):
-            unknown = set(value) - {"tenant", "cache_ttl"}
+            unknown = set(value) - set(KEY_ENTRY_FIELDS)
             if unknown or "tenant" not in value:
                 raise SystemExit(f"--api-keys-file {path}: a key's entry is a tenant name or an object with "
-                                 f"'tenant' and optional 'cache_ttl' (seconds); got fields {sorted(value)}")
-            tenant, ttl = value["tenant"], value.get("cache_ttl")
+                                 f"'tenant' and optional 'cache_ttl' (seconds) and 'cache_retention' "
+                                 f"({' or '.join(CACHE_RETENTIONS)}); got fields {sorted(value)}")
+            tenant, ttl, retention = value["tenant"], value.get("cache_ttl"), value.get("cache_retention")
             if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float))
                                     or not math.isfinite(ttl) or ttl <= 0):
                 raise SystemExit(f"--api-keys-file {path}: cache_ttl of tenant {tenant!r} must be a positive number "
                                  f"of seconds, got {ttl!r}")
+            if retention is not None and retention not in CACHE_RETENTIONS:
+                raise SystemExit(f"--api-keys-file {path}: cache_retention of tenant {tenant!r} must be one of "
+                                 f"{list(CACHE_RETENTIONS)}, got {retention!r}")
         else:
             tenant = value
         if not isinstance(tenant, str):
@@ -229,7 +243,7 @@ def _read_keys_file(api_keys_file: str) -> dict[str, tuple[str, Optional[float]]
         if not is_valid_tenant_id(tenant):
             raise SystemExit(f"--api-keys-file {path}: tenant id {tenant!r} must be 1 to 256 printable characters "
                              "(no control characters such as NUL or newlines)")
-        entries[key] = (tenant, None if ttl is None else float(ttl))
+        entries[key] = KeyEntry(tenant, None if ttl is None else float(ttl), retention)
     return entries
 
 
@@ -239,7 +253,7 @@ def load_api_keys(api_keys_file: Optional[str], api_key: Optional[str] = None) -
     Tenant ids must be printable (no NUL or other control characters), so that what a
     log or a metric shows is what the operator wrote.
     """
-    keys = {key: tenant for key, (tenant, _) in _read_keys_file(api_keys_file).items()} if api_keys_file else {}
+    keys = {key: entry.tenant for key, entry in _read_keys_file(api_keys_file).items()} if api_keys_file else {}
     if api_key:
         keys[api_key] = "default"
     return keys
@@ -250,10 +264,23 @@ def load_tenant_cache_ttls(api_keys_file: Optional[str]) -> dict[str, float]:
     if not api_keys_file:
         return {}
     ttls: dict[str, float] = {}
-    for tenant, ttl in _read_keys_file(api_keys_file).values():
+    for tenant, ttl, _ in _read_keys_file(api_keys_file).values():
         if ttl is not None:
             if tenant in ttls and ttls[tenant] != ttl:
                 raise SystemExit(f"--api-keys-file {api_keys_file}: tenant {tenant!r} has two different cache_ttl "
                                  "values; give each tenant one")
             ttls[tenant] = ttl
     return ttls
+
+
+def load_tenant_cache_retentions(api_keys_file: Optional[str]) -> dict[str, str]:
+    """tenant -> cache_retention for the tenants whose keys-file entry gives one (privacy mode)."""
+    if not api_keys_file:
+        return {}
+    retentions: dict[str, str] = {}
+    for tenant, _, retention in _read_keys_file(api_keys_file).values():
+        if retention is not None:
+            if retentions.setdefault(tenant, retention) != retention:
+                raise SystemExit(f"--api-keys-file {api_keys_file}: tenant {tenant!r} has two different "
+                                 "cache_retention values; give each tenant one")
+    return retentions

@@ -37,3 +37,33 @@ def test_usage_and_metrics_report_each_tier(tmp_path):
     assert values[("prefixserve:kv_tier_bytes_written_total", "disk")] > 0
     assert values[("prefixserve:kv_tier_capacity_bytes", "host")] == 256 << 20
     assert values[("prefixserve:kv_tier_rejected_records_total", "disk")] == 0
+
+
+def test_privacy_mode_from_the_keys_file_and_from_the_request(tmp_path):
+    """A tenant whose keys-file entry says cache_retention "device", and a request that says "none", leave
+    nothing in the disk tier; another tenant's request is written there; a bad value is a 422."""
+    import json
+
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"key-private": {"tenant": "private", "cache_retention": "device"},
+                                "key-open": "open"}))
+    rng = random.Random(9)
+    prompts = [[rng.randrange(10, 8000) for _ in range(160)] + [7, 8, 9] for _ in range(3)]
+    with LiveServer("--api-keys-file", str(keys), "--kv-disk-cache-dir", str(tmp_path / "kv")) as server:
+        def complete(key, prompt, **extra):
+            return httpx.post(server.url + "/v1/completions", timeout=120, headers={"authorization": f"Bearer {key}"},
+                              json={"prompt": prompt, "max_tokens": 2, "temperature": 0, **extra})
+
+        assert complete("key-private", prompts[0]).status_code == 200
+        assert complete("key-private", prompts[0], cache_retention=None).status_code == 200  # cannot loosen it
+        assert complete("key-open", prompts[1], cache_retention="none").status_code == 200
+        assert complete("key-open", prompts[2]).status_code == 200
+        bad = complete("key-open", prompts[2], cache_retention="forever")
+        assert bad.status_code == 422 and bad.json()["error"]["param"] == "cache_retention"
+        disk = server.engine.engine.tiers.disk
+        disk.flush()
+        from prefixserve.tiers import read_header
+
+        held = {read_header(data).token_ids for data in disk.get(disk.keys()) if data is not None}
+    blocks = [{tuple(p[i:i + 16]) for i in range(0, 160, 16)} for p in prompts]
+    assert not held & blocks[0] and not held & blocks[1] and blocks[2] <= held

@@ -92,10 +92,11 @@ class AsyncLLMEngine:
 
     def make_request(self, prompt: PromptType, params: SamplingParams, request_id: Optional[str] = None,
                      cache_salt: Optional[str] = None, prefix_ttl: Optional[float] = None,
-                     tenant: Optional[str] = None) -> Request:
+                     tenant: Optional[str] = None, cache_retention: Optional[str] = None) -> Request:
         """Tokenize and validate in the caller (thread-safe: reads only what is fixed at start-up);
         raises ValueError / TypeError on bad input."""
-        return self.engine.make_request(prompt, params, request_id, cache_salt, prefix_ttl=prefix_ttl, tenant=tenant)
+        return self.engine.make_request(prompt, params, request_id, cache_salt, prefix_ttl=prefix_ttl, tenant=tenant,
+                                        cache_retention=cache_retention)
 
     def add(self, request: Request) -> AsyncIterator[RequestOutput]:
         """Queue a request now (it counts as waiting at once) and return the stream of its outputs.

@@ -16,7 +16,17 @@ from .request import Request
 from .sampling_params import SamplingParams
 
 PromptType = Union[str, list[int], dict[str, Any]]
-PROMPT_DICT_FIELDS = {"prompt", "prompt_token_ids", "cache_salt"}
+PROMPT_DICT_FIELDS = {"prompt", "prompt_token_ids", "cache_salt", "cache_retention"}
+CACHE_RETENTIONS = ("device", "none")  # Request.cache_retention; None: cached as usual
+_STRICTNESS = {None: 0, "device": 1, "none": 2}
+
+
+def stricter_retention(*retentions: Optional[str]) -> Optional[str]:
+    """The strictest of several retention wishes (a tenant's setting and a request's): none > device > None."""
+    for retention in retentions:
+        if retention is not None and retention not in CACHE_RETENTIONS:
+            raise ValueError(f"cache_retention must be one of {list(CACHE_RETENTIONS)} (or absent), got {retention!r}")
+    return max(retentions, key=lambda retention: _STRICTNESS[retention], default=None)
 
 
 class PromptTooLongError(ValueError):
@@ -40,7 +50,7 @@ class InputProcessor:
             unknown = set(prompt) - PROMPT_DICT_FIELDS
             if unknown:
                 raise ValueError(f"unknown prompt field(s) {sorted(unknown)}; use 'prompt' or 'prompt_token_ids' "
-                                 "and optional 'cache_salt'")
+                                 "and optional 'cache_salt' and 'cache_retention'")
             cache_salt = prompt.get("cache_salt")
             if "prompt_token_ids" in prompt:
                 prompt = prompt["prompt_token_ids"]
@@ -69,11 +79,15 @@ class InputProcessor:
     def make_request(self, prompt: PromptType, params: Optional[SamplingParams] = None,
                      request_id: Optional[str] = None, cache_salt: Optional[str] = None,
                      arrival_time: Optional[float] = None, prefix_ttl: Optional[float] = None,
-                     tenant: Optional[str] = None) -> Request:
+                     tenant: Optional[str] = None, cache_retention: Optional[str] = None) -> Request:
         """Tokenize and validate (raises ValueError / TypeError with the fix).
 
         `prefix_ttl` overrides the engine's default lifetime of this request's cached blocks
-        (seconds after their last use); `tenant` only labels the request's statistics."""
+        (seconds after their last use); `tenant` only labels the request's statistics;
+        `cache_retention` "device" keeps its KV out of every tier, "none" keeps nothing of it
+        (the stricter of it and the prompt dict's wins)."""
+        retention = stricter_retention(cache_retention,
+                                       prompt.get("cache_retention") if isinstance(prompt, dict) else None)
         text, token_ids, prompt_salt = self.tokenize(prompt)
         self.validate(token_ids)
         salt = cache_salt if cache_salt is not None else prompt_salt
@@ -89,6 +103,7 @@ class InputProcessor:
             max_model_len=self.max_model_len,
             prefix_ttl=self.prefix_ttl if prefix_ttl is None else prefix_ttl,
             tenant=tenant,
+            cache_retention=retention,
         )
         if arrival_time is not None:
             request.metrics.arrival_time = arrival_time

@@ -41,6 +41,8 @@ class ServerSettings:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     max_cache_ttl: float = DEFAULT_MAX_CACHE_TTL  # seconds: the longest cache_ttl a request or tenant gets
     tenant_cache_ttls: Mapping[str, float] = field(default_factory=dict)  # tenant -> default cache_ttl
+    # tenant -> "device" | "none" (privacy mode): its KV never leaves device memory / is never kept
+    tenant_cache_retentions: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ValidationError
 
 from ..cache.scoping import compose_salt
 from ..engine.async_engine import AsyncLLMEngine
-from ..engine.input_processor import PromptTooLongError
+from ..engine.input_processor import PromptTooLongError, stricter_retention
 from ..engine.request import Request as EngineRequest
 from ..engine.sampling_params import SamplingParams
 from ..http import parse_json_body
@@ -32,14 +32,17 @@ class CacheOptions(NamedTuple):
     salt: Optional[str]
     ttl: Optional[float]  # None: the engine's default (--prefix-ttl)
     tenant: Optional[str]
+    retention: Optional[str] = None  # "device" | "none" | None (Request.cache_retention)
 
 
 def cache_options(settings, tenant: Optional[str], body: SamplingFields) -> CacheOptions:
-    """The request's cache_ttl, else its tenant's default, capped by the server's maximum."""
+    """The request's cache_ttl, else its tenant's default, capped by the server's maximum; the stricter
+    of the request's and the tenant's cache_retention."""
     ttl = body.cache_ttl if body.cache_ttl is not None else settings.tenant_cache_ttls.get(tenant)
     if ttl is not None:
         ttl = min(ttl, settings.max_cache_ttl)
-    return CacheOptions(compose_salt(tenant, body.cache_salt), ttl, tenant)
+    retention = stricter_retention(body.cache_retention, settings.tenant_cache_retentions.get(tenant))
+    return CacheOptions(compose_salt(tenant, body.cache_salt), ttl, tenant, retention)
 
 
 async def read_body(request: Request, model: type[BaseModel]):
@@ -147,7 +150,7 @@ class RequestBuilder:
     async def _make(self, prompt, params: SamplingParams, options: CacheOptions) -> EngineRequest:
         def make():
             return self.engine.make_request(prompt, params, new_id("req"), options.salt, prefix_ttl=options.ttl,
-                                            tenant=options.tenant)
+                                            tenant=options.tenant, cache_retention=options.retention)
 
         try:
             if isinstance(prompt, str):

@@ -54,6 +54,10 @@ class SamplingFields(OpenAIBody):
     # Seconds this request's cached prefix lives after its last use (capped by the server's
     # --max-cache-ttl); absent: the tenant's default from the keys file, else --prefix-ttl.
     cache_ttl: Optional[float] = Field(default=None, gt=0.0, allow_inf_nan=False)
+    # Privacy mode (our field): "device" keeps this request's KV in device memory only (no host, disk or
+    # shared tier), "none" keeps nothing of it after it finishes. A tenant's keys-file setting, if
+    # stricter, wins.
+    cache_retention: Optional[Literal["device", "none"]] = None
     user: Optional[str] = None
     return_token_ids: bool = False  # vLLM's extension: prompt and output token ids in the response
 
