@@ -17,6 +17,7 @@ for the Redis rows (skipped, and said so, without it).
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import hmac
 import json
@@ -39,6 +40,7 @@ from prefixserve import LLM, SamplingParams  # noqa: E402
 from prefixserve.tiers import BlockRecord, Keyring, RecordExpectation, Sealer, decode_record, encode_record  # noqa: E402
 
 MODES = ("unsealed", "sealed", "encrypted")
+POOL_BYTES = 1 << 30  # device pool per engine: room for the prefix many times over
 
 
 def throughput(block_shape: tuple[int, ...], dtype: str, repeats: int) -> dict[str, float]:
@@ -72,16 +74,17 @@ def prompt(seed: int, length: int) -> list[int]:
 
 
 def ttft_from_tier(llm, tier: str, prefix: list[int], tail: list[int]) -> float:
-    """Put the prefix's blocks in `tier` only (device pool emptied), then time prefix + tail -> 1 token."""
+    """Put the prefix's blocks in `tier` only (stored synchronously; the device pool emptied), then time
+    prefix + tail -> 1 token."""
     engine = llm.engine
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    llm.generate([prefix + [7]], params, use_tqdm=False)
     tiers = engine.tiers
-    if tier == "host":
-        for block in list(engine.cache._index.values()):
-            tiers._spill(block)
+    llm.generate([prefix + [7]], params, use_tqdm=False)
     for each in tiers.tiers.values():
-        each.flush()
+        each.flush()  # the write-through of what was just computed, before the tier is filled by hand
+    blocks = list(engine.cache._index.values())  # one prompt: chain order
+    payloads = engine.runner.read_blocks([block.block_id for block in blocks])
+    tiers.tiers[tier].put([tiers._record(block, payload) for block, payload in zip(blocks, payloads)])
     engine.cache.clear()
     start = time.perf_counter()
     out = llm.generate([prefix + tail], params, use_tqdm=False)[0]
@@ -111,7 +114,7 @@ def measure_ttft(args, directory: str, redis_url) -> dict:
             elif "kv_remote_url" in extra:
                 extra["kv_remote_insecure"] = True
             engines[mode] = LLM(model=args.model, dtype="float32", kv_fetch_policy="always", log_stats=False,
-                                kv_tier_encrypt=mode == "encrypted", **extra)
+                                kv_cache_memory_bytes=POOL_BYTES, kv_tier_encrypt=mode == "encrypted", **extra)
         times: dict[str, list[float]] = {mode: [] for mode in MODES}
         for run in range(args.runs):
             for mode in MODES:
@@ -121,8 +124,10 @@ def measure_ttft(args, directory: str, redis_url) -> dict:
         results[tier] = {mode: times[mode] for mode in MODES}
         for engine in engines.values():
             engine.close()
-        print(f"  {tier}: " + ", ".join(f"{mode} {statistics.median(t) * 1e3:.1f} ms" for mode, t in times.items()),
-              flush=True)
+        engines.clear()
+        gc.collect()  # three engines per tier: let each tier's go before the next tier's start
+        print(f"  {tier}: " + "; ".join(f"{mode} " + " ".join(f"{x * 1e3:.0f}" for x in t) + " ms"
+                                       for mode, t in times.items()), flush=True)
     return results
 
 
@@ -156,10 +161,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.model, args.prefix_len, args.runs = None, 160, 1
-    probe = LLM(model=args.model, dtype="float32", log_stats=False)
+    probe = LLM(model=args.model, dtype="float32", log_stats=False, kv_cache_memory_bytes=POOL_BYTES)
     shape = probe.engine.runner.block_shape
     probe.close()
     del probe
+    gc.collect()
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), "unknown CPU")
     print(f"{cpu}; model {args.model or 'built-in'}, KV block {shape} float32")

@@ -259,28 +259,25 @@ def load_api_keys(api_keys_file: Optional[str], api_key: Optional[str] = None) -
     return keys
 
 
-def load_tenant_cache_ttls(api_keys_file: Optional[str]) -> dict[str, float]:
-    """tenant -> default cache TTL (seconds) for the tenants whose keys-file entry gives one."""
+def _tenant_settings(api_keys_file: Optional[str], field: str) -> dict:
+    """tenant -> the keys-file entry's `field` (a KeyEntry field) for the tenants that give one; one value
+    per tenant, whichever of its keys it is given under."""
     if not api_keys_file:
         return {}
-    ttls: dict[str, float] = {}
-    for tenant, ttl, _ in _read_keys_file(api_keys_file).values():
-        if ttl is not None:
-            if tenant in ttls and ttls[tenant] != ttl:
-                raise SystemExit(f"--api-keys-file {api_keys_file}: tenant {tenant!r} has two different cache_ttl "
-                                 "values; give each tenant one")
-            ttls[tenant] = ttl
-    return ttls
+    settings: dict = {}
+    for entry in _read_keys_file(api_keys_file).values():
+        value = getattr(entry, field)
+        if value is not None and settings.setdefault(entry.tenant, value) != value:
+            raise SystemExit(f"--api-keys-file {api_keys_file}: tenant {entry.tenant!r} has two different {field} "
+                             "values; give each tenant one")
+    return settings
+
+
+def load_tenant_cache_ttls(api_keys_file: Optional[str]) -> dict[str, float]:
+    """tenant -> default cache TTL (seconds) for the tenants whose keys-file entry gives one."""
+    return _tenant_settings(api_keys_file, "cache_ttl")
 
 
 def load_tenant_cache_retentions(api_keys_file: Optional[str]) -> dict[str, str]:
     """tenant -> cache_retention for the tenants whose keys-file entry gives one (privacy mode)."""
-    if not api_keys_file:
-        return {}
-    retentions: dict[str, str] = {}
-    for tenant, _, retention in _read_keys_file(api_keys_file).values():
-        if retention is not None:
-            if retentions.setdefault(tenant, retention) != retention:
-                raise SystemExit(f"--api-keys-file {api_keys_file}: tenant {tenant!r} has two different "
-                                 "cache_retention values; give each tenant one")
-    return retentions
+    return _tenant_settings(api_keys_file, "cache_retention")

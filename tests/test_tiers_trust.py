@@ -280,7 +280,7 @@ def test_a_hung_read_costs_one_deadline_and_the_request_recomputes(reference, tm
     real_get = disk.get
 
     def hung_get(keys):
-        release.wait(300)
+        release.wait(60)  # far past the deadline: only giving up on it answers sooner
         return real_get(keys)
 
     disk.get = hung_get
@@ -357,3 +357,18 @@ def test_every_tier_seals_what_it_stores(tmp_path):
             decode_record(stored, RecordExpectation(records[0].key, SCOPE, records[0].token_ids, "float32",
                                                     records[0].shape))  # a reader without the secret
         tier.close()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_the_finite_check_finds_one_nan_or_infinity_in_any_dtype(dtype):
+    import torch
+
+    from prefixserve.engine.kv_tiers import TORCH_DTYPES, payload_is_finite
+
+    values = torch.linspace(-1e3, 1e3, 4096).to(TORCH_DTYPES[dtype])
+    assert payload_is_finite(values.view(torch.uint8).numpy().tobytes(), dtype)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        spoiled = values.clone()
+        spoiled[2047] = bad
+        assert not payload_is_finite(spoiled.view(torch.uint8).numpy().tobytes(), dtype), (dtype, bad)
+    assert payload_is_finite(b"", dtype)

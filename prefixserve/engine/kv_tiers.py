@@ -383,11 +383,16 @@ def empty_breakdown(num_cached_tokens: int) -> dict[str, int]:
 
 
 def payload_is_finite(payload: bytes, dtype: str) -> bool:
-    """No NaN or infinity in a record's KV (one vectorised pass, about 10 GB/s here)."""
+    """No NaN or infinity in a record's KV: its minimum and maximum in one pass (a NaN propagates into
+    both, an infinity is one of them). 3.5 ms for a 2,000-token SmolLM2 prefix (92 MB) here, where
+    isfinite().all() took 25 ms building a mask first."""
+    if not payload:
+        return True
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # frombuffer of read-only bytes: only read here
         values = torch.frombuffer(payload, dtype=TORCH_DTYPES[dtype])
-    return bool(torch.isfinite(values).all())
+    low, high = torch.aminmax(values)
+    return bool(torch.isfinite(low) & torch.isfinite(high))
 
 
 def tier_sealer(config) -> Optional[Sealer]:
