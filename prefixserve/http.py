@@ -35,13 +35,33 @@ def install_base_error_handlers(app, logger, what: str, code: Optional[str] = No
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(_, error: StarletteHTTPException):
         kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
-        return error_response(error.status_code, str(error.detail), kind)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code, "invalid_request")
+        return error_response(error.status_code, str(error.detail), kind, code=code)
 
     @app.exception_handler(Exception)
     async def on_unexpected(_, error: Exception):
         logger.exception("unhandled error in the %s", what)
         return error_response(500, f"internal {what} error; the {what}'s log has the details", "server_error",
                               code=code)
+
+
+class AmbiguousAuthorization(ValueError):
+    """More than one Authorization header: which one counts would differ between a router and a replica."""
+
+
+def authorization_of(headers) -> Optional[str]:
+    """The request's one Authorization header (Starlette's Headers), None when absent; more than one is
+    AmbiguousAuthorization (a 400): a replica reading the first and a router forwarding the last would
+    disagree about who is asking."""
+    values = headers.getlist("authorization")
+    if len(values) > 1:
+        raise AmbiguousAuthorization(f"the request has {len(values)} Authorization headers; send exactly one")
+    return values[0] if values else None
+
+
+def raw_header(value: str) -> bytes:
+    """A header value as the client sent its bytes (Starlette decodes them as latin-1), to forward as is."""
+    return value.encode("latin-1")
 
 
 def bearer_token(authorization: Optional[str]) -> str:
@@ -94,8 +114,9 @@ class AdminKey:
         self._digest = hashlib.sha256(key.encode()).digest() if key else None
         self.owner = owner  # "server" or "router": where --admin-api-key is given
 
-    def refusal(self, authorization: Optional[str]) -> Optional[AdminRefusal]:
-        """None when `authorization` carries the admin key; else why not, as an error to answer."""
+    def refusal(self, authorization: Optional[str], tenants: Optional[KeyTable] = None) -> Optional[AdminRefusal]:
+        """None when `authorization` carries the admin key; else why not, as an error to answer: 401 for
+        a missing or unknown key, 403 for a tenant's key (one of `tenants`)."""
         if self._digest is None:
             return AdminRefusal(404, f"this endpoint is off; start the {self.owner} with --admin-api-key to enable it",
                                 "not_found_error", "admin_disabled")
@@ -104,8 +125,11 @@ class AdminKey:
             return AdminRefusal(401, "this endpoint needs the admin API key; send 'Authorization: Bearer <admin key>'",
                                 "authentication_error", "invalid_api_key")
         if not hmac.compare_digest(hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest(), self._digest):
-            return AdminRefusal(403, "this endpoint needs the operator's admin API key, not a tenant key",
-                                "permission_error", "admin_only")
+            if tenants is not None and tenants.lookup(key) is not None:
+                return AdminRefusal(403, "this endpoint needs the operator's admin API key, not a tenant key",
+                                    "permission_error", "admin_only")
+            return AdminRefusal(401, "this endpoint needs the admin API key; the key sent is not it",
+                                "authentication_error", "invalid_api_key")
         return None
 
 
@@ -183,15 +207,36 @@ class _BodyTooLarge(Exception):
 
 
 def parse_json_body(raw: bytes):
-    """json.loads that turns every way a hostile body can fail into ValueError with a plain message."""
+    """json.loads that turns every way a hostile body can fail into ValueError with a plain message,
+    a string holding a lone UTF-16 surrogate (`"\\ud800"`: valid JSON, not text) included."""
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except RecursionError:
         raise ValueError("the request body nests JSON too deeply") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ValueError(f"the request body is not valid JSON: {error}") from None
     except ValueError as error:  # e.g. an integer literal of thousands of digits
         raise ValueError(f"the request body has a value that cannot be read: {error}") from None
+    if b"\\ud" in raw.lower():  # only a \uD800-\uDFFF escape can make a lone surrogate
+        _refuse_lone_surrogates(body)
+    return body
+
+
+def _refuse_lone_surrogates(value) -> None:
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("the request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff), "
+                                 "which is not a character; send the text as UTF-8") from None
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
 
 
 class KeyEntry(NamedTuple):

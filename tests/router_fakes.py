@@ -69,6 +69,7 @@ class FakeReplica:
     engine_dead: bool = False
     requests: list = field(default_factory=list)  # (path, body, authorization) of generation requests
     control_auth: list = field(default_factory=list)  # (path, authorization) of control calls
+    model_fingerprint: str = "fake-model"  # what /v1/cache/info says it serves (a rolling deploy changes it)
 
     def __post_init__(self) -> None:
         self.words = self.tokenizer.encode(WORDS_TEXT, add_special_tokens=False)
@@ -107,7 +108,7 @@ class FakeReplica:
         @app.get("/v1/cache/info")
         async def info(request: Request):
             return control(request) or {
-                "model_fingerprint": "fake-model", "tokenizer_fingerprint": self.tokenizer.fingerprint,
+                "model_fingerprint": self.model_fingerprint, "tokenizer_fingerprint": self.tokenizer.fingerprint,
                 "adapter_id": "", "block_size": 16, "prefix_hash": "sha256", "shared_prefixes": [],
                 "max_model_len": 4096, "served_model_name": "fake"}
 

@@ -249,3 +249,25 @@ def test_the_health_failure_threshold_is_a_route_flag():
     assert settings.health_failure_threshold == 5
     with pytest.raises(SystemExit, match="at least 1"):
         settings_from_args(parser.parse_args(["--replica", "http://127.0.0.1:1", "--health-failure-threshold", "0"]))
+
+
+def test_hostile_headers_and_surrogates_are_answered_by_the_router_with_a_4xx(tokenizer):
+    with fake_fleet(tokenizer) as (url, fakes, router):
+        surrogate = httpx.post(url + "/v1/completions", content=b'{"prompt": "hi", "cache_salt": "\\ud800"}',
+                               headers={"content-type": "application/json"}, timeout=30)
+        assert_openai_error(surrogate, 400)
+        assert surrogate.json()["error"]["code"] == "invalid_json"
+        two = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30,
+                         headers=[("authorization", "Bearer zz"), ("authorization", "Bearer ka")])
+        assert_openai_error(two, 400)
+        assert two.json()["error"]["code"] == "ambiguous_authorization"
+        assert fakes[0].requests == [] and fakes[1].requests == []  # neither reached a replica
+        raw = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30,
+                         headers=[(b"authorization", b"Bearer \xed\xa0\x80")])
+        assert raw.status_code < 500, raw.text
+        forwarded = fakes[0].requests[-1][2]
+        assert forwarded.encode("latin-1") == b"Bearer \xed\xa0\x80"  # byte for byte
+        not_object = httpx.post(url + "/v1/completions", content=b'"hi"',
+                                headers={"content-type": "application/json"}, timeout=30)
+        assert not_object.status_code == 400 and not_object.json()["error"]["code"] == "invalid_json"
+        assert_only_down_for(router, set())

@@ -4,6 +4,7 @@ Runs against fake replicas (tests/router_fakes.py) that die on cue mid-stream, s
 every break happens at an exact token and every expectation is exact.
 """
 
+import httpx
 import pytest
 
 from prefixserve.model import Tokenizer
@@ -114,3 +115,29 @@ def test_a_stream_that_cannot_continue_ends_with_an_error_event(tokenizer, case)
         assert len(texts_of(events[:-1])) > 0
         if num_replicas == 2:
             assert fakes[1].requests == []
+
+
+def test_a_stream_is_continued_only_on_a_replica_of_the_same_model_version(tokenizer):
+    """A rolling deploy: replica-1 now serves another checkpoint under the same name. A stream broken on
+    replica-0 is not stitched onto it: it ends with an error event; /health reports the mixed fleet.
+    Once replica-1 serves replica-0's version again, the same break is continued there."""
+    with fake_fleet(tokenizer) as (url, fakes, router):
+        fakes[1].model_fingerprint = "other-model"
+        router.replicas[1].model_fingerprint = None  # as after a restart: read again before it is trusted
+        wait_until(lambda: router.replicas[1].model_fingerprint == "other-model")
+        health = httpx.get(url + "/health", timeout=10).json()
+        assert health["mixed"] and sorted(health["model_versions"]) == ["fake-model", "other-model"]
+        fakes[0].failure = Failure("reset", after_tokens=2)
+        response = post(url, "/v1/completions", {"prompt": "letters", "max_tokens": 6, "stream": True})
+        events, done = read_stream(response)
+        assert done and events[-1]["error"]["code"] == "stream_interrupted"
+        assert "model version" in events[-1]["error"]["message"]
+        assert [path for path, _, _ in fakes[1].requests] == []  # never asked to continue it
+        fakes[1].model_fingerprint = "fake-model"
+        router.replicas[1].model_fingerprint = None
+        wait_until(lambda: router.replicas[1].model_fingerprint == "fake-model")
+        assert not httpx.get(url + "/health", timeout=10).json()["mixed"]
+        wait_until(lambda: router.replicas[0].healthy)
+        response = post(url, "/v1/completions", {"prompt": "letters", "max_tokens": 6, "stream": True})
+        events, done = read_stream(response)
+        assert done and texts_of(events) == fakes[1].reference(tokenizer.encode("letters"), 6)[1]

@@ -256,3 +256,73 @@ def test_return_token_ids_streamed_and_whole(server):
     chunks = [json.loads(line[6:])["choices"][0] for line in streamed.text.splitlines() if line.startswith("data: {")]
     assert chunks[0]["prompt_token_ids"] == whole["prompt_token_ids"]
     assert sum((chunk["token_ids"] for chunk in chunks), []) == whole["token_ids"]
+
+
+# ------------------------------------------------------------ finite but hostile inputs (issue 24, items 4-6)
+@pytest.mark.parametrize("query", ["/dashboard/api/price?prompt_tokens=1e308", "/dashboard/api/ttl?ttls=1e308",
+                                   "/dashboard/api/ttl?prefix_tokens=1e308", "/dashboard/api/capacity?sizes=" + "9" * 40])
+def test_finite_inputs_that_would_overflow_are_a_400(server, query):
+    response = httpx.get(server.url + query, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30)
+    assert_openai_error(response, 400, code="invalid_value")
+
+
+def test_a_lone_surrogate_anywhere_in_a_body_is_invalid_json(server):
+    for path, raw in (("/v1/admin/reload", b'{"model": "\\ud800"}'),
+                      ("/v1/completions", b'{"prompt": "hi", "max_tokens": 1, "cache_salt": "\\udfff"}'),
+                      ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x\\uD800y"}]}')):
+        key = ADMIN if "admin" in path else "key-a"
+        response = httpx.post(server.url + path, content=raw, timeout=30,
+                              headers={"Authorization": f"Bearer {key}", "content-type": "application/json"})
+        assert_openai_error(response, 400, code="invalid_json")
+    paired = httpx.post(server.url + "/v1/completions", content=b'{"prompt": "\\ud83d\\ude00", "max_tokens": 1}',
+                        headers={"Authorization": "Bearer key-a", "content-type": "application/json"}, timeout=60)
+    assert paired.status_code == 200  # a surrogate pair is a character
+
+
+def test_two_authorization_headers_are_refused_and_raw_bytes_are_just_a_wrong_key(server):
+    two = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=30,
+                     headers=[("authorization", "Bearer zz"), ("authorization", "Bearer key-a")])
+    assert_openai_error(two, 400, code="ambiguous_authorization")
+    raw = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=30,
+                     headers=[(b"authorization", b"Bearer \xed\xa0\x80")])
+    assert_openai_error(raw, 401, code="invalid_api_key")
+    assert_openai_error(httpx.get(server.url + "/v1/cache/keys", headers={"Authorization": "Bearer unknown"},
+                                  timeout=10), 401, code="invalid_api_key")  # neither a tenant's nor the admin's
+
+
+def test_error_codes_are_the_readmes(server):
+    not_object = httpx.post(server.url + "/v1/completions", content=b"[1, 2]", timeout=30,
+                            headers={"Authorization": "Bearer key-a", "content-type": "application/json"})
+    assert_openai_error(not_object, 400, code="invalid_json")
+    assert_openai_error(httpx.get(server.url + "/v1/nothing-here", timeout=10), 404, code="not_found")
+    assert_openai_error(httpx.get(server.url + "/v1/completions", timeout=10), 405, code="method_not_allowed")
+
+
+def test_control_endpoints_answer_while_a_step_runs(server):
+    """/health, /v1/cache/info, /v1/cache/keys and /v1/kv_events answer from what the engine has published,
+    never by waiting for its step: a router must not take a busy replica for a dead one (issue 24)."""
+    import threading
+
+    engine = server.engine.engine
+    inside, release = threading.Event(), threading.Event()
+    real_step = engine.step
+
+    def held_step():
+        inside.set()
+        release.wait(60)  # a step far longer than any control timeout
+        return real_step()
+
+    engine.step = held_step
+    try:
+        waiting = threading.Thread(target=lambda: post(server, "/v1/completions", {"prompt": "busy", "max_tokens": 1}))
+        waiting.start()
+        assert inside.wait(30), "the request never reached a step"
+        admin = {"Authorization": f"Bearer {ADMIN}"}
+        for path in ("/health", "/v1/cache/info", "/v1/cache/keys", "/v1/kv_events?since=0"):
+            response = httpx.get(server.url + path, headers=admin, timeout=5)
+            assert response.status_code == 200, (path, response.text)
+        assert not release.is_set()
+    finally:
+        engine.step = real_step
+        release.set()
+    waiting.join(60)

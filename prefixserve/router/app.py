@@ -22,7 +22,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ..http import BodySizeLimit, error_response, install_base_error_handlers
+from ..http import (AmbiguousAuthorization, BodySizeLimit, authorization_of, error_response, install_base_error_handlers,
+                    raw_header)
 from .dashboard import fleet_dashboard_routes
 from .fleet import Router
 from .forward import forward, relay_response
@@ -58,7 +59,11 @@ def build_router_app(settings: RouterSettings) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request):
-        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+        try:
+            authorization = authorization_of(request.headers)
+        except AmbiguousAuthorization as error:
+            return error_response(400, str(error), code="ambiguous_authorization")
+        headers = {"authorization": raw_header(authorization)} if authorization is not None else {}
         for replica in router.replicas:
             if not replica.healthy:
                 continue
@@ -76,7 +81,9 @@ def build_router_app(settings: RouterSettings) -> FastAPI:
         healthy = [r.name for r in router.replicas if r.healthy]
         if not healthy:
             return error_response(503, "no healthy replica", "server_error", code="no_replica")
-        return {"status": "ok", "healthy_replicas": healthy}
+        versions = router.model_versions()
+        # A fleet serving two model versions at once (a rolling deploy under way) says so.
+        return {"status": "ok", "healthy_replicas": healthy, "model_versions": versions, "mixed": len(versions) > 1}
 
     @app.get("/metrics")
     async def metrics():

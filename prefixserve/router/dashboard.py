@@ -18,7 +18,7 @@ import httpx
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, Response
 
-from ..http import error_response
+from ..http import AmbiguousAuthorization, authorization_of, error_response
 
 STATIC_NAME = re.compile(r"[a-z]+\.(js|css)")
 MEDIA_TYPES = {"js": "text/javascript; charset=utf-8", "css": "text/css; charset=utf-8"}
@@ -68,7 +68,10 @@ async def replica_hits(client: httpx.AsyncClient, url: str, timeout: float) -> O
 @fleet_dashboard_routes.get("/dashboard/api/fleet")
 async def fleet_snapshot(request: Request):
     router = request.app.state.router
-    refusal = router.admin.refusal(request.headers.get("authorization"))
+    try:
+        refusal = router.admin.refusal(authorization_of(request.headers), router.keys)
+    except AmbiguousAuthorization as error:
+        return error_response(400, str(error), code="ambiguous_authorization")
     if refusal is not None:
         return error_response(refusal.status, refusal.message, refusal.type, code=refusal.code)
     replicas = router.replicas
@@ -85,6 +88,7 @@ async def fleet_snapshot(request: Request):
                      "predicted_hit_tokens": replica.num_predicted_hit_tokens, "mirrors_cache": replica.can_mirror,
                      "prompt_tokens": queried, "hit_tokens": hit,
                      "hit_rate": hit / queried if queried else None,
+                     "model_fingerprint": replica.model_fingerprint[:12] if replica.model_fingerprint else None,
                      "last_down_reason": replica.down_reasons[-1].reason if replica.down_reasons else None})
     answered = [row for row in rows if row["prompt_tokens"] is not None]
     queried = sum(row["prompt_tokens"] for row in answered)
@@ -93,7 +97,9 @@ async def fleet_snapshot(request: Request):
               "in_flight": sum(row["in_flight"] for row in rows),
               "load_seconds": sum(row["load_seconds"] for row in rows), "num_routed": total_routed,
               "prompt_tokens": queried, "hit_tokens": hit, "hit_rate": hit / queried if queried else None}
-    return {"mode": "fleet", "time": time.time(), "policy": router.settings.policy, "replicas": rows, "totals": totals}
+    versions = router.model_versions()
+    return {"mode": "fleet", "time": time.time(), "policy": router.settings.policy, "replicas": rows, "totals": totals,
+            "model_versions": versions, "mixed_versions": len(versions) > 1}
 
 
 async def _nothing() -> None:

@@ -93,8 +93,10 @@ class Router:
     async def _health_loop(self) -> None:
         while True:
             await asyncio.gather(*(r.check_health(self.client, self.settings.control_timeout) for r in self.replicas))
-            # Learn the scope once, then again now and then: a replica's hot reload changes it.
-            if self.scoper is None or time.monotonic() - self._scope_learned_at >= SCOPE_REFRESH_SECONDS:
+            # Learn the scope once, then again now and then (a replica's hot reload changes it), and at once
+            # when a replica came (back) up: it may serve another checkpoint now.
+            if self.scoper is None or time.monotonic() - self._scope_learned_at >= SCOPE_REFRESH_SECONDS \
+                    or any(r.healthy and r.can_mirror and r.model_fingerprint is None for r in self.replicas):
                 await self._learn_scope()
             await asyncio.sleep(self.settings.health_interval)
 
@@ -120,7 +122,9 @@ class Router:
             logger.warning(message, *args)
 
     async def _learn_scope(self) -> None:
-        """Take the scope and block size from a replica; refuse one whose tokenizer differs from ours."""
+        """Read every healthy replica's model version; take the scope and block size from the first that
+        answers (refusing one whose tokenizer differs from ours)."""
+        learned = None
         for replica in self.replicas:
             if not replica.healthy:
                 continue
@@ -134,6 +138,9 @@ class Router:
                 continue
             try:
                 info = response.json() if response.status_code == 200 else None
+                if info is not None:
+                    fingerprint = info["model_fingerprint"]
+                    replica.model_fingerprint = fingerprint if isinstance(fingerprint, str) and fingerprint else None
                 if info is not None and info["tokenizer_fingerprint"] != self.tokenizer.fingerprint:
                     self._warn_once(f"tokenizer:{replica.name}", "replica %s uses another tokenizer than the "
                                     "router's --model; its keys would never match: start the router with the "
@@ -144,6 +151,8 @@ class Router:
                                     "routed by load only; give replicas and router the same --admin-api-key",
                                     replica.name, response.status_code)
                     continue
+                if learned is not None:
+                    continue  # the scope is the first replica's; this one's version is noted
                 scoper = PromptScoper(CacheScope(info["model_fingerprint"], info["tokenizer_fingerprint"],
                                                  info["adapter_id"], numerics=info.get("numerics", "")),
                                       info["block_size"])
@@ -162,10 +171,10 @@ class Router:
             if self.scoper is not None and self.scoper.scope != scoper.scope:
                 logger.info("replica %s serves a new model version (%s): routing keys follow it", replica.name,
                             scoper.scope.model_fingerprint[:12])
+            learned = scoper
             self.scoper = scoper
             self._scope_learned_at = time.monotonic()
             self._open_remote(scoper.scope.digest)
-            return
 
     # ---------------------------------------------------------------- routing
     @property
@@ -206,8 +215,12 @@ class Router:
         size = self.keyer.block_size
         return RouteRequest(keys, token_ids, scope_digest, -(-len(token_ids) // size), size)
 
-    def choose(self, route: Optional[RouteRequest], exclude: set[str]) -> Optional[Replica]:
-        candidates = [r for r in self.replicas if r.healthy and r.name not in exclude]
+    def choose(self, route: Optional[RouteRequest], exclude: set[str],
+               model_fingerprint: Optional[str] = None) -> Optional[Replica]:
+        """The replica for a request, among the healthy ones not in `exclude` and, given a fingerprint
+        (a stream's continuation), only those known to serve that model version."""
+        candidates = [r for r in self.replicas if r.healthy and r.name not in exclude
+                      and (model_fingerprint is None or r.model_fingerprint == model_fingerprint)]
         if not candidates:
             return None
         if route is None:
@@ -241,6 +254,15 @@ class Router:
         replica.num_failures += 1
         self.metrics.failovers.labels(replica.name).inc()
         replica.mark_down(f"transport failure {during}: {failure!r}")
+
+    def model_versions(self) -> dict[str, list[str]]:
+        """Model fingerprint (first 12 hex digits; "unknown" where unread) -> the healthy replicas serving it."""
+        versions: dict[str, list[str]] = {}
+        for replica in self.replicas:
+            if replica.healthy:
+                name = replica.model_fingerprint[:12] if replica.model_fingerprint else "unknown"
+                versions.setdefault(name, []).append(replica.name)
+        return versions
 
     def refresh_gauges(self) -> None:
         for replica in self.replicas:

@@ -15,23 +15,27 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from typing import Optional
 
 import httpx
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from ..cache.scoping import compose_salt
-from ..http import error_response
+from ..http import AmbiguousAuthorization, authorization_of, error_response, raw_header
 from .fleet import Router
 from .inbound import BadRequest, check_content_type, read_request
 from .replicas import Replica
 from .streams import StreamRelay, Upstream
 
 logger = logging.getLogger("prefixserve.router")
-FORWARDED_HEADERS = ("authorization", "content-type")
 
 
 async def forward(router: Router, request: Request, path: str) -> Response:
+    try:
+        authorization = authorization_of(request.headers)
+    except AmbiguousAuthorization as error:
+        return error_response(400, str(error), code="ambiguous_authorization")
     try:
         check_content_type(request.headers.get("content-type"))
         raw = await request.body()  # BodySizeLimit has refused anything over --max-request-bytes
@@ -40,12 +44,10 @@ async def forward(router: Router, request: Request, path: str) -> Response:
     except BadRequest as error:
         return error_response(error.status, error.message, code=error.code)
     cache_salt = client_request.body.get("cache_salt")
-    salt = compose_salt(router.tenant_of(request.headers.get("authorization")),
-                        cache_salt if isinstance(cache_salt, str) else None)
+    salt = compose_salt(router.tenant_of(authorization), cache_salt if isinstance(cache_salt, str) else None)
     client_request.salt = salt
     route = await router.with_remote_run(router.route_request(client_request.token_ids, salt))
-    headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
-    headers["content-type"] = "application/json"
+    headers = forwarded_headers(authorization)
     if client_request.streaming:
         # The relay needs token ids to continue the stream elsewhere; it strips them unless the client asked.
         raw = json.dumps({**client_request.body, "return_token_ids": True}).encode()
@@ -67,7 +69,8 @@ async def forward(router: Router, request: Request, path: str) -> Response:
             router.fail_over(replica, failure, f"on {path}")
             continue
         if client_request.streaming and upstream.status_code == 200:
-            relay = StreamRelay(router, client_request, headers, tried, Upstream(replica, upstream, ticket))
+            relay = StreamRelay(router, client_request, headers, tried,
+                                Upstream(replica, upstream, ticket, replica.model_fingerprint))
             return StreamingResponse(relay.events(), media_type="text/event-stream",
                                      headers={**passthrough_headers(upstream, replica), "cache-control": "no-cache",
                                               "x-accel-buffering": "no"})
@@ -85,6 +88,15 @@ async def forward(router: Router, request: Request, path: str) -> Response:
                               code="no_replica", headers={"Retry-After": "1"})
     return error_response(502, f"the request failed on {len(tried)} replica(s) that stopped answering; retry "
                                "shortly", "server_error", code="replicas_failed", headers={"Retry-After": "1"})
+
+
+def forwarded_headers(authorization: Optional[str]) -> dict:
+    """What a replica gets of the client's headers: its one Authorization, byte for byte (a header httpx
+    could not encode as text would otherwise fail the request here), and the JSON content type."""
+    headers = {"content-type": "application/json"}
+    if authorization is not None:
+        headers["authorization"] = raw_header(authorization)
+    return headers
 
 
 def relay_response(router: Router, replica: Replica, upstream: httpx.Response, content: bytes) -> Response:

@@ -64,9 +64,11 @@ def read_request(raw: bytes, path: str, tokenizer, max_prompt_tokens: int, max_p
     try:
         body = parse_json_body(raw)
     except ValueError as error:
-        raise BadRequest(400, f"{error}; send a JSON object such as {{\"prompt\": \"...\"}}") from None
+        raise BadRequest(400, f"{error}; send a JSON object such as {{\"prompt\": \"...\"}}",
+                         code="invalid_json") from None
     if not isinstance(body, dict):
-        raise BadRequest(400, f"the request body must be a JSON object, not {type(body).__name__}")
+        raise BadRequest(400, f"the request body must be a JSON object, not {type(body).__name__}",
+                         code="invalid_json")
     n = _sane_int(body.get("n", 1)) or 1
     request = ClientRequest(path=path, body=body, streaming=body.get("stream") is True, n=n,
                             num_choices=n * _num_prompts(path, body), max_tokens=_max_tokens(path, body),

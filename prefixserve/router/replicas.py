@@ -68,6 +68,9 @@ class Replica:
         self.down_reasons: deque[MarkedDown] = deque(maxlen=100)
         self.health_failure_threshold = health_failure_threshold  # /health timeouts in a row that take it out
         self.health_timeouts = 0  # in a row, reset by any answer
+        # The model version it serves (/v1/cache/info's model_fingerprint); None until read, or when the router
+        # may not read it (no admin key). A stream continues only where this equals its first replica's.
+        self.model_fingerprint: Optional[str] = None
 
     @property
     def load(self) -> float:
@@ -103,6 +106,7 @@ class Replica:
         if not self.healthy:
             logger.info("replica %s (%s) is up", self.name, self.url)
             self.has_events = self.can_mirror = True  # it may have restarted with other options
+            self.model_fingerprint = None  # ... or on another checkpoint: read it again before trusting it
         self.healthy = True
 
     async def check_health(self, client: httpx.AsyncClient, timeout: float) -> None:

@@ -38,6 +38,9 @@ class Upstream:
     replica: Replica
     response: httpx.Response
     ticket: int
+    # The model version the stream began on (its first replica's, when the stream started): a continuation
+    # must be of the same, or the client would get text of two models. None: unknown, any replica goes.
+    model_fingerprint: Optional[str] = None
 
 
 @dataclass
@@ -233,8 +236,9 @@ class StreamRelay:
                           "cannot be continued; retry the request", "stream_interrupted")
         route = await self.router.with_remote_run(self.router.route_request(prompt_ids, request.salt))
         max_tokens = body.get("max_tokens") if isinstance(body.get("max_tokens"), int) else request.max_tokens
+        fingerprint = self.upstream.model_fingerprint
         while len(self.tried) < self.router.settings.max_attempts:
-            replica = self.router.choose(route, self.tried)
+            replica = self.router.choose(route, self.tried, fingerprint)
             if replica is None:
                 break
             self.tried.add(replica.name)
@@ -251,7 +255,12 @@ class StreamRelay:
             self.router.metrics.continued.labels(replica.name).inc()
             logger.info("stream continues on replica %s after %d output tokens", replica.name,
                         len(progress.output_token_ids))
-            return Upstream(replica, response, ticket)
+            return Upstream(replica, response, ticket, fingerprint)
+        if fingerprint is not None and len(self.tried) < self.router.settings.max_attempts \
+                and any(r.healthy and r.name not in self.tried for r in self.router.replicas):
+            return _error("the replica serving this stream failed and no healthy replica serves the model version it "
+                          f"began on ({fingerprint[:12]}; a rolling deploy?), so it cannot be continued without mixing "
+                          "two models' text; retry the request", "stream_interrupted")
         return _error(f"the replica serving this stream failed and no other healthy replica could continue it "
                       f"(tried {len(self.tried)}); retry the request", "no_replica")
 

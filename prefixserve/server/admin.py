@@ -42,17 +42,19 @@ async def kv_events(request: Request, since: int = 0):
 
 @admin_routes.get("/v1/cache/keys")
 async def cache_keys(request: Request):
-    """Every cached block key (hex), read between engine steps, and the event cursor it is current to."""
+    """Every cached block key (hex) and the event cursor it is current to, read without waiting for the
+    engine's step (a router polls this; busy must never look like down).
+
+    The cursor is read first, then the keys (each set copied at once: `list` of a dict runs in C, with no
+    other thread between). Events from the cursor on are set additions and removals replayed in order,
+    so applying them to keys read a little later still ends at the engine's state."""
     state = _admin_state(request)
-
-    def snapshot(core):
-        cursor = core.events.next_seq if core.events is not None else None
-        tiers = core.tiers.tier_keys() if core.tiers is not None else {}
-        return ([key.hex() for key in core.cache.keys()], {medium: [key.hex() for key in keys]
-                                                           for medium, keys in tiers.items()}, cursor)
-
-    keys, tiers, cursor = await state.engine.call(snapshot)
-    return {"keys": keys, "tiers": tiers, "next": cursor}
+    core = state.engine.engine
+    cursor = core.events.next_seq if core.events is not None else None
+    keys = core.cache.keys()
+    tiers = core.tiers.tier_keys() if core.tiers is not None else {}
+    return {"keys": [key.hex() for key in keys],
+            "tiers": {medium: [key.hex() for key in found] for medium, found in tiers.items()}, "next": cursor}
 
 
 @admin_routes.get("/v1/cache/stats")
@@ -74,18 +76,15 @@ async def cache_stats(request: Request):
 
 @admin_routes.get("/v1/cache/info")
 async def cache_info(request: Request):
-    """What a router needs to compute the same block keys as this replica, read between engine steps."""
+    """What a router needs to compute the same block keys as this replica. Read without waiting for the
+    engine's step: a hot reload replaces the scope in one assignment, and the rest is fixed at start-up."""
     state = _admin_state(request)
     settings = state.settings
-
-    def info(core):
-        return {"model_fingerprint": core.scope.model_fingerprint,
-                "tokenizer_fingerprint": core.scope.tokenizer_fingerprint,
-                "adapter_id": core.scope.adapter_id, "numerics": core.scope.numerics,
-                "block_size": core.config.block_size,
-                "prefix_hash": core.config.prefix_hash,
-                "shared_prefixes": [list(prefix) for prefix in core.scoper.shared_prefixes],
-                "max_model_len": core.max_model_len, "served_model_name": settings.served_model_name,
-                "default_max_tokens": settings.default_max_tokens}
-
-    return await state.engine.call(info)
+    core = state.engine.engine
+    scope = core.scope  # one version's: a reload swaps the whole object
+    return {"model_fingerprint": scope.model_fingerprint, "tokenizer_fingerprint": scope.tokenizer_fingerprint,
+            "adapter_id": scope.adapter_id, "numerics": scope.numerics, "block_size": core.config.block_size,
+            "prefix_hash": core.config.prefix_hash,
+            "shared_prefixes": [list(prefix) for prefix in list(core.scoper.shared_prefixes)],
+            "max_model_len": core.max_model_len, "served_model_name": settings.served_model_name,
+            "default_max_tokens": settings.default_max_tokens}

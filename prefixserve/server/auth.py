@@ -10,7 +10,7 @@ from typing import Mapping, Optional
 
 from fastapi import Request
 
-from ..http import AdminKey, KeyTable, bearer_token
+from ..http import AdminKey, AmbiguousAuthorization, KeyTable, authorization_of, bearer_token
 from .errors import APIError
 
 
@@ -23,9 +23,10 @@ class Authenticator:
 
     def tenant(self, request: Request) -> Optional[str]:
         """The tenant of the request's API key (None when no keys are configured: auth is off)."""
+        authorization = _authorization(request)
         if not self.tenants:
             return None
-        tenant = self.tenants.lookup(bearer_token(request.headers.get("authorization")))
+        tenant = self.tenants.lookup(bearer_token(authorization))
         if tenant is None:
             raise APIError(401, "missing or invalid API key; send 'Authorization: Bearer <key>'",
                            "authentication_error", code="invalid_api_key")
@@ -33,6 +34,13 @@ class Authenticator:
 
     def require_admin(self, request: Request) -> None:
         """Admit the operator's key only; these endpoints are off when no admin key is configured."""
-        refusal = self.admin.refusal(request.headers.get("authorization"))
+        refusal = self.admin.refusal(_authorization(request), self.tenants)
         if refusal is not None:
             raise APIError(refusal.status, refusal.message, refusal.type, code=refusal.code)
+
+
+def _authorization(request: Request) -> Optional[str]:
+    try:
+        return authorization_of(request.headers)
+    except AmbiguousAuthorization as error:
+        raise APIError(400, str(error), code="ambiguous_authorization") from None

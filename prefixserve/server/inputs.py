@@ -56,7 +56,8 @@ async def read_body(request: Request, model: type[BaseModel]):
     except ValueError as error:
         raise APIError(400, str(error), code="invalid_json") from None
     if not isinstance(payload, dict):
-        raise APIError(400, "the request body must be a JSON object")
+        raise APIError(400, f"the request body must be a JSON object, not {type(payload).__name__}",
+                       code="invalid_json")
     try:
         return model.model_validate(payload)
     except ValidationError as error:

@@ -43,6 +43,11 @@ DEFAULT_PROMPT_TOKENS = 2000  # the price panel's prompt length before any reque
 POOL_FRACTIONS = (0.125, 0.25, 0.5, 1, 2, 4)  # default capacity sizes, as multiples of this pool
 MAX_SIZES = 16
 MAX_CURVE_TOKENS = 1_000_000
+# Past any context window or cache lifetime: larger (finite) inputs only overflow the arithmetic into
+# infinities JSON cannot carry, so they are a 400 naming the bound.
+MAX_PROMPT_TOKENS = 10_000_000
+MAX_TTL_SECONDS = 366 * 86400.0
+MAX_POOL_BLOCKS = 1 << 24
 NUM_CURVE_POINTS = 48
 DEFAULT_TRACE_REQUESTS = 2000  # a built-in trace's first requests, for the capacity panel
 MAX_TRACE_REQUESTS = 20_000
@@ -104,7 +109,7 @@ def _float(request: Request, name: str, low: float, high: float = math.inf) -> O
     return value
 
 
-def _list(request: Request, name: str, parse, default):
+def _list(request: Request, name: str, parse, default, high: float = math.inf):
     text = request.query_params.get(name)
     if not text:
         return default
@@ -112,8 +117,9 @@ def _list(request: Request, name: str, parse, default):
         values = [parse(part) for part in text.split(",") if part.strip()]
     except ValueError:
         values = []
-    if not values or len(values) > MAX_SIZES or any(not (0 < value < math.inf) for value in values):
-        raise APIError(400, f"{name} must be up to {MAX_SIZES} comma-separated positive numbers, got {text!r}",
+    if not values or len(values) > MAX_SIZES or any(not (0 < value <= high) or math.isinf(value) for value in values):
+        bound = f" of at most {high:g}" if high < math.inf else ""
+        raise APIError(400, f"{name} must be up to {MAX_SIZES} comma-separated positive numbers{bound}, got {text!r}",
                        param=name, code="invalid_value")
     return values
 
@@ -143,7 +149,7 @@ async def price(request: Request):
     """Each vendor's blended input price and this server's TTFT at a hit rate and prompt length
     (defaults: this server's token hit rate and mean prompt length)."""
     hit_rate = _float(request, "hit_rate", 0.0, 1.0)
-    prompt_tokens = _float(request, "prompt_tokens", 1.0)
+    prompt_tokens = _float(request, "prompt_tokens", 1.0, MAX_PROMPT_TOKENS)
 
     def read(core):
         stats = core.cache.stats
@@ -212,8 +218,8 @@ async def ttl(request: Request):
     """Per candidate TTL: survival of the next turn, the misses' re-prefill and the USD an hour, from the
     measured reuse gaps (all tenants, or `tenant`)."""
     tenant = request.query_params.get("tenant") or None
-    ttls = _list(request, "ttls", float, list(DEFAULT_TTLS_SECONDS))
-    prefix_tokens = _float(request, "prefix_tokens", 1.0)
+    ttls = _list(request, "ttls", float, list(DEFAULT_TTLS_SECONDS), MAX_TTL_SECONDS)
+    prefix_tokens = _float(request, "prefix_tokens", 1.0, MAX_PROMPT_TOKENS)
 
     def read(core):
         log = core.outputs.request_log.snapshot()
@@ -252,7 +258,7 @@ async def ttl(request: Request):
 async def capacity(request: Request):
     """The request log (or a built-in trace, `trace=`) replayed at pool sizes `sizes` (blocks; default: 1/8x to
     4x this pool's tokens)."""
-    sizes = _list(request, "sizes", int, None)
+    sizes = _list(request, "sizes", int, None, MAX_POOL_BLOCKS)
     trace_name = request.query_params.get("trace") or None
     if trace_name is not None and trace_name not in BUILT_IN_TRACES:
         raise APIError(400, f"trace must be one of {', '.join(BUILT_IN_TRACES)}, got {trace_name!r}; omit it to "

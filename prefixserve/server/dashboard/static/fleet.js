@@ -28,7 +28,9 @@ Dash.renderFleet = (fleet, history) => {
       routed: previous ? (totals.num_routed - previous.totals.num_routed) / seconds : null,
     });
   }
-  document.getElementById("fleet-healthy").textContent = `${totals.num_healthy} / ${totals.num_replicas}`;
+  const versions = Object.keys(fleet.model_versions || {}).length;
+  document.getElementById("fleet-healthy").textContent = `${totals.num_healthy} / ${totals.num_replicas}` +
+    (fleet.mixed_versions ? ` (mixed: ${versions} model versions)` : "");
   document.getElementById("fleet-hit-rate").textContent = fmt.pct(totals.hit_rate);
   document.getElementById("fleet-in-flight").textContent = fmt.int(totals.in_flight);
   document.getElementById("fleet-routed").textContent = fmt.int(totals.num_routed);
