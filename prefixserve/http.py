@@ -7,14 +7,18 @@ before reading it whole.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import json
+import logging
 from typing import Mapping, NamedTuple, Optional
 
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse
 
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # 8 MiB: a 128k-token prompt as JSON ids is under 1 MiB
+DEFAULT_BODY_TIMEOUT_SECONDS = 30.0  # the longest a client may pause between two chunks of its body
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: Optional[str] = None,
@@ -139,7 +143,9 @@ def is_valid_tenant_id(tenant: str) -> bool:
 
 
 class BodySizeLimit:
-    """ASGI middleware: a request body over `max_bytes` gets 413 before it is read whole.
+    """ASGI middleware: a request body over `max_bytes` gets 413 before it is read whole, one whose
+    next chunk takes longer than `body_timeout` seconds 408, and a client gone mid-upload ends the
+    request quietly (a line at debug level, not two tracebacks).
 
     A declared Content-Length over the limit is refused without reading a byte; a
     chunked body is counted as it streams and refused the moment it passes the limit.
@@ -147,9 +153,11 @@ class BodySizeLimit:
     Starlette's error middleware, so the overflow raised from `receive` reaches it.
     """
 
-    def __init__(self, app, max_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+    def __init__(self, app, max_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                 body_timeout: float = DEFAULT_BODY_TIMEOUT_SECONDS) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.body_timeout = body_timeout
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -167,14 +175,23 @@ class BodySizeLimit:
                     return
         received = 0
         response_started = False
+        body_done = False
 
         async def limited_receive():
-            nonlocal received
-            message = await receive()
+            nonlocal received, body_done
+            if body_done:  # after the body, receive waits for a disconnect as long as a response streams
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.body_timeout)
+            except asyncio.TimeoutError:
+                raise _BodyTimeout() from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
                     raise _BodyTooLarge()
+                body_done = not message.get("more_body", False)
+            else:
+                body_done = True
             return message
 
         async def tracking_send(message):
@@ -188,6 +205,13 @@ class BodySizeLimit:
         except _BodyTooLarge:
             if not response_started:
                 await self._refuse(send, self._too_large(), 413, "request_too_large")
+        except _BodyTimeout:
+            if not response_started:
+                await self._refuse(send, f"the request body stalled: no bytes for {self.body_timeout:g} s", 408,
+                                   "request_timeout")
+        except ClientDisconnect:
+            logging.getLogger("prefixserve").debug("client disconnected before sending its whole body (%s %s)",
+                                                   scope.get("method"), scope.get("path"))
 
     def _too_large(self) -> str:
         return (f"the request body exceeds {self.max_bytes} bytes; send a smaller request "
@@ -203,6 +227,10 @@ class BodySizeLimit:
 
 
 class _BodyTooLarge(Exception):
+    pass
+
+
+class _BodyTimeout(Exception):
     pass
 
 

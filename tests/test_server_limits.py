@@ -73,3 +73,57 @@ def test_key_table_finds_only_exact_keys():
     assert table.lookup("key-a") == "tenant-a" and table.lookup("key-b") == "tenant-b"
     assert table.lookup("key-") is None and table.lookup("key-ab") is None and table.lookup("") is None
     assert table.lookup("\udcff") is None  # a lone surrogate cannot crash the lookup
+
+
+def _asgi_app_reading_its_body():
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    async def echo(request):
+        return JSONResponse({"bytes": len(await request.body())})
+
+    return Starlette(routes=[Route("/", echo, methods=["POST"])])
+
+
+def _call(middleware, messages):
+    """Run one POST through the ASGI middleware; `messages` are what receive() returns in turn (None:
+    receive never returns). Returns what was sent."""
+    import asyncio
+
+    sent = []
+
+    async def run():
+        queue = list(messages)
+
+        async def receive():
+            if not queue or queue[0] is None:
+                await asyncio.Event().wait()  # a client that sends nothing more
+            return queue.pop(0)
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/", "headers": [(b"content-length", b"100")],
+                 "query_string": b"", "root_path": "", "scheme": "http", "server": ("127.0.0.1", 1)}
+        await asyncio.wait_for(middleware(scope, receive, send), 10)
+
+    asyncio.run(run())
+    return sent
+
+
+def test_a_stalled_body_is_a_408_and_a_client_gone_mid_upload_logs_nothing(caplog):
+    from prefixserve.http import BodySizeLimit
+
+    middleware = _asgi_app_reading_its_body()
+    middleware.add_middleware(BodySizeLimit, max_bytes=1000, body_timeout=0.2)  # as the server and router add it
+    stalled = _call(middleware, [{"type": "http.request", "body": b"x" * 10, "more_body": True}, None])
+    assert stalled[0]["status"] == 408 and b"request_timeout" in stalled[1]["body"]
+    with caplog.at_level("DEBUG"):
+        gone = _call(middleware, [{"type": "http.request", "body": b"x" * 10, "more_body": True},
+                                  {"type": "http.disconnect"}])
+    assert gone == []  # nobody to answer
+    assert not [r for r in caplog.records if r.levelno >= 30], [r.getMessage() for r in caplog.records]
+    whole = _call(middleware, [{"type": "http.request", "body": b"x" * 10, "more_body": True},
+                               {"type": "http.request", "body": b"y" * 5, "more_body": False}])
+    assert whole[0]["status"] == 200 and b'"bytes":15' in whole[1]["body"]
