@@ -58,7 +58,8 @@ class LiveApp:
 
 @dataclass
 class Failure:
-    how: str  # reset | truncate | engine_dead | request_failed | status_500
+    how: str  # reset | truncate | engine_dead | request_failed | status_500 | stall (a stream hangs, its
+    # connection open) | stall_plain (a plain request is never answered)
     after_tokens: int = 0
 
 
@@ -137,6 +138,8 @@ class FakeReplica:
                                          media_type="text/event-stream")
             if self.failure is not None and self.failure.how == "reset":
                 return StreamingResponse(self._reset_now(), media_type="application/json")
+            if self.failure is not None and self.failure.how == "stall_plain":
+                await asyncio.Event().wait()  # hung: never answers
             ids, text = self.reference(prompt_ids, max_tokens, body.get("seed") or 0)
             choice = {"index": 0, "finish_reason": "length", "text": text}
             if path.endswith("chat/completions"):
@@ -224,6 +227,9 @@ class FakeReplica:
             yield sse({"error": {"message": "this request failed", "type": "server_error", "param": None,
                                  "code": "request_failed"}})
             yield "data: [DONE]\n\n"
+        elif failure.how == "stall":  # a hung replica: the connection stays open, nothing more comes
+            await asyncio.Event().wait()
+            yield ""  # pragma: no cover
         # truncate: the stream just ends, without [DONE]
 
 

@@ -141,3 +141,32 @@ def test_a_stream_is_continued_only_on_a_replica_of_the_same_model_version(token
         response = post(url, "/v1/completions", {"prompt": "letters", "max_tokens": 6, "stream": True})
         events, done = read_stream(response)
         assert done and texts_of(events) == fakes[1].reference(tokenizer.encode("letters"), 6)[1]
+
+
+def test_a_stream_that_stops_making_progress_is_continued_elsewhere_with_the_same_text(tokenizer):
+    """A replica that hangs mid-stream (no transport error: the connection stays open) is caught by the
+    progress deadline: the stream continues on the other replica from the tokens already sent."""
+    with fake_fleet(tokenizer, progress_timeout=0.5) as (url, fakes, router):
+        fakes[0].failure = Failure("stall", after_tokens=3)
+        response = post(url, "/v1/completions", {"prompt": "letters", "max_tokens": 8, "stream": True})
+        events, done = read_stream(response)
+        assert done and texts_of(events) == fakes[1].reference(tokenizer.encode("letters"), 8)[1]
+        assert "no progress" in router.replicas[0].down_reasons[-1].reason
+
+
+def test_a_replica_marked_down_releases_the_plain_requests_waiting_on_it(tokenizer):
+    """A plain (not streamed) request waits for its whole answer, so no deadline can tell a long one from a
+    hung one; the health checks can. When they mark the replica down, the request moves at once."""
+    import threading
+
+    with fake_fleet(tokenizer) as (url, fakes, router):
+        fakes[0].failure = Failure("stall_plain")
+        result = []
+        thread = threading.Thread(target=lambda: result.append(post(url, "/v1/completions",
+                                                                    {"prompt": "hi", "max_tokens": 3})))
+        thread.start()
+        wait_until(lambda: len(fakes[0].requests) == 1)
+        router.replicas[0].mark_down("health check failed: timed out 3 times in a row (test)")
+        thread.join(30)
+        assert result and result[0].status_code == 200
+        assert result[0].headers["x-prefixserve-replica"] == "replica-1"

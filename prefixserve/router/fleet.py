@@ -24,6 +24,7 @@ from ..cache.scoping import PromptScoper
 from ..http import AdminKey, KeyTable, bearer_token
 from .costs import policy_options_for
 from .policies import RouteRequest, make_policy
+from .progress import ProgressClock
 from .replicas import Replica
 from .settings import RouterSettings
 
@@ -63,6 +64,7 @@ class Router:
         self.keys = KeyTable(settings.api_keys)
         self.admin = AdminKey(settings.admin_api_key, "router")  # who may read the fleet dashboard
         self.metrics = RouterMetrics()
+        self.progress = ProgressClock(settings.progress_timeout)  # how long a stream may go without a chunk
         self.scoper: Optional[PromptScoper] = None  # learned from the first replica that answers
         self._scope_learned_at = float("-inf")
         self.keyer: Optional[BlockKeyer] = None

@@ -25,6 +25,7 @@ from ..cache.scoping import compose_salt
 from ..http import AmbiguousAuthorization, authorization_of, error_response, raw_header
 from .fleet import Router
 from .inbound import BadRequest, check_content_type, read_request
+from .progress import Stalled, unless_down
 from .replicas import Replica
 from .streams import StreamRelay, Upstream
 
@@ -60,11 +61,12 @@ async def forward(router: Router, request: Request, path: str) -> Response:
         ticket = router.record_route(replica, route, client_request.max_tokens)
         try:
             if client_request.streaming:
-                upstream = await router.client.send(router.client.build_request(
+                sending = router.client.send(router.client.build_request(
                     "POST", replica.url + path, content=raw, headers=headers), stream=True)
             else:
-                upstream = await router.client.post(replica.url + path, content=raw, headers=headers)
-        except httpx.TransportError as failure:
+                sending = router.client.post(replica.url + path, content=raw, headers=headers)
+            upstream = await unless_down(sending, replica.went_down)  # a hung replica's requests move
+        except (httpx.TransportError, Stalled) as failure:
             router.release(replica, ticket)
             router.fail_over(replica, failure, f"on {path}")
             continue

@@ -29,6 +29,10 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--health-failure-threshold", type=int, default=3,
                         help="/health checks timing out in a row that mark a replica down; a refused or reset "
                              "connection marks it down at once (default %(default)d)")
+    parser.add_argument("--progress-timeout", metavar="SECONDS", type=float, default=None,
+                        help="a stream that has begun and sends nothing this long is moved to another replica, "
+                             "continued from its tokens (default: the slowest gap between chunks seen + 3 s, at "
+                             "least 5 s)")
     parser.add_argument("--kv-remote-url", metavar="URL", default=None,
                         help="the replicas' --kv-remote-url: kv_aware prices what the shared remote tier holds, so a "
                              "request may go to an idle replica that fetches its prefix (default: off)")
@@ -52,6 +56,7 @@ def settings_from_args(args: argparse.Namespace):
             cost=CostModel.load(args.costs) if args.costs else CostModel(),
             max_attempts=args.max_attempts,
             health_failure_threshold=args.health_failure_threshold,
+            progress_timeout=args.progress_timeout,
             kv_remote_url=args.kv_remote_url,
             max_request_bytes=args.max_request_bytes,
         )

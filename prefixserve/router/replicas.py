@@ -18,6 +18,7 @@ test) can see why.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import time
@@ -71,6 +72,7 @@ class Replica:
         # The model version it serves (/v1/cache/info's model_fingerprint); None until read, or when the router
         # may not read it (no admin key). A stream continues only where this equals its first replica's.
         self.model_fingerprint: Optional[str] = None
+        self.went_down = asyncio.Event()  # set when it is marked down: requests waiting on it move (progress.py)
 
     @property
     def load(self) -> float:
@@ -99,6 +101,7 @@ class Replica:
             logger.warning("replica %s (%s) is down: %s", self.name, self.url, reason)
             self.down_reasons.append(MarkedDown(time.time(), reason))
         self.healthy = False
+        self.went_down.set()
         self.cursor = None
         self.mirror.clear()
 
@@ -107,6 +110,7 @@ class Replica:
             logger.info("replica %s (%s) is up", self.name, self.url)
             self.has_events = self.can_mirror = True  # it may have restarted with other options
             self.model_fingerprint = None  # ... or on another checkpoint: read it again before trusting it
+            self.went_down = asyncio.Event()
         self.healthy = True
 
     async def check_health(self, client: httpx.AsyncClient, timeout: float) -> None:

@@ -22,6 +22,7 @@ class RouterSettings:
     sync_interval: float = 0.2
     request_timeout: float = 600.0
     control_timeout: float = 2.0
+    progress_timeout: Optional[float] = None  # seconds a started stream may send nothing; None: learned (progress.py)
     health_failure_threshold: int = 3  # /health timeouts in a row that mark a replica down (refused: at once)
     kv_remote_url: Optional[str] = None  # the replicas' --kv-remote-url: requests are priced with what it holds
     kv_remote_timeout: float = 0.2  # a slower lookup routes as if the remote tier held nothing
@@ -39,6 +40,8 @@ class RouterSettings:
         bad = [tenant for tenant in self.api_keys.values() if not is_valid_tenant_id(tenant)]
         if bad:
             raise ValueError(f"tenant ids must be 1 to 256 printable characters; {bad[0]!r} is not")
+        if self.progress_timeout is not None and not self.progress_timeout > 0:
+            raise ValueError("--progress-timeout must be positive seconds")
         if self.health_failure_threshold < 1:
             raise ValueError("--health-failure-threshold must be at least 1")
         if self.max_attempts < 1:

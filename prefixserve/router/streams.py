@@ -26,6 +26,7 @@ import httpx
 from .continuation import ChoiceProgress, ContinuedText, continuation_body, reshape_chunk, usage_of
 from .fleet import Router
 from .inbound import ClientRequest
+from .progress import Stalled, now, unless_down
 from .replicas import Replica
 from .sse import DONE, SSEParser, sse, sse_error
 
@@ -59,6 +60,11 @@ def _error(message: str, code: str) -> Ending:
 class Outcome:
     kind: str = "broken"  # done: [DONE] reached | failed: the request's own error relayed | broken: go on elsewhere
     reason: str = "the stream ended without [DONE]"
+
+
+def _has_tokens(chunk: dict) -> bool:
+    choices = chunk.get("choices")
+    return isinstance(choices, list) and any(isinstance(c, dict) and c.get("token_ids") for c in choices)
 
 
 class StreamRelay:
@@ -104,8 +110,20 @@ class StreamRelay:
 
     async def _relay(self, upstream: Upstream, outcome: Outcome) -> AsyncIterator[bytes]:
         parser = SSEParser()
+        clock = self.router.progress
+        chunks = upstream.response.aiter_bytes().__aiter__()
+        stepping, last = False, now()  # stepping: a token has come, so each chunk is one decode step away
         try:
-            async for data in upstream.response.aiter_bytes():
+            while True:
+                try:
+                    data = await unless_down(chunks.__anext__(), upstream.replica.went_down,
+                                             clock.deadline if stepping else None)
+                except StopAsyncIteration:
+                    break
+                arrived = now()
+                if stepping:
+                    clock.observe(arrived - last)
+                last = arrived
                 for payload in parser.feed(data):
                     if payload.strip() == "[DONE]":
                         outcome.kind = "done"
@@ -126,13 +144,14 @@ class StreamRelay:
                         outcome.kind = "failed"  # the request's own failure: relay it, do not retry
                         yield sse(chunk)
                         return
+                    stepping = stepping or _has_tokens(chunk)
                     for piece in self._pieces(chunk):
                         yield piece
                     if self.stopped_here:
                         outcome.kind = "done"
                         return
             self.router.check_soon(upstream.replica)
-        except httpx.TransportError as failure:
+        except (httpx.TransportError, Stalled) as failure:
             self.router.fail_over(upstream.replica, failure, "during a stream")
             outcome.reason = repr(failure)
         finally:
@@ -244,9 +263,10 @@ class StreamRelay:
             self.tried.add(replica.name)
             ticket = self.router.record_route(replica, route, max_tokens)
             try:
-                response = await self.router.client.send(self.router.client.build_request(
-                    "POST", replica.url + path, content=json.dumps(body).encode(), headers=self.headers), stream=True)
-            except httpx.TransportError as failure:
+                response = await unless_down(self.router.client.send(self.router.client.build_request(
+                    "POST", replica.url + path, content=json.dumps(body).encode(), headers=self.headers), stream=True),
+                    replica.went_down)
+            except (httpx.TransportError, Stalled) as failure:
                 self.router.release(replica, ticket)
                 self.router.fail_over(replica, failure, "continuing a stream")
                 continue
