@@ -140,3 +140,34 @@ def test_a_stream_whose_replica_is_killed_finishes_elsewhere_with_the_same_text(
     finally:
         fleet.restart(victim)
         fleet.wait_all_healthy()
+
+
+def test_a_stream_on_a_replica_that_hangs_finishes_elsewhere_before_it_wakes(fleet):
+    """SIGSTOP, not a kill: the connection stays open and no error ever comes. The progress deadline moves
+    the stream to another replica, which finishes it with the reference text while the first still sleeps."""
+    import os
+    import signal
+
+    router = fleet.router
+    body = {"prompt": "Tell a long tale of a hung replica", "max_tokens": 120, "temperature": 0, "ignore_eos": True}
+    expected = httpx.post(fleet.url + "/v1/completions", json=body, headers=ACME, timeout=120).json()
+    expected = expected["choices"][0]["text"]
+    chunks, victim = [], None
+    try:
+        with httpx.stream("POST", fleet.url + "/v1/completions", json={**body, "stream": True}, headers=ACME,
+                          timeout=120) as response:
+            for line in response.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                chunks.append(line[6:])
+                if len(chunks) == 3:
+                    victim = index_of(fleet, response.headers["x-prefixserve-replica"])
+                    os.kill(fleet.processes[victim].pid, signal.SIGSTOP)
+        assert victim is not None and fleet.processes[victim].poll() is None  # still stopped, not dead
+        events = [json.loads(c) for c in chunks[:-1]]
+        assert chunks[-1] == "[DONE]" and not [e for e in events if "error" in e]
+        assert "".join(c["text"] for e in events for c in e["choices"]) == expected
+    finally:
+        if victim is not None:
+            os.kill(fleet.processes[victim].pid, signal.SIGCONT)
+        fleet.wait_all_healthy()
