@@ -164,7 +164,7 @@ class FakeReplica:
     async def _stream(self, path: str, body: dict, prompt_ids: list[int], max_tokens: int):
         chat = path.endswith("chat/completions")
         envelope = {"id": f"cmpl-{len(self.requests)}", "object": "chat.completion.chunk" if chat else "text_completion",
-                    "created": 1000 + len(self.requests), "model": "fake"}
+                    "created": 1000 + len(self.requests), "model": "fake", "system_fingerprint": self.model_fingerprint}
         seed = body.get("seed") or 0
         n = body.get("n", 1)
         stop = body.get("stop") or []

@@ -141,6 +141,7 @@ def test_a_stream_is_continued_only_on_a_replica_of_the_same_model_version(token
         response = post(url, "/v1/completions", {"prompt": "letters", "max_tokens": 6, "stream": True})
         events, done = read_stream(response)
         assert done and texts_of(events) == fakes[1].reference(tokenizer.encode("letters"), 6)[1]
+        assert {e["system_fingerprint"] for e in events} == {"fake-model"}  # the continued chunks too
 
 
 def test_a_stream_that_stops_making_progress_is_continued_elsewhere_with_the_same_text(tokenizer):
@@ -170,3 +171,18 @@ def test_a_replica_marked_down_releases_the_plain_requests_waiting_on_it(tokeniz
         thread.join(30)
         assert result and result[0].status_code == 200
         assert result[0].headers["x-prefixserve-replica"] == "replica-1"
+
+
+def test_a_continued_streams_usage_keeps_the_cached_tokens_by_tier():
+    from prefixserve.router.continuation import ChoiceProgress, usage_of
+
+    progress = ChoiceProgress()
+    progress.prompt_token_ids = list(range(100))
+    progress.output_token_ids = list(range(7))
+    reported = {"prompt_tokens_details": {"cached_tokens": 104, "cached_tokens_by_tier": {
+        "device": 64, "host": 0, "disk": 40, "remote": 0}}}  # the continuation's longer prompt
+    details = usage_of([progress], 1, reported)["prompt_tokens_details"]
+    assert details == {"cached_tokens": 100,
+                       "cached_tokens_by_tier": {"device": 64, "host": 0, "disk": 36, "remote": 0}}
+    assert usage_of([progress], 1, {"prompt_tokens_details": {"cached_tokens": 3}})["prompt_tokens_details"] == {
+        "cached_tokens": 3}

@@ -160,9 +160,19 @@ def usage_of(choices: list[ChoiceProgress], n: int, reported: Optional[dict]) ->
     """Usage as the router saw it: each prompt once (the n samples of a prompt share it), every output token."""
     prompt_tokens = sum(len(p.prompt_token_ids or ()) for p in choices[::max(n, 1)])
     completion_tokens = sum(len(p.output_token_ids) for p in choices)
-    cached = 0
-    if isinstance(reported, dict) and isinstance(reported.get("prompt_tokens_details"), dict):
-        value = reported["prompt_tokens_details"].get("cached_tokens")
+    cached, details = 0, {}
+    reported_details = reported.get("prompt_tokens_details") if isinstance(reported, dict) else None
+    if isinstance(reported_details, dict):
+        value = reported_details.get("cached_tokens")
         cached = min(value, prompt_tokens) if isinstance(value, int) else 0
+        by_tier = reported_details.get("cached_tokens_by_tier")
+        if isinstance(by_tier, dict):  # the continuing replica's split, cut to the client's prompt, nearest first
+            remaining, split = cached, {}
+            for tier, count in by_tier.items():
+                if isinstance(tier, str) and isinstance(count, int) and not isinstance(count, bool) and count >= 0:
+                    split[tier] = min(count, remaining)
+                    remaining -= split[tier]
+            details["cached_tokens_by_tier"] = split
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached, **details}}

@@ -31,7 +31,7 @@ from .replicas import Replica
 from .sse import DONE, SSEParser, sse, sse_error
 
 logger = logging.getLogger("prefixserve.router")
-ENVELOPE = ("id", "object", "created", "model")
+ENVELOPE = ("id", "object", "created", "model", "system_fingerprint")  # continuations keep them (same version)
 
 
 @dataclass
@@ -73,7 +73,7 @@ class StreamRelay:
         self.router, self.request, self.headers, self.tried = router, request, headers, tried
         self.upstream = first
         self.choices: dict[int, ChoiceProgress] = {}
-        self.envelope: Optional[dict] = None  # id, object, created, model of the stream the client sees
+        self.envelope: Optional[dict] = None  # id, object, created, model, fingerprint of the stream the client sees
         options = request.body.get("stream_options")
         self.include_usage = isinstance(options, dict) and options.get("include_usage") is True
         self.usage_sent = False
