@@ -13,6 +13,7 @@ from .cache.keys import HASH_FUNCTIONS
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULING_POLICIES = ("fcfs", "lpm")
+CACHE_RETENTIONS = ("device", "none")  # a request's or tenant's cache_retention; absent: cached as usual
 FETCH_POLICIES = ("cost", "always")  # how lower-tier hits are fetched: see kv_fetch_policy
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
 DEFAULT_MAX_CACHE_TTL = 3600.0  # seconds: the server's cap on a requested cache_ttl (Anthropic's longest, 1 hour)

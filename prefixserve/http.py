@@ -17,6 +17,8 @@ from typing import Mapping, NamedTuple, Optional
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse
 
+from .config import CACHE_RETENTIONS
+
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # 8 MiB: a 128k-token prompt as JSON ids is under 1 MiB
 DEFAULT_BODY_TIMEOUT_SECONDS = 30.0  # the longest a client may pause between two chunks of its body
 
@@ -273,8 +275,6 @@ class KeyEntry(NamedTuple):
     cache_retention: Optional[str]  # "device" | "none": the tenant's KV never leaves the device / is never kept
 
 
-KEY_ENTRY_FIELDS = ("tenant", "cache_ttl", "cache_retention")
-CACHE_RETENTIONS = ("device", "none")
 
 
 def _read_keys_file(api_keys_file: str) -> dict[str, KeyEntry]:
@@ -296,7 +296,7 @@ def _read_keys_file(api_keys_file: str) -> dict[str, KeyEntry]:
             raise SystemExit(f"--api-keys-file {path}: an API key is empty; give every tenant a non-empty key")
         ttl = retention = None
         if isinstance(value, dict):
-            unknown = set(value) - set(KEY_ENTRY_FIELDS)
+            unknown = set(value) - set(KeyEntry._fields)
             if unknown or "tenant" not in value:
                 raise SystemExit(f"--api-keys-file {path}: a key's entry is a tenant name or an object with "
                                  f"'tenant' and optional 'cache_ttl' (seconds) and 'cache_retention' "

@@ -22,7 +22,6 @@ import pytest
 from conftest import TIER_SECRET, make_llm
 from prefixserve import SamplingParams
 from prefixserve.tiers import BlockRecord, DiskTier, HostTier, Keyring, RecordExpectation, Sealer, read_header
-from prefixserve.tiers.disk_files import record_path
 from prefixserve.tiers.record import RecordError, decode_record, encode_record
 from tier_helpers import BLOCK_SIZE, SCOPE, make_chain
 

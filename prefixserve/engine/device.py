@@ -7,6 +7,8 @@ import torch
 from ..config import EngineConfig
 from ..model import AttentionMetadata
 
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # by name
+
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
@@ -44,7 +46,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     them (AVX2) bf16's matmuls run in float32 and cost more than float32 itself, so auto is float32.
     """
     if name != "auto":
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+        return TORCH_DTYPES[name]
     if device.type == "cuda":
         return torch.bfloat16
     return torch.bfloat16 if cpu_has_fast_bfloat16() else torch.float32

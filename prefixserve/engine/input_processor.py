@@ -10,6 +10,7 @@ import uuid
 from typing import Any, Optional, Union
 
 from ..cache.scoping import PromptScoper
+from ..config import CACHE_RETENTIONS
 from ..model import Tokenizer
 from ..prompts import is_token_ids
 from .request import Request
@@ -17,7 +18,6 @@ from .sampling_params import SamplingParams
 
 PromptType = Union[str, list[int], dict[str, Any]]
 PROMPT_DICT_FIELDS = {"prompt", "prompt_token_ids", "cache_salt", "cache_retention"}
-CACHE_RETENTIONS = ("device", "none")  # Request.cache_retention; None: cached as usual
 _STRICTNESS = {None: 0, "device": 1, "none": 2}
 
 

@@ -38,6 +38,7 @@ from ..cache.stats import LatencyHistogram
 from ..tiers import (BlockRecord, DiskTier, HostTier, Keyring, KVTier, RecordError, RecordExpectation, Sealer,
                      TierStats, decode_record, plan_fetch)
 from ..tiers.record import DTYPE_SIZES
+from .device import TORCH_DTYPES
 from .request import Request
 from .runner import ModelRunner
 
@@ -46,7 +47,6 @@ FETCH_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1
 FETCH_WAIT_SECONDS = 0.005  # an idle engine waits this long for a disk read before stepping again
 DEFAULT_PREFILL_SECONDS_PER_TOKEN = 2e-4  # until the engine has measured its own prefill
 DEFAULT_TIER_DEADLINE = 0.5  # EngineConfig.kv_tier_deadline
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 SYNCHRONOUS_TIERS = ("host",)

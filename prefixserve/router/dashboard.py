@@ -88,7 +88,7 @@ async def fleet_snapshot(request: Request):
                      "predicted_hit_tokens": replica.num_predicted_hit_tokens, "mirrors_cache": replica.can_mirror,
                      "prompt_tokens": queried, "hit_tokens": hit,
                      "hit_rate": hit / queried if queried else None,
-                     "model_fingerprint": replica.model_fingerprint[:12] if replica.model_fingerprint else None,
+                     "model_fingerprint": replica.version,
                      "last_down_reason": replica.down_reasons[-1].reason if replica.down_reasons else None})
     answered = [row for row in rows if row["prompt_tokens"] is not None]
     queried = sum(row["prompt_tokens"] for row in answered)

@@ -262,8 +262,7 @@ class Router:
         versions: dict[str, list[str]] = {}
         for replica in self.replicas:
             if replica.healthy:
-                name = replica.model_fingerprint[:12] if replica.model_fingerprint else "unknown"
-                versions.setdefault(name, []).append(replica.name)
+                versions.setdefault(replica.version or "unknown", []).append(replica.name)
         return versions
 
     def refresh_gauges(self) -> None:

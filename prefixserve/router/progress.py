@@ -16,7 +16,6 @@ error ever comes. Two things end the wait instead:
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Awaitable, Optional, TypeVar
 
 T = TypeVar("T")
@@ -26,10 +25,6 @@ PROGRESS_MARGIN_SECONDS = 3.0
 
 class Stalled(Exception):
     """The replica made no progress: it was marked down, or a stream's deadline passed."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
 
 
 class ProgressClock:
@@ -64,7 +59,3 @@ async def unless_down(awaitable: Awaitable[T], down: asyncio.Event, timeout: Opt
         return task.result()
     task.cancel()
     raise Stalled("the replica was marked down" if watcher in done else f"no progress for {timeout:.1f} s")
-
-
-def now() -> float:
-    return time.monotonic()

@@ -8,9 +8,9 @@ one prefix sticks to one replica before its events arrive.
 
 Only the replica's own failures take it out: a connection refused or reset, a
 /health that is not 200, or /health timing out several checks in a row. Busy is
-not down: a control call (KV events, cache keys) waits for the engine's current
-step, so one that times out leaves the replica up and its mirror as it was, and a
-single slow /health (an event loop held up by a long step) is only counted. A
+not down: a control call (KV events, cache keys, cache info) that times out leaves
+the replica up and its mirror as it was, and a single slow /health (an event loop
+held up on a loaded host) is only counted. A
 response, even a 5xx, is an answer to one request and never marks a replica down.
 Each time it goes down the reason is kept in `down_reasons`, so an operator (and a
 test) can see why.
@@ -73,6 +73,11 @@ class Replica:
         # may not read it (no admin key). A stream continues only where this equals its first replica's.
         self.model_fingerprint: Optional[str] = None
         self.went_down = asyncio.Event()  # set when it is marked down: requests waiting on it move (progress.py)
+
+    @property
+    def version(self) -> Optional[str]:
+        """Its model fingerprint's first 12 hex digits, as /health and the dashboard name a version."""
+        return self.model_fingerprint[:12] if self.model_fingerprint else None
 
     @property
     def load(self) -> float:

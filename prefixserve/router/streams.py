@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import AsyncIterator, Iterator, Optional, Union
@@ -26,7 +27,7 @@ import httpx
 from .continuation import ChoiceProgress, ContinuedText, continuation_body, reshape_chunk, usage_of
 from .fleet import Router
 from .inbound import ClientRequest
-from .progress import Stalled, now, unless_down
+from .progress import Stalled, unless_down
 from .replicas import Replica
 from .sse import DONE, SSEParser, sse, sse_error
 
@@ -112,7 +113,7 @@ class StreamRelay:
         parser = SSEParser()
         clock = self.router.progress
         chunks = upstream.response.aiter_bytes().__aiter__()
-        stepping, last = False, now()  # stepping: a token has come, so each chunk is one decode step away
+        stepping, last = False, time.monotonic()  # stepping: a token has come, so each chunk is one decode step away
         try:
             while True:
                 try:
@@ -120,7 +121,7 @@ class StreamRelay:
                                              clock.deadline if stepping else None)
                 except StopAsyncIteration:
                     break
-                arrived = now()
+                arrived = time.monotonic()
                 if stepping:
                     clock.observe(arrived - last)
                 last = arrived

@@ -35,7 +35,6 @@ A record names its secret by a key id, the first 8 bytes of HMAC-SHA-256(secret,
 from __future__ import annotations
 
 import datetime
-import hashlib
 import hmac
 import logging
 import os
@@ -159,10 +158,6 @@ class Sealer:
     def __init__(self, keyring: Keyring, encrypt: bool = False) -> None:
         self.keyring = keyring
         self.seal = GCM if encrypt else GMAC
-
-    @property
-    def encrypts(self) -> bool:
-        return self.seal == GCM
 
     def new_salt(self) -> bytes:
         return secrets.token_bytes(SALT_SIZE)
