@@ -118,13 +118,19 @@ def test_a_stream_that_cannot_continue_ends_with_an_error_event(tokenizer, case)
 
 
 def test_a_stream_is_continued_only_on_a_replica_of_the_same_model_version(tokenizer):
-    """A rolling deploy: replica-1 now serves another checkpoint under the same name. A stream broken on
+    """A rolling deploy: replica-1 restarts on another checkpoint under the same name. A stream broken on
     replica-0 is not stitched onto it: it ends with an error event; /health reports the mixed fleet.
     Once replica-1 serves replica-0's version again, the same break is continued there."""
+    def restart_on(fake, replica, fingerprint):
+        """Down (its /health answers 503, as while it restarts), then up on `fingerprint`: the router reads
+        the version of a replica that came back up before it trusts it."""
+        fake.engine_dead = True
+        wait_until(lambda: not replica.healthy)
+        fake.model_fingerprint, fake.engine_dead = fingerprint, False
+        wait_until(lambda: replica.healthy and replica.model_fingerprint == fingerprint)
+
     with fake_fleet(tokenizer) as (url, fakes, router):
-        fakes[1].model_fingerprint = "other-model"
-        router.replicas[1].model_fingerprint = None  # as after a restart: read again before it is trusted
-        wait_until(lambda: router.replicas[1].model_fingerprint == "other-model")
+        restart_on(fakes[1], router.replicas[1], "other-model")
         health = httpx.get(url + "/health", timeout=10).json()
         assert health["mixed"] and sorted(health["model_versions"]) == ["fake-model", "other-model"]
         fakes[0].failure = Failure("reset", after_tokens=2)
@@ -133,9 +139,7 @@ def test_a_stream_is_continued_only_on_a_replica_of_the_same_model_version(token
         assert done and events[-1]["error"]["code"] == "stream_interrupted"
         assert "model version" in events[-1]["error"]["message"]
         assert [path for path, _, _ in fakes[1].requests] == []  # never asked to continue it
-        fakes[1].model_fingerprint = "fake-model"
-        router.replicas[1].model_fingerprint = None
-        wait_until(lambda: router.replicas[1].model_fingerprint == "fake-model")
+        restart_on(fakes[1], router.replicas[1], "fake-model")
         assert not httpx.get(url + "/health", timeout=10).json()["mixed"]
         wait_until(lambda: router.replicas[0].healthy)
         response = post(url, "/v1/completions", {"prompt": "letters", "max_tokens": 6, "stream": True})
@@ -167,7 +171,7 @@ def test_a_replica_marked_down_releases_the_plain_requests_waiting_on_it(tokeniz
                                                                     {"prompt": "hi", "max_tokens": 3})))
         thread.start()
         wait_until(lambda: len(fakes[0].requests) == 1)
-        router.replicas[0].mark_down("health check failed: timed out 3 times in a row (test)")
+        fakes[0].engine_dead = True  # its /health fails: the router marks it down, on its own loop
         thread.join(30)
         assert result and result[0].status_code == 200
         assert result[0].headers["x-prefixserve-replica"] == "replica-1"
