@@ -23,6 +23,30 @@ DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # 8 MiB: a 128k-token prompt as JSON ids is
 DEFAULT_BODY_TIMEOUT_SECONDS = 30.0  # the longest a client may pause between two chunks of its body
 
 
+# A router asks a replica for progress beats with this header (value "beats"); the replica says it sends them
+# with the same header on its response (server/beats.py; router/progress.py reads them).
+PROGRESS_HEADER = "x-prefixserve-progress"
+BEATS = "beats"
+
+
+MIN_VERSION_DIGITS = 6
+_HEX = set("0123456789abcdef")
+
+
+def split_model(model: str) -> tuple[str, Optional[str]]:
+    """A request's `model`: 'name' (any version) or 'name@version', the version a prefix of the model
+    fingerprint as a response's `system_fingerprint` gives it ('fp_' and at least 6 hex digits, or the digits
+    alone). Returns (name, lower-case hex digits or None); ValueError naming the form when malformed."""
+    name, separator, version = model.partition("@")
+    if not separator:
+        return model, None
+    digits = version.lower().removeprefix("fp_")
+    if len(digits) < MIN_VERSION_DIGITS or not set(digits) <= _HEX:
+        raise ValueError(f"model {model!r}: after '@' give the model version as a response's system_fingerprint "
+                         f"names it, e.g. '{name}@fp_0123456789abcdef' (at least {MIN_VERSION_DIGITS} hex digits)")
+    return name, digits
+
+
 def error_body(message: str, type_: str = "invalid_request_error", param: Optional[str] = None,
                code: Optional[str] = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}

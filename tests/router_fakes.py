@@ -23,6 +23,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from prefixserve.http import BEATS, PROGRESS_HEADER
 from prefixserve.model.tokenizer import IncrementalDecoder
 from prefixserve.router.app import RouterSettings, build_router_app
 
@@ -59,7 +60,8 @@ class LiveApp:
 @dataclass
 class Failure:
     how: str  # reset | truncate | engine_dead | request_failed | status_500 | stall (a stream hangs, its
-    # connection open) | stall_plain (a plain request is never answered)
+    # connection open) | stall_plain (a plain request is never answered) | beats_then_stall (a replica that
+    # sends progress beats, as prefixserve serve does when the router asks, then hangs before any token)
     after_tokens: int = 0
 
 
@@ -133,6 +135,11 @@ class FakeReplica:
                 return JSONResponse({"error": {"message": "boom", "type": "server_error", "param": None,
                                                "code": None}}, status_code=500)
             prompt_ids = self.prompt_ids(path, body)
+            if self.failure is not None and self.failure.how == "beats_then_stall" \
+                    and request.headers.get(PROGRESS_HEADER) == BEATS:
+                beat = ": beat\n\n" if body.get("stream") is True else " "
+                return StreamingResponse(self._beats_then_stall(beat), headers={PROGRESS_HEADER: BEATS},
+                                         media_type="text/event-stream" if body.get("stream") else "application/json")
             if body.get("stream") is True:
                 return StreamingResponse(self._stream(path, body, prompt_ids, max_tokens),
                                          media_type="text/event-stream")
@@ -156,6 +163,13 @@ class FakeReplica:
             return await generate(request, "/v1/chat/completions")
 
         return app
+
+    async def _beats_then_stall(self, beat: str):
+        for _ in range(3):
+            yield beat
+            await asyncio.sleep(0.05)
+        await asyncio.Event().wait()  # hung: the connection stays open, nothing more comes
+        yield ""  # pragma: no cover
 
     async def _reset_now(self):
         raise ConnectionResetError("fake replica drops the connection")
@@ -234,18 +248,21 @@ class FakeReplica:
 
 
 @contextmanager
-def fake_fleet(tokenizer, num_replicas=2, names=None, **options):
-    """Fake replicas behind a real router (least_loaded: the first request goes to replica-0, a retry to replica-1)."""
+def fake_fleet(tokenizer, num_replicas=2, names=None, fingerprints=None, **options):
+    """Fake replicas behind a real router (least_loaded: the first request goes to replica-0, a retry to replica-1),
+    each serving the model version `fingerprints` gives it (default: all "fake-model")."""
     options = {"policy": "least_loaded", "admin_api_key": ADMIN_KEY, "health_interval": 0.1, "sync_interval": 0.1,
                "control_timeout": 5.0, **options}
     with ExitStack() as stack:
         fakes = [FakeReplica(tokenizer) for _ in range(num_replicas)]
+        for fake, fingerprint in zip(fakes, fingerprints or ()):
+            fake.model_fingerprint = fingerprint
         apps = [stack.enter_context(LiveApp(fake.app)) for fake in fakes]
         specs = [a.url if names is None else f"{name}={a.url}" for name, a in zip(names or apps, apps)]
         app = build_router_app(RouterSettings(replicas=tuple(specs), **options))
         router_app = stack.enter_context(LiveApp(app))
         router = app.state.router
-        wait_until(lambda: all(r.healthy for r in router.replicas) and router.scoper is not None)
+        wait_until(lambda: all(r.healthy and r.model_fingerprint for r in router.replicas) and router.scoper is not None)
         yield router_app.url, fakes, router
 
 

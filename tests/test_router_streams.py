@@ -159,9 +159,30 @@ def test_a_stream_that_stops_making_progress_is_continued_elsewhere_with_the_sam
         assert "no progress" in router.replicas[0].down_reasons[-1].reason
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_whose_replica_stops_beating_moves_after_the_progress_deadline(tokenizer, stream):
+    """A replica sends progress beats while it steps, so silence before the first token (or, for a plain
+    request, before its whole answer) is a hang: past the deadline the request is retried on another replica
+    and answers with that replica's text; the silent one is marked down with the reason."""
+    with fake_fleet(tokenizer, progress_timeout=0.5) as (url, fakes, router):
+        fakes[0].failure = Failure("beats_then_stall")
+        response = post(url, "/v1/completions", {"prompt": "letters", "max_tokens": 6, "stream": stream})
+        assert response.status_code == 200, response.text
+        expected = fakes[1].reference(tokenizer.encode("letters"), 6)[1]
+        if stream:
+            events, done = read_stream(response)
+            assert done and texts_of(events) == expected
+        else:
+            assert response.json()["choices"][0]["text"] == expected
+            assert response.headers["x-prefixserve-replica"] == "replica-1"
+        assert "no progress for 0.5 s" in router.replicas[0].down_reasons[-1].reason
+        assert fakes[1].requests[-1][1].get("stream", False) is stream  # the request itself, retried whole
+
+
 def test_a_replica_marked_down_releases_the_plain_requests_waiting_on_it(tokenizer):
-    """A plain (not streamed) request waits for its whole answer, so no deadline can tell a long one from a
-    hung one; the health checks can. When they mark the replica down, the request moves at once."""
+    """From a replica that sends no progress beats (an older server), a plain request waits for its whole
+    answer, so no deadline can tell a long one from a hung one; the health checks can. When they mark the
+    replica down, the request moves at once."""
     import threading
 
     with fake_fleet(tokenizer) as (url, fakes, router):

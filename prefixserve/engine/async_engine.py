@@ -19,6 +19,7 @@ import copy
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
 
@@ -75,6 +76,10 @@ class AsyncLLMEngine:
         self._pending_lock = threading.Lock()
         self._num_pending_adds = 0  # queued adds the engine thread has not taken yet
         self._idle_calls: list = []  # (function, future) to run once no request is unfinished (a reload)
+        # Liveness, written by the engine thread only (the server's progress beats read it): steps finished,
+        # and when the step under way began (time.monotonic(); None between steps).
+        self.num_steps = 0
+        self.step_started: Optional[float] = None
         self.snapshot = EngineSnapshot.of(self.engine)
         self._thread = threading.Thread(target=self._loop, name="prefixserve-engine", daemon=True)
         self._thread.start()
@@ -179,6 +184,7 @@ class AsyncLLMEngine:
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
+                self.step_started = time.monotonic()
                 try:
                     outputs = self.engine.step()
                 except Exception as error:  # a bug, not a request's input: fail what was in flight, carry on
@@ -188,7 +194,10 @@ class AsyncLLMEngine:
                         raise
                     self._fail_unfinished(error)
                     continue
+                finally:
+                    self.step_started = None
                 num_failures = 0
+                self.num_steps += 1
                 for output in outputs:
                     self._deliver(output.request_id, output)
                 self.snapshot = EngineSnapshot.of(self.engine)

@@ -73,7 +73,7 @@ def build_router_app(settings: RouterSettings) -> FastAPI:
             except httpx.TransportError as failure:
                 router.fail_over(replica, failure, "on /v1/models")
                 continue
-            return relay_response(router, replica, response, response.content)
+            return relay_response(router, replica, response.status_code, response.headers, response.content)
         return error_response(503, "no healthy replica; retry shortly", "server_error", code="no_replica")
 
     @app.get("/health")

@@ -217,17 +217,27 @@ class Router:
         size = self.keyer.block_size
         return RouteRequest(keys, token_ids, scope_digest, -(-len(token_ids) // size), size)
 
-    def choose(self, route: Optional[RouteRequest], exclude: set[str],
-               model_fingerprint: Optional[str] = None) -> Optional[Replica]:
-        """The replica for a request, among the healthy ones not in `exclude` and, given a fingerprint
-        (a stream's continuation), only those known to serve that model version."""
+    def choose(self, route: Optional[RouteRequest], exclude: set[str], model_fingerprint: Optional[str] = None,
+               version: Optional[str] = None) -> Optional[Replica]:
+        """The replica for a request, among the healthy ones not in `exclude` that serve what it needs: given a
+        fingerprint (a stream's continuation), only replicas known to serve exactly that model version; given a
+        version (a request for 'name@fp_...'), those whose fingerprint begins with it, or failing any, those whose
+        version the router could not read (the replica checks it and answers 404 if it differs)."""
         candidates = [r for r in self.replicas if r.healthy and r.name not in exclude
                       and (model_fingerprint is None or r.model_fingerprint == model_fingerprint)]
+        if version is not None:
+            candidates = ([r for r in candidates if r.model_fingerprint and r.model_fingerprint.startswith(version)]
+                          or [r for r in candidates if r.model_fingerprint is None])
         if not candidates:
             return None
         if route is None:
             return min(candidates, key=lambda r: r.load)
         return candidates[self.policy.choose(route, candidates)]
+
+    def serves_version(self, version: str) -> bool:
+        """Whether a healthy replica serves (or may serve: its version unread) this model version."""
+        return any(r.healthy and (r.model_fingerprint is None or r.model_fingerprint.startswith(version))
+                   for r in self.replicas)
 
     def record_route(self, replica: Replica, route: Optional[RouteRequest], max_tokens: Optional[int]) -> int:
         """Count the request against the replica's load until `release`; returns its ticket."""

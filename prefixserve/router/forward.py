@@ -15,17 +15,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Optional
+from typing import Mapping, Optional
 
 import httpx
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from ..cache.scoping import compose_salt
-from ..http import AmbiguousAuthorization, authorization_of, error_response, raw_header
+from ..http import BEATS, PROGRESS_HEADER, AmbiguousAuthorization, authorization_of, error_response, raw_header
 from .fleet import Router
 from .inbound import BadRequest, check_content_type, read_request
-from .progress import Stalled, unless_down
+from .progress import Stalled, has_beats, read_answer, unless_down, unwrap_beats
 from .replicas import Replica
 from .streams import StreamRelay, Upstream
 
@@ -49,22 +49,25 @@ async def forward(router: Router, request: Request, path: str) -> Response:
     client_request.salt = salt
     route = await router.with_remote_run(router.route_request(client_request.token_ids, salt))
     headers = forwarded_headers(authorization)
+    version = client_request.model_version
+    if version is not None and not router.serves_version(version) and any(r.healthy for r in router.replicas):
+        served = ", ".join(f"fp_{v}" for v in router.model_versions()) or "none readable"
+        return error_response(404, f"no healthy replica serves version {version} of this model (serving: {served}); "
+                                   "ask for the model's name alone to take any version", "not_found_error",
+                              param="model", code="model_not_found")
     if client_request.streaming:
         # The relay needs token ids to continue the stream elsewhere; it strips them unless the client asked.
         raw = json.dumps({**client_request.body, "return_token_ids": True}).encode()
     tried: set[str] = set()
     while len(tried) < router.settings.max_attempts:
-        replica = router.choose(route, tried)
+        replica = router.choose(route, tried, version=version)
         if replica is None:
             break
         tried.add(replica.name)
         ticket = router.record_route(replica, route, client_request.max_tokens)
         try:
-            if client_request.streaming:
-                sending = router.client.send(router.client.build_request(
-                    "POST", replica.url + path, content=raw, headers=headers), stream=True)
-            else:
-                sending = router.client.post(replica.url + path, content=raw, headers=headers)
+            sending = router.client.send(router.client.build_request("POST", replica.url + path, content=raw,
+                                                                     headers=headers), stream=True)
             upstream = await unless_down(sending, replica.went_down)  # a hung replica's requests move
         except (httpx.TransportError, Stalled) as failure:
             router.release(replica, ticket)
@@ -74,17 +77,25 @@ async def forward(router: Router, request: Request, path: str) -> Response:
             relay = StreamRelay(router, client_request, headers, tried,
                                 Upstream(replica, upstream, ticket, replica.model_fingerprint))
             return StreamingResponse(relay.events(), media_type="text/event-stream",
-                                     headers={**passthrough_headers(upstream, replica), "cache-control": "no-cache",
-                                              "x-accel-buffering": "no"})
+                                     headers={**passthrough_headers(upstream.headers, replica),
+                                              "cache-control": "no-cache", "x-accel-buffering": "no"})
         try:
-            content = await upstream.aread()
-        except httpx.TransportError as failure:  # died while sending its answer: a replica failure
+            content = await read_answer(upstream, replica.went_down, router.progress)
+        except (httpx.TransportError, Stalled) as failure:  # died or hung while answering: the request moves
             router.fail_over(replica, failure, f"reading the answer on {path}")
             continue
         finally:
             await upstream.aclose()
             router.release(replica, ticket)
-        return relay_response(router, replica, upstream, content)
+        if not has_beats(upstream.headers):
+            return relay_response(router, replica, upstream.status_code, upstream.headers, content)
+        try:
+            status, answer_headers, content = unwrap_beats(content)
+        except ValueError as error:
+            router.check_soon(replica)
+            return error_response(502, f"replica {replica.name} sent an answer the router cannot read ({error}); "
+                                       "retry the request", "server_error", code="bad_replica_answer")
+        return relay_response(router, replica, status, answer_headers, content)
     if not tried:
         return error_response(503, "no healthy replica can take the request; retry shortly", "server_error",
                               code="no_replica", headers={"Retry-After": "1"})
@@ -94,28 +105,29 @@ async def forward(router: Router, request: Request, path: str) -> Response:
 
 def forwarded_headers(authorization: Optional[str]) -> dict:
     """What a replica gets of the client's headers: its one Authorization, byte for byte (a header httpx
-    could not encode as text would otherwise fail the request here), and the JSON content type."""
-    headers = {"content-type": "application/json"}
+    could not encode as text would otherwise fail the request here), and the JSON content type; and the
+    router's own request for progress beats (progress.py)."""
+    headers = {"content-type": "application/json", PROGRESS_HEADER: BEATS}
     if authorization is not None:
         headers["authorization"] = raw_header(authorization)
     return headers
 
 
-def relay_response(router: Router, replica: Replica, upstream: httpx.Response, content: bytes) -> Response:
+def relay_response(router: Router, replica: Replica, status: int, headers: Mapping[str, str],
+                   content: bytes) -> Response:
     """A replica's complete answer, as it is. A 5xx makes the router check the replica's health, nothing more."""
-    status = upstream.status_code
     if status >= 500:
         router.check_soon(replica)
-    media_type = upstream.headers.get("content-type", "")
+    media_type = headers.get("content-type", "")
     if status >= 400 and "json" not in media_type:  # never hand a client a plain-text error
         message = content.decode("utf-8", "replace")[:500] or f"replica {replica.name} answered {status}"
         return error_response(status, message, "server_error" if status >= 500 else "invalid_request_error",
-                              headers=passthrough_headers(upstream, replica))
+                              headers=passthrough_headers(headers, replica))
     return Response(content, status_code=status, media_type=media_type or None,
-                    headers=passthrough_headers(upstream, replica))
+                    headers=passthrough_headers(headers, replica))
 
 
-def passthrough_headers(upstream: httpx.Response, replica: Replica) -> dict:
-    kept = {k: v for k, v in upstream.headers.items() if k.lower() == "retry-after"}
+def passthrough_headers(headers: Mapping[str, str], replica: Replica) -> dict:
+    kept = {k: v for k, v in headers.items() if k.lower() == "retry-after"}
     kept["x-prefixserve-replica"] = replica.name  # a name, never the internal URL
     return kept

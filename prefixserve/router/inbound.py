@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..http import parse_json_body
+from ..http import parse_json_body, split_model
 from ..prompts import is_token_ids, split_prompts
 
 MAX_SANE_TOKENS = 1 << 31
@@ -43,6 +43,7 @@ class ClientRequest:
     wants_token_ids: bool  # the client itself asked for vLLM's return_token_ids
     token_ids: list[int] = field(default_factory=list)  # the prompt as the replica will see it; [] when unknown
     salt: Optional[str] = None  # tenant and cache_salt composed as the replicas compose them
+    model_version: Optional[str] = None  # 'name@fp_...': the model fingerprint's leading hex digits it asked for
 
     @property
     def is_chat(self) -> bool:
@@ -70,9 +71,15 @@ def read_request(raw: bytes, path: str, tokenizer, max_prompt_tokens: int, max_p
         raise BadRequest(400, f"the request body must be a JSON object, not {type(body).__name__}",
                          code="invalid_json")
     n = _sane_int(body.get("n", 1)) or 1
+    model_version = None
+    if isinstance(body.get("model"), str):
+        try:
+            model_version = split_model(body["model"])[1]
+        except ValueError as error:
+            raise BadRequest(400, str(error), code="invalid_value") from None
     request = ClientRequest(path=path, body=body, streaming=body.get("stream") is True, n=n,
                             num_choices=n * _num_prompts(path, body), max_tokens=_max_tokens(path, body),
-                            wants_token_ids=body.get("return_token_ids") is True)
+                            wants_token_ids=body.get("return_token_ids") is True, model_version=model_version)
     try:
         request.token_ids = _prompt_tokens(request, tokenizer, max_prompt_tokens, max_prompt_chars)
     except Exception:  # a template may reject a conversation; the replica will say why

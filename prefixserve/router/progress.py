@@ -6,17 +6,28 @@ error ever comes. Two things end the wait instead:
 - the replica is marked down (its /health timed out `--health-failure-threshold`
   times in a row): every request waiting on it is moved at once, a plain one retried
   whole, a stream continued from the tokens sent so far;
-- a stream that has begun sends nothing for the progress deadline: after its first
-  token each chunk is one decode step, so `--progress-timeout` (default: the slowest
-  gap between two chunks seen so far + 3 s, at least 5 s) past the last one means
-  the replica is not stepping. Before the first token no deadline applies here: a
-  queued or long prefill is not a hang, and the health checks cover a dead host.
+- the replica sends nothing for the progress deadline. The router asks every replica
+  for progress beats (server/beats.py: a beat each second while its engine makes
+  progress, on plain requests and streams alike), so silence means the process is
+  stopped or its engine stuck, however long the request's queue or prefill.
+  `--progress-timeout` (default: the slowest gap between two pieces seen so far
+  + 3 s, at least 5 s). From a replica that sends no beats (an older server) only a
+  stream's chunks after its first token count: each is one decode step away.
+
+So a request on a replica that hangs waits at most the deadline, then moves once:
+a plain one is retried whole (nothing reached the client), a stream is continued.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Awaitable, Optional, TypeVar
+import json
+import time
+from typing import Awaitable, Mapping, Optional, TypeVar
+
+import httpx
+
+from ..http import BEATS, PROGRESS_HEADER
 
 T = TypeVar("T")
 MIN_PROGRESS_SECONDS = 5.0
@@ -35,6 +46,7 @@ class ProgressClock:
         self.slowest_gap = 0.0
 
     def observe(self, gap: float) -> None:
+        """A gap between two pieces of a response."""
         self.slowest_gap = max(self.slowest_gap, gap)
 
     @property
@@ -59,3 +71,35 @@ async def unless_down(awaitable: Awaitable[T], down: asyncio.Event, timeout: Opt
         return task.result()
     task.cancel()
     raise Stalled("the replica was marked down" if watcher in done else f"no progress for {timeout:.1f} s")
+
+
+def has_beats(headers: Mapping[str, str]) -> bool:
+    """Whether a replica's response carries progress beats (so silence in it means a hang)."""
+    return headers.get(PROGRESS_HEADER) == BEATS
+
+
+async def read_answer(response: httpx.Response, down: asyncio.Event, clock: ProgressClock) -> bytes:
+    """A whole non-streamed answer; with beats, Stalled once the deadline passes without a byte."""
+    beating = has_beats(response.headers)
+    chunks = response.aiter_raw().__aiter__()
+    pieces, last = [], time.monotonic()
+    while True:
+        try:
+            pieces.append(await unless_down(chunks.__anext__(), down, clock.deadline if beating else None))
+        except StopAsyncIteration:
+            return b"".join(pieces)
+        arrived = time.monotonic()
+        if beating:
+            clock.observe(arrived - last)
+        last = arrived
+
+
+def unwrap_beats(content: bytes) -> tuple[int, dict, bytes]:
+    """(status, headers, body) of a beating answer: spaces, then {"status", "headers", "body"}."""
+    envelope = json.loads(content)  # the beats are leading whitespace
+    status, headers, body = envelope["status"], envelope.get("headers") or {}, envelope["body"]
+    if not isinstance(status, int) or not 100 <= status <= 599 or not isinstance(headers, dict):
+        raise ValueError("the envelope's status or headers are malformed")
+    kept = {str(k): str(v) for k, v in headers.items()}
+    kept["content-type"] = "application/json"
+    return status, kept, json.dumps(body, separators=(",", ":")).encode()

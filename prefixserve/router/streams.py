@@ -27,7 +27,7 @@ import httpx
 from .continuation import ChoiceProgress, ContinuedText, continuation_body, reshape_chunk, usage_of
 from .fleet import Router
 from .inbound import ClientRequest
-from .progress import Stalled, unless_down
+from .progress import Stalled, has_beats, unless_down
 from .replicas import Replica
 from .sse import DONE, SSEParser, sse, sse_error
 
@@ -113,7 +113,8 @@ class StreamRelay:
         parser = SSEParser()
         clock = self.router.progress
         chunks = upstream.response.aiter_bytes().__aiter__()
-        stepping, last = False, time.monotonic()  # stepping: a token has come, so each chunk is one decode step away
+        # stepping: silence means a hang (the replica sends beats, or a token has come: each chunk is a step away)
+        stepping, last = has_beats(upstream.response.headers), time.monotonic()
         try:
             while True:
                 try:
@@ -258,7 +259,7 @@ class StreamRelay:
         max_tokens = body.get("max_tokens") if isinstance(body.get("max_tokens"), int) else request.max_tokens
         fingerprint = self.upstream.model_fingerprint
         while len(self.tried) < self.router.settings.max_attempts:
-            replica = self.router.choose(route, self.tried, fingerprint)
+            replica = self.router.choose(route, self.tried, fingerprint, request.model_version)
             if replica is None:
                 break
             self.tried.add(replica.name)

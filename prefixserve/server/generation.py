@@ -15,7 +15,8 @@ from fastapi.responses import StreamingResponse
 
 from ..engine.async_engine import EngineDeadError
 from ..engine.outputs import RequestOutput
-from ..http import error_body
+from ..http import BEATS, PROGRESS_HEADER, error_body
+from .beats import SSE_BEAT, beating
 from .errors import APIError
 from .metrics import ServerMetrics
 from .streams import merge_streams, sse
@@ -34,8 +35,10 @@ def request_failed(out: RequestOutput) -> APIError:
 
 
 def stream_response(streams: list[AsyncIterator[RequestOutput]], shape, metrics: ServerMetrics,
-                    finish: Callable[[list[RequestOutput]], Optional[dict]], first_chunks=()) -> StreamingResponse:
-    """SSE of every stream's chunks; `finish(finals)` gives the closing usage chunk or None."""
+                    finish: Callable[[list[RequestOutput]], Optional[dict]], first_chunks=(),
+                    beats_of=None) -> StreamingResponse:
+    """SSE of every stream's chunks; `finish(finals)` gives the closing usage chunk or None. With `beats_of`
+    (the engine), progress beats go between the chunks (beats.py)."""
 
     async def events() -> AsyncIterator[str]:
         finals: list[Optional[RequestOutput]] = [None] * len(streams)
@@ -63,13 +66,17 @@ def stream_response(streams: list[AsyncIterator[RequestOutput]], shape, metrics:
             yield sse(closing)
         yield DONE
 
-    return StreamingResponse(events(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    if beats_of is None:
+        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+    return StreamingResponse(beating(events(), beats_of, SSE_BEAT), media_type="text/event-stream",
+                             headers={**headers, PROGRESS_HEADER: BEATS})
 
 
-async def collect(request: Request, streams: list[AsyncIterator[RequestOutput]],
+async def collect(request: Optional[Request], streams: list[AsyncIterator[RequestOutput]],
                   metrics: ServerMetrics) -> list[RequestOutput]:
-    """Run non-streamed requests to the end; a client that disconnects aborts them."""
+    """Run non-streamed requests to the end; a client that disconnects (polled on `request`, when given) or
+    a cancelled caller aborts them."""
 
     async def final(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
         last = None
@@ -81,14 +88,17 @@ async def collect(request: Request, streams: list[AsyncIterator[RequestOutput]],
         return last
 
     task = asyncio.gather(*(final(stream) for stream in streams))
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
-        if done:
-            break
-        if await request.is_disconnected():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)  # retrieve it: no "never retrieved" noise
-            raise APIError(499, "client disconnected", code="client_disconnected")
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
+            if done:
+                break
+            if request is not None and await request.is_disconnected():
+                raise APIError(499, "client disconnected", code="client_disconnected")
+    except BaseException:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)  # retrieve it: no "never retrieved" noise
+        raise
     try:
         finals = task.result()
     except EngineDeadError as error:

@@ -11,7 +11,8 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..engine.async_engine import EngineDeadError
-from ..http import error_response
+from ..http import error_response, split_model
+from .beats import beating_response, wants_beats
 from .errors import APIError
 from .generation import collect, engine_dead, stream_response
 from .inputs import cache_options, completion_prompts, read_body, sampling_params
@@ -26,10 +27,29 @@ def server_state(request: Request):
     return request.app.state.server
 
 
-def check_model(settings, name) -> None:
-    if name is not None and name != settings.served_model_name:
+def check_model(settings, model) -> None:
+    """The served model's name, optionally with a version (checked by `check_version`)."""
+    if model is None:
+        return
+    try:
+        name, _ = split_model(model)
+    except ValueError as error:
+        raise APIError(400, str(error), param="model", code="invalid_value") from None
+    if name != settings.served_model_name:
         raise APIError(404, f"model {name!r} does not exist; this server serves {settings.served_model_name!r}",
                        "not_found_error", param="model", code="model_not_found")
+
+
+def check_version(state, model) -> None:
+    """A request pinned to a model version ('name@fp_...') runs only on that version; call it inside the
+    reload gate, where the version cannot change before the request is queued."""
+    version = split_model(model)[1] if model is not None else None
+    fingerprint = state.engine.engine.scope.model_fingerprint
+    if version is not None and not fingerprint.startswith(version):
+        raise APIError(404, f"model {model!r}: this server serves version fp_{fingerprint[:16]} of "
+                            f"{state.settings.served_model_name!r}, not {version}; ask for "
+                            f"{state.settings.served_model_name!r} to take any version", "not_found_error",
+                       param="model", code="model_not_found")
 
 
 def check_batch(settings, num_requests: int) -> None:
@@ -54,16 +74,22 @@ def start(state, requests) -> list:
 
 
 async def respond(request: Request, state, body, shape, streams, first_chunks=()):
-    """Stream the outputs as SSE, or collect them into one response body."""
+    """Stream the outputs as SSE, or collect them into one response body; with progress beats if asked."""
+    beats = wants_beats(request)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         def closing(finals):
             return shape.usage_chunk(usage_of(finals, body.n)) if include_usage else None
 
-        return stream_response(streams, shape, state.metrics, closing, first_chunks)
-    finals = await collect(request, streams, state.metrics)
-    return shape.response(finals, usage_of(finals, body.n))
+        return stream_response(streams, shape, state.metrics, closing, first_chunks,
+                               beats_of=state.engine if beats else None)
+
+    async def whole() -> dict:
+        finals = await collect(None if beats else request, streams, state.metrics)
+        return shape.response(finals, usage_of(finals, body.n))
+
+    return beating_response(whole, state.engine) if beats else await whole()
 
 
 async def accept(request: Request, model: type):
@@ -90,6 +116,7 @@ async def completions(request: Request):
     prompts = completion_prompts(body.prompt)
     check_batch(state.settings, len(prompts) * body.n)
     async with state.reload_gate.admitting():  # tokenized and queued on one model version
+        check_version(state, body.model)
         requests = await state.builder.build(prompts, sampling_params(body, body.num_logprobs),
                                              body.requested_max_tokens, body.n, cache_options(state.settings, tenant, body))
         shape = CompletionShape(new_id("cmpl"), now(), state.settings.served_model_name, state.texts, echo=body.echo,
@@ -105,6 +132,7 @@ async def chat_completions(request: Request):
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
     check_batch(state.settings, body.n)
     async with state.reload_gate.admitting():  # tokenized and queued on one model version
+        check_version(state, body.model)
         prompt_ids = await state.builder.chat_prompt(body)
         requests = await state.builder.build([prompt_ids], sampling_params(body, body.num_logprobs),
                                              body.requested_max_tokens, body.n, cache_options(state.settings, tenant, body))
