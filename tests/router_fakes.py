@@ -24,6 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from prefixserve.http import BEATS, PROGRESS_HEADER
+from prefixserve.http_protocol import HEADER_TIMEOUT_SECONDS, uvicorn_config
 from prefixserve.model.tokenizer import IncrementalDecoder
 from prefixserve.router.app import RouterSettings, build_router_app
 
@@ -36,11 +37,11 @@ WORDS_TEXT = " alpha beta gamma delta epsilon zeta eta theta iota kappa lambda m
 class LiveApp:
     """Any ASGI app served by uvicorn in a thread on a free localhost port."""
 
-    def __init__(self, app, port: Optional[int] = None) -> None:
+    def __init__(self, app, port: Optional[int] = None, header_timeout: float = HEADER_TIMEOUT_SECONDS) -> None:
         self.app = app
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="critical"))
+        self.server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", self.port, "critical", header_timeout))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> "LiveApp":

@@ -13,6 +13,7 @@ from typing import Optional
 import httpx
 import uvicorn
 
+from prefixserve.http_protocol import uvicorn_config
 from prefixserve.router.app import RouterSettings, build_router_app
 
 from server_helpers import free_port
@@ -66,7 +67,7 @@ class Fleet:
                 wait_healthy(url)
             port = free_port()
             self.app = build_router_app(self.settings)
-            self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning"))
+            self.server = uvicorn.Server(uvicorn_config(self.app, "127.0.0.1", port, "warning"))
             self.thread = threading.Thread(target=self.server.run, daemon=True)
             self.thread.start()
             self.url = f"http://127.0.0.1:{port}"

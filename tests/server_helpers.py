@@ -9,6 +9,7 @@ import time
 import httpx
 import uvicorn
 
+from prefixserve.http_protocol import HEADER_TIMEOUT_SECONDS, uvicorn_config
 from prefixserve.server.launch import add_serve_arguments, build_server
 
 
@@ -21,7 +22,7 @@ def free_port() -> int:
 class LiveServer:
     """`prefixserve serve` with these CLI options, on a free localhost port."""
 
-    def __init__(self, *cli_args: str) -> None:
+    def __init__(self, *cli_args: str, header_timeout: float = HEADER_TIMEOUT_SECONDS) -> None:
         import argparse
 
         parser = argparse.ArgumentParser()
@@ -31,7 +32,7 @@ class LiveServer:
                                   "--kv-cache-memory-bytes", str(32 << 20), *cli_args])
         self.engine, self.app = build_server(args)
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
+        config = uvicorn_config(self.app, "127.0.0.1", self.port, "warning", header_timeout)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

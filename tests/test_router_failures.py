@@ -272,3 +272,34 @@ def test_hostile_headers_and_surrogates_are_answered_by_the_router_with_a_4xx(to
                                 headers={"content-type": "application/json"}, timeout=30)
         assert not_object.status_code == 400 and not_object.json()["error"]["code"] == "invalid_json"
         assert_only_down_for(router, set())
+
+
+def test_a_snapshot_taken_before_a_request_was_stored_keeps_its_routed_keys():
+    """The router counts a routed request's keys as cached at once; a key snapshot that the replica took
+    before storing them (it was in flight while the request ran) must not erase them, or the next request of
+    the same prefix is sent elsewhere. A replica marked down forgets them."""
+    import asyncio
+
+    import httpx
+
+    from prefixserve.router.replicas import Replica
+
+    def snapshot(request):
+        return httpx.Response(200, json={"keys": ["00" * 8], "next": 5})
+
+    async def run():
+        replica = Replica("http://replica")
+        replica.healthy = True
+        replica.expect([b"\x01" * 8, b"\x02" * 8])
+        async with httpx.AsyncClient(transport=httpx.MockTransport(snapshot)) as client:
+            await replica.sync(client, {}, timeout=1.0)
+        kept = set(replica.mirror.keys)
+        replica.mark_down("test")
+        replica.mark_up()
+        async with httpx.AsyncClient(transport=httpx.MockTransport(snapshot)) as client:
+            await replica.sync(client, {}, timeout=1.0)
+        return kept, set(replica.mirror.keys), replica.cursor
+
+    kept, after_down, cursor = asyncio.run(run())
+    assert kept == {b"\x00" * 8, b"\x01" * 8, b"\x02" * 8}
+    assert after_down == {b"\x00" * 8} and cursor == 5

@@ -246,8 +246,7 @@ class Router:
         if route is not None:
             hit_tokens = replica.num_hit_blocks(route) * route.tokens_per_block
             prompt_tokens = len(route.token_ids)
-            # Optimistic: the replica is about to cache this prompt's full blocks.
-            replica.mirror.keys.update(route.keys)
+            replica.expect(route.keys)  # optimistic: the replica is about to cache this prompt's full blocks
         ticket = next(self._tickets)
         replica.outstanding[ticket] = (cost.prefill_seconds(prompt_tokens, min(hit_tokens, prompt_tokens))
                                        + cost.decode_work_seconds(max_tokens or self.default_output_tokens))

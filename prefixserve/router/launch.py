@@ -73,6 +73,7 @@ def configure_logging(level: str) -> None:
 def route(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from ..http_protocol import uvicorn_config
     from .app import build_router_app
 
     configure_logging(args.log_level)
@@ -81,5 +82,5 @@ def route(args: argparse.Namespace) -> int:
     logging.getLogger("prefixserve.router").info("routing %s over %s on http://%s:%d", args.policy,
                                                  ", ".join(name for name, _ in settings.named_replicas()),
                                                  args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.Server(uvicorn_config(app, args.host, args.port, args.log_level)).run()
     return 0

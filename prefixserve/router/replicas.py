@@ -4,7 +4,9 @@ The mirror is kept current from the replica's KV events (`/v1/kv_events?since=`)
 after a restart of either side, or when the replica dropped events the router
 never saw, it is rebuilt from a snapshot of the replica's keys (`/v1/cache/keys`).
 Routing also adds a request's keys optimistically, so a burst of requests with
-one prefix sticks to one replica before its events arrive.
+one prefix sticks to one replica before its events arrive; keys added so in the
+last EXPECTED_KEY_SECONDS survive a snapshot, which may have been taken before
+the replica stored them.
 
 Only the replica's own failures take it out: a connection refused or reset, a
 /health that is not 200, or /health timing out several checks in a row. Busy is
@@ -31,6 +33,8 @@ from ..cache import event_from_dict
 from .policies import PrefixMirror, RouteRequest
 
 logger = logging.getLogger("prefixserve.router")
+EXPECTED_KEY_SECONDS = 30.0  # how long a routed request's keys count as cached without the replica's word
+MAX_EXPECTED_KEYS = 1 << 16
 REPLICA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
@@ -73,6 +77,15 @@ class Replica:
         # may not read it (no admin key). A stream continues only where this equals its first replica's.
         self.model_fingerprint: Optional[str] = None
         self.went_down = asyncio.Event()  # set when it is marked down: requests waiting on it move (progress.py)
+        self.expected: dict[bytes, float] = {}  # key -> time.monotonic() a request that will store it was routed
+
+    def expect(self, keys) -> None:
+        """A request with these keys was routed here: count them as cached until the replica says otherwise."""
+        now = time.monotonic()
+        self.mirror.keys.update(keys)
+        self.expected.update(dict.fromkeys(keys, now))
+        if len(self.expected) > MAX_EXPECTED_KEYS:  # between snapshots (rare with KV events) keep it bounded
+            self.expected = {key: at for key, at in self.expected.items() if at >= now - EXPECTED_KEY_SECONDS}
 
     @property
     def version(self) -> Optional[str]:
@@ -109,6 +122,7 @@ class Replica:
         self.went_down.set()
         self.cursor = None
         self.mirror.clear()
+        self.expected.clear()
 
     def mark_up(self) -> None:
         if not self.healthy:
@@ -158,7 +172,9 @@ class Replica:
             if self._refused(response, "/v1/cache/keys"):
                 return
             body = response.json()
-            self.mirror.keys = {bytes.fromhex(key) for key in body["keys"]}
+            recent = time.monotonic() - EXPECTED_KEY_SECONDS
+            self.expected = {key: at for key, at in self.expected.items() if at >= recent}
+            self.mirror.keys = {bytes.fromhex(key) for key in body["keys"]} | self.expected.keys()
             self.mirror.tier_keys = {medium: {bytes.fromhex(key) for key in keys}
                                      for medium, keys in (body.get("tiers") or {}).items()}
             self.cursor = body["next"]

@@ -176,6 +176,8 @@ class QuietPolls(logging.Filter):
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from ..http_protocol import uvicorn_config
+
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     began = time.perf_counter()
     check_options(args)
@@ -191,7 +193,7 @@ def serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"prefixserve serve: {error}") from None
     logger.info("ready in %.1f s: http://%s:%d (OpenAI API under /v1)", time.perf_counter() - began, args.host, port)
     try:
-        config = uvicorn.Config(app, host=args.host, port=port, log_level=args.log_level)  # configures logging
+        config = uvicorn_config(app, args.host, port, args.log_level)  # configures logging
         logging.getLogger("uvicorn.access").addFilter(QuietPolls())
         uvicorn.Server(config).run(sockets=sockets)
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled; the shutdown was clean
