@@ -87,13 +87,14 @@ class Fleet:
             time.sleep(0.05)
         raise RuntimeError("the router did not see every replica healthy in time")
 
-    def kill(self, index: int) -> None:
-        os.kill(self.processes[index].pid, signal.SIGKILL)
-        self.processes[index].wait(timeout=10)
+    def kill(self, index: int, sig: int = signal.SIGKILL, timeout: float = 10.0) -> None:
+        """Signal the replica and wait for it to exit (SIGTERM: uvicorn finishes the requests it holds)."""
+        os.kill(self.processes[index].pid, sig)
+        self.processes[index].wait(timeout=timeout)
 
-    def restart(self, index: int) -> None:
-        """Start the replica again on its port (no wait)."""
-        self.processes[index] = start_replica(self.ports[index], *self.replica_args)
+    def restart(self, index: int, *extra: str) -> None:
+        """Start the replica again on its port (no wait), with these options after the fleet's."""
+        self.processes[index] = start_replica(self.ports[index], *self.replica_args, *extra)
 
     def __exit__(self, *exc) -> None:
         if self.server is not None:

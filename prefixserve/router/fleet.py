@@ -24,7 +24,7 @@ from ..cache.scoping import PromptScoper
 from ..http import AdminKey, KeyTable, bearer_token
 from .costs import policy_options_for
 from .policies import RouteRequest, make_policy
-from .progress import ProgressClock
+from .progress import ProgressClock, Stalled
 from .replicas import Replica
 from .settings import RouterSettings
 
@@ -264,7 +264,7 @@ class Router:
         """A transport failure (refused, reset, timed out): the replica is down until a health check passes."""
         replica.num_failures += 1
         self.metrics.failovers.labels(replica.name).inc()
-        replica.mark_down(f"transport failure {during}: {failure!r}")
+        replica.mark_down(f"transport failure {during}: {failure!r}", hung=isinstance(failure, Stalled))
 
     def model_versions(self) -> dict[str, list[str]]:
         """Model fingerprint (first 12 hex digits; "unknown" where unread) -> the healthy replicas serving it."""

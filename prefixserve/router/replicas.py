@@ -14,6 +14,8 @@ not down: a control call (KV events, cache keys, cache info) that times out leav
 the replica up and its mirror as it was, and a single slow /health (an event loop
 held up on a loaded host) is only counted. A
 response, even a 5xx, is an answer to one request and never marks a replica down.
+Down is not always hung: a replica that refuses new connections may be draining
+before a restart, so the requests it holds are left to finish (see `mark_down`).
 Each time it goes down the reason is kept in `down_reasons`, so an operator (and a
 test) can see why.
 """
@@ -76,7 +78,7 @@ class Replica:
         # The model version it serves (/v1/cache/info's model_fingerprint); None until read, or when the router
         # may not read it (no admin key). A stream continues only where this equals its first replica's.
         self.model_fingerprint: Optional[str] = None
-        self.went_down = asyncio.Event()  # set when it is marked down: requests waiting on it move (progress.py)
+        self.went_down = asyncio.Event()  # set when it is marked down as hung: requests waiting on it move (progress.py)
         self.expected: dict[bytes, float] = {}  # key -> time.monotonic() a request that will store it was routed
 
     def expect(self, keys) -> None:
@@ -114,12 +116,17 @@ class Replica:
             run.append(("remote", request.remote_blocks - position))
         return run
 
-    def mark_down(self, reason: str) -> None:
+    def mark_down(self, reason: str, hung: bool = False) -> None:
+        """Take it out of routing. `hung`: it stopped answering on the connections it holds (its /health timed
+        out, a request heard nothing for the progress deadline) or says it cannot serve (/health not 200), so the
+        requests waiting on it move at once. Otherwise (refused or reset connections) the requests it holds stay: a
+        replica that drains before a restart finishes them, a dead one resets them, and beats catch a hang."""
         if self.healthy:
             logger.warning("replica %s (%s) is down: %s", self.name, self.url, reason)
             self.down_reasons.append(MarkedDown(time.time(), reason))
         self.healthy = False
-        self.went_down.set()
+        if hung:
+            self.went_down.set()
         self.cursor = None
         self.mirror.clear()
         self.expected.clear()
@@ -138,14 +145,15 @@ class Replica:
         except httpx.TimeoutException as error:
             self.health_timeouts += 1
             if self.health_timeouts >= self.health_failure_threshold:
-                self.mark_down(f"health check failed: timed out {self.health_timeouts} times in a row ({error!r})")
+                self.mark_down(f"health check failed: timed out {self.health_timeouts} times in a row ({error!r})",
+                               hung=True)
             return
         except httpx.TransportError as error:
             self.mark_down(f"health check failed: {error!r}")
             return
         self.health_timeouts = 0
         if response.status_code != 200:
-            self.mark_down(f"health check answered {response.status_code}")
+            self.mark_down(f"health check answered {response.status_code}", hung=True)  # it says it cannot serve
             return
         self.mark_up()
 
