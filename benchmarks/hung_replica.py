@@ -30,28 +30,10 @@ from pathlib import Path
 
 import httpx
 
+from serve_bench import free_port, wait_healthy
+
 RESULTS = Path(__file__).resolve().parent / "results"
 ADMIN = "hung-admin-key"
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_healthy(url: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} did not come up in {timeout:.0f} s")
 
 
 def start(command: list[str], log) -> subprocess.Popen:
@@ -114,30 +96,29 @@ def main() -> int:
     router_port = free_port()
     url = f"http://127.0.0.1:{router_port}"
     log = tempfile.TemporaryFile()
-    processes = {}
+    processes, router = {}, None
     try:
         for name, port in ports.items():
             processes[name] = start(["serve", "--port", str(port), "--admin-api-key", ADMIN, "--dtype", "float32",
                                      "--enable-kv-events", "--log-level", "warning"], log)
-        for port in ports.values():
-            wait_healthy(f"http://127.0.0.1:{port}")
+        for name, port in ports.items():
+            wait_healthy(f"http://127.0.0.1:{port}", processes[name], 120)
         replicas = [arg for name, port in ports.items() for arg in ("--replica", f"{name}=http://127.0.0.1:{port}")]
         router = start(["route", *replicas, "--port", str(router_port), "--admin-api-key", ADMIN,
                         "--progress-timeout", str(args.progress_timeout), "--log-level", "warning"], log)
-        wait_healthy(url)
+        wait_healthy(url, router, 120)
         rows = []
         for round_index in range(args.rounds):
             for stream in (False, True):
                 prompt = f"Round {round_index} asks the fleet about hung hosts, {'streamed' if stream else 'plain'}:"
                 baseline, _, reference = request(url, stream, prompt, args.max_tokens)
-                wait_healthy(url)
                 seconds, home, answered_by, text = hung_round(url, processes, stream, prompt, args.max_tokens,
                                                               args.stop_after)
                 rows.append({"round": round_index, "stream": stream, "baseline_s": baseline, "hung_s": seconds,
                              "added_s": seconds - baseline, "bound_s": args.progress_timeout + baseline,
                              "stopped": home, "answered_by": answered_by, "same_text": text == reference})
-                for port in ports.values():  # both up again before the next round
-                    wait_healthy(f"http://127.0.0.1:{port}")
+                for name, port in ports.items():  # both up again before the next round
+                    wait_healthy(f"http://127.0.0.1:{port}", processes[name], 120)
                 time.sleep(2.0)
         print(f"{'round':>5} {'kind':>6} {'baseline s':>10} {'hung s':>8} {'added s':>8} {'bound s':>8} "
               f"{'stopped':>7} {'answered':>8} {'same text':>9}")
@@ -154,7 +135,7 @@ def main() -> int:
         print(f"wrote {RESULTS / 'hung_replica.json'}")
         return 0 if all(row["same_text"] for row in rows) else 1
     finally:
-        for process in [*processes.values(), locals().get("router")]:
+        for process in [*processes.values(), router]:
             if process is not None and process.poll() is None:
                 os.kill(process.pid, signal.SIGCONT)
                 process.kill()

@@ -9,7 +9,6 @@ import threading
 import time
 
 import httpx
-import pytest
 
 from model_helpers import write_perturbed_copy
 from router_fleet import Fleet, wait_healthy

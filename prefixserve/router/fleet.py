@@ -226,8 +226,8 @@ class Router:
         candidates = [r for r in self.replicas if r.healthy and r.name not in exclude
                       and (model_fingerprint is None or r.model_fingerprint == model_fingerprint)]
         if version is not None:
-            candidates = ([r for r in candidates if r.model_fingerprint and r.model_fingerprint.startswith(version)]
-                          or [r for r in candidates if r.model_fingerprint is None])
+            candidates = ([r for r in candidates if r.version_matches(version)]
+                          or [r for r in candidates if r.version_matches(version) is None])
         if not candidates:
             return None
         if route is None:
@@ -236,8 +236,7 @@ class Router:
 
     def serves_version(self, version: str) -> bool:
         """Whether a healthy replica serves (or may serve: its version unread) this model version."""
-        return any(r.healthy and (r.model_fingerprint is None or r.model_fingerprint.startswith(version))
-                   for r in self.replicas)
+        return any(r.healthy and r.version_matches(version) is not False for r in self.replicas)
 
     def record_route(self, replica: Replica, route: Optional[RouteRequest], max_tokens: Optional[int]) -> int:
         """Count the request against the replica's load until `release`; returns its ticket."""

@@ -83,11 +83,18 @@ class Replica:
 
     def expect(self, keys) -> None:
         """A request with these keys was routed here: count them as cached until the replica says otherwise."""
-        now = time.monotonic()
         self.mirror.keys.update(keys)
-        self.expected.update(dict.fromkeys(keys, now))
+        self.expected.update(dict.fromkeys(keys, time.monotonic()))
         if len(self.expected) > MAX_EXPECTED_KEYS:  # between snapshots (rare with KV events) keep it bounded
-            self.expected = {key: at for key, at in self.expected.items() if at >= now - EXPECTED_KEY_SECONDS}
+            self._forget_old_expected()
+
+    def _forget_old_expected(self) -> None:
+        recent = time.monotonic() - EXPECTED_KEY_SECONDS
+        self.expected = {key: at for key, at in self.expected.items() if at >= recent}
+
+    def version_matches(self, version: str) -> Optional[bool]:
+        """Whether its model fingerprint begins with these hex digits; None while its version is unread."""
+        return None if self.model_fingerprint is None else self.model_fingerprint.startswith(version)
 
     @property
     def version(self) -> Optional[str]:
@@ -180,8 +187,7 @@ class Replica:
             if self._refused(response, "/v1/cache/keys"):
                 return
             body = response.json()
-            recent = time.monotonic() - EXPECTED_KEY_SECONDS
-            self.expected = {key: at for key, at in self.expected.items() if at >= recent}
+            self._forget_old_expected()
             self.mirror.keys = {bytes.fromhex(key) for key in body["keys"]} | self.expected.keys()
             self.mirror.tier_keys = {medium: {bytes.fromhex(key) for key in keys}
                                      for medium, keys in (body.get("tiers") or {}).items()}

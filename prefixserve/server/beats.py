@@ -29,7 +29,7 @@ from typing import AsyncIterator, Awaitable, Callable, TypeVar
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from ..http import BEATS, PROGRESS_HEADER, error_body
+from ..http import BEATS, PROGRESS_HEADER
 from .errors import APIError
 
 T = TypeVar("T")
@@ -88,8 +88,7 @@ def beating_response(work: Callable[[], Awaitable[dict]], engine) -> StreamingRe
         try:
             yield {"status": 200, "headers": {}, "body": await work()}
         except APIError as error:
-            yield {"status": error.status, "headers": error.headers,
-                   "body": error_body(error.message, error.type, error.param, error.code)}
+            yield {"status": error.status, "headers": error.headers, "body": error.body()}
 
     async def body() -> AsyncIterator[bytes]:
         async for item in beating(envelope(), engine, BODY_BEAT):

@@ -12,7 +12,7 @@ from typing import Optional
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 
-from ..http import error_response, install_base_error_handlers
+from ..http import error_body, error_response, install_base_error_handlers
 
 logger = logging.getLogger("prefixserve.server")
 
@@ -23,6 +23,9 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.headers = headers or {}
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
 
     def response(self):
         return error_response(self.status, self.message, self.type, self.param, self.code, self.headers)
