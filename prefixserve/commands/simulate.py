@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 from .paths import int_list, output_path
 
 if TYPE_CHECKING:  # the router's modules load only when a replay runs
+    from ..router.agent_traces import AgentTraceConfig
     from ..router.policies import RouteRequest
     from ..router.simulate import SimulationConfig
     from ..router.traces import Trace
@@ -31,6 +32,13 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a built-in trace: conversation (Mooncake, one hour of chat, 12,031 requests), "
                              "synthetic (Mooncake, 3,993 long-context requests), agent (seeded agent sessions); "
                              "or a Mooncake trace file, .jsonl or .jsonl.gz. Required unless --calibrate is given")
+    parser.add_argument("--agent", metavar="KNOB=VALUE,...",
+                        help="shape the generated agent trace (--trace agent), e.g. num_sessions=80,turns=2-6,"
+                             "think_times=pareto,num_system_prompts=16,system_prompt_skew=1.2. Knobs: num_sessions, "
+                             "session_rate (starts/s), session_gaps and think_times (exponential, constant, uniform, "
+                             "lognormal, pareto), num_system_prompts, system_prompt_skew (Zipf), tool_schema_tokens, "
+                             "turn_gap_seconds, think_time_mean_seconds; token ranges LOW-HIGH: system_prompt_tokens, "
+                             "task_tokens, turns, tool_result_tokens, output_tokens (default: the built-in shape)")
     parser.add_argument("--calibrate", metavar="COSTS_JSON",
                         help="measure the real engine (built-in model) and this machine's host and disk tier reads, "
                              "write the cost model to this file and exit (about a minute); the remote tier keeps "
@@ -140,6 +148,7 @@ def _float_list(text: str, flag: str) -> list[float]:
 def _replay(args: argparse.Namespace) -> int:
     from ..router.costs import CostModel
     from ..router.policies import make_policy
+    from ..router.agent_traces import AgentTraceConfig, parse_agent_knobs
     from ..router.simulate import SimulationConfig, prepare_routes
     from ..router.traces import load_trace
 
@@ -151,6 +160,7 @@ def _replay(args: argparse.Namespace) -> int:
     if args.sweep == "load" and args.trace != "agent":
         raise ValueError(f"--sweep load replays the generated agent trace at several loads; give --trace agent "
                          f"(got --trace {args.trace})")
+    agent = parse_agent_knobs(args.agent) if args.agent else None
     json_path = output_path("--json", args.json) if args.json else None
     plot_path = None if args.no_plot else output_path("--plot", args.plot)
     sweep_plot = args.sweep_plot or (plot_path.with_name(plot_path.stem + "_sweep.png") if plot_path else None)
@@ -163,13 +173,13 @@ def _replay(args: argparse.Namespace) -> int:
     config = SimulationConfig(args.replicas, args.capacity_blocks, cost, host_blocks=args.host_blocks,
                               disk_blocks=args.disk_blocks, remote_blocks=args.remote_blocks, seed=args.seed,
                               progress=not args.no_progress)
-    trace = load_trace(args.trace, args.limit, args.seed)
+    trace = load_trace(args.trace, args.limit, args.seed, agent)
     routes = prepare_routes(trace)
     written = _compare(trace, routes, policies, config, json_path, plot_path, lift_plot)
     if args.sweep == "capacity":
         written += _capacity_sweep(trace, policies, capacities, config, sweep_plot)
     elif args.sweep == "load":
-        written += _load_sweep(policies, loads, config, sweep_plot)
+        written += _load_sweep(policies, loads, config, agent or AgentTraceConfig(), sweep_plot)
     for path in written:
         print(f"wrote {path}")
     return 0
@@ -227,17 +237,18 @@ def _capacity_sweep(trace: Trace, policies: list[str], capacities: list[int], co
     return [sweep_plot]
 
 
-def _load_sweep(policies: list[str], loads: list[float], config: SimulationConfig,
+def _load_sweep(policies: list[str], loads: list[float], config: SimulationConfig, agent: "AgentTraceConfig",
                 sweep_plot: Optional[Path]) -> list[Path]:
     from ..router.report import format_load_sweep, plot_load_sweep
     from ..router.simulate import load_sweep
 
     began = time.perf_counter()
-    sweep = load_sweep(policies, loads, config)
-    print(f"agent sessions across load, seed {config.seed}, {config.num_replicas} replicas "
+    sweep = load_sweep(policies, loads, config, agent)
+    shape = f" ({agent.describe()})" if agent.describe() else ""
+    print(f"agent sessions{shape} across load, seed {config.seed}, {config.num_replicas} replicas "
           f"({time.perf_counter() - began:.1f} s):")
     print(format_load_sweep(sweep))
     if not sweep_plot:
         return []
-    plot_load_sweep(sweep, sweep_plot, f"agent sessions, {config.num_replicas} replicas")
+    plot_load_sweep(sweep, sweep_plot, f"agent sessions{shape}, {config.num_replicas} replicas")
     return [sweep_plot]

@@ -112,12 +112,18 @@ class PolicyOptions:
     # time (6e-5 s on an H100 for an 8B model) undervalues it: the recomputed blocks duplicate KV
     # cached elsewhere, crowding this replica's cache, and the session's later turns follow it.
     miss_token_seconds: float = 1.8e-4  # 3x the prefill time
-    balance_threshold: float = 1.5  # kv_aware: pass over replicas whose load > mean load x threshold + slack
+    balance_threshold: float = 1.5  # kv_aware: pass over replicas whose queue > mean queue x threshold + slack
     # About 48k tokens of prefill, more than an agent session's whole transcript: a guard that fires
-    # below that moves sessions off replicas that are merely busy decoding, and their recomputed
-    # history costs more than the wait it saves (the across-load test in tests/test_router_simulate_load.py
-    # lost hit rate to consistent hashing at light load with 8k tokens, the old default).
+    # below that moves sessions whose history costs more to recompute than the wait it saves (the
+    # across-load test in tests/test_router_simulate_load.py lost hit rate to consistent hashing at
+    # light load with 8k tokens).
     balance_slack_seconds: float = 3.0
+    # kv_aware: each second of prefill routed to a replica lately (decayed by 1 / (4 x replicas) a
+    # decision) adds this many seconds to its cost. A request brings its session's later turns along,
+    # so a replica that took many new sessions a moment ago will be busy soon even while its queue is
+    # empty; without this, sessions that start close together pile onto the replica holding their
+    # system prompt and queue behind each other for their whole lives.
+    recent_work_weight: float = 0.1
     # kv_aware prices a fetch from a tier below the pool as the engine's planner does (tiers/policy.py);
     # with no tier costs (or kv_bytes_per_token 0) a lower-tier run is ignored, as if recomputed.
     prefill_seconds_per_token: float = 6e-5
@@ -127,8 +133,10 @@ class PolicyOptions:
     def __post_init__(self) -> None:
         if self.hash_prefix_blocks < 1 or self.virtual_nodes < 1:
             raise ValueError("hash_prefix_blocks and virtual_nodes must be at least 1")
-        if self.miss_token_seconds < 0 or self.balance_threshold < 1 or self.balance_slack_seconds < 0:
-            raise ValueError("kv_aware needs miss_token_seconds >= 0, balance_threshold >= 1, balance_slack_seconds >= 0")
+        if (self.miss_token_seconds < 0 or self.balance_threshold < 1 or self.balance_slack_seconds < 0
+                or self.recent_work_weight < 0):
+            raise ValueError("kv_aware needs miss_token_seconds >= 0, balance_threshold >= 1, "
+                             "balance_slack_seconds >= 0, recent_work_weight >= 0")
         if self.prefill_seconds_per_token <= 0 or self.kv_bytes_per_token < 0:
             raise ValueError("kv_aware needs prefill_seconds_per_token > 0 and kv_bytes_per_token >= 0")
 
@@ -238,10 +246,21 @@ class KVAware(RoutingPolicy):
     idle replica that can fetch a prefix wins over a busy one holding it in its
     pool once the wait exceeds the fetch.
 
-    Balance guard: replicas whose load exceeds mean load x threshold + slack are
-    passed over for the cheapest replica under that limit, so a hot prefix cannot
-    pile every request onto the one replica that holds it, and a session that must
-    move goes where its prefix is cheapest to get back.
+    Recent work: prefill routed to a replica lately adds `recent_work_weight` x its
+    seconds to that replica's cost, because the sessions just placed there will send
+    their next turns there. It steers new sessions (whose only hit is a shared system
+    prompt) apart; a session's own history outweighs it, so sessions stay put.
+
+    Balance guard: when the cheapest replica's queue exceeds the mean queue x
+    threshold + slack, the cheapest replica under that limit takes the request, if
+    its prefill there (unweighted) ends sooner than waiting for the over-limit one.
+    So a hot prefix cannot pile every request onto the one replica that holds it, a
+    session that must move goes where its prefix is cheapest to get back, and no
+    request is moved to a replica where it would start later. The guard reads the
+    queue, not `load`: decoding overlaps prefill (chunked prefill), so a replica
+    busy with long answers is no slower to start the next prompt (agent traces with
+    long outputs lost both hit rate and TTFT p99 to consistent hashing when the
+    guard read `load`, and when it moved long sessions whatever the recompute cost).
 
     Ties (an idle fleet, a new prefix) go to the replica chosen least recently, so
     new prefixes spread; once placed, a prefix makes its replica cheaper: sticky.
@@ -254,25 +273,47 @@ class KVAware(RoutingPolicy):
         super().__init__(options)
         self.num_fallbacks = 0
         self._last_chosen: dict[str, int] = {}  # replica name -> choice number (tie-break)
+        self._recent_work: dict[str, float] = {}  # replica name -> prefill seconds routed there lately
         self._num_choices = 0
 
     def choose(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> int:
-        loads = [replica.load for replica in replicas]
-        waits = [getattr(replica, "queue_seconds", load) for replica, load in zip(replicas, loads)]
-        costs = [wait + self.missing_seconds(request, replica) for replica, wait in zip(replicas, waits)]
-        limit = sum(loads) / len(loads) * self.options.balance_threshold + self.options.balance_slack_seconds
-        candidates = [i for i, load in enumerate(loads) if load <= limit]  # the least loaded is never above
-        if loads[_argmin(costs)] > limit:
-            self.num_fallbacks += 1
-        least = min(costs[i] for i in candidates)
-        tied = [i for i in candidates if costs[i] <= least + self.TIE_SECONDS]
-        best = min(tied, key=lambda i: self._last_chosen.get(replicas[i].name, -1))  # lowest index on equal
+        waits = [getattr(replica, "queue_seconds", None) for replica in replicas]
+        waits = [replica.load if wait is None else wait for replica, wait in zip(replicas, waits)]
+        recent = self._decay_recent_work(replicas)
+        weight = self.options.recent_work_weight
+        costs = [wait + self.missing_seconds(request, replica) + weight * recent[replica.name]
+                 for replica, wait in zip(replicas, waits)]
+        best = self._cheapest(replicas, costs, range(len(replicas)))
+        limit = sum(waits) / len(waits) * self.options.balance_threshold + self.options.balance_slack_seconds
+        if waits[best] > limit:  # the shortest wait is never above the limit, so there is a candidate
+            fallback = self._cheapest(replicas, costs, [i for i, wait in enumerate(waits) if wait <= limit])
+            if (waits[fallback] + self.prefill_seconds(request, replicas[fallback])
+                    < waits[best] + self.prefill_seconds(request, replicas[best])):
+                best = fallback
+                self.num_fallbacks += 1
+        recent[replicas[best].name] += self.prefill_seconds(request, replicas[best])
         self._num_choices += 1
         self._last_chosen[replicas[best].name] = self._num_choices
         return best
 
-    def missing_seconds(self, request: RouteRequest, replica: ReplicaView) -> float:
-        """What the prompt's missing blocks cost on `replica`: fetch (from the planner) + weighted recompute."""
+    def _cheapest(self, replicas: Sequence[ReplicaView], costs: Sequence[float], among: Sequence[int]) -> int:
+        """The cheapest of `among`; of costs within TIE_SECONDS, the replica chosen least recently (lowest index)."""
+        least = min(costs[i] for i in among)
+        tied = [i for i in among if costs[i] <= least + self.TIE_SECONDS]
+        return min(tied, key=lambda i: self._last_chosen.get(replicas[i].name, -1))
+
+    def _decay_recent_work(self, replicas: Sequence[ReplicaView]) -> dict[str, float]:
+        """Each replica's prefill seconds routed to it lately, decayed by 1 / (4 x replicas) a decision."""
+        keep = 1.0 - 1.0 / (4 * len(replicas))
+        recent = self._recent_work
+        for replica in replicas:
+            recent[replica.name] = recent.get(replica.name, 0.0) * keep
+        return recent
+
+    def missing_seconds(self, request: RouteRequest, replica: ReplicaView,
+                        token_seconds: Optional[float] = None) -> float:
+        """What the prompt's missing blocks cost on `replica`: fetch (from the planner) + recompute, a recomputed
+        token weighted `token_seconds` (default: `miss_token_seconds`)."""
         options = self.options
         num_missing = request.num_blocks - replica.num_hit_blocks(request)
         fetch_seconds = 0.0
@@ -284,7 +325,13 @@ class KVAware(RoutingPolicy):
                                   options.prefill_seconds_per_token, request.tokens_per_block, options.tier_costs)
                 fetch_seconds = plan.fetch_seconds
                 num_missing -= plan.num_fetch_blocks
-        return fetch_seconds + num_missing * request.tokens_per_block * options.miss_token_seconds
+        if token_seconds is None:
+            token_seconds = options.miss_token_seconds
+        return fetch_seconds + num_missing * request.tokens_per_block * token_seconds
+
+    def prefill_seconds(self, request: RouteRequest, replica: ReplicaView) -> float:
+        """The prefill `request` would take on `replica`, unweighted: fetch + recompute at prefill speed."""
+        return self.missing_seconds(request, replica, self.options.prefill_seconds_per_token)
 
 
 POLICIES: dict[str, Callable[[PolicyOptions], RoutingPolicy]] = {

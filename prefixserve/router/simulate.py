@@ -29,7 +29,8 @@ from .policies import PolicyOptions, RouteRequest, RoutingPolicy, make_policy
 from .report import BOUND_NAME
 from .sim_replica import Job, SimulatedReplica, SimulationClock
 from .sim_tiers import ReplicaTiers, SimulatedTier
-from .traces import AgentTraceConfig, Trace, generate_agent_trace
+from .agent_traces import AgentTraceConfig, generate_agent_trace
+from .traces import Trace
 
 # Llama-3-8B in bf16 keeps 128 KiB of KV per token; an 80 GB H100 has about 64 GiB left after
 # weights and activations: 512 Ki tokens, i.e. about 1,000 blocks of 512 tokens per replica.
@@ -248,6 +249,13 @@ def infinite_cache_bound(trace: Trace, routes: Optional[Sequence[RouteRequest]] 
     return SimulationResult(BOUND_NAME, len(trace.requests), trace.num_input_tokens, num_hit_blocks * trace.block_size)
 
 
+def uncached_utilization(trace: Trace, config: SimulationConfig = SimulationConfig()) -> float:
+    """The share of the fleet's prefill time the trace would take with no prefix cache: a load scale that
+    does not depend on routing. Below 1 a cache-less fleet keeps up; the cache is what makes 2 or 5 light."""
+    work = sum(config.cost.prefill_seconds(request.input_length, 0) for request in trace.requests)
+    return work / (config.num_replicas * max(trace.duration, 1.0))
+
+
 def compare_policies(trace: Trace, policies: Sequence[str], config: SimulationConfig = SimulationConfig(),
                      routes: Optional[Sequence[RouteRequest]] = None) -> list[SimulationResult]:
     """One result per policy, then the infinite-cache bound row."""
@@ -265,19 +273,15 @@ def capacity_sweep(trace: Trace, policies: Sequence[str], capacities: Sequence[i
             for capacity in capacities}
 
 
-def agent_trace_at_load(load: float, seed: int = 0) -> Trace:
-    """The agent workload with `load` x the default sessions, started `load` x as fast: `load` x the traffic."""
-    if not load > 0:
-        raise ValueError(f"a load factor must be positive, got {load}")
-    base = AgentTraceConfig()
-    return generate_agent_trace(AgentTraceConfig(seed=seed, num_sessions=max(1, round(base.num_sessions * load)),
-                                                 session_rate=base.session_rate * load))
+def agent_trace_at_load(load: float, seed: int = 0, agent: AgentTraceConfig = AgentTraceConfig()) -> Trace:
+    """The agent workload of `agent`'s knobs with `load` x its sessions, started `load` x as fast."""
+    return generate_agent_trace(replace(agent.at_load(load), seed=seed))
 
 
-def load_sweep(policies: Sequence[str], loads: Sequence[float],
-               config: SimulationConfig = SimulationConfig()) -> dict[float, list[SimulationResult]]:
+def load_sweep(policies: Sequence[str], loads: Sequence[float], config: SimulationConfig = SimulationConfig(),
+               agent: AgentTraceConfig = AgentTraceConfig()) -> dict[float, list[SimulationResult]]:
     """Agent sessions from light to saturating load: load factor -> results (bound row last), seeded by config.seed."""
-    return {load: compare_policies(agent_trace_at_load(load, config.seed), policies, config) for load in loads}
+    return {load: compare_policies(agent_trace_at_load(load, config.seed, agent), policies, config) for load in loads}
 
 
 def working_set_blocks(routes: Sequence[RouteRequest]) -> int:

@@ -1,7 +1,8 @@
 """Request traces in block-id form: the Mooncake JSONL format and a seeded agent-session generator.
 
 Built in: `conversation` and `synthetic`, the Mooncake project's two public traces (shipped gzip-
-compressed as package data, prefixserve/data/traces/), and `agent`, generated here from a seed.
+compressed as package data, prefixserve/data/traces/), and `agent`, generated from a seed and knobs
+(agent_traces.py).
 
 Both sources yield the same shape, so the simulator treats them alike:
 
@@ -17,10 +18,12 @@ from __future__ import annotations
 import gzip
 import json
 import math
-import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Hashable, Optional, TextIO
+from typing import TYPE_CHECKING, Optional, TextIO
+
+if TYPE_CHECKING:
+    from .agent_traces import AgentTraceConfig
 
 MOONCAKE_BLOCK_SIZE = 512
 _MAX_BLOCK_ID = 2**32 - 1  # block ids travel as uint32 "tokens" through the cache core
@@ -62,14 +65,20 @@ TRACE_DIR = Path(__file__).resolve().parents[1] / "data" / "traces"  # package d
 _GZIP_MAGIC = b"\x1f\x8b"
 
 
-def load_trace(name_or_path: str | Path, limit: Optional[int] = None, seed: int = 0) -> Trace:
+def load_trace(name_or_path: str | Path, limit: Optional[int] = None, seed: int = 0,
+               agent: Optional["AgentTraceConfig"] = None) -> Trace:
     """A built-in trace by name (`conversation`, `synthetic`: shipped Mooncake files; `agent`: generated
-    from `seed`), else a Mooncake JSONL file, plain or gzip. Built-in names win over files of that name
-    (write ./agent for a file called agent)."""
+    from `agent`'s knobs, default ones, with `seed`), else a Mooncake JSONL file, plain or gzip. Built-in
+    names win over files of that name (write ./agent for a file called agent)."""
+    from .agent_traces import AgentTraceConfig, generate_agent_trace  # agent_traces builds on this file
+
     if limit is not None and limit < 1:
         raise ValueError(f"limit (--limit) must be at least 1, got {limit}")
+    if agent is not None and name_or_path != "agent":
+        raise ValueError(f"agent trace knobs (--agent) shape the generated agent trace; give --trace agent "
+                         f"(got --trace {name_or_path})")
     if name_or_path == "agent":
-        trace = generate_agent_trace(AgentTraceConfig(seed=seed))
+        trace = generate_agent_trace(replace(agent or AgentTraceConfig(), seed=seed))
         return Trace(trace.requests[:limit], trace.block_size, trace.name) if limit is not None else trace
     if name_or_path in BUILT_IN_TRACES:
         trace = load_mooncake(TRACE_DIR / f"{name_or_path}.jsonl.gz", limit)
@@ -142,101 +151,3 @@ def _parse_mooncake_line(line: str, where: str, block_size: int) -> TraceRequest
             f"ceil({input_length}/{block_size}) = {math.ceil(input_length / block_size)} (wrong block size?)"
         )
     return TraceRequest(timestamp / 1000.0, input_length, output_length, hash_ids)
-
-
-# --------------------------------------------------------------------------- agent sessions
-@dataclass(frozen=True)
-class AgentTraceConfig:
-    """Agent sessions: a shared system prompt + tool schema, then a transcript that grows every turn.
-
-    Turn t resends the whole history (system, tools, task, every earlier answer
-    and tool result) plus the newest tool result. Sessions start as a Poisson
-    process; turns of one session are separated by the answer's generation plus
-    tool and think time (open loop: arrivals do not wait for the simulator).
-    Token ranges are inclusive (low, high), drawn uniformly.
-    """
-
-    seed: int = 0
-    num_sessions: int = 160
-    session_rate: float = 0.25  # sessions started per second
-    block_size: int = MOONCAKE_BLOCK_SIZE
-    num_system_prompts: int = 4
-    system_prompt_tokens: tuple[int, int] = (1500, 3000)
-    tool_schema_tokens: int = 2500  # identical text for every session, after its system prompt
-    task_tokens: tuple[int, int] = (200, 1200)
-    turns: tuple[int, int] = (12, 40)
-    tool_result_tokens: tuple[int, int] = (200, 1500)
-    output_tokens: tuple[int, int] = (40, 400)
-    turn_gap_seconds: float = 4.0  # at least this between turns (the answer must be generated)
-    think_time_mean_seconds: float = 8.0  # plus an exponential tool / think time
-
-    def __post_init__(self) -> None:
-        if self.block_size < 1 or self.num_sessions < 0 or self.num_system_prompts < 1:
-            raise ValueError("AgentTraceConfig needs block_size >= 1, num_sessions >= 0, num_system_prompts >= 1")
-        if self.session_rate <= 0:
-            raise ValueError(f"session_rate must be positive, got {self.session_rate}")
-        for name in ("system_prompt_tokens", "task_tokens", "turns", "tool_result_tokens", "output_tokens"):
-            low, high = getattr(self, name)
-            if not 0 <= low <= high:
-                raise ValueError(f"{name} must be a range (low, high) with 0 <= low <= high, got {(low, high)}")
-
-
-@dataclass
-class _Transcript:
-    """Token content as (segment, length) runs; block ids come from a shared interning table."""
-
-    segments: list[tuple[Hashable, int]] = field(default_factory=list)
-    num_tokens: int = 0
-
-    def append(self, segment: Hashable, length: int) -> None:
-        if length:
-            self.segments.append((segment, length))
-            self.num_tokens += length
-
-    def block_ids(self, block_size: int, interned: dict) -> list[int]:
-        """Id i names (id i-1, the exact runs inside block i): equal ids <=> equal prefixes."""
-        ids: list[int] = []
-        pieces: list[tuple[Hashable, int, int]] = []
-        filled = 0
-        for segment, length in self.segments:
-            offset = 0
-            while offset < length:
-                take = min(length - offset, block_size - filled)
-                pieces.append((segment, offset, offset + take))
-                offset += take
-                filled += take
-                if filled == block_size:
-                    ids.append(interned.setdefault((ids[-1] if ids else -1, tuple(pieces)), len(interned)))
-                    pieces, filled = [], 0
-        if pieces:  # the partial tail block has its own id, as in the Mooncake traces
-            ids.append(interned.setdefault((ids[-1] if ids else -1, tuple(pieces)), len(interned)))
-        return ids
-
-
-def generate_agent_trace(config: AgentTraceConfig = AgentTraceConfig()) -> Trace:
-    """A deterministic agent workload for `config.seed`, in the same block-id form as Mooncake traces."""
-    rng = random.Random(config.seed)
-    interned: dict = {}
-    system_lengths = [rng.randint(*config.system_prompt_tokens) for _ in range(config.num_system_prompts)]
-    requests: list[TraceRequest] = []
-    session_start = 0.0
-    for session in range(config.num_sessions):
-        session_start += rng.expovariate(config.session_rate)
-        prompt = rng.randrange(config.num_system_prompts)
-        transcript = _Transcript()
-        transcript.append(("system", prompt), system_lengths[prompt])
-        transcript.append("tools", config.tool_schema_tokens)
-        transcript.append(("task", session), rng.randint(*config.task_tokens))
-        arrival = session_start
-        for turn in range(rng.randint(*config.turns)):
-            output_length = rng.randint(*config.output_tokens)
-            requests.append(TraceRequest(
-                arrival, transcript.num_tokens, output_length,
-                transcript.block_ids(config.block_size, interned), session))
-            transcript.append(("answer", session, turn), output_length)
-            transcript.append(("tool_result", session, turn), rng.randint(*config.tool_result_tokens))
-            arrival += config.turn_gap_seconds + rng.expovariate(1.0 / config.think_time_mean_seconds)
-    if len(interned) > _MAX_BLOCK_ID:
-        raise ValueError("agent trace has more distinct blocks than fit in uint32 ids; generate fewer sessions")
-    requests.sort(key=lambda request: request.arrival_time)
-    return Trace(requests, config.block_size, name=f"agent-seed{config.seed}")
