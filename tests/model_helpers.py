@@ -17,25 +17,6 @@ BLOCK_SIZE = 16
 
 # ---- small random checkpoints ------------------------------------------------------------------
 
-def write_perturbed_copy(source: Path, directory: Path, seed: int, scale: float = 0.3) -> Path:
-    """The checkpoint at `source` (same config and tokenizer) with every weight moved by seeded noise
-    of `scale` times its own spread: a new model version with the same KV layout."""
-    import shutil
-
-    from safetensors.torch import load_file
-
-    shutil.copytree(source, directory)
-    weights = load_file(source / "model.safetensors")
-    generator = torch.Generator().manual_seed(seed)
-    moved = {}
-    for name, tensor in sorted(weights.items()):
-        spread = tensor.float().std() if tensor.numel() > 1 else tensor.float().abs()
-        noise = torch.randn(tensor.shape, generator=generator) * spread * scale
-        moved[name] = (tensor.float() + noise).to(tensor.dtype).contiguous()
-    save_file(moved, str(directory / "model.safetensors"))
-    return directory
-
-
 def write_random_checkpoint(directory: Path, config: dict, seed: int = 0) -> Path:
     """config.json + model.safetensors with names and shapes taken from transformers' own model.
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from conftest import make_llm
-from model_helpers import write_perturbed_copy
+from prefixserve.model.versions import write_model_version
 
 
 def two_versions(default_model_dir: Path, directory: Path, seed: int, prompts: list[str],
@@ -13,7 +13,7 @@ def two_versions(default_model_dir: Path, directory: Path, seed: int, prompts: l
     """(the perturbed copy's path, {path: cold greedy token ids per prompt} for both versions)."""
     from prefixserve import SamplingParams
 
-    path_b = write_perturbed_copy(default_model_dir, directory, seed=seed)
+    path_b = write_model_version(default_model_dir, directory, seed=seed)
     cold = {}
     for path in (default_model_dir, path_b):
         llm = make_llm(model=str(path), enable_prefix_caching=False)

@@ -10,7 +10,7 @@ import time
 
 import httpx
 
-from model_helpers import write_perturbed_copy
+from prefixserve.model.versions import write_model_version
 from router_fleet import Fleet, wait_healthy
 
 PROMPTS = [f"Rolling deploy request {i} asks about" for i in range(4)]
@@ -42,7 +42,7 @@ def ask(url: str, prompt: str, stream: bool) -> tuple[str, str]:
 
 
 def test_a_rolling_deploy_loses_no_request_and_mixes_no_output(default_model_dir, tmp_path):
-    new_model = write_perturbed_copy(default_model_dir, tmp_path / "v2", seed=24)
+    new_model = write_model_version(default_model_dir, tmp_path / "v2", seed=24)
     with Fleet(2) as fleet:
         old = {prompt: ask(fleet.url, prompt, False) for prompt in PROMPTS}
         answers, failures, stop = [], [], threading.Event()

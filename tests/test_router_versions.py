@@ -43,7 +43,8 @@ def test_a_version_no_replica_serves_is_404_and_a_malformed_one_400(tokenizer):
         assert error["code"] == "model_not_found" and error["param"] == "model" and OLD[:12] in error["message"]
         for model in ("fake@", "fake@fp_12", "fake@not-hex"):
             malformed = post(url, "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 2})
-            assert malformed.status_code == 400 and malformed.json()["error"]["code"] == "invalid_value"
+            assert malformed.status_code == 400
+            assert (malformed.json()["error"]["code"], malformed.json()["error"]["param"]) == ("invalid_value", "model")
         assert all(not fake.requests for fake in fakes)  # answered by the router, never forwarded
 
 

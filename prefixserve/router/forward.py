@@ -43,7 +43,7 @@ async def forward(router: Router, request: Request, path: str) -> Response:
         client_request = await asyncio.to_thread(read_request, raw, path, router.tokenizer, router.max_prompt_tokens,
                                                  router.max_prompt_chars)
     except BadRequest as error:
-        return error_response(error.status, error.message, code=error.code)
+        return error_response(error.status, error.message, code=error.code, param=error.param)
     cache_salt = client_request.body.get("cache_salt")
     salt = compose_salt(router.tenant_of(authorization), cache_salt if isinstance(cache_salt, str) else None)
     client_request.salt = salt

@@ -27,9 +27,9 @@ MAX_SANE_TOKENS = 1 << 31
 class BadRequest(Exception):
     """A request the router answers itself (the replica would never see a readable body)."""
 
-    def __init__(self, status: int, message: str, code: str = "invalid_request") -> None:
+    def __init__(self, status: int, message: str, code: str = "invalid_request", param: Optional[str] = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.code = status, message, code
+        self.status, self.message, self.code, self.param = status, message, code, param
 
 
 @dataclass
@@ -76,7 +76,7 @@ def read_request(raw: bytes, path: str, tokenizer, max_prompt_tokens: int, max_p
         try:
             model_version = split_model(body["model"])[1]
         except ValueError as error:
-            raise BadRequest(400, str(error), code="invalid_value") from None
+            raise BadRequest(400, str(error), code="invalid_value", param="model") from None
     request = ClientRequest(path=path, body=body, streaming=body.get("stream") is True, n=n,
                             num_choices=n * _num_prompts(path, body), max_tokens=_max_tokens(path, body),
                             wants_token_ids=body.get("return_token_ids") is True, model_version=model_version)
