@@ -2,7 +2,7 @@
 
     python benchmarks/trace_families.py [--seeds 0-39] [--loads 0.1,0.3,0.6] [--replicas 8] [--no-plot]
 
-Each seed draws one shape from wide knob ranges (agent_traces.py: sessions, turns, system prompts and
+Each seed draws one shape from wide knob ranges (traces/agents.py: sessions, turns, system prompts and
 their skew, tool-schema, task, tool-result and output lengths, gaps and think times of every
 distribution), then scales its sessions to each load: the trace's uncached utilization (the share of
 the fleet's prefill time it would take with no prefix cache). For every point it prints kv_aware's hit
@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from prefixserve.cli import HelpFormatter
-from prefixserve.router.agent_traces import GAP_DISTRIBUTIONS, AgentTraceConfig, generate_agent_trace
+from prefixserve.traces.agents import GAP_DISTRIBUTIONS, AgentTraceConfig, generate_agent_trace
 from prefixserve.router.policies import POLICIES
 from prefixserve.router.report import BOUND_NAME
 from prefixserve.router.simulate import SimulationConfig, compare_policies, uncached_utilization

@@ -7,7 +7,7 @@ import pytest
 
 from prefixserve.plan.capacity import ReplayRequest, capacity_sweep, replay, requests_from_trace, working_set_blocks
 from prefixserve.router.simulate import SimulationConfig, simulate
-from prefixserve.router.traces import Trace, TraceRequest, load_trace
+from prefixserve.traces.mooncake import Trace, TraceRequest, load_trace
 
 BLOCK_SIZE = 4
 

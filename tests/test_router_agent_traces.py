@@ -7,10 +7,10 @@ import statistics
 import pytest
 
 from prefixserve.cli import main
-from prefixserve.router.agent_traces import (
+from prefixserve.traces.agents import (
     GAP_DISTRIBUTIONS, AgentTraceConfig, draw_gap, generate_agent_trace, parse_agent_knobs,
 )
-from prefixserve.router.traces import load_trace
+from prefixserve.traces.mooncake import load_trace
 
 
 def sessions_of(trace):

@@ -13,7 +13,7 @@ from prefixserve.router.sim_tiers import ReplicaTiers, SimulatedTier
 from prefixserve.router.simulate import (
     SimulationConfig, infinite_cache_bound, prepare_routes, simulate, working_set_blocks,
 )
-from prefixserve.router.traces import Trace, TraceRequest, load_trace
+from prefixserve.traces.mooncake import Trace, TraceRequest, load_trace
 
 # 1 ms a prompt token (0.512 s a 512-token block), no attention or overhead. 1,000 KV bytes a token,
 # 512,000 a block: host 1 ms a block, disk 10 ms, remote 100 ms, plus a latency of one block's read.

@@ -1,6 +1,6 @@
 """kv_aware against every policy on agent traces of many shapes, at a light, a medium and a heavy load (issue 24).
 
-Each family turns the generator's knobs (agent_traces.py) away from the built-in shape: session
+Each family turns the generator's knobs (traces/agents.py) away from the built-in shape: session
 counts and turns, system prompts (how many, how long, how skewed), gap distributions, output and
 tool-result lengths. The load is set by the trace's uncached utilization (the share of the fleet's
 prefill time it would take with no prefix cache), so light, medium and heavy mean the same for
@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 
-from prefixserve.router.agent_traces import generate_agent_trace, parse_agent_knobs
+from prefixserve.traces.agents import generate_agent_trace, parse_agent_knobs
 from prefixserve.router.policies import POLICIES
 from prefixserve.router.report import BOUND_NAME
 from prefixserve.router.simulate import SimulationConfig, compare_policies, uncached_utilization

@@ -14,9 +14,8 @@ from typing import Optional
 from .paths import output_path
 from .plan_price import add_plan_price_arguments, plan_price_command
 from .plan_ttl import add_plan_ttl_arguments, plan_ttl_command
-from .simulate import LOG_FORMAT
 
-
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 PLAN_TIERS_SUMMARY = ("print per KV tier (host, disk) the prefix length above which fetching beats recomputing, "
                       "for this machine and model (measured) and for a stated GPU profile, beside the literature's "
                       "figure")

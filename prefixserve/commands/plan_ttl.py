@@ -135,7 +135,7 @@ def parse_ttls(text: str) -> list[float]:
 # --------------------------------------------------------------------------- inputs
 def read_gaps(args: argparse.Namespace) -> GapSource:
     if args.trace:
-        from ..router.traces import load_trace
+        from ..traces.mooncake import load_trace
 
         trace = load_trace(args.trace)
         found = gaps_from_trace(trace.requests, trace.block_size)

@@ -14,14 +14,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence
 
 from .paths import int_list, output_path
+from .plan import LOG_FORMAT, measure_tier_reads  # one way: plan never imports simulate
 
 if TYPE_CHECKING:  # the router's modules load only when a replay runs
-    from ..router.agent_traces import AgentTraceConfig
+    from ..traces.agents import AgentTraceConfig
     from ..router.policies import RouteRequest
     from ..router.simulate import SimulationConfig
-    from ..router.traces import Trace
+    from ..traces.mooncake import Trace
 
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -120,7 +120,6 @@ def _measure_tiers() -> dict[str, float]:
     from ..model import ModelConfig, ensure_default_model
     from ..model.loader import read_config_dict
     from ..plan.tiers import kv_bytes_per_token
-    from .plan import measure_tier_reads
 
     config = EngineConfig()  # what measure_costs ran: the built-in model, the engine's dtype
     model = ModelConfig.from_hf_dict(read_config_dict(ensure_default_model()))
@@ -148,9 +147,9 @@ def _float_list(text: str, flag: str) -> list[float]:
 def _replay(args: argparse.Namespace) -> int:
     from ..router.costs import CostModel
     from ..router.policies import make_policy
-    from ..router.agent_traces import AgentTraceConfig, parse_agent_knobs
+    from ..traces.agents import AgentTraceConfig, parse_agent_knobs
     from ..router.simulate import SimulationConfig, prepare_routes
-    from ..router.traces import load_trace
+    from ..traces.mooncake import load_trace
 
     policies = [name.strip() for name in args.policies.split(",") if name.strip()]
     if not policies:

@@ -1,27 +1,42 @@
 """Model side of prefixserve: the Llama family over a paged KV cache, loading, tokenization.
 
-Imports torch; never imports prefixserve.engine or prefixserve.cache.
+The torch parts load on first use of a name that needs them (PEP 562 `__getattr__`), so the
+tokenizer (`prefixserve.model.tokenizer`, `model_config`, `default.default_tokenizer_dir`) imports
+without torch: a router box needs no PyTorch. Never imports prefixserve.engine or prefixserve.cache.
 """
 
-from .attention import AttentionMetadata, paged_attention, write_kv
-from .default import DEFAULT_MODEL_NAME, ensure_default_model
-from .llama import LlamaForCausalLM
-from .loader import LoadedModel, load_generation_eos, load_model
-from .model_config import SUPPORTED_ARCHITECTURES, ModelConfig
-from .tokenizer import IncrementalDecoder, Tokenizer
+from __future__ import annotations
 
-__all__ = [
-    "AttentionMetadata",
-    "DEFAULT_MODEL_NAME",
-    "IncrementalDecoder",
-    "LlamaForCausalLM",
-    "LoadedModel",
-    "ModelConfig",
-    "SUPPORTED_ARCHITECTURES",
-    "Tokenizer",
-    "ensure_default_model",
-    "load_generation_eos",
-    "load_model",
-    "paged_attention",
-    "write_kv",
+import importlib
+from typing import TYPE_CHECKING
+
+_EXPORTS = {  # name -> submodule that defines it
+    "AttentionMetadata": "attention", "paged_attention": "attention", "write_kv": "attention",
+    "DEFAULT_MODEL_NAME": "default", "ensure_default_model": "default",
+    "LlamaForCausalLM": "llama",
+    "LoadedModel": "loader", "load_generation_eos": "loader", "load_model": "loader",
+    "SUPPORTED_ARCHITECTURES": "model_config", "ModelConfig": "model_config",
+    "IncrementalDecoder": "tokenizer", "Tokenizer": "tokenizer",
+}
+
+__all__ = [  # = sorted(_EXPORTS); a literal so linters see the re-exports below
+    "AttentionMetadata", "DEFAULT_MODEL_NAME", "IncrementalDecoder", "LlamaForCausalLM", "LoadedModel", "ModelConfig",
+    "SUPPORTED_ARCHITECTURES", "Tokenizer", "ensure_default_model", "load_generation_eos", "load_model",
+    "paged_attention", "write_kv",
 ]
+
+if TYPE_CHECKING:
+    from .attention import AttentionMetadata, paged_attention, write_kv
+    from .default import DEFAULT_MODEL_NAME, ensure_default_model
+    from .llama import LlamaForCausalLM
+    from .loader import LoadedModel, load_generation_eos, load_model
+    from .model_config import SUPPORTED_ARCHITECTURES, ModelConfig
+    from .tokenizer import IncrementalDecoder, Tokenizer
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value

@@ -21,9 +21,11 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors.torch import save_file
+if TYPE_CHECKING:
+    import torch
+
 
 DEFAULT_MODEL_NAME = "prefixserve-tiny"
 DEFAULT_MODEL_VERSION = "v1"  # bump when the weights, config or tokenizer change
@@ -100,11 +102,36 @@ def ensure_default_model(cache_dir: str | Path | None = None) -> Path:
     return target
 
 
-def write_default_model(directory: Path) -> None:
+def default_tokenizer_dir(cache_dir: str | Path | None = None) -> Path:
+    """A directory with the built-in model's tokenizer (the same fingerprint), written without torch: the
+    model's own directory once generated, else a tokenizer-only sibling. What a router without --model reads."""
+    root = Path(cache_dir) if cache_dir is not None else default_cache_root()
+    model = root / f"{DEFAULT_MODEL_NAME}-{DEFAULT_MODEL_VERSION}"
+    if (model / "config.json").is_file():
+        return model
+    target = root / f"{DEFAULT_MODEL_NAME}-{DEFAULT_MODEL_VERSION}-tokenizer"
+    if not (target / "generation_config.json").is_file():
+        root.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=root))
+        _write_tokenizer_files(staging)
+        try:
+            os.rename(staging, target)
+        except OSError:  # another process won the race: its files are the same bytes
+            shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _write_tokenizer_files(directory: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     for name in _TOKENIZER_FILES:
         shutil.copyfile(_DATA_DIR / name, directory / name)
     (directory / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
+
+
+def write_default_model(directory: Path) -> None:
+    from safetensors.torch import save_file
+
+    _write_tokenizer_files(directory)
     save_file(default_weights(), str(directory / "model.safetensors"), metadata={"format": "pt"})
     # config.json last: its presence marks a complete directory.
     (directory / "config.json").write_text(json.dumps(CONFIG, indent=2) + "\n")
@@ -130,13 +157,15 @@ def _init_scales() -> dict[str, float]:
     }
 
 
-def default_weights() -> dict[str, torch.Tensor]:
+def default_weights() -> dict[str, "torch.Tensor"]:
     """Fixed-seed weights, in Hugging Face names, drawn in a fixed order.
 
     Uniform (not normal) draws: torch's CPU uniform sampler is integer arithmetic, while its
     vectorised normal sampler uses SLEEF log/cos approximations that can differ in the last bit
     between CPU instruction sets. Uniform bytes are identical on every machine.
     """
+    import torch
+
     generator = torch.Generator(device="cpu").manual_seed(SEED)
     scales = _init_scales()
     hidden, inter = CONFIG["hidden_size"], CONFIG["intermediate_size"]

@@ -160,7 +160,7 @@ def working_set_blocks(requests: Iterable[LoggedRequest]) -> int:
 def requests_from_trace(trace) -> list[ReplayRequest]:
     """A Mooncake (or agent) trace as replay requests, keyed as the simulator keys it (one block = one
     trace block of `trace.block_size` tokens; traces carry no outputs)."""
-    from ..router.simulate import prepare_routes  # the simulator's keys: same hits as `prefixserve simulate`
+    from ..traces import block_keys  # the simulator's keys: the same hits as `prefixserve simulate`
 
-    return [ReplayRequest(request.arrival_time, None, tuple(route.keys), request.input_length)
-            for request, route in zip(trace.requests, prepare_routes(trace))]
+    return [ReplayRequest(request.arrival_time, None, tuple(keys), request.input_length)
+            for request, keys in zip(trace.requests, block_keys(trace))]

@@ -54,12 +54,13 @@ class RouterMetrics:
 
 class Router:
     def __init__(self, settings: RouterSettings) -> None:
-        from ..model import Tokenizer, ensure_default_model  # tokenizer only: no weights are loaded
+        from ..model.default import default_tokenizer_dir  # the tokenizer only: no torch, no weights
+        from ..model.tokenizer import Tokenizer
 
         self.settings = settings
         self.replicas = [Replica(url, name, settings.health_failure_threshold) for name, url in settings.named_replicas()]
         self.policy = make_policy(settings.policy, policy_options_for(settings.cost))
-        self.tokenizer = Tokenizer.from_dir(settings.model or ensure_default_model())
+        self.tokenizer = Tokenizer.from_dir(settings.model or default_tokenizer_dir())
         self.max_chars_per_token = self.tokenizer.max_chars_per_token  # computed once, over the vocabulary
         self.keys = KeyTable(settings.api_keys)
         self.admin = AdminKey(settings.admin_api_key, "router")  # who may read the fleet dashboard

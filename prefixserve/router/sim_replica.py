@@ -33,10 +33,10 @@ from typing import Optional
 from prefixserve.cache import Block, RadixCache
 from prefixserve.tiers.policy import FetchPlan, plan_fetch
 
+from ..traces.mooncake import TraceRequest
 from .costs import CostModel
 from .policies import RouteRequest
 from .sim_tiers import ReplicaTiers
-from .traces import TraceRequest
 
 NO_FETCH = FetchPlan({}, 0, 0.0, 0.0)
 

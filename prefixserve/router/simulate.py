@@ -22,20 +22,17 @@ from typing import Optional, Sequence
 
 from tqdm import tqdm
 
-from prefixserve.cache import BlockKeyer, CacheScope
-
+from ..traces.agents import AgentTraceConfig, generate_agent_trace
+from ..traces.mooncake import TRACE_SCOPE, Trace, block_keys
 from .costs import TIER_NAMES, CostModel, policy_options_for
 from .policies import PolicyOptions, RouteRequest, RoutingPolicy, make_policy
 from .report import BOUND_NAME
 from .sim_replica import Job, SimulatedReplica, SimulationClock
 from .sim_tiers import ReplicaTiers, SimulatedTier
-from .agent_traces import AgentTraceConfig, generate_agent_trace
-from .traces import Trace
 
 # Llama-3-8B in bf16 keeps 128 KiB of KV per token; an 80 GB H100 has about 64 GiB left after
 # weights and activations: 512 Ki tokens, i.e. about 1,000 blocks of 512 tokens per replica.
 DEFAULT_CAPACITY_BLOCKS = 1000
-TRACE_SCOPE = CacheScope("trace-replay", "trace-block-ids")
 
 
 @dataclass(frozen=True)
@@ -117,10 +114,9 @@ class SimulationResult:
 
 def prepare_routes(trace: Trace) -> list[RouteRequest]:
     """Chained keys of every request's full blocks, computed once and shared by all policy runs."""
-    keyer, scope = BlockKeyer(1), TRACE_SCOPE.digest
-    size = trace.block_size
-    return [RouteRequest(keyer.keys(scope, r.hash_ids[: r.input_length // size]), r.hash_ids, scope,
-                         len(r.hash_ids), size) for r in trace.requests]
+    scope = TRACE_SCOPE.digest
+    return [RouteRequest(keys, r.hash_ids, scope, len(r.hash_ids), trace.block_size)
+            for r, keys in zip(trace.requests, block_keys(trace))]
 
 
 _PREFILL_DONE, _DONE = 0, 1

@@ -21,7 +21,7 @@ import random
 from dataclasses import dataclass, field, fields, replace
 from typing import Hashable
 
-from .traces import _MAX_BLOCK_ID, MOONCAKE_BLOCK_SIZE, Trace, TraceRequest
+from .mooncake import _MAX_BLOCK_ID, MOONCAKE_BLOCK_SIZE, Trace, TraceRequest
 
 # Each has the given mean; they differ in the tail. lognormal: sigma 1 (CV 1.3); pareto: shape 1.5 (infinite variance).
 GAP_DISTRIBUTIONS = ("exponential", "constant", "uniform", "lognormal", "pareto")

@@ -1,8 +1,8 @@
-"""Request traces in block-id form: the Mooncake JSONL format and a seeded agent-session generator.
+"""Request traces in block-id form: the Mooncake JSONL format, the built-in traces by name, their keys.
 
 Built in: `conversation` and `synthetic`, the Mooncake project's two public traces (shipped gzip-
 compressed as package data, prefixserve/data/traces/), and `agent`, generated from a seed and knobs
-(agent_traces.py).
+(agents.py).
 
 Both sources yield the same shape, so the simulator treats them alike:
 
@@ -22,8 +22,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, TextIO
 
+from ..cache import BlockKeyer, CacheScope
+
 if TYPE_CHECKING:
-    from .agent_traces import AgentTraceConfig
+    from .agents import AgentTraceConfig
 
 MOONCAKE_BLOCK_SIZE = 512
 _MAX_BLOCK_ID = 2**32 - 1  # block ids travel as uint32 "tokens" through the cache core
@@ -65,12 +67,22 @@ TRACE_DIR = Path(__file__).resolve().parents[1] / "data" / "traces"  # package d
 _GZIP_MAGIC = b"\x1f\x8b"
 
 
+TRACE_SCOPE = CacheScope("trace-replay", "trace-block-ids")  # the one scope every replay keys trace blocks under
+
+
+def block_keys(trace: Trace) -> list[list[bytes]]:
+    """Each request's chained keys of its full blocks, one trace block id a "token" (BlockKeyer(1)): what the
+    simulator and the capacity planner match, so both see the same hits."""
+    keyer, scope, size = BlockKeyer(1), TRACE_SCOPE.digest, trace.block_size
+    return [keyer.keys(scope, request.hash_ids[: request.input_length // size]) for request in trace.requests]
+
+
 def load_trace(name_or_path: str | Path, limit: Optional[int] = None, seed: int = 0,
                agent: Optional["AgentTraceConfig"] = None) -> Trace:
     """A built-in trace by name (`conversation`, `synthetic`: shipped Mooncake files; `agent`: generated
     from `agent`'s knobs, default ones, with `seed`), else a Mooncake JSONL file, plain or gzip. Built-in
     names win over files of that name (write ./agent for a file called agent)."""
-    from .agent_traces import AgentTraceConfig, generate_agent_trace  # agent_traces builds on this file
+    from .agents import AgentTraceConfig, generate_agent_trace  # agents.py builds on this file
 
     if limit is not None and limit < 1:
         raise ValueError(f"limit (--limit) must be at least 1, got {limit}")

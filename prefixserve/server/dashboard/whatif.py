@@ -30,7 +30,7 @@ from ...plan.price import (PRICE_TABLE_NOTE, check_inputs, estimated_ttft, fixed
                            price_table)
 from ...plan.tiers import Profile, crossovers
 from ...plan.ttl import DEFAULT_TTLS_SECONDS, distribution_from_stats, plan_ttl
-from ...router.traces import BUILT_IN_TRACES, load_trace
+from ...traces.mooncake import BUILT_IN_TRACES, load_trace
 from ...tiers import TierCost
 from ...tiers.disk import DISK_READ_COST
 from ...tiers.host import HOST_READ_COST

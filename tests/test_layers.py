@@ -1,0 +1,50 @@
+"""The package's layers (DESIGN.md) hold: import-linter's contracts in pyproject.toml are kept, and the
+router starts without torch (a router box needs no PyTorch)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+NO_TORCH = """
+import importlib.abc, sys
+
+class NoTorch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in ("torch", "safetensors"):
+            raise ImportError(f"{name} is blocked: the router must not need it")
+        return None
+
+sys.meta_path.insert(0, NoTorch())
+from prefixserve.router.app import build_router_app
+from prefixserve.router.settings import RouterSettings
+from prefixserve.cli import main
+
+app = build_router_app(RouterSettings(replicas=("http://127.0.0.1:9",)))
+router = app.state.router
+assert router.tokenizer.encode("hello fleet"), "the router tokenizes without torch"
+try:
+    main(["route", "--help"])
+except SystemExit as done:
+    assert done.code == 0, done.code
+assert "torch" not in sys.modules
+print("router without torch: ok")
+"""
+
+
+def test_the_router_builds_and_tokenizes_without_torch(tmp_path):
+    result = subprocess.run([sys.executable, "-c", NO_TORCH], capture_output=True, text=True, timeout=120,
+                            cwd=tmp_path, env={"PREFIXSERVE_CACHE_DIR": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "router without torch: ok" in result.stdout
+    # the router wrote the built-in model's tokenizer, never its weights
+    written = sorted(path.name for path in (tmp_path / "cache").iterdir())
+    assert written == ["prefixserve-tiny-v1-tokenizer"], written
+
+
+def test_the_import_contracts_are_kept():
+    from importlinter.cli import lint_imports
+
+    # no_cache: nothing written into the clone; a broken contract prints which import broke it
+    assert lint_imports(config_filename=str(ROOT / "pyproject.toml"), no_cache=True) == 0
