@@ -330,10 +330,31 @@ def test_successful_polls_stay_out_of_the_access_log_at_info():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--max-cache-ttl", "-1"], "--max-cache-ttl must be a positive number"),
-    (["--max-cache-ttl", "nan"], "--max-cache-ttl must be a positive number"),
+    (["--max-cache-ttl", "-1"], "max_cache_ttl (--max-cache-ttl) must be a positive number"),
+    (["--max-cache-ttl", "nan"], "max_cache_ttl (--max-cache-ttl) must be a positive number"),
     (["--hot-prefix-min-requests", "1"], "--hot-prefix-min-requests must be 0 (off) or at least 2"),
     (["--hot-prefix-window", "0"], "--hot-prefix-window must be positive"),
+    (["--max-waiting", "-1"], "max_waiting (--max-waiting) must be an integer >= 0, got -1"),
+    (["--max-request-bytes", "0"], "max_request_bytes (--max-request-bytes) must be an integer >= 1, got 0"),
+    (["--served-model-name", "a@b"], "served_model_name (--served-model-name) must be a non-empty name without '@'"),
+    (["--served-model-name", " "], "served_model_name (--served-model-name) must be a non-empty name"),
 ])
 def test_lifecycle_options_are_checked_before_the_model_loads(no_model_load, argv, message):
     assert message in serve_error("--port", "0", *argv)
+
+
+def test_server_settings_name_every_bad_value():
+    from prefixserve.server.api import ServerSettings
+
+    for changes, message in [
+        ({"default_max_tokens": 0}, "default_max_tokens must be an integer >= 1, got 0"),
+        ({"retry_after_seconds": -1}, "retry_after_seconds must be an integer >= 0"),
+        ({"max_waiting": True}, "max_waiting (--max-waiting) must be an integer"),
+        ({"max_cache_ttl": float("inf")}, "max_cache_ttl (--max-cache-ttl) must be a positive number"),
+        ({"tenant_cache_ttls": {"a": 0}}, "tenant 'a': cache_ttl must be a positive number of seconds, got 0"),
+        ({"tenant_cache_retentions": {"a": "disk"}}, "tenant 'a': cache_retention must be one of device, none"),
+    ]:
+        with pytest.raises(ValueError) as error:
+            ServerSettings(**changes)
+        assert message in str(error.value)
+    assert ServerSettings(tenant_cache_ttls={"a": 1e9}).tenant_cache_ttls == {"a": 1e9}  # capped per request

@@ -8,6 +8,7 @@ are tokenized off the event loop (inputs.py), so no request can stall another.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
@@ -21,7 +22,7 @@ from .dashboard.recorder import DashboardMetrics, TenantContext
 from .dashboard.routes import dashboard_routes
 from .dashboard.whatif import whatif_routes
 from .errors import install_error_handlers
-from ..config import DEFAULT_MAX_CACHE_TTL
+from ..config import CACHE_RETENTIONS, DEFAULT_MAX_CACHE_TTL
 from .inputs import RequestBuilder
 from .responses import TokenTexts
 from .pins import pin_routes
@@ -43,6 +44,30 @@ class ServerSettings:
     tenant_cache_ttls: Mapping[str, float] = field(default_factory=dict)  # tenant -> default cache_ttl
     # tenant -> "device" | "none" (privacy mode): its KV never leaves device memory / is never kept
     tenant_cache_retentions: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        """Every bad value named by its flag, before the model loads (launch.check_options builds one)."""
+        if not isinstance(self.served_model_name, str) or not self.served_model_name.strip() \
+                or "@" in self.served_model_name:
+            raise ValueError(f"served_model_name (--served-model-name) must be a non-empty name without '@' "
+                             f"('@' starts a version pin, NAME@fp_...), got {self.served_model_name!r}")
+        for name, flag, low in (("max_waiting", "--max-waiting", 0), ("retry_after_seconds", None, 0),
+                                ("default_max_tokens", None, 1), ("max_request_bytes", "--max-request-bytes", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                where = f"{name} ({flag})" if flag else name
+                raise ValueError(f"{where} must be an integer >= {low}, got {value!r}")
+        if not (isinstance(self.max_cache_ttl, (int, float)) and math.isfinite(self.max_cache_ttl)
+                and self.max_cache_ttl > 0):
+            raise ValueError(f"max_cache_ttl (--max-cache-ttl) must be a positive number of seconds, "
+                             f"got {self.max_cache_ttl!r}")
+        for tenant, ttl in self.tenant_cache_ttls.items():  # above max_cache_ttl is capped per request
+            if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not (math.isfinite(ttl) and ttl > 0):
+                raise ValueError(f"tenant {tenant!r}: cache_ttl must be a positive number of seconds, got {ttl!r}")
+        for tenant, retention in self.tenant_cache_retentions.items():
+            if retention not in CACHE_RETENTIONS:
+                raise ValueError(f"tenant {tenant!r}: cache_retention must be one of {', '.join(CACHE_RETENTIONS)}, "
+                                 f"got {retention!r}")
 
 
 @dataclass

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import errno
 import logging
-import math
 import re
 import socket
 import time
@@ -217,8 +216,14 @@ def check_options(args: argparse.Namespace) -> None:
     load_api_keys(args.api_keys_file, args.api_key)
     load_tenant_cache_ttls(args.api_keys_file)
     load_tenant_cache_retentions(args.api_keys_file)
-    if not (math.isfinite(args.max_cache_ttl) and args.max_cache_ttl > 0):
-        raise SystemExit(f"prefixserve serve: --max-cache-ttl must be a positive number of seconds, got {args.max_cache_ttl}")
+    from .api import ServerSettings
+
+    try:  # the server's own settings, validated as build_app will get them
+        ServerSettings(served_model_name=args.served_model_name or served_name_of(args.model),
+                       max_waiting=args.max_waiting, max_request_bytes=args.max_request_bytes,
+                       max_cache_ttl=args.max_cache_ttl)
+    except ValueError as error:
+        raise SystemExit(f"prefixserve serve: {error}") from None
 
 
 def _with_flag_names(message: str) -> str:
