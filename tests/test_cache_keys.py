@@ -80,3 +80,12 @@ def test_private_chain_forks_after_a_public_prefix():
     for end in (3, 9, 16):
         keyer.extend(grown, SCOPE.digest, tokens[:end], (2, tenant_a))
     assert grown == keys_a
+
+
+def test_the_last_token_rule_is_one_function():
+    from prefixserve.cache import max_hit_blocks
+
+    # n tokens in blocks of 16 may hit (n - 1) // 16 full blocks: the last token is always computed
+    assert [max_hit_blocks(n, 16, n // 16) for n in (0, 1, 15, 16, 17, 32, 33)] == [0, 0, 0, 0, 1, 1, 2]
+    assert max_hit_blocks(100, 16, 3) == 3  # never more than the keys given
+    assert max_hit_blocks(5, 1, 5) == 4  # a trace replay: one id a block

@@ -2,7 +2,7 @@
 
 from .block_pool import Block, BlockPool, FreeBlockList
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, EventQueue, KVEvent, event_from_dict, event_to_dict
-from .keys import HASH_FUNCTIONS, BlockKeyer, CacheScope, pack_tokens
+from .keys import HASH_FUNCTIONS, BlockKeyer, CacheScope, max_hit_blocks, pack_tokens
 from .radix import MatchResult, OutOfBlocksError, RadixCache
 from .stats import CacheStats, CacheUsage
 
@@ -25,5 +25,6 @@ __all__ = [
     "RadixCache",
     "event_from_dict",
     "event_to_dict",
+    "max_hit_blocks",
     "pack_tokens",
 ]

@@ -54,6 +54,16 @@ def resolve_hash_function(hash_function: str | HashFunction) -> HashFunction:
         ) from None
 
 
+def max_hit_blocks(num_prompt_tokens: int, block_size: int, num_keys: int) -> int:
+    """The one last-token rule: how many leading blocks of a prompt a prefix hit may cover.
+
+    Only full blocks have keys, and the last prompt token is always computed (its logits give the
+    first output token), so a prompt of n tokens hits at most (n - 1) // block_size of its `num_keys`
+    full blocks. A trace replay whose "tokens" are block ids passes block_size 1 and its block count.
+    """
+    return max(0, min(num_keys, (num_prompt_tokens - 1) // block_size))
+
+
 def pack_tokens(token_ids: Sequence[int]) -> bytes:
     """Token ids as little-endian uint32 bytes: the hashed and the stored form of a block."""
     packed = array("I", token_ids)

@@ -28,7 +28,7 @@ from .block_pool import Block, BlockPool
 from .eviction import EvictionOrder
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, EventQueue
 from .integrity import check_integrity
-from .keys import pack_tokens
+from .keys import max_hit_blocks, pack_tokens
 from .stats import CacheStats, CacheUsage
 
 Parent = Union[Block, bytes]
@@ -81,7 +81,7 @@ class RadixCache:
     ) -> MatchResult:
         """Longest cached prefix of `token_ids`; never covers the last token (its logits are needed)."""
         size = self.block_size
-        max_blocks = min(len(keys), max(len(token_ids) - 1, 0) // size)
+        max_blocks = max_hit_blocks(len(token_ids), size, len(keys))
         now = self.clock()
         blocks: list[Block] = []
         previous: Parent = scope_digest

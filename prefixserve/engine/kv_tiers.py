@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..cache import Block, BlockKeyer, RadixCache
+from ..cache import Block, BlockKeyer, RadixCache, max_hit_blocks
 from ..config import DEFAULT_DISK_CACHE_BYTES
 from ..cache.events import BlockRemoved, BlockStored
 from ..cache.keys import unpack_tokens
@@ -197,7 +197,7 @@ class TieredKV:
                 continue  # looked up already, or admitted before (a preempted request)
             keys = self.keyer.extend(request.block_keys, request.scope_digest, request.token_ids,
                                      request.private_from)
-            limit = min(len(keys), (request.num_prompt_tokens - 1) // self.block_size)  # the last token is recomputed
+            limit = max_hit_blocks(request.num_prompt_tokens, self.block_size, len(keys))
             hit = self.cache.match(request.scope_digest, keys, request.token_ids, record_stats=False).blocks
             fetch = self.fetches[request.request_id] = TierFetch(request, start=len(hit))
             self._plan_and_fetch(fetch, keys[:limit])

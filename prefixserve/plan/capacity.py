@@ -30,7 +30,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Iterable, NamedTuple, Optional, Protocol, Sequence
 
-from ..cache import RadixCache
+from ..cache import RadixCache, max_hit_blocks
 
 REPLAY_SCOPE = hashlib.sha256(b"prefixserve plan capacity").digest()
 _TAIL_ID = 0  # the partial tail block's "token": never matched (matches stop before it), never inserted
@@ -117,7 +117,7 @@ def replay(requests: Iterable[LoggedRequest], pool_blocks: int, block_size: int,
         tokens = [ids.setdefault(key, len(ids) + 1) for key in keys]
         prompt_tokens = tokens[:len(prompt_keys)] + ([_TAIL_ID] if num_tokens % block_size else [])
         hit = cache.match(REPLAY_SCOPE, prompt_keys, prompt_tokens).blocks
-        limit = max(0, min(len(prompt_keys), len(prompt_tokens) - 1))  # the engine recomputes the last token
+        limit = max_hit_blocks(len(prompt_tokens), 1, len(prompt_keys))  # one "token" a block here
         unbounded = next((i for i in range(limit) if prompt_keys[i] not in seen), limit)
         seen.update(keys)
         # The blocks the engine holds: the prompt's (its tail included), which the output fills on from

@@ -24,6 +24,7 @@ import os
 from dataclasses import dataclass
 from typing import Iterable, Optional, Protocol, Sequence
 
+from ..cache import max_hit_blocks
 from .lint_findings import Finding, classify
 from .lint_input import Prompt, prompts_from_bodies
 from .lint_patterns import canonical_json, mask
@@ -196,7 +197,7 @@ def replay(prompts: Iterable[Sequence[int]], block_size: int) -> HitRate:
     root: dict = {}
     num_hit = num_prompt = 0
     for token_ids in prompts:
-        node, num_matchable = root, (len(token_ids) - 1) // block_size
+        node, num_matchable = root, max_hit_blocks(len(token_ids), block_size, len(token_ids) // block_size)
         for index in range(len(token_ids) // block_size):
             block = tuple(token_ids[index * block_size:(index + 1) * block_size])
             if block in node and index < num_matchable:

@@ -19,7 +19,7 @@ from typing import Optional
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from ..cache import BlockKeyer, CacheScope
+from ..cache import BlockKeyer, CacheScope, max_hit_blocks
 from ..cache.scoping import PromptScoper
 from ..http import AdminKey, KeyTable, bearer_token
 from .costs import policy_options_for
@@ -206,7 +206,7 @@ class Router:
         """The route with the leading run of its keys the remote tier holds (one round trip, off the loop)."""
         if route is None or self.remote is None:
             return route
-        limit = max(route.num_blocks - 1, 0)  # the last prompt token is always recomputed
+        limit = max_hit_blocks(route.num_blocks, 1, len(route.keys))
         num_remote = await asyncio.to_thread(self.remote.contains, route.keys[:limit])
         return dataclasses.replace(route, remote_blocks=num_remote)
 

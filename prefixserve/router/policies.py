@@ -16,7 +16,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Protocol, Sequence
 
-from prefixserve.cache import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, pack_tokens
+from prefixserve.cache import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, max_hit_blocks, pack_tokens
 from prefixserve.cache.events import DEVICE_MEDIUM
 from prefixserve.tiers.policy import TierCost, plan_fetch
 
@@ -95,8 +95,7 @@ class PrefixMirror:
         return count
 
     def num_hit_blocks(self, request: RouteRequest) -> int:
-        # The engine always recomputes the last prompt token, so it never hits every block.
-        limit = min(len(request.keys), max(request.num_blocks - 1, 0))
+        limit = max_hit_blocks(request.num_blocks, 1, len(request.keys))  # num_blocks counts the tail
         for i in range(limit):
             if request.keys[i] not in self.keys:
                 return i

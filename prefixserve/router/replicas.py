@@ -31,7 +31,7 @@ from typing import NamedTuple, Optional
 
 import httpx
 
-from ..cache import event_from_dict
+from ..cache import event_from_dict, max_hit_blocks
 from .policies import PrefixMirror, RouteRequest
 
 logger = logging.getLogger("prefixserve.router")
@@ -112,7 +112,7 @@ class Replica:
         """The consecutive run right after this replica's device hit that lies below its pool: its own host
         and disk tiers (mirrored from KV events of media CPU and DISK), then the fleet's remote tier."""
         position = self.num_hit_blocks(request)
-        limit = min(len(request.keys), max(request.num_blocks - 1, 0))
+        limit = max_hit_blocks(request.num_blocks, 1, len(request.keys))
         run = []
         for medium, tier in (("CPU", "host"), ("DISK", "disk")):
             count = self.mirror.leading_run(medium, request.keys, position, limit)

@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Optional
 
-from prefixserve.cache import Block, RadixCache
+from prefixserve.cache import Block, RadixCache, max_hit_blocks
 from prefixserve.tiers.policy import FetchPlan, plan_fetch
 
 from ..traces.mooncake import TraceRequest
@@ -114,7 +114,7 @@ class SimulatedReplica:
     @staticmethod
     def _match_limit(route: RouteRequest) -> int:
         """Blocks a hit may cover: the full ones, never the last (the engine recomputes the last token)."""
-        return min(len(route.keys), max(len(route.token_ids) - 1, 0))
+        return max_hit_blocks(len(route.token_ids), 1, len(route.keys))  # one id a block
 
     def _plan(self, run: list[tuple[str, int]]) -> FetchPlan:
         if not run:

@@ -22,6 +22,7 @@ from typing import Optional, Sequence
 
 from tqdm import tqdm
 
+from ..cache import max_hit_blocks
 from ..traces.agents import AgentTraceConfig, generate_agent_trace
 from ..traces.mooncake import TRACE_SCOPE, Trace, block_keys
 from .costs import TIER_NAMES, CostModel, policy_options_for
@@ -236,7 +237,7 @@ def infinite_cache_bound(trace: Trace, routes: Optional[Sequence[RouteRequest]] 
     seen: set[bytes] = set()
     num_hit_blocks = 0
     for route in routes:
-        limit = min(len(route.keys), route.num_blocks - 1)
+        limit = max_hit_blocks(route.num_blocks, 1, len(route.keys))
         hit = 0
         while hit < limit and route.keys[hit] in seen:
             hit += 1
