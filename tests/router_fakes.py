@@ -74,6 +74,7 @@ class FakeReplica:
     requests: list = field(default_factory=list)  # (path, body, authorization) of generation requests
     control_auth: list = field(default_factory=list)  # (path, authorization) of control calls
     model_fingerprint: str = "fake-model"  # what /v1/cache/info says it serves (a rolling deploy changes it)
+    num_health_checks: int = 0  # /health calls answered: a test waits on it instead of sleeping
 
     def __post_init__(self) -> None:
         self.words = self.tokenizer.encode(WORDS_TEXT, add_special_tokens=False)
@@ -105,6 +106,7 @@ class FakeReplica:
 
         @app.get("/health")
         async def health():
+            self.num_health_checks += 1
             if self.engine_dead:
                 return JSONResponse({"error": {"message": "engine dead"}}, status_code=503)
             return {"status": "ok"}

@@ -86,6 +86,8 @@ def test_killing_a_replica_mid_run_loses_no_request(fleet):
                     break
                 await asyncio.sleep(0.05)
             busiest = max(range(3), key=lambda i: len(router.replicas[i].outstanding))
+            # the kill must land on requests in flight, or the test proves nothing about failover
+            assert len(router.replicas[busiest].outstanding) >= 2, [len(r.outstanding) for r in router.replicas]
             fleet.kill(busiest)
             return busiest, await asyncio.gather(*tasks)
 

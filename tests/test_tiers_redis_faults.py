@@ -16,7 +16,7 @@ from redis_helpers import SCOPE, RedisServer, expect, keys_of, make_chain, redis
 from redis_helpers import redis_server  # noqa: F401  (a fixture)
 
 pytest.importorskip("redis", reason="redis-py is not installed: pip install 'redis>=5' to test the remote tier")
-from prefixserve.tiers.redis import RedisTier  # noqa: E402
+from prefixserve.tiers.redis import BACKOFF_SECONDS, RedisTier  # noqa: E402
 
 BOUND_SECONDS = 5.0  # generous: a call must return, not wait for Redis (behaviour, not speed)
 
@@ -28,10 +28,12 @@ def bounded(call: Callable, *args, **kwargs):
     return result
 
 
-def wait_until_served(tier: RedisTier, chain, timeout: float = 10.0) -> None:
-    """Write and look up until Redis has the chain again (the back-off lets one probe through a second)."""
+def wait_until_served(tier: RedisTier, chain, timeout: float = 10.0, step_clock: Callable = lambda: None) -> None:
+    """Write and look up until Redis has the chain again (the back-off lets one probe through a second;
+    `step_clock` moves an injected clock past it)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        step_clock()
         bounded(tier.put, chain)
         if bounded(tier.contains, keys_of(chain)) == len(chain):
             return
@@ -86,21 +88,26 @@ def test_redis_down_at_start_then_coming_up(tmp_path, caplog):
 def test_redis_killed_mid_run_then_restarted_on_the_same_port(redis_server, caplog):
     chain = make_chain(4)
     caplog.set_level(logging.WARNING, logger="prefixserve.tiers")
-    with RedisTier(redis_server.url, scope_digest=SCOPE, connect_timeout=0.3, read_timeout=0.3) as tier:
+    now = [0.0]  # the back-off's clock, stepped by the test: no wall-clock window to outrun
+
+    def step_past_backoff():
+        now[0] += BACKOFF_SECONDS + 0.01
+
+    with RedisTier(redis_server.url, scope_digest=SCOPE, connect_timeout=0.3, read_timeout=0.3,
+                   clock=lambda: now[0]) as tier:
         tier.put(chain)
         assert tier.contains(keys_of(chain)) == 4
         redis_server.kill()
-        deadline = time.monotonic() + 1.5  # past one back-off, so a probe fails too
-        while time.monotonic() < deadline:
+        for _ in range(3):  # the first fault opens the episode; each later round is one failed probe
             assert bounded(tier.contains, keys_of(chain)) == 0
             assert bounded(tier.get, keys_of(chain)) == [None] * 4
             bounded(tier.put_async, chain)
             bounded(tier.fetch(keys_of(chain)).result, BOUND_SECONDS)
-            time.sleep(0.05)
-        assert tier.stats.errors >= 2  # the first fault and at least one failed probe
+            step_past_backoff()
+        assert tier.stats.errors >= 3  # the first fault and the failed probes
         assert episode_lines(caplog) == (1, 0)
         redis_server.start()  # empty: no persistence
-        wait_until_served(tier, chain)
+        wait_until_served(tier, chain, step_clock=step_past_backoff)
         assert tier.get(keys_of(chain)) == [encode_record(record) for record in chain]
         assert episode_lines(caplog) == (1, 1)
         tier.flush()

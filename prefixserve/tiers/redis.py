@@ -59,7 +59,8 @@ class RedisTier(KVTier):
     def __init__(self, url: str, *, scope_digest: bytes, ttl_seconds: Optional[float] = None,
                  max_write_bytes_per_second: Optional[int] = None, connect_timeout: float = 0.5,
                  read_timeout: float = 1.0, max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
-                 num_read_threads: int = 2, sealer: Optional[Sealer] = None) -> None:
+                 num_read_threads: int = 2, sealer: Optional[Sealer] = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         redis = require_redis()
         self._memory = MemoryInfo(0, 0, float("-inf"))  # before super().__init__, which sets capacity_bytes
         super().__init__(0, TierCost(REMOTE_READ_COST.latency_seconds, REMOTE_READ_COST.bytes_per_second), sealer)
@@ -75,7 +76,7 @@ class RedisTier(KVTier):
         self._faults: tuple[type[BaseException], ...] = (redis.RedisError, OSError)  # end a call: an episode
         self._out_of_memory = redis.exceptions.OutOfMemoryError  # one command refused: Redis is full
         self._response_error = redis.exceptions.ResponseError
-        self._backoff = Backoff(BACKOFF_SECONDS)
+        self._backoff = Backoff(BACKOFF_SECONDS, clock)  # tests step an injected clock past a back-off
         self._rate = None if max_write_bytes_per_second is None else TokenBucket(max_write_bytes_per_second)
         self._pending_bytes = 0  # accepted by put_async, not yet written or dropped
         self._writer = BackgroundWriter(self._write_batch, max_pending_bytes, "prefixserve-remote-writer")
