@@ -57,10 +57,31 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
     return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
 
 
+class APIError(Exception):
+    """A fault the client caused, raised anywhere under a route of the server or the router and answered
+    as its OpenAI body (install_base_error_handlers)."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: Optional[str] = None, code: Optional[str] = None, headers: Optional[dict] = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def response(self):
+        return error_response(self.status, self.message, self.type, self.param, self.code, self.headers)
+
+
 def install_base_error_handlers(app, logger, what: str, code: Optional[str] = None) -> None:
-    """Starlette's HTTP errors (404 route, 405 method) as OpenAI bodies, and any unexpected exception
-    as an OpenAI 500 that names no internals (the traceback goes to `logger`)."""
+    """APIError as its OpenAI body, Starlette's HTTP errors (404 route, 405 method) as OpenAI bodies, and any
+    unexpected exception as an OpenAI 500 that names no internals (the traceback goes to `logger`)."""
     from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    @app.exception_handler(APIError)
+    async def on_api_error(_, error: APIError):
+        return error.response()
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(_, error: StarletteHTTPException):

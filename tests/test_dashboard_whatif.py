@@ -15,7 +15,7 @@ from prefixserve.cache.reuse_gaps import ReuseGapTracker
 from prefixserve.engine.request_log import RequestLog, RequestLogEntry
 from prefixserve.plan.price import VENDOR_PRICES
 from prefixserve.server.auth import Authenticator
-from prefixserve.server.dashboard.whatif import whatif_routes
+from prefixserve.server.api import admin_router
 from prefixserve.server.errors import install_error_handlers
 from prefixserve.tiers import TierCost
 
@@ -51,7 +51,7 @@ def make_client(core, admin_api_key="admin-key"):
     install_error_handlers(app)
     app.state.server = SimpleNamespace(auth=Authenticator({"tenant-key": "acme"}, admin_api_key),
                                        engine=FakeEngine(core), metrics=SimpleNamespace(registry=registry, ttft=ttft))
-    app.include_router(whatif_routes)
+    app.include_router(admin_router())  # the one way admin routes are mounted: under the guard
     return TestClient(app), ttft
 
 
@@ -199,7 +199,6 @@ def test_capacity_replays_a_built_in_trace_in_its_own_blocks():
 
 def test_the_endpoints_on_a_real_server():
     with LiveServer("--admin-api-key", "admin-key", "--block-size", "16") as server:
-        server.app.include_router(whatif_routes)
         prompt = list(range(1, 70))  # 4 full blocks and a tail
         for _ in range(3):
             response = httpx.post(server.url + "/v1/completions", json={

@@ -24,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..http import (AmbiguousAuthorization, BodySizeLimit, authorization_of, error_response, install_base_error_handlers,
                     raw_header)
-from .dashboard import fleet_dashboard_routes
+from .dashboard import fleet_admin_routes, fleet_dashboard_routes
 from .fleet import Router
 from .forward import forward, relay_response
 from .settings import RouterSettings
@@ -47,7 +47,8 @@ def build_router_app(settings: RouterSettings) -> FastAPI:
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
 
     install_base_error_handlers(app, logger, "router", code="router_error")
-    app.include_router(fleet_dashboard_routes)  # GET /dashboard (fleet mode) and /dashboard/api/fleet
+    app.include_router(fleet_dashboard_routes)  # GET /dashboard (fleet mode) and its files
+    app.include_router(fleet_admin_routes)  # GET /dashboard/api/fleet, under the router's admin key
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -15,10 +15,10 @@ from importlib import resources
 from typing import Optional
 
 import httpx
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse, Response
 
-from ..http import AmbiguousAuthorization, authorization_of, error_response
+from ..http import AmbiguousAuthorization, APIError, authorization_of, error_response
 
 STATIC_NAME = re.compile(r"[a-z]+\.(js|css)")
 MEDIA_TYPES = {"js": "text/javascript; charset=utf-8", "css": "text/css; charset=utf-8"}
@@ -26,7 +26,19 @@ NO_CACHE = {"Cache-Control": "no-cache"}
 QUERIES = "prefixserve:prefix_cache_queries_total"
 HITS = "prefixserve:prefix_cache_hits_total"
 
-fleet_dashboard_routes = APIRouter()
+async def fleet_admin_only(request: Request) -> None:
+    """The dependency the fleet's data is mounted under: the router's admin key, checked before any handler."""
+    router = request.app.state.router
+    try:
+        refusal = router.admin.refusal(authorization_of(request.headers), router.keys)
+    except AmbiguousAuthorization as error:
+        raise APIError(400, str(error), code="ambiguous_authorization") from None
+    if refusal is not None:
+        raise APIError(refusal.status, refusal.message, refusal.type, code=refusal.code)
+
+
+fleet_dashboard_routes = APIRouter()  # the page and its files: open (the page asks for the key)
+fleet_admin_routes = APIRouter(dependencies=[Depends(fleet_admin_only)])  # every route with the fleet's data
 
 
 def _static_dir():
@@ -65,15 +77,9 @@ async def replica_hits(client: httpx.AsyncClient, url: str, timeout: float) -> O
     return values[QUERIES], values[HITS]
 
 
-@fleet_dashboard_routes.get("/dashboard/api/fleet")
+@fleet_admin_routes.get("/dashboard/api/fleet")
 async def fleet_snapshot(request: Request):
     router = request.app.state.router
-    try:
-        refusal = router.admin.refusal(authorization_of(request.headers), router.keys)
-    except AmbiguousAuthorization as error:
-        return error_response(400, str(error), code="ambiguous_authorization")
-    if refusal is not None:
-        return error_response(refusal.status, refusal.message, refusal.type, code=refusal.code)
     replicas = router.replicas
     answers = await asyncio.gather(*(replica_hits(router.client, r.url, router.settings.control_timeout)
                                      if r.healthy else _nothing() for r in replicas))

@@ -12,14 +12,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
-from fastapi import FastAPI
+from fastapi import APIRouter, Depends, FastAPI
 
 from ..engine.async_engine import AsyncLLMEngine
 from ..http import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
 from .admin import admin_routes
-from .auth import Authenticator
+from .auth import Authenticator, admin_only
 from .dashboard.recorder import DashboardMetrics, TenantContext
-from .dashboard.routes import dashboard_routes
+from .dashboard.routes import dashboard_api_routes, dashboard_routes
 from .dashboard.whatif import whatif_routes
 from .errors import install_error_handlers
 from ..config import CACHE_RETENTIONS, DEFAULT_MAX_CACHE_TTL
@@ -100,11 +100,21 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
     app.add_middleware(TenantContext)  # outermost: the tenant of each request's key, for the dashboard
-    app.include_router(routes)
-    app.include_router(tokenize_routes)
-    app.include_router(admin_routes)
-    app.include_router(reload_routes)
-    app.include_router(pin_routes)
-    app.include_router(dashboard_routes)
-    app.include_router(whatif_routes)
+    for group in OPEN_ROUTE_GROUPS:
+        app.include_router(group)
+    app.include_router(admin_router())
     return app
+
+
+OPEN_ROUTE_GROUPS = (routes, tokenize_routes, dashboard_routes)  # a tenant's key (or none, with auth off)
+ADMIN_ROUTE_GROUPS = (admin_routes, reload_routes, pin_routes, dashboard_api_routes, whatif_routes)
+
+
+def admin_router() -> APIRouter:
+    """Every operator route (KV events, cache keys and stats, pins, reload, the dashboard's data), mounted
+    under one dependency: the admin key is checked before a handler or its parameters are looked at, and
+    a handler cannot skip it (tests/test_server_admin_guard.py checks every route of these groups)."""
+    guarded = APIRouter(dependencies=[Depends(admin_only)])
+    for group in ADMIN_ROUTE_GROUPS:
+        guarded.include_router(group)
+    return guarded

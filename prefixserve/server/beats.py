@@ -29,8 +29,7 @@ from typing import AsyncIterator, Awaitable, Callable, TypeVar
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from ..http import BEATS, PROGRESS_HEADER
-from .errors import APIError
+from ..http import BEATS, PROGRESS_HEADER, APIError
 
 T = TypeVar("T")
 BEAT_SECONDS = 1.0

@@ -7,28 +7,13 @@ the message that names the cause and the fix, and the offending parameter.
 from __future__ import annotations
 
 import logging
-from typing import Optional
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 
-from ..http import error_body, error_response, install_base_error_handlers
+from ..http import error_response, install_base_error_handlers
 
 logger = logging.getLogger("prefixserve.server")
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: Optional[str] = None, code: Optional[str] = None, headers: Optional[dict] = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return error_body(self.message, self.type, self.param, self.code)
-
-    def response(self):
-        return error_response(self.status, self.message, self.type, self.param, self.code, self.headers)
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
@@ -43,10 +28,6 @@ def param_of(location) -> str:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def on_api_error(_, error: APIError):
-        return error.response()
-
     @app.exception_handler(RequestValidationError)
     async def on_query_error(_, error: RequestValidationError):  # query parameters, e.g. ?since=abc
         first = error.errors()[0]

@@ -15,9 +15,8 @@ from fastapi.responses import StreamingResponse
 
 from ..engine.async_engine import EngineDeadError
 from ..engine.outputs import RequestOutput
-from ..http import BEATS, PROGRESS_HEADER, error_body
+from ..http import BEATS, PROGRESS_HEADER, APIError, error_body
 from .beats import SSE_BEAT, beating
-from .errors import APIError
 from .metrics import ServerMetrics
 from .streams import merge_streams, sse
 

@@ -18,9 +18,9 @@ from ..engine.async_engine import AsyncLLMEngine
 from ..engine.input_processor import PromptTooLongError, stricter_retention
 from ..engine.request import Request as EngineRequest
 from ..engine.sampling_params import SamplingParams
-from ..http import parse_json_body
+from ..http import APIError, parse_json_body
 from ..prompts import split_prompts
-from .errors import APIError, param_of
+from .errors import param_of
 from .protocol import ChatCompletionRequest, SamplingFields, new_id
 
 JSON_MEDIA_TYPES = ("application/json",)

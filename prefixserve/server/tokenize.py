@@ -17,7 +17,7 @@ from typing import Optional, Union
 from fastapi import APIRouter, Request
 from pydantic import Field, RootModel
 
-from .errors import APIError
+from ..http import APIError
 from .inputs import chat_messages, read_body
 from .protocol import ChatMessage, OpenAIBody
 from .routes import check_model, server_state

@@ -11,13 +11,14 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse, Response
 
 from ...cache.tree_view import DEFAULT_MAX_NODES
-from ..errors import APIError
+from ...http import APIError
 from .assets import NO_CACHE, page_html, static_file
 from .snapshot import build_snapshot
 
 MAX_TREE_NODES = 2000
 
-dashboard_routes = APIRouter()
+dashboard_routes = APIRouter()  # the page and its files: open (the page asks for the key)
+dashboard_api_routes = APIRouter()  # its data: mounted under the admin guard (api.admin_router)
 
 
 @dashboard_routes.get("/dashboard", include_in_schema=False)
@@ -34,10 +35,8 @@ async def dashboard_static(name: str):
     return Response(content, media_type=media_type, headers=NO_CACHE)
 
 
-@dashboard_routes.get("/dashboard/api/snapshot")
+@dashboard_api_routes.get("/dashboard/api/snapshot")
 async def dashboard_snapshot(request: Request, tree: bool = True,
                              max_nodes: int = Query(DEFAULT_MAX_NODES, ge=2, le=MAX_TREE_NODES)):
     """Counters as /metrics has them, pool pressure, TTFT by hit/miss, tenants and (with tree=true) the radix tree."""
-    state = request.app.state.server
-    state.auth.require_admin(request)
-    return await build_snapshot(state, include_tree=tree, max_nodes=max_nodes)
+    return await build_snapshot(request.app.state.server, include_tree=tree, max_nodes=max_nodes)
