@@ -7,6 +7,7 @@ import argparse
 import json
 from typing import NamedTuple, Optional
 
+from ..metric_names import PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES, PREFIX_CACHE_REQUESTS, TTFT, total
 from ..plan.price import estimated_ttft, fixed_seconds_from_measured, format_price_table, price_json, price_table
 from ..plan.tiers import GPU_PREFILL_TOKENS_PER_SECOND
 from .paths import output_path
@@ -81,14 +82,13 @@ def parse_metrics(text: str) -> Measured:
 
     samples = {sample.name: sample.value for family in text_string_to_metric_families(text)
                for sample in family.samples if not sample.labels}
-    names = ("prefixserve:prefix_cache_queries_total", "prefixserve:prefix_cache_hits_total",
-             "prefixserve:prefix_cache_requests_total")
+    names = (total(PREFIX_CACHE_QUERIES), total(PREFIX_CACHE_HITS), total(PREFIX_CACHE_REQUESTS))
     missing = [name for name in names if name not in samples]
     if missing:
         raise ValueError(f"--url: /metrics has no {', '.join(missing)}; is it a prefixserve server?")
     query_tokens, hit_tokens, num_requests = (samples[name] for name in names)
-    ttft_count = samples.get("prefixserve:time_to_first_token_seconds_count")
-    ttft_sum = samples.get("prefixserve:time_to_first_token_seconds_sum")
+    ttft_count = samples.get(TTFT + "_count")
+    ttft_sum = samples.get(TTFT + "_sum")
     return Measured(hit_tokens / query_tokens if query_tokens else 0.0,
                     query_tokens / num_requests if num_requests else 0.0, num_requests,
                     ttft_sum / ttft_count if ttft_count and ttft_sum is not None else None)

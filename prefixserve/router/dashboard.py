@@ -19,12 +19,12 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse, Response
 
 from ..http import AmbiguousAuthorization, APIError, authorization_of, error_response
+from ..metric_names import PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES, total
 
 STATIC_NAME = re.compile(r"[a-z]+\.(js|css)")
 MEDIA_TYPES = {"js": "text/javascript; charset=utf-8", "css": "text/css; charset=utf-8"}
 NO_CACHE = {"Cache-Control": "no-cache"}
-QUERIES = "prefixserve:prefix_cache_queries_total"
-HITS = "prefixserve:prefix_cache_hits_total"
+QUERIES, HITS = total(PREFIX_CACHE_QUERIES), total(PREFIX_CACHE_HITS)  # samples of a replica's /metrics
 
 async def fleet_admin_only(request: Request) -> None:
     """The dependency the fleet's data is mounted under: the router's admin key, checked before any handler."""

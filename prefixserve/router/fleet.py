@@ -22,6 +22,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from ..cache import BlockKeyer, CacheScope, max_hit_blocks
 from ..cache.scoping import PromptScoper
 from ..http import AdminKey, KeyTable, bearer_token
+from ..metric_names import (CONTINUED_STREAMS, FAILOVERS, PREDICTED_HIT_TOKENS, REPLICA_HEALTHY, REPLICA_LOAD_SECONDS,
+                            ROUTED_REQUESTS)
 from .costs import policy_options_for
 from .policies import RouteRequest, make_policy
 from .progress import ProgressClock, Stalled
@@ -38,17 +40,17 @@ class RouterMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         labels = ["replica"]  # the replica's name, never its URL
-        self.routed = Counter("prefixserve_router:routed_requests", "Requests routed to each replica.", labels,
+        self.routed = Counter(ROUTED_REQUESTS, "Requests routed to each replica.", labels,
                               registry=self.registry)
-        self.predicted_hits = Counter("prefixserve_router:predicted_hit_tokens", "Prompt tokens predicted cached on "
+        self.predicted_hits = Counter(PREDICTED_HIT_TOKENS, "Prompt tokens predicted cached on "
                                       "the chosen replica.", labels, registry=self.registry)
-        self.failovers = Counter("prefixserve_router:failovers", "Requests moved off a failed replica.", labels,
+        self.failovers = Counter(FAILOVERS, "Requests moved off a failed replica.", labels,
                                  registry=self.registry)
-        self.continued = Counter("prefixserve_router:continued_streams", "Streams continued on this replica after "
+        self.continued = Counter(CONTINUED_STREAMS, "Streams continued on this replica after "
                                  "another one failed.", labels, registry=self.registry)
-        self.load = Gauge("prefixserve_router:replica_load_seconds", "Estimated outstanding work.", labels,
+        self.load = Gauge(REPLICA_LOAD_SECONDS, "Estimated outstanding work.", labels,
                           registry=self.registry)
-        self.healthy = Gauge("prefixserve_router:replica_healthy", "1 when the replica passes health checks.", labels,
+        self.healthy = Gauge(REPLICA_HEALTHY, "1 when the replica passes health checks.", labels,
                              registry=self.registry)
 
 

@@ -15,13 +15,15 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from typing import Callable
 
 from ..engine.async_engine import EngineSnapshot
+from ..metric_names import (E2E_LATENCY, KV_BLOCKS, KV_TIER_CAPACITY_BYTES, KV_TIER_FETCH_SECONDS, KV_TIER_HIT_TOKENS,
+                            KV_TIER_REJECTIONS, KV_TIER_USED_BYTES, PREFIX_REUSE_GAP, TTFT, server_metric)
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0)
 
 
 def _single(family_class, name: str, documentation: str, value: float):
     """A metric family of one unlabelled sample, named under `prefixserve:`."""
-    family = family_class(f"prefixserve:{name}", documentation)
+    family = family_class(server_metric(name), documentation)
     family.add_metric([], value)
     return family
 
@@ -54,7 +56,7 @@ class EngineCollector:
         yield counter("prefill_tokens_saved", "Prompt tokens whose prefill the cache skipped.", stats.num_hit_tokens)
         yield counter("generation_tokens", "Output tokens generated.", snapshot.num_generation_tokens)
         yield gauge("kv_cache_usage_perc", "Fraction of KV blocks held by running requests.", usage.usage)
-        blocks = GaugeMetricFamily("prefixserve:kv_blocks", "KV blocks by state.", labels=["state"])
+        blocks = GaugeMetricFamily(KV_BLOCKS, "KV blocks by state.", labels=["state"])
         blocks.add_metric(["free"], usage.num_free_blocks)
         blocks.add_metric(["cached"], usage.num_cached_unreferenced_blocks)
         blocks.add_metric(["in_use"], usage.num_referenced_blocks)
@@ -84,7 +86,7 @@ def reuse_gap_families(reuse_gaps: dict):
     for bound, count in zip(bounds, overall["counts"]):
         cumulative += count
         buckets.append((bound, cumulative))
-    gaps = HistogramMetricFamily("prefixserve:prefix_reuse_gap_seconds",
+    gaps = HistogramMetricFamily(PREFIX_REUSE_GAP,
                                  "Time from a request releasing its prefix to the next request that continues it.")
     gaps.add_metric([], buckets, overall["sum"])
     yield gaps
@@ -107,15 +109,15 @@ def tier_families(tiers: dict):
     """Per-tier families, labelled tier="host" | "disk": hit tokens, bytes, rejections, usage, fetch latency."""
     if not tiers:
         return
-    hits = CounterMetricFamily("prefixserve:kv_tier_hit_tokens", "Prompt tokens served from a KV tier.",
+    hits = CounterMetricFamily(KV_TIER_HIT_TOKENS, "Prompt tokens served from a KV tier.",
                                labels=["tier"])
-    counters = [(CounterMetricFamily(f"prefixserve:{name}", doc, labels=["tier"]), field) for name, field, doc in TIER_COUNTERS]
-    used = GaugeMetricFamily("prefixserve:kv_tier_used_bytes", "Bytes a KV tier holds.", labels=["tier"])
-    capacity = GaugeMetricFamily("prefixserve:kv_tier_capacity_bytes", "Bytes a KV tier may hold.", labels=["tier"])
-    rejections = CounterMetricFamily("prefixserve:kv_tier_rejections", "Records a KV tier's reader refused, by "
+    counters = [(CounterMetricFamily(server_metric(name), doc, labels=["tier"]), field) for name, field, doc in TIER_COUNTERS]
+    used = GaugeMetricFamily(KV_TIER_USED_BYTES, "Bytes a KV tier holds.", labels=["tier"])
+    capacity = GaugeMetricFamily(KV_TIER_CAPACITY_BYTES, "Bytes a KV tier may hold.", labels=["tier"])
+    rejections = CounterMetricFamily(KV_TIER_REJECTIONS, "Records a KV tier's reader refused, by "
                                      "reason (auth: unsealed, forged or another secret's; nonfinite; checksum; ...).",
                                      labels=["tier", "reason"])
-    latency = HistogramMetricFamily("prefixserve:kv_tier_fetch_seconds",
+    latency = HistogramMetricFamily(KV_TIER_FETCH_SECONDS,
                                     "Time from looking a prefix up in a tier to its blocks cached in the pool.",
                                     labels=["tier"])
     for name, tier in tiers.items():
@@ -141,9 +143,9 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.num_rejected = [0]  # a cell the collector reads; bumped by the API on each 429
         self.registry.register(EngineCollector(snapshot, self.num_rejected))
-        self.ttft = Histogram("prefixserve:time_to_first_token_seconds", "Time to first token.",
+        self.ttft = Histogram(TTFT, "Time to first token.",
                               buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.e2e_latency = Histogram("prefixserve:e2e_request_latency_seconds", "End-to-end request latency.",
+        self.e2e_latency = Histogram(E2E_LATENCY, "End-to-end request latency.",
                                      buckets=LATENCY_BUCKETS, registry=self.registry)
 
     def observe_finished(self, output) -> None:

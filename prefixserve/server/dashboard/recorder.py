@@ -18,6 +18,7 @@ from typing import Callable, Optional
 from prometheus_client import Histogram
 
 from ...http import bearer_token
+from ...metric_names import TTFT_BY_CACHE
 from ..metrics import LATENCY_BUCKETS, ServerMetrics
 
 NO_KEY = "(no key)"  # requests on a server without API keys
@@ -40,7 +41,7 @@ class DashboardMetrics(ServerMetrics):
 
     def __init__(self, snapshot: Callable) -> None:
         super().__init__(snapshot)
-        self.ttft_by_cache = Histogram("prefixserve:time_to_first_token_by_cache_seconds",
+        self.ttft_by_cache = Histogram(TTFT_BY_CACHE,
                                        "Time to first token, by whether the prompt reused cached blocks.",
                                        ["cache"], buckets=LATENCY_BUCKETS, registry=self.registry)
         for outcome in ("hit", "miss"):

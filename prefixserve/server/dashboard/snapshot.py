@@ -16,11 +16,10 @@ from typing import Optional, Sequence
 from ...cache.scoping import compose_salt
 from ...cache.tree_view import DEFAULT_MAX_NODES, build_tree_view
 from ...engine.kv_tiers import TIER_MEDIA
+from ...metric_names import TTFT, TTFT_BY_CACHE
 from .recorder import NO_KEY
 
 SHARED_SCOPE = "(shared)"  # the unsalted scope (no tenant key, no salt; public prefixes); parenthesised like "(no key)"
-TTFT_BY_CACHE = "prefixserve:time_to_first_token_by_cache_seconds"
-TTFT = "prefixserve:time_to_first_token_seconds"
 
 
 def sample_key(name: str, labels: dict) -> str:

@@ -25,6 +25,7 @@ from typing import NamedTuple, Optional
 from fastapi import APIRouter, Request
 
 from ...engine.kv_tiers import DEFAULT_PREFILL_SECONDS_PER_TOKEN
+from ...metric_names import TTFT, TTFT_BY_CACHE
 from ...plan.capacity import capacity_sweep, requests_from_trace, working_set_blocks
 from ...plan.price import (PRICE_TABLE_NOTE, check_inputs, estimated_ttft, fixed_seconds_from_measured, price_json,
                            price_table)
@@ -136,9 +137,9 @@ def _measured_ttft(metrics) -> dict:
         total = registry.get_sample_value(f"{name}_sum", labels)
         return total / count if count and total is not None else None
 
-    out["mean_ttft_seconds"] = mean("prefixserve:time_to_first_token_seconds")
+    out["mean_ttft_seconds"] = mean(TTFT)
     for outcome in ("hit", "miss"):
-        out[f"mean_ttft_{outcome}_seconds"] = mean("prefixserve:time_to_first_token_by_cache_seconds",
+        out[f"mean_ttft_{outcome}_seconds"] = mean(TTFT_BY_CACHE,
                                                    {"cache": outcome})
     return out
 
