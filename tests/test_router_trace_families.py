@@ -18,15 +18,15 @@ from prefixserve.router.report import BOUND_NAME
 from prefixserve.router.simulate import SimulationConfig, compare_policies, uncached_utilization
 
 FAMILIES = {
-    "short_sessions": "num_sessions=60,session_rate=0.5,turns=2-6,num_system_prompts=32,"
+    "short_sessions": "num_sessions=36,session_rate=0.5,turns=2-6,num_system_prompts=32,"
                       "system_prompt_tokens=500-1500,tool_result_tokens=50-300,task_tokens=100-400",
     "long_tool_results": "num_sessions=60,session_rate=0.1,turns=4-10,tool_result_tokens=2000-6000",
     "long_answers": "output_tokens=1000-4000,turns=4-10,num_sessions=100,session_rate=0.15",
     "hot_system_prompt": "num_sessions=80,num_system_prompts=2,system_prompt_skew=1.5,system_prompt_tokens=400-5200,"
                          "tool_schema_tokens=500,task_tokens=500-2900,turns=6-23,tool_result_tokens=1900-2200,"
                          "output_tokens=200-1300,think_time_mean_seconds=3,think_times=pareto,session_gaps=lognormal",
-    "bursty": "session_gaps=pareto,think_times=pareto,turns=6-20,num_sessions=20",
-    "chat": "num_sessions=50,session_rate=1.0,turns=1-3,tool_schema_tokens=0,num_system_prompts=16,"
+    "bursty": "session_gaps=pareto,think_times=pareto,turns=6-20,num_sessions=12",
+    "chat": "num_sessions=30,session_rate=1.0,turns=1-3,tool_schema_tokens=0,num_system_prompts=16,"
             "think_time_mean_seconds=30",
     "few_long_sessions": "num_sessions=400,session_gaps=constant,system_prompt_tokens=4500-5600,system_prompt_skew=0.8,"
                          "tool_schema_tokens=500,turns=24-31,tool_result_tokens=2200-3800,output_tokens=2400-2800,"
