@@ -165,6 +165,17 @@ class AdminKey:
         self._digest = hashlib.sha256(key.encode()).digest() if key else None
         self.owner = owner  # "server" or "router": where --admin-api-key is given
 
+    def require(self, headers, tenants: Optional[KeyTable] = None) -> None:
+        """Raise APIError unless the request's one Authorization header (Starlette's Headers) carries the
+        admin key: 400 for two headers, else `refusal`'s answer. The server's and the router's guard."""
+        try:
+            authorization = authorization_of(headers)
+        except AmbiguousAuthorization as error:
+            raise APIError(400, str(error), code="ambiguous_authorization") from None
+        refusal = self.refusal(authorization, tenants)
+        if refusal is not None:
+            raise APIError(refusal.status, refusal.message, refusal.type, code=refusal.code)
+
     def refusal(self, authorization: Optional[str], tenants: Optional[KeyTable] = None) -> Optional[AdminRefusal]:
         """None when `authorization` carries the admin key; else why not, as an error to answer: 401 for
         a missing or unknown key, 403 for a tenant's key (one of `tenants`)."""

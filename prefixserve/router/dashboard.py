@@ -18,7 +18,7 @@ import httpx
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse, Response
 
-from ..http import AmbiguousAuthorization, APIError, authorization_of, error_response
+from ..http import error_response
 from ..metric_names import PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES, total
 
 STATIC_NAME = re.compile(r"[a-z]+\.(js|css)")
@@ -29,12 +29,7 @@ QUERIES, HITS = total(PREFIX_CACHE_QUERIES), total(PREFIX_CACHE_HITS)  # samples
 async def fleet_admin_only(request: Request) -> None:
     """The dependency the fleet's data is mounted under: the router's admin key, checked before any handler."""
     router = request.app.state.router
-    try:
-        refusal = router.admin.refusal(authorization_of(request.headers), router.keys)
-    except AmbiguousAuthorization as error:
-        raise APIError(400, str(error), code="ambiguous_authorization") from None
-    if refusal is not None:
-        raise APIError(refusal.status, refusal.message, refusal.type, code=refusal.code)
+    router.admin.require(request.headers, router.keys)
 
 
 fleet_dashboard_routes = APIRouter()  # the page and its files: open (the page asks for the key)

@@ -33,9 +33,7 @@ class Authenticator:
 
     def require_admin(self, request: Request) -> None:
         """Admit the operator's key only; these endpoints are off when no admin key is configured."""
-        refusal = self.admin.refusal(_authorization(request), self.tenants)
-        if refusal is not None:
-            raise APIError(refusal.status, refusal.message, refusal.type, code=refusal.code)
+        self.admin.require(request.headers, self.tenants)
 
 
 async def admin_only(request: Request) -> None:
