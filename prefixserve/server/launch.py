@@ -141,19 +141,28 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 def build_server(args: argparse.Namespace):
     """The engine and the FastAPI app for these options (no socket yet)."""
     from ..engine.async_engine import AsyncLLMEngine
-    from .api import ServerSettings, build_app
+    from .api import build_app
 
     config = engine_config_from_args(args)
     engine = AsyncLLMEngine(config)
-    name = args.served_model_name or served_name_of(args.model)
     if args.shared_prefix:
         declare_shared_prefix(engine.engine, args.shared_prefix, read_shared_prefix(args.shared_prefix))
-    settings = ServerSettings(served_model_name=name, api_keys=load_api_keys(args.api_keys_file, args.api_key),
+    return engine, build_app(engine, server_settings_from_args(args))
+
+
+def server_settings_from_args(args: argparse.Namespace):
+    """The server's settings from its flags and keys file, validated: SystemExit names the flag at fault."""
+    from .api import ServerSettings
+
+    try:
+        return ServerSettings(served_model_name=args.served_model_name or served_name_of(args.model),
+                              api_keys=load_api_keys(args.api_keys_file, args.api_key),
                               admin_api_key=args.admin_api_key, max_waiting=args.max_waiting,
                               max_request_bytes=args.max_request_bytes, max_cache_ttl=args.max_cache_ttl,
                               tenant_cache_ttls=load_tenant_cache_ttls(args.api_keys_file),
                               tenant_cache_retentions=load_tenant_cache_retentions(args.api_keys_file))
-    return engine, build_app(engine, settings)
+    except ValueError as error:
+        raise SystemExit(f"prefixserve serve: {error}") from None
 
 
 class QuietPolls(logging.Filter):
@@ -213,17 +222,7 @@ def check_options(args: argparse.Namespace) -> None:
         check_model_dir(args.model)
     if args.shared_prefix:
         read_shared_prefix(args.shared_prefix)
-    load_api_keys(args.api_keys_file, args.api_key)
-    load_tenant_cache_ttls(args.api_keys_file)
-    load_tenant_cache_retentions(args.api_keys_file)
-    from .api import ServerSettings
-
-    try:  # the server's own settings, validated as build_app will get them
-        ServerSettings(served_model_name=args.served_model_name or served_name_of(args.model),
-                       max_waiting=args.max_waiting, max_request_bytes=args.max_request_bytes,
-                       max_cache_ttl=args.max_cache_ttl)
-    except ValueError as error:
-        raise SystemExit(f"prefixserve serve: {error}") from None
+    server_settings_from_args(args)  # the keys file and the server's own settings, as build_server reads them
 
 
 def _with_flag_names(message: str) -> str:
