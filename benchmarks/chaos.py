@@ -40,7 +40,7 @@ from pathlib import Path
 
 import httpx
 
-from serve_bench import free_port, wait_healthy
+from serve_bench import free_port, start_prefixserve, wait_healthy
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ADMIN = "chaos-admin-key"
@@ -129,7 +129,7 @@ class Fleet:
         self.router_url = f"http://127.0.0.1:{free_port()}"
 
     def start_replica(self, name: str, model: Path) -> None:
-        self.processes[name] = _start(["serve", "--model", str(model), "--port", str(self.ports[name]),
+        self.processes[name] = start_prefixserve(["serve", "--model", str(model), "--port", str(self.ports[name]),
                                        "--admin-api-key", ADMIN, "--dtype", "float32", "--enable-kv-events",
                                        "--log-level", "warning"], self.log)
 
@@ -143,7 +143,7 @@ class Fleet:
             self.wait_replica(name)
         replicas = [arg for name, port in self.ports.items() for arg in ("--replica", f"{name}=http://127.0.0.1:{port}")]
         port = self.router_url.rsplit(":", 1)[1]
-        self.router = _start(["route", *replicas, "--port", port, "--admin-api-key", ADMIN, "--policy", "kv_aware",
+        self.router = start_prefixserve(["route", *replicas, "--port", port, "--admin-api-key", ADMIN, "--policy", "kv_aware",
                               "--progress-timeout", "5", "--log-level", "warning"], self.log)
         wait_healthy(self.router_url, self.router, 120)
 
@@ -155,14 +155,10 @@ class Fleet:
                 process.wait(timeout=10)
 
 
-def _start(command: list[str], log) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "prefixserve.cli", *command], stdout=log, stderr=subprocess.STDOUT)
-
-
 def references(log, model: Path, requests: list[tuple[str, dict]]) -> tuple[str, list[str]]:
     """(system_fingerprint, each request's text) from one fresh replica of `model`, asked directly."""
     port = free_port()
-    process = _start(["serve", "--model", str(model), "--port", str(port), "--dtype", "float32",
+    process = start_prefixserve(["serve", "--model", str(model), "--port", str(port), "--dtype", "float32",
                       "--log-level", "warning"], log)
     try:
         wait_healthy(f"http://127.0.0.1:{port}", process, 180)

@@ -22,7 +22,6 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,14 +29,10 @@ from pathlib import Path
 
 import httpx
 
-from serve_bench import free_port, wait_healthy
+from serve_bench import free_port, start_prefixserve, wait_healthy
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ADMIN = "hung-admin-key"
-
-
-def start(command: list[str], log) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "prefixserve.cli", *command], stdout=log, stderr=subprocess.STDOUT)
 
 
 def request(url: str, stream: bool, prompt: str, max_tokens: int) -> tuple[float, str, str]:
@@ -99,12 +94,12 @@ def main() -> int:
     processes, router = {}, None
     try:
         for name, port in ports.items():
-            processes[name] = start(["serve", "--port", str(port), "--admin-api-key", ADMIN, "--dtype", "float32",
+            processes[name] = start_prefixserve(["serve", "--port", str(port), "--admin-api-key", ADMIN, "--dtype", "float32",
                                      "--enable-kv-events", "--log-level", "warning"], log)
         for name, port in ports.items():
             wait_healthy(f"http://127.0.0.1:{port}", processes[name], 120)
         replicas = [arg for name, port in ports.items() for arg in ("--replica", f"{name}=http://127.0.0.1:{port}")]
-        router = start(["route", *replicas, "--port", str(router_port), "--admin-api-key", ADMIN,
+        router = start_prefixserve(["route", *replicas, "--port", str(router_port), "--admin-api-key", ADMIN,
                         "--progress-timeout", str(args.progress_timeout), "--log-level", "warning"], log)
         wait_healthy(url, router, 120)
         rows = []

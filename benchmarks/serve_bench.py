@@ -52,6 +52,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def start_prefixserve(command: list[str], log) -> subprocess.Popen:
+    """`prefixserve COMMAND...` (serve, route) as a subprocess of this Python, its output to `log`."""
+    return subprocess.Popen([sys.executable, "-m", "prefixserve.cli", *command], stdout=log, stderr=subprocess.STDOUT)
+
+
 def wait_healthy(url: str, process: subprocess.Popen, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -17,11 +17,10 @@ from .paths import int_list, output_path
 from .plan import LOG_FORMAT, measure_tier_reads  # one way: plan never imports simulate
 
 if TYPE_CHECKING:  # the router's modules load only when a replay runs
-    from ..traces.agents import AgentTraceConfig
     from ..router.policies import RouteRequest
     from ..router.simulate import SimulationConfig
+    from ..traces.agents import AgentTraceConfig
     from ..traces.mooncake import Trace
-
 
 
 def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -147,8 +146,8 @@ def _float_list(text: str, flag: str) -> list[float]:
 def _replay(args: argparse.Namespace) -> int:
     from ..router.costs import CostModel
     from ..router.policies import make_policy
-    from ..traces.agents import AgentTraceConfig, parse_agent_knobs
     from ..router.simulate import SimulationConfig, prepare_routes
+    from ..traces.agents import AgentTraceConfig, parse_agent_knobs
     from ..traces.mooncake import load_trace
 
     policies = [name.strip() for name in args.policies.split(",") if name.strip()]
