@@ -122,3 +122,46 @@ def test_the_old_versions_remote_records_stay_for_other_replicas_until_the_opera
     assert [out.token_ids for out in generate(llm)] == cold_b
     llm.engine.tiers.tiers["remote"].flush()
     assert len(list(client.scan_iter(match=b"*" + new + b"*"))) > 0  # the serving version's records stay
+
+
+def relowered_copy(source, directory):
+    """`source` with a tokenizer that lowercases first: another tokenizer (fingerprint) on the same weights."""
+    import json
+    import shutil
+
+    shutil.copytree(source, directory)
+    spec = json.loads((directory / "tokenizer.json").read_text())
+    spec["normalizer"] = {"type": "Lowercase"}
+    (directory / "tokenizer.json").write_text(json.dumps(spec))
+    return directory
+
+
+def test_a_reload_swaps_one_version_that_every_reader_sees(versions, tmp_path):
+    import dataclasses
+
+    from prefixserve import SamplingParams
+    from prefixserve.model import Tokenizer
+
+    path_a, path_b, _, _ = versions
+    path_c = relowered_copy(path_b, tmp_path / "lowercased")
+    llm = make_llm(model=str(path_a))
+    first = llm.engine.version
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        first.max_model_len = 1  # a version never changes: a reload replaces it whole
+    shared = llm.engine.tokenizer.encode(SYSTEM)
+    assert llm.engine.declare_shared_prefix(shared) > 0
+
+    llm.reload(str(path_b))  # the same tokenizer: the declared public prefix keeps its meaning
+    assert llm.engine.scoper.shared_prefixes and llm.engine.version is not first
+    assert llm.engine.runner.model is llm.engine.version.model
+    assert llm.engine.max_model_len == first.max_model_len
+
+    llm.reload(str(path_c))  # another tokenizer: token ids, text and shared prefixes all follow it
+    served, expected = llm.engine.version, Tokenizer.from_dir(path_c)
+    assert served.tokenizer.fingerprint == expected.fingerprint != first.tokenizer.fingerprint
+    assert llm.engine.scoper.shared_prefixes == []
+    request = llm.engine.make_request(PROMPTS[0], SamplingParams(**GREEDY))
+    assert request.prompt_token_ids == expected.encode(PROMPTS[0]) != first.tokenizer.encode(PROMPTS[0])
+    output = llm.generate([PROMPTS[0]], SamplingParams(**GREEDY))[0]
+    assert output.text == expected.decode(output.token_ids)
+    assert llm.engine.runner.model is served.model and llm.engine.scope == served.scope

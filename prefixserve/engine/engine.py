@@ -24,7 +24,7 @@ from ..model import kernels
 from .device import check_exact, cpu_has_fast_bfloat16, measure_cuda_kv_budget, resolve_device, resolve_dtype
 from .input_processor import InputProcessor, PromptType
 from .kv_tiers import TieredKV, build_tiers, empty_breakdown
-from .model_version import ModelVersion, load_version
+from .model_version import CurrentVersion, ModelVersion, load_version
 from .numerics import numerics_fingerprint
 from .pins import Pin, PinTable, restore_pins
 from .reload import ReloadReport, check_swappable, swap_model
@@ -45,18 +45,13 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         check_exact(self.dtype, self.device, config.batch_invariant)
         self.numerics = numerics_fingerprint(self.dtype, self.device, config.batch_invariant)
-        version = load_version(config.model, self.dtype, self.device, self.numerics)
-        loaded = version.loaded
-        self.model_path, self.model_name = version.path, version.name
-        self.model_config = loaded.config
-        self.tokenizer = version.tokenizer
-        self.eos_token_ids = version.eos_token_ids
-        self.max_model_len = self._resolve_max_model_len()
-        self.scope = version.scope
-        self.scoper = PromptScoper(self.scope, config.block_size)
+        loaded_version = load_version(config.model, self.dtype, self.device, self.numerics, config.block_size)
+        loaded = loaded_version.loaded
+        max_model_len = self._resolve_max_model_len(loaded.config.max_context_len)
+        num_blocks, bytes_per_token, max_model_len, max_model_len_note = self._size_kv_pool(loaded, max_model_len)
+        self.current = CurrentVersion(loaded_version.within(max_model_len))
         self.num_reloads = 0  # hot reloads so far (reload.py); requests made before one are refused after it
 
-        num_blocks, bytes_per_token, max_model_len_note = self._size_kv_pool(loaded)
         self.events = EventQueue() if config.enable_kv_events else None
         self.cache = RadixCache(num_blocks, config.block_size, max_pinned_blocks=config.max_pinned_blocks,
                                 events=self.events)
@@ -80,13 +75,12 @@ class LLMEngine:
         loaded.model.pack_linear_weights(batch_size_hint=config.max_num_batched_tokens)
         self._log_progress(f"allocating the KV pool: {num_blocks} blocks "
                            f"({num_blocks * config.block_size * bytes_per_token / 2**20:.0f} MiB) ...")
-        self.runner = ModelRunner(loaded.model, loaded.config, num_blocks, config.block_size, self.dtype,
+        self.runner = ModelRunner(self.current, num_blocks, config.block_size, self.dtype,
                                   self.device, config.max_num_batched_tokens, config.max_num_seqs, config.seed,
                                   batch_invariant=config.batch_invariant)
         self.tiers = self._build_tiers()
-        self.inputs = InputProcessor(self.tokenizer, loaded.config.vocab_size, self.max_model_len, self.scoper,
-                                     self.eos_token_ids, config.prefix_ttl)
-        self.outputs = OutputProcessor(self.tokenizer)
+        self.inputs = InputProcessor(self.current, config.prefix_ttl)
+        self.outputs = OutputProcessor(self.current)
         self.pins = PinTable(self.cache, self.keyer, config.block_size, config.kv_disk_cache_dir,
                              self.tokenizer.fingerprint)
         self.num_prefill_tokens_computed = 0
@@ -96,6 +90,44 @@ class LLMEngine:
             logger.info(self.startup_summary)
         if self.pins.to_restore:  # pins saved by the last run: warm them (from the disk tier) and pin
             self.restore_pins()
+
+    # ------------------------------------------------ the served version
+    # Read through the one reference a reload swaps (reload.py): never copied into an attribute.
+    @property
+    def version(self) -> ModelVersion:
+        return self.current.version
+
+    @property
+    def tokenizer(self):
+        return self.current.version.tokenizer
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.current.version.eos_token_ids
+
+    @property
+    def max_model_len(self) -> int:
+        return self.current.version.max_model_len
+
+    @property
+    def scope(self):
+        return self.current.version.scope
+
+    @property
+    def scoper(self) -> PromptScoper:
+        return self.current.version.scoper
+
+    @property
+    def model_config(self):
+        return self.current.version.config
+
+    @property
+    def model_path(self):
+        return self.current.version.path
+
+    @property
+    def model_name(self) -> str:
+        return self.current.version.name
 
     # ------------------------------------------------------------- set-up
     def _build_tiers(self) -> Optional[TieredKV]:
@@ -111,18 +143,19 @@ class LLMEngine:
         if self.config.log_stats:
             logger.info(message)
 
-    def _size_kv_pool(self, loaded) -> tuple[int, int, str]:
-        """(blocks, KV bytes per token, a note on max_model_len) for the configured or measured budget."""
+    def _size_kv_pool(self, loaded, max_model_len: int) -> tuple[int, int, int, str]:
+        """(blocks, KV bytes per token, max_model_len, a note on it) for the configured or measured budget."""
         block_size = self.config.block_size
         bytes_per_token = kv_bytes_per_token(loaded.config, self.dtype)
-        budget = self._kv_budget(loaded)
+        budget = self._kv_budget(loaded, max_model_len)
         num_blocks = budget // (bytes_per_token * block_size)
         if num_blocks < 2:
             raise ValueError(
                 f"a KV budget of {budget} bytes holds {num_blocks} blocks of {block_size} tokens "
                 f"({bytes_per_token} bytes a token); raise kv_cache_memory_bytes"
             )
-        return num_blocks, bytes_per_token, self._fit_max_model_len(num_blocks, budget, bytes_per_token)
+        return (num_blocks, bytes_per_token) + self._fit_max_model_len(max_model_len, num_blocks, budget,
+                                                                         bytes_per_token)
 
     def _summary(self, loaded, num_blocks: int, bytes_per_token: int, max_model_len_note: str) -> str:
         """The start-up line: model, dtype, device, weights, KV pool, max_model_len."""
@@ -144,8 +177,7 @@ class LLMEngine:
                 "hits never change its greedy outputs either (batch-invariant; the default on such CPUs)")
         return summary
 
-    def _resolve_max_model_len(self) -> int:
-        limit = self.model_config.max_context_len
+    def _resolve_max_model_len(self, limit: int) -> int:
         if self.config.max_model_len is None:
             return limit
         if self.config.max_model_len > limit:
@@ -155,30 +187,29 @@ class LLMEngine:
             )
         return self.config.max_model_len
 
-    def _fit_max_model_len(self, num_blocks: int, budget: int, bytes_per_token: int) -> str:
+    def _fit_max_model_len(self, max_model_len: int, num_blocks: int, budget: int,
+                           bytes_per_token: int) -> tuple[int, str]:
         """Make one request of max_model_len tokens always fit the pool alone, so it can never
-        be preempted forever; returns a note for the start-up summary."""
+        be preempted forever; returns it and a note for the start-up summary."""
         block_size = self.config.block_size
         pool_tokens = num_blocks * block_size
-        if self.max_model_len <= pool_tokens:
-            return ""
+        if max_model_len <= pool_tokens:
+            return max_model_len, ""
         if self.config.max_model_len is not None:
-            needed = -(-self.max_model_len // block_size) * block_size * bytes_per_token
+            needed = -(-max_model_len // block_size) * block_size * bytes_per_token
             raise ValueError(
-                f"max_model_len={self.max_model_len} does not fit the KV pool: a budget of {budget} bytes "
+                f"max_model_len={max_model_len} does not fit the KV pool: a budget of {budget} bytes "
                 f"(kv_cache_memory_bytes) holds {pool_tokens} tokens; raise kv_cache_memory_bytes to at "
                 f"least {needed} or use max_model_len <= {pool_tokens}"
             )
-        note = f" (capped from the model's {self.max_model_len} to what the KV pool holds)"
-        self.max_model_len = pool_tokens
-        return note
+        return pool_tokens, f" (capped from the model's {max_model_len} to what the KV pool holds)"
 
-    def _kv_budget(self, loaded) -> int:
+    def _kv_budget(self, loaded, max_model_len: int) -> int:
         if self.config.kv_cache_memory_bytes is not None:
             return self.config.kv_cache_memory_bytes
         if self.device.type != "cuda":
             return DEFAULT_CPU_KV_CACHE_BYTES
-        return measure_cuda_kv_budget(loaded, self.config, self.device, self.dtype, self.max_model_len)
+        return measure_cuda_kv_budget(loaded, self.config, self.device, self.dtype, max_model_len)
 
     # ----------------------------------------------------------- requests
     def add_request(
@@ -341,7 +372,8 @@ class LLMEngine:
         fixed settings only, so it may run in another thread while the engine serves. Raises
         FileNotFoundError / ValueError (IncompatibleModelError) naming the fix."""
         version = load_version(str(self.model_path) if model is None else model, self.dtype, self.device,
-                               self.numerics, batch_size_hint=self.config.max_num_batched_tokens)
+                               self.numerics, self.config.block_size,
+                               batch_size_hint=self.config.max_num_batched_tokens)
         check_swappable(self, version)
         return version
 

@@ -1,7 +1,7 @@
 """Input processing: a prompt as a caller gives it -> a validated Request, ready to schedule.
 
-Runs in the caller (thread-safe: it reads only what is fixed at start-up), so bad input
-fails there, before the engine sees it.
+Runs in the caller (thread-safe: it reads the served version once per request, and a version
+never changes; a reload swaps in another), so bad input fails there, before the engine sees it.
 """
 
 from __future__ import annotations
@@ -9,10 +9,9 @@ from __future__ import annotations
 import uuid
 from typing import Any, Optional, Union
 
-from ..cache.scoping import PromptScoper
 from ..config import CACHE_RETENTIONS
-from ..model import Tokenizer
 from ..prompts import is_token_ids
+from .model_version import CurrentVersion, ModelVersion
 from .request import Request
 from .sampling_params import SamplingParams
 
@@ -34,16 +33,12 @@ class PromptTooLongError(ValueError):
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int, scoper: PromptScoper,
-                 eos_token_ids: frozenset[int], prefix_ttl: Optional[float]) -> None:
-        self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
-        self.max_model_len = max_model_len
-        self.scoper = scoper
-        self.eos_token_ids = eos_token_ids
+    def __init__(self, current: CurrentVersion, prefix_ttl: Optional[float]) -> None:
+        self.current = current
         self.prefix_ttl = prefix_ttl
 
-    def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int], Optional[str]]:
+    @staticmethod
+    def tokenize(version: ModelVersion, prompt: PromptType) -> tuple[Optional[str], list[int], Optional[str]]:
         """(text or None, token ids, cache salt or None) of a string, token list or vLLM-style dict."""
         cache_salt = None
         if isinstance(prompt, dict):
@@ -59,20 +54,22 @@ class InputProcessor:
             else:
                 raise ValueError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids' (list of ints)")
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt) if prompt else [], cache_salt
+            return prompt, version.tokenizer.encode(prompt) if prompt else [], cache_salt
         if is_token_ids(prompt) or (isinstance(prompt, (list, tuple)) and not prompt):
             return None, list(prompt), cache_salt
         raise TypeError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
-    def validate(self, token_ids: list[int]) -> None:
+    @staticmethod
+    def validate(version: ModelVersion, token_ids: list[int]) -> None:
         if not token_ids:
             raise ValueError("the prompt is empty; give at least one character or token id")
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        vocab_size = version.config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab_size]
         if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size}); check the tokenizer")
-        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size}); check the tokenizer")
+        if len(token_ids) >= version.max_model_len:
             raise PromptTooLongError(
-                f"the prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}, "
+                f"the prompt has {len(token_ids)} tokens but max_model_len is {version.max_model_len}, "
                 "which leaves no room to generate; shorten the prompt"
             )
 
@@ -88,10 +85,11 @@ class InputProcessor:
         (the stricter of it and the prompt dict's wins)."""
         retention = stricter_retention(cache_retention,
                                        prompt.get("cache_retention") if isinstance(prompt, dict) else None)
-        text, token_ids, prompt_salt = self.tokenize(prompt)
-        self.validate(token_ids)
+        version = self.current.version  # one read: the whole request is of one version
+        text, token_ids, prompt_salt = self.tokenize(version, prompt)
+        self.validate(version, token_ids)
         salt = cache_salt if cache_salt is not None else prompt_salt
-        scope_digest, private_from = self.scoper.scope_for(token_ids, salt)
+        scope_digest, private_from = version.scoper.scope_for(token_ids, salt)
         request = Request(
             request_id=request_id or uuid.uuid4().hex,
             prompt_token_ids=token_ids,
@@ -99,8 +97,8 @@ class InputProcessor:
             prompt=text,
             scope_digest=scope_digest,
             private_from=private_from,
-            eos_token_ids=self.eos_token_ids,
-            max_model_len=self.max_model_len,
+            eos_token_ids=version.eos_token_ids,
+            max_model_len=version.max_model_len,
             prefix_ttl=self.prefix_ttl if prefix_ttl is None else prefix_ttl,
             tenant=tenant,
             cache_retention=retention,

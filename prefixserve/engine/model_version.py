@@ -1,40 +1,88 @@
-"""One loaded version of a model: weights, tokenizer, end-of-sequence ids and the cache scope they make.
+"""One version of a model, as served: weights, tokenizer, end-of-sequence ids, the cache scope they
+make, the prompt scoper and the longest sequence it serves. Immutable.
 
-The engine starts with one and a hot reload swaps in another (reload.py). Loading runs
-anywhere (a worker thread during a reload, so the server keeps answering); nothing here
-touches engine state.
+The engine holds its version through one reference (CurrentVersion), which the runner, the input
+and output processors and the server read; a hot reload swaps that reference once (reload.py), so
+no reader can see half of one version and half of another. Loading runs anywhere (a worker thread
+during a reload, so the server keeps answering); nothing here touches engine state.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 from ..cache import CacheScope
+from ..cache.scoping import PromptScoper
 from ..model import DEFAULT_MODEL_NAME, Tokenizer, ensure_default_model, load_generation_eos, load_model
 from ..model.loader import LoadedModel
 
 logger = logging.getLogger("prefixserve")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelVersion:
     path: Path  # the checkpoint directory (a .gguf is converted to one)
     name: str  # what the user named: a directory, a .gguf file, a model name, or the built-in default
     loaded: LoadedModel
     tokenizer: Tokenizer
     eos_token_ids: frozenset[int]
-    numerics: str  # how K/V is computed here (numerics.py): replicas that differ share no blocks
+    # Chains every prompt's block keys from this version's scope (model and tokenizer fingerprints and
+    # the numerics: a new version of any makes every old block unreachable), per tenant salt.
+    scoper: PromptScoper
+    max_model_len: int  # the longest prompt + output served: the model's context, or less (within())
 
     @property
     def scope(self) -> CacheScope:
-        """Model and tokenizer fingerprints and the numerics: a new version of any makes every old block
-        unreachable."""
-        return CacheScope(self.loaded.model_fingerprint, self.tokenizer.fingerprint, numerics=self.numerics)
+        return self.scoper.scope
+
+    @property
+    def config(self):
+        return self.loaded.config
+
+    @property
+    def model(self):
+        return self.loaded.model
+
+    def within(self, max_model_len: int) -> "ModelVersion":
+        """This version serving at most `max_model_len` tokens (what the KV pool holds, or the operator set)."""
+        if not 0 < max_model_len <= self.config.max_context_len:
+            raise ValueError(f"max_model_len must be in [1, {self.config.max_context_len}] for {self.name}, "
+                             f"got {max_model_len}")
+        return replace(self, max_model_len=max_model_len)
+
+    def succeeding(self, previous: "ModelVersion") -> "ModelVersion":
+        """This version as the successor of `previous` in a hot reload: no longer a context than the
+        previous one served (the pool was sized for it), and the declared public prefixes carried over
+        when both have the same tokenizer (they are token ids: another tokenizer reads them otherwise)."""
+        successor = self.within(min(previous.max_model_len, self.config.max_context_len))
+        if previous.tokenizer.fingerprint == self.tokenizer.fingerprint:
+            for prefix in previous.scoper.shared_prefixes:
+                successor.scoper.declare_shared_prefix(prefix)
+        elif previous.scoper.shared_prefixes:
+            logger.warning("reload: the tokenizer changed, so %d declared shared prefixes (token ids) were dropped; "
+                           "declare them again", len(previous.scoper.shared_prefixes))
+        return successor
+
+
+class CurrentVersion:
+    """The one reference to the version an engine serves; swap() is the only way it changes."""
+
+    def __init__(self, version: ModelVersion) -> None:
+        self._version = version
+
+    @property
+    def version(self) -> ModelVersion:
+        return self._version
+
+    def swap(self, version: ModelVersion) -> ModelVersion:
+        """Serve `version` from now on; returns the one it replaces."""
+        previous, self._version = self._version, version
+        return previous
 
 
 def resolve_model_path(model: Optional[str]) -> Path:
@@ -52,15 +100,18 @@ def resolve_model_path(model: Optional[str]) -> Path:
     return path
 
 
-def load_version(model: Optional[str], dtype: torch.dtype, device: torch.device, numerics: str,
+def load_version(model: Optional[str], dtype: torch.dtype, device: torch.device, numerics: str, block_size: int,
                  batch_size_hint: Optional[int] = None) -> ModelVersion:
-    """Load weights and tokenizer; with `batch_size_hint`, also lay the linear weights out for
-    oneDNN (CPU) sized for a step of that many tokens. `numerics`: numerics_fingerprint()'s."""
+    """Load weights and tokenizer, serving the model's whole context; with `batch_size_hint`, also lay
+    the linear weights out for oneDNN (CPU) sized for a step of that many tokens. `numerics`:
+    numerics_fingerprint()'s."""
     path = resolve_model_path(model)
     loaded = load_model(path, dtype, device)
     tokenizer = Tokenizer.from_dir(path)
     eos = frozenset(tokenizer.eos_token_ids) | frozenset(load_generation_eos(path))
     if batch_size_hint is not None:
         loaded.model.pack_linear_weights(batch_size_hint=batch_size_hint)
+    scope = CacheScope(loaded.model_fingerprint, tokenizer.fingerprint, numerics=numerics)
     return ModelVersion(path=path, name=str(model) if model else DEFAULT_MODEL_NAME, loaded=loaded,
-                        tokenizer=tokenizer, eos_token_ids=eos, numerics=numerics)
+                        tokenizer=tokenizer, eos_token_ids=eos, scoper=PromptScoper(scope, block_size),
+                        max_model_len=loaded.config.max_context_len)

@@ -8,23 +8,23 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..model import Tokenizer
 from .detokenizer import RequestDetokenizer
+from .model_version import CurrentVersion
 from .outputs import RequestOutput
 from .request import Request
 from .request_log import RequestLog
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, current: CurrentVersion) -> None:
+        self.current = current
         self._texts: dict[str, RequestDetokenizer] = {}
         self.request_log = RequestLog()  # keys and lengths of recent requests, for the capacity planner
 
     def add(self, request: Request) -> None:
         if request.request_id in self._texts:
             raise ValueError(f"request id {request.request_id!r} is already in use; give each request its own id")
-        self._texts[request.request_id] = RequestDetokenizer(self.tokenizer, request.prompt,
+        self._texts[request.request_id] = RequestDetokenizer(self.current.version.tokenizer, request.prompt,
                                                              request.prompt_token_ids, request.sampling_params.stop)
 
     def forget(self, request_id: str) -> None:

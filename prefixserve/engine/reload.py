@@ -3,7 +3,8 @@
     load the new version (a worker thread; the engine keeps serving the old one)
        -> the engine drains: requests already queued finish on the old version
        -> swap, on the engine thread with no request in flight:
-            weights, tokenizer, eos ids, scope -> the new version's
+            the engine's one version reference (weights, tokenizer, eos ids, scope, scoper,
+            max_model_len: model_version.py) -> the new version, in one assignment
             every pooled block is the old scope's and unreachable now: freed at once
             host and disk tiers: the old scope's records deleted (they could never load again)
             remote tier: this replica reads and writes the new scope's keys; the old scope's
@@ -22,7 +23,6 @@ import logging
 import time
 from dataclasses import dataclass
 
-from ..cache.scoping import PromptScoper
 from .model_version import ModelVersion
 
 logger = logging.getLogger("prefixserve")
@@ -78,26 +78,9 @@ def swap_model(engine, version: ModelVersion) -> ReloadReport:
         raise RuntimeError("swap_model needs an idle engine: drain it first (AsyncLLMEngine.reload does)")
     check_swappable(engine, version)
     began = time.perf_counter()
-    previous = engine.scope
-    same_tokenizer = version.tokenizer.fingerprint == engine.tokenizer.fingerprint
-    engine.runner.use_model(version.loaded.model)
-    engine.model_config = version.loaded.config
-    engine.model_path, engine.model_name = version.path, version.name
-    engine.tokenizer, engine.eos_token_ids = version.tokenizer, version.eos_token_ids
-    engine.max_model_len = min(engine.max_model_len, version.loaded.config.max_context_len)
-    engine.scope = version.scope
-    scoper = PromptScoper(engine.scope, engine.config.block_size)
-    if same_tokenizer:  # declared public prefixes are token ids: they keep their meaning
-        for prefix in engine.scoper.shared_prefixes:
-            scoper.declare_shared_prefix(prefix)
-    elif engine.scoper.shared_prefixes:
-        logger.warning("reload: the tokenizer changed, so %d declared shared prefixes (token ids) were dropped; "
-                       "declare them again", len(engine.scoper.shared_prefixes))
-    engine.scoper = scoper
-    inputs = engine.inputs  # rebound field by field: the processors keep whatever else they hold
-    inputs.tokenizer, inputs.vocab_size = version.tokenizer, version.loaded.config.vocab_size
-    inputs.max_model_len, inputs.scoper, inputs.eos_token_ids = engine.max_model_len, scoper, version.eos_token_ids
-    engine.outputs.tokenizer = version.tokenizer
+    successor = version.succeeding(engine.version)
+    engine.runner.prepare(successor.model)  # may raise: before the swap, so a failure changes nothing
+    previous = engine.current.swap(successor).scope  # the one swap: every reader sees the new version now
     num_blocks = engine.cache.clear()  # every pooled block is the old scope's: none can match again
     records = engine.tiers.rescope(engine.scope.digest) if engine.tiers is not None else {}
     engine.num_reloads += 1

@@ -15,6 +15,7 @@ import torch
 
 from ..model import AttentionMetadata, LlamaForCausalLM, ModelConfig
 from .kv_memory import zeroed_pool
+from .model_version import CurrentVersion
 from .outputs import TokenLogprob
 from .sampling import Sampler
 from .scheduler import ScheduledRequest
@@ -36,8 +37,7 @@ def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
-        config: ModelConfig,
+        current: CurrentVersion,
         num_blocks: int,
         block_size: int,
         dtype: torch.dtype,
@@ -49,7 +49,9 @@ class ModelRunner:
     ) -> None:
         self.batch_invariant = batch_invariant
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
-        self.use_model(model)
+        self.current = current
+        self.prepare(current.version.model)
+        config = current.version.config
         self.block_size = block_size
         self.device = device
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
@@ -60,11 +62,14 @@ class ModelRunner:
                           for _ in range(config.num_hidden_layers)]
         self.sampler = Sampler(seed)
 
-    def use_model(self, model: LlamaForCausalLM) -> None:
-        """Run `model` from now on (start-up, a hot reload), with this engine's batch-invariance choice:
-        each linear layer's row calls are measured for the step sizes this engine makes."""
+    def prepare(self, model: LlamaForCausalLM) -> None:
+        """Ready `model` to run here (at start-up, and a hot reload's before the swap), with this engine's
+        batch-invariance choice: each linear layer's row calls are measured for the step sizes it makes."""
         model.plan_rows(self.batch_invariant, self.max_num_batched_tokens, self.max_num_seqs)
-        self.model = model
+
+    @property
+    def model(self) -> LlamaForCausalLM:
+        return self.current.version.model
 
     @property
     def block_shape(self) -> tuple[int, ...]:

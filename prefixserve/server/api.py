@@ -79,12 +79,16 @@ class ServerState:
     auth: Authenticator
     builder: RequestBuilder
     metrics: DashboardMetrics  # ServerMetrics plus what the dashboard shows (TTFT by hit/miss, tenants)
-    texts: TokenTexts
     reload_gate: ReloadGate = field(default_factory=ReloadGate)
+    _texts: Optional[TokenTexts] = field(default=None, init=False, repr=False)
 
-    def on_reloaded(self) -> None:
-        """A new model version serves from now on: token texts come from its tokenizer."""
-        self.texts = TokenTexts(self.engine.engine.tokenizer)
+    @property
+    def texts(self) -> TokenTexts:
+        """Token texts for logprobs, of the served version's tokenizer (a reload swaps the version)."""
+        tokenizer = self.engine.engine.version.tokenizer
+        if self._texts is None or self._texts.tokenizer is not tokenizer:
+            self._texts = TokenTexts(tokenizer)
+        return self._texts
 
 
 def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
@@ -92,8 +96,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     state = ServerState(settings=settings, engine=engine,
                         auth=Authenticator(settings.api_keys, settings.admin_api_key),
                         builder=RequestBuilder(engine, settings.default_max_tokens),
-                        metrics=DashboardMetrics(lambda: engine.snapshot),
-                        texts=TokenTexts(engine.engine.tokenizer))
+                        metrics=DashboardMetrics(lambda: engine.snapshot))
     app.state.server = state
     app.state.engine = engine
     app.state.metrics = state.metrics

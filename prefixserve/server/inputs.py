@@ -103,14 +103,14 @@ class RequestBuilder:
         self.engine = engine
         self.default_max_tokens = default_max_tokens
 
-    # Read from the engine each time: a hot reload replaces them (never while a request is being built).
+    # Read from the served version each time: a hot reload swaps it (never while a request is being built).
     @property
     def tokenizer(self):
-        return self.engine.engine.tokenizer
+        return self.engine.engine.version.tokenizer
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.engine.max_model_len
+        return self.engine.engine.version.max_model_len
 
     @property
     def max_prompt_chars(self) -> int:

@@ -108,7 +108,6 @@ async def reload_model(request: Request):
             loaded = time.perf_counter()
             async with gate.exclusive():
                 report = await state.engine.swap(version)
-                state.on_reloaded()
         except EngineDeadError as error:
             raise engine_dead(error) from None
         except (FileNotFoundError, IncompatibleModelError, ValueError, OSError) as error:
