@@ -68,7 +68,7 @@ def latency_ladder(sizes: Sizes, rng: random.Random, bar) -> dict:
             samples["host"].append(ttft(host_llm, prefix + new[2], served, "host"))
             bar.set_postfix_str("ladder: disk")
             ttft(disk_llm, prefix + new[0], {}, "")
-            disk_llm.engine.tiers.disk.flush()
+            disk_llm.engine.tiers["disk"].flush()
             for name, prompt in (("disk cold", prefix + new[1]), ("disk warm", prefix + new[2])):
                 disk_llm.engine.cache.evict(EVERYTHING)
                 if name == "disk cold":
@@ -173,7 +173,7 @@ def disk_ttft(dtype: str, sizes: Sizes, rng: random.Random, bar) -> dict:
         recomputed = []
         for prompt in prompts:
             recomputed.append(first.generate([prompt], params, use_tqdm=False)[0])
-            first.engine.tiers.disk.flush()  # the next prefill does not share the cores with this one's writes
+            first.engine.tiers["disk"].flush()  # the next prefill does not share the cores with this one's writes
         first.close()
         del first
         gc.collect()
@@ -181,7 +181,7 @@ def disk_ttft(dtype: str, sizes: Sizes, rng: random.Random, bar) -> dict:
         start = time.perf_counter()
         second = engine(dtype, pool, kv_disk_cache_dir=directory, warm=False)
         restart_s = time.perf_counter() - start
-        report = second.engine.tiers.disk.rebuild_report
+        report = second.engine.tiers["disk"].rebuild_report
         warm_up(second)
         drop_page_cache(Path(directory))
         from_disk = [second.generate([prompt], params, use_tqdm=False)[0] for prompt in prompts]

@@ -109,7 +109,7 @@ def fetch_seconds(llm, source: str, prompt: list[int], num_blocks: int, director
         assert len(hit) == num_blocks, f"the prefix left the pool ({len(hit)} of {num_blocks} blocks)"
         return seconds
     tiers, size = engine_.tiers, engine_.config.block_size
-    tier = tiers.host if source == "host" else tiers.disk
+    tier = tiers["host"] if source == "host" else tiers["disk"]
     if source == "disk cold":
         drop_page_cache(directory)
     start = time.perf_counter()

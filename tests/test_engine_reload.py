@@ -29,9 +29,9 @@ def test_after_a_reload_nothing_of_the_old_version_matches_and_outputs_are_the_n
     assert [out.token_ids for out in generate(llm)] == cold_a
     assert [out.token_ids for out in generate(llm)] == cold_a  # warm: hits on version A
     tiers = llm.engine.tiers
-    tiers.disk.flush()
+    tiers["disk"].flush()
     num_cached = llm.engine.cache.num_cached_blocks
-    num_disk = len(tiers.disk.keys())
+    num_disk = len(tiers["disk"].keys())
     assert num_cached > 0 and num_disk > 0
     evicted_before = llm.engine.cache.stats.num_evicted_blocks
 
@@ -39,7 +39,7 @@ def test_after_a_reload_nothing_of_the_old_version_matches_and_outputs_are_the_n
     assert report.num_reclaimed_blocks == num_cached  # every old block freed at once, not aged out
     assert report.num_reclaimed_records["disk"] == num_disk
     assert llm.engine.cache.num_cached_blocks == 0 and llm.engine.cache.pool.num_free_blocks == llm.engine.cache.pool.num_blocks
-    assert tiers.disk.keys() == [] and tiers.host.keys() == []
+    assert tiers["disk"].keys() == [] and tiers["host"].keys() == []
     assert llm.engine.cache.stats.num_evicted_blocks == evicted_before  # reclaimed, not evicted
     assert report.model_fingerprint != report.previous_fingerprint
 
@@ -48,8 +48,8 @@ def test_after_a_reload_nothing_of_the_old_version_matches_and_outputs_are_the_n
     assert outputs[0].num_cached_tokens == 0  # the first request after the reload found nothing
     assert [out.token_ids for out in generate(llm)] == cold_b  # and warm on B
     llm.engine.cache.check_integrity()
-    tiers.disk.check_integrity()
-    tiers.host.check_integrity()
+    tiers["disk"].check_integrity()
+    tiers["host"].check_integrity()
 
 
 def test_reloading_back_serves_the_first_version_again_from_a_cold_cache(versions):

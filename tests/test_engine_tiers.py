@@ -57,7 +57,7 @@ def test_host_tier_serves_a_working_set_four_times_the_pool(reference):
     assert [out.cached_tokens_by_tier for out in second] == [ALL_FROM["host"]] * NUM_PREFIXES
     assert [out.num_cached_tokens for out in second] == [PREFIX_LEN] * NUM_PREFIXES
     llm.engine.cache.check_integrity()
-    llm.engine.tiers.host.check_integrity()
+    llm.engine.tiers["host"].check_integrity()
 
 
 def test_a_burst_larger_than_the_pool_is_still_served_from_host(reference):
@@ -93,12 +93,12 @@ def test_disk_tier_serves_after_eviction_and_after_a_restart(reference, tmp_path
     llm.close()
     del llm
     restarted = make_llm(kv_cache_memory_bytes=POOL, kv_disk_cache_dir=str(tmp_path))
-    report = restarted.engine.tiers.disk.rebuild_report
+    report = restarted.engine.tiers["disk"].rebuild_report
     assert report.num_records > 0 and report.num_rejected == 0
     first = run(restarted, prompts[:3])  # its very first requests hit from disk
     assert [out.token_ids for out in first] == expected[:3]
     assert [out.cached_tokens_by_tier for out in first] == [ALL_FROM["disk"]] * 3
-    restarted.engine.tiers.disk.check_integrity()
+    restarted.engine.tiers["disk"].check_integrity()
 
 
 @pytest.fixture(scope="module")
@@ -113,8 +113,8 @@ def test_another_model_finds_nothing_and_reclaims_the_old_records(reference, sec
     llm.close()
     del llm
     other = make_llm(model=str(second_checkpoint), kv_cache_memory_bytes=POOL, kv_disk_cache_dir=str(tmp_path))
-    assert other.engine.tiers.disk.rebuild_report.num_reclaimed > 0
-    assert other.engine.tiers.disk.keys() == []
+    assert other.engine.tiers["disk"].rebuild_report.num_reclaimed > 0
+    assert other.engine.tiers["disk"].keys() == []
     assert all(out.num_cached_tokens == 0 for out in run(other, prompts))
 
 
@@ -165,7 +165,7 @@ def test_damaged_and_foreign_records_are_recomputed_and_counted(reference, tmp_p
     outputs = run(restarted, prompts[:3])
     assert [out.token_ids for out in outputs] == expected[:3]
     assert [out.cached_tokens_by_tier["disk"] for out in outputs] == [2 * 16, 1 * 16, 0]  # up to the damage
-    disk = restarted.engine.tiers.disk
+    disk = restarted.engine.tiers["disk"]
     report, stats = disk.rebuild_report, disk.stats
     assert report.num_rejected == 1  # the truncated record, at start-up
     assert stats.rejected_records == 2  # ...and the flipped one, on read
@@ -178,13 +178,13 @@ def test_a_disk_too_small_or_unusable_never_reaches_the_client(reference, tmp_pa
     tiny = make_llm(kv_cache_memory_bytes=POOL, kv_disk_cache_dir=str(tmp_path / "tiny"), kv_disk_cache_bytes=1 << 20)
     assert [out.token_ids for out in run(tiny, prompts[:4] * 2)] == expected[:4] * 2
     tiny.close()
-    assert tiny.engine.tiers.disk.stats.dropped_puts + tiny.engine.tiers.disk.stats.evictions > 0
+    assert tiny.engine.tiers["disk"].stats.dropped_puts + tiny.engine.tiers["disk"].stats.evictions > 0
     blocked = tmp_path / "a-file"
     blocked.write_text("not a directory")
     unusable = make_llm(kv_cache_memory_bytes=POOL, kv_disk_cache_dir=str(blocked / "kv"))
     assert [out.token_ids for out in run(unusable, prompts[:2])] == expected[:2]
     unusable.close()
-    assert unusable.engine.tiers.disk.stats.errors > 0
+    assert unusable.engine.tiers["disk"].stats.errors > 0
 
 
 WRITER = """
@@ -215,12 +215,12 @@ def test_a_process_killed_mid_write_leaves_a_directory_the_next_one_serves(refer
         writer.kill()  # SIGKILL: no flush, no clean close
         writer.wait(timeout=30)
     restarted = make_llm(kv_cache_memory_bytes=POOL, kv_disk_cache_dir=str(tmp_path))
-    report = restarted.engine.tiers.disk.rebuild_report
+    report = restarted.engine.tiers["disk"].rebuild_report
     assert report.num_records > 0  # what was on disk before the kill is served
     outputs = run(restarted, prompts[:4])  # the writer's first prompts are these (same seed)
     assert [out.token_ids for out in outputs] == expected[:4]
     assert sum(out.cached_tokens_by_tier["disk"] for out in outputs) > 0
-    restarted.engine.tiers.disk.check_integrity()
+    restarted.engine.tiers["disk"].check_integrity()
 
 
 def test_kv_events_carry_each_tiers_medium(reference, tmp_path):
@@ -230,7 +230,7 @@ def test_kv_events_carry_each_tiers_medium(reference, tmp_path):
     llm = make_llm(kv_cache_memory_bytes=POOL, kv_host_cache_bytes=2 * 34 * (256 << 10),  # 2 prompts' worth
                    kv_disk_cache_dir=str(tmp_path), enable_kv_events=True)
     run(llm, prompts[:6])
-    llm.engine.tiers.disk.flush()  # the background writes are on disk (and their events published)
+    llm.engine.tiers["disk"].flush()  # the background writes are on disk (and their events published)
     events, _, _ = llm.engine.events.since(0)
     media = {(type(event).__name__, event.medium) for event in events if isinstance(event, (BlockStored, BlockRemoved))}
     assert {("BlockStored", "GPU"), ("BlockRemoved", "GPU"), ("BlockStored", "CPU"), ("BlockRemoved", "CPU"),
@@ -254,7 +254,7 @@ def test_the_cost_planner_recomputes_a_run_it_prices_above_prefill(reference, tm
     prompts, expected = reference
     llm = conftest.make_llm(kv_cache_memory_bytes=POOL, kv_disk_cache_dir=str(tmp_path))
     assert llm.engine.config.kv_fetch_policy == "cost"
-    disk = llm.engine.tiers.disk
+    disk = llm.engine.tiers["disk"]
     disk.read_cost = TierCost(latency_seconds=3600.0, bytes_per_second=1.0)  # never observed: it is never read
     run(llm, prompts[:4])
     second = run(llm, prompts[:4])  # prompt 0 left the pool for prompt 3: its run is on disk only
@@ -263,5 +263,5 @@ def test_the_cost_planner_recomputes_a_run_it_prices_above_prefill(reference, tm
     assert disk.contains(_first_keys(llm, prompts[0], 32)) == 32 and disk.stats.hits == disk.stats.misses == 0
     llm.close()
     always = make_llm(kv_cache_memory_bytes=POOL, kv_disk_cache_dir=str(tmp_path))
-    always.engine.tiers.disk.read_cost = TierCost(latency_seconds=3600.0, bytes_per_second=1.0)
+    always.engine.tiers["disk"].read_cost = TierCost(latency_seconds=3600.0, bytes_per_second=1.0)
     assert [out.cached_tokens_by_tier["disk"] for out in run(always, prompts[:1])] == [PREFIX_LEN]

@@ -97,6 +97,20 @@ def test_a_tier_slower_than_recomputing_is_not_fetched():
     assert job.prefill_seconds == pytest.approx(1.536)
 
 
+def test_the_always_policy_fetches_a_run_slower_than_recomputing_as_the_engine_does():
+    slow = replace(TIER_COST, remote_bytes_per_second=512_000 / 0.6)  # 0.6 s a block > 0.512 s to recompute it
+    remote = SimulatedTier("remote", 100)
+    clock = SimulationClock()
+    tiers = [ReplicaTiers(remote=remote) for _ in range(2)]
+    first, second = (SimulatedReplica(i, 3, slow, 512, clock, tiers[i], fetch_policy="always") for i in range(2))
+    serve(first, [1, 2, 3])
+    job = serve(second, [1, 2, 3])
+    assert job.fetch.num_fetch_blocks_by_tier == {"remote": 2}  # the whole run but the last block (recomputed)
+    assert job.prefill_seconds == pytest.approx(0.1 + 2 * 0.6 + 0.512)
+    with pytest.raises(ValueError, match=r"fetch_policy \(--kv-fetch-policy\) must be one of cost, always"):
+        SimulationConfig(fetch_policy="never")
+
+
 def test_a_request_that_cannot_be_admitted_fetches_nothing_and_writes_nothing():
     remote = SimulatedTier("remote", 100)
     replica = make_replica(capacity_blocks=4, remote=remote)

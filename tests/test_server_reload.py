@@ -88,7 +88,7 @@ def test_a_reload_under_load_never_mixes_versions_and_fails_nothing(versions):
 
         pooled_scopes, new_digest = engine_call(server, roots)
         assert pooled_scopes <= {new_digest} and old_digest not in pooled_scopes
-        host = server.engine.engine.tiers.host
+        host = server.engine.engine.tiers["host"]
         from prefixserve.tiers.record import read_header
 
         assert all(read_header(host.get([key])[0]).scope_digest == new_digest for key in host.keys())

@@ -26,7 +26,7 @@ def test_usage_and_metrics_report_each_tier(tmp_path):
         assert [details["cached_tokens_by_tier"] for details in second] == [
             {"device": 0, "host": 512, "disk": 0, "remote": 0}] * 5
         assert [details["cached_tokens"] for details in second] == [512] * 5
-        server.engine.engine.tiers.disk.flush()  # the write-through to disk is in the background: let it land
+        server.engine.engine.tiers["disk"].flush()  # the write-through to disk is in the background: let it land
         text = httpx.get(server.url + "/metrics", timeout=10).text
         snapshot = httpx.get(server.url + "/v1/cache/keys", headers={"Authorization": "Bearer ops"}, timeout=10).json()
     assert set(snapshot["tiers"]) == {"CPU", "DISK"}  # a router resyncs each tier's keys from here
@@ -60,7 +60,7 @@ def test_privacy_mode_from_the_keys_file_and_from_the_request(tmp_path):
         assert complete("key-open", prompts[2]).status_code == 200
         bad = complete("key-open", prompts[2], cache_retention="forever")
         assert bad.status_code == 422 and bad.json()["error"]["param"] == "cache_retention"
-        disk = server.engine.engine.tiers.disk
+        disk = server.engine.engine.tiers["disk"]
         disk.flush()
         from prefixserve.tiers import read_header
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from prefixserve.tiers import FetchPlan, TierCost, crossover_tokens, plan_fetch
+from prefixserve.tiers import FetchPlan, TierCost, choose_fetch, crossover_tokens, find_run, plan_fetch
 
 BLOCK_SIZE = 16
 BLOCK_BYTES = 1_000_000  # 1 MB a block: round numbers below
@@ -115,3 +115,37 @@ def test_observe_is_an_exponential_moving_average():
     assert cost.seconds(1000) == pytest.approx(2e-3)
     with pytest.raises(ValueError, match="smoothing"):
         TierCost(0.0, 1.0, smoothing=0.0)
+
+
+class Held:
+    """A tier holding a set of keys, as find_run sees one."""
+
+    def __init__(self, name: str, keys) -> None:
+        self.name, self.keys = name, set(keys)
+
+    def contains(self, keys) -> int:
+        run = 0
+        while run < len(keys) and keys[run] in self.keys:
+            run += 1
+        return run
+
+
+def test_find_run_continues_each_tier_where_the_nearer_one_stopped():
+    keys = [bytes([i]) for i in range(10)]
+    host, disk, remote = Held("host", keys[2:5] + keys[7:8]), Held("disk", keys[:7]), Held("remote", keys)
+    assert find_run([host, disk, remote], keys, 2) == [("host", 3), ("disk", 2), ("remote", 3)]
+    # host's block 7 is past its run: after disk stops at 7 only the tiers below are asked
+    assert find_run([host, disk], keys, 2) == [("host", 3), ("disk", 2)]
+    assert find_run([Held("host", []), disk], keys, 0) == [("disk", 7)]  # a tier holding none is left out
+    assert find_run([host, disk], keys, 10) == [] and find_run([], keys, 0) == []
+
+
+def test_choose_fetch_always_takes_the_whole_run_and_cost_is_the_planner():
+    run = [("host", 2), ("disk", 3)]
+    table = costs(host=(0.0, 1e12), disk=(10.0, 1e6))  # disk: 10 s to read, far slower than recomputing
+    assert choose_fetch("cost", run, BLOCK_BYTES, PREFILL, BLOCK_SIZE, table) == plan(run, table)
+    always = choose_fetch("always", run, BLOCK_BYTES, PREFILL, BLOCK_SIZE, table)
+    assert always.num_fetch_blocks_by_tier == {"host": 2, "disk": 3} and always.num_recompute_blocks == 0
+    assert always.fetch_seconds == pytest.approx(table["host"].seconds(2 * BLOCK_BYTES) + 10.0 + 3.0)
+    with pytest.raises(ValueError, match="kv_fetch_policy must be one of"):
+        choose_fetch("sometimes", run, BLOCK_BYTES, PREFILL, BLOCK_SIZE, table)

@@ -167,10 +167,10 @@ def test_encrypted_records_reveal_no_tokens_or_kv_and_open_for_no_other_tenant(r
                    kv_fetch_policy="always")
     writer = make_llm(**options)
     assert tokens_of(writer, [q], salt="tenant-a") == [expected_q]
-    writer.engine.tiers.disk.flush()
+    writer.engine.tiers["disk"].flush()
     plain = make_llm(kv_disk_cache_dir=str(tmp_path / "plain"), kv_fetch_policy="always")
     tokens_of(plain, [q], salt="tenant-a")
-    plain.engine.tiers.disk.flush()
+    plain.engine.tiers["disk"].flush()
     files = sorted(tmp_path.glob("??/*.kv"))
     plain_files = sorted((tmp_path / "plain").glob("??/*.kv"))
     assert files and len(files) == len(plain_files)
@@ -183,7 +183,7 @@ def test_encrypted_records_reveal_no_tokens_or_kv_and_open_for_no_other_tenant(r
     writer.close()
     # the same records, read by tenant b's requests through the same keys: every one opens under tenant a's
     # key only (the chain is tenant-salted, so here we hand tenant b's key the record directly)
-    sealer = writer.engine.tiers.disk.sealer
+    sealer = writer.engine.tiers["disk"].sealer
     data = files[0].read_bytes()
     header = read_header(data)
     scope_a, _ = writer.engine.scoper.scope_for(q, "tenant-a")
@@ -225,7 +225,7 @@ def test_a_sealed_record_holding_nan_is_refused(reference, tmp_path, tier_secret
     reader = make_llm(**options)
     out = reader.generate([q], GREEDY, use_tqdm=False)[0]
     assert out.token_ids == expected_q and out.cached_tokens_by_tier["disk"] == 0
-    assert reader.engine.tiers.disk.rejections == {"nonfinite": 1}
+    assert reader.engine.tiers["disk"].rejections == {"nonfinite": 1}
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")
@@ -234,7 +234,7 @@ def test_a_fifo_under_a_record_name_never_blocks_a_read_or_the_start_up(referenc
     options = dict(kv_disk_cache_dir=str(tmp_path), kv_tier_secret_file=tier_secret_file, kv_fetch_policy="always")
     llm = make_llm(**options)
     tokens_of(llm, [q])
-    disk = llm.engine.tiers.disk
+    disk = llm.engine.tiers["disk"]
     disk.flush()
     path = sorted(tmp_path.glob("??/*.kv"))[0]
     os.unlink(path)
@@ -273,7 +273,7 @@ def test_a_hung_read_costs_one_deadline_and_the_request_recomputes(reference, tm
     (q, x, _), (expected_q, expected_x, _) = reference
     llm = make_llm(kv_disk_cache_dir=str(tmp_path), kv_fetch_policy="always", kv_tier_deadline=0.2)
     tokens_of(llm, [q, x])
-    disk = llm.engine.tiers.disk
+    disk = llm.engine.tiers["disk"]
     disk.flush()
     release = threading.Event()
     real_get = disk.get

@@ -154,7 +154,7 @@ def measure_tier_reads(block_shape: tuple[int, ...], dtype: str, disk_dir: Optio
                     os.close(fd)
 
         def time_read(tier, chosen: list[BlockRecord]) -> float:
-            if tier.name == "disk" and hasattr(os, "posix_fadvise"):
+            if isinstance(tier, DiskTier) and hasattr(os, "posix_fadvise"):  # files: a cold read
                 drop_page_cache(chosen)
             start = time.perf_counter()
             for record, data in zip(chosen, tier.get([record.key for record in chosen])):

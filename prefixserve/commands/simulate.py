@@ -13,6 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence
 
+from ..config import FETCH_POLICIES
 from .paths import int_list, output_path
 from .plan import LOG_FORMAT, measure_tier_reads  # one way: plan never imports simulate
 
@@ -59,6 +60,9 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
                              "blocks it computes, every replica reads. The header gives the trace's working set; "
                              "with it the replay runs twice, without and with the remote tier, and reports the "
                              "lift (default: 0, none)")
+    parser.add_argument("--kv-fetch-policy", choices=FETCH_POLICIES, default="cost",
+                        help="what replicas read back from the tiers: cost (what beats recomputing it, as "
+                             "prefixserve serve does by default) or always (the whole run) (default: %(default)s)")
     parser.add_argument("--costs", metavar="COSTS_JSON",
                         help="cost model, as a --calibrate run writes it "
                              "(default: an estimate of Llama-3-8B on one H100)")
@@ -169,8 +173,8 @@ def _replay(args: argparse.Namespace) -> int:
     loads = _float_list(args.sweep_loads, "--sweep-loads")
     cost = CostModel.load(args.costs) if args.costs else CostModel()
     config = SimulationConfig(args.replicas, args.capacity_blocks, cost, host_blocks=args.host_blocks,
-                              disk_blocks=args.disk_blocks, remote_blocks=args.remote_blocks, seed=args.seed,
-                              progress=not args.no_progress)
+                              disk_blocks=args.disk_blocks, remote_blocks=args.remote_blocks,
+                              fetch_policy=args.kv_fetch_policy, seed=args.seed, progress=not args.no_progress)
     trace = load_trace(args.trace, args.limit, args.seed, agent)
     routes = prepare_routes(trace)
     written = _compare(trace, routes, policies, config, json_path, plot_path, lift_plot)

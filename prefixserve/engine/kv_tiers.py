@@ -5,10 +5,13 @@
          └──every block computed──> disk tier        (write-through, on a background thread: a restart
                                                       finds what was computed seconds before)
 
-    a waiting request: device match ─> host run ─> disk run ─> fetch or recompute (tiers/policy.py;
-                                                            kv_fetch_policy="always": fetch all)
-        host: read now, copied into fresh pool blocks and cached there (a memory copy)
-        disk: read on a background thread; the request waits (not the engine), then the same
+    a waiting request: device match ─> host run ─> disk run ─> remote run ─> fetch or recompute
+                       (tiers/policy.py: find_run, then choose_fetch under kv_fetch_policy)
+        a synchronous tier (host): read now, copied into fresh pool blocks and cached there
+        the others (disk, remote): read on their threads; the request waits (not the engine), then the same
+
+Tiers are driven by what they declare (KVTier.traits: synchronous, write-through, shared), never
+by their names.
 
 Fetched blocks are promoted into the device radix as ordinary cached blocks, so admission
 then matches them like any device hit. Every record read is verified (key, scope, tokens,
@@ -36,7 +39,7 @@ from ..cache.events import BlockRemoved, BlockStored
 from ..cache.keys import unpack_tokens
 from ..cache.stats import LatencyHistogram
 from ..tiers import (BlockRecord, DiskTier, HostTier, Keyring, KVTier, RecordError, RecordExpectation, Sealer,
-                     TierStats, decode_record, plan_fetch)
+                     TierStats, choose_fetch, decode_record, find_run)
 from ..tiers.record import DTYPE_SIZES
 from .device import TORCH_DTYPES
 from .request import Request
@@ -48,9 +51,6 @@ FETCH_WAIT_SECONDS = 0.005  # an idle engine waits this long for a disk read bef
 DEFAULT_PREFILL_SECONDS_PER_TOKEN = 2e-4  # until the engine has measured its own prefill
 DEFAULT_TIER_DEADLINE = 0.5  # EngineConfig.kv_tier_deadline
 
-
-SYNCHRONOUS_TIERS = ("host",)
-TIER_MEDIA = {"host": "CPU", "disk": "DISK"}  # KV-event media of the local tiers (the device pool is "GPU")  # read on the engine thread (a memory copy); the others in the background
 
 
 @dataclass
@@ -85,8 +85,6 @@ class TieredKV:
         self.deadline = deadline  # seconds a request waits for a tier read before it recomputes
         self.stalled: dict[str, concurrent.futures.Future] = {}  # tier -> a read given up on, still running
         self.fetch_policy = fetch_policy  # EngineConfig.kv_fetch_policy
-        self.host: Optional[KVTier] = self.tiers.get("host")
-        self.disk: Optional[KVTier] = self.tiers.get("disk")
         self.runner, self.cache, self.keyer = runner, cache, keyer
         self.block_size = cache.block_size
         self.scope_digest = scope_digest  # the model's unsalted scope: records of another model never load
@@ -98,14 +96,16 @@ class TieredKV:
         self.fetches: dict[str, TierFetch] = {}  # request id -> its lookup
         self._written: list[tuple[Block, Optional[str]]] = []  # (block just cached, tier it came from)
         self._promoting_from: Optional[str] = None
-        # Tiers every computed block is written to, in the background: disk (durability), remote (the fleet).
-        self.write_tiers = [tier for name, tier in self.tiers.items() if name != "host"]
-        if self.host is not None:
+        # Tiers every computed block is written to, in the background (disk: durability, remote: the fleet),
+        # and those that keep what the pool evicts (host).
+        self.write_tiers = [tier for tier in tiers if tier.traits.write_through]
+        self.spill_tiers = [tier for tier in tiers if not tier.traits.write_through]
+        if self.spill_tiers:
             cache.on_evict = self._spill
         if cache.events is not None:  # KV events carry each local tier's medium, so a router can mirror them
-            for name, medium in TIER_MEDIA.items():
-                if name in self.tiers:
-                    self._publish_tier_events(self.tiers[name], medium, cache.events)
+            for tier in tiers:
+                if tier.traits.event_medium is not None:
+                    self._publish_tier_events(tier, tier.traits.event_medium, cache.events)
         if self.write_tiers:
             cache.on_insert = self._note_written
 
@@ -121,37 +121,43 @@ class TieredKV:
         request said its KV never leaves the device (cache_retention "device")."""
         if block.device_only:
             return
-        self.host.put([self._record(block, self.runner.read_blocks([block.block_id])[0])])
+        record = self._record(block, self.runner.read_blocks([block.block_id])[0])
+        for tier in self.spill_tiers:
+            tier.put([record])
 
     def _publish_tier_events(self, tier: KVTier, medium: str, events) -> None:
         block_size = self.block_size
         tier.watch(lambda key: events.publish(BlockStored([key], None, [], block_size, medium)),
                    lambda key: events.publish(BlockRemoved([key], medium)))
 
+    def __getitem__(self, name: str) -> KVTier:
+        return self.tiers[name]
+
+    @property
+    def shared(self) -> Optional[KVTier]:
+        """The fleet's shared tier, if this replica has one."""
+        return next((tier for tier in self.tiers.values() if tier.traits.shared), None)
+
     def rescope(self, scope_digest: bytes) -> dict[str, int]:
-        """A hot reload made `scope_digest` the model's scope (call with no request in flight): the
-        local tiers' records of the old scope could never load again, so they go now (returns how many
-        per tier); the remote tier switches to the new scope's keys and leaves the old ones to replicas
-        still serving that version."""
+        """A hot reload made `scope_digest` the model's scope (call with no request in flight): this
+        replica's own tiers delete the old scope's records, which could never load again (returns how
+        many per tier); a shared tier switches to the new scope's keys and leaves the old ones to
+        replicas still serving that version."""
         self.scope_digest = scope_digest
         self.fetches.clear()
         self._written.clear()
         reclaimed: dict[str, int] = {}
         for name, tier in self.tiers.items():
             tier.flush()  # a queued write of the old scope must not land after the purge
-            if name == "remote":
-                tier.rescope(scope_digest)
-                continue
-            keys = tier.keys()
-            tier.delete(keys)
-            reclaimed[name] = len(keys)
-            if name == "disk":
-                tier.expect_scope = scope_digest
+            count = tier.rescope(scope_digest)
+            if count is not None:
+                reclaimed[name] = count
         return reclaimed
 
     def tier_keys(self) -> dict[str, list[bytes]]:
-        """Every key each local tier holds, by KV-event medium (for a router's snapshot)."""
-        return {medium: self.tiers[name].keys() for name, medium in TIER_MEDIA.items() if name in self.tiers}
+        """Every key each published tier holds, by KV-event medium (for a router's snapshot)."""
+        return {tier.traits.event_medium: tier.keys() for tier in self.tiers.values()
+                if tier.traits.event_medium is not None}
 
     def _note_written(self, block: Block) -> None:
         if not block.device_only:
@@ -161,7 +167,7 @@ class TieredKV:
         """Blocks cached this step go to the write-through tiers in the background (their KV is written now).
 
         A block computed here goes to every one; a block brought back from a tier is not written back to it,
-        nor to the shared remote tier (the fleet had it, or our own tiers wrote it when it was computed).
+        nor to a shared tier (the fleet had it, or our own tiers wrote it when it was computed).
         """
         if not self._written:
             return
@@ -169,9 +175,9 @@ class TieredKV:
         payloads: dict[int, bytes] = {}
         for tier in self.write_tiers:
             blocks = [block for block, source in written if block.key is not None and source != tier.name
-                      and not (source is not None and tier.name == "remote")]
-            if tier is self.disk:
-                blocks = [block for block in blocks if not tier.contains([block.key])]  # a local index look-up
+                      and not (source is not None and tier.traits.shared)]
+            if not tier.traits.shared:  # already there: a look-up in this replica's own index
+                blocks = [block for block in blocks if not tier.contains([block.key])]
             missing = [block.block_id for block in blocks if block.block_id not in payloads]
             if missing:
                 payloads.update(zip(missing, self.runner.read_blocks(missing)))
@@ -204,29 +210,24 @@ class TieredKV:
 
     def _plan_and_fetch(self, fetch: TierFetch, keys: list[bytes]) -> None:
         """The consecutive run through the tiers, the planner's cut, then the reads (fast tiers now)."""
-        runs, start = [], fetch.start
+        available = []
         for name, tier in self.tiers.items():
             if self._is_stalled(name):
                 break  # a read given up on has not returned: this tier (and the run past it) is out for now
-            found = tier.contains(keys[start:])
-            runs.append((name, found))
-            start += found
-        if not any(found for _, found in runs):
+            available.append(tier)
+        runs = find_run(available, keys, fetch.start)
+        if not runs:
             return
-        if self.fetch_policy == "always":
-            num_fetch = dict(runs)  # one entry per tier: the whole run
-        else:
-            num_fetch = plan_fetch(runs, self.block_bytes, self.prefill_seconds_per_token, self.block_size,
-                                   {name: tier.read_cost for name, tier in self.tiers.items()}).num_fetch_blocks_by_tier
+        num_fetch = choose_fetch(self.fetch_policy, runs, self.block_bytes, self.prefill_seconds_per_token,
+                                 self.block_size, {tier.name: tier.read_cost for tier in available}
+                                 ).num_fetch_blocks_by_tier
         start = fetch.start
-        for name, found in runs:
+        for name, _ in runs:
             count = num_fetch.get(name, 0)
             if not count:
-                if found:
-                    return  # the planner stops here: what follows is recomputed
-                continue  # this tier has none of the run: the next one may
+                return  # the planner stops here: what follows is recomputed
             chunk = keys[start:start + count]
-            if name not in SYNCHRONOUS_TIERS:
+            if not self.tiers[name].traits.synchronous:
                 fetch.pending, fetch.pending_keys, fetch.pending_start = self.tiers[name].fetch(chunk), chunk, start
                 fetch.pending_tier, fetch.pending_since = name, time.perf_counter()
                 fetch.request.is_fetching = True
@@ -347,12 +348,13 @@ class TieredKV:
             self.prefill_seconds_per_token += 0.2 * (per_token - self.prefill_seconds_per_token)
 
     def tokens_by_tier(self, request: Request) -> dict[str, int]:
-        """{"device", "host", "disk"} tokens of the request's cached prefix (num_cached_tokens is their sum)."""
+        """{"device", "host", "disk", "remote"} tokens of the request's cached prefix (num_cached_tokens is
+        their sum)."""
         cached = max(request.num_cached_tokens, 0)
         fetch = self.fetches.get(request.request_id)
         counts = empty_breakdown(cached)
         if fetch is not None:
-            for name in ("host", "disk", "remote"):
+            for name in self.tiers:  # nearest first
                 tokens = min(fetch.num_blocks.get(name, 0) * self.block_size, counts["device"])
                 counts[name] = tokens
                 counts["device"] -= tokens

@@ -66,7 +66,7 @@ def check_swappable(engine, version: ModelVersion) -> None:
 def purge_previous_remote(engine, report: ReloadReport) -> int:
     """Delete the previous version's records from the fleet's remote tier: for the operator to ask once
     no replica serves that version any more (the last step of a rolling deploy). Returns how many."""
-    remote = engine.tiers.tiers.get("remote") if engine.tiers is not None else None
+    remote = engine.tiers.shared if engine.tiers is not None else None
     if remote is None:
         raise ValueError("this server has no remote tier (--kv-remote-url): there is nothing to purge")
     return remote.purge_scope(report.previous_scope_digest)

@@ -10,8 +10,8 @@ Replica model: one prefill at a time, decode in a batch.
     TTFT = queue wait + prefill seconds; blocks are held from prefill start to done.
 
 With tiers below the pool (sim_tiers.py), admission continues the pool's hit
-through host, disk and the shared remote; the engine's planner (plan_fetch)
-picks how much of that run to read back, and the prefill then costs the fetch
+through host, disk and the shared remote; the engine's planner (choose_fetch,
+under the fleet's kv_fetch_policy) picks how much of that run to read back, and the prefill then costs the fetch
 plus the computation of the rest. Fetching holds the prefill slot (no overlap
 with computing, as the planner assumes); fetched blocks enter the pool like
 computed ones, and only computed blocks are written through to disk and remote.
@@ -31,7 +31,7 @@ from collections import deque
 from typing import Optional
 
 from prefixserve.cache import Block, RadixCache, max_hit_blocks
-from prefixserve.tiers.policy import FetchPlan, plan_fetch
+from prefixserve.tiers.policy import FetchPlan, choose_fetch
 
 from ..traces.mooncake import TraceRequest
 from .costs import CostModel
@@ -67,12 +67,13 @@ class SimulatedReplica:
     """One replica: the real cache, an FCFS prefill queue and a decode batch. A `ReplicaView`."""
 
     def __init__(self, index: int, capacity_blocks: int, cost: CostModel, block_size: int, clock: SimulationClock,
-                 tiers: Optional[ReplicaTiers] = None) -> None:
+                 tiers: Optional[ReplicaTiers] = None, fetch_policy: str = "cost") -> None:
         self.name = f"replica-{index}"
         self.cache = RadixCache(capacity_blocks, block_size=1, clock=clock)
         self.cost, self.block_size, self.clock = cost, block_size, clock
         self.tiers = tiers or ReplicaTiers()
         self.tier_costs = cost.tier_costs()
+        self.fetch_policy = fetch_policy  # EngineConfig.kv_fetch_policy: "cost" or "always"
         self.block_bytes = int(cost.kv_bytes_per_token * block_size)
         if self.tiers.host is not None:
             self.cache.on_evict = self._spill
@@ -119,8 +120,8 @@ class SimulatedReplica:
     def _plan(self, run: list[tuple[str, int]]) -> FetchPlan:
         if not run:
             return NO_FETCH
-        return plan_fetch(run, self.block_bytes, self.cost.prefill_seconds_per_token, self.block_size,
-                          self.tier_costs)
+        return choose_fetch(self.fetch_policy, run, self.block_bytes, self.cost.prefill_seconds_per_token,
+                            self.block_size, self.tier_costs)
 
     def _prefill_seconds(self, request: TraceRequest, num_hit_blocks: int, fetch: FetchPlan) -> float:
         num_cached_tokens = min((num_hit_blocks + fetch.num_fetch_blocks) * self.block_size, request.input_length)

@@ -9,9 +9,8 @@ prefix within a tier. How blocks get in:
                                   └──> remote   write-through, every replica's, one shared store
 
 Admission continues the pool's match through the tiers for the consecutive run
-(each block taken from the first of host, disk, remote that holds it), and the
-engine's planner (tiers/policy.plan_fetch) decides how much of the run to read
-back. A read leaves the record where it was (the tiers are copies) and refreshes
+and the engine's planner decides how much of it to read back: both are the
+engine's own (tiers/policy.find_run and choose_fetch). A read leaves the record where it was (the tiers are copies) and refreshes
 its LRU position. Writes cost nothing here: they happen off the prefill's path.
 """
 
@@ -20,6 +19,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from prefixserve.tiers.lru import LeafFirstLRU
+from prefixserve.tiers.policy import find_run
 
 
 class SimulatedTier:
@@ -35,6 +35,10 @@ class SimulatedTier:
 
     def __contains__(self, key: bytes) -> bool:
         return key in self.index
+
+    def contains(self, keys: Sequence[bytes]) -> int:
+        """Length of the leading run of `keys` held (no LRU refresh), as a real tier answers."""
+        return self.index.leading_run(keys)
 
     def __len__(self) -> int:
         return len(self.index)
@@ -67,17 +71,7 @@ class ReplicaTiers:
 
     def run(self, keys: Sequence[bytes], start: int, limit: int) -> list[tuple[str, int]]:
         """keys[start:limit]'s leading run held below the pool, as (tier, blocks) segments in chain order."""
-        segments: list[tuple[str, int]] = []
-        for i in range(start, limit):
-            key = keys[i]
-            tier = next((tier for tier in self.tiers if key in tier), None)
-            if tier is None:
-                break
-            if segments and segments[-1][0] == tier.name:
-                segments[-1] = (tier.name, segments[-1][1] + 1)
-            else:
-                segments.append((tier.name, 1))
-        return segments
+        return find_run(self.tiers, keys[:limit], start)
 
     def read(self, keys: Sequence[bytes], start: int, segments: Sequence[tuple[str, int]], num_blocks: int) -> None:
         """Fetch keys[start : start + num_blocks], the run's leading blocks: refresh their LRU positions."""

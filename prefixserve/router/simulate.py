@@ -23,6 +23,7 @@ from typing import Optional, Sequence
 from tqdm import tqdm
 
 from ..cache import max_hit_blocks
+from ..config import FETCH_POLICIES
 from ..traces.agents import AgentTraceConfig, generate_agent_trace
 from ..traces.mooncake import TRACE_SCOPE, Trace, block_keys
 from .costs import TIER_NAMES, CostModel, policy_options_for
@@ -44,6 +45,7 @@ class SimulationConfig:
     host_blocks: int = 0  # per replica, in trace blocks; 0: no host tier
     disk_blocks: int = 0  # per replica; 0: no disk tier
     remote_blocks: int = 0  # one store for the whole fleet; 0: no remote tier
+    fetch_policy: str = "cost"  # the replicas' kv_fetch_policy: "cost" (fetch what beats recomputing) or "always"
     seed: int = 0
     policy_options: Optional[PolicyOptions] = None  # None: seeded, kv_aware weighted from `cost`
     progress: bool = False
@@ -58,6 +60,9 @@ class SimulationConfig:
             if getattr(self, f"{tier}_blocks") < 0:
                 raise ValueError(f"{tier}_blocks (--{tier}-blocks) must be 0 (no {tier} tier) or more, "
                                  f"got {getattr(self, f'{tier}_blocks')}")
+        if self.fetch_policy not in FETCH_POLICIES:
+            raise ValueError(f"fetch_policy (--kv-fetch-policy) must be one of {', '.join(FETCH_POLICIES)}, "
+                             f"got {self.fetch_policy!r}")
 
     @property
     def tier_names(self) -> tuple[str, ...]:
@@ -166,8 +171,8 @@ class _Replay:
             return ReplicaTiers(SimulatedTier("host", config.host_blocks) if config.host_blocks else None,
                                 SimulatedTier("disk", config.disk_blocks) if config.disk_blocks else None, remote)
 
-        self.replicas = [SimulatedReplica(i, config.capacity_blocks, config.cost, trace.block_size, self.clock, tiers())
-                         for i in range(config.num_replicas)]
+        self.replicas = [SimulatedReplica(i, config.capacity_blocks, config.cost, trace.block_size, self.clock, tiers(),
+                                          config.fetch_policy) for i in range(config.num_replicas)]
         self.events: list[tuple[float, int, int, int, Job]] = []  # (time, sequence, kind, replica, job)
         self.sequence = itertools.count()  # orders events at the same instant: first scheduled, first run
         self.waits: list[float] = []

@@ -5,10 +5,10 @@ bytes in, bytes out. The engine's runner turns pool tensors into record payloads
 and back.
 """
 
-from .base import KVTier, TierStats
+from .base import KVTier, TierStats, TierTraits
 from .disk import DiskTier, RebuildReport
 from .host import HostTier
-from .policy import FetchPlan, TierCost, crossover_tokens, plan_fetch
+from .policy import FetchPlan, TierCost, choose_fetch, crossover_tokens, find_run, plan_fetch
 from .record import BlockRecord, RecordError, RecordExpectation, RecordHeader, decode_record, encode_record, read_header
 from .seal import Keyring, Sealer
 
@@ -26,9 +26,12 @@ __all__ = [
     "Sealer",
     "TierCost",
     "TierStats",
+    "TierTraits",
+    "choose_fetch",
     "crossover_tokens",
     "decode_record",
     "encode_record",
+    "find_run",
     "plan_fetch",
     "read_header",
 ]

@@ -42,8 +42,20 @@ class TierStats:
     slow_reads: int = 0  # reads a request gave up on after the tier deadline (it recomputed)
 
 
+@dataclass(frozen=True)
+class TierTraits:
+    """What a tier is, for whoever drives it (the engine's TieredKV, the simulator): read these, never a name."""
+
+    synchronous: bool  # a read is a memory copy, done on the engine thread; else on the tier's reader threads
+    write_through: bool  # every block computed is written to it; else it holds what the device pool evicts
+    shared: bool  # one store for the whole fleet: a reload keeps the old version's records for replicas still
+    #               serving it, and a block brought back from any tier is not written back to it
+    event_medium: Optional[str] = None  # the KV-event medium a router mirrors it as; None: not published
+
+
 class KVTier(abc.ABC):
-    name: str = ""
+    name: str = ""  # a label for statistics, metrics and logs
+    traits: TierTraits
 
     def __init__(self, capacity_bytes: int, read_cost: TierCost, sealer: Optional[Sealer] = None) -> None:
         if capacity_bytes < 0:
@@ -85,6 +97,14 @@ class KVTier(abc.ABC):
     @abc.abstractmethod
     def delete(self, keys: Sequence[bytes]) -> None:
         """Remove records (absent keys are ignored)."""
+
+    def rescope(self, scope_digest: bytes) -> Optional[int]:
+        """A hot reload made `scope_digest` the model's scope (flush first): a replica's own tier deletes
+        the old scope's records, which could never load again, and returns how many; a shared tier
+        overrides this to read and write the new scope's keys, leaving the old ones to the fleet (None)."""
+        keys = self.keys()
+        self.delete(keys)
+        return len(keys)
 
     def keys(self) -> list[bytes]:
         """Every key present."""

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
-from .base import KVTier
+from .base import KVTier, TierTraits
 from .disk_files import NotARecordFile, read_file, record_path, remove_quietly, scan, write_temp_file
 from .disk_startup import RebuildReport, lock_directory, read_headers
 from .lru import Entry
@@ -43,6 +43,7 @@ DEFAULT_MAX_PENDING_BYTES = 256 << 20
 
 class DiskTier(KVTier):
     name = "disk"
+    traits = TierTraits(synchronous=False, write_through=True, shared=False, event_medium="DISK")
 
     def __init__(
         self,
@@ -73,6 +74,11 @@ class DiskTier(KVTier):
                 if key not in self._queued and self._lru.get(key) is None:
                     return index
             return len(keys)
+
+    def rescope(self, scope_digest: bytes) -> Optional[int]:
+        reclaimed = super().rescope(scope_digest)
+        self.expect_scope = scope_digest  # a restart reclaims what another scope left behind
+        return reclaimed
 
     def get(self, keys: Sequence[bytes]) -> list[Optional[bytes]]:
         with self._lock:

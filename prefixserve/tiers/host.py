@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Optional, Sequence
 
-from .base import KVTier
+from .base import KVTier, TierTraits
 from .lru import LeafFirstLRU
 from .policy import TierCost
 from .record import BlockRecord
@@ -20,6 +20,7 @@ HOST_READ_COST = TierCost(latency_seconds=2e-6, bytes_per_second=5e9)  # a prior
 
 class HostTier(KVTier):
     name = "host"
+    traits = TierTraits(synchronous=True, write_through=False, shared=False, event_medium="CPU")
 
     def __init__(self, capacity_bytes: int, sealer: Optional[Sealer] = None) -> None:
         super().__init__(capacity_bytes, TierCost(HOST_READ_COST.latency_seconds, HOST_READ_COST.bytes_per_second),

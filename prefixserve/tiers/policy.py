@@ -1,4 +1,13 @@
-"""Fetch or recompute: how many leading blocks of a lower-tier run are worth reading back.
+"""Fetch or recompute: where a prompt's run continues below the pool, and how much of it to read back.
+
+The engine (engine/kv_tiers.py) and the fleet simulator (router/sim_tiers.py) both call find_run
+and choose_fetch, so the simulator predicts what a replica does.
+
+find_run: the tiers are asked nearest first; each one's leading run continues where the tier
+before it stopped (host 0-9, then disk from 10, then remote), which is what a replica can
+promote in order, each block hanging from its parent.
+
+kv_fetch_policy "always": fetch the whole run. "cost" (the default):
 
 A read of n blocks from a tier costs `latency + n * block_bytes / bandwidth`; recomputing
 them costs `n * block_size * prefill_seconds_per_token`. Both are measured: each tier
@@ -15,7 +24,9 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Protocol, Sequence
+
+from ..config import FETCH_POLICIES
 
 MIN_RELATIVE_VARIANCE = 1e-9  # below this spread of sizes, observations cannot separate latency from bandwidth
 
@@ -82,6 +93,40 @@ class FetchPlan:
     @property
     def num_fetch_blocks(self) -> int:
         return sum(self.num_fetch_blocks_by_tier.values())
+
+
+class HoldsBlocks(Protocol):
+    name: str
+
+    def contains(self, keys: Sequence[bytes]) -> int:
+        """Length of the leading run of `keys` held."""
+
+
+def find_run(tiers: Sequence[HoldsBlocks], keys: Sequence[bytes], start: int) -> list[tuple[str, int]]:
+    """keys[start:]'s consecutive run below the pool as (tier, blocks) segments in chain order, nearest
+    tier first, each continuing where the one before stopped; tiers holding none of it are left out."""
+    run = []
+    for tier in tiers:
+        found = tier.contains(keys[start:]) if start < len(keys) else 0
+        if found:
+            run.append((tier.name, found))
+            start += found
+    return run
+
+
+def choose_fetch(policy: str, run: Sequence[tuple[str, int]], block_bytes: int, prefill_seconds_per_token: float,
+                 block_size: int, costs: dict[str, TierCost]) -> FetchPlan:
+    """What of `run` to read back under kv_fetch_policy `policy`: "cost" plans (plan_fetch), "always"
+    fetches it all."""
+    if policy == "cost":
+        return plan_fetch(run, block_bytes, prefill_seconds_per_token, block_size, costs)
+    if policy != "always":
+        raise ValueError(f"kv_fetch_policy must be one of {FETCH_POLICIES}, got {policy!r}")
+    fetched: dict[str, int] = {}
+    for tier, num_blocks in run:
+        fetched[tier] = fetched.get(tier, 0) + num_blocks
+    seconds = sum(costs[tier].seconds(num_blocks * block_bytes) for tier, num_blocks in run if num_blocks)
+    return FetchPlan(fetched, 0, seconds, 0.0)
 
 
 def plan_fetch(

@@ -22,7 +22,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
-from .base import KVTier
+from .base import KVTier, TierTraits
 from .policy import TierCost
 from .record import BlockRecord
 from .seal import Sealer
@@ -55,6 +55,7 @@ class RedisTier(KVTier):
     replicas, whose write-through can fill the link its reads need, should set max_write_bytes_per_second."""
 
     name = "remote"
+    traits = TierTraits(synchronous=False, write_through=True, shared=True)
 
     def __init__(self, url: str, *, scope_digest: bytes, ttl_seconds: Optional[float] = None,
                  max_write_bytes_per_second: Optional[int] = None, connect_timeout: float = 0.5,
@@ -170,11 +171,13 @@ class RedisTier(KVTier):
             self._pipeline("purge", lambda pipe: [pipe.delete(name) for name in batch])
         return len(names)
 
-    def rescope(self, scope_digest: bytes) -> None:
-        """Read and write another scope's keys from now on (a hot reload; flush first)."""
+    def rescope(self, scope_digest: bytes) -> Optional[int]:
+        """Read and write another scope's keys from now on (a hot reload; flush first): the old scope's
+        records stay for replicas still serving it (purge_scope removes them), so none is reclaimed."""
         with self._lock:
             self.scope_digest = scope_digest
             self._prefix = KEY_PREFIX + scope_digest.hex().encode() + b":"
+        return None
 
     def close(self) -> None:
         self._writer.close()

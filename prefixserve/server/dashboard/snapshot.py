@@ -15,7 +15,6 @@ from typing import Optional, Sequence
 
 from ...cache.scoping import compose_salt
 from ...cache.tree_view import DEFAULT_MAX_NODES, build_tree_view
-from ...engine.kv_tiers import TIER_MEDIA
 from ...metric_names import TTFT, TTFT_BY_CACHE
 from .recorder import NO_KEY
 
@@ -91,11 +90,11 @@ def read_engine(core, tenant_ids: list[str], include_tree: bool, max_nodes: int)
             "pressure": 1.0 - (usage.num_free_blocks + cache.num_reclaimable_blocks) / usage.num_blocks}
     if not include_tree:
         return {"pool": pool}
-    media = {medium: name for name, medium in TIER_MEDIA.items()}
-    tier_keys = core.tiers.tier_keys() if core.tiers is not None else {}
+    tiers = core.tiers.tiers.values() if core.tiers is not None else ()
+    tier_keys = {tier.name: tier.keys() for tier in tiers if not tier.traits.shared}  # a shared tier is not listed
     view = build_tree_view(map(cache.get, cache.keys()), cache.block_size, max_nodes=max_nodes,
                            scope_names=scope_names(core, tenant_ids),
-                           tier_keys={media.get(m, m): keys for m, keys in tier_keys.items()}, now=cache.clock())
+                           tier_keys=tier_keys, now=cache.clock())
     tree = asdict(view)
     tree["max_nodes"] = max_nodes
     return {"pool": pool, "tree": tree}
