@@ -6,6 +6,7 @@ import random
 import pytest
 
 from prefixserve import SamplingParams
+from prefixserve.engine.limits import ContextLengthError
 
 from conftest import make_llm
 
@@ -31,7 +32,10 @@ def test_max_model_len_is_capped_to_the_pool_and_a_long_request_ends_with_length
     assert "max_model_len 1024 (capped" in engine.startup_summary
     rng = random.Random(0)
     long_prompt = [rng.randrange(10, 8000) for _ in range(900)]
-    engine.add_request(long_prompt, SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True), "long")
+    with pytest.raises(ContextLengthError, match="reduce the prompt or max_tokens to at most 124"):
+        engine.add_request(long_prompt, SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True), "long")
+    # max_tokens=None: as many as fit (vLLM's None), the rest of max_model_len
+    engine.add_request(long_prompt, SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True), "long")
     engine.add_request([5, 6, 7, 8], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), "short")
     finals = run_to_completion(engine, max_steps=200)  # ~1 prefill + 124 decodes, no readmission loop
     assert finals["long"].finish_reason == "length"

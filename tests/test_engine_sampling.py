@@ -9,9 +9,10 @@ import torch
 
 from prefixserve import SamplingParams
 from prefixserve.engine.sampling import Sampler, position_seed, sample_row
-from prefixserve.engine.sampling_params import (
-    MAX_LOGPROBS, MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE,
-    SAMPLING_EPS, SEED_MAX, SEED_MIN)
+from prefixserve.engine.limits import (
+    MAX_LOGPROBS, MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, SEED_MAX,
+    SEED_MIN)
+from prefixserve.engine.sampling_params import SAMPLING_EPS
 
 from conftest import make_llm
 

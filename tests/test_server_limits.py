@@ -35,6 +35,40 @@ def test_prompt_and_max_tokens_that_can_never_fit_are_400(small_pool):
     assert small.status_code == 200
 
 
+def test_offline_and_http_refuse_a_prompt_that_does_not_fit_alike(small_pool):
+    from prefixserve import SamplingParams
+    from prefixserve.engine.limits import ContextLengthError, PromptTooLongError
+
+    engine = small_pool.engine.engine  # the same engine, called as LLM.generate calls it
+    for prompt, max_tokens, status, error in (([7] * 900, 2000, 400, ContextLengthError),
+                                              ([7] * 2000, 4, 413, PromptTooLongError)):
+        response = httpx.post(small_pool.url + "/v1/completions", timeout=30,
+                              json={"prompt": prompt, "max_tokens": max_tokens})
+        assert response.status_code == status, response.text
+        with pytest.raises(error) as offline:
+            engine.make_request(prompt, SamplingParams(max_tokens=max_tokens))
+        assert response.json()["error"]["message"] == str(offline.value)
+
+
+@pytest.mark.parametrize("field, value", [("temperature", 2.5), ("top_p", 0.0), ("top_k", -2), ("n", 17),
+                                          ("seed", 2**64), ("max_tokens", 0), ("logprobs", 21),
+                                          ("cache_ttl", 0.0), ("cache_salt", "s" * 257), ("cache_salt", "")])
+def test_one_table_of_limits_refuses_the_same_values_offline_and_over_http(small_pool, field, value):
+    from prefixserve import SamplingParams
+
+    response = httpx.post(small_pool.url + "/v1/completions", timeout=30,
+                          json={"prompt": [1, 2, 3], "max_tokens": 2, field: value})
+    assert response.status_code in (400, 422), response.text
+    engine = small_pool.engine.engine
+    with pytest.raises(ValueError, match="cache_salt|ttl|" + field):
+        if field == "cache_salt":
+            engine.make_request([1, 2, 3], SamplingParams(max_tokens=2), cache_salt=value)
+        elif field == "cache_ttl":
+            engine.make_request([1, 2, 3], SamplingParams(max_tokens=2), prefix_ttl=value)
+        else:
+            SamplingParams(**{field: value})
+
+
 def test_without_max_tokens_the_answer_fits_the_room_left(small_pool):
     response = httpx.post(small_pool.url + "/v1/completions", timeout=120,
                           json={"prompt": [7] * 1000, "ignore_eos": True, "temperature": 0})

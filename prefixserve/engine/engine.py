@@ -24,6 +24,7 @@ from ..model import kernels
 from .device import check_exact, cpu_has_fast_bfloat16, measure_cuda_kv_budget, resolve_device, resolve_dtype
 from .input_processor import InputProcessor, PromptType
 from .kv_tiers import TieredKV, build_tiers, empty_breakdown
+from .limits import RANGES
 from .model_version import CurrentVersion, ModelVersion, load_version
 from .numerics import numerics_fingerprint
 from .pins import Pin, PinTable, restore_pins
@@ -282,8 +283,8 @@ class LLMEngine:
         raises ValueError naming the fix."""
         if not self.config.enable_prefix_caching:
             raise ValueError("prefix caching is off (enable_prefix_caching=False): there is nothing to pin")
-        if ttl is not None and not ttl > 0:
-            raise ValueError(f"a pin's ttl must be positive seconds (or None: until unpinned), got {ttl}")
+        if ttl is not None and not RANGES["ttl"].admits(ttl):
+            raise ValueError(RANGES["ttl"].problem("a pin's ttl", ttl) + "; None pins until unpinned")
         return self.pins.pin(self.scoper, token_ids, tenant, salt, ttl)
 
     def unpin_prefix(self, pin_id: str) -> Optional[Pin]:

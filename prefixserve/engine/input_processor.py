@@ -7,10 +7,12 @@ never changes; a reload swaps in another), so bad input fails there, before the 
 from __future__ import annotations
 
 import uuid
+from dataclasses import replace
 from typing import Any, Optional, Union
 
 from ..config import CACHE_RETENTIONS
 from ..prompts import is_token_ids
+from .limits import MAX_NAME_CHARS, RANGES, fit_max_tokens
 from .model_version import CurrentVersion, ModelVersion
 from .request import Request
 from .sampling_params import SamplingParams
@@ -26,10 +28,6 @@ def stricter_retention(*retentions: Optional[str]) -> Optional[str]:
         if retention is not None and retention not in CACHE_RETENTIONS:
             raise ValueError(f"cache_retention must be one of {list(CACHE_RETENTIONS)} (or absent), got {retention!r}")
     return max(retentions, key=lambda retention: _STRICTNESS[retention], default=None)
-
-
-class PromptTooLongError(ValueError):
-    """The prompt leaves no room to generate within max_model_len."""
 
 
 class InputProcessor:
@@ -60,18 +58,23 @@ class InputProcessor:
         raise TypeError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
     @staticmethod
-    def validate(version: ModelVersion, token_ids: list[int]) -> None:
+    def validate(version: ModelVersion, token_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """Raise ValueError naming the fix (PromptTooLongError, ContextLengthError: limits.py, as over HTTP);
+        returns `params` with max_tokens settled (None: the room the prompt leaves)."""
         if not token_ids:
             raise ValueError("the prompt is empty; give at least one character or token id")
         vocab_size = version.config.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size}); check the tokenizer")
-        if len(token_ids) >= version.max_model_len:
-            raise PromptTooLongError(
-                f"the prompt has {len(token_ids)} tokens but max_model_len is {version.max_model_len}, "
-                "which leaves no room to generate; shorten the prompt"
-            )
+        max_tokens = fit_max_tokens(len(token_ids), params.max_tokens, version.max_model_len)
+        return params if max_tokens == params.max_tokens else replace(params, max_tokens=max_tokens)
+
+    @staticmethod
+    def check_salt(salt: object) -> None:
+        if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= MAX_NAME_CHARS):
+            raise ValueError(f"cache_salt must be a string of 1 to {MAX_NAME_CHARS} characters (or None), got "
+                             f"{salt!r:.80}")
 
     def make_request(self, prompt: PromptType, params: Optional[SamplingParams] = None,
                      request_id: Optional[str] = None, cache_salt: Optional[str] = None,
@@ -87,13 +90,16 @@ class InputProcessor:
                                        prompt.get("cache_retention") if isinstance(prompt, dict) else None)
         version = self.current.version  # one read: the whole request is of one version
         text, token_ids, prompt_salt = self.tokenize(version, prompt)
-        self.validate(version, token_ids)
+        params = self.validate(version, token_ids, params or SamplingParams())
         salt = cache_salt if cache_salt is not None else prompt_salt
+        self.check_salt(salt)
+        if prefix_ttl is not None and not RANGES["ttl"].admits(prefix_ttl):
+            raise ValueError(RANGES["ttl"].problem("prefix_ttl (a request's cache_ttl)", prefix_ttl))
         scope_digest, private_from = version.scoper.scope_for(token_ids, salt)
         request = Request(
             request_id=request_id or uuid.uuid4().hex,
             prompt_token_ids=token_ids,
-            sampling_params=params or SamplingParams(),
+            sampling_params=params,
             prompt=text,
             scope_digest=scope_digest,
             private_from=private_from,

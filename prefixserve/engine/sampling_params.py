@@ -1,38 +1,28 @@
-"""What a caller asks of one generation; validated where it is built.
-
-The limits below are the single source for the engine and the HTTP server alike.
+"""What a caller asks of one generation; validated where it is built, against limits.py's table
+(which the HTTP server's bodies read too).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Optional, Union
+
+from .limits import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, RANGES, SEED_MAX
 
 # Temperatures below this are greedy (vLLM's convention): dividing logits by a smaller number
 # only sharpens the distribution onto its argmax, and in float32 can overflow to inf / NaN.
 SAMPLING_EPS = 1e-5
-MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
-MAX_N = 16
-MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
-MAX_STOP_STRINGS = 32
-MAX_STOP_STRING_CHARS = 256
-MAX_STOP_TOKEN_IDS = 256
-SEED_MIN = -(2**63)  # any signed or unsigned 64-bit integer
-SEED_MAX = 2**64 - 1
+NUMERIC_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "n", "logprobs")
+OPTIONAL_FIELDS = ("max_tokens", "seed", "logprobs")  # None: as many as fit, unseeded, no logprobs
 
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_real(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 @dataclass
 class SamplingParams:
-    max_tokens: int = 16
+    max_tokens: Optional[int] = 16  # None: as many as max_model_len leaves room for (vLLM's None)
     temperature: float = 1.0  # below SAMPLING_EPS (0 included) = greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0 = no limit
@@ -54,20 +44,10 @@ class SamplingParams:
 
     def _check_numbers(self) -> list[str]:
         problems = []
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            problems.append(f"max_tokens must be an integer of at least 1, got {self.max_tokens!r}")
-        if not _is_real(self.temperature) or not 0.0 <= self.temperature <= MAX_TEMPERATURE:
-            problems.append(f"temperature must be a number between 0 and {MAX_TEMPERATURE}, got {self.temperature!r}")
-        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            problems.append(f"top_p must be a number in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            problems.append(f"top_k must be -1 (no limit) or a positive integer, got {self.top_k!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
-            problems.append(f"seed must be an integer between {SEED_MIN} and {SEED_MAX}, got {self.seed!r}")
-        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
-            problems.append(f"n must be an integer between 1 and {MAX_N}, got {self.n!r}")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            problems.append(f"logprobs must be an integer between 0 and {MAX_LOGPROBS} (or None), got {self.logprobs!r}")
+        for name in NUMERIC_FIELDS:
+            value = getattr(self, name)
+            if not (value is None and name in OPTIONAL_FIELDS) and not RANGES[name].admits(value):
+                problems.append(RANGES[name].problem(name, value))
         if not isinstance(self.ignore_eos, bool):
             problems.append(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         return problems

@@ -15,7 +15,8 @@ from pydantic import BaseModel, ValidationError
 
 from ..cache.scoping import compose_salt
 from ..engine.async_engine import AsyncLLMEngine
-from ..engine.input_processor import PromptTooLongError, stricter_retention
+from ..engine.input_processor import stricter_retention
+from ..engine.limits import ContextLengthError, PromptTooLongError, fit_max_tokens
 from ..engine.request import Request as EngineRequest
 from ..engine.sampling_params import SamplingParams
 from ..http import APIError, parse_json_body
@@ -163,13 +164,8 @@ class RequestBuilder:
             raise APIError(400, str(error), param="prompt", code="invalid_prompt") from None
 
     def _fit_max_tokens(self, num_prompt_tokens: int, requested: Optional[int]) -> int:
-        room = self.max_model_len - num_prompt_tokens
-        if requested is None:
-            return min(self.default_max_tokens, room)
-        if requested > room:
-            raise APIError(400, f"this model's maximum context length is {self.max_model_len} tokens, but "
-                                f"{num_prompt_tokens + requested} were requested ({num_prompt_tokens} in the prompt, "
-                                f"{requested} in the completion); reduce the prompt or max_tokens to at most {room}",
-                           param="max_tokens", code="context_length_exceeded")
-        return requested
+        try:  # the offline path's own rule (limits.py), so both refuse the same request the same way
+            return fit_max_tokens(num_prompt_tokens, requested, self.max_model_len, self.default_max_tokens)
+        except ContextLengthError as error:
+            raise APIError(400, str(error), param="max_tokens", code="context_length_exceeded") from None
 

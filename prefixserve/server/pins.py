@@ -16,6 +16,7 @@ from fastapi import APIRouter, Request
 from pydantic import Field
 
 from ..cache.scoping import compose_salt
+from ..engine.limits import MAX_NAME_CHARS, RANGES
 from ..engine.sampling_params import SamplingParams
 from ..http import APIError
 from .generation import collect
@@ -29,9 +30,9 @@ pin_routes = APIRouter()
 class PinBody(OpenAIBody):
     prompt: Union[str, list[int], None] = None
     messages: Optional[list[ChatMessage]] = Field(default=None, min_length=1)
-    tenant: Optional[str] = Field(default=None, min_length=1, max_length=256)  # whose scope; None: public
-    cache_salt: Optional[str] = Field(default=None, min_length=1, max_length=256)
-    ttl: Optional[float] = Field(default=None, gt=0.0, allow_inf_nan=False)  # seconds; None: until removed
+    tenant: Optional[str] = Field(default=None, min_length=1, max_length=MAX_NAME_CHARS)  # whose scope; None: public
+    cache_salt: Optional[str] = Field(default=None, min_length=1, max_length=MAX_NAME_CHARS)
+    ttl: Optional[float] = Field(default=None, **RANGES["ttl"].field())  # seconds; None: until removed
 
 
 def _admin(request: Request):

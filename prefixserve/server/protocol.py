@@ -2,7 +2,7 @@
 
 Validation is strict: `true` is not a number, `"yes"` is not a boolean, `[true]` is
 not a list of token ids. Unknown fields are ignored, as OpenAI clients expect. The
-limits come from the engine's SamplingParams, the one source of them.
+limits come from the engine's table (engine/limits.py), which SamplingParams reads too.
 """
 
 from __future__ import annotations
@@ -13,16 +13,7 @@ from typing import Annotated, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from ..engine.sampling_params import (
-    MAX_LOGPROBS,
-    MAX_N,
-    MAX_STOP_STRING_CHARS,
-    MAX_STOP_STRINGS,
-    MAX_STOP_TOKEN_IDS,
-    MAX_TEMPERATURE,
-    SEED_MAX,
-    SEED_MIN,
-)
+from ..engine.limits import MAX_NAME_CHARS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, RANGES
 
 StopString = Annotated[str, StringConstraints(max_length=MAX_STOP_STRING_CHARS)]
 
@@ -39,21 +30,21 @@ class SamplingFields(OpenAIBody):
     """Fields both endpoints share; bounds here give 422s that name the field."""
 
     model: Optional[str] = None
-    max_tokens: Optional[int] = Field(default=None, ge=1)
-    temperature: Optional[float] = Field(default=None, ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False)
-    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: Optional[int] = Field(default=None, ge=-1)
-    seed: Optional[int] = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    max_tokens: Optional[int] = Field(default=None, **RANGES["max_tokens"].field())
+    temperature: Optional[float] = Field(default=None, **RANGES["temperature"].field())
+    top_p: Optional[float] = Field(default=None, **RANGES["top_p"].field())
+    top_k: Optional[int] = Field(default=None, **RANGES["top_k"].field())
+    seed: Optional[int] = Field(default=None, **RANGES["seed"].field())
     stop: Union[StopString, Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)], None] = None
     stop_token_ids: Optional[list[int]] = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
-    n: int = Field(default=1, ge=1, le=MAX_N)
+    n: int = Field(default=1, **RANGES["n"].field())
     ignore_eos: bool = False
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    cache_salt: Optional[str] = Field(default=None, min_length=1, max_length=256)
+    cache_salt: Optional[str] = Field(default=None, min_length=1, max_length=MAX_NAME_CHARS)
     # Seconds this request's cached prefix lives after its last use (capped by the server's
     # --max-cache-ttl); absent: the tenant's default from the keys file, else --prefix-ttl.
-    cache_ttl: Optional[float] = Field(default=None, gt=0.0, allow_inf_nan=False)
+    cache_ttl: Optional[float] = Field(default=None, **RANGES["ttl"].field())
     # Privacy mode (our field): "device" keeps this request's KV in device memory only (no host, disk or
     # shared tier), "none" keeps nothing of it after it finishes. A tenant's keys-file setting, if
     # stricter, wins.
@@ -83,9 +74,9 @@ class ChatMessage(OpenAIBody):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = Field(default=None, ge=1)
+    max_completion_tokens: Optional[int] = Field(default=None, **RANGES["max_tokens"].field())
     logprobs: bool = False
-    top_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Optional[int] = Field(default=None, **RANGES["logprobs"].field())
 
     @property
     def requested_max_tokens(self) -> Optional[int]:
@@ -99,7 +90,7 @@ class ChatCompletionRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     echo: bool = False
-    logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    logprobs: Optional[int] = Field(default=None, **RANGES["logprobs"].field())
 
     @property
     def requested_max_tokens(self) -> Optional[int]:

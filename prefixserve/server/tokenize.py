@@ -17,6 +17,7 @@ from typing import Optional, Union
 from fastapi import APIRouter, Request
 from pydantic import Field, RootModel
 
+from ..engine.limits import MAX_TOKENIZE_IDS
 from ..http import APIError
 from .inputs import chat_messages, read_body
 from .protocol import ChatMessage, OpenAIBody
@@ -45,7 +46,7 @@ class TokenizeBody(RootModel[Union[TokenizeChat, TokenizeCompletion]]):
 
 class Detokenize(OpenAIBody):
     model: Optional[str] = None
-    tokens: list[int] = Field(max_length=1 << 20)
+    tokens: list[int] = Field(max_length=MAX_TOKENIZE_IDS)
 
 
 def _token_strs(tokenizer, ids: list[int]) -> list[str]:
