@@ -21,11 +21,12 @@ from .server.launch import add_serve_arguments, serve
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Appends "(default: X)" to a flag's help, unless the help already names its default or there is
-    nothing to show: a switch that is off, or None, whose meaning the help text says in words."""
+    nothing to show: a switch (its help says what giving it does), or None, whose meaning the help text
+    says in words."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         help_text = action.help or ""
-        if action.default is None or action.default is False or "default" in help_text:
+        if action.default is None or isinstance(action.default, bool) or "default" in help_text:
             return help_text
         return super()._get_help_string(action)
 

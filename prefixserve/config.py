@@ -5,7 +5,7 @@ Option names follow vLLM's where one exists, so a vLLM user's flags carry over.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
 from .cache.keys import HASH_FUNCTIONS
@@ -20,56 +20,104 @@ DEFAULT_MAX_CACHE_TTL = 3600.0  # seconds: the server's cap on a requested cache
 DEFAULT_DISK_CACHE_BYTES = 16 << 30
 
 
+CHECKPOINT_LAYOUT = ("a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json), a .gguf file "
+                     "or a directory holding one, or a model name (smollm2-135m-instruct)")
+
+
+def option(default, help: str, **flag):
+    """A config field with its command-line flag: `help`, and argparse's metavar or choices, or
+    flag="--name" where the flag is not the field's name with dashes (a True default reads inverted:
+    the flag turns it off). `prefixserve serve` builds every flag from these (server/engine_flags.py)."""
+    return field(default=default, metadata={"help": help, **flag})
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    model: Optional[str] = None  # a Hugging Face checkpoint directory; None = built-in prefixserve-tiny
-    dtype: str = "auto"  # auto: bfloat16 on CUDA and on CPUs with bf16 instructions, else float32 (engine/device.py)
-    device: str = "auto"  # auto: cuda when available, else cpu
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    prefix_hash: str = "sha256"  # or "xxh3_128" (faster, not collision resistant)
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: Optional[int] = None  # None: the model's max_position_embeddings
-    kv_cache_memory_bytes: Optional[int] = None  # None: 2 GiB on CPU, a fraction of free memory on CUDA
-    gpu_memory_utilization: float = 0.9
-    scheduling_policy: str = "fcfs"  # or "lpm": longest cached prefix first, within a window
-    max_pinned_blocks: Optional[int] = None  # None: half the pool
-    prefix_ttl: Optional[float] = None  # seconds an unused cached prefix lives; None: until evicted
+    model: Optional[str] = option(None, f"{CHECKPOINT_LAYOUT} (default: the built-in prefixserve-tiny, generated "
+                                        "on first use)", metavar="DIR|FILE|NAME")
+    dtype: str = option("auto", "weights and KV cache; auto is the fastest exact dtype: bfloat16 on CUDA and on CPUs "
+                                "with bf16 instructions, else float32 (bfloat16 is served exactly on every CPU; "
+                                "engine/device.py)", choices=DTYPES)
+    device: str = option("auto", "auto: cuda when available, else cpu", choices=DEVICES)
+    block_size: int = option(16, "tokens per KV block, the unit of cache reuse", metavar="N")
+    enable_prefix_caching: bool = option(True, "disable prefix caching (a baseline)", flag="--no-prefix-caching")
+    prefix_hash: str = option("sha256", "the block-key hash: sha256, or xxh3_128 (faster, not collision resistant: "
+                                        "only where every prompt is trusted)", choices=tuple(sorted(HASH_FUNCTIONS)))
+    max_num_seqs: int = option(64, "requests running at once", metavar="N")
+    max_num_batched_tokens: int = option(2048, "tokens one engine step computes (longer prefills are chunked)",
+                                         metavar="N")
+    max_model_len: Optional[int] = option(None, "longest prompt + output in tokens (default: the model's limit, "
+                                                "capped to what the KV pool holds)", metavar="N")
+    kv_cache_memory_bytes: Optional[int] = option(None, "KV pool budget (default: 2 GiB on CPU; on CUDA the free "
+                                                        "memory measured after loading the model x "
+                                                        "--gpu-memory-utilization)", metavar="N")
+    gpu_memory_utilization: float = option(0.9, "on CUDA, the share of free memory the KV pool may take when "
+                                                "--kv-cache-memory-bytes is not given", metavar="FRACTION")
+    scheduling_policy: str = option("fcfs", "fcfs: arrival order; lpm: longest cached prefix first, within a window",
+                                    choices=SCHEDULING_POLICIES)
+    max_pinned_blocks: Optional[int] = option(None, "blocks operator and hot-prefix pins may hold (default: half "
+                                                    "the pool)", metavar="N")
+    prefix_ttl: Optional[float] = option(None, "seconds an unused cached prefix lives (default: until evicted)",
+                                         metavar="SECONDS")
     # The background policy pinning hot shared prefixes (cache/hot_prefixes.py): a prefix reused by at
     # least this many requests within the window stays pinned (within half of max_pinned_blocks)
     # until it cools; 0 turns it off.
-    hot_prefix_min_requests: int = 4
-    hot_prefix_window: float = 60.0  # seconds
-    enable_kv_events: bool = False
+    hot_prefix_min_requests: int = option(4, "pin a cached prefix reused by at least K requests within "
+                                             "--hot-prefix-window, until it cools (0: off; pins stay within half "
+                                             "of the pin cap)", metavar="K")
+    hot_prefix_window: float = option(60.0, "the window in which --hot-prefix-min-requests reuses make a prefix hot",
+                                      metavar="SECONDS")
+    enable_kv_events: bool = option(False, "keep KV events for GET /v1/kv_events (for a router; needs "
+                                           "--admin-api-key)")
     # Compute every token the same way whatever else is in the batch, so a cache hit never changes an
     # output: linear layers are called only with row counts measured to round each row alike
-    # (model/row_calls.py). False makes every matmul one call of its own rows (a lone decode up to 10%
-    # faster in bf16; on AMX CPUs a prefill's bf16 matmuls up to 2x faster) and, on the pure-PyTorch
+    # (model/row_calls.py). False makes every matmul one call of its own rows and, on the pure-PyTorch
     # path (no compiled kernel), drops the invariant attention (model/invariant_attention.py); greedy
     # outputs may then depend on batching and cache hits.
-    batch_invariant: bool = True
+    batch_invariant: bool = option(True, "let outputs depend on batching and cache hits for speed: each matmul one "
+                                         "call of its rows (a lone bf16 decode up to 10%% faster, AMX bf16 prefill "
+                                         "matmuls up to 2x); without the compiled kernel, the faster attention",
+                                   flag="--no-batch-invariant")
     # The KV hierarchy under the pool (engine/kv_tiers.py); all off by default.
-    kv_host_cache_bytes: Optional[int] = None  # host RAM for blocks evicted from the pool
-    kv_disk_cache_dir: Optional[str] = None  # every computed block is also written here; survives restarts
-    kv_disk_cache_bytes: Optional[int] = None  # None: DEFAULT_DISK_CACHE_BYTES when a directory is given
-    kv_remote_url: Optional[str] = None  # redis://host:port/db shared by the fleet (rediss:// and passwords work)
-    kv_remote_ttl: Optional[float] = None  # seconds a remote record lives; None: until Redis evicts it
-    kv_remote_write_bytes_per_second: Optional[int] = None  # cap on what one replica writes; None: no cap
-    kv_remote_timeout: float = 1.0  # seconds a remote read may take before it counts as a miss
-    # The tiers are a trust boundary (tiers/seal.py). With a secret file every record is sealed (AES-256-GMAC)
-    # and only records sealed under one of its secrets are read back; the remote tier needs one, or
-    # kv_remote_insecure=True (then anyone who can write Redis can change this replica's answers).
-    kv_tier_secret_file: Optional[str] = None
-    kv_tier_encrypt: bool = False  # AES-256-GCM: token ids and KV encrypted at rest, a key per tenant scope
-    kv_remote_insecure: bool = False
-    # Seconds a request waits for a disk or remote read before it recomputes (the tier counted slow).
-    kv_tier_deadline: float = 0.5
-    # "cost": fetch a lower-tier run only where reading it is measured to beat recomputing it (tiers/policy.py);
-    # "always": fetch every block a tier holds, as LMCache does (predictable hits, whatever the timings).
-    kv_fetch_policy: str = "cost"
-    seed: int = 0
-    log_stats: bool = True
+    kv_host_cache_bytes: Optional[int] = option(None, "host RAM for KV blocks evicted from the pool; fetched back "
+                                                      "instead of recomputed (default: off)", metavar="BYTES")
+    kv_disk_cache_dir: Optional[str] = option(None, "write every computed KV block here too; served after eviction "
+                                                    "and after a restart (default: off)", metavar="DIR")
+    kv_disk_cache_bytes: Optional[int] = option(None, "size of the disk tier (default: 16 GiB when "
+                                                      "--kv-disk-cache-dir is given)", metavar="BYTES")
+    kv_remote_url: Optional[str] = option(None, "redis://host:port/db shared by the fleet: every replica writes the "
+                                                "blocks it computes and reads what others computed (rediss:// and a "
+                                                "password in the URL work; default: off)", metavar="URL")
+    kv_remote_ttl: Optional[float] = option(None, "seconds a remote record lives (default: until Redis evicts it)",
+                                            metavar="SECONDS")
+    kv_remote_write_bytes_per_second: Optional[int] = option(None, "cap on the bytes this replica writes to the "
+                                                                   "remote tier per second (default: no cap)",
+                                                             metavar="BYTES")
+    kv_remote_timeout: float = option(1.0, "a remote read slower than this counts as a miss (the request "
+                                           "recomputes)", metavar="SECONDS")
+    # The tiers are a trust boundary (tiers/seal.py): with a secret file every record is sealed (AES-256-GMAC)
+    # and only records sealed under one of its secrets are read back.
+    kv_tier_secret_file: Optional[str] = option(None, "the fleet's secret(s), one per line (the first seals; later "
+                                                      "ones are accepted until the until= each states): every tier "
+                                                      "record is sealed and only records sealed under one of them "
+                                                      "are read back (needed with --kv-remote-url; default: "
+                                                      "unsealed)", metavar="FILE")
+    kv_tier_encrypt: bool = option(False, "encrypt token ids and KV in every tier (AES-256-GCM, a key per tenant "
+                                          "scope derived from the secret), so a Redis dump or a copied disk reveals "
+                                          "no prompt")
+    kv_remote_insecure: bool = option(False, "run --kv-remote-url without --kv-tier-secret-file: anyone who can "
+                                             "write that Redis can change this replica's answers (a warning at "
+                                             "every start)")
+    kv_tier_deadline: float = option(0.5, "a request waits at most this long for a disk or remote read, then "
+                                          "recomputes", metavar="SECONDS")
+    # "cost": tiers/policy.py's planner; "always": every block a tier holds, as LMCache does (predictable
+    # hits, whatever the timings).
+    kv_fetch_policy: str = option("cost", "cost: fetch a run from host, disk or remote only where reading it is "
+                                          "measured to be faster than recomputing it; always: fetch every block a "
+                                          "tier holds", choices=FETCH_POLICIES)
+    seed: int = option(0, "the seed of unseeded sampling (seeded requests draw from their own seed)", metavar="N")
+    log_stats: bool = option(True, "no start-up summary or progress lines from the engine",
+                             flag="--disable-log-stats")
 
     def __post_init__(self) -> None:
         def require(condition: bool, message: str) -> None:

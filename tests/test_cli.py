@@ -52,7 +52,7 @@ def test_every_flag_has_help_and_shows_its_default(command):
         if flag == "-h":
             continue
         assert action.help, f"{command} {flag} has no help"
-        switch = isinstance(action, argparse._StoreTrueAction)
+        switch = isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))
         if not switch and flag not in NO_DEFAULT_BY_NATURE:
             assert "default" in rendered[flag], f"{command} {flag} does not show its default: {rendered[flag]}"
 
@@ -70,6 +70,38 @@ def test_help_shows_the_values_of_defaults_once():
     for command, parser in subcommands(build_parser()).items():  # route too: its own "(default N)" is not doubled
         for flag, text in option_help(parser).items():
             assert text.count("(default") <= 1, f"{command} {flag}: {text}"
+
+
+def other_value(item, kind):
+    """A value of EngineConfig field `item` other than its default, as a flag would give it."""
+    if item.metadata.get("choices"):
+        return next(choice for choice in item.metadata["choices"] if choice != item.default)
+    if kind is int:
+        return 32 if item.name == "block_size" else (item.default or 1) * 2 + 1
+    if kind is float:
+        return 0.5 * (item.default or 4.0)
+    return "some-value"
+
+
+def test_every_engine_config_field_is_a_serve_flag_with_its_default():
+    from dataclasses import fields
+
+    from prefixserve.config import EngineConfig
+    from prefixserve.server.engine_flags import _value_type, engine_config_from_args, flag_of
+
+    parser = subcommands(build_parser())["serve"]
+    assert engine_config_from_args(parser.parse_args([])) == EngineConfig()  # no default restated
+    rendered = option_help(parser)
+    for item in fields(EngineConfig):
+        flag, kind = flag_of(item), _value_type(item)
+        assert flag in rendered and item.metadata["help"].split()[0] in rendered[flag], flag
+        if kind is bool:
+            assert getattr(parser.parse_args([flag]), item.name) is (not item.default), flag
+        else:
+            value = other_value(item, kind)
+            assert getattr(parser.parse_args([flag, str(value)]), item.name) == value, flag
+    assert {"--no-prefix-caching", "--no-batch-invariant", "--prefix-hash", "--gpu-memory-utilization",
+            "--max-pinned-blocks", "--seed", "--disable-log-stats"} <= set(rendered)
 
 
 def test_no_parser_accepts_abbreviated_flags(capsys):

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from ..server.engine_flags import add_engine_argument
 from .paths import output_path
 
 LINT_SUMMARY = ("prompt cacheability lint: per prompt family in a JSONL of OpenAI request bodies, the stable prefix, "
@@ -21,8 +22,7 @@ def add_lint_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="FILE", help="also write the report here as JSON (default: no JSON)")
     parser.add_argument("--no-tokenizer", action="store_true",
                         help="count characters instead of the built-in model's tokens (loads nothing)")
-    parser.add_argument("--block-size", type=int, default=16, metavar="N",
-                        help="tokens per KV block, as the engine's block_size")
+    add_engine_argument(parser, "block_size")  # as 'prefixserve serve' takes it
 
 
 def lint(args: argparse.Namespace) -> int:

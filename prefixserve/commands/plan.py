@@ -24,7 +24,7 @@ READ_REPEATS = 5
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..config import DTYPES, EngineConfig
+    from ..server.engine_flags import add_engine_argument
 
     actions = parser.add_subparsers(dest="plan_action", required=True, metavar="ACTION")
     tiers = actions.add_parser("tiers", help=PLAN_TIERS_SUMMARY, description=PLAN_TIERS_SUMMARY,
@@ -33,11 +33,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     tiers.add_argument("--model", metavar="DIR|FILE.gguf|NAME",
                        help="checkpoint whose KV blocks and prefill are planned for: a Hugging Face directory, a "
                             ".gguf file or a model name (default: the built-in prefixserve-tiny)")
-    tiers.add_argument("--dtype", choices=DTYPES, default="auto",
-                       help="KV dtype; auto is the engine's choice (bfloat16 on CUDA and on CPUs with bf16 "
-                            "instructions, else float32)")
-    tiers.add_argument("--block-size", type=int, default=EngineConfig.block_size, metavar="N",
-                       help="tokens per KV block, as the engine's block_size")
+    add_engine_argument(tiers, "dtype")  # as 'prefixserve serve' takes them
+    add_engine_argument(tiers, "block_size")
     tiers.add_argument("--prefill-seconds-per-token", type=float, metavar="SECONDS",
                        help="this engine's prefill cost per token, e.g. from 'simulate --calibrate'; skips measuring "
                             "it (default: measured with the engine, about a minute)")

@@ -10,26 +10,22 @@ from __future__ import annotations
 import argparse
 import errno
 import logging
-import re
 import socket
 import time
 from typing import Optional
-from dataclasses import fields
 from pathlib import Path
 
-from ..config import DEFAULT_MAX_CACHE_TTL, DEVICES, DTYPES, FETCH_POLICIES, SCHEDULING_POLICIES, EngineConfig
+from ..config import CHECKPOINT_LAYOUT, DEFAULT_MAX_CACHE_TTL
 from ..http import DEFAULT_MAX_REQUEST_BYTES, load_api_keys, load_tenant_cache_retentions, load_tenant_cache_ttls
+from .engine_flags import add_engine_arguments, engine_config_from_args, with_flag_names
 
 logger = logging.getLogger("prefixserve.server")
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-CHECKPOINT_LAYOUT = ("a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json), a .gguf file "
-                     "or a directory holding one, or a model name (smollm2-135m-instruct)")
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", metavar="DIR|FILE|NAME", default=None,
-                        help=f"{CHECKPOINT_LAYOUT} (default: the built-in prefixserve-tiny, generated on first use)")
+    """The server's own flags, then the engine's (one per EngineConfig field: engine_flags.py)."""
     parser.add_argument("--served-model-name", metavar="NAME", default=None,
                         help="the model name clients send and responses carry (default: the --model directory's name, "
                              "or prefixserve-tiny)")
@@ -51,73 +47,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "completion prompt (default: none)")
     parser.add_argument("--max-waiting", type=int, metavar="N", default=256,
                         help="waiting requests past which new ones get HTTP 429")
-    parser.add_argument("--dtype", default="auto", choices=DTYPES,
-                        help="weights and KV cache; auto is the fastest exact dtype: bfloat16 on CUDA and on CPUs "
-                             "with bf16 instructions, else float32 (bfloat16 is served exactly on every CPU)")
-    parser.add_argument("--device", default="auto", choices=DEVICES, help="auto: cuda when available, else cpu")
-    parser.add_argument("--block-size", type=int, metavar="N", default=16,
-                        help="tokens per KV block, the unit of cache reuse")
-    parser.add_argument("--max-num-seqs", type=int, metavar="N", default=64, help="requests running at once")
-    parser.add_argument("--max-num-batched-tokens", type=int, metavar="N", default=2048,
-                        help="tokens one engine step computes (longer prefills are chunked)")
-    parser.add_argument("--max-model-len", type=int, metavar="N", default=None,
-                        help="longest prompt + output in tokens (default: the model's limit, capped to what the "
-                             "KV pool holds)")
-    parser.add_argument("--kv-cache-memory-bytes", type=int, metavar="N", default=None,
-                        help="KV pool budget (default: 2 GiB on CPU; on CUDA the free memory measured after "
-                             "loading the model x 0.9)")
-    parser.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching (a baseline)")
-    parser.add_argument("--no-batch-invariant", action="store_true",
-                        help="let outputs depend on batching and cache hits for speed: each matmul one call of "
-                             "its rows (a lone bf16 decode up to 10%% faster, AMX bf16 prefill matmuls up to 2x); "
-                             "without the compiled kernel, the faster attention")
-    parser.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES,
-                        help="fcfs: arrival order; lpm: longest cached prefix first, within a window")
-    parser.add_argument("--prefix-ttl", type=float, metavar="SECONDS", default=None,
-                        help="seconds an unused cached prefix lives (default: until evicted)")
-    parser.add_argument("--hot-prefix-min-requests", type=int, metavar="K", default=EngineConfig.hot_prefix_min_requests,
-                        help="pin a cached prefix reused by at least K requests within --hot-prefix-window, until it "
-                             "cools (0: off; pins stay within half of the pin cap)")
-    parser.add_argument("--hot-prefix-window", type=float, metavar="SECONDS", default=EngineConfig.hot_prefix_window,
-                        help="the window in which --hot-prefix-min-requests reuses make a prefix hot")
     parser.add_argument("--max-cache-ttl", type=float, metavar="SECONDS", default=DEFAULT_MAX_CACHE_TTL,
                         help="cap on the cache_ttl a request body or a tenant's keys-file entry asks for")
-    parser.add_argument("--enable-kv-events", action="store_true",
-                        help="keep KV events for GET /v1/kv_events (for a router; needs --admin-api-key)")
-    parser.add_argument("--kv-host-cache-bytes", metavar="BYTES", type=int, default=None,
-                        help="host RAM for KV blocks evicted from the pool; fetched back instead of recomputed "
-                             "(default: off)")
-    parser.add_argument("--kv-disk-cache-dir", metavar="DIR", default=None,
-                        help="write every computed KV block here too; served after eviction and after a restart "
-                             "(default: off)")
-    parser.add_argument("--kv-disk-cache-bytes", metavar="BYTES", type=int, default=None,
-                        help="size of the disk tier (default: 16 GiB when --kv-disk-cache-dir is given)")
-    parser.add_argument("--kv-remote-url", metavar="URL", default=None,
-                        help="redis://host:port/db shared by the fleet: every replica writes the blocks it computes "
-                             "and reads what others computed (rediss:// and a password in the URL work; default: off)")
-    parser.add_argument("--kv-remote-ttl", metavar="SECONDS", type=float, default=None,
-                        help="seconds a remote record lives (default: until Redis evicts it)")
-    parser.add_argument("--kv-remote-write-bytes-per-second", metavar="BYTES", type=int, default=None,
-                        help="cap on the bytes this replica writes to the remote tier per second (default: no cap)")
-    parser.add_argument("--kv-remote-timeout", metavar="SECONDS", type=float, default=1.0,
-                        help="a remote read slower than this counts as a miss (the request recomputes)")
-    parser.add_argument("--kv-tier-secret-file", metavar="FILE", default=None,
-                        help="the fleet's secret(s), one per line (the first seals; later ones are accepted until "
-                             "the until= each states): every tier record is sealed and only records "
-                             "sealed under one of them are read back (needed with --kv-remote-url; default: unsealed)")
-    parser.add_argument("--kv-tier-encrypt", action="store_true",
-                        help="encrypt token ids and KV in every tier (AES-256-GCM, a key per tenant scope derived "
-                             "from the secret), so a Redis dump or a copied disk reveals no prompt")
-    parser.add_argument("--kv-remote-insecure", action="store_true",
-                        help="run --kv-remote-url without --kv-tier-secret-file: anyone who can write that Redis "
-                             "can change this replica's answers (a warning at every start)")
-    parser.add_argument("--kv-tier-deadline", metavar="SECONDS", type=float, default=0.5,
-                        help="a request waits at most this long for a disk or remote read, then recomputes "
-                             "(default %(default)s)")
-    parser.add_argument("--kv-fetch-policy", choices=FETCH_POLICIES, default="cost",
-                        help="cost: fetch a run from host, disk or remote only where reading it is measured to be "
-                             "faster than recomputing it; always: fetch every block a tier holds (default: cost)")
     parser.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="engine and uvicorn logging")
+    add_engine_arguments(parser.add_argument_group("engine (each flag an EngineConfig field)"))
 
 
 def _port_number(text: str) -> int:
@@ -128,14 +61,6 @@ def _port_number(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"{port} is not a port number (0-65535; 0 picks a free one)")
     return port
-
-
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """Each flag is a config field's name with dashes; --no-prefix-caching and --no-batch-invariant read inverted."""
-    options = {field.name: getattr(args, field.name) for field in fields(EngineConfig) if hasattr(args, field.name)}
-    options["enable_prefix_caching"] = not args.no_prefix_caching
-    options["batch_invariant"] = not args.no_batch_invariant
-    return EngineConfig(**options)
 
 
 def build_server(args: argparse.Namespace):
@@ -217,19 +142,12 @@ def check_options(args: argparse.Namespace) -> None:
     try:
         engine_config_from_args(args)
     except ValueError as error:
-        raise SystemExit(f"prefixserve serve: {_with_flag_names(str(error))}") from None
+        raise SystemExit(f"prefixserve serve: {with_flag_names(str(error))}") from None
     if args.model is not None:
         check_model_dir(args.model)
     if args.shared_prefix:
         read_shared_prefix(args.shared_prefix)
     server_settings_from_args(args)  # the keys file and the server's own settings, as build_server reads them
-
-
-def _with_flag_names(message: str) -> str:
-    """EngineConfig speaks in field names (block_size); a CLI user typed flags (--block-size)."""
-    for name in sorted((item.name for item in fields(EngineConfig) if "_" in item.name), key=len, reverse=True):
-        message = re.sub(rf"(?<![\w-]){name}\b", "--" + name.replace("_", "-"), message)
-    return message
 
 
 def served_name_of(model: Optional[str]) -> str:
