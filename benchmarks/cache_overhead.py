@@ -43,7 +43,7 @@ def main() -> int:
     args = parser.parse_args()
     options = dict(dtype=args.dtype, kv_cache_memory_bytes=1 << 30, log_stats=False)
     engines = {"on": LLM(args.model, **options), "off": LLM(args.model, enable_prefix_caching=False, **options)}
-    vocab_size = engines["on"].engine.model_config.vocab_size
+    vocab_size = engines["on"].engine.version.config.vocab_size
     timed(engines["on"], prompts_for(-1, 4, 64, vocab_size), 4)  # warm both up (allocator, oneDNN kernels)
     timed(engines["off"], prompts_for(-1, 4, 64, vocab_size), 4)
     seconds = {"on": [], "off": []}

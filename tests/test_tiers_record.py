@@ -8,7 +8,7 @@ import zlib
 import pytest
 
 from prefixserve.cache import BlockKeyer
-from prefixserve.engine.kv_tiers import payload_is_finite
+from prefixserve.engine.tier_reads import payload_is_finite
 from prefixserve.tiers.seal import Keyring, Sealer
 from prefixserve.tiers.record import (
     FIXED_HEADER_SIZE,

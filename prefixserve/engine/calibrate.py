@@ -109,6 +109,6 @@ def measure_costs(progress: bool = False, **engine_options: Any) -> dict[str, fl
         "decode_seconds_per_token": step,
         "decode_batch_size": float(DECODE_BATCH),
         "overhead_seconds": overhead,
-        "description": f"calibrated: {engine.model_name}, {engine.dtype} on {engine.device}, "
+        "description": f"calibrated: {engine.version.name}, {engine.dtype} on {engine.device}, "
                        f"{time.strftime('%Y-%m-%d')}",
     }

@@ -13,28 +13,27 @@ import logging
 import time
 from typing import Callable, Optional
 
-import torch
-
 from ..cache import BlockKeyer, EventQueue, RadixCache
 from ..cache.hot_prefixes import HotPrefixPolicy
 from ..cache.reuse_gaps import ReuseGapTracker
 from ..cache.scoping import PromptScoper
-from ..config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
-from ..model import kernels
-from .device import check_exact, cpu_has_fast_bfloat16, measure_cuda_kv_budget, resolve_device, resolve_dtype
+from ..config import EngineConfig
+from .device import check_exact, resolve_device, resolve_dtype
 from .input_processor import InputProcessor, PromptType
-from .kv_tiers import TieredKV, build_tiers, empty_breakdown
+from .kv_pool_size import size_kv_pool, startup_summary
+from .kv_tiers import empty_breakdown
 from .limits import RANGES
 from .model_version import CurrentVersion, ModelVersion, load_version
 from .numerics import numerics_fingerprint
-from .pins import Pin, PinTable, restore_pins
-from .reload import ReloadReport, check_swappable, swap_model
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
+from .pins import Pin, PinTable, restore_pins
+from .reload import ReloadReport, check_swappable, swap_model
 from .request import Request
-from .runner import ModelRunner, kv_bytes_per_token
+from .runner import ModelRunner
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
+from .tier_setup import tiered_kv
 
 logger = logging.getLogger("prefixserve")
 
@@ -48,9 +47,9 @@ class LLMEngine:
         self.numerics = numerics_fingerprint(self.dtype, self.device, config.batch_invariant)
         loaded_version = load_version(config.model, self.dtype, self.device, self.numerics, config.block_size)
         loaded = loaded_version.loaded
-        max_model_len = self._resolve_max_model_len(loaded.config.max_context_len)
-        num_blocks, bytes_per_token, max_model_len, max_model_len_note = self._size_kv_pool(loaded, max_model_len)
-        self.current = CurrentVersion(loaded_version.within(max_model_len))
+        pool = size_kv_pool(config, loaded, self.device, self.dtype)
+        num_blocks, bytes_per_token = pool.num_blocks, pool.bytes_per_token
+        self.current = CurrentVersion(loaded_version.within(pool.max_model_len))
         self.num_reloads = 0  # hot reloads so far (reload.py); requests made before one are refused after it
 
         self.events = EventQueue() if config.enable_kv_events else None
@@ -79,14 +78,14 @@ class LLMEngine:
         self.runner = ModelRunner(self.current, num_blocks, config.block_size, self.dtype,
                                   self.device, config.max_num_batched_tokens, config.max_num_seqs, config.seed,
                                   batch_invariant=config.batch_invariant)
-        self.tiers = self._build_tiers()
+        self.tiers = tiered_kv(self)
         self.inputs = InputProcessor(self.current, config.prefix_ttl)
         self.outputs = OutputProcessor(self.current)
         self.pins = PinTable(self.cache, self.keyer, config.block_size, config.kv_disk_cache_dir,
                              self.tokenizer.fingerprint)
         self.num_prefill_tokens_computed = 0
         self.num_generation_tokens = 0
-        self.startup_summary = self._summary(loaded, num_blocks, bytes_per_token, max_model_len_note)
+        self.startup_summary = startup_summary(self, pool)
         if config.log_stats:
             logger.info(self.startup_summary)
         if self.pins.to_restore:  # pins saved by the last run: warm them (from the disk tier) and pin
@@ -103,10 +102,6 @@ class LLMEngine:
         return self.current.version.tokenizer
 
     @property
-    def eos_token_ids(self) -> frozenset[int]:
-        return self.current.version.eos_token_ids
-
-    @property
     def max_model_len(self) -> int:
         return self.current.version.max_model_len
 
@@ -118,99 +113,10 @@ class LLMEngine:
     def scoper(self) -> PromptScoper:
         return self.current.version.scoper
 
-    @property
-    def model_config(self):
-        return self.current.version.config
-
-    @property
-    def model_path(self):
-        return self.current.version.path
-
-    @property
-    def model_name(self) -> str:
-        return self.current.version.name
-
     # ------------------------------------------------------------- set-up
-    def _build_tiers(self) -> Optional[TieredKV]:
-        tiers = build_tiers(self.config, self.scope.digest)
-        if not tiers:
-            return None
-        self._log_progress("KV tiers below the pool: " + ", ".join(
-            f"{tier.name} {tier.capacity_bytes / 2**20:.0f} MiB" for tier in tiers))
-        return TieredKV(tiers, self.runner, self.cache, self.keyer, self.scope.digest, self.config.kv_fetch_policy,
-                        self.config.kv_tier_deadline)
-
     def _log_progress(self, message: str) -> None:
         if self.config.log_stats:
             logger.info(message)
-
-    def _size_kv_pool(self, loaded, max_model_len: int) -> tuple[int, int, int, str]:
-        """(blocks, KV bytes per token, max_model_len, a note on it) for the configured or measured budget."""
-        block_size = self.config.block_size
-        bytes_per_token = kv_bytes_per_token(loaded.config, self.dtype)
-        budget = self._kv_budget(loaded, max_model_len)
-        num_blocks = budget // (bytes_per_token * block_size)
-        if num_blocks < 2:
-            raise ValueError(
-                f"a KV budget of {budget} bytes holds {num_blocks} blocks of {block_size} tokens "
-                f"({bytes_per_token} bytes a token); raise kv_cache_memory_bytes"
-            )
-        return (num_blocks, bytes_per_token) + self._fit_max_model_len(max_model_len, num_blocks, budget,
-                                                                         bytes_per_token)
-
-    def _summary(self, loaded, num_blocks: int, bytes_per_token: int, max_model_len_note: str) -> str:
-        """The start-up line: model, dtype, device, weights, KV pool, max_model_len."""
-        config = self.config
-        weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
-        summary = (
-            f"model {self.model_name} ({loaded.config.architecture}), {self.dtype} on {self.device}; "
-            f"weights {weight_bytes / 2**20:.0f} MiB; KV {bytes_per_token} bytes/token; "
-            f"{num_blocks} blocks x {config.block_size} = {num_blocks * config.block_size} tokens fit "
-            f"({num_blocks * config.block_size * bytes_per_token / 2**20:.0f} MiB); "
-            f"max_model_len {self.max_model_len}{max_model_len_note}; "
-            f"prefix caching {'on' if config.enable_prefix_caching else 'off'}; numerics {self.numerics}"
-        )
-        if self.device.type == "cpu":
-            summary += "; " + kernels.describe()
-        if self.dtype == torch.float32 and self.device.type == "cpu" and cpu_has_fast_bfloat16():
-            summary += (
-                "; this CPU has bf16 instructions: dtype bfloat16 runs the workload suite 1.25-1.6x faster, and cache "
-                "hits never change its greedy outputs either (batch-invariant; the default on such CPUs)")
-        return summary
-
-    def _resolve_max_model_len(self, limit: int) -> int:
-        if self.config.max_model_len is None:
-            return limit
-        if self.config.max_model_len > limit:
-            raise ValueError(
-                f"max_model_len={self.config.max_model_len} exceeds what the model supports ({limit}); "
-                f"use max_model_len <= {limit}"
-            )
-        return self.config.max_model_len
-
-    def _fit_max_model_len(self, max_model_len: int, num_blocks: int, budget: int,
-                           bytes_per_token: int) -> tuple[int, str]:
-        """Make one request of max_model_len tokens always fit the pool alone, so it can never
-        be preempted forever; returns it and a note for the start-up summary."""
-        block_size = self.config.block_size
-        pool_tokens = num_blocks * block_size
-        if max_model_len <= pool_tokens:
-            return max_model_len, ""
-        if self.config.max_model_len is not None:
-            needed = -(-max_model_len // block_size) * block_size * bytes_per_token
-            raise ValueError(
-                f"max_model_len={max_model_len} does not fit the KV pool: a budget of {budget} bytes "
-                f"(kv_cache_memory_bytes) holds {pool_tokens} tokens; raise kv_cache_memory_bytes to at "
-                f"least {needed} or use max_model_len <= {pool_tokens}"
-            )
-        return pool_tokens, f" (capped from the model's {max_model_len} to what the KV pool holds)"
-
-    def _kv_budget(self, loaded, max_model_len: int) -> int:
-        if self.config.kv_cache_memory_bytes is not None:
-            return self.config.kv_cache_memory_bytes
-        if self.device.type != "cuda":
-            return DEFAULT_CPU_KV_CACHE_BYTES
-        return measure_cuda_kv_budget(loaded, self.config, self.device, self.dtype, max_model_len)
 
     # ----------------------------------------------------------- requests
     def add_request(
@@ -372,7 +278,7 @@ class LLMEngine:
         """Load `model` (None: the served path again) for a reload, packed for this engine's steps; reads
         fixed settings only, so it may run in another thread while the engine serves. Raises
         FileNotFoundError / ValueError (IncompatibleModelError) naming the fix."""
-        version = load_version(str(self.model_path) if model is None else model, self.dtype, self.device,
+        version = load_version(str(self.version.path) if model is None else model, self.dtype, self.device,
                                self.numerics, self.config.block_size,
                                batch_size_hint=self.config.max_num_batched_tokens)
         check_swappable(self, version)

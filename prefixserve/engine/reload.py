@@ -56,7 +56,7 @@ def kv_layout(config) -> tuple[int, int, int]:
 
 def check_swappable(engine, version: ModelVersion) -> None:
     """Raise IncompatibleModelError naming the difference when the pool cannot hold the new version's KV."""
-    old, new = kv_layout(engine.model_config), kv_layout(version.loaded.config)
+    old, new = kv_layout(engine.version.config), kv_layout(version.loaded.config)
     if old != new:
         raise IncompatibleModelError(
             f"{version.name} has a different KV layout (layers, KV heads, head size) {new} from the served "
