@@ -26,9 +26,11 @@ from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 from .block_pool import Block, BlockPool
 from .eviction import EvictionOrder
-from .events import AllBlocksCleared, BlockRemoved, BlockStored, EventQueue
+from .events import BlockStored, EventQueue
 from .integrity import check_integrity
 from .keys import max_hit_blocks, pack_tokens
+from .radix_pins import RadixPins
+from .radix_removal import RadixRemoval
 from .stats import CacheStats, CacheUsage
 
 Parent = Union[Block, bytes]
@@ -43,7 +45,10 @@ class MatchResult(NamedTuple):
     num_tokens: int
 
 
-class RadixCache:
+class RadixCache(RadixRemoval, RadixPins):
+    """The index: lookup, references, allocation and insert here; removals in radix_removal.py, pins in
+    radix_pins.py."""
+
     def __init__(
         self,
         num_blocks: int,
@@ -183,42 +188,6 @@ class RadixCache:
         self.acquire(hit, ttl)
         return list(hit) + self.allocate(num_new_blocks)
 
-    def evict(self, num_blocks: int) -> int:
-        """Free up to `num_blocks`: expired leaves first, then least recently used leaves."""
-        num_evicted = 0
-        while num_evicted < num_blocks:
-            block = self._pop_expired()
-            if block is None:
-                block = self._pop_lru()
-                if block is None:
-                    break
-                if self.on_evict is not None:  # an expired block is dropped; a cold one may spill below
-                    self.on_evict(block)
-            self._uncache(block)
-            num_evicted += 1
-        return num_evicted
-
-    def expire(self) -> int:
-        """Reclaim every expired, unreferenced prefix now (leaves first, up the chain)."""
-        num_expired = 0
-        while (block := self._pop_expired()) is not None:
-            self._uncache(block)
-            num_expired += 1
-        return num_expired
-
-    def _pop_expired(self) -> Optional[Block]:
-        block = self._order.pop_expired()
-        if block is not None:
-            self.stats.num_expired_blocks += 1
-        return block
-
-    def _pop_lru(self) -> Optional[Block]:
-        block = self._order.pop_lru()
-        if block is not None:
-            self.stats.num_evicted_blocks += 1
-            self.stats.num_evicted_tokens += self.block_size
-        return block
-
     # ---------------------------------------------------------------- insert
     def insert(
         self,
@@ -273,97 +242,6 @@ class RadixCache:
             parent_key = parent.key if isinstance(parent, Block) else None
             self.events.publish(BlockStored([key], parent_key, list(token_ids), self.block_size))
         return block
-
-    def _uncache(self, block: Block, publish: bool = True) -> None:
-        """Drop a block from the index; it is freed now if unreferenced, else on release."""
-        del self._index[block.key]
-        if publish and self.events is not None:
-            self.events.publish(BlockRemoved([block.key]))
-        block.key = None
-        block.token_bytes = None
-        if block.pin_count:
-            self._num_pinned -= 1
-            block.pin_count = 0
-            pinned = True
-        else:
-            pinned = False
-        parent = block.parent
-        block.parent = block.scope = None
-        block.device_only = False
-        block.num_children = 0
-        if block.ref_count == 0:
-            self._num_cached_unreferenced -= 1
-            if not pinned:
-                self._num_reclaimable -= 1
-            self.pool.free(block)
-        if isinstance(parent, Block) and parent.key is not None:
-            parent.num_children -= 1
-            self._order.push_if_evictable(parent, self._num_reclaimable)
-
-    # ------------------------------------------------------------------ pins
-    def _cached_path(self, keys: Sequence[bytes]) -> list[Block]:
-        path: list[Block] = []
-        for key in keys:
-            block = self._index.get(key)
-            if block is None or (path and block.parent is not path[-1]):
-                break
-            path.append(block)
-        return path
-
-    def pin(self, keys: Sequence[bytes]) -> int:
-        """Protect the cached prefix along `keys` from eviction; returns blocks pinned."""
-        path = self._cached_path(keys)
-        num_new = sum(1 for block in path if block.pin_count == 0)
-        if self._num_pinned + num_new > self.max_pinned_blocks:
-            raise ValueError(
-                f"pinning {num_new} more blocks would exceed max_pinned_blocks={self.max_pinned_blocks} "
-                f"({self._num_pinned} already pinned); unpin other prefixes or raise the cap"
-            )
-        for block in path:
-            if block.pin_count == 0:
-                self._num_pinned += 1
-                if block.ref_count == 0:
-                    self._num_reclaimable -= 1
-            block.pin_count += 1
-        return len(path)
-
-    def unpin(self, keys: Sequence[bytes]) -> int:
-        """Undo one `pin` of the cached prefix along `keys`; returns blocks unpinned."""
-        path = [block for block in self._cached_path(keys) if block.pin_count > 0]
-        for block in reversed(path):
-            block.pin_count -= 1
-            if block.pin_count == 0:
-                self._num_pinned -= 1
-                if block.ref_count == 0:
-                    self._num_reclaimable += 1
-                self._order.push_if_evictable(block, self._num_reclaimable)
-        return len(path)
-
-    # ----------------------------------------------------------------- clear
-    def clear(self, scope_digest: Optional[bytes] = None) -> int:
-        """Forget every cached block (of one scope, or all); referenced blocks turn private."""
-        if scope_digest is None:
-            victims = list(self._index.values())
-        else:
-            roots: dict[int, bytes] = {}
-            victims = [b for b in self._index.values() if self._scope_of(b, roots) == scope_digest]
-        for block in victims:
-            self._uncache(block, publish=scope_digest is not None)
-        if scope_digest is None and self.events is not None:
-            self.events.publish(AllBlocksCleared())
-        self._order.compact()
-        return len(victims)
-
-    def _scope_of(self, block: Block, memo: dict[int, bytes]) -> bytes:
-        chain: list[Block] = []
-        node: Parent = block
-        while isinstance(node, Block) and node.block_id not in memo:
-            chain.append(node)
-            node = node.parent
-        scope = memo[node.block_id] if isinstance(node, Block) else node
-        for visited in chain:
-            memo[visited.block_id] = scope
-        return scope
 
     # ------------------------------------------------------------ inspection
     @property
