@@ -11,7 +11,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 _EXPORTS = {  # name -> submodule that defines it
-    "AttentionMetadata": "attention", "paged_attention": "attention", "write_kv": "attention",
+    "AttentionMetadata": "attention_metadata", "paged_attention": "attention", "write_kv": "attention",
     "DEFAULT_MODEL_NAME": "default", "ensure_default_model": "default",
     "LlamaForCausalLM": "llama",
     "LoadedModel": "loader", "load_generation_eos": "loader", "load_model": "loader",
@@ -26,7 +26,8 @@ __all__ = [  # = sorted(_EXPORTS); a literal so linters see the re-exports below
 ]
 
 if TYPE_CHECKING:
-    from .attention import AttentionMetadata, paged_attention, write_kv
+    from .attention import paged_attention, write_kv
+    from .attention_metadata import AttentionMetadata
     from .default import DEFAULT_MODEL_NAME, ensure_default_model
     from .llama import LlamaForCausalLM
     from .loader import LoadedModel, load_generation_eos, load_model

@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import AttentionMetadata, OutputRows, paged_attention, plan_step, write_kv
+from .attention import paged_attention, plan_step, write_kv
+from .attention_metadata import AttentionMetadata, OutputRows
 from .attention_plan import StepPlan
 from .kernels import rowwise_for
 from .linear import Linear, native_bfloat16_matmul
