@@ -13,8 +13,9 @@ from types import SimpleNamespace
 import pytest
 
 from prefixserve.cli import build_parser, main
-from prefixserve.plan.ttl import (GIB, CostModel, GapBucket, GapDistribution, distribution_from_stats,
-                                  gaps_from_trace, plan_ttl)
+from prefixserve.plan.gap_distribution import GapBucket, GapDistribution
+from prefixserve.plan.gap_readers import distribution_from_stats, gaps_from_trace
+from prefixserve.plan.ttl import GIB, CostModel, plan_ttl
 
 SERVER_BOUNDS = [0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400, 43200, 86400]
 

@@ -131,6 +131,18 @@ def build_tree_view(
             tier="device", num_folded=num_folded,
             copies=tuple(tier for tier, keys in lower.items() if group.blocks and all(b.key in keys for b in group.blocks)))
 
+    nodes, num_folded_blocks = _expand(root, max_nodes, counter, node)
+    by_scope: dict[str, int] = {}
+    for scope in root.children:
+        by_scope[scope.label] = by_scope.get(scope.label, 0) + scope.subtree_blocks
+    return TreeView(nodes=nodes, block_size=block_size, num_blocks=len(blocks), num_segments=segments,
+                    num_folded_blocks=num_folded_blocks, tiers=_tier_counts(blocks, lower),
+                    blocks_by_scope=by_scope)
+
+
+def _expand(root: _Group, max_nodes: int, counter, node) -> tuple[list[TreeNode], int]:
+    """(nodes, parents before children, of at most `max_nodes`; blocks folded into "more" nodes), expanding the
+    largest subtree first; `node` makes a TreeNode of a group."""
     nodes: list[TreeNode] = []
     parents: dict[str, Optional[str]] = {root.id: None}
     num_folded_blocks = 0
@@ -167,12 +179,7 @@ def build_tree_view(
             num_folded_blocks += fold.subtree_blocks
             nodes.append(node(fold, group.id, "more", f"{len(folded)} more", fold.subtree_blocks, len(folded)))
     assert len(nodes) <= max_nodes, (len(nodes), max_nodes)
-    by_scope: dict[str, int] = {}
-    for scope in root.children:
-        by_scope[scope.label] = by_scope.get(scope.label, 0) + scope.subtree_blocks
-    return TreeView(nodes=nodes, block_size=block_size, num_blocks=len(blocks), num_segments=segments,
-                    num_folded_blocks=num_folded_blocks, tiers=_tier_counts(blocks, lower),
-                    blocks_by_scope=by_scope)
+    return nodes, num_folded_blocks
 
 
 def _merge_chains(blocks: list[Block], scope_names: Mapping[bytes, str], counter) -> tuple[_Group, int]:

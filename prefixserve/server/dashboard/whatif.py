@@ -27,10 +27,11 @@ from fastapi import APIRouter, Request
 from ...engine.kv_tiers import DEFAULT_PREFILL_SECONDS_PER_TOKEN
 from ...metric_names import TTFT, TTFT_BY_CACHE
 from ...plan.capacity import capacity_sweep, requests_from_trace, working_set_blocks
+from ...plan.gap_readers import distribution_from_stats
 from ...plan.price import (PRICE_TABLE_NOTE, check_inputs, estimated_ttft, fixed_seconds_from_measured, price_json,
                            price_table)
 from ...plan.tiers import Profile, crossovers
-from ...plan.ttl import DEFAULT_TTLS_SECONDS, distribution_from_stats, plan_ttl
+from ...plan.ttl import DEFAULT_TTLS_SECONDS, plan_ttl
 from ...traces.mooncake import BUILT_IN_TRACES, load_trace
 from ...tiers import TierCost
 from ...tiers.disk import DISK_READ_COST
