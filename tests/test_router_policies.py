@@ -6,9 +6,9 @@ from dataclasses import dataclass
 import pytest
 
 from prefixserve.cache import BlockKeyer, CacheScope, EventQueue, RadixCache
-from prefixserve.router.policies import (
-    POLICIES, ConsistentHash, KVAware, PolicyOptions, PrefixMirror, RouteRequest, make_policy,
-)
+from prefixserve.router.policies import POLICIES, ConsistentHash, KVAware, RouteRequest, make_policy
+from prefixserve.router.policy_options import PolicyOptions
+from prefixserve.router.prefix_mirror import PrefixMirror
 from prefixserve.tiers import TierCost
 
 SCOPE = CacheScope("model", "tokenizer").digest

@@ -88,7 +88,7 @@ def test_cache_stats_is_off_without_an_admin_key():
     ({"cache_ttl": 5}, "tenant"),
 ])
 def test_a_bad_keys_file_entry_is_refused_at_start_up_naming_the_fix(tmp_path, entry, message):
-    from prefixserve.http import load_tenant_cache_ttls
+    from prefixserve.http_keys import load_tenant_cache_ttls
 
     keys = tmp_path / "keys.json"
     keys.write_text(json.dumps({"k": entry}))

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixserve.cache.scoping import compose_salt
-from prefixserve.http import KeyTable, load_api_keys
+from prefixserve.http_keys import KeyTable, load_api_keys
 
 from server_helpers import LiveServer
 
@@ -147,7 +147,7 @@ def _call(middleware, messages):
 
 
 def test_a_stalled_body_is_a_408_and_a_client_gone_mid_upload_logs_nothing(caplog):
-    from prefixserve.http import BodySizeLimit
+    from prefixserve.http_body import BodySizeLimit
 
     middleware = _asgi_app_reading_its_body()
     middleware.add_middleware(BodySizeLimit, max_bytes=1000, body_timeout=0.2)  # as the server and router add it

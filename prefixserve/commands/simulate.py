@@ -66,6 +66,11 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--costs", metavar="COSTS_JSON",
                         help="cost model, as a --calibrate run writes it "
                              "(default: an estimate of Llama-3-8B on one H100)")
+    _add_output_and_sweep_arguments(parser)
+
+
+def _add_output_and_sweep_arguments(parser: argparse.ArgumentParser) -> None:
+    """simulate's flags after the fleet's: what to write, the sweeps, the seed, the limit and progress."""
     parser.add_argument("--json", metavar="FILE", help="also write policy -> metric -> value here (default: no JSON)")
     parser.add_argument("--plot", metavar="PNG", default="simulate_policies.png",
                         help="PNG comparing the policies; its path is printed")
@@ -131,9 +136,9 @@ def _measure_tiers() -> dict[str, float]:
     reads = measure_tier_reads(block_shape, dtype, None)
     fields = {"kv_bytes_per_token": float(kv_bytes_per_token(model.num_hidden_layers, model.num_key_value_heads,
                                                              model.head_dim, dtype))}
-    for tier in ("host", "disk"):
-        fields[f"{tier}_latency_seconds"] = reads[tier].latency_seconds
-        fields[f"{tier}_bytes_per_second"] = reads[tier].bytes_per_second
+    for tier, cost in reads.items():  # the tiers measure_tier_reads timed (host, disk), by name
+        fields[f"{tier}_latency_seconds"] = cost.latency_seconds
+        fields[f"{tier}_bytes_per_second"] = cost.bytes_per_second
     return fields
 
 

@@ -22,8 +22,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ..http import (AmbiguousAuthorization, BodySizeLimit, authorization_of, error_response, install_base_error_handlers,
-                    raw_header)
+from ..http import error_response, install_base_error_handlers
+from ..http_body import BodySizeLimit
+from ..http_keys import AmbiguousAuthorization, authorization_of, raw_header
 from .dashboard import fleet_admin_routes, fleet_dashboard_routes
 from .fleet import Router
 from .forward import forward, relay_response

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..plan.tiers import GPU_DISK_COST, GPU_HOST_COST
 from ..tiers.policy import TierCost
-from .policies import PolicyOptions
+from .policy_options import PolicyOptions
 
 TIER_NAMES = ("host", "disk", "remote")  # the order a fetch walks below the device pool
 

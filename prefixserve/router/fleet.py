@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from ..cache import BlockKeyer, CacheScope, max_hit_blocks
 from ..cache.scoping import PromptScoper
-from ..http import AdminKey, KeyTable, bearer_token
+from ..http_keys import AdminKey, KeyTable, bearer_token
 from ..metric_names import (CONTINUED_STREAMS, FAILOVERS, PREDICTED_HIT_TOKENS, REPLICA_HEALTHY, REPLICA_LOAD_SECONDS,
                             ROUTED_REQUESTS)
 from .costs import policy_options_for

@@ -22,9 +22,11 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from ..cache.scoping import compose_salt
-from ..http import BEATS, PROGRESS_HEADER, AmbiguousAuthorization, authorization_of, error_response, raw_header
+from ..http import BEATS, PROGRESS_HEADER, error_response
+from ..http_keys import AmbiguousAuthorization, authorization_of, raw_header
 from .fleet import Router
-from .inbound import BadRequest, check_content_type, read_request
+from .inbound import BadRequest, ClientRequest, check_content_type, read_request
+from .policies import RouteRequest
 from .progress import Stalled, has_beats, read_answer, unless_down, unwrap_beats
 from .replicas import Replica
 from .streams import StreamRelay, Upstream
@@ -58,6 +60,14 @@ async def forward(router: Router, request: Request, path: str) -> Response:
     if client_request.streaming:
         # The relay needs token ids to continue the stream elsewhere; it strips them unless the client asked.
         raw = json.dumps({**client_request.body, "return_token_ids": True}).encode()
+    return await _send_to_replicas(router, path, client_request, route, raw, headers)
+
+
+async def _send_to_replicas(router: Router, path: str, client_request: ClientRequest, route: RouteRequest,
+                            raw: bytes, headers: dict) -> Response:
+    """The request to one replica after another, at most `max_attempts` distinct ones, until one answers: its
+    stream relayed (streams.StreamRelay), or its complete answer as it is."""
+    version = client_request.model_version
     tried: set[str] = set()
     while len(tried) < router.settings.max_attempts:
         replica = router.choose(route, tried, version=version)

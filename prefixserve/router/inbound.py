@@ -18,7 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..http import parse_json_body, split_model
+from ..http import split_model
+from ..http_body import parse_json_body
 from ..prompts import is_token_ids, split_prompts
 
 MAX_SANE_TOKENS = 1 << 31

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 
-from ..http import DEFAULT_MAX_REQUEST_BYTES, load_api_keys
+from ..http_body import DEFAULT_MAX_REQUEST_BYTES
+from ..http_keys import load_api_keys
 from .costs import CostModel
 from .policies import POLICIES
 

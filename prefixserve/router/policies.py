@@ -5,7 +5,8 @@ this request it would hit (from a router-side mirror of its cached keys), where
 it can, what tiers below its pool hold after that, and its current load in
 estimated seconds of outstanding work. It never sees a simulator or an engine,
 so the same object routes simulated and real traffic. Every policy is
-deterministic (seeded where random).
+deterministic (seeded where random). The mirror is prefix_mirror.py; the options
+every policy takes, policy_options.py.
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ from __future__ import annotations
 import bisect
 import hashlib
 import random
-from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional, Protocol, Sequence
+from dataclasses import dataclass
+from typing import Callable, Optional, Protocol, Sequence
 
-from prefixserve.cache import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, max_hit_blocks, pack_tokens
-from prefixserve.cache.events import DEVICE_MEDIUM
-from prefixserve.tiers.policy import TierCost, plan_fetch
+from prefixserve.cache import pack_tokens
+from prefixserve.tiers.policy import plan_fetch
+
+from .policy_options import PolicyOptions
 
 
 @dataclass(frozen=True)
@@ -52,92 +54,6 @@ class ReplicaView(Protocol):
 
     def num_hit_blocks(self, request: RouteRequest) -> int:
         """How many leading blocks of `request` the replica is predicted to have cached."""
-
-
-class PrefixMirror:
-    """A router-side copy of one replica's cached keys, kept current from its KV events.
-
-    Chained keys make a set enough: key i exists only if blocks 0..i matched, and
-    a replica evicts leaves first, so the leading run of present keys is its hit.
-    """
-
-    def __init__(self) -> None:
-        self.keys: set[bytes] = set()  # the device pool's
-        self.tier_keys: dict[str, set[bytes]] = {}  # the replica's own tiers below its pool, by medium
-
-    def _keys_of(self, medium: Optional[str]) -> set[bytes]:
-        return self.keys if medium in (None, DEVICE_MEDIUM) else self.tier_keys.setdefault(medium, set())
-
-    def apply(self, event: KVEvent) -> None:
-        if isinstance(event, BlockStored):
-            self._keys_of(event.medium).update(event.keys)
-        elif isinstance(event, BlockRemoved):
-            self._keys_of(event.medium).difference_update(event.keys)
-        elif isinstance(event, AllBlocksCleared):
-            if event.medium is None:
-                self.keys.clear()
-                self.tier_keys.clear()
-            else:
-                self._keys_of(event.medium).clear()
-
-    def clear(self) -> None:
-        self.keys.clear()
-        self.tier_keys.clear()
-
-    def leading_run(self, medium: str, keys: Sequence[bytes], start: int, limit: int) -> int:
-        """How many of keys[start:limit] the tier of this medium holds, from the first."""
-        held = self.tier_keys.get(medium, ())
-        count = 0
-        for key in keys[start:limit]:
-            if key not in held:
-                break
-            count += 1
-        return count
-
-    def num_hit_blocks(self, request: RouteRequest) -> int:
-        limit = max_hit_blocks(request.num_blocks, 1, len(request.keys))  # num_blocks counts the tail
-        for i in range(limit):
-            if request.keys[i] not in self.keys:
-                return i
-        return limit
-
-
-@dataclass(frozen=True)
-class PolicyOptions:
-    seed: int = 0  # power_of_two's sampler
-    hash_prefix_blocks: int = 4  # consistent_hash: the first k blocks name the ring position
-    virtual_nodes: int = 64  # consistent_hash: ring points per replica
-    # kv_aware: what one prompt token that misses is worth, in seconds of waiting. Its own prefill
-    # time (6e-5 s on an H100 for an 8B model) undervalues it: the recomputed blocks duplicate KV
-    # cached elsewhere, crowding this replica's cache, and the session's later turns follow it.
-    miss_token_seconds: float = 1.8e-4  # 3x the prefill time
-    balance_threshold: float = 1.5  # kv_aware: pass over replicas whose queue > mean queue x threshold + slack
-    # About 48k tokens of prefill, more than an agent session's whole transcript: a guard that fires
-    # below that moves sessions whose history costs more to recompute than the wait it saves (the
-    # across-load test in tests/test_router_simulate_load.py lost hit rate to consistent hashing at
-    # light load with 8k tokens).
-    balance_slack_seconds: float = 3.0
-    # kv_aware: each second of prefill routed to a replica lately (decayed by 1 / (4 x replicas) a
-    # decision) adds this many seconds to its cost. A request brings its session's later turns along,
-    # so a replica that took many new sessions a moment ago will be busy soon even while its queue is
-    # empty; without this, sessions that start close together pile onto the replica holding their
-    # system prompt and queue behind each other for their whole lives.
-    recent_work_weight: float = 0.1
-    # kv_aware prices a fetch from a tier below the pool as the engine's planner does (tiers/policy.py);
-    # with no tier costs (or kv_bytes_per_token 0) a lower-tier run is ignored, as if recomputed.
-    prefill_seconds_per_token: float = 6e-5
-    kv_bytes_per_token: float = 0.0
-    tier_costs: Mapping[str, TierCost] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.hash_prefix_blocks < 1 or self.virtual_nodes < 1:
-            raise ValueError("hash_prefix_blocks and virtual_nodes must be at least 1")
-        if (self.miss_token_seconds < 0 or self.balance_threshold < 1 or self.balance_slack_seconds < 0
-                or self.recent_work_weight < 0):
-            raise ValueError("kv_aware needs miss_token_seconds >= 0, balance_threshold >= 1, "
-                             "balance_slack_seconds >= 0, recent_work_weight >= 0")
-        if self.prefill_seconds_per_token <= 0 or self.kv_bytes_per_token < 0:
-            raise ValueError("kv_aware needs prefill_seconds_per_token > 0 and kv_bytes_per_token >= 0")
 
 
 class RoutingPolicy:

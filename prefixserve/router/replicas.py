@@ -32,7 +32,8 @@ from typing import NamedTuple, Optional
 import httpx
 
 from ..cache import event_from_dict, max_hit_blocks
-from .policies import PrefixMirror, RouteRequest
+from .policies import RouteRequest
+from .prefix_mirror import PrefixMirror
 
 logger = logging.getLogger("prefixserve.router")
 EXPECTED_KEY_SECONDS = 30.0  # how long a routed request's keys count as cached without the replica's word

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
-from ..http import DEFAULT_MAX_REQUEST_BYTES, is_valid_tenant_id
+from ..http_body import DEFAULT_MAX_REQUEST_BYTES
+from ..http_keys import is_valid_tenant_id
 from .costs import CostModel
 from .replicas import parse_replica
 

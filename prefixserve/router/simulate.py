@@ -27,7 +27,8 @@ from ..config import FETCH_POLICIES
 from ..traces.agents import AgentTraceConfig, generate_agent_trace
 from ..traces.mooncake import TRACE_SCOPE, Trace, block_keys
 from .costs import TIER_NAMES, CostModel, policy_options_for
-from .policies import PolicyOptions, RouteRequest, RoutingPolicy, make_policy
+from .policies import RouteRequest, RoutingPolicy, make_policy
+from .policy_options import PolicyOptions
 from .report import BOUND_NAME
 from .sim_replica import Job, SimulatedReplica, SimulationClock
 from .sim_tiers import ReplicaTiers, SimulatedTier

@@ -2,9 +2,10 @@
 
 The relay reads the replica's SSE events, notes per choice what reached the client
 (prompt ids, output ids, text), strips the token ids it asked for unless the client
-asked too, and passes the chunks on. A stream breaks when the transport fails, when
-it ends without `[DONE]`, or when the replica reports `engine_dead`; any other error
-event is the request's own and is relayed as it is. After a break:
+asked too, and passes the chunks on (stream_chunks.py). A stream breaks when the
+transport fails, when it ends without `[DONE]`, or when the replica reports
+`engine_dead`; any other error event is the request's own and is relayed as it is.
+After a break:
 
     every choice finished   -> usage (if asked) and [DONE]
     nothing sent yet        -> replay the original request on another replica
@@ -19,20 +20,20 @@ import logging
 import time
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import AsyncIterator, Iterator, Optional, Union
+from typing import AsyncIterator, Optional, Union
 
 import anyio
 import httpx
 
-from .continuation import ChoiceProgress, ContinuedText, continuation_body, reshape_chunk, usage_of
+from .continuation import ChoiceProgress, ContinuedText, continuation_body, usage_of
 from .fleet import Router
 from .inbound import ClientRequest
 from .progress import Stalled, has_beats, unless_down
 from .replicas import Replica
 from .sse import DONE, SSEParser, sse, sse_error
+from .stream_chunks import ClientChunks
 
 logger = logging.getLogger("prefixserve.router")
-ENVELOPE = ("id", "object", "created", "model", "system_fingerprint")  # continuations keep them (same version)
 
 
 @dataclass
@@ -68,18 +69,12 @@ def _has_tokens(chunk: dict) -> bool:
     return isinstance(choices, list) and any(isinstance(c, dict) and c.get("token_ids") for c in choices)
 
 
-class StreamRelay:
+class StreamRelay(ClientChunks):
     def __init__(self, router: Router, request: ClientRequest, headers: dict, tried: set[str],
                  first: Upstream) -> None:
-        self.router, self.request, self.headers, self.tried = router, request, headers, tried
+        super().__init__(request)
+        self.router, self.headers, self.tried = router, headers, tried
         self.upstream = first
-        self.choices: dict[int, ChoiceProgress] = {}
-        self.envelope: Optional[dict] = None  # id, object, created, model, fingerprint of the stream the client sees
-        options = request.body.get("stream_options")
-        self.include_usage = isinstance(options, dict) and options.get("include_usage") is True
-        self.usage_sent = False
-        self.continued: Optional[ContinuedText] = None  # set once choice 0 is produced by a continuation
-        self.stopped_here = False  # the router found a stop string the continuing replica could not see
 
     async def events(self) -> AsyncIterator[bytes]:
         try:
@@ -160,76 +155,6 @@ class StreamRelay:
             with anyio.CancelScope(shield=True):  # close the upstream even when the client went away
                 await upstream.response.aclose()
             self.router.release(upstream.replica, upstream.ticket)
-
-    # ---------------------------------------------------------------- chunks
-    def _pieces(self, chunk: dict) -> Iterator[bytes]:
-        if self.envelope is None:
-            self.envelope = {k: chunk[k] for k in ENVELOPE if k in chunk}
-        if self.continued is not None:
-            yield from self._continued_pieces(chunk)
-            return
-        chunk.update(self.envelope)  # a replayed request keeps the id the client already has
-        choices = chunk.get("choices") if isinstance(chunk.get("choices"), list) else []
-        kept = [choice for choice in choices if isinstance(choice, dict) and self._note(choice)]
-        if "usage" in chunk and chunk["usage"] is not None:
-            self.usage_sent = True
-        elif choices and not kept:
-            return  # only token ids the client did not ask for
-        chunk["choices"] = kept
-        yield sse(chunk)
-
-    def _note(self, choice: dict) -> bool:
-        """Record what this choice sends; False when nothing in it is for the client."""
-        progress = self.choices.setdefault(choice.get("index", 0), ChoiceProgress())
-        wants = self.request.wants_token_ids
-        prompt_ids = choice.get("prompt_token_ids") if wants else choice.pop("prompt_token_ids", None)
-        if progress.prompt_token_ids is None and isinstance(prompt_ids, list):
-            progress.prompt_token_ids = list(prompt_ids)
-        token_ids = choice.get("token_ids") if wants else choice.pop("token_ids", None)
-        if isinstance(token_ids, list):
-            progress.output_token_ids.extend(token_ids)
-        if self.request.is_chat:
-            delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
-            if "role" in delta and progress.role_sent:
-                delta.pop("role")  # a replay's role chunk; the client has one
-            progress.role_sent = progress.role_sent or "role" in delta
-            text = delta.get("content")
-            visible = "role" in delta
-        else:
-            text = choice.get("text")
-            visible = False
-        if isinstance(text, str):
-            progress.text_sent += text
-            visible = visible or bool(text)
-        if choice.get("finish_reason") is not None:
-            progress.finish_reason = choice["finish_reason"]
-            visible = True
-        return visible or wants or choice.get("logprobs") is not None
-
-    def _continued_pieces(self, chunk: dict) -> Iterator[bytes]:
-        progress = self.choices[0]
-        choices = chunk.get("choices") if isinstance(chunk.get("choices"), list) else []
-        if not choices and isinstance(chunk.get("usage"), dict):
-            if self.include_usage:
-                self.usage_sent = True
-                yield sse({**self.envelope, "choices": [], "usage": usage_of([progress], 1, chunk["usage"])})
-            return
-        for choice in choices:
-            if not isinstance(choice, dict):
-                continue
-            token_ids = [t for t in choice.get("token_ids") or [] if isinstance(t, int)]
-            progress.output_token_ids.extend(token_ids)
-            finish_reason = choice.get("finish_reason")
-            text, stopped = self.continued.push(token_ids, finish_reason)
-            if stopped:
-                finish_reason, self.stopped_here = "stop", True
-            progress.text_sent += text
-            progress.finish_reason = finish_reason
-            if text or finish_reason or choice.get("logprobs") is not None or self.request.wants_token_ids:
-                yield sse(reshape_chunk(self.envelope, self.request.is_chat, text, finish_reason,
-                                        choice.get("logprobs"), token_ids if self.request.wants_token_ids else None))
-            if stopped:
-                return
 
     # ---------------------------------------------------------------- resume
     async def _resume(self) -> Union[Upstream, Ending]:

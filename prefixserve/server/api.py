@@ -2,7 +2,7 @@
 
 Every error a client can cause comes back as an OpenAI-style body
 {"error": {"message", "type", "param", "code"}} with a 4xx status (errors.py);
-bodies are limited in size before they are read (http.BodySizeLimit); prompts
+bodies are limited in size before they are read (http_body.BodySizeLimit); prompts
 are tokenized off the event loop (inputs.py), so no request can stall another.
 """
 
@@ -15,7 +15,7 @@ from typing import Mapping, Optional
 from fastapi import APIRouter, Depends, FastAPI
 
 from ..engine.async_engine import AsyncLLMEngine
-from ..http import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
+from ..http_body import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
 from .admin import admin_routes
 from .auth import Authenticator, admin_only
 from .dashboard.recorder import DashboardMetrics, TenantContext

@@ -10,7 +10,8 @@ from typing import Mapping, Optional
 
 from fastapi import Request
 
-from ..http import APIError, AdminKey, AmbiguousAuthorization, KeyTable, authorization_of, bearer_token
+from ..http import APIError
+from ..http_keys import AdminKey, AmbiguousAuthorization, KeyTable, authorization_of, bearer_token
 
 
 class Authenticator:

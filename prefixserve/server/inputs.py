@@ -19,7 +19,8 @@ from ..engine.input_processor import stricter_retention
 from ..engine.limits import ContextLengthError, PromptTooLongError, fit_max_tokens
 from ..engine.request import Request as EngineRequest
 from ..engine.sampling_params import SamplingParams
-from ..http import APIError, parse_json_body
+from ..http import APIError
+from ..http_body import parse_json_body
 from ..prompts import split_prompts
 from .errors import param_of
 from .protocol import ChatCompletionRequest, SamplingFields, new_id

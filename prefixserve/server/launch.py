@@ -16,7 +16,8 @@ from typing import Optional
 from pathlib import Path
 
 from ..config import CHECKPOINT_LAYOUT, DEFAULT_MAX_CACHE_TTL
-from ..http import DEFAULT_MAX_REQUEST_BYTES, load_api_keys, load_tenant_cache_retentions, load_tenant_cache_ttls
+from ..http_body import DEFAULT_MAX_REQUEST_BYTES
+from ..http_keys import load_api_keys, load_tenant_cache_retentions, load_tenant_cache_ttls
 from .engine_flags import add_engine_arguments, engine_config_from_args, with_flag_names
 
 logger = logging.getLogger("prefixserve.server")

@@ -17,7 +17,8 @@ from fastapi import APIRouter, Request
 
 from ..engine.async_engine import EngineDeadError
 from ..engine.reload import IncompatibleModelError, purge_previous_remote
-from ..http import APIError, parse_json_body
+from ..http import APIError
+from ..http_body import parse_json_body
 from .generation import engine_dead
 
 reload_routes = APIRouter()

@@ -6,7 +6,8 @@ and back.
 """
 
 from .base import KVTier, TierStats, TierTraits
-from .disk import DiskTier, RebuildReport
+from .disk import DiskTier
+from .disk_startup import RebuildReport
 from .host import HostTier
 from .policy import FetchPlan, TierCost, choose_fetch, crossover_tokens, find_run, plan_fetch
 from .record import BlockRecord, RecordError, RecordExpectation, RecordHeader, decode_record, encode_record, read_header

@@ -19,7 +19,6 @@ each server's start-up removes temporary files and reclaims other scopes' record
 from __future__ import annotations
 
 import errno
-import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,20 +27,18 @@ from typing import Optional, Sequence, Union
 
 from .base import KVTier, TierTraits
 from .disk_files import NotARecordFile, read_file, record_path, remove_quietly, scan, write_temp_file
-from .disk_startup import RebuildReport, lock_directory, read_headers
+from .disk_startup import DiskStartup
 from .lru import Entry
 from .policy import TierCost
 from .record import BlockRecord
 from .seal import Sealer
 from .writer import BackgroundWriter
 
-logger = logging.getLogger("prefixserve.tiers")
-
 DISK_READ_COST = TierCost(latency_seconds=1e-4, bytes_per_second=1e9)  # a prior until reads are observed
 DEFAULT_MAX_PENDING_BYTES = 256 << 20
 
 
-class DiskTier(KVTier):
+class DiskTier(DiskStartup, KVTier):
     name = "disk"
     traits = TierTraits(synchronous=False, write_through=True, shared=False, event_medium="DISK")
 
@@ -251,59 +248,6 @@ class DiskTier(KVTier):
             "keeps serving what it has. Fix: free space or make the directory writable (kv_disk_cache_dir).",
             operation, self.directory, error, operation,
         )
-
-    # ---------------------------------------------------------------- start-up
-    def _open(self) -> RebuildReport:
-        """Create or lock the directory, remove crash leftovers, index the headers of this scope's records."""
-        start = time.perf_counter()
-        report = RebuildReport()
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            if not self._lock_directory():
-                self._can_write = False
-                return report
-            found = read_headers(self.directory, self.expect_scope, report, self._rejected_at_start)
-        except OSError as error:
-            self._fault("open", error)
-            return report
-        with self._lock:
-            for read in found:
-                header = read.header
-                admission = self._lru.insert_and_evict(header.key, header.parent_key, read.file_size, self.capacity_bytes)
-                for victim in admission.evicted:
-                    self._unlink_locked(victim.key)
-                if not admission.admitted:
-                    self._unlink_locked(header.key)
-                report.num_evicted += len(admission.evicted) + (not admission.admitted)
-            self._count_locked(rejected_records=report.num_rejected, reclaimed_records=report.num_reclaimed)
-            report.num_records, report.num_bytes = len(self._lru), self._lru.used_bytes
-        report.seconds = time.perf_counter() - start
-        logger.info(
-            "disk tier %s: %d records (%d bytes) indexed from headers in %.3f s; removed %d temporary, "
-            "%d damaged, %d of another scope, %d over capacity",
-            self.directory, report.num_records, report.num_bytes, report.seconds,
-            report.num_temp_removed, report.num_rejected, report.num_reclaimed, report.num_evicted,
-        )
-        return report
-
-    def _lock_directory(self) -> bool:
-        """Hold the directory's flock; False when another process (or DiskTier) serves it."""
-        try:
-            self._lock_fd = lock_directory(self.directory)
-        except BlockingIOError:
-            logger.error(
-                "disk tier: %s is already served by another process (or another DiskTier); this one stores "
-                "nothing. Fix: give each server its own kv_disk_cache_dir.", self.directory,
-            )
-            return False
-        except OSError as error:  # a read-only directory or a file system without flock: serve unguarded
-            self._fault("lock", error)
-        return True
-
-    def _rejected_at_start(self, path: Path, reason: str, error: Optional[OSError]) -> None:
-        if error is not None:
-            self._fault("read", error)
-        self._log_once("startup", reason, "disk tier: deleted damaged records at start-up (first: %s, %s)", path, reason)
 
     def check_integrity(self) -> None:
         """Index == record files (names and sizes), no temporary file, byte count, leaf-first structure.

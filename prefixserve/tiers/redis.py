@@ -29,6 +29,7 @@ from .seal import Sealer
 from .redis_backoff import Backoff
 from .redis_client import connect, memory_advice, redacted, require_redis
 from .redis_rate import TokenBucket
+from .redis_writes import RemoteWrites
 from .writer import BackgroundWriter
 
 logger = logging.getLogger("prefixserve.tiers")
@@ -38,7 +39,6 @@ REMOTE_READ_COST = TierCost(latency_seconds=5e-4, bytes_per_second=7e8)
 BACKOFF_SECONDS = 1.0  # after a fault, calls skip Redis this long before one probe
 MEMORY_INFO_SECONDS = 1.0  # INFO memory is asked at most this often
 GET_BATCH_KEYS = 32  # per round trip: 8 MiB of 256 KiB records (8 to 32 equally fast here, 125 at once 15% slower)
-PUT_BATCH_BYTES = 8 << 20
 DEFAULT_MAX_PENDING_BYTES = 64 << 20
 KEY_PREFIX = b"pskv:"
 
@@ -49,7 +49,7 @@ class MemoryInfo(NamedTuple):
     read_at: float
 
 
-class RedisTier(KVTier):
+class RedisTier(RemoteWrites, KVTier):
     """No write cap by default: on this machine Redis takes about 0.85 GB/s of put_async, a CPU replica at full
     prefill makes about 47 MB/s of KV, and the bounded queue already drops what Redis cannot take. A fleet of GPU
     replicas, whose write-through can fill the link its reads need, should set max_write_bytes_per_second."""
@@ -192,70 +192,12 @@ class RedisTier(KVTier):
                 assert value >= 0, f"stats.{counter} is {value}"
             assert self._pending_bytes == 0, f"{self._pending_bytes} bytes accepted by put_async are still unwritten"
 
-    def _write_batch(self, records: list[BlockRecord]) -> None:
-        try:
-            self._write(records)
-        finally:
-            with self._lock:
-                self._pending_bytes -= sum(len(record.payload) for record in records)
-
-    def _write(self, records: list[BlockRecord]) -> int:
-        """Store what Redis lacks, within the rate cap; returns how many of `records` Redis now holds."""
-        if not records:
-            return 0
-        # TYPE (and with a TTL PEXPIRE, which renews a present record's TTL): one round trip. A key holding
-        # another type (a list planted under a record's name) is written over: SET replaces any type.
-        replies = self._pipeline("put", lambda pipe: [self._touch(pipe, self._name(record.key)) for record in records])
-        if replies is None:
-            self._count(dropped_puts=len(records))
-            return 0
-        kinds = replies[::2] if self.ttl_ms is not None else replies
-        missing = [record for record, kind in zip(records, kinds) if kind not in (b"string", "string")]
-        num_stored = len(records) - len(missing)
-        batches = self._encode_within_cap(missing)
-        for index, batch in enumerate(batches):
-            replies = self._pipeline("put", lambda pipe: [pipe.set(name, data, px=self.ttl_ms) for name, data in batch])
-            if replies is None:
-                self._count(dropped_puts=sum(len(rest) for rest in batches[index:]))
-                break
-            stored = [len(data) for (_, data), reply in zip(batch, replies) if reply is True]
-            self._count(bytes_written=sum(stored), dropped_puts=len(batch) - len(stored))
-            num_stored += len(stored)
-        return num_stored
-
-    def _encode_within_cap(self, records: list[BlockRecord]) -> list[list[tuple[bytes, bytes]]]:
-        """(name, encoded record) in batches of at most PUT_BATCH_BYTES; what the rate cap refuses is dropped,
-        and so is every record whose parent was, since it could never be part of a leading run."""
-        batches: list[list[tuple[bytes, bytes]]] = []
-        batch_bytes, dropped = PUT_BATCH_BYTES, set()
-        for record in records:
-            data = self.encode(record)
-            if record.parent_key in dropped or (self._rate is not None and not self._rate.try_take(len(data))):
-                dropped.add(record.key)
-                continue
-            if batch_bytes + len(data) > PUT_BATCH_BYTES:
-                batches.append([])
-                batch_bytes = 0
-            batches[-1].append((self._name(record.key), data))
-            batch_bytes += len(data)
-        if dropped:
-            self._count(dropped_puts=len(dropped))
-            self._log_once("put", "rate", "remote tier: the write cap (%d bytes/s) dropped records (counted in "
-                           "dropped_puts). Raise kv_remote_write_bytes_per_second if Redis and the network have room",
-                           self._rate.bytes_per_second if self._rate is not None else 0, level=logging.INFO)
-        return batches
-
     # ---------------------------------------------------------------- helpers
     def _name(self, key: bytes) -> bytes:
         return self._prefix + key.hex().encode("ascii")
 
     def _read(self, pipe: Any, name: bytes) -> Any:
         return pipe.get(name) if self.ttl_ms is None else pipe.getex(name, px=self.ttl_ms)
-
-    def _touch(self, pipe: Any, name: bytes) -> None:
-        pipe.type(name)
-        if self.ttl_ms is not None:
-            pipe.pexpire(name, self.ttl_ms)
 
     def _pipeline(self, operation: str, queue: Callable[[Any], object]) -> Optional[list[Any]]:
         """Queue commands on a pipeline and run them in one round trip; None on a fault or while backing off.

@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 from prometheus_client import Histogram
 
-from ...http import bearer_token
+from ...http_keys import bearer_token
 from ...metric_names import TTFT_BY_CACHE
 from ..metrics import LATENCY_BUCKETS, ServerMetrics
 

@@ -1,0 +1,204 @@
+"""API keys the server and the router share: the Authorization header, tenant keys, the admin key, the keys file.
+
+Both front doors face hostile clients, so both compare keys in constant time (as
+SHA-256 digests) and read a request's one Authorization header the same way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from typing import Mapping, NamedTuple, Optional
+
+from .config import CACHE_RETENTIONS
+from .http import APIError
+
+
+class AmbiguousAuthorization(ValueError):
+    """More than one Authorization header: which one counts would differ between a router and a replica."""
+
+
+def authorization_of(headers) -> Optional[str]:
+    """The request's one Authorization header (Starlette's Headers), None when absent; more than one is
+    AmbiguousAuthorization (a 400): a replica reading the first and a router forwarding the last would
+    disagree about who is asking."""
+    values = headers.getlist("authorization")
+    if len(values) > 1:
+        raise AmbiguousAuthorization(f"the request has {len(values)} Authorization headers; send exactly one")
+    return values[0] if values else None
+
+
+def raw_header(value: str) -> bytes:
+    """A header value as the client sent its bytes (Starlette decodes them as latin-1), to forward as is."""
+    return value.encode("latin-1")
+
+
+def bearer_token(authorization: Optional[str]) -> str:
+    """The key of an `Authorization: Bearer <key>` header ('' when absent or malformed)."""
+    if not authorization or not authorization[:7].lower() == "bearer ":
+        return ""
+    return authorization[7:].strip()
+
+
+class KeyTable:
+    """API key -> tenant, looked up in constant time: every stored key is compared, none short-circuits.
+
+    Keys are compared as SHA-256 digests, so the comparison time depends neither on
+    where a guess first differs nor on its length.
+    """
+
+    def __init__(self, keys: Mapping[str, str]) -> None:
+        self._entries = [(hashlib.sha256(key.encode()).digest(), tenant) for key, tenant in keys.items()]
+
+    def __bool__(self) -> bool:
+        return bool(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def lookup(self, key: str) -> Optional[str]:
+        digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+        found = None
+        for stored, tenant in self._entries:
+            if hmac.compare_digest(stored, digest):
+                found = tenant
+        return found
+
+
+class AdminRefusal(NamedTuple):
+    status: int
+    message: str
+    type: str
+    code: str
+
+
+class AdminKey:
+    """The operator's key (server or router), compared in constant time as a SHA-256 digest.
+
+    Endpoints that reveal cache or fleet state answer it only: without one configured they are
+    off (404), a missing key is 401, any other key (a tenant's) 403.
+    """
+
+    def __init__(self, key: Optional[str], owner: str) -> None:
+        self._digest = hashlib.sha256(key.encode()).digest() if key else None
+        self.owner = owner  # "server" or "router": where --admin-api-key is given
+
+    def require(self, headers, tenants: Optional[KeyTable] = None) -> None:
+        """Raise APIError unless the request's one Authorization header (Starlette's Headers) carries the
+        admin key: 400 for two headers, else `refusal`'s answer. The server's and the router's guard."""
+        try:
+            authorization = authorization_of(headers)
+        except AmbiguousAuthorization as error:
+            raise APIError(400, str(error), code="ambiguous_authorization") from None
+        refusal = self.refusal(authorization, tenants)
+        if refusal is not None:
+            raise APIError(refusal.status, refusal.message, refusal.type, code=refusal.code)
+
+    def refusal(self, authorization: Optional[str], tenants: Optional[KeyTable] = None) -> Optional[AdminRefusal]:
+        """None when `authorization` carries the admin key; else why not, as an error to answer: 401 for
+        a missing or unknown key, 403 for a tenant's key (one of `tenants`)."""
+        if self._digest is None:
+            return AdminRefusal(404, f"this endpoint is off; start the {self.owner} with --admin-api-key to enable it",
+                                "not_found_error", "admin_disabled")
+        key = bearer_token(authorization)
+        if not key:
+            return AdminRefusal(401, "this endpoint needs the admin API key; send 'Authorization: Bearer <admin key>'",
+                                "authentication_error", "invalid_api_key")
+        if not hmac.compare_digest(hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest(), self._digest):
+            if tenants is not None and tenants.lookup(key) is not None:
+                return AdminRefusal(403, "this endpoint needs the operator's admin API key, not a tenant key",
+                                    "permission_error", "admin_only")
+            return AdminRefusal(401, "this endpoint needs the admin API key; the key sent is not it",
+                                "authentication_error", "invalid_api_key")
+        return None
+
+
+def is_valid_tenant_id(tenant: str) -> bool:
+    """Printable, non-empty, at most 256 characters: no control characters (NUL, newlines) in tenant ids."""
+    return 0 < len(tenant) <= 256 and tenant.isprintable()
+
+
+class KeyEntry(NamedTuple):
+    tenant: str
+    cache_ttl: Optional[float]  # the tenant's default cache TTL (seconds); None: the server's
+    cache_retention: Optional[str]  # "device" | "none": the tenant's KV never leaves the device / is never kept
+
+
+def _read_keys_file(api_keys_file: str) -> dict[str, KeyEntry]:
+    """key -> KeyEntry from a JSON object whose values are a tenant id or {"tenant": id, "cache_ttl":
+    seconds, "cache_retention": "device" | "none"} (both optional)."""
+    import math
+    from pathlib import Path
+
+    path = Path(api_keys_file)
+    try:
+        loaded = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"--api-keys-file {path}: cannot read a JSON object of key -> tenant ({error})")
+    if not isinstance(loaded, dict):
+        raise SystemExit(f"--api-keys-file {path}: expected a JSON object mapping API key strings to tenant names")
+    entries: dict[str, KeyEntry] = {}
+    for key, value in loaded.items():
+        if not key:
+            raise SystemExit(f"--api-keys-file {path}: an API key is empty; give every tenant a non-empty key")
+        ttl = retention = None
+        if isinstance(value, dict):
+            unknown = set(value) - set(KeyEntry._fields)
+            if unknown or "tenant" not in value:
+                raise SystemExit(f"--api-keys-file {path}: a key's entry is a tenant name or an object with "
+                                 f"'tenant' and optional 'cache_ttl' (seconds) and 'cache_retention' "
+                                 f"({' or '.join(CACHE_RETENTIONS)}); got fields {sorted(value)}")
+            tenant, ttl, retention = value["tenant"], value.get("cache_ttl"), value.get("cache_retention")
+            if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float))
+                                    or not math.isfinite(ttl) or ttl <= 0):
+                raise SystemExit(f"--api-keys-file {path}: cache_ttl of tenant {tenant!r} must be a positive number "
+                                 f"of seconds, got {ttl!r}")
+            if retention is not None and retention not in CACHE_RETENTIONS:
+                raise SystemExit(f"--api-keys-file {path}: cache_retention of tenant {tenant!r} must be one of "
+                                 f"{list(CACHE_RETENTIONS)}, got {retention!r}")
+        else:
+            tenant = value
+        if not isinstance(tenant, str):
+            raise SystemExit(f"--api-keys-file {path}: expected a JSON object mapping API key strings to tenant names")
+        if not is_valid_tenant_id(tenant):
+            raise SystemExit(f"--api-keys-file {path}: tenant id {tenant!r} must be 1 to 256 printable characters "
+                             "(no control characters such as NUL or newlines)")
+        entries[key] = KeyEntry(tenant, None if ttl is None else float(ttl), retention)
+    return entries
+
+
+def load_api_keys(api_keys_file: Optional[str], api_key: Optional[str] = None) -> dict[str, str]:
+    """key -> tenant from a JSON keys file, plus a single --api-key as tenant 'default'.
+
+    Tenant ids must be printable (no NUL or other control characters), so that what a
+    log or a metric shows is what the operator wrote.
+    """
+    keys = {key: entry.tenant for key, entry in _read_keys_file(api_keys_file).items()} if api_keys_file else {}
+    if api_key:
+        keys[api_key] = "default"
+    return keys
+
+
+def _tenant_settings(api_keys_file: Optional[str], field: str) -> dict:
+    """tenant -> the keys-file entry's `field` (a KeyEntry field) for the tenants that give one; one value
+    per tenant, whichever of its keys it is given under."""
+    if not api_keys_file:
+        return {}
+    settings: dict = {}
+    for entry in _read_keys_file(api_keys_file).values():
+        value = getattr(entry, field)
+        if value is not None and settings.setdefault(entry.tenant, value) != value:
+            raise SystemExit(f"--api-keys-file {api_keys_file}: tenant {entry.tenant!r} has two different {field} "
+                             "values; give each tenant one")
+    return settings
+
+
+def load_tenant_cache_ttls(api_keys_file: Optional[str]) -> dict[str, float]:
+    """tenant -> default cache TTL (seconds) for the tenants whose keys-file entry gives one."""
+    return _tenant_settings(api_keys_file, "cache_ttl")
+
+
+def load_tenant_cache_retentions(api_keys_file: Optional[str]) -> dict[str, str]:
+    """tenant -> cache_retention for the tenants whose keys-file entry gives one (privacy mode)."""
+    return _tenant_settings(api_keys_file, "cache_retention")

@@ -1,0 +1,79 @@
+"""The remote tier's write path (RemoteWrites, a mixin of RedisTier): store what Redis lacks, within the cap.
+
+One pipelined round trip asks which records Redis already holds (TYPE, and with a
+TTL PEXPIRE, which renews a present record's TTL); the rest are encoded, passed
+through the write cap (redis_rate.py) and SET in batches of at most PUT_BATCH_BYTES.
+A record the cap refuses is dropped, and so is every record whose parent was.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from .record import BlockRecord
+
+PUT_BATCH_BYTES = 8 << 20
+
+
+class RemoteWrites:
+    """RedisTier's writes. It works on what RedisTier and KVTier hold: `ttl_ms`, `_rate`, `_pending_bytes`,
+    `_lock`, the counters, and the tier's `_pipeline`, `_name`, `encode` and `_log_once`."""
+
+    def _write_batch(self, records: list[BlockRecord]) -> None:
+        try:
+            self._write(records)
+        finally:
+            with self._lock:
+                self._pending_bytes -= sum(len(record.payload) for record in records)
+
+    def _write(self, records: list[BlockRecord]) -> int:
+        """Store what Redis lacks, within the rate cap; returns how many of `records` Redis now holds."""
+        if not records:
+            return 0
+        # TYPE (and with a TTL PEXPIRE, which renews a present record's TTL): one round trip. A key holding
+        # another type (a list planted under a record's name) is written over: SET replaces any type.
+        replies = self._pipeline("put", lambda pipe: [self._touch(pipe, self._name(record.key)) for record in records])
+        if replies is None:
+            self._count(dropped_puts=len(records))
+            return 0
+        kinds = replies[::2] if self.ttl_ms is not None else replies
+        missing = [record for record, kind in zip(records, kinds) if kind not in (b"string", "string")]
+        num_stored = len(records) - len(missing)
+        batches = self._encode_within_cap(missing)
+        for index, batch in enumerate(batches):
+            replies = self._pipeline("put", lambda pipe: [pipe.set(name, data, px=self.ttl_ms) for name, data in batch])
+            if replies is None:
+                self._count(dropped_puts=sum(len(rest) for rest in batches[index:]))
+                break
+            stored = [len(data) for (_, data), reply in zip(batch, replies) if reply is True]
+            self._count(bytes_written=sum(stored), dropped_puts=len(batch) - len(stored))
+            num_stored += len(stored)
+        return num_stored
+
+    def _encode_within_cap(self, records: list[BlockRecord]) -> list[list[tuple[bytes, bytes]]]:
+        """(name, encoded record) in batches of at most PUT_BATCH_BYTES; what the rate cap refuses is dropped,
+        and so is every record whose parent was, since it could never be part of a leading run."""
+        batches: list[list[tuple[bytes, bytes]]] = []
+        batch_bytes, dropped = PUT_BATCH_BYTES, set()
+        for record in records:
+            data = self.encode(record)
+            if record.parent_key in dropped or (self._rate is not None and not self._rate.try_take(len(data))):
+                dropped.add(record.key)
+                continue
+            if batch_bytes + len(data) > PUT_BATCH_BYTES:
+                batches.append([])
+                batch_bytes = 0
+            batches[-1].append((self._name(record.key), data))
+            batch_bytes += len(data)
+        if dropped:
+            self._count(dropped_puts=len(dropped))
+            self._log_once("put", "rate", "remote tier: the write cap (%d bytes/s) dropped records (counted in "
+                           "dropped_puts). Raise kv_remote_write_bytes_per_second if Redis and the network have room",
+                           self._rate.bytes_per_second if self._rate is not None else 0, level=logging.INFO)
+        return batches
+
+    def _touch(self, pipe: Any, name: bytes) -> None:
+        pipe.type(name)
+        if self.ttl_ms is not None:
+            pipe.pexpire(name, self.ttl_ms)
