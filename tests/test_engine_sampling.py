@@ -53,10 +53,11 @@ def test_no_row_can_raise_at_any_accepted_temperature(temperature, seed, top_k, 
     assert all(logprob is not None and len(logprob.top) == 2 for logprob in result.logprobs)
 
 
+@pytest.mark.parametrize("min_p", [0.0, 0.1])
 @pytest.mark.parametrize("temperature", TEMPERATURES)
-def test_the_sampled_path_alone_survives_tiny_temperatures(temperature):
+def test_the_sampled_path_alone_survives_tiny_temperatures(temperature, min_p):
     # Below SAMPLING_EPS the params are greedy; the sampled path must still be safe if reached.
-    param = types.SimpleNamespace(temperature=temperature, top_k=-1, top_p=1.0)
+    param = types.SimpleNamespace(temperature=temperature, top_k=-1, top_p=1.0, min_p=min_p)
     for row, logits in enumerate(hostile_rows()):
         token = sample_row(logits, param, torch.Generator().manual_seed(1))
         assert 0 <= token < VOCAB

@@ -30,6 +30,22 @@ def stricter_retention(*retentions: Optional[str]) -> Optional[str]:
     return max(retentions, key=lambda retention: _STRICTNESS[retention], default=None)
 
 
+def bad_words_token_ids(version: ModelVersion, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
+    """Each bad word as the tokenizer spells it alone and after a space (vLLM's two forms), checked
+    against the vocabulary: a logit_bias id outside it is refused here too."""
+    vocab_size = version.config.vocab_size
+    if params.logit_bias and max(params.logit_bias) >= vocab_size:
+        raise ValueError(f"logit_bias names token id {max(params.logit_bias)}, outside the vocabulary "
+                         f"[0, {vocab_size})")
+    words: dict[tuple[int, ...], None] = {}
+    for word in params.bad_words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tuple(version.tokenizer.encode(text, add_special_tokens=False))
+            if ids and max(ids) < vocab_size:
+                words[ids] = None
+    return tuple(words)
+
+
 class InputProcessor:
     def __init__(self, current: CurrentVersion, prefix_ttl: Optional[float]) -> None:
         self.current = current
@@ -91,6 +107,9 @@ class InputProcessor:
         version = self.current.version  # one read: the whole request is of one version
         text, token_ids, prompt_salt = self.tokenize(version, prompt)
         params = self.validate(version, token_ids, params or SamplingParams())
+        if params.continued_output_tokens >= len(token_ids):
+            raise ValueError(f"continued_output_tokens ({params.continued_output_tokens}) must be fewer than the "
+                             f"prompt's {len(token_ids)} tokens")
         salt = cache_salt if cache_salt is not None else prompt_salt
         self.check_salt(salt)
         if prefix_ttl is not None and not RANGES["ttl"].admits(prefix_ttl):
@@ -108,6 +127,7 @@ class InputProcessor:
             prefix_ttl=self.prefix_ttl if prefix_ttl is None else prefix_ttl,
             tenant=tenant,
             cache_retention=retention,
+            bad_words_token_ids=bad_words_token_ids(version, params),
         )
         if arrival_time is not None:
             request.metrics.arrival_time = arrival_time

@@ -20,6 +20,8 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_NAME_CHARS = 256  # a cache salt or a tenant name
 MAX_TOKENIZE_IDS = 1 << 20  # token ids one /detokenize may carry
+MAX_LOGIT_BIAS = 1024  # token ids one logit_bias may name
+MAX_BAD_WORDS = 64  # bad_words per request, each at most MAX_STOP_STRING_CHARS characters
 SEED_MIN = -(2**63)  # any signed or unsigned 64-bit integer
 SEED_MAX = 2**64 - 1
 
@@ -67,6 +69,13 @@ RANGES = {
     "n": Range(int, 1, MAX_N, phrase=f"an integer between 1 and {MAX_N}"),
     "logprobs": Range(int, 0, MAX_LOGPROBS, phrase=f"an integer between 0 and {MAX_LOGPROBS} (or None)"),
     "ttl": Range(float, 0.0, open_low=True, phrase="positive seconds (or None)"),  # a cache_ttl, a pin's ttl
+    "min_p": Range(float, 0.0, 1.0, phrase="a number between 0 and 1"),
+    "presence_penalty": Range(float, -2.0, 2.0, phrase="a number between -2 and 2"),  # OpenAI's range
+    "frequency_penalty": Range(float, -2.0, 2.0, phrase="a number between -2 and 2"),
+    "repetition_penalty": Range(float, 0.0, 10.0, open_low=True, phrase="a number in (0, 10] (1: off)"),
+    "min_tokens": Range(int, 0, phrase="an integer of at least 0"),
+    "continued_output_tokens": Range(int, 0, phrase="an integer of at least 0"),
+    "logit_bias": Range(float, -100.0, 100.0, phrase="a number between -100 and 100"),  # each value
 }
 
 

@@ -59,6 +59,8 @@ class Request:
     # "none": nothing of it is kept once it finishes (its blocks are never cached).
     cache_retention: Optional[str] = None
     model_version: int = 0  # the engine's num_reloads when it was made: a request of an older version is refused
+    # sampling_params.bad_words as token-id sequences of the version's tokenizer (with and without a leading space)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # set at first admission; -1 = not yet looked up

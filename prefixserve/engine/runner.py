@@ -15,6 +15,7 @@ import torch
 
 from ..model import AttentionMetadata, LlamaForCausalLM, ModelConfig
 from .kv_memory import zeroed_pool
+from .logits_processors import process_logits
 from .model_version import CurrentVersion
 from .outputs import TokenLogprob
 from .sampling import Sampler
@@ -134,9 +135,10 @@ class ModelRunner:
             return StepResult([None] * len(scheduled), [None] * len(scheduled))
         logits = self.model.compute_logits(hidden)
         sampled = self.sampler.sample(
-            logits,
+            process_logits(logits, sampled_requests),
             [request.sampling_params for request in sampled_requests],
             [request.num_tokens for request in sampled_requests],  # where each new token lands
+            raw_logits=logits,  # logprobs from the model's own logits, as vLLM and OpenAI give them
         )
         by_request = {id(request): i for i, request in enumerate(sampled_requests)}
         rows_of = [by_request.get(id(request)) for request, _ in scheduled]

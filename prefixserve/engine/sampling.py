@@ -7,6 +7,7 @@ or all zero (NaN logits, +inf logits) falls back to its argmax instead of raisin
 from __future__ import annotations
 
 import hashlib
+import math
 import struct
 from typing import NamedTuple, Optional, Sequence
 
@@ -38,8 +39,9 @@ class Sampler:
         self._seeded = torch.Generator()
 
     def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-               positions: Sequence[int]) -> SamplerOutput:
-        """`positions[row]`: the index in its request's token_ids where the new token will land."""
+               positions: Sequence[int], raw_logits: Optional[torch.Tensor] = None) -> SamplerOutput:
+        """`positions[row]`: the index in its request's token_ids where the new token will land; logprobs
+        come from `raw_logits` when given (the model's, before logits_processors.py), else `logits`."""
         logits = logits.float()
         tokens = logits.argmax(dim=-1).tolist()
         sampled_rows = [row for row, param in enumerate(params) if not param.is_greedy]
@@ -51,13 +53,15 @@ class Sampler:
                 if param.seed is not None:
                     generator = self._seeded.manual_seed(position_seed(param.seed, positions[row]))
                 tokens[row] = sample_row(row_logits, param, generator)
-        return SamplerOutput(tokens, compute_logprobs(logits, params, tokens))
+        return SamplerOutput(tokens, compute_logprobs(logits if raw_logits is None else raw_logits, params, tokens))
 
 
 def sample_row(logits: torch.Tensor, param: SamplingParams, generator: torch.Generator) -> int:
-    """One draw from float32 `logits` (1-D) under the row's temperature, top-k and top-p."""
+    """One draw from float32 `logits` (1-D) under the row's temperature, min-p, top-k and top-p."""
     # Shift first so the largest scaled logit is exactly 0: no overflow whatever the temperature.
     scaled = (logits - logits.max()) / param.temperature
+    if param.min_p > 0.0:  # scaled is log(p / p_max) after temperature: keep p >= min_p x p_max
+        scaled = scaled.masked_fill(scaled < math.log(param.min_p), float("-inf"))
     if 0 < param.top_k < scaled.numel():
         threshold = torch.topk(scaled, param.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < threshold, float("-inf"))

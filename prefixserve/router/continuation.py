@@ -26,7 +26,8 @@ from .inbound import ClientRequest
 
 # Fields of the original body that shape sampling; a continuation carries them unchanged.
 CARRIED_FIELDS = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
-                  "cache_salt", "user")
+                  "cache_salt", "user", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+                  "min_tokens", "bad_words")
 
 
 @dataclass
@@ -63,6 +64,9 @@ def continuation_body(request: ClientRequest, progress: ChoiceProgress, include_
     body = request.body
     continued = {name: body[name] for name in CARRIED_FIELDS if name in body}
     continued.update(prompt=progress.prompt_token_ids + progress.output_token_ids, stream=True, return_token_ids=True)
+    # the penalties, min_tokens and bad_words count the output so far as output, not as prompt
+    prior = body.get("continued_output_tokens")
+    continued["continued_output_tokens"] = len(progress.output_token_ids) + (prior if isinstance(prior, int) else 0)
     if request.max_tokens is not None:
         remaining = request.max_tokens - len(progress.output_token_ids)
         if remaining <= 0:

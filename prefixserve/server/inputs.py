@@ -23,7 +23,7 @@ from ..http import APIError
 from ..http_body import parse_json_body
 from ..prompts import split_prompts
 from .errors import param_of
-from .protocol import ChatCompletionRequest, SamplingFields, new_id
+from .protocol import UNSUPPORTED_FIELDS, ChatCompletionRequest, SamplingFields, new_id
 
 JSON_MEDIA_TYPES = ("application/json",)
 
@@ -60,6 +60,7 @@ async def read_body(request: Request, model: type[BaseModel]):
     if not isinstance(payload, dict):
         raise APIError(400, f"the request body must be a JSON object, not {type(payload).__name__}",
                        code="invalid_json")
+    refuse_unsupported(payload, model)
     try:
         return model.model_validate(payload)
     except ValidationError as error:
@@ -68,11 +69,37 @@ async def read_body(request: Request, model: type[BaseModel]):
         raise APIError(422, f"{param}: {first['msg']}", param=param, code="invalid_value") from None
 
 
+def refuse_unsupported(payload: dict, model: type[BaseModel]) -> None:
+    """A field of OpenAI's or vLLM's API that this server does not implement is refused by name (400),
+    never ignored: a client must be able to tell its tools or schema did nothing. A no-op value
+    (null, response_format text, best_of 1, no tools) passes."""
+    if not issubclass(model, SamplingFields):
+        return
+    for name, value in payload.items():
+        no_ops = UNSUPPORTED_FIELDS.get(name)
+        if no_ops is None or value is None or any(type(value) is type(no_op) and value == no_op for no_op in no_ops):
+            continue
+        hint = f" (or send {no_ops[0]!r}, which does nothing)" if no_ops else ""
+        raise APIError(400, f"{name} is not supported by this server yet; leave it out{hint}", param=name,
+                       code="unsupported_parameter")
+
+
+def logit_bias_of(bias: Optional[dict[str, float]]) -> Optional[dict[int, float]]:
+    """OpenAI sends token ids as JSON object keys (strings)."""
+    if not bias:
+        return None
+    try:
+        return {int(token): value for token, value in bias.items()}
+    except ValueError:
+        raise APIError(400, "logit_bias keys must be token ids (integers as strings, e.g. \"50256\")",
+                       param="logit_bias", code="invalid_value") from None
+
+
 def sampling_params(body: SamplingFields, num_logprobs: Optional[int]) -> SamplingParams:
     """Params from the body; max_tokens is settled per prompt, once its length is known."""
     try:
         return SamplingParams(
-            max_tokens=1,
+            max_tokens=None,
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=-1 if body.top_k in (None, 0) else body.top_k,
@@ -81,6 +108,14 @@ def sampling_params(body: SamplingFields, num_logprobs: Optional[int]) -> Sampli
             stop_token_ids=body.stop_token_ids or [],
             ignore_eos=body.ignore_eos,
             logprobs=num_logprobs,
+            min_p=body.min_p or 0.0,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            logit_bias=logit_bias_of(body.logit_bias),
+            min_tokens=body.min_tokens or 0,
+            bad_words=body.bad_words or [],
+            continued_output_tokens=body.continued_output_tokens or 0,
         )
     except ValueError as error:
         raise APIError(400, str(error), code="invalid_value") from None
@@ -141,7 +176,7 @@ class RequestBuilder:
             if isinstance(prompt, str):
                 self.check_text_size(len(prompt), "prompt")
             first = await self._make(prompt, params, options)
-            fitted = replace(params, max_tokens=self._fit_max_tokens(first.num_prompt_tokens, max_tokens))
+            fitted = self._fitted(params, self._fit_max_tokens(first.num_prompt_tokens, max_tokens))
             first.sampling_params = fitted
             requests.append(first)
             for sample in range(1, n):
@@ -163,6 +198,13 @@ class RequestBuilder:
             raise APIError(413, str(error), param="prompt", code="context_length_exceeded") from None
         except (ValueError, TypeError) as error:
             raise APIError(400, str(error), param="prompt", code="invalid_prompt") from None
+
+    @staticmethod
+    def _fitted(params: SamplingParams, max_tokens: int) -> SamplingParams:
+        try:
+            return replace(params, max_tokens=max_tokens)
+        except ValueError as error:  # min_tokens above the room left
+            raise APIError(400, str(error), param="min_tokens", code="invalid_value") from None
 
     def _fit_max_tokens(self, num_prompt_tokens: int, requested: Optional[int]) -> int:
         try:  # the offline path's own rule (limits.py), so both refuse the same request the same way

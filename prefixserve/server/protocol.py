@@ -13,9 +13,24 @@ from typing import Annotated, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from ..engine.limits import MAX_NAME_CHARS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, RANGES
+from ..engine.limits import (MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_NAME_CHARS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
+                             MAX_STOP_TOKEN_IDS, RANGES)
 
 StopString = Annotated[str, StringConstraints(max_length=MAX_STOP_STRING_CHARS)]
+
+
+# Fields of OpenAI's and vLLM's APIs this server does not implement yet, with their no-op values: any other
+# value is refused with a 400 naming the field (server/inputs.py), never accepted and ignored.
+UNSUPPORTED_FIELDS: dict[str, tuple] = {
+    "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+    "parallel_tool_calls": (True, False), "response_format": ({"type": "text"},), "structured_outputs": (),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "guided_decoding_backend": (),
+    "prompt_cache_key": (), "prompt_cache_retention": (), "suffix": ("",), "best_of": (1,), "audio": (),
+    "modalities": (["text"],), "prediction": (), "reasoning_effort": (), "web_search_options": (),
+    "logits_processors": (), "allowed_token_ids": (), "truncate_prompt_tokens": (), "top_a": (), "typical_p": (1.0,),
+    "length_penalty": (1.0,), "use_beam_search": (False,), "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,), "prompt_logprobs": (), "store": (False,),
+}
 
 
 class OpenAIBody(BaseModel):
@@ -39,6 +54,18 @@ class SamplingFields(OpenAIBody):
     stop_token_ids: Optional[list[int]] = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     n: int = Field(default=1, **RANGES["n"].field())
     ignore_eos: bool = False
+    # What the logits go through before sampling (engine/logits_processors.py): OpenAI's penalties and
+    # logit_bias (token ids as strings, as OpenAI sends them), vLLM's min_p, repetition_penalty,
+    # min_tokens and bad_words.
+    min_p: Optional[float] = Field(default=None, **RANGES["min_p"].field())
+    presence_penalty: Optional[float] = Field(default=None, **RANGES["presence_penalty"].field())
+    frequency_penalty: Optional[float] = Field(default=None, **RANGES["frequency_penalty"].field())
+    repetition_penalty: Optional[float] = Field(default=None, **RANGES["repetition_penalty"].field())
+    logit_bias: Optional[dict[str, float]] = Field(default=None, max_length=MAX_LOGIT_BIAS)
+    min_tokens: Optional[int] = Field(default=None, **RANGES["min_tokens"].field())
+    bad_words: Optional[Annotated[list[StopString], Field(max_length=MAX_BAD_WORDS)]] = None
+    # Ours, for a router continuing a stream: the prompt's last N tokens are this generation's output so far.
+    continued_output_tokens: Optional[int] = Field(default=None, **RANGES["continued_output_tokens"].field())
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     cache_salt: Optional[str] = Field(default=None, min_length=1, max_length=MAX_NAME_CHARS)
