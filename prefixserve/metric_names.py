@@ -43,5 +43,6 @@ ROUTED_REQUESTS = router_metric("routed_requests")  # counter, label replica
 PREDICTED_HIT_TOKENS = router_metric("predicted_hit_tokens")
 FAILOVERS = router_metric("failovers")
 CONTINUED_STREAMS = router_metric("continued_streams")
+CACHE_KEY_ROUTES = router_metric("cache_key_routes")  # counter, label outcome: kept | overflowed
 REPLICA_LOAD_SECONDS = router_metric("replica_load_seconds")  # gauge
 REPLICA_HEALTHY = router_metric("replica_healthy")  # gauge

@@ -43,6 +43,22 @@ def test_a_tenant_without_a_ttl_in_its_request_gets_its_keys_file_default(server
     assert 120.0 in ttls_of_cached_blocks(server)
 
 
+def test_prompt_cache_retention_24h_needs_a_server_that_keeps_a_day(server, tmp_path):
+    refused = complete(server, "key-beta", prompt_cache_retention="24h")  # this server caps TTLs at 600 s
+    assert_openai_error(refused, 400, "prompt_cache_retention")
+    assert "--max-cache-ttl" in refused.json()["error"]["message"]
+    both = complete(server, "key-beta", prompt_cache_retention="24h", cache_ttl=60)
+    assert_openai_error(both, 400, "prompt_cache_retention")
+    assert complete(server, "key-beta", prompt_cache_retention="in_memory", prompt_cache_key="s1").status_code == 200
+    assert_openai_error(complete(server, "key-beta", prompt_cache_retention="1h"), 422, "prompt_cache_retention")
+    with LiveServer("--max-cache-ttl", "86400") as day:
+        response = httpx.post(day.url + "/v1/completions", timeout=60,
+                              json={"prompt": PROMPT, "max_tokens": 2, "prompt_cache_retention": "24h"})
+        assert response.status_code == 200, response.text
+        day.wait_idle()
+        assert ttls_of_cached_blocks(day) == {86400.0}
+
+
 @pytest.mark.parametrize("value", [0, -1, "60", True, None])
 def test_bad_cache_ttl_values_are_422_naming_the_field(server, value):
     if value is None:

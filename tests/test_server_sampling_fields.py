@@ -42,7 +42,7 @@ def test_logit_bias_and_penalties_change_the_answer(server):
     ("response_format", {"type": "json_object"}),
     ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
     ("guided_json", {"type": "object"}),
-    ("prompt_cache_key", "session-1"),
+    ("structured_outputs", {"json": {"type": "object"}}),
     ("best_of", 2),
     ("use_beam_search", True),
 ])

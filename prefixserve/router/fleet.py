@@ -22,8 +22,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from ..cache import BlockKeyer, CacheScope, max_hit_blocks
 from ..cache.scoping import PromptScoper
 from ..http_keys import AdminKey, KeyTable, bearer_token
-from ..metric_names import (CONTINUED_STREAMS, FAILOVERS, PREDICTED_HIT_TOKENS, REPLICA_HEALTHY, REPLICA_LOAD_SECONDS,
-                            ROUTED_REQUESTS)
+from ..metric_names import (CACHE_KEY_ROUTES, CONTINUED_STREAMS, FAILOVERS, PREDICTED_HIT_TOKENS, REPLICA_HEALTHY,
+                            REPLICA_LOAD_SECONDS, ROUTED_REQUESTS)
+from .cache_key import keyed_replica
 from .costs import policy_options_for
 from .policies import RouteRequest, make_policy
 from .progress import ProgressClock, Stalled
@@ -52,6 +53,8 @@ class RouterMetrics:
                           registry=self.registry)
         self.healthy = Gauge(REPLICA_HEALTHY, "1 when the replica passes health checks.", labels,
                              registry=self.registry)
+        self.cache_key_routes = Counter(CACHE_KEY_ROUTES, "Requests with a prompt_cache_key kept on its replica or "
+                                        "overflowed to the policy.", ["outcome"], registry=self.registry)
 
 
 class Router:
@@ -221,11 +224,12 @@ class Router:
         return RouteRequest(keys, token_ids, scope_digest, -(-len(token_ids) // size), size)
 
     def choose(self, route: Optional[RouteRequest], exclude: set[str], model_fingerprint: Optional[str] = None,
-               version: Optional[str] = None) -> Optional[Replica]:
+               version: Optional[str] = None, cache_key: Optional[str] = None) -> Optional[Replica]:
         """The replica for a request, among the healthy ones not in `exclude` that serve what it needs: given a
         fingerprint (a stream's continuation), only replicas known to serve exactly that model version; given a
         version (a request for 'name@fp_...'), those whose fingerprint begins with it, or failing any, those whose
-        version the router could not read (the replica checks it and answers 404 if it differs)."""
+        version the router could not read (the replica checks it and answers 404 if it differs). Given a
+        prompt_cache_key, the replica that key belongs to unless it is overloaded (cache_key.py)."""
         candidates = [r for r in self.replicas if r.healthy and r.name not in exclude
                       and (model_fingerprint is None or r.model_fingerprint == model_fingerprint)]
         if version is not None:
@@ -233,6 +237,11 @@ class Router:
                           or [r for r in candidates if r.version_matches(version) is None])
         if not candidates:
             return None
+        if cache_key is not None:
+            keyed = keyed_replica(cache_key, candidates, self.settings.cache_key_slack)
+            self.metrics.cache_key_routes.labels("kept" if keyed is not None else "overflowed").inc()
+            if keyed is not None:
+                return keyed
         if route is None:
             return min(candidates, key=lambda r: r.load)
         return candidates[self.policy.choose(route, candidates)]

@@ -70,7 +70,7 @@ async def _send_to_replicas(router: Router, path: str, client_request: ClientReq
     version = client_request.model_version
     tried: set[str] = set()
     while len(tried) < router.settings.max_attempts:
-        replica = router.choose(route, tried, version=version)
+        replica = router.choose(route, tried, version=version, cache_key=client_request.cache_key)
         if replica is None:
             break
         tried.add(replica.name)

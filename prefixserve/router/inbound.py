@@ -45,6 +45,7 @@ class ClientRequest:
     token_ids: list[int] = field(default_factory=list)  # the prompt as the replica will see it; [] when unknown
     salt: Optional[str] = None  # tenant and cache_salt composed as the replicas compose them
     model_version: Optional[str] = None  # 'name@fp_...': the model fingerprint's leading hex digits it asked for
+    cache_key: Optional[str] = None  # OpenAI's prompt_cache_key: keep requests sharing it on one replica
 
     @property
     def is_chat(self) -> bool:
@@ -80,12 +81,18 @@ def read_request(raw: bytes, path: str, tokenizer, max_prompt_tokens: int, max_p
             raise BadRequest(400, str(error), code="invalid_value", param="model") from None
     request = ClientRequest(path=path, body=body, streaming=body.get("stream") is True, n=n,
                             num_choices=n * _num_prompts(path, body), max_tokens=_max_tokens(path, body),
-                            wants_token_ids=body.get("return_token_ids") is True, model_version=model_version)
+                            wants_token_ids=body.get("return_token_ids") is True, model_version=model_version,
+                            cache_key=_cache_key(body.get("prompt_cache_key")))
     try:
         request.token_ids = _prompt_tokens(request, tokenizer, max_prompt_tokens, max_prompt_chars)
     except Exception:  # a template may reject a conversation; the replica will say why
         request.token_ids = []
     return request
+
+
+def _cache_key(value) -> Optional[str]:
+    """A prompt_cache_key the replica would accept (1-256 characters), else None: the replica refuses it."""
+    return value if isinstance(value, str) and 0 < len(value) <= 256 else None
 
 
 def _sane_int(value) -> Optional[int]:

@@ -34,6 +34,9 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a stream that has begun and sends nothing this long is moved to another replica, "
                              "continued from its tokens (default: the slowest gap between chunks seen + 3 s, at "
                              "least 5 s)")
+    parser.add_argument("--cache-key-slack", metavar="SECONDS", type=float, default=5.0,
+                        help="requests sharing a prompt_cache_key stay on one replica until it has this many "
+                             "seconds of work more than the least loaded one, then overflow to --policy")
     parser.add_argument("--kv-remote-url", metavar="URL", default=None,
                         help="the replicas' --kv-remote-url: kv_aware prices what the shared remote tier holds, so a "
                              "request may go to an idle replica that fetches its prefix (default: off)")
@@ -60,6 +63,7 @@ def settings_from_args(args: argparse.Namespace):
             progress_timeout=args.progress_timeout,
             kv_remote_url=args.kv_remote_url,
             max_request_bytes=args.max_request_bytes,
+            cache_key_slack=args.cache_key_slack,
         )
     except ValueError as error:
         raise SystemExit(f"prefixserve route: {error}")

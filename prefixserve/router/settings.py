@@ -29,6 +29,9 @@ class RouterSettings:
     kv_remote_timeout: float = 0.2  # a slower lookup routes as if the remote tier held nothing
     max_attempts: int = 3  # distinct replicas one request (or one stream, continuations included) may try
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    # Seconds of outstanding work by which a prompt_cache_key's replica may exceed the least loaded one
+    # before the key's requests overflow to the policy (cache_key.py).
+    cache_key_slack: float = 5.0
 
     def __post_init__(self) -> None:
         if not self.replicas:
@@ -49,6 +52,8 @@ class RouterSettings:
             raise ValueError("--max-attempts must be at least 1")
         if self.max_request_bytes < 1:
             raise ValueError("--max-request-bytes must be positive")
+        if not self.cache_key_slack >= 0:
+            raise ValueError("--cache-key-slack must be 0 or more seconds")
 
     def named_replicas(self) -> list[tuple[str, str]]:
         return [parse_replica(spec, i) for i, spec in enumerate(self.replicas)]

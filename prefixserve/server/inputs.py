@@ -28,6 +28,9 @@ from .protocol import UNSUPPORTED_FIELDS, ChatCompletionRequest, SamplingFields,
 JSON_MEDIA_TYPES = ("application/json",)
 
 
+RETENTION_24H = 24 * 3600.0  # seconds: OpenAI's extended prompt cache retention
+
+
 class CacheOptions(NamedTuple):
     """How a request's prefix is cached: its scope salt, its lifetime, and whose it is (statistics)."""
 
@@ -38,9 +41,21 @@ class CacheOptions(NamedTuple):
 
 
 def cache_options(settings, tenant: Optional[str], body: SamplingFields) -> CacheOptions:
-    """The request's cache_ttl, else its tenant's default, capped by the server's maximum; the stricter
-    of the request's and the tenant's cache_retention."""
-    ttl = body.cache_ttl if body.cache_ttl is not None else settings.tenant_cache_ttls.get(tenant)
+    """The request's cache_ttl (or OpenAI's prompt_cache_retention "24h"), else its tenant's default, capped
+    by the server's maximum; the stricter of the request's and the tenant's cache_retention."""
+    ttl = body.cache_ttl
+    if body.prompt_cache_retention == "24h":
+        if ttl is not None:
+            raise APIError(400, "give cache_ttl or prompt_cache_retention, not both", param="prompt_cache_retention",
+                           code="invalid_value")
+        if settings.max_cache_ttl < RETENTION_24H:
+            raise APIError(400, f"prompt_cache_retention 24h keeps a prefix for {RETENTION_24H:.0f} s, more than this "
+                                f"server's --max-cache-ttl ({settings.max_cache_ttl:g} s); use in_memory, or ask the "
+                                "operator to raise --max-cache-ttl", param="prompt_cache_retention",
+                           code="invalid_value")
+        ttl = RETENTION_24H
+    if ttl is None:
+        ttl = settings.tenant_cache_ttls.get(tenant)
     if ttl is not None:
         ttl = min(ttl, settings.max_cache_ttl)
     retention = stricter_retention(body.cache_retention, settings.tenant_cache_retentions.get(tenant))

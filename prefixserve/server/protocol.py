@@ -25,7 +25,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
     "parallel_tool_calls": (True, False), "response_format": ({"type": "text"},), "structured_outputs": (),
     "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "guided_decoding_backend": (),
-    "prompt_cache_key": (), "prompt_cache_retention": (), "suffix": ("",), "best_of": (1,), "audio": (),
+    "suffix": ("",), "best_of": (1,), "audio": (),
     "modalities": (["text"],), "prediction": (), "reasoning_effort": (), "web_search_options": (),
     "logits_processors": (), "allowed_token_ids": (), "truncate_prompt_tokens": (), "top_a": (), "typical_p": (1.0,),
     "length_penalty": (1.0,), "use_beam_search": (False,), "include_stop_str_in_output": (False,),
@@ -76,6 +76,11 @@ class SamplingFields(OpenAIBody):
     # shared tier), "none" keeps nothing of it after it finishes. A tenant's keys-file setting, if
     # stricter, wins.
     cache_retention: Optional[Literal["device", "none"]] = None
+    # OpenAI's: the key a router keeps on one replica (router/fleet.py; it scopes nothing: the tenant and
+    # cache_salt do), and how long the prefix is kept: in_memory the default TTL, 24h for a day
+    # (within --max-cache-ttl).
+    prompt_cache_key: Optional[str] = Field(default=None, min_length=1, max_length=MAX_NAME_CHARS)
+    prompt_cache_retention: Optional[Literal["in_memory", "24h"]] = None
     user: Optional[str] = None
     return_token_ids: bool = False  # vLLM's extension: prompt and output token ids in the response
 
