@@ -31,12 +31,8 @@ def stricter_retention(*retentions: Optional[str]) -> Optional[str]:
 
 
 def bad_words_token_ids(version: ModelVersion, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
-    """Each bad word as the tokenizer spells it alone and after a space (vLLM's two forms), checked
-    against the vocabulary: a logit_bias id outside it is refused here too."""
+    """Each bad word as the tokenizer spells it alone and after a space (vLLM's two forms), within the vocabulary."""
     vocab_size = version.config.vocab_size
-    if params.logit_bias and max(params.logit_bias) >= vocab_size:
-        raise ValueError(f"logit_bias names token id {max(params.logit_bias)}, outside the vocabulary "
-                         f"[0, {vocab_size})")
     words: dict[tuple[int, ...], None] = {}
     for word in params.bad_words:
         for text in (word.lstrip(), " " + word.lstrip()):
@@ -83,6 +79,9 @@ class InputProcessor:
         bad = [t for t in token_ids if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size}); check the tokenizer")
+        if params.logit_bias and max(params.logit_bias) >= vocab_size:
+            raise ValueError(f"logit_bias names token id {max(params.logit_bias)}, outside the vocabulary "
+                             f"[0, {vocab_size})")
         max_tokens = fit_max_tokens(len(token_ids), params.max_tokens, version.max_model_len)
         return params if max_tokens == params.max_tokens else replace(params, max_tokens=max_tokens)
 
