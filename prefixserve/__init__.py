@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-__all__ = ["LLM", "EngineConfig", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "EngineConfig", "RequestOutput", "SamplingParams", "StructuredOutputs"]
 __version__ = "0.1.0"
 
 # Imported on first use, so `prefixserve.cache` and `prefixserve.router` (plain Python) load
@@ -14,12 +14,14 @@ _LAZY = {
     "EngineConfig": "prefixserve.config",
     "RequestOutput": "prefixserve.engine.outputs",
     "SamplingParams": "prefixserve.engine.sampling_params",
+    "StructuredOutputs": "prefixserve.engine.structured_output",
 }
 
 if TYPE_CHECKING:
     from .config import EngineConfig
     from .engine.outputs import RequestOutput
     from .engine.sampling_params import SamplingParams
+    from .engine.structured_output import StructuredOutputs
     from .llm import LLM
 
 

@@ -60,6 +60,15 @@ def test_openai_example_prints_the_numbers_shown(server):
     assert stdout.getvalue().split() == list(shown)
 
 
+def test_structured_output_example_prints_what_is_shown(server):
+    structured = section("### Structured output")
+    code = fenced(structured, "python")[0].replace("http://127.0.0.1:8000", server.url)
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        exec(compile(code, "README.md", "exec"), {})
+    assert stdout.getvalue() == fenced(structured, "")[0]
+
+
 def test_real_text_example_prints_the_answer_shown():
     pytest.importorskip("gguf")
     from importlib.util import find_spec

@@ -16,6 +16,7 @@ from .limits import MAX_NAME_CHARS, RANGES, fit_max_tokens
 from .model_version import CurrentVersion, ModelVersion
 from .request import Request
 from .sampling_params import SamplingParams
+from .structured_output import Grammar, compiler_for
 
 PromptType = Union[str, list[int], dict[str, Any]]
 PROMPT_DICT_FIELDS = {"prompt", "prompt_token_ids", "cache_salt", "cache_retention"}
@@ -40,6 +41,15 @@ def bad_words_token_ids(version: ModelVersion, params: SamplingParams) -> tuple[
             if ids and max(ids) < vocab_size:
                 words[ids] = None
     return tuple(words)
+
+
+def request_grammar(version: ModelVersion, token_ids: list[int], params: SamplingParams) -> Optional[Grammar]:
+    """The matcher of the request's structured output, past the output a continued stream already produced."""
+    if params.structured_outputs is None:
+        return None
+    compiler = compiler_for(version.tokenizer, version.config.vocab_size, version.eos_token_ids)
+    prior = token_ids[len(token_ids) - params.continued_output_tokens:] if params.continued_output_tokens else ()
+    return compiler.grammar(params.structured_outputs, prior)
 
 
 class InputProcessor:
@@ -127,6 +137,7 @@ class InputProcessor:
             tenant=tenant,
             cache_retention=retention,
             bad_words_token_ids=bad_words_token_ids(version, params),
+            grammar=request_grammar(version, token_ids, params),
         )
         if arrival_time is not None:
             request.metrics.arrival_time = arrival_time

@@ -6,6 +6,7 @@
     presence_penalty     - p if the token was generated at all             }
     min_tokens           end-of-sequence and stop token ids banned until that many tokens were generated
     bad_words            a word's last token banned where the output ends with the rest of it (vLLM)
+    structured_outputs   every token the request's grammar forbids next banned (structured_output.py), last
 
 "Output" includes the prompt's last `continued_output_tokens` (a stream continued elsewhere), so a
 continuation chooses exactly what the uninterrupted generation would have. Only the logits of the rows
@@ -37,7 +38,7 @@ def num_generated(request: Request) -> int:
 
 def wants_processing(request: Request) -> bool:
     params = request.sampling_params
-    return bool(params.logit_bias or params.presence_penalty or params.frequency_penalty
+    return bool(request.grammar is not None or params.logit_bias or params.presence_penalty or params.frequency_penalty
                 or params.repetition_penalty != 1.0 or request.bad_words_token_ids
                 or num_generated(request) < params.min_tokens)
 
@@ -77,4 +78,6 @@ def _process_row(row: torch.Tensor, request: Request) -> torch.Tensor:
         head = len(word) - 1
         if head == 0 or (len(output) >= head and tuple(output[len(output) - head:]) == word[:-1]):
             row[word[-1]] = BANNED
+    if request.grammar is not None:
+        request.grammar.mask_row(row)
     return row

@@ -17,6 +17,7 @@ from typing import Optional
 
 from ..cache import Block
 from .sampling_params import SamplingParams
+from .structured_output import Grammar
 
 
 class RequestStatus(enum.Enum):
@@ -61,6 +62,7 @@ class Request:
     model_version: int = 0  # the engine's num_reloads when it was made: a request of an older version is refused
     # sampling_params.bad_words as token-id sequences of the version's tokenizer (with and without a leading space)
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    grammar: Optional[Grammar] = None  # sampling_params.structured_outputs' matcher, past the output so far
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # set at first admission; -1 = not yet looked up

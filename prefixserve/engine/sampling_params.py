@@ -9,6 +9,7 @@ from typing import Iterable, Optional, Union
 
 from .limits import (MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
                      RANGES, SEED_MAX)
+from .structured_output import StructuredOutputs
 
 # Temperatures below this are greedy (vLLM's convention): dividing logits by a smaller number
 # only sharpens the distribution onto its argmax, and in float32 can overflow to inf / NaN.
@@ -46,6 +47,8 @@ class SamplingParams:
     # The last tokens of the prompt that an earlier part of this same generation produced (a stream a
     # router continues on another replica): the penalties, min_tokens and bad_words count them as output.
     continued_output_tokens: int = 0
+    # A grammar the output follows (structured_output.py): a JSON schema, any JSON object, a regex, a choice.
+    structured_outputs: Optional[StructuredOutputs] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -61,6 +64,8 @@ class SamplingParams:
             value = getattr(self, name)
             if not (value is None and name in OPTIONAL_FIELDS) and not RANGES[name].admits(value):
                 problems.append(RANGES[name].problem(name, value))
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            problems.append("structured_outputs must be a StructuredOutputs (prefixserve.StructuredOutputs)")
         if not isinstance(self.ignore_eos, bool):
             problems.append(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         return problems

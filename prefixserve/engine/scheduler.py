@@ -218,6 +218,10 @@ class Scheduler:
                 continue
             request.append_output_token(token_id, logprob)
             updated.append(request)
+            refused = request.grammar.accept(token_id) if request.grammar is not None else None
+            if refused is not None:  # only a token the mask allowed is chosen: the grammar's own limits
+                self.finish_request(request, "error", error=refused)
+                continue
             ended = check_stop(request)
             if ended is not None:
                 self.finish_request(request, *ended)

@@ -1,4 +1,4 @@
-"""When a request's latest token ends it: EOS, a stop token id, or a length limit.
+"""When a request's latest token ends it: EOS, a stop token id, a complete grammar, or a length limit.
 
 Decided here only; the scheduler applies it (Scheduler.finish_request is the one place a
 request finishes). Stop *strings* need text, so the output processor finds them and
@@ -20,6 +20,8 @@ def check_stop(request: Request) -> Optional[tuple[str, Optional[int]]]:
         return "stop", token_id
     if token_id in params.stop_token_ids:
         return "stop", token_id
+    if request.grammar is not None and request.grammar.done:  # the output is whole: nothing more may follow
+        return "stop", None
     if request.num_output_tokens >= params.max_tokens or request.num_tokens >= request.max_model_len:
         return "length", None
     return None

@@ -108,6 +108,10 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 
+    def backend_json(self) -> str:
+        """The tokenizer as Hugging Face tokenizers' JSON (what a grammar engine reads the vocabulary from)."""
+        return self._backend.to_str()
+
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes one token stands for (OpenAI's logprobs `bytes`): a byte-level BPE token
         mapped back through GPT-2's byte alphabet, a byte-fallback token `<0xNN>` as that byte,

@@ -27,7 +27,8 @@ from .inbound import ClientRequest
 # Fields of the original body that shape sampling; a continuation carries them unchanged.
 CARRIED_FIELDS = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
                   "cache_salt", "user", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-                  "min_tokens", "bad_words")
+                  "min_tokens", "bad_words", "response_format", "structured_outputs", "guided_json", "guided_regex",
+                  "guided_choice", "guided_grammar", "guided_decoding_backend")
 
 
 @dataclass

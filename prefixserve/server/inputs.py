@@ -24,6 +24,7 @@ from ..http_body import parse_json_body
 from ..prompts import split_prompts
 from .errors import param_of
 from .protocol import UNSUPPORTED_FIELDS, ChatCompletionRequest, SamplingFields, new_id
+from .structured_fields import structured_outputs_of
 
 JSON_MEDIA_TYPES = ("application/json",)
 
@@ -131,6 +132,7 @@ def sampling_params(body: SamplingFields, num_logprobs: Optional[int]) -> Sampli
             min_tokens=body.min_tokens or 0,
             bad_words=body.bad_words or [],
             continued_output_tokens=body.continued_output_tokens or 0,
+            structured_outputs=structured_outputs_of(body),
         )
     except ValueError as error:
         raise APIError(400, str(error), code="invalid_value") from None
@@ -205,8 +207,8 @@ class RequestBuilder:
             return self.engine.make_request(prompt, params, new_id("req"), options.salt, prefix_ttl=options.ttl,
                                             tenant=options.tenant, cache_retention=options.retention)
 
-        try:
-            if isinstance(prompt, str):
+        try:  # tokenizing text and compiling a grammar take time: off the event loop
+            if isinstance(prompt, str) or params.structured_outputs is not None:
                 return await asyncio.to_thread(make)
             return make()
         except PromptTooLongError as error:

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from ..engine.limits import (MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_NAME_CHARS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
                              MAX_STOP_TOKEN_IDS, RANGES)
+from .structured_fields import StructuredFields
 
 StopString = Annotated[str, StringConstraints(max_length=MAX_STOP_STRING_CHARS)]
 
@@ -23,9 +24,7 @@ StopString = Annotated[str, StringConstraints(max_length=MAX_STOP_STRING_CHARS)]
 # value is refused with a 400 naming the field (server/inputs.py), never accepted and ignored.
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
-    "parallel_tool_calls": (True, False), "response_format": ({"type": "text"},), "structured_outputs": (),
-    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "guided_decoding_backend": (),
-    "suffix": ("",), "best_of": (1,), "audio": (),
+    "parallel_tool_calls": (True, False), "suffix": ("",), "best_of": (1,), "audio": (),
     "modalities": (["text"],), "prediction": (), "reasoning_effort": (), "web_search_options": (),
     "logits_processors": (), "allowed_token_ids": (), "truncate_prompt_tokens": (), "top_a": (), "typical_p": (1.0,),
     "length_penalty": (1.0,), "use_beam_search": (False,), "include_stop_str_in_output": (False,),
@@ -41,8 +40,9 @@ class StreamOptions(OpenAIBody):
     include_usage: bool = False
 
 
-class SamplingFields(OpenAIBody):
-    """Fields both endpoints share; bounds here give 422s that name the field."""
+class SamplingFields(StructuredFields, OpenAIBody):
+    """Fields both endpoints share; bounds here give 422s that name the field. The structured-output
+    fields (response_format, structured_outputs, guided_*) are structured_fields.py's."""
 
     model: Optional[str] = None
     max_tokens: Optional[int] = Field(default=None, **RANGES["max_tokens"].field())
