@@ -60,8 +60,9 @@ def test_openai_example_prints_the_numbers_shown(server):
     assert stdout.getvalue().split() == list(shown)
 
 
-def test_structured_output_example_prints_what_is_shown(server):
-    structured = section("### Structured output")
+@pytest.mark.parametrize("title", ["### Structured output", "### Tools"])
+def test_agent_api_examples_print_what_is_shown(server, title):
+    structured = section(title)
     code = fenced(structured, "python")[0].replace("http://127.0.0.1:8000", server.url)
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):

@@ -1,5 +1,5 @@
 """Over HTTP, every sampling field changes the answer as its API documents or is refused by name: the
-penalties, logit_bias, min_p, min_tokens and bad_words arrive in the engine; tools and the other fields this server does not implement yet are a 400 naming them, never a 200 that ignored them."""
+penalties, logit_bias, min_p, min_tokens and bad_words arrive in the engine; the fields this server does not implement yet are a 400 naming them, never a 200 that ignored them."""
 
 import httpx
 import pytest
@@ -36,8 +36,7 @@ def test_logit_bias_and_penalties_change_the_answer(server):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("tool_choice", "required"),
+    ("functions", [{"name": "f", "parameters": {}}]),
     ("best_of", 2),
     ("use_beam_search", True),
 ])
@@ -47,6 +46,14 @@ def test_fields_this_server_does_not_implement_are_refused_by_name(server, field
         response = httpx.post(server.url + path, json={**body, "max_tokens": 2, field: value}, timeout=30)
         assert_openai_error(response, 400, field)
         assert response.json()["error"]["code"] == "unsupported_parameter"
+
+
+@pytest.mark.parametrize("field, value", [
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]), ("tool_choice", "required")])
+def test_completions_refuse_the_chat_tool_fields(server, field, value):
+    response = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2, field: value},
+                          timeout=30)
+    assert_openai_error(response, 400, field, code="unsupported_parameter")
 
 
 @pytest.mark.parametrize("field, value", [("tools", []), ("tool_choice", "none"), ("best_of", 1),

@@ -182,9 +182,10 @@ class Tokenizer:
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                      **variables)
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a rendered chat. As in transformers, the template supplies any BOS."""
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of a rendered chat (`tools` as transformers passes them). The template supplies any BOS."""
+        text = self.apply_chat_template(messages, add_generation_prompt, **({"tools": tools} if tools else {}))
         return self.encode(text, add_special_tokens=False)
 
     def _token_id(self, token: str | None) -> int | None:

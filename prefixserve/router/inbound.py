@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from ..chat_tools import render_chat, template_reads_tools
 from ..http import split_model
 from ..http_body import parse_json_body
 from ..prompts import is_token_ids, split_prompts
@@ -121,15 +122,7 @@ def _prompt_tokens(request: ClientRequest, tokenizer, max_prompt_tokens: int, ma
     """The token ids the replica will see (the first prompt of a batch decides its placement)."""
     body = request.body
     if request.is_chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-            return []
-        texts = [(m.get("role"), _text(m.get("content"))) for m in messages]
-        if not all(isinstance(role, str) and text is not None for role, text in texts):
-            return []
-        if sum(len(text) for _, text in texts) > max_prompt_chars:
-            return []
-        return tokenizer.encode_chat([{"role": role, "content": text} for role, text in texts])
+        return _chat_tokens(body, tokenizer, max_prompt_chars)
     prompts = _prompts(body)
     prompt = prompts[0] if prompts else None
     if isinstance(prompt, str):
@@ -139,13 +132,18 @@ def _prompt_tokens(request: ClientRequest, tokenizer, max_prompt_tokens: int, ma
     return []
 
 
-def _text(content) -> Optional[str]:
-    """A message's text as the replica flattens it; None when it is not text the router can read."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = [part.get("text") for part in content if isinstance(part, dict) and part.get("type") == "text"]
-        return "".join(parts) if all(isinstance(part, str) for part in parts) else None
-    return None
+def _chat_tokens(body: dict, tokenizer, max_prompt_chars: int) -> list[int]:
+    """A chat's tokens as the replica renders them, tools and tool calls included (chat_tools.py)."""
+    messages, tools = body.get("messages"), body.get("tools")
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                 for m in messages):
+        return []
+    if not isinstance(tools, list) or not tools:
+        tools = None
+    try:
+        rendered, template_tools = render_chat(messages, tools, template_reads_tools(tokenizer.chat_template))
+    except (ValueError, KeyError, TypeError, AttributeError):  # the replica will refuse it
+        return []
+    if sum(len(m["content"]) for m in rendered) + len(str(template_tools or "")) > max_prompt_chars:
+        return []
+    return tokenizer.encode_chat(rendered, True, template_tools)

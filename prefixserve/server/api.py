@@ -28,6 +28,7 @@ from .responses import TokenTexts
 from .pins import pin_routes
 from .reload import ReloadGate, reload_routes
 from .routes import routes
+from .tool_calls import PARSERS
 from .tokenize import tokenize_routes
 
 
@@ -44,6 +45,7 @@ class ServerSettings:
     tenant_cache_ttls: Mapping[str, float] = field(default_factory=dict)  # tenant -> default cache_ttl
     # tenant -> "device" | "none" (privacy mode): its KV never leaves device memory / is never kept
     tenant_cache_retentions: Mapping[str, str] = field(default_factory=dict)
+    tool_call_parser: str = "auto"  # how tool calls are read from output: auto (the template's), hermes, llama3_json
 
     def __post_init__(self) -> None:
         """Every bad value named by its flag, before the model loads (launch.check_options builds one)."""
@@ -64,6 +66,9 @@ class ServerSettings:
         for tenant, ttl in self.tenant_cache_ttls.items():  # above max_cache_ttl is capped per request
             if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not (math.isfinite(ttl) and ttl > 0):
                 raise ValueError(f"tenant {tenant!r}: cache_ttl must be a positive number of seconds, got {ttl!r}")
+        if self.tool_call_parser not in ("auto",) + PARSERS:
+            raise ValueError(f"tool_call_parser (--tool-call-parser) must be one of auto, {', '.join(PARSERS)}, "
+                             f"got {self.tool_call_parser!r}")
         for tenant, retention in self.tenant_cache_retentions.items():
             if retention not in CACHE_RETENTIONS:
                 raise ValueError(f"tenant {tenant!r}: cache_retention must be one of {', '.join(CACHE_RETENTIONS)}, "

@@ -25,6 +25,7 @@ from ..prompts import split_prompts
 from .errors import param_of
 from .protocol import UNSUPPORTED_FIELDS, ChatCompletionRequest, SamplingFields, new_id
 from .structured_fields import structured_outputs_of
+from .tool_prompt import template_input
 
 JSON_MEDIA_TYPES = ("application/json",)
 
@@ -92,7 +93,7 @@ def refuse_unsupported(payload: dict, model: type[BaseModel]) -> None:
     if not issubclass(model, SamplingFields):
         return
     for name, value in payload.items():
-        no_ops = UNSUPPORTED_FIELDS.get(name)
+        no_ops = None if name in model.model_fields else UNSUPPORTED_FIELDS.get(name)  # chat has tools
         if no_ops is None or value is None or any(type(value) is type(no_op) and value == no_op for no_op in no_ops):
             continue
         hint = f" (or send {no_ops[0]!r}, which does nothing)" if no_ops else ""
@@ -146,7 +147,8 @@ def completion_prompts(prompt) -> list:
         raise APIError(400, str(error), param="prompt", code="invalid_prompt") from None
 
 
-def chat_messages(body: ChatCompletionRequest) -> list[dict]:
+def chat_messages(body) -> list[dict]:
+    """A chat's messages as text, for a body without tools (/tokenize's)."""
     return [{"role": message.role, "content": message.text()} for message in body.messages]
 
 
@@ -177,10 +179,12 @@ class RequestBuilder:
                                 f"tokens (max_model_len); shorten it", param=param, code="context_length_exceeded")
 
     async def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
-        messages = chat_messages(body)
-        self.check_text_size(sum(len(message["content"]) for message in messages), "messages")
+        tokenizer = self.tokenizer
+        messages, tools = template_input(body, tokenizer.chat_template)  # with its tools and tool calls
+        self.check_text_size(sum(len(message["content"]) for message in messages) + len(str(tools or "")),
+                             "messages")
         try:
-            return await asyncio.to_thread(self.tokenizer.encode_chat, messages)
+            return await asyncio.to_thread(tokenizer.encode_chat, messages, True, tools)
         except Exception as error:  # a template may reject a conversation (e.g. role order)
             raise APIError(400, f"the chat template rejected these messages: {error}", param="messages",
                            code="invalid_messages") from None

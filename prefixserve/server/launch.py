@@ -50,6 +50,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="waiting requests past which new ones get HTTP 429")
     parser.add_argument("--max-cache-ttl", type=float, metavar="SECONDS", default=DEFAULT_MAX_CACHE_TTL,
                         help="cap on the cache_ttl a request body or a tenant's keys-file entry asks for")
+    parser.add_argument("--tool-call-parser", default="auto", choices=("auto", "hermes", "llama3_json"),
+                        help="how tool calls are read from a chat's output (vLLM's names); auto: the chat template's "
+                             "format, hermes when the template knows no tools (the server teaches it hermes)")
     parser.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="engine and uvicorn logging")
     add_engine_arguments(parser.add_argument_group("engine (each flag an EngineConfig field)"))
 
@@ -86,7 +89,8 @@ def server_settings_from_args(args: argparse.Namespace):
                               admin_api_key=args.admin_api_key, max_waiting=args.max_waiting,
                               max_request_bytes=args.max_request_bytes, max_cache_ttl=args.max_cache_ttl,
                               tenant_cache_ttls=load_tenant_cache_ttls(args.api_keys_file),
-                              tenant_cache_retentions=load_tenant_cache_retentions(args.api_keys_file))
+                              tenant_cache_retentions=load_tenant_cache_retentions(args.api_keys_file),
+                              tool_call_parser=args.tool_call_parser)
     except ValueError as error:
         raise SystemExit(f"prefixserve serve: {error}") from None
 

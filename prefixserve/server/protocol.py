@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from ..engine.limits import (MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_NAME_CHARS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
                              MAX_STOP_TOKEN_IDS, RANGES)
 from .structured_fields import StructuredFields
+from .tool_protocol import ToolCall, ToolFields
 
 StopString = Annotated[str, StringConstraints(max_length=MAX_STOP_STRING_CHARS)]
 
@@ -94,6 +95,8 @@ class ChatMessage(OpenAIBody):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Union[str, list[TextPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None  # an assistant turn's calls (tool_protocol.py)
+    tool_call_id: Optional[str] = Field(default=None, max_length=256)  # a tool result: the call it answers
 
     def text(self) -> str:
         """Text content; OpenAI's list-of-parts form is joined."""
@@ -104,7 +107,7 @@ class ChatMessage(OpenAIBody):
         return "".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(ToolFields, SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(default=None, **RANGES["max_tokens"].field())
     logprobs: bool = False

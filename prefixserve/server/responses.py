@@ -14,6 +14,7 @@ from typing import Optional
 from ..engine.outputs import RequestOutput, TokenLogprob
 from ..model import Tokenizer
 from .protocol import Usage
+from .tool_calls import ToolCallStream, parse
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; a token the model rules out reports this (as vLLM does)
 
@@ -30,6 +31,11 @@ def usage_of(finals: list[RequestOutput], n: int) -> dict:
     completion = sum(len(out.token_ids) for out in finals)
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion,
                  prompt_tokens_details={"cached_tokens": cached, "cached_tokens_by_tier": by_tier}).model_dump()
+
+
+def _tool_finish(finish_reason: Optional[str], called: bool) -> Optional[str]:
+    """OpenAI's finish_reason "tool_calls" for an output that ended after calling tools."""
+    return "tool_calls" if called and finish_reason == "stop" else finish_reason
 
 
 class TokenTexts:
@@ -132,8 +138,16 @@ class CompletionShape(_Shape):
 
 
 class ChatShape(_Shape):
+    """With `tool_parser` (tool_calls.py's PARSERS), tool calls in the output become message.tool_calls (streamed:
+    tool_calls deltas, each call whole) and finish_reason "tool_calls"."""
+
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
+
+    def __init__(self, *args, tool_parser: Optional[str] = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.tool_parser = tool_parser
+        self._tool_streams: dict[int, ToolCallStream] = {}
 
     def role_chunk(self, index: int, prompt_token_ids: list[int]) -> dict:
         choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -145,16 +159,41 @@ class ChatShape(_Shape):
         return self._envelope(self.chunk_object_name, [choice])
 
     def chunk(self, index: int, out: RequestOutput) -> dict:
-        choice = {"index": index, "delta": {"content": out.delta_text} if out.delta_text else {},
-                  "logprobs": self._logprobs(out.delta_logprobs),
-                  "finish_reason": out.finish_reason if out.finished else None}
+        delta, finish_reason = self._delta(index, out)
+        choice = {"index": index, "delta": delta, "logprobs": self._logprobs(out.delta_logprobs),
+                  "finish_reason": finish_reason}
         return self._envelope(self.chunk_object_name, [self._add_token_ids(choice, index, out, out.delta_token_ids)])
+
+    def _delta(self, index: int, out: RequestOutput) -> tuple[dict, Optional[str]]:
+        finish_reason = out.finish_reason if out.finished else None
+        if self.tool_parser is None:
+            return ({"content": out.delta_text} if out.delta_text else {}), finish_reason
+        stream = self._tool_streams.setdefault(index, ToolCallStream(self.tool_parser))
+        content, calls = stream.push(out.delta_text)
+        if out.finished:
+            more_content, more_calls = stream.finish()
+            content, calls = content + more_content, calls + more_calls
+        delta: dict = {"content": content} if content else {}
+        if calls:
+            first = len(stream.calls) - len(calls)
+            delta["tool_calls"] = [call.as_openai(first + i) for i, call in enumerate(calls)]
+        return delta, _tool_finish(finish_reason, bool(stream.calls))
+
+    def _message(self, out: RequestOutput) -> tuple[dict, Optional[str]]:
+        if self.tool_parser is None:
+            return {"role": "assistant", "content": out.text}, out.finish_reason
+        content, calls = parse(self.tool_parser, out.text)
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [call.as_openai() for call in calls]
+        return message, _tool_finish(out.finish_reason, bool(calls))
 
     def response(self, finals: list[RequestOutput], usage: dict) -> dict:
         choices = []
         for index, out in enumerate(finals):
-            choice = {"index": index, "message": {"role": "assistant", "content": out.text},
-                      "logprobs": self._logprobs(out.logprobs or []), "finish_reason": out.finish_reason}
+            message, finish_reason = self._message(out)
+            choice = {"index": index, "message": message,
+                      "logprobs": self._logprobs(out.logprobs or []), "finish_reason": finish_reason}
             choices.append(self._add_token_ids(choice, index, out, out.token_ids))
         return {**self._envelope(self.object_name, choices), "usage": usage}
 

@@ -6,6 +6,8 @@ each helper can be called and tested alone.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -17,6 +19,7 @@ from .generation import collect, engine_dead, stream_response
 from .inputs import cache_options, completion_prompts, read_body, sampling_params
 from .protocol import ChatCompletionRequest, CompletionRequest, new_id, now
 from .responses import ChatShape, CompletionShape, usage_of
+from .tool_prompt import parser_for, tool_grammar
 
 routes = APIRouter()
 
@@ -56,6 +59,17 @@ def check_batch(settings, num_requests: int) -> None:
         raise APIError(400, f"this request asks for {num_requests} generations (prompts x n) but the server queues "
                             f"at most {settings.max_waiting}; split it into smaller requests",
                        param="n", code="batch_too_large")
+
+
+def with_tool_choice(params, body, parser: str):
+    """The params with tool_choice's grammar ("required" or a named function); a 400 beside another constraint."""
+    grammar = tool_grammar(body.tools, body.tool_choice, body.parallel_tool_calls, parser)
+    if grammar is None:
+        return params
+    if params.structured_outputs is not None:
+        raise APIError(400, "tool_choice forces a tool call, which response_format (or guided_*) would constrain "
+                            "too; send one of them", param="tool_choice", code="invalid_value")
+    return replace(params, structured_outputs=grammar)
 
 
 def start(state, requests) -> list:
@@ -133,10 +147,13 @@ async def chat_completions(request: Request):
     async with state.reload_gate.admitting():  # tokenized and queued on one model version
         check_version(state, body.model)
         prompt_ids = await state.builder.chat_prompt(body)
-        requests = await state.builder.build([prompt_ids], sampling_params(body, body.num_logprobs),
-                                             body.requested_max_tokens, body.n, cache_options(state.settings, tenant, body))
+        parser = parser_for(state.builder.tokenizer.chat_template, state.settings.tool_call_parser)
+        params = with_tool_choice(sampling_params(body, body.num_logprobs), body, parser)
+        requests = await state.builder.build([prompt_ids], params, body.requested_max_tokens, body.n,
+                                             cache_options(state.settings, tenant, body))
+        reads_calls = bool(body.tools) and body.tool_choice != "none"
         shape = ChatShape(new_id("chatcmpl"), now(), state.settings.served_model_name, state.texts,
-                          **shape_options(state, body))
+                          tool_parser=parser if reads_calls else None, **shape_options(state, body))
         streams = start(state, requests)
     role_chunks = [shape.role_chunk(i, prompt_ids) for i in range(body.n)] if body.stream else ()
     return await respond(request, state, body, shape, streams, role_chunks)

@@ -1,0 +1,76 @@
+"""The chat template's input for a request with tools (chat_tools.py renders it), and the grammar that makes
+tool_choice binding.
+
+tool_choice "required" or a named function is enforced by a grammar (engine/structured_output.py): the output is
+one (or, with parallel_tool_calls, several) call of an offered function whose arguments follow its schema,
+written exactly as the parser reads it and as the next turn's rendering writes it back (json.dumps' spacing), so
+the next prompt hits the cache.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+from ..chat_tools import HERMES_CLOSE, HERMES_OPEN, render_chat, template_reads_tools
+from ..engine.structured_output import StructuredOutputs
+from ..http import APIError
+from .tool_protocol import NamedToolChoice, Tool
+
+CALL_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def parser_for(template: Optional[str], choice: str) -> str:
+    """The --tool-call-parser in effect: `choice`, or for auto the template's own format (hermes when taught)."""
+    if choice != "auto":
+        return choice
+    if template_reads_tools(template) and HERMES_OPEN not in template and (
+            "<|python_tag|>" in template or "ipython" in template):
+        return "llama3_json"
+    return "hermes"
+
+
+def template_input(body, template: Optional[str]) -> tuple[list[dict[str, Any]], Optional[list[dict]]]:
+    """(messages, tools) of a ChatCompletionRequest for this template; a 400 for calls that are not JSON."""
+    messages = [message.model_dump(exclude_none=True) for message in body.messages]
+    tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+    try:
+        return render_chat(messages, tools, template_reads_tools(template))
+    except ValueError as error:
+        raise APIError(400, str(error), param="messages", code="invalid_messages") from None
+
+
+def _call_schema(tool: Tool, parser: str) -> dict:
+    parameters = tool.function.parameters or {"type": "object", "properties": {}}
+    key = "parameters" if parser == "llama3_json" else "arguments"
+    return {"type": "object", "additionalProperties": False, "required": ["name", key],
+            "properties": {"name": {"const": tool.function.name}, key: parameters}}
+
+
+def tool_grammar(tools: Optional[list[Tool]], choice, parallel: Optional[bool],
+                 parser: str) -> Optional[StructuredOutputs]:
+    """The grammar of tool_choice "required" or a named function; None for auto / none."""
+    if choice is None or choice in ("auto", "none"):
+        return None
+    if not tools:
+        raise APIError(400, "tool_choice asks for a tool call but no tools are given", param="tool_choice",
+                       code="invalid_value")
+    chosen = tools
+    if isinstance(choice, NamedToolChoice):
+        chosen = [tool for tool in tools if tool.function.name == choice.function.name]
+        if not chosen:
+            raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools",
+                           param="tool_choice", code="invalid_value")
+    schema = {"x-guidance": CALL_JSON_OPTIONS, "anyOf": [_call_schema(tool, parser) for tool in chosen]}
+    several = parallel is not False and not isinstance(choice, NamedToolChoice)
+    if parser == "hermes":
+        lines = ['start: call ("\\n" call)*' if several else "start: call",
+                 f'call: "{HERMES_OPEN}\\n" body "\\n{HERMES_CLOSE}"']
+    else:
+        lines = ['start: body ("; " body)*' if several else "start: body"]
+    lines.append("body: %json " + json.dumps(schema))
+    try:
+        return StructuredOutputs(grammar="\n".join(lines) + "\n")
+    except ValueError as error:
+        raise APIError(400, f"tools: a function's parameters cannot be followed: {error}", param="tools",
+                       code="invalid_value") from None
