@@ -193,6 +193,10 @@ class LLMEngine:
             raise ValueError(RANGES["ttl"].problem("a pin's ttl", ttl) + "; None pins until unpinned")
         return self.pins.pin(self.scoper, token_ids, tenant, salt, ttl)
 
+    def keep_prefix(self, token_ids: list[int], tenant: Optional[str], salt: Optional[str], ttl: float) -> Pin:
+        """pin_prefix with a lifetime that a later keep of the same prefix extends (Anthropic's cache_control)."""
+        return self.pins.keep(self.scoper, token_ids, tenant, salt, ttl)
+
     def unpin_prefix(self, pin_id: str) -> Optional[Pin]:
         return self.pins.unpin(pin_id, self.scoper)
 

@@ -75,6 +75,17 @@ class PinTable:
         self._save()
         return pin
 
+    def keep(self, scoper, token_ids: list[int], tenant: Optional[str], salt: Optional[str], ttl: float) -> Pin:
+        """Keep `token_ids` pinned for at least `ttl` seconds more: the pin of this very prefix has its expiry
+        pushed out (a cache_control breakpoint hit again), else a new pin is made. ValueError as pin()."""
+        for pin in self.pins.values():
+            if pin.tenant == tenant and pin.salt == salt and pin.token_ids == token_ids:
+                if pin.expires_at is not None:
+                    pin.expires_at = max(pin.expires_at, self.wall_clock() + ttl)
+                    self._save()
+                return pin
+        return self.pin(scoper, token_ids, tenant, salt, ttl)
+
     def unpin(self, pin_id: str, scoper) -> Optional[Pin]:
         pin = self.pins.pop(pin_id, None)
         if pin is not None:

@@ -17,6 +17,7 @@ from fastapi import APIRouter, Depends, FastAPI
 from ..engine.async_engine import AsyncLLMEngine
 from ..http_body import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
 from .admin import admin_routes
+from .anthropic_routes import anthropic_routes
 from .auth import Authenticator, admin_only
 from .dashboard.recorder import DashboardMetrics, TenantContext
 from .dashboard.routes import dashboard_api_routes, dashboard_routes
@@ -114,7 +115,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     return app
 
 
-OPEN_ROUTE_GROUPS = (routes, tokenize_routes, dashboard_routes)  # a tenant's key (or none, with auth off)
+OPEN_ROUTE_GROUPS = (routes, anthropic_routes, tokenize_routes, dashboard_routes)  # a tenant's key (or none, with auth off)
 ADMIN_ROUTE_GROUPS = (admin_routes, reload_routes, pin_routes, dashboard_api_routes, whatif_routes)
 
 

@@ -24,11 +24,15 @@ class Authenticator:
     def tenant(self, request: Request) -> Optional[str]:
         """The tenant of the request's API key (None when no keys are configured: auth is off)."""
         authorization = _authorization(request)
+        api_keys = request.headers.getlist("x-api-key")  # Anthropic's header; the same keys, the same tenants
+        if len(api_keys) > 1 or (api_keys and authorization is not None and bearer_token(authorization) != api_keys[0]):
+            raise APIError(400, "send one API key: one x-api-key header, or Authorization: Bearer, not both",
+                           code="ambiguous_authorization")
         if not self.tenants:
             return None
-        tenant = self.tenants.lookup(bearer_token(authorization))
+        tenant = self.tenants.lookup(api_keys[0] if api_keys else bearer_token(authorization))
         if tenant is None:
-            raise APIError(401, "missing or invalid API key; send 'Authorization: Bearer <key>'",
+            raise APIError(401, "missing or invalid API key; send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
                            "authentication_error", code="invalid_api_key")
         return tenant
 

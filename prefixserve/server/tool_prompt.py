@@ -31,9 +31,11 @@ def parser_for(template: Optional[str], choice: str) -> str:
 
 
 def template_input(body, template: Optional[str]) -> tuple[list[dict[str, Any]], Optional[list[dict]]]:
-    """(messages, tools) of a ChatCompletionRequest for this template; a 400 for calls that are not JSON."""
+    """(messages, tools) of a body with messages (a chat's, a pin's) for this template; a 400 for calls that are
+    not JSON."""
     messages = [message.model_dump(exclude_none=True) for message in body.messages]
-    tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+    offered = getattr(body, "tools", None)  # a pin's body has none
+    tools = [tool.model_dump(exclude_none=True) for tool in offered] if offered else None
     try:
         return render_chat(messages, tools, template_reads_tools(template))
     except ValueError as error:
