@@ -8,6 +8,7 @@ from typing import Any, Optional, Sequence, Union
 
 from tqdm import tqdm
 
+from .chat_tools import render_chat, template_reads_tools
 from .config import EngineConfig
 from .engine.engine import LLMEngine, PromptType
 from .engine.outputs import RequestOutput
@@ -92,10 +93,15 @@ class LLM:
         messages: Union[list[dict], list[list[dict]]],
         params: Optional[SamplingParams] = None,
         use_tqdm: bool = True,
+        tools: Optional[list[dict]] = None,
     ) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"}) or a list of them, rendered with the chat template."""
+        """One conversation (a list of {"role", "content"}, OpenAI's tool calls and tool results too) or a list of
+        them, rendered with the chat template; `tools` in OpenAI's form, as vLLM's LLM.chat takes them (a template
+        that knows no tools is taught them: chat_tools.py). Read the calls with server/tool_calls.py's parse."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.encode_chat(conversation) for conversation in conversations]
+        reads_tools = template_reads_tools(self.tokenizer.chat_template)
+        rendered = [render_chat(conversation, tools, reads_tools) for conversation in conversations]
+        prompts = [self.tokenizer.encode_chat(chat, True, chat_tools) for chat, chat_tools in rendered]
         return self.generate(prompts, params, use_tqdm)
 
     def _run(self, order: list[str], show_progress: bool) -> list[RequestOutput]:

@@ -52,3 +52,17 @@ def test_a_stream_in_any_pieces_gives_the_whole_outputs_calls(parser, text):
         whole_content, whole_calls = parse(parser, text)
         assert names(calls) == names(whole_calls) and stream.calls == calls
         assert content.strip() == (whole_content or "").strip()
+
+
+def test_offline_chat_takes_tools_as_the_server_renders_them(default_model_dir):
+    from conftest import make_llm
+    from prefixserve.chat_tools import render_chat
+
+    llm = make_llm()
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "hi"}]
+    with_tools = llm.chat(messages, tools=tools, params=None, use_tqdm=False)[0]
+    plain = llm.chat(messages, use_tqdm=False)[0]
+    rendered, _ = render_chat(messages, tools, reads_tools=False)
+    assert with_tools.prompt_token_ids == llm.tokenizer.encode_chat(rendered)
+    assert len(with_tools.prompt_token_ids) > len(plain.prompt_token_ids)
