@@ -21,6 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from serve_bench import free_port, start_prefixserve, wait_healthy  # noqa: E402
 
+from prefixserve.model.cpu_caps import cpu_name  # noqa: E402
+
 # An agent's standing prompt: instructions and a runbook, about 1,500 tokens (agents' prompts run to thousands).
 SYSTEM = ("You are an operations agent. Investigate the user's incident with the tools, one call per turn, and "
           "summarise only when asked. Keep every call's arguments short.\n\nRunbook:\n" + "".join(
@@ -129,8 +131,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.model, args.turns = None, 5
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), "unknown CPU")
+    cpu = cpu_name()
     port = free_port()
     out = Path(args.results_dir)
     out.mkdir(parents=True, exist_ok=True)

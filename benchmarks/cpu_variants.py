@@ -138,12 +138,12 @@ def main() -> None:
         print(json.dumps(measure(args.repeats)))
         return
     from prefixserve.model import kernels
+    from prefixserve.model.cpu_caps import cpu_name
 
     names = list(kernels.available())
     if not names:
         raise SystemExit("no compiled variant is built: pip install -e . on a machine with gcc")
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               "unknown CPU")
+    cpu = cpu_name()
     print(f"{cpu}; variants this CPU runs: {', '.join(names)}", flush=True)
     rows = []
     for name in names:

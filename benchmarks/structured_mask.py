@@ -24,6 +24,7 @@ import torch
 
 from prefixserve import LLM, SamplingParams, StructuredOutputs
 from prefixserve.engine.model_version import resolve_model_path
+from prefixserve.model.cpu_caps import cpu_name
 from prefixserve.model.default import default_tokenizer_dir
 from prefixserve.model.tokenizer import Tokenizer
 
@@ -144,8 +145,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.model, args.runs, args.tokens = None, 1, 32
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), "unknown CPU")
+    cpu = cpu_name()
     tokenizers = {"built-in": Tokenizer.from_dir(default_tokenizer_dir())}
     if args.model:
         tokenizers[args.model] = Tokenizer.from_dir(resolve_model_path(args.model))

@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from redis_tier import start_redis  # noqa: E402
 
 from prefixserve import LLM, SamplingParams  # noqa: E402
+from prefixserve.model.cpu_caps import cpu_name  # noqa: E402
 from prefixserve.tiers import BlockRecord, Keyring, RecordExpectation, Sealer, decode_record, encode_record  # noqa: E402
 
 MODES = ("unsealed", "sealed", "encrypted")
@@ -166,8 +167,7 @@ def main() -> None:
     probe.close()
     del probe
     gc.collect()
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), "unknown CPU")
+    cpu = cpu_name()
     print(f"{cpu}; model {args.model or 'built-in'}, KV block {shape} float32")
     rates = throughput(shape, "float32", 5 if args.quick else 60)
     print(f"\n{'record encode + decode':<32} GB/s of payload")

@@ -72,3 +72,10 @@ def assert_openai_error(response, status: int, param=None, code=None) -> None:
         assert error["param"] == param
     if code is not None:
         assert error["code"] == code
+
+
+def openai_client(live: LiveServer):
+    """The official openai client on a live server (no retries: a test sees the first answer)."""
+    from openai import OpenAI
+
+    return OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=60)

@@ -1,9 +1,8 @@
 """The live server through the official openai client: chat, completions, streaming, cached_tokens."""
 
 import pytest
-from openai import OpenAI
 
-from server_helpers import LiveServer
+from server_helpers import LiveServer, openai_client
 
 SYSTEM = "You are prefixserve's test assistant. Answer briefly and precisely. " * 8
 
@@ -16,7 +15,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server):
-    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai_client(server)
 
 
 def chat(client, question, **kwargs):

@@ -7,9 +7,8 @@ import json
 import httpx
 import jsonschema
 import pytest
-from openai import OpenAI
 
-from server_helpers import LiveServer, assert_openai_error
+from server_helpers import LiveServer, assert_openai_error, openai_client
 
 ANSWER = {"type": "object", "additionalProperties": False, "required": ["answer", "confidence"],
           "properties": {"answer": {"enum": ["yes", "no"]}, "confidence": {"type": "integer", "minimum": 0,
@@ -25,7 +24,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server):
-    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai_client(server)
 
 
 def test_json_schema_through_the_openai_client_parses_and_validates(client):

@@ -9,9 +9,8 @@ import shutil
 import httpx
 import jsonschema
 import pytest
-from openai import OpenAI
 
-from server_helpers import LiveServer, assert_openai_error
+from server_helpers import LiveServer, assert_openai_error, openai_client
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
@@ -34,7 +33,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server):
-    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai_client(server)
 
 
 def ask(client, messages, **fields):

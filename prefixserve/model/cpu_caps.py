@@ -45,6 +45,16 @@ def cpu_features() -> frozenset[str]:
 
 
 @functools.lru_cache(maxsize=None)
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), which every benchmark prints beside its figures."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")),
+                        "unknown CPU")
+    except OSError:
+        return "unknown CPU"
+
+
 def amx_permitted() -> bool:
     """Whether this process may use AMX tiles: Linux grants the tile state on request (torch asks for
     it, as oneDNN does); without the grant a tile instruction is SIGILL."""
