@@ -29,6 +29,37 @@ def authorization_of(headers) -> Optional[str]:
     return values[0] if values else None
 
 
+class Credentials(NamedTuple):
+    """What a request shows of who it is: its one Authorization header and its one x-api-key (Anthropic's)."""
+
+    authorization: Optional[str]
+    api_key: Optional[str]
+
+    @property
+    def key(self) -> str:
+        """The tenant key: x-api-key's, else the Bearer token ('' when neither)."""
+        return self.api_key if self.api_key is not None else bearer_token(self.authorization)
+
+    def headers(self) -> dict:
+        """The headers to forward them in, byte for byte as the client sent them."""
+        headers = {}
+        if self.authorization is not None:
+            headers["authorization"] = raw_header(self.authorization)
+        if self.api_key is not None:
+            headers["x-api-key"] = raw_header(self.api_key)
+        return headers
+
+
+def credentials_of(headers) -> Credentials:
+    """A request's key headers (Starlette's Headers); AmbiguousAuthorization (a 400) for two of either, or an
+    x-api-key beside a Bearer key that differs: server and router would not agree on who is asking."""
+    authorization = authorization_of(headers)
+    api_keys = headers.getlist("x-api-key")
+    if len(api_keys) > 1 or (api_keys and authorization is not None and bearer_token(authorization) != api_keys[0]):
+        raise AmbiguousAuthorization("send one API key: one x-api-key header, or Authorization: Bearer, not both")
+    return Credentials(authorization, api_keys[0] if api_keys else None)
+
+
 def raw_header(value: str) -> bytes:
     """A header value as the client sent its bytes (Starlette decodes them as latin-1), to forward as is."""
     return value.encode("latin-1")

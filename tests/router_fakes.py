@@ -75,6 +75,7 @@ class FakeReplica:
     control_auth: list = field(default_factory=list)  # (path, authorization) of control calls
     model_fingerprint: str = "fake-model"  # what /v1/cache/info says it serves (a rolling deploy changes it)
     num_health_checks: int = 0  # /health calls answered: a test waits on it instead of sleeping
+    api_keys: list = field(default_factory=list)  # the x-api-key header of each /v1/messages request
 
     def __post_init__(self) -> None:
         self.words = self.tokenizer.encode(WORDS_TEXT, add_special_tokens=False)
@@ -165,7 +166,38 @@ class FakeReplica:
         async def chat(request: Request):
             return await generate(request, "/v1/chat/completions")
 
+        @app.post("/v1/messages")
+        async def messages(request: Request):
+            body = json.loads(await request.body())
+            self.requests.append(("/v1/messages", body, request.headers.get("authorization")))
+            self.api_keys.append(request.headers.get("x-api-key"))
+            prompt_ids = self.tokenizer.encode(body["messages"][-1]["content"])
+            ids, text = self.reference(prompt_ids, body["max_tokens"])
+            if self.failure is not None and self.failure.how == "beats_then_stall" \
+                    and request.headers.get(PROGRESS_HEADER) == BEATS:
+                return StreamingResponse(self._beats_then_stall(": beat\n\n"), headers={PROGRESS_HEADER: BEATS},
+                                         media_type="text/event-stream")
+            if body.get("stream") is True:
+                return StreamingResponse(self._message_events(prompt_ids, ids), media_type="text/event-stream")
+            if self.failure is not None and self.failure.how == "reset":
+                return StreamingResponse(self._reset_now(), media_type="application/json")
+            return message_of(text, len(prompt_ids), len(ids))
+
         return app
+
+    async def _message_events(self, prompt_ids: list[int], ids: list[int]):
+        """Anthropic's events, one text_delta per token; the failure strikes before the `after_tokens`-th event
+        (0: before message_start)."""
+        events = message_events(self.tokenizer, ids, len(prompt_ids))
+        for index, event in enumerate(events):
+            if self.failure is not None and index == self.failure.after_tokens:
+                if self.failure.how == "reset":
+                    raise ConnectionResetError("fake replica dies mid-stream")
+                if self.failure.how == "stall":
+                    await asyncio.Event().wait()
+                return  # truncate
+            yield event
+            await asyncio.sleep(0)
 
     async def _beats_then_stall(self, beat: str):
         for _ in range(3):
@@ -248,6 +280,30 @@ class FakeReplica:
             await asyncio.Event().wait()
             yield ""  # pragma: no cover
         # truncate: the stream just ends, without [DONE]
+
+
+def message_of(text: str, input_tokens: int, output_tokens: int) -> dict:
+    return {"id": "msg_fake", "type": "message", "role": "assistant", "model": "fake",
+            "content": [{"type": "text", "text": text}], "stop_reason": "max_tokens", "stop_sequence": None,
+            "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens}}
+
+
+def message_events(tokenizer, ids: list[int], input_tokens: int) -> list[str]:
+    """A Messages stream as a replica writes it: message_start, a text block of one delta per token, the end."""
+    def event(name: str, data: dict) -> str:
+        return f"event: {name}\ndata: {json.dumps({'type': name, **data})}\n\n"
+
+    start = message_of("", input_tokens, 0)
+    events = [event("message_start", {"message": {**start, "content": [], "stop_reason": None}}),
+              event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})]
+    events += [event("content_block_delta", {"index": 0, "delta": {"type": "text_delta",
+                                                                   "text": tokenizer.decode([token])}})
+               for token in ids]
+    events += [event("content_block_stop", {"index": 0}),
+               event("message_delta", {"delta": {"stop_reason": "max_tokens", "stop_sequence": None},
+                                       "usage": {"output_tokens": len(ids)}}),
+               event("message_stop", {})]
+    return events
 
 
 @contextmanager

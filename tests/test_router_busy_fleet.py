@@ -55,9 +55,12 @@ def test_a_fleet_busy_with_long_prompts_for_a_minute_fails_no_small_request(defa
                 small.append((answer.status_code, answer.text[:200]))
                 health.append(client.get(fleet.url + "/health").status_code)
                 time.sleep(0.25)
+        small_ended = time.monotonic()
         for worker in workers:
             worker.join(timeout=300)
-        assert len(small) >= 20 and len(long_answers) >= 4  # the fleet really was busy for the minute
+        # the fleet really was busy for the minute, and small requests went on through all of it (how many fit
+        # depends on the machine's speed: a slow one serves fewer, each behind a long prefill)
+        assert len(long_answers) >= 4 and len(small) >= 5 and small_ended >= deadline
         assert [answer for answer in small if answer[0] != 200] == []
         assert set(health) == {200}
         assert set(long_answers) == {200}

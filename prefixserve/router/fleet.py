@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from ..cache import BlockKeyer, CacheScope, max_hit_blocks
 from ..cache.scoping import PromptScoper
-from ..http_keys import AdminKey, KeyTable, bearer_token
+from ..http_keys import AdminKey, Credentials, KeyTable
 from ..metric_names import (CACHE_KEY_ROUTES, CONTINUED_STREAMS, FAILOVERS, PREDICTED_HIT_TOKENS, REPLICA_HEALTHY,
                             REPLICA_LOAD_SECONDS, ROUTED_REQUESTS)
 from .cache_key import keyed_replica
@@ -194,8 +194,8 @@ class Router:
         """Past this many characters a prompt cannot fit any replica: it is routed by load, not tokenized."""
         return self.max_prompt_tokens * self.max_chars_per_token
 
-    def tenant_of(self, authorization: Optional[str]) -> Optional[str]:
-        return self.keys.lookup(bearer_token(authorization)) if self.keys else None
+    def tenant_of(self, credentials: Credentials) -> Optional[str]:
+        return self.keys.lookup(credentials.key) if self.keys else None
 
     def _open_remote(self, scope_digest: bytes) -> None:
         """Look requests up in the replicas' shared remote tier (read only: the router never writes)."""

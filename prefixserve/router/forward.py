@@ -15,17 +15,19 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 import httpx
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from ..anthropic_chat import anthropic_error_body
 from ..cache.scoping import compose_salt
 from ..http import BEATS, PROGRESS_HEADER, error_response
-from ..http_keys import AmbiguousAuthorization, authorization_of, raw_header
+from ..http_keys import AmbiguousAuthorization, Credentials, credentials_of
 from .fleet import Router
-from .inbound import BadRequest, ClientRequest, check_content_type, read_request
+from .inbound import MESSAGES_PATH, BadRequest, ClientRequest, check_content_type, read_request
+from .message_streams import MessageStreamRelay
 from .policies import RouteRequest
 from .progress import Stalled, has_beats, read_answer, unless_down, unwrap_beats
 from .replicas import Replica
@@ -34,30 +36,44 @@ from .streams import StreamRelay, Upstream
 logger = logging.getLogger("prefixserve.router")
 
 
+def errors_for(path: str) -> Callable[..., Response]:
+    """The router's own error answers in the shape of the API asked: Anthropic's body on /v1/messages (its
+    clients read no other), OpenAI's elsewhere; called as http.error_response is."""
+    if not path.startswith(MESSAGES_PATH):
+        return error_response
+
+    def anthropic_error(status: int, message: str, type_: str = "", param: Optional[str] = None,
+                        code: Optional[str] = None, headers: Optional[dict] = None) -> Response:
+        return JSONResponse(anthropic_error_body(status, message), status_code=status, headers=headers)
+
+    return anthropic_error
+
+
 async def forward(router: Router, request: Request, path: str) -> Response:
+    errors = errors_for(path)
     try:
-        authorization = authorization_of(request.headers)
+        credentials = credentials_of(request.headers)
     except AmbiguousAuthorization as error:
-        return error_response(400, str(error), code="ambiguous_authorization")
+        return errors(400, str(error), code="ambiguous_authorization")
     try:
         check_content_type(request.headers.get("content-type"))
         raw = await request.body()  # BodySizeLimit has refused anything over --max-request-bytes
         client_request = await asyncio.to_thread(read_request, raw, path, router.tokenizer, router.max_prompt_tokens,
                                                  router.max_prompt_chars)
     except BadRequest as error:
-        return error_response(error.status, error.message, code=error.code, param=error.param)
+        return errors(error.status, error.message, code=error.code, param=error.param)
     cache_salt = client_request.body.get("cache_salt")
-    salt = compose_salt(router.tenant_of(authorization), cache_salt if isinstance(cache_salt, str) else None)
+    salt = compose_salt(router.tenant_of(credentials), cache_salt if isinstance(cache_salt, str) else None)
     client_request.salt = salt
     route = await router.with_remote_run(router.route_request(client_request.token_ids, salt))
-    headers = forwarded_headers(authorization)
+    headers = forwarded_headers(credentials)
     version = client_request.model_version
     if version is not None and not router.serves_version(version) and any(r.healthy for r in router.replicas):
         served = ", ".join(f"fp_{v}" for v in router.model_versions()) or "none readable"
-        return error_response(404, f"no healthy replica serves version {version} of this model (serving: {served}); "
-                                   "ask for the model's name alone to take any version", "not_found_error",
-                              param="model", code="model_not_found")
-    if client_request.streaming:
+        return errors(404, f"no healthy replica serves version {version} of this model (serving: {served}); "
+                           "ask for the model's name alone to take any version", "not_found_error",
+                      param="model", code="model_not_found")
+    if client_request.streaming and not client_request.is_messages:
         # The relay needs token ids to continue the stream elsewhere; it strips them unless the client asked.
         raw = json.dumps({**client_request.body, "return_token_ids": True}).encode()
     return await _send_to_replicas(router, path, client_request, route, raw, headers)
@@ -67,7 +83,7 @@ async def _send_to_replicas(router: Router, path: str, client_request: ClientReq
                             raw: bytes, headers: dict) -> Response:
     """The request to one replica after another, at most `max_attempts` distinct ones, until one answers: its
     stream relayed (streams.StreamRelay), or its complete answer as it is."""
-    version = client_request.model_version
+    version, errors = client_request.model_version, errors_for(path)
     tried: set[str] = set()
     while len(tried) < router.settings.max_attempts:
         replica = router.choose(route, tried, version=version, cache_key=client_request.cache_key)
@@ -84,8 +100,9 @@ async def _send_to_replicas(router: Router, path: str, client_request: ClientReq
             router.fail_over(replica, failure, f"on {path}")
             continue
         if client_request.streaming and upstream.status_code == 200:
-            relay = StreamRelay(router, client_request, headers, tried,
-                                Upstream(replica, upstream, ticket, replica.model_fingerprint))
+            first = Upstream(replica, upstream, ticket, replica.model_fingerprint)
+            relay = (MessageStreamRelay(router, client_request, route, raw, headers, tried, first)
+                     if client_request.is_messages else StreamRelay(router, client_request, headers, tried, first))
             return StreamingResponse(relay.events(), media_type="text/event-stream",
                                      headers={**passthrough_headers(upstream.headers, replica),
                                               "cache-control": "no-cache", "x-accel-buffering": "no"})
@@ -98,41 +115,65 @@ async def _send_to_replicas(router: Router, path: str, client_request: ClientReq
             await upstream.aclose()
             router.release(replica, ticket)
         if not has_beats(upstream.headers):
-            return relay_response(router, replica, upstream.status_code, upstream.headers, content)
+            return relay_response(router, replica, upstream.status_code, upstream.headers, content, errors)
         try:
             status, answer_headers, content = unwrap_beats(content)
         except ValueError as error:
             router.check_soon(replica)
-            return error_response(502, f"replica {replica.name} sent an answer the router cannot read ({error}); "
-                                       "retry the request", "server_error", code="bad_replica_answer")
-        return relay_response(router, replica, status, answer_headers, content)
+            return errors(502, f"replica {replica.name} sent an answer the router cannot read ({error}); "
+                               "retry the request", "server_error", code="bad_replica_answer")
+        return relay_response(router, replica, status, answer_headers, content, errors)
     if not tried:
-        return error_response(503, "no healthy replica can take the request; retry shortly", "server_error",
-                              code="no_replica", headers={"Retry-After": "1"})
-    return error_response(502, f"the request failed on {len(tried)} replica(s) that stopped answering; retry "
-                               "shortly", "server_error", code="replicas_failed", headers={"Retry-After": "1"})
+        return errors(503, "no healthy replica can take the request; retry shortly", "server_error",
+                      code="no_replica", headers={"Retry-After": "1"})
+    return errors(502, f"the request failed on {len(tried)} replica(s) that stopped answering; retry "
+                       "shortly", "server_error", code="replicas_failed", headers={"Retry-After": "1"})
 
 
-def forwarded_headers(authorization: Optional[str]) -> dict:
-    """What a replica gets of the client's headers: its one Authorization, byte for byte (a header httpx
-    could not encode as text would otherwise fail the request here), and the JSON content type; and the
-    router's own request for progress beats (progress.py)."""
-    headers = {"content-type": "application/json", PROGRESS_HEADER: BEATS}
-    if authorization is not None:
-        headers["authorization"] = raw_header(authorization)
-    return headers
+async def ask_any_replica(router: Router, request: Request, path: str) -> Response:
+    """A request that needs no placement (the model list, a token count, /tokenize): the first healthy replica's
+    answer, the client's key and body passed on as they are."""
+    errors = errors_for(path)
+    try:
+        credentials = credentials_of(request.headers)
+    except AmbiguousAuthorization as error:
+        return errors(400, str(error), code="ambiguous_authorization")
+    headers = credentials.headers()
+    content = None
+    if request.method == "POST":
+        content = await request.body()  # BodySizeLimit has refused anything over --max-request-bytes
+        headers["content-type"] = request.headers.get("content-type", "application/json")
+    for replica in router.replicas:
+        if not replica.healthy:
+            continue
+        try:
+            response = await router.client.request(request.method, replica.url + path, content=content,
+                                                   headers=headers, timeout=router.settings.control_timeout)
+        except httpx.TransportError as failure:
+            router.fail_over(replica, failure, f"on {path}")
+            continue
+        return relay_response(router, replica, response.status_code, response.headers, response.content, errors)
+    return errors(503, "no healthy replica; retry shortly", "server_error", code="no_replica",
+                  headers={"Retry-After": "1"})
+
+
+def forwarded_headers(credentials: Credentials) -> dict:
+    """What a replica gets of the client's headers: its one Authorization and its one x-api-key, byte for byte
+    (a header httpx could not encode as text would otherwise fail the request here), and the JSON content type;
+    and the router's own request for progress beats (progress.py)."""
+    return {"content-type": "application/json", PROGRESS_HEADER: BEATS, **credentials.headers()}
 
 
 def relay_response(router: Router, replica: Replica, status: int, headers: Mapping[str, str],
-                   content: bytes) -> Response:
+                   content: bytes, errors: Callable[..., Response] = error_response) -> Response:
     """A replica's complete answer, as it is. A 5xx makes the router check the replica's health, nothing more."""
     if status >= 500:
         router.check_soon(replica)
     media_type = headers.get("content-type", "")
     if status >= 400 and "json" not in media_type:  # never hand a client a plain-text error
         message = content.decode("utf-8", "replace")[:500] or f"replica {replica.name} answered {status}"
-        return error_response(status, message, "server_error" if status >= 500 else "invalid_request_error",
-                              headers=passthrough_headers(headers, replica))
+        return errors(status, message, "server_error" if status >= 500 else "invalid_request_error",
+                      headers=passthrough_headers(headers, replica))
     return Response(content, status_code=status, media_type=media_type or None,
                     headers=passthrough_headers(headers, replica))
 

@@ -18,12 +18,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from ..anthropic_chat import chat_of
 from ..chat_tools import render_chat, template_reads_tools
 from ..http import split_model
 from ..http_body import parse_json_body
 from ..prompts import is_token_ids, split_prompts
 
 MAX_SANE_TOKENS = 1 << 31
+MESSAGES_PATH = "/v1/messages"
 
 
 class BadRequest(Exception):
@@ -36,7 +38,7 @@ class BadRequest(Exception):
 
 @dataclass
 class ClientRequest:
-    path: str  # /v1/completions or /v1/chat/completions
+    path: str  # /v1/completions, /v1/chat/completions or /v1/messages (Anthropic's)
     body: dict
     streaming: bool
     n: int  # samples per prompt (1 when unclear)
@@ -51,6 +53,11 @@ class ClientRequest:
     @property
     def is_chat(self) -> bool:
         return self.path.endswith("/chat/completions")
+
+    @property
+    def is_messages(self) -> bool:
+        """Anthropic's Messages API: its stream carries no token ids, so it is replayed, never continued."""
+        return self.path == MESSAGES_PATH
 
 
 def check_content_type(content_type: Optional[str]) -> None:
@@ -83,7 +90,7 @@ def read_request(raw: bytes, path: str, tokenizer, max_prompt_tokens: int, max_p
     request = ClientRequest(path=path, body=body, streaming=body.get("stream") is True, n=n,
                             num_choices=n * _num_prompts(path, body), max_tokens=_max_tokens(path, body),
                             wants_token_ids=body.get("return_token_ids") is True, model_version=model_version,
-                            cache_key=_cache_key(body.get("prompt_cache_key")))
+                            cache_key=None if path == MESSAGES_PATH else _cache_key(body.get("prompt_cache_key")))
     try:
         request.token_ids = _prompt_tokens(request, tokenizer, max_prompt_tokens, max_prompt_chars)
     except Exception:  # a template may reject a conversation; the replica will say why
@@ -115,14 +122,20 @@ def _prompts(body: dict) -> list:
 
 
 def _num_prompts(path: str, body: dict) -> int:
-    return 1 if path.endswith("/chat/completions") else max(len(_prompts(body)), 1)
+    return 1 if path.endswith("/chat/completions") or path == MESSAGES_PATH else max(len(_prompts(body)), 1)
 
 
 def _prompt_tokens(request: ClientRequest, tokenizer, max_prompt_tokens: int, max_prompt_chars: int) -> list[int]:
     """The token ids the replica will see (the first prompt of a batch decides its placement)."""
     body = request.body
     if request.is_chat:
-        return _chat_tokens(body, tokenizer, max_prompt_chars)
+        return _chat_tokens(body.get("messages"), body.get("tools"), tokenizer, max_prompt_chars)
+    if request.is_messages:  # Anthropic's body, as the replica turns it into a chat (anthropic_chat.py)
+        try:
+            messages, tools = chat_of(body)
+        except (ValueError, KeyError, TypeError, AttributeError):  # the replica will refuse it
+            return []
+        return _chat_tokens(messages, tools, tokenizer, max_prompt_chars)
     prompts = _prompts(body)
     prompt = prompts[0] if prompts else None
     if isinstance(prompt, str):
@@ -132,9 +145,8 @@ def _prompt_tokens(request: ClientRequest, tokenizer, max_prompt_tokens: int, ma
     return []
 
 
-def _chat_tokens(body: dict, tokenizer, max_prompt_chars: int) -> list[int]:
+def _chat_tokens(messages, tools, tokenizer, max_prompt_chars: int) -> list[int]:
     """A chat's tokens as the replica renders them, tools and tool calls included (chat_tools.py)."""
-    messages, tools = body.get("messages"), body.get("tools")
     if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
                                                  for m in messages):
         return []

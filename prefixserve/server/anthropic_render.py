@@ -1,23 +1,20 @@
 """An Anthropic Messages body as the chat the template renders (chat_tools.py's OpenAI form), its tools and
 tool_choice in OpenAI's terms, and where its cache_control breakpoints fall in the prompt's tokens.
 
-    system (text or blocks)        -> a system message
-    user text / tool_result blocks -> user messages / role "tool" messages, in order
-    assistant text / tool_use      -> an assistant message with content and tool_calls (input as JSON text)
-
+The turns themselves are anthropic_chat.py's (the router places a Messages request by the same rendering).
 A breakpoint's place is the number of leading prompt tokens the conversation up to and including the marked
 block renders to (the common prefix of that rendering and the whole prompt's): the prefix it keeps.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Optional
 
+from ..anthropic_chat import system_text, tools_of, turns_of
 from ..http import APIError
-from .anthropic_protocol import MAX_BREAKPOINTS, TTL_SECONDS, MessagesRequest, TextBlock, ToolResultBlock, ToolUseBlock
-from .tool_protocol import FunctionDefinition, NamedFunction, NamedToolChoice, Tool
+from .anthropic_protocol import MAX_BREAKPOINTS, TTL_SECONDS, MessagesRequest
+from .tool_protocol import NamedFunction, NamedToolChoice, Tool
 
 
 @dataclass
@@ -28,13 +25,6 @@ class Conversation:
 
     def tool_dicts(self) -> Optional[list[dict]]:
         return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
-
-
-def _tools(body: MessagesRequest) -> Optional[list[Tool]]:
-    if not body.tools:
-        return None
-    return [Tool(type="function", function=FunctionDefinition(name=tool.name, description=tool.description,
-                                                              parameters=tool.input_schema)) for tool in body.tools]
 
 
 def tool_choice_of(body: MessagesRequest):
@@ -51,65 +41,47 @@ def tool_choice_of(body: MessagesRequest):
     return {"auto": "auto", "any": "required", "none": "none"}[choice.type], parallel
 
 
-def _message_dicts(role: str, blocks: list) -> list[tuple[dict, object]]:
-    """One Anthropic message as OpenAI-form messages, each with the block that ended it."""
-    if role == "assistant":
-        text = "".join(block.text for block in blocks if isinstance(block, TextBlock))
-        calls = [{"id": block.id, "type": "function", "function": {"name": block.name,
-                                                                    "arguments": json.dumps(block.input)}}
-                 for block in blocks if isinstance(block, ToolUseBlock)]
-        message = {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
-        return [(message, blocks[-1] if blocks else None)]
-    out: list[tuple[dict, object]] = []
-    for block in blocks:
-        if isinstance(block, ToolResultBlock):
-            text = ("Error: " if block.is_error else "") + block.text()
-            out.append(({"role": "tool", "tool_call_id": block.tool_use_id, "content": text}, block))
-        elif isinstance(block, TextBlock):
-            if out and out[-1][0]["role"] == "user":
-                out[-1] = ({"role": "user", "content": out[-1][0]["content"] + block.text}, block)
-            else:
-                out.append(({"role": "user", "content": block.text}, block))
-        else:
-            raise APIError(400, "a user message holds text and tool_result blocks, not tool_use", param="messages",
-                           code="invalid_request_error")
-    return out
+def _ttl(block: Optional[dict]) -> Optional[float]:
+    """The lifetime a block's cache_control asks for; None when the block marks no breakpoint."""
+    control = block.get("cache_control") if block is not None else None
+    return TTL_SECONDS[control["ttl"]] if control is not None else None
 
 
 def conversation_of(body: MessagesRequest) -> Conversation:
     """The chat to render and the conversations up to each cache_control breakpoint (400 past four)."""
     messages: list[dict] = []
     cuts: list[tuple[list[dict], float]] = []
-    tools = _tools(body)
+    dumped = body.model_dump(by_alias=True)
+    tools = tools_of(dumped["tools"])
     if body.tools and any(tool.cache_control for tool in body.tools):
-        ttl = max(TTL_SECONDS[tool.cache_control.ttl] for tool in body.tools if tool.cache_control)
-        cuts.append(([], ttl))
+        cuts.append(([], max(TTL_SECONDS[tool.cache_control.ttl] for tool in body.tools if tool.cache_control)))
     if body.system is not None:
-        blocks = [TextBlock(type="text", text=body.system)] if isinstance(body.system, str) else body.system
-        text = ""
-        for block in blocks:
-            text += block.text if not text else "\n" + block.text
-            if block.cache_control is not None:
-                cuts.append(([{"role": "system", "content": text}], TTL_SECONDS[block.cache_control.ttl]))
-        messages.append({"role": "system", "content": text})
-    for message in body.messages:
-        blocks = [TextBlock(type="text", text=message.content)] if isinstance(message.content, str) else message.content
-        for rendered, last in _message_dicts(message.role, blocks):
+        blocks = dumped["system"] if isinstance(dumped["system"], list) else []
+        for index, block in enumerate(blocks):
+            if _ttl(block) is not None:
+                cuts.append(([{"role": "system", "content": system_text(blocks[:index + 1])}], _ttl(block)))
+        messages.append({"role": "system", "content": system_text(dumped["system"])})
+    for message in dumped["messages"]:
+        try:
+            turns = turns_of(message["role"], message["content"])
+        except ValueError as error:
+            raise APIError(400, str(error), param="messages", code="invalid_request_error") from None
+        for rendered, last in turns:
             messages.append(rendered)
-            if getattr(last, "cache_control", None) is not None:
-                cuts.append((list(messages), TTL_SECONDS[last.cache_control.ttl]))
-        if message.role == "user" and any(getattr(block, "cache_control", None) for block in blocks[:-1]):
+            if _ttl(last) is not None:
+                cuts.append((list(messages), _ttl(last)))
+        blocks = message["content"] if isinstance(message["content"], list) else []
+        if message["role"] == "user":
             for index, block in enumerate(blocks[:-1]):  # a breakpoint inside the message: the text up to it
-                if isinstance(block, TextBlock) and block.cache_control is not None:
-                    partial = "".join(b.text for b in blocks[:index + 1] if isinstance(b, TextBlock))
-                    cuts.append((messages[:-1] + [{"role": "user", "content": partial}],
-                                 TTL_SECONDS[block.cache_control.ttl]))
+                if block["type"] == "text" and _ttl(block) is not None:
+                    partial = "".join(b["text"] for b in blocks[:index + 1] if b["type"] == "text")
+                    cuts.append((messages[:-1] + [{"role": "user", "content": partial}], _ttl(block)))
     if body.cache_control is not None:  # automatic caching: the whole conversation, as its last block
         cuts.append((list(messages), TTL_SECONDS[body.cache_control.ttl]))
     if len(cuts) > MAX_BREAKPOINTS:
         raise APIError(400, f"at most {MAX_BREAKPOINTS} blocks may have cache_control, got {len(cuts)}",
                        param="cache_control", code="invalid_request_error")
-    return Conversation(messages, tools, cuts)
+    return Conversation(messages, [Tool.model_validate(tool) for tool in tools] if tools else None, cuts)
 
 
 def common_prefix(first: list[int], second: list[int]) -> int:

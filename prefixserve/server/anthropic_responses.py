@@ -13,22 +13,18 @@ from typing import Optional
 
 from fastapi.responses import JSONResponse
 
+from ..anthropic_chat import anthropic_error_body
 from ..engine.outputs import RequestOutput
 from .tool_calls import ParsedCall, ToolCallStream, parse
-
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 
 
 def anthropic_error(status: int, message: str, headers: Optional[dict] = None) -> JSONResponse:
     status = 400 if status == 422 else status  # Anthropic answers a malformed field with a 400
-    body = {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(anthropic_error_body(status, message), status_code=status, headers=headers)
 
 
 def error_event(status: int, message: str) -> str:
-    return event("error", {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"),
-                                                       "message": message}})
+    return event("error", anthropic_error_body(status, message))
 
 
 def usage_of(out: RequestOutput, cache_until: int) -> dict:

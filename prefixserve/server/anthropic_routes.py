@@ -16,14 +16,16 @@ from typing import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
+from ..anthropic_chat import anthropic_error_body
 from ..chat_tools import render_chat, template_reads_tools
 from ..engine.async_engine import EngineDeadError
 from ..engine.sampling_params import SamplingParams
 from ..engine.structured_output import StructuredOutputs
-from ..http import APIError
+from ..http import BEATS, PROGRESS_HEADER, APIError
 from .anthropic_protocol import MessagesCreate, MessagesRequest
 from .anthropic_render import common_prefix, conversation_of, tool_choice_of
 from .anthropic_responses import MessageStream, anthropic_error, error_event, message_body
+from .beats import SSE_BEAT, beating, beating_response, wants_beats
 from .generation import collect
 from .inputs import cache_options, read_body
 from .protocol import new_id
@@ -108,14 +110,25 @@ async def _create(request: Request):
         streams = start(state, requests)
     reads_calls = parser if conversation.tools and tool_choice != "none" else None
     cache_until = max((place for place, _ in places), default=0)
-    message_id = new_id("msg")
+    message_id, beats = new_id("msg"), wants_beats(request)  # a router asks for beats (beats.py)
     if body.stream:
         shape = MessageStream(message_id, body.model, reads_calls, cache_until)
-        return StreamingResponse(_events(state, streams[0], shape, lambda: _keep(state, prompt_ids, places, options)),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    finals = await collect(request, streams, state.metrics)
-    await _keep(state, prompt_ids, places, options)
-    return message_body(message_id, body.model, finals[0], reads_calls, cache_until)
+        events = _events(state, streams[0], shape, lambda: _keep(state, prompt_ids, places, options))
+        if beats:
+            return StreamingResponse(beating(events, state.engine, SSE_BEAT), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", PROGRESS_HEADER: BEATS})
+        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def whole() -> dict:
+        finals = await collect(None if beats else request, streams, state.metrics)
+        await _keep(state, prompt_ids, places, options)
+        return message_body(message_id, body.model, finals[0], reads_calls, cache_until)
+
+    return beating_response(whole, state.engine, _error_body) if beats else await whole()
+
+
+def _error_body(error: APIError) -> dict:
+    return anthropic_error_body(400 if error.status == 422 else error.status, error.message)
 
 
 async def _events(state, stream: AsyncIterator, shape: MessageStream, keep) -> AsyncIterator[str]:

@@ -11,7 +11,7 @@ from typing import Mapping, Optional
 from fastapi import Request
 
 from ..http import APIError
-from ..http_keys import AdminKey, AmbiguousAuthorization, KeyTable, authorization_of, bearer_token
+from ..http_keys import AdminKey, AmbiguousAuthorization, KeyTable, credentials_of
 
 
 class Authenticator:
@@ -22,15 +22,15 @@ class Authenticator:
         self.admin = AdminKey(admin_api_key, "server")
 
     def tenant(self, request: Request) -> Optional[str]:
-        """The tenant of the request's API key (None when no keys are configured: auth is off)."""
-        authorization = _authorization(request)
-        api_keys = request.headers.getlist("x-api-key")  # Anthropic's header; the same keys, the same tenants
-        if len(api_keys) > 1 or (api_keys and authorization is not None and bearer_token(authorization) != api_keys[0]):
-            raise APIError(400, "send one API key: one x-api-key header, or Authorization: Bearer, not both",
-                           code="ambiguous_authorization")
+        """The tenant of the request's API key (None when no keys are configured: auth is off). The key is
+        x-api-key's (Anthropic's header) or the Bearer token: the same keys, the same tenants."""
+        try:
+            credentials = credentials_of(request.headers)
+        except AmbiguousAuthorization as error:
+            raise APIError(400, str(error), code="ambiguous_authorization") from None
         if not self.tenants:
             return None
-        tenant = self.tenants.lookup(api_keys[0] if api_keys else bearer_token(authorization))
+        tenant = self.tenants.lookup(credentials.key)
         if tenant is None:
             raise APIError(401, "missing or invalid API key; send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
                            "authentication_error", code="invalid_api_key")
@@ -46,9 +46,3 @@ async def admin_only(request: Request) -> None:
     the check itself, so a route added to an admin group cannot forget it."""
     request.app.state.server.auth.require_admin(request)
 
-
-def _authorization(request: Request) -> Optional[str]:
-    try:
-        return authorization_of(request.headers)
-    except AmbiguousAuthorization as error:
-        raise APIError(400, str(error), code="ambiguous_authorization") from None

@@ -80,14 +80,16 @@ async def beating(source: AsyncIterator[T], engine, beat: T) -> AsyncIterator[T]
             await closing()
 
 
-def beating_response(work: Callable[[], Awaitable[dict]], engine) -> StreamingResponse:
-    """A non-streamed answer with beats: `work()` gives the response body, or raises APIError."""
+def beating_response(work: Callable[[], Awaitable[dict]], engine,
+                     error_body: Callable[[APIError], dict] = APIError.body) -> StreamingResponse:
+    """A non-streamed answer with beats: `work()` gives the response body, or raises APIError, answered with
+    `error_body(error)` (OpenAI's body unless the API has its own)."""
 
     async def envelope() -> AsyncIterator[dict]:
         try:
             yield {"status": 200, "headers": {}, "body": await work()}
         except APIError as error:
-            yield {"status": error.status, "headers": error.headers, "body": error.body()}
+            yield {"status": error.status, "headers": error.headers, "body": error_body(error)}
 
     async def body() -> AsyncIterator[bytes]:
         async for item in beating(envelope(), engine, BODY_BEAT):
