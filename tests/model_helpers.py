@@ -53,11 +53,16 @@ def write_random_checkpoint(directory: Path, config: dict, seed: int = 0) -> Pat
 
 def write_qwen2_checkpoint(directory: Path, seed: int) -> Path:
     """A random Qwen2-style checkpoint (q/k/v bias, tied, 6/2 heads) with the built-in model's tokenizer."""
+    return write_servable_checkpoint(directory, qwen2_config(), seed)
+
+
+def write_servable_checkpoint(directory: Path, config: dict, seed: int) -> Path:
+    """A random checkpoint of `config` with the built-in model's tokenizer: what `serve --model` and LLM load."""
     import shutil
 
     from prefixserve.model import ensure_default_model
 
-    write_random_checkpoint(directory, qwen2_config(), seed=seed)
+    write_random_checkpoint(directory, config, seed=seed)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(ensure_default_model() / name, directory / name)
     return directory
@@ -72,6 +77,41 @@ def qwen2_config(vocab_size: int = 8192) -> dict:
         "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
         "tie_word_embeddings": True, "hidden_act": "silu", "bos_token_id": 0, "eos_token_id": 1,
         "torch_dtype": "float32",
+    }
+
+
+def qwen3_config(vocab_size: int = 8192) -> dict:
+    """Qwen3 style: RMSNorm on each q and k head, no biases, untied, head_dim 64 apart from hidden / heads."""
+    return {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": vocab_size,
+        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+        "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "tie_word_embeddings": False, "hidden_act": "silu", "bos_token_id": 0, "eos_token_id": 1,
+        "torch_dtype": "float32",
+    }
+
+
+def smollm3_config(vocab_size: int = 8192) -> dict:
+    """SmolLM3 style: every third layer without rotary (NoPE), tied embeddings, GQA 4/1."""
+    return {
+        "architectures": ["SmolLM3ForCausalLM"], "model_type": "smollm3", "vocab_size": vocab_size,
+        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 3, "no_rope_layer_interval": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 1, "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6, "rope_theta": 5000000.0, "tie_word_embeddings": True, "hidden_act": "silu",
+        "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2, "torch_dtype": "float32",
+    }
+
+
+def phi3_config(vocab_size: int = 8192) -> dict:
+    """Phi-3 style: q/k/v and gate/up stored fused, untied, 4 heads of 32."""
+    return {
+        "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "vocab_size": vocab_size,
+        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 512,
+        "original_max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "tie_word_embeddings": False, "hidden_act": "silu", "bos_token_id": 0, "eos_token_id": 1,
+        "pad_token_id": 2, "torch_dtype": "float32",
     }
 
 

@@ -1,7 +1,9 @@
 """Our paged-attention Llama family against transformers, on CPU in float32.
 
-Three checkpoints: the built-in default model, a Qwen2-style one (q/k/v bias, tied embeddings,
-GQA 6/2, explicit head_dim) and a Llama 3.1-style one (llama3 rope scaling, one KV head).
+Six checkpoints: the built-in default model, a Qwen2-style one (q/k/v bias, tied embeddings,
+GQA 6/2, explicit head_dim), a Llama 3.1-style one (llama3 rope scaling, one KV head), and one each of
+Qwen3 (per-head q/k norms, head_dim 64), SmolLM3 (a layer without rotary, tied) and Phi-3 (fused weights
+on disk), random weights in the shapes transformers' own config classes give.
 """
 
 from __future__ import annotations
@@ -9,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_helpers import (BLOCK_SIZE, PagedSequences, greedy_paged, llama3_config, qwen2_config,
-                            write_random_checkpoint)
+from model_helpers import (BLOCK_SIZE, PagedSequences, greedy_paged, llama3_config, phi3_config, qwen2_config,
+                           qwen3_config, smollm3_config, write_random_checkpoint)
 from prefixserve.model import Tokenizer, load_model
 
 
@@ -20,7 +22,7 @@ PROMPT = ("The paged cache keeps every block of sixteen tokens apart, and a sequ
           "need not be adjacent: here they are scattered on purpose.")
 # Non-contiguous, out-of-order block ids: a bug that assumes adjacency shows up as wrong logits.
 TABLE = [11, 3, 7, 0, 9, 14, 5]
-MODEL_KINDS = ["default", "qwen2", "llama3"]
+MODEL_KINDS = ["default", "qwen2", "llama3", "qwen3", "smollm3", "phi3"]
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +32,9 @@ def checkpoints(default_model_dir, tmp_path_factory):
         "default": default_model_dir,
         "qwen2": write_random_checkpoint(root / "qwen2", qwen2_config(), seed=1),
         "llama3": write_random_checkpoint(root / "llama3", llama3_config(), seed=2),
+        "qwen3": write_random_checkpoint(root / "qwen3", qwen3_config(), seed=3),
+        "smollm3": write_random_checkpoint(root / "smollm3", smollm3_config(), seed=4),
+        "phi3": write_random_checkpoint(root / "phi3", phi3_config(), seed=5),
     }
 
 

@@ -1,4 +1,7 @@
-"""Llama / Mistral / Qwen2 decoder over a paged KV cache.
+"""Llama / Mistral / Qwen2 / Qwen3 / SmolLM3 decoder over a paged KV cache (Phi-3: phi3.py names its weights).
+
+Qwen3's per-head q/k norms and SmolLM3's layers without rotary (NoPE) are config switches here, not
+families of their own: each is one step the reference adds to the same layer.
 
 Reads like the reference (transformers' modeling_llama) with four serving changes:
   * tokens are flat [T, ...] (no batch axis); sequences are told apart by AttentionMetadata,
@@ -27,6 +30,7 @@ from .attention_metadata import AttentionMetadata, OutputRows
 from .attention_plan import StepPlan
 from .kernels import rowwise_for
 from .linear import Linear, native_bfloat16_matmul
+from .hf_weights import load_hf_weights
 from .model_config import ModelConfig
 from .rope import RotaryEmbedding
 
@@ -83,7 +87,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer_index: int = 0):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -93,16 +97,25 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.uses_rope = config.uses_rope(layer_index)  # SmolLM3's NoPE layers attend without positions
+        # Qwen3 normalises each q and k head before the rotation (one weight per head_dim, shared by the heads)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(self, x: torch.Tensor, rotary: Rotary, kv_cache: KVCache, meta: AttentionMetadata,
                 plan: StepPlan, output_rows: Optional[OutputRows] = None) -> torch.Tensor:
         """[T, hidden]; with `output_rows`, only those rows' [R, hidden] (every row's K/V is written)."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
-        # q and k heads are adjacent columns: rotate them in one pass (half the elementwise ops).
         qk_size = self.q_size + self.kv_size
+        if self.q_norm is not None:
+            self._norm_heads(qkv)
+        # q and k heads are adjacent columns: rotate them in one pass (half the elementwise ops).
         compiled = rowwise_for(qkv) if self.head_dim % 32 == 0 else None
-        if compiled is not None:  # in place, in qkv's own memory
+        if not self.uses_rope:
+            q = qkv[:, :self.q_size].view(num_tokens, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size:qk_size].view(num_tokens, self.num_kv_heads, self.head_dim)
+        elif compiled is not None:  # in place, in qkv's own memory
             compiled.rotate_heads_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, *rotary)
             q = qkv[:, :self.q_size].view(num_tokens, self.num_heads, self.head_dim)
             k = qkv[:, self.q_size:qk_size].view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -124,6 +137,15 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
+    def _norm_heads(self, qkv: torch.Tensor) -> None:
+        """RMSNorm over each q head and each k head, written back into qkv's columns (rows stay apart)."""
+        num_tokens, qk_size = qkv.shape[0], self.q_size + self.kv_size
+        for norm, start, end, heads in ((self.q_norm, 0, self.q_size, self.num_heads),
+                                        (self.k_norm, self.q_size, qk_size, self.num_kv_heads)):
+            heads_of_rows = qkv[:, start:end].reshape(num_tokens * heads, self.head_dim)
+            qkv[:, start:end] = norm(heads_of_rows).view(num_tokens, end - start)
+
+
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -142,10 +164,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer_index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, layer_index)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
@@ -164,7 +186,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary = RotaryEmbedding(config)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, index) for index in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
@@ -228,73 +250,6 @@ class LlamaForCausalLM(nn.Module):
         """float32 logits [N, vocab]; pass only the rows whose next token is sampled."""
         return self.lm_head(hidden).float()
 
-    # ---- weights -------------------------------------------------------------------------------
-
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the (fused) parameters; checks names and shapes."""
-        targets = self._hf_targets()
-        loaded: set[str] = set()
-        with torch.no_grad():
-            for name, tensor in named_tensors:
-                if name not in targets:
-                    if _is_ignorable(name):
-                        continue
-                    raise ValueError(
-                        f"unexpected tensor {name!r} in checkpoint: this {self.config.architecture} "
-                        f"(layers={self.config.num_hidden_layers}, biases: qkv={self.config.attention_bias}, "
-                        f"o={self.config.o_proj_bias}, mlp={self.config.mlp_bias}) has no such parameter")
-                destination = targets[name]
-                if tuple(tensor.shape) != tuple(destination.shape):
-                    raise ValueError(
-                        f"shape mismatch for {name!r}: expected {tuple(destination.shape)} from "
-                        f"config.json, checkpoint has {tuple(tensor.shape)}")
-                destination.copy_(tensor)
-                loaded.add(name)
-        missing = sorted(set(targets) - loaded)
-        if self.config.tie_word_embeddings:
-            missing = [name for name in missing if name != "lm_head.weight"]
-        if missing:
-            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-            raise ValueError(f"checkpoint is missing {len(missing)} tensors: {shown}")
-
-    def _hf_targets(self) -> dict[str, torch.Tensor]:
-        """HF parameter name -> the view of our parameter it fills."""
-        config = self.config
-        targets: dict[str, torch.Tensor] = {
-            "model.embed_tokens.weight": self.embed_tokens.weight,
-            "model.norm.weight": self.norm.weight,
-        }
-        if not config.tie_word_embeddings:
-            targets["lm_head.weight"] = self.lm_head.weight
-        else:
-            # Some tied checkpoints still ship lm_head.weight; it is the same tensor.
-            targets["lm_head.weight"] = self.embed_tokens.weight
-        for index, layer in enumerate(self.layers):
-            prefix = f"model.layers.{index}."
-            attn, mlp = layer.self_attn, layer.mlp
-            q_size, kv_size = attn.q_size, attn.kv_size
-            for hf_name, start, size in (("q_proj", 0, q_size), ("k_proj", q_size, kv_size),
-                                         ("v_proj", q_size + kv_size, kv_size)):
-                _expose(targets, f"{prefix}self_attn.{hf_name}", attn.qkv_proj, start, size)
-            _expose(targets, f"{prefix}self_attn.o_proj", attn.o_proj)
-            size = config.intermediate_size
-            for hf_name, start in (("gate_proj", 0), ("up_proj", size)):
-                _expose(targets, f"{prefix}mlp.{hf_name}", mlp.gate_up_proj, start, size)
-            _expose(targets, f"{prefix}mlp.down_proj", mlp.down_proj)
-            targets[f"{prefix}input_layernorm.weight"] = layer.input_layernorm.weight
-            targets[f"{prefix}post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
-        return targets
-
-
-def _expose(targets: dict[str, torch.Tensor], hf_name: str, linear: nn.Linear, start: int = 0,
-            size: Optional[int] = None) -> None:
-    """Map an HF projection's weight (and bias) onto rows [start, start + size) of a (fused) linear."""
-    size = linear.weight.shape[0] if size is None else size
-    targets[f"{hf_name}.weight"] = linear.weight.narrow(0, start, size)
-    if linear.bias is not None:
-        targets[f"{hf_name}.bias"] = linear.bias.narrow(0, start, size)
-
-
-def _is_ignorable(name: str) -> bool:
-    # Old checkpoints store the rotary inverse frequencies; we recompute them from the config.
-    return name.endswith("rotary_emb.inv_freq")
+        load_hf_weights(self, named_tensors)

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "SmolLM3ForCausalLM", "Phi3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                   "num_attention_heads", "max_position_embeddings")
@@ -36,7 +37,9 @@ class ModelConfig:
     attention_bias: bool = False       # bias on q/k/v projections
     o_proj_bias: bool = False          # Llama's attention_bias covers o_proj too; Qwen2's does not
     mlp_bias: bool = False
-    sliding_window: int | None = None  # Mistral; see max_context_len
+    sliding_window: int | None = None  # Mistral, Phi-3, Qwen2/3 and SmolLM3 when they use it; see max_context_len
+    qk_norm: bool = False              # Qwen3: RMSNorm over each q and k head before the rotation
+    rope_layers: tuple[bool, ...] = () # SmolLM3: which layers rotate q and k (the others are NoPE); (): all
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
@@ -71,15 +74,10 @@ class ModelConfig:
                 raise ValueError(f"config.json is missing {key!r}, which a {architectures[0]} needs")
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"config.json hidden_act={hf['hidden_act']!r}; only 'silu' is supported")
-        is_qwen2 = architectures[0] == "Qwen2ForCausalLM"
         heads = hf["num_attention_heads"]
         theta, rope_scaling = _rope_fields(hf)
         eos = hf.get("eos_token_id")
-        sliding_window = None
-        if architectures[0] == "MistralForCausalLM":
-            sliding_window = hf.get("sliding_window", 4096)
-        elif is_qwen2 and hf.get("use_sliding_window"):
-            sliding_window = hf.get("sliding_window")
+        family = _family_fields(architectures[0], hf)
         return cls(
             architectures=architectures,
             vocab_size=hf["vocab_size"],
@@ -94,10 +92,8 @@ class ModelConfig:
             rope_theta=theta,
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=True if is_qwen2 else bool(hf.get("attention_bias", False)),
-            o_proj_bias=False if is_qwen2 else bool(hf.get("attention_bias", False)),
             mlp_bias=bool(hf.get("mlp_bias", False)),
-            sliding_window=sliding_window,
+            **family,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=tuple(eos if isinstance(eos, list) else ([] if eos is None else [eos])),
             torch_dtype=hf.get("torch_dtype") or hf.get("dtype"),
@@ -122,6 +118,38 @@ class ModelConfig:
             raise ValueError(f"config rope_theta={self.rope_theta}; it must be > 0")
         if self.rope_scaling is not None:
             _check_rope_scaling(self.rope_scaling)
+        if self.rope_layers and len(self.rope_layers) != self.num_hidden_layers:
+            raise ValueError(f"config no_rope_layers has {len(self.rope_layers)} entries for "
+                             f"{self.num_hidden_layers} layers; give one per layer")
+
+    def uses_rope(self, layer_index: int) -> bool:
+        return not self.rope_layers or self.rope_layers[layer_index]
+
+
+def _family_fields(architecture: str, hf: dict[str, Any]) -> dict[str, Any]:
+    """The fields in which the families differ: projection biases, q/k norms, NoPE layers, the window."""
+    bias = bool(hf.get("attention_bias", False))
+    fields: dict[str, Any] = {"attention_bias": bias, "o_proj_bias": bias, "sliding_window": None}
+    if architecture == "MistralForCausalLM":
+        fields["sliding_window"] = hf.get("sliding_window", 4096)
+    elif architecture == "Phi3ForCausalLM":
+        fields["sliding_window"] = hf.get("sliding_window")
+        partial = (hf.get("rope_parameters") or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+        if partial != 1.0:
+            raise ValueError(f"config.json partial_rotary_factor={partial} (Phi-4-mini's rotary on part of each head) "
+                             "is not supported yet; Phi-3 checkpoints rotate whole heads")
+    elif hf.get("use_sliding_window"):  # Qwen2, Qwen3, SmolLM3: off unless asked for
+        fields["sliding_window"] = hf.get("sliding_window")
+    if architecture == "Qwen2ForCausalLM":
+        fields.update(attention_bias=True, o_proj_bias=False)
+    elif architecture == "Qwen3ForCausalLM":
+        fields["qk_norm"] = True
+    elif architecture == "SmolLM3ForCausalLM":
+        interval = hf.get("no_rope_layer_interval", 4)
+        rope_layers = hf.get("no_rope_layers") or [int((i + 1) % interval != 0)
+                                                   for i in range(hf["num_hidden_layers"])]
+        fields["rope_layers"] = tuple(bool(flag) for flag in rope_layers)
+    return fields
 
 
 def _rope_fields(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
