@@ -35,8 +35,8 @@ def write_random_checkpoint(directory: Path, config: dict, seed: int = 0) -> Pat
         if name == "lm_head.weight" and config.get("tie_word_embeddings"):
             continue
         shape = tuple(param.shape)
-        if name.endswith("norm.weight"):
-            std, mean = 0.1, 1.0
+        if name.endswith("norm.weight"):  # Gemma's norms scale by (1 + w): the same gains from w near 0
+            std, mean = 0.1, (0.0 if config["model_type"].startswith("gemma") else 1.0)
         elif name.endswith(".bias"):
             std, mean = 0.1, 0.0
         elif name == "model.embed_tokens.weight":
@@ -112,6 +112,23 @@ def phi3_config(vocab_size: int = 8192) -> dict:
         "original_max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
         "tie_word_embeddings": False, "hidden_act": "silu", "bos_token_id": 0, "eos_token_id": 1,
         "pad_token_id": 2, "torch_dtype": "float32",
+    }
+
+
+def gemma3_config(vocab_size: int = 8192) -> dict:
+    """Gemma 3 text: GeGLU, (1 + w) norms, q/k norms, query_pre_attn_scalar apart from head_dim, a global layer
+    (linear rope scaling) between two local ones (their own rope base), a final logit cap. Untied: tied random
+    weights times Gemma's sqrt(hidden) embedding scale make a model that repeats its last token."""
+    return {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": vocab_size,
+        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 3, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 32, "query_pre_attn_scalar": 24, "max_position_embeddings": 512,
+        "sliding_window": 512, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        "final_logit_softcapping": 30.0, "rms_norm_eps": 1e-6, "hidden_activation": "gelu_pytorch_tanh",
+        "tie_word_embeddings": False, "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0,
+        "torch_dtype": "float32",
     }
 
 

@@ -82,8 +82,9 @@ def hf_targets(model: "LlamaForCausalLM") -> dict[str, torch.Tensor]:
         if attn.q_norm is not None:
             targets[f"{prefix}self_attn.q_norm.weight"] = attn.q_norm.weight
             targets[f"{prefix}self_attn.k_norm.weight"] = attn.k_norm.weight
-        targets[f"{prefix}input_layernorm.weight"] = layer.input_layernorm.weight
-        targets[f"{prefix}post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
+        for name, norm in layer.named_children():  # input and post-attention; Gemma's feed-forward pair too
+            if name.endswith("_layernorm"):
+                targets[f"{prefix}{name}.weight"] = norm.weight
     return targets
 
 

@@ -1,7 +1,8 @@
-"""Llama / Mistral / Qwen2 / Qwen3 / SmolLM3 decoder over a paged KV cache (Phi-3: phi3.py names its weights).
+"""Llama / Mistral / Qwen2 / Qwen3 / SmolLM3 / Phi-3 decoder over a paged KV cache (Gemma 3: gemma.py).
 
 Qwen3's per-head q/k norms and SmolLM3's layers without rotary (NoPE) are config switches here, not
-families of their own: each is one step the reference adds to the same layer.
+families of their own: each is one step the reference adds to the same layer; Phi-3 differs only in how
+its checkpoint names the weights (hf_weights.py).
 
 Reads like the reference (transformers' modeling_llama) with four serving changes:
   * tokens are flat [T, ...] (no batch axis); sequences are told apart by AttentionMetadata,
@@ -19,6 +20,7 @@ Reads like the reference (transformers' modeling_llama) with four serving change
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -87,20 +89,22 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int = 0):
+    def __init__(self, config: ModelConfig, layer_index: int = 0, norm_class: type = None):
         super().__init__()
+        norm_class = norm_class or RMSNorm
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim ** -0.5
+        self.scale = config.attention_scale or self.head_dim ** -0.5
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         self.uses_rope = config.uses_rope(layer_index)  # SmolLM3's NoPE layers attend without positions
+        self.is_local = bool(config.local_layers) and config.local_layers[layer_index]  # Gemma 3's rope base
         # Qwen3 normalises each q and k head before the rotation (one weight per head_dim, shared by the heads)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.q_norm = norm_class(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = norm_class(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(self, x: torch.Tensor, rotary: Rotary, kv_cache: KVCache, meta: AttentionMetadata,
                 plan: StepPlan, output_rows: Optional[OutputRows] = None) -> torch.Tensor:
@@ -150,15 +154,18 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.intermediate_size = config.intermediate_size
+        self.activation = config.activation  # silu, or gelu_tanh (Gemma's GeGLU)
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        compiled = rowwise_for(gate_up) if self.intermediate_size % 16 == 0 else None
+        compiled = rowwise_for(gate_up) if self.intermediate_size % 16 == 0 and self.activation == "silu" else None
         if compiled is not None:
             return self.down_proj(compiled.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        if self.activation == "gelu_tanh":
+            return self.down_proj(F.gelu(gate, approximate="tanh").mul_(up))
         # silu writes a contiguous [T, I] that mul_ reuses: the matmul then needs no copy of a view.
         return self.down_proj(F.silu(gate).mul_(up))
 
@@ -181,13 +188,19 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    layer_class: type = DecoderLayer  # a family's own layer and norm (gemma.py)
+    norm_class: type = RMSNorm
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary = RotaryEmbedding(config)
-        self.layers = nn.ModuleList(DecoderLayer(config, index) for index in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Gemma 3's local layers rotate with a rope base of their own
+        self.local_rotary = (RotaryEmbedding(replace(config, rope_theta=config.local_rope_theta, rope_scaling=None))
+                             if config.local_rope_theta is not None else None)
+        self.layers = nn.ModuleList(self.layer_class(config, index) for index in range(config.num_hidden_layers))
+        self.norm = self.norm_class(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 
@@ -231,13 +244,24 @@ class LlamaForCausalLM(nn.Module):
         kept = None
         if output_rows is not None:
             kept = OutputRows.of(meta, list(output_rows), kv_caches[0][0].shape[1], input_ids.device)
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         rotary = self.rotary(positions, x.dtype)
+        local_rotary = self.local_rotary(positions, x.dtype) if self.local_rotary is not None else rotary
         plan = plan_step(meta, kv_caches[0][0])  # once per step; every layer reads the same slots
         last = len(self.layers) - 1
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            x = layer(x, rotary, kv_cache, meta, plan, kept if index == last else None)
+            x = layer(x, local_rotary if layer.self_attn.is_local else rotary, kv_cache, meta, plan,
+                      kept if index == last else None)
         return self.norm(x)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def reset_rotary(self) -> None:
+        """Recompute the rotary tables, e.g. after ``to_empty()`` from the meta device."""
+        for table in (self.rotary, self.local_rotary):
+            if table is not None:
+                table.reset()
 
     def plan_rows(self, batch_invariant: bool, max_rows: int, max_sampled_rows: int) -> None:
         """Every linear layer's row calls (linear.py): probed where batch invariance is asked for.
@@ -248,7 +272,11 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab]; pass only the rows whose next token is sampled."""
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:  # Gemma: cap * tanh(logits / cap), in the model's dtype as the reference does
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the (fused) parameters; checks names and shapes."""

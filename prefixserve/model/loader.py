@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from .gemma import Gemma3ForCausalLM
 from .gguf_source import gguf_fingerprint
 from .llama import LlamaForCausalLM
 from .model_config import SUPPORTED_ARCHITECTURES, ModelConfig, load_generation_eos
@@ -25,6 +26,7 @@ __all__ = ["LoadedModel", "load_model", "load_generation_eos", "model_fingerprin
 
 logger = logging.getLogger("prefixserve.model")
 
+MODEL_CLASSES = {"Gemma3ForCausalLM": Gemma3ForCausalLM}  # the other families are LlamaForCausalLM's switches
 EXPECTED_LAYOUT = "expected a Hugging Face checkpoint directory with config.json and *.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -62,10 +64,10 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str)
     # Build on the meta device and allocate directly in the target dtype/device, so a large
     # model never exists as a float32 copy with throw-away random init.
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = MODEL_CLASSES.get(config.architecture, LlamaForCausalLM)(config)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.tie_weights()
-    model.rotary.reset()
+    model.reset_rotary()
     model.load_weights(_iter_tensors(weight_files))
     model.eval().requires_grad_(False)
     loaded = time.perf_counter()

@@ -11,8 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .model_families import family_fields
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "SmolLM3ForCausalLM", "Phi3ForCausalLM")
+                           "SmolLM3ForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                   "num_attention_heads", "max_position_embeddings")
@@ -40,6 +42,11 @@ class ModelConfig:
     sliding_window: int | None = None  # Mistral, Phi-3, Qwen2/3 and SmolLM3 when they use it; see max_context_len
     qk_norm: bool = False              # Qwen3: RMSNorm over each q and k head before the rotation
     rope_layers: tuple[bool, ...] = () # SmolLM3: which layers rotate q and k (the others are NoPE); (): all
+    activation: str = "silu"           # of the gated MLP: "silu", or "gelu_tanh" (Gemma's GeGLU)
+    attention_scale: float | None = None  # Gemma 3: query_pre_attn_scalar ** -0.5; None: head_dim ** -0.5
+    local_layers: tuple[bool, ...] = ()   # Gemma 3: the sliding-window layers, which rotate with local_rope_theta
+    local_rope_theta: float | None = None
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
@@ -72,12 +79,10 @@ class ModelConfig:
         for key in _REQUIRED_KEYS:
             if hf.get(key) is None:
                 raise ValueError(f"config.json is missing {key!r}, which a {architectures[0]} needs")
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"config.json hidden_act={hf['hidden_act']!r}; only 'silu' is supported")
         heads = hf["num_attention_heads"]
-        theta, rope_scaling = _rope_fields(hf)
+        theta, rope_scaling = rope_fields(hf.get("rope_parameters") or hf.get("rope_scaling") or {}, hf)
         eos = hf.get("eos_token_id")
-        family = _family_fields(architectures[0], hf)
+        family = family_fields(architectures[0], hf)
         return cls(
             architectures=architectures,
             vocab_size=hf["vocab_size"],
@@ -118,44 +123,21 @@ class ModelConfig:
             raise ValueError(f"config rope_theta={self.rope_theta}; it must be > 0")
         if self.rope_scaling is not None:
             _check_rope_scaling(self.rope_scaling)
-        if self.rope_layers and len(self.rope_layers) != self.num_hidden_layers:
-            raise ValueError(f"config no_rope_layers has {len(self.rope_layers)} entries for "
-                             f"{self.num_hidden_layers} layers; give one per layer")
+        for name, flags in (("no_rope_layers", self.rope_layers), ("layer_types", self.local_layers)):
+            if flags and len(flags) != self.num_hidden_layers:
+                raise ValueError(f"config {name} has {len(flags)} entries for {self.num_hidden_layers} layers; "
+                                 "give one per layer")
 
     def uses_rope(self, layer_index: int) -> bool:
         return not self.rope_layers or self.rope_layers[layer_index]
 
 
-def _family_fields(architecture: str, hf: dict[str, Any]) -> dict[str, Any]:
-    """The fields in which the families differ: projection biases, q/k norms, NoPE layers, the window."""
-    bias = bool(hf.get("attention_bias", False))
-    fields: dict[str, Any] = {"attention_bias": bias, "o_proj_bias": bias, "sliding_window": None}
-    if architecture == "MistralForCausalLM":
-        fields["sliding_window"] = hf.get("sliding_window", 4096)
-    elif architecture == "Phi3ForCausalLM":
-        fields["sliding_window"] = hf.get("sliding_window")
-        partial = (hf.get("rope_parameters") or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-        if partial != 1.0:
-            raise ValueError(f"config.json partial_rotary_factor={partial} (Phi-4-mini's rotary on part of each head) "
-                             "is not supported yet; Phi-3 checkpoints rotate whole heads")
-    elif hf.get("use_sliding_window"):  # Qwen2, Qwen3, SmolLM3: off unless asked for
-        fields["sliding_window"] = hf.get("sliding_window")
-    if architecture == "Qwen2ForCausalLM":
-        fields.update(attention_bias=True, o_proj_bias=False)
-    elif architecture == "Qwen3ForCausalLM":
-        fields["qk_norm"] = True
-    elif architecture == "SmolLM3ForCausalLM":
-        interval = hf.get("no_rope_layer_interval", 4)
-        rope_layers = hf.get("no_rope_layers") or [int((i + 1) % interval != 0)
-                                                   for i in range(hf["num_hidden_layers"])]
-        fields["rope_layers"] = tuple(bool(flag) for flag in rope_layers)
-    return fields
-
-
-def _rope_fields(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+def rope_fields(parameters: dict[str, Any], hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, rope_scaling) from either the transformers<5 keys or transformers 5's
     ``rope_parameters`` (which carries rope_theta inside)."""
-    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    params = dict(parameters)
+    if "full_attention" in params:  # Gemma 3: one set per kind of layer; the global layers' is the model's
+        params = dict(params["full_attention"] or {})
     theta = float(params.pop("rope_theta", None) or hf.get("rope_theta") or 10000.0)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
