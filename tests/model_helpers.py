@@ -81,9 +81,11 @@ def qwen2_config(vocab_size: int = 8192) -> dict:
 
 
 def qwen3_config(vocab_size: int = 8192) -> dict:
-    """Qwen3 style: RMSNorm on each q and k head, no biases, untied, head_dim 64 apart from hidden / heads."""
+    """Qwen3 style: RMSNorm on each q and k head, no biases, untied, head_dim 64 apart from hidden / heads; the
+    second layer slides over 24 keys (use_sliding_window from max_window_layers on)."""
     return {
         "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": vocab_size,
+        "use_sliding_window": True, "sliding_window": 24, "max_window_layers": 1,
         "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
         "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
@@ -100,6 +102,17 @@ def smollm3_config(vocab_size: int = 8192) -> dict:
         "num_attention_heads": 4, "num_key_value_heads": 1, "max_position_embeddings": 512,
         "rms_norm_eps": 1e-6, "rope_theta": 5000000.0, "tie_word_embeddings": True, "hidden_act": "silu",
         "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2, "torch_dtype": "float32",
+    }
+
+
+def mistral_config(vocab_size: int = 8192) -> dict:
+    """Mistral: every layer slides over 18 keys, so the ~40-token test prompts outrun it."""
+    return {
+        "architectures": ["MistralForCausalLM"], "model_type": "mistral", "vocab_size": vocab_size,
+        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 512, "sliding_window": 18, "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0, "tie_word_embeddings": False, "hidden_act": "silu", "bos_token_id": 0,
+        "eos_token_id": 1, "torch_dtype": "float32",
     }
 
 
@@ -123,7 +136,7 @@ def gemma3_config(vocab_size: int = 8192) -> dict:
         "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": vocab_size,
         "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 3, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 32, "query_pre_attn_scalar": 24, "max_position_embeddings": 512,
-        "sliding_window": 512, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "sliding_window": 20, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
         "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
         "final_logit_softcapping": 30.0, "rms_norm_eps": 1e-6, "hidden_activation": "gelu_pytorch_tanh",

@@ -1,6 +1,7 @@
 // Causal attention of every row of a step, read in place from the paged cache: a row at position p
-// attends to keys [0, p + 1). Every row of every step, prefill chunks and decodes, float32 and bf16
-// (attention.py calls nothing else where the kernel is built).
+// attends to keys [0, p + 1), or with a sliding window of w keys to [first, p + 1), first = max(0, p + 1 - w).
+// Every row of every step, prefill chunks and decodes, float32 and bf16 (attention.py calls nothing else
+// where the kernel is built).
 //
 // Written once over simd.h and compiled once per CPU variant (W float32 lanes: 16 on AVX-512, 8 on
 // AVX2, 4 on NEON and portable). A work item is up to ROWS consecutive rows of one sequence and one
@@ -21,6 +22,11 @@
 // registers) only so that one load of a key or value register serves several of them; blocking
 // changes no vector's order of operations. head_dim not a multiple of W takes the scalar path of
 // attention_tiles.h, a row at a time.
+//
+// A sliding window changes only which lanes are live: an item's steps begin at the step holding its
+// lowest row's first key (keys below it are never read: their blocks may be gone), and a row's lanes
+// below its own first key are masked like those past its position. A step in which a row has no live
+// lane leaves its sums exactly as they were (weights 0, maximum unchanged), so a row's bits are still its own.
 #include "amx_tiles.h"
 #include "attention_tiles.h"
 #include "kernels.h"
@@ -78,11 +84,22 @@ constexpr bool amx_for() {
     return PREFIXSERVE_AMX && std::is_same<T, at::BFloat16>::value;
 }
 
-// A query row: its sequence's block table, its position (it reads keys [0, position + 1)), its row of q.
+// A query row: its sequence's block table, its position (it reads keys [first, position + 1)), its row of q.
 struct Row {
     const int64_t* table;
-    int64_t position, q_row;
+    int64_t position, q_row, first;
 };
+
+// The first key a row at `position` reads: 0, or the start of its sliding window (window > 0).
+inline int64_t first_key(int64_t position, int64_t window) {
+    return window > 0 ? std::max<int64_t>(0, position + 1 - window) : 0;
+}
+
+// x in lanes [lo, hi) of a tile, `fill` in the others.
+inline vf keep_range(vf x, int64_t lo, int64_t hi, vf fill) {
+    const vf upper = simd::keep_first(x, hi, fill);
+    return lo > 0 ? simd::keep_first(fill, lo, upper) : upper;
+}
 
 // Whether rows a and b (a's position <= b's) read the same blocks for the keys of the step from
 // `start` that a sees: then one transposed copy of b's keys serves both.
@@ -234,11 +251,11 @@ inline void score_step(int64_t count, const QueryElement<PAIRS>* query, int64_t 
 // One step's online softmax for one vector, its STEP scores in TILES registers of which the first n
 // lanes are live: they update the running max and sum, the sums so far are rescaled when the max
 // grows, and the step's weights (0 in dead lanes) go to `weights` for the value sums.
-inline void softmax_step(const vf* scores, int64_t n, float& running_max, float& running_sum, float* acc,
+inline void softmax_step(const vf* scores, int64_t lo, int64_t n, float& running_max, float& running_sum, float* acc,
                          int64_t head_dim, float* weights) {
     const vf none = simd::set1(-std::numeric_limits<float>::infinity());
     vf live[TILES];
-    for (int t = 0; t < TILES; ++t) live[t] = simd::keep_first(scores[t], n - t * TILE, none);
+    for (int t = 0; t < TILES; ++t) live[t] = keep_range(scores[t], lo - t * TILE, n - t * TILE, none);
     vf top_lanes = live[0];
     for (int t = 1; t < TILES; ++t) top_lanes = simd::max(top_lanes, live[t]);
     const float new_max = std::max(running_max, simd::max_lanes(top_lanes));
@@ -246,7 +263,7 @@ inline void softmax_step(const vf* scores, int64_t n, float& running_max, float&
     const vf top = simd::set1(new_max);
     vf p[TILES];
     for (int t = 0; t < TILES; ++t) {
-        p[t] = simd::keep_first(simd::exp(simd::sub(live[t], top)), n - t * TILE, simd::zero());
+        p[t] = keep_range(simd::exp(simd::sub(live[t], top)), lo - t * TILE, n - t * TILE, simd::zero());
         simd::store(weights + t * TILE, p[t]);
     }
     for (int width = TILES / 2; width > 0; width /= 2) {  // the tiles' weights in a fixed tree
@@ -339,6 +356,16 @@ inline void prefetch_step(const PagedKV<T>& kv, const Blocks& blocks, int64_t fi
     }
 }
 
+// A key row of zeros in T (float: the zeros row; bf16: the zero row of bits), for lanes no row reads.
+template <typename T>
+inline const T* zero_key_of(const CausalScratch& s) {
+    if constexpr (std::is_same<T, float>::value) {
+        return s.zeros.data();
+    } else {
+        return reinterpret_cast<const T*>(s.zero_row.data());
+    }
+}
+
 // Zeroed sums, running maxima at -inf, for an item's `vectors` query vectors.
 inline void reset_sums(CausalScratch& s, int64_t vectors, int64_t head_dim) {
     std::fill(s.acc.begin(), s.acc.begin() + vectors * head_dim, 0.f);
@@ -355,7 +382,7 @@ template <typename Visit>
 inline void for_each_step_run(const Row* rows, int64_t count, int64_t shift, Visit&& visit) {
     const int64_t end = rows[count - 1].position + 1;
     int64_t first_row = 0;  // rows before it end before the step: positions ascend
-    for (int64_t start = 0; start < end; start += STEP) {
+    for (int64_t start = rows[0].first / STEP * STEP; start < end; start += STEP) {  // rows[0] reads the lowest key
         while (rows[first_row].position < start) ++first_row;
         for (int64_t run = first_row, run_end; run < count; run = run_end) {
             run_end = run + 1;
@@ -380,10 +407,12 @@ void attend_rows(const Row* rows, int64_t count, int64_t shift, const PagedKV<T>
     const T* key_of[STEP];
     const float* value_rows[STEP];
     float* key_t = s.key_t.data();  // the step's tiles, transposed, one after the other
+    const T* zero_key = zero_key_of<T>(s);
     for_each_step_run(rows, count, shift, [&](int64_t start, int64_t run, int64_t run_end, const Blocks& blocks,
                                               int64_t in_step, int64_t widest_end) {
         for (int64_t t = 0; t < STEP; ++t) {
-            if (t >= in_step) {
+            if (t >= in_step || start + t < rows[0].first) {  // past every row, or below every row's window
+                key_of[t] = zero_key;
                 value_rows[t] = s.zeros.data();  // weight 0 in every vector; zeros, never unread memory
                 continue;
             }
@@ -411,8 +440,9 @@ void attend_rows(const Row* rows, int64_t count, int64_t shift, const PagedKV<T>
             score_step<PAIRS>(block, queries_in<PAIRS>(s) + v0 * elements, elements, key_t, live_tiles, scale,
                               scores);
             for (int64_t v = v0; v < v0 + block; ++v) {
-                const int64_t n = std::min(STEP, rows[v / group].position + 1 - start);  // keys of the step it sees
-                softmax_step(scores + (v - v0) * TILES, n, s.running_max[v], s.running_sum[v],
+                const Row& row = rows[v / group];
+                const int64_t n = std::min(STEP, row.position + 1 - start);  // keys of the step it sees: [lo, n)
+                softmax_step(scores + (v - v0) * TILES, row.first - start, n, s.running_max[v], s.running_sum[v],
                              s.acc.data() + v * head_dim, head_dim, s.weights.data() + v * STEP);
             }
         }
@@ -429,19 +459,19 @@ void attend_rows(const Row* rows, int64_t count, int64_t shift, const PagedKV<T>
 #if PREFIXSERVE_AMX
 // One step's online softmax for one vector on AMX: as softmax_step, its weights rounded to bf16 into
 // `weights` (the A operand of the value tile) and the rounded weights summed.
-inline void softmax_step_bf16(const float* scores, int64_t n, float scale, float& running_max, float& running_sum,
-                              float* acc, int64_t head_dim, uint16_t* weights) {
+inline void softmax_step_bf16(const float* scores, int64_t lo, int64_t n, float scale, float& running_max,
+                              float& running_sum, float* acc, int64_t head_dim, uint16_t* weights) {
     const __m512 none = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    const __m512 low = simd::keep_first(_mm512_mul_ps(_mm512_loadu_ps(scores), _mm512_set1_ps(scale)), n, none);
-    const __m512 high = simd::keep_first(_mm512_mul_ps(_mm512_loadu_ps(scores + 16), _mm512_set1_ps(scale)), n - 16,
-                                         none);
+    const __m512 low = keep_range(_mm512_mul_ps(_mm512_loadu_ps(scores), _mm512_set1_ps(scale)), lo, n, none);
+    const __m512 high = keep_range(_mm512_mul_ps(_mm512_loadu_ps(scores + 16), _mm512_set1_ps(scale)), lo - 16,
+                                   n - 16, none);
     const float new_max = std::max(running_max, _mm512_reduce_max_ps(_mm512_max_ps(low, high)));
     const float correction = running_max == new_max ? 1.f : simd::first_lane(simd::exp(simd::set1(running_max - new_max)));
     const __m512 top = _mm512_set1_ps(new_max);
-    const __m512 p_low = amx::round_to_bf16(simd::keep_first(simd::exp(_mm512_sub_ps(low, top)), n, simd::zero()),
+    const __m512 p_low = amx::round_to_bf16(keep_range(simd::exp(_mm512_sub_ps(low, top)), lo, n, simd::zero()),
                                             weights);
     const __m512 p_high = amx::round_to_bf16(
-        simd::keep_first(simd::exp(_mm512_sub_ps(high, top)), n - 16, simd::zero()), weights + 16);
+        keep_range(simd::exp(_mm512_sub_ps(high, top)), lo - 16, n - 16, simd::zero()), weights + 16);
     running_sum = running_sum * correction + simd::sum_lanes(_mm512_add_ps(p_low, p_high));
     running_max = new_max;
     if (correction != 1.f) {
@@ -465,7 +495,8 @@ void attend_rows_amx(const Row* rows, int64_t count, int64_t shift, const PagedK
     for_each_step_run(rows, count, shift, [&](int64_t start, int64_t run, int64_t run_end, const Blocks& blocks,
                                               int64_t in_step, int64_t widest_end) {
         for (int64_t t = 0; t < STEP; ++t) {
-            if (t >= in_step) {
+            if (t >= in_step || start + t < rows[0].first) {  // past every row, or below every row's window
+                key_of[t] = reinterpret_cast<const T*>(s.zero_row.data());
                 value_rows[t] = s.zero_row.data();
                 continue;
             }
@@ -482,8 +513,9 @@ void attend_rows_amx(const Row* rows, int64_t count, int64_t shift, const PagedK
             amx::score_block(s.query_pairs.data() + v0 * elements, elements * 4, key_t, elements,
                              s.block_scores.data());
             for (int64_t v = v0; v < v0 + block; ++v) {
-                const int64_t n = std::min(STEP, rows[v / group].position + 1 - start);
-                softmax_step_bf16(s.block_scores.data() + (v - v0) * STEP, n, scale, s.running_max[v],
+                const Row& row = rows[v / group];
+                const int64_t n = std::min(STEP, row.position + 1 - start);
+                softmax_step_bf16(s.block_scores.data() + (v - v0) * STEP, row.first - start, n, scale, s.running_max[v],
                                   s.running_sum[v], s.acc.data() + v * head_dim, head_dim,
                                   s.block_weights.data() + (v - v0) * STEP);
             }
@@ -504,7 +536,7 @@ void attend_rows_amx(const Row* rows, int64_t count, int64_t shift, const PagedK
 // decodes (one row each) of sequences whose tables start with the same block go together, so that
 // the keys of the prefix they share are transposed once for all of them.
 std::vector<int64_t> make_items(const int64_t* query_start, const int64_t* seq_lens, int64_t num_seqs,
-                                const int64_t* tables, int64_t table_stride, std::vector<Row>& rows) {
+                                const int64_t* tables, int64_t table_stride, int64_t window, std::vector<Row>& rows) {
     std::vector<int64_t> item_start;  // item k: rows[item_start[k] .. item_start[k + 1])
     std::vector<std::pair<int64_t, int64_t>> decodes;  // (first block id, sequence)
     for (int64_t i = 0; i < num_seqs; ++i) {
@@ -517,7 +549,8 @@ std::vector<int64_t> make_items(const int64_t* query_start, const int64_t* seq_l
         for (int64_t r0 = query_start[i]; r0 < query_start[i + 1]; r0 += ROWS) {
             item_start.push_back(static_cast<int64_t>(rows.size()));
             for (int64_t r = r0; r < std::min(r0 + ROWS, query_start[i + 1]); ++r) {
-                rows.push_back({table, seq_lens[i] - query_len + (r - query_start[i]), r});
+                const int64_t position = seq_lens[i] - query_len + (r - query_start[i]);
+                rows.push_back({table, position, r, first_key(position, window)});
             }
         }
     }
@@ -528,7 +561,7 @@ std::vector<int64_t> make_items(const int64_t* query_start, const int64_t* seq_l
         const size_t first = d;
         for (; d < decodes.size() && d - first < ROWS && decodes[d].first == decodes[first].first; ++d) {
             const int64_t i = decodes[d].second;
-            rows.push_back({tables + i * table_stride, seq_lens[i] - 1, query_start[i]});
+            rows.push_back({tables + i * table_stride, seq_lens[i] - 1, query_start[i], first_key(seq_lens[i] - 1, window)});
         }
         std::sort(rows.begin() + item_start.back(), rows.end(),
                   [](const Row& a, const Row& b) { return a.position < b.position; });
@@ -541,7 +574,7 @@ std::vector<int64_t> make_items(const int64_t* query_start, const int64_t* seq_l
 
 template <typename T>
 void causal_kernel(const Queries<T>& q, const PagedKV<T>& kv, const int64_t* query_start, const int64_t* seq_lens,
-                   int64_t num_seqs, float scale, T* out) {
+                   int64_t num_seqs, float scale, int64_t window, T* out) {
     const int64_t num_kv_heads = kv.num_kv_heads, head_dim = kv.head_dim;
     const int64_t group = q.num_heads / num_kv_heads;
     const int64_t slot_stride = num_kv_heads * head_dim;
@@ -551,7 +584,8 @@ void causal_kernel(const Queries<T>& q, const PagedKV<T>& kv, const int64_t* que
     const bool tiles = amx_for<T>() && head_dim % 32 == 0;
     (void)tiles;  // read only where the variant has AMX
     std::vector<Row> rows;
-    const std::vector<int64_t> item_start = make_items(query_start, seq_lens, num_seqs, kv.tables, kv.table_stride, rows);
+    const std::vector<int64_t> item_start = make_items(query_start, seq_lens, num_seqs, kv.tables, kv.table_stride,
+                                                       window, rows);
     const int64_t out_row_stride = q.num_heads * head_dim;
     // Item k: rows of item k / num_kv_heads, KV head k % num_kv_heads.
     auto attend_item = [&](int64_t k, Scratch& row_scratch, CausalScratch& s) {
@@ -585,7 +619,7 @@ void causal_kernel(const Queries<T>& q, const PagedKV<T>& kv, const int64_t* que
             const Row& row = item_rows[r];
             const Blocks blocks{row.table, shift, kv.block_size - 1};
             load_query(q.data + row.q_row * q.row_stride, q.head_stride, h, group, head_dim, scale, one.query.data());
-            attend_row(one.query.data(), 0, row.position + 1, blocks, kv.keys, kv.values, slot_stride, h, group,
+            attend_row(one.query.data(), row.first, row.position + 1, blocks, kv.keys, kv.values, slot_stride, h, group,
                        head_dim, one.scores.data(), one.running_max.data(), one.running_sum.data(), one.acc.data());
             finish(one.acc.data(), one.running_sum.data(), group, head_dim, out_of(row));
         }
@@ -607,8 +641,8 @@ void causal_kernel(const Queries<T>& q, const PagedKV<T>& kv, const int64_t* que
 }
 
 template void causal_kernel<float>(const Queries<float>&, const PagedKV<float>&, const int64_t*, const int64_t*,
-                                   int64_t, float, float*);
+                                   int64_t, float, int64_t, float*);
 template void causal_kernel<at::BFloat16>(const Queries<at::BFloat16>&, const PagedKV<at::BFloat16>&, const int64_t*,
-                                          const int64_t*, int64_t, float, at::BFloat16*);
+                                          const int64_t*, int64_t, float, int64_t, at::BFloat16*);
 
 }  // namespace prefixserve

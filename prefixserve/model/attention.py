@@ -48,6 +48,7 @@ from .attention_plan import StepPlan, build_plan
 from .invariant_attention import invariant_attention
 from .invariant_plan import invariant_calls
 from .kernels import causal_kernel_for
+from .windowed_attention import windowed_attention
 
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 # Dtypes whose CPU attention takes the batch-invariant path (invariant_attention.py): in bfloat16
@@ -127,13 +128,15 @@ def plan_step(meta: AttentionMetadata, k_cache: torch.Tensor) -> StepPlan:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, k: Optional[torch.Tensor] = None,
-                    v: Optional[torch.Tensor] = None, plan: Optional[StepPlan] = None) -> torch.Tensor:
+                    v: Optional[torch.Tensor] = None, plan: Optional[StepPlan] = None,
+                    window: Optional[int] = None) -> torch.Tensor:
     """Attention of q [num_tokens, num_heads, head_dim] over the paged cache; returns q's shape.
 
     `k`, `v` [num_tokens, num_kv_heads, head_dim] are this step's own keys and values, already
     written to the cache; given, a prefill chunk reads them directly instead of from the cache.
     Grouped-query attention: num_heads must be a multiple of the cache's num_kv_heads. Without a
-    `plan` (from `plan_step`) one is built for this call.
+    `plan` (from `plan_step`) one is built for this call. With a sliding `window`, a row at position p
+    reads only keys (p - window, p] (as transformers' sliding-window mask).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -144,7 +147,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         # Compiled (csrc/paged_causal.cpp): every row of the step in one call, prefill chunks and
         # decodes alike, read in place through the block tables; each row's sums in an order of its
         # own, so in either dtype a row's attention bits do not depend on the batch or the chunking.
-        return causal(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale)
+        return causal(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, window or 0)
+    if window is not None and max(meta.seq_lens_list, default=0) > window:  # some row's window leaves keys out
+        return windowed_attention(q, k_cache, v_cache, meta, scale, window)
     if plan is None:
         plan = plan_step(meta, k_cache)
     flat_k = k_cache.view(-1, num_kv_heads, head_dim)

@@ -8,8 +8,7 @@
                      local (sliding-window) layers rotate with their own rope base (llama.py's local_rotary)
     MLP              GeGLU: gelu_tanh(gate) * up
 
-The sliding window itself is not computed: the context is capped at the window (ModelConfig.max_context_len),
-within which full attention gives the same numbers.
+The local layers' sliding window is the attention paths' (attention.py, csrc/paged_causal.cpp).
 """
 
 from __future__ import annotations

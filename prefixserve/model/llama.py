@@ -101,7 +101,8 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         self.uses_rope = config.uses_rope(layer_index)  # SmolLM3's NoPE layers attend without positions
-        self.is_local = bool(config.local_layers) and config.local_layers[layer_index]  # Gemma 3's rope base
+        self.window = config.window_of(layer_index)  # keys a row sees, None: all before it (attention.py)
+        self.is_local = self.window is not None and config.local_rope_theta is not None  # Gemma 3's rope base
         # Qwen3 normalises each q and k head before the rotation (one weight per head_dim, shared by the heads)
         self.q_norm = norm_class(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = norm_class(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
@@ -135,9 +136,9 @@ class Attention(nn.Module):
             # Each kept row alone at its position reads the same keys as in the step (a row's sums are
             # its own on the compiled path, so its bits are too).
             out = paged_attention(q.index_select(0, output_rows.index), k_cache, v_cache, output_rows.meta,
-                                  self.scale)
+                                  self.scale, window=self.window)
             return self.o_proj(out.reshape(len(output_rows.index), self.q_size))
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale, k, v, plan)
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale, k, v, plan, self.window)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 

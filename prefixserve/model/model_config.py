@@ -39,13 +39,13 @@ class ModelConfig:
     attention_bias: bool = False       # bias on q/k/v projections
     o_proj_bias: bool = False          # Llama's attention_bias covers o_proj too; Qwen2's does not
     mlp_bias: bool = False
-    sliding_window: int | None = None  # Mistral, Phi-3, Qwen2/3 and SmolLM3 when they use it; see max_context_len
+    sliding_window: int | None = None  # a row at position p attends to keys (p - window, p] on the window layers
+    window_layers: tuple[bool, ...] = ()  # which layers slide (Gemma 3's local ones...); (): all, given a window
     qk_norm: bool = False              # Qwen3: RMSNorm over each q and k head before the rotation
     rope_layers: tuple[bool, ...] = () # SmolLM3: which layers rotate q and k (the others are NoPE); (): all
     activation: str = "silu"           # of the gated MLP: "silu", or "gelu_tanh" (Gemma's GeGLU)
     attention_scale: float | None = None  # Gemma 3: query_pre_attn_scalar ** -0.5; None: head_dim ** -0.5
-    local_layers: tuple[bool, ...] = ()   # Gemma 3: the sliding-window layers, which rotate with local_rope_theta
-    local_rope_theta: float | None = None
+    local_rope_theta: float | None = None  # Gemma 3: the window layers' rope base
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -58,13 +58,8 @@ class ModelConfig:
 
     @property
     def max_context_len(self) -> int:
-        """Longest context this implementation computes exactly like the reference.
-
-        Sliding-window attention is not implemented; within the window full causal attention is
-        identical to it, so the usable context is capped at the window instead.
-        """
-        if self.sliding_window:
-            return min(self.max_position_embeddings, self.sliding_window)
+        """Longest context this implementation computes exactly like the reference: the model's (the attention
+        paths compute sliding windows, attention.py)."""
         return self.max_position_embeddings
 
     @classmethod
@@ -123,13 +118,19 @@ class ModelConfig:
             raise ValueError(f"config rope_theta={self.rope_theta}; it must be > 0")
         if self.rope_scaling is not None:
             _check_rope_scaling(self.rope_scaling)
-        for name, flags in (("no_rope_layers", self.rope_layers), ("layer_types", self.local_layers)):
+        for name, flags in (("no_rope_layers", self.rope_layers), ("layer_types", self.window_layers)):
             if flags and len(flags) != self.num_hidden_layers:
                 raise ValueError(f"config {name} has {len(flags)} entries for {self.num_hidden_layers} layers; "
                                  "give one per layer")
 
     def uses_rope(self, layer_index: int) -> bool:
         return not self.rope_layers or self.rope_layers[layer_index]
+
+    def window_of(self, layer_index: int) -> int | None:
+        """The layer's sliding window in keys, None for full attention."""
+        if self.sliding_window is None or (self.window_layers and not self.window_layers[layer_index]):
+            return None
+        return self.sliding_window
 
 
 def rope_fields(parameters: dict[str, Any], hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

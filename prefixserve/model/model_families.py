@@ -1,12 +1,13 @@
 """What each served family's config.json means beyond Llama's fields: biases, q/k norms, NoPE layers, the
-sliding window, and Gemma 3's activation, attention scale, local layers and logit cap (model_config.py builds
-the rest). A field the engine does not compute is refused here, naming it, never silently ignored.
+sliding window and its layers, and Gemma 3's activation, attention scale, local rope and logit cap
+(model_config.py builds the rest). A field the engine does not compute is refused here, naming it, never
+silently ignored.
 
     family                differs from Llama in
-    Mistral, Phi-3        a sliding window (Phi-3 also stores q/k/v and gate/up fused: hf_weights.py)
-    Qwen2                 q/k/v bias (not o_proj)
-    Qwen3                 RMSNorm on each q and k head
-    SmolLM3               layers without rotary (no_rope_layers)
+    Mistral, Phi-3        a sliding window on every layer (Phi-3 stores q/k/v, gate/up fused: hf_weights.py)
+    Qwen2                 q/k/v bias (not o_proj); with use_sliding_window, windows from max_window_layers on
+    Qwen3                 RMSNorm on each q and k head; windows as Qwen2
+    SmolLM3               layers without rotary (no_rope_layers); with use_sliding_window, those slide
     Gemma 3 (text)        GeGLU, (1 + w) RMSNorms around attention and MLP, embeddings x sqrt(hidden),
                           q/k norms, query_pre_attn_scalar, local layers with their own rope base
 """
@@ -22,28 +23,52 @@ GEMMA_SLIDING_PATTERN = 6  # transformers' default: every sixth Gemma 3 layer is
 def family_fields(architecture: str, hf: dict[str, Any]) -> dict[str, Any]:
     """The ModelConfig fields in which `architecture` differs from Llama, read from config.json's `hf`."""
     bias = bool(hf.get("attention_bias", False))
-    fields: dict[str, Any] = {"attention_bias": bias, "o_proj_bias": bias, "sliding_window": None,
-                              "activation": _activation(hf.get("hidden_activation") or hf.get("hidden_act") or "silu")}
-    if architecture == "MistralForCausalLM":
-        fields["sliding_window"] = hf.get("sliding_window", 4096)
-    elif architecture in ("Phi3ForCausalLM", "Gemma3ForCausalLM"):
-        fields["sliding_window"] = hf.get("sliding_window")
-    elif hf.get("use_sliding_window"):  # Qwen2, Qwen3, SmolLM3: off unless asked for
-        fields["sliding_window"] = hf.get("sliding_window")
+    fields: dict[str, Any] = {"attention_bias": bias, "o_proj_bias": bias,
+                              "activation": _activation(hf.get("hidden_activation") or hf.get("hidden_act") or "silu"),
+                              **_window_fields(architecture, hf)}
     if architecture == "Qwen2ForCausalLM":
         fields.update(attention_bias=True, o_proj_bias=False)
     elif architecture == "Qwen3ForCausalLM":
         fields["qk_norm"] = True
     elif architecture == "SmolLM3ForCausalLM":
-        interval = hf.get("no_rope_layer_interval", 4)
-        rope_layers = hf.get("no_rope_layers") or [int((i + 1) % interval != 0)
-                                                   for i in range(hf["num_hidden_layers"])]
-        fields["rope_layers"] = tuple(bool(flag) for flag in rope_layers)
+        fields["rope_layers"] = tuple(_smollm3_rope_layers(hf))
     elif architecture == "Phi3ForCausalLM":
         _check_whole_rotary(hf)
     elif architecture == "Gemma3ForCausalLM":
         fields.update(_gemma3_fields(hf))
     return fields
+
+
+def _window_fields(architecture: str, hf: dict[str, Any]) -> dict[str, Any]:
+    """sliding_window and window_layers (which layers use it; () for all), as transformers reads them."""
+    layers = hf["num_hidden_layers"]
+    if architecture == "MistralForCausalLM":
+        window = hf.get("sliding_window", 4096)
+    elif architecture in ("Phi3ForCausalLM", "Gemma3ForCausalLM"):
+        window = hf.get("sliding_window")
+    else:  # Qwen2, Qwen3, SmolLM3: off unless asked for
+        window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+    if window is None:
+        return {"sliding_window": None, "window_layers": ()}
+    layer_types = hf.get("layer_types")
+    if architecture == "Gemma3ForCausalLM" and not layer_types:
+        pattern = hf.get("sliding_window_pattern") or GEMMA_SLIDING_PATTERN
+        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    elif architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not layer_types:
+        first = hf.get("max_window_layers", 28)
+        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    elif architecture == "SmolLM3ForCausalLM" and not layer_types:  # its NoPE layers slide
+        rope_layers = _smollm3_rope_layers(hf)
+        layer_types = ["full_attention" if rope else "sliding_attention" for rope in rope_layers]
+    if not layer_types or architecture in ("MistralForCausalLM", "Phi3ForCausalLM"):
+        return {"sliding_window": int(window), "window_layers": ()}
+    return {"sliding_window": int(window), "window_layers": tuple(kind == "sliding_attention" for kind in layer_types)}
+
+
+def _smollm3_rope_layers(hf: dict[str, Any]) -> list[bool]:
+    interval = hf.get("no_rope_layer_interval", 4)
+    flags = hf.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(hf["num_hidden_layers"])]
+    return [bool(flag) for flag in flags]
 
 
 def _activation(name: str) -> str:
@@ -65,15 +90,11 @@ def _gemma3_fields(hf: dict[str, Any]) -> dict[str, Any]:
         if hf.get(name):
             raise ValueError(f"config.json {name}={hf[name]!r} is not supported yet (the attention kernels neither "
                              "cap scores nor attend both ways)")
-    layers = hf["num_hidden_layers"]
-    pattern = hf.get("sliding_window_pattern") or GEMMA_SLIDING_PATTERN
-    layer_types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
-                                            for i in range(layers)]
     local = (hf.get("rope_parameters") or {}).get("sliding_attention") or {}
     if local.get("rope_type", "default") != "default":
         raise ValueError(f"config.json rope_parameters.sliding_attention of type {local['rope_type']!r} is not "
                          "supported; Gemma 3's local layers use the default rotary")
-    return {"qk_norm": True, "local_layers": tuple(kind == "sliding_attention" for kind in layer_types),
+    return {"qk_norm": True,  # the window layers rotate with the local base
             "local_rope_theta": float(local.get("rope_theta") or hf.get("rope_local_base_freq") or 10000.0),
             "attention_scale": float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
             "final_logit_softcapping": hf.get("final_logit_softcapping")}

@@ -1,6 +1,7 @@
 // paged_causal and the row-wise kernels built for aarch64 (the neon or portable backend), run under
 // qemu by test_model_kernel_variants.py: every row against attention in double precision, in float32
-// and with bf16 keys and values, and each decode alone bit for bit as in the batch. Exit 0 when all hold.
+// and with bf16 keys and values, without and with a sliding window, and each decode alone bit for bit as in
+// the batch. Exit 0 when all hold.
 #include "kernels.h"
 #include "rowwise.h"
 #include "simd.h"
@@ -37,7 +38,7 @@ struct Case {
 
 template <typename T>
 std::vector<T> attend(const Case& c, const std::vector<T>& keys, const std::vector<T>& values,
-                      const std::vector<T>& queries, const std::vector<int64_t>& seqs) {
+                      const std::vector<T>& queries, const std::vector<int64_t>& seqs, int64_t window) {
     // The rows of the sequences in `seqs`, computed in one call.
     std::vector<T> q;
     std::vector<int64_t> starts = {0}, lens, tables;
@@ -51,23 +52,25 @@ std::vector<T> attend(const Case& c, const std::vector<T>& keys, const std::vect
     std::vector<T> out(q.size());
     const Queries<T> view{q.data(), HEADS * HEAD_DIM, HEAD_DIM, HEADS};
     const PagedKV<T> kv{keys.data(), values.data(), BLOCK, KV_HEADS, HEAD_DIM, tables.data(), WIDTH};
-    causal_kernel<T>(view, kv, starts.data(), lens.data(), static_cast<int64_t>(seqs.size()), 0.125f, out.data());
+    causal_kernel<T>(view, kv, starts.data(), lens.data(), static_cast<int64_t>(seqs.size()), 0.125f, window,
+                     out.data());
     return out;
 }
 
 template <typename T>
 double worst_error(const Case& c, const std::vector<T>& keys, const std::vector<T>& values,
-                   const std::vector<T>& queries, const std::vector<T>& out) {
+                   const std::vector<T>& queries, const std::vector<T>& out, int64_t window) {
     double worst = 0;
     for (size_t s = 0; s < LENGTHS.size(); ++s) {
         for (int64_t r = c.query_start[s]; r < c.query_start[s + 1]; ++r) {
             const int64_t position = LENGTHS[s] - QUERY_LENS[s] + (r - c.query_start[s]);
+            const int64_t first = window > 0 ? std::max<int64_t>(0, position + 1 - window) : 0;
             for (int64_t h = 0; h < HEADS; ++h) {
                 const int64_t g = h / (HEADS / KV_HEADS);
-                std::vector<double> scores(position + 1);
+                std::vector<double> scores(position + 1, 0.0);
                 double top = -1e300, total = 0;
                 auto slot = [&](int64_t p) { return c.tables[s * WIDTH + p / BLOCK] * BLOCK + p % BLOCK; };
-                for (int64_t p = 0; p <= position; ++p) {
+                for (int64_t p = first; p <= position; ++p) {
                     double dot = 0;
                     for (int64_t j = 0; j < HEAD_DIM; ++j) {
                         dot += as_double(queries[(r * HEADS + h) * HEAD_DIM + j]) *
@@ -76,10 +79,10 @@ double worst_error(const Case& c, const std::vector<T>& keys, const std::vector<
                     scores[p] = dot * 0.125;
                     top = std::max(top, scores[p]);
                 }
-                for (double& score : scores) total += (score = std::exp(score - top));
+                for (int64_t p = first; p <= position; ++p) total += (scores[p] = std::exp(scores[p] - top));
                 for (int64_t j = 0; j < HEAD_DIM; ++j) {
                     double sum = 0;
-                    for (int64_t p = 0; p <= position; ++p) {
+                    for (int64_t p = first; p <= position; ++p) {
                         sum += scores[p] * as_double(values[(slot(p) * KV_HEADS + g) * HEAD_DIM + j]);
                     }
                     worst = std::max(worst, std::fabs(sum / total - as_double(out[(r * HEADS + h) * HEAD_DIM + j])));
@@ -91,20 +94,20 @@ double worst_error(const Case& c, const std::vector<T>& keys, const std::vector<
 }
 
 template <typename T>
-bool check(const Case& c, const char* name, double tolerance) {
+bool check(const Case& c, const char* name, double tolerance, int64_t window) {
     const auto keys = converted<T>(c.keys), values = converted<T>(c.values), queries = converted<T>(c.queries);
     std::vector<int64_t> all(LENGTHS.size());
     for (size_t s = 0; s < all.size(); ++s) all[s] = static_cast<int64_t>(s);
-    const std::vector<T> together = attend(c, keys, values, queries, all);
-    const double worst = worst_error(c, keys, values, queries, together);
+    const std::vector<T> together = attend(c, keys, values, queries, all, window);
+    const double worst = worst_error(c, keys, values, queries, together, window);
     bool alike = true;
     for (size_t s = 0; s < all.size(); ++s) {  // each sequence alone: the same bits as in the batch
-        const std::vector<T> alone = attend(c, keys, values, queries, {static_cast<int64_t>(s)});
+        const std::vector<T> alone = attend(c, keys, values, queries, {static_cast<int64_t>(s)}, window);
         alike = alike && std::memcmp(alone.data(), together.data() + c.query_start[s] * HEADS * HEAD_DIM,
                                      alone.size() * sizeof(T)) == 0;
     }
-    std::printf("%s %s: max error %.3g, each sequence alone as in the batch: %s\n", simd::BACKEND, name, worst,
-                alike ? "yes" : "NO");
+    std::printf("%s %s, window %lld: max error %.3g, each sequence alone as in the batch: %s\n", simd::BACKEND,
+                name, static_cast<long long>(window), worst, alike ? "yes" : "NO");
     return worst < tolerance && alike;
 }
 
@@ -145,6 +148,9 @@ int main() {
     for (int64_t n : QUERY_LENS) c.query_start.push_back(c.query_start.back() + n);
     c.queries.resize(c.query_start.back() * HEADS * HEAD_DIM);
     for (float& value : c.queries) value = normal(generator);
-    const bool ok = check<float>(c, "float32", 1e-5) & check<at::BFloat16>(c, "bfloat16", 2e-2) & check_rowwise();
+    bool ok = check_rowwise();
+    for (int64_t window : {0, 33}) {  // 33: windows that begin inside a 32-key step
+        ok = check<float>(c, "float32", 1e-5, window) & check<at::BFloat16>(c, "bfloat16", 2e-2, window) & ok;
+    }
     return ok ? 0 : 1;
 }
