@@ -56,7 +56,7 @@ def call_args(specs, tables, q):
 
 
 @pytest.mark.parametrize("window", [1, 7, 31, 32, 33, 64, 1000])
-@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (24, 4), (32, 1)])
+@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (24, 4), (32, 1), (96, 16), (128, 8), (256, 8)])
 def test_the_kernel_reads_each_rows_window_and_nothing_below_it(window, head_dim, block_size, kernel_variant):
     generator = torch.Generator().manual_seed(window * 100 + head_dim + block_size)
     num_heads, num_kv_heads = 4, 2

@@ -1,8 +1,8 @@
 """Anthropic's Messages API through the router: placed by the tokens the replica will see, keys passed on, the
 router's own errors in Anthropic's shape, and a stream replayed when its replica fails before the first event.
 
-Fake replicas (tests/router_fakes.py) fail on cue, so each break is exact; the placement and the SDK run
-against real replicas.
+Fake replicas (tests/router_fakes.py) fail on cue, so each break is exact; the token ids and the SDK run
+against a real replica.
 """
 
 import json
@@ -91,9 +91,10 @@ def test_x_api_key_reaches_the_replica_as_sent_and_picks_the_tenant(tokenizer):
         assert router.tenant_of(Credentials("Bearer key-b", None)) == "tenant-b"
 
 
-def test_the_router_renders_a_messages_body_to_the_replicas_tokens(fleet_of_two):
-    """System blocks, text, tool_use and tool_result, tools: the router's token ids equal the replica's count."""
-    url, router = fleet_of_two
+def test_the_router_renders_a_messages_body_to_the_replicas_tokens(real_fleet):
+    """System blocks, text, tool_use and tool_result, tools: the router's token ids equal the replica's count,
+    so a Messages request is placed by the blocks the replica will compute."""
+    url, router = real_fleet
     body = {"model": "prefixserve-tiny", "max_tokens": 4,
             "system": [{"type": "text", "text": "You are terse."}, {"type": "text", "text": "Use tools."}],
             "tools": [{"name": "get_weather", "description": "the weather",
@@ -111,9 +112,9 @@ def test_the_router_renders_a_messages_body_to_the_replicas_tokens(fleet_of_two)
     assert len(request.token_ids) == counted.json()["input_tokens"] > 0
 
 
-def test_the_anthropic_client_through_the_router_reads_its_prefix_back(fleet_of_two):
+def test_the_anthropic_client_through_the_router_reads_its_prefix_back(real_fleet):
     anthropic = pytest.importorskip("anthropic")
-    url, router = fleet_of_two
+    url, router = real_fleet
     client = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
     system = [{"type": "text", "text": "You are a careful agent. " * 40, "cache_control": {"type": "ephemeral"}}]
     first = client.messages.create(model="prefixserve-tiny", max_tokens=4, system=system,
@@ -121,7 +122,7 @@ def test_the_anthropic_client_through_the_router_reads_its_prefix_back(fleet_of_
     with client.messages.stream(model="prefixserve-tiny", max_tokens=4, system=system,
                                 messages=[{"role": "user", "content": "And a radix tree?"}]) as stream:
         second = stream.get_final_message()
-    # placed on the replica holding the system prompt: its full blocks are read back
+    # the system prompt's full blocks are read back
     assert first.usage.cache_read_input_tokens == 0
     assert second.usage.cache_read_input_tokens >= 16 * ((first.usage.cache_creation_input_tokens - 15) // 16)
     assert second.usage.cache_read_input_tokens > 0
@@ -135,7 +136,9 @@ def test_the_anthropic_client_through_the_router_reads_its_prefix_back(fleet_of_
 
 
 @pytest.fixture(scope="module")
-def fleet_of_two():
+def real_fleet():
+    """One real replica behind the router: what the SDK sees and what the replica counts (placement among
+    several is the policies' tests' and rests on the token ids checked above)."""
     from router_fleet import Fleet
-    with Fleet(2) as fleet:
+    with Fleet(1) as fleet:
         yield fleet.url, fleet.router

@@ -160,7 +160,7 @@ def test_a_template_that_reads_tools_renders_them_as_transformers_does(default_m
 def test_the_router_tokenizes_a_chat_with_tools_as_the_replica_does(server):
     import asyncio
 
-    from prefixserve.router.inbound import _chat_tokens
+    from prefixserve.router.inbound import read_request
     from prefixserve.server.inputs import RequestBuilder
     from prefixserve.server.protocol import ChatCompletionRequest
 
@@ -169,5 +169,9 @@ def test_the_router_tokenizes_a_chat_with_tools_as_the_replica_does(server):
         {"role": "tool", "tool_call_id": "c1", "content": "12:00"}], "tools": TOOLS}
     tokenizer = server.engine.engine.tokenizer
     replica = asyncio.run(RequestBuilder(server.engine, 256).chat_prompt(ChatCompletionRequest.model_validate(body)))
-    assert _chat_tokens(body, tokenizer, 10**6) == replica
-    assert len(replica) > len(_chat_tokens({"messages": body["messages"][:2]}, tokenizer, 10**6))
+
+    def router_tokens(chat: dict) -> list[int]:
+        return read_request(json.dumps(chat).encode(), "/v1/chat/completions", tokenizer, 4096, 10**6).token_ids
+
+    assert router_tokens(body) == replica
+    assert len(replica) > len(router_tokens({"messages": body["messages"][:2]}))

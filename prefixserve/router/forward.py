@@ -29,7 +29,7 @@ from .fleet import Router
 from .inbound import MESSAGES_PATH, BadRequest, ClientRequest, check_content_type, read_request
 from .message_streams import MessageStreamRelay
 from .policies import RouteRequest
-from .progress import Stalled, has_beats, read_answer, unless_down, unwrap_beats
+from .progress import Stalled, has_beats, post_to, read_answer, unwrap_beats
 from .replicas import Replica
 from .streams import StreamRelay, Upstream
 
@@ -92,9 +92,7 @@ async def _send_to_replicas(router: Router, path: str, client_request: ClientReq
         tried.add(replica.name)
         ticket = router.record_route(replica, route, client_request.max_tokens)
         try:
-            sending = router.client.send(router.client.build_request("POST", replica.url + path, content=raw,
-                                                                     headers=headers), stream=True)
-            upstream = await unless_down(sending, replica.went_down)  # a hung replica's requests move
+            upstream = await post_to(router.client, replica, path, raw, headers)  # a hung replica's requests move
         except (httpx.TransportError, Stalled) as failure:
             router.release(replica, ticket)
             router.fail_over(replica, failure, f"on {path}")

@@ -27,7 +27,7 @@ from ..anthropic_chat import anthropic_error_body
 from .fleet import Router
 from .inbound import ClientRequest
 from .policies import RouteRequest
-from .progress import Stalled, has_beats, unless_down
+from .progress import Stalled, has_beats, post_to, unless_down
 from .streams import Upstream
 
 logger = logging.getLogger("prefixserve.router")
@@ -134,9 +134,7 @@ class MessageStreamRelay:
             self.tried.add(replica.name)
             ticket = self.router.record_route(replica, self.route, self.request.max_tokens)
             try:
-                response = await unless_down(self.router.client.send(self.router.client.build_request(
-                    "POST", replica.url + self.request.path, content=self.raw, headers=self.headers), stream=True),
-                    replica.went_down)
+                response = await post_to(self.router.client, replica, self.request.path, self.raw, self.headers)
             except (httpx.TransportError, Stalled) as failure:
                 self.router.release(replica, ticket)
                 self.router.fail_over(replica, failure, "replaying a Messages stream")

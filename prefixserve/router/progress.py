@@ -73,6 +73,13 @@ async def unless_down(awaitable: Awaitable[T], down: asyncio.Event, timeout: Opt
     raise Stalled("the replica was marked down" if watcher in done else f"no progress for {timeout:.1f} s")
 
 
+async def post_to(client: httpx.AsyncClient, replica, path: str, content: bytes, headers: dict) -> httpx.Response:
+    """POST to a replica, its answer's headers read and its body left to stream; Stalled should the replica be
+    marked down first (a hung replica never answers)."""
+    request = client.build_request("POST", replica.url + path, content=content, headers=headers)
+    return await unless_down(client.send(request, stream=True), replica.went_down)
+
+
 def has_beats(headers: Mapping[str, str]) -> bool:
     """Whether a replica's response carries progress beats (so silence in it means a hang)."""
     return headers.get(PROGRESS_HEADER) == BEATS

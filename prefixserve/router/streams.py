@@ -28,7 +28,7 @@ import httpx
 from .continuation import ChoiceProgress, ContinuedText, continuation_body, usage_of
 from .fleet import Router
 from .inbound import ClientRequest
-from .progress import Stalled, has_beats, unless_down
+from .progress import Stalled, has_beats, post_to, unless_down
 from .replicas import Replica
 from .sse import DONE, SSEParser, sse, sse_error
 from .stream_chunks import ClientChunks
@@ -190,9 +190,7 @@ class StreamRelay(ClientChunks):
             self.tried.add(replica.name)
             ticket = self.router.record_route(replica, route, max_tokens)
             try:
-                response = await unless_down(self.router.client.send(self.router.client.build_request(
-                    "POST", replica.url + path, content=json.dumps(body).encode(), headers=self.headers), stream=True),
-                    replica.went_down)
+                response = await post_to(self.router.client, replica, path, json.dumps(body).encode(), self.headers)
             except (httpx.TransportError, Stalled) as failure:
                 self.router.release(replica, ticket)
                 self.router.fail_over(replica, failure, "continuing a stream")
