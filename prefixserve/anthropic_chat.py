@@ -15,8 +15,10 @@ from __future__ import annotations
 import json
 from typing import Any, Optional
 
+# 422 (a malformed field) is Anthropic's invalid_request_error, which it answers as a 400
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+               404: "not_found_error", 413: "request_too_large", 422: "invalid_request_error", 429: "rate_limit_error",
+               503: "overloaded_error"}
 
 
 def anthropic_error_body(status: int, message: str) -> dict:

@@ -75,7 +75,7 @@ class ModelConfig:
             if hf.get(key) is None:
                 raise ValueError(f"config.json is missing {key!r}, which a {architectures[0]} needs")
         heads = hf["num_attention_heads"]
-        theta, rope_scaling = rope_fields(hf.get("rope_parameters") or hf.get("rope_scaling") or {}, hf)
+        theta, rope_scaling = _rope_fields(hf)
         eos = hf.get("eos_token_id")
         family = family_fields(architectures[0], hf)
         return cls(
@@ -133,10 +133,10 @@ class ModelConfig:
         return self.sliding_window
 
 
-def rope_fields(parameters: dict[str, Any], hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+def _rope_fields(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, rope_scaling) from either the transformers<5 keys or transformers 5's
     ``rope_parameters`` (which carries rope_theta inside)."""
-    params = dict(parameters)
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     if "full_attention" in params:  # Gemma 3: one set per kind of layer; the global layers' is the model's
         params = dict(params["full_attention"] or {})
     theta = float(params.pop("rope_theta", None) or hf.get("rope_theta") or 10000.0)

@@ -128,7 +128,7 @@ async def _create(request: Request):
 
 
 def _error_body(error: APIError) -> dict:
-    return anthropic_error_body(400 if error.status == 422 else error.status, error.message)
+    return anthropic_error_body(error.status, error.message)
 
 
 async def _events(state, stream: AsyncIterator, shape: MessageStream, keep) -> AsyncIterator[str]:
