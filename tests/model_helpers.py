@@ -145,6 +145,21 @@ def gemma3_config(vocab_size: int = 8192) -> dict:
     }
 
 
+def gemma2_config(vocab_size: int = 8192) -> dict:
+    """Gemma 2: Gemma 3's norms, GeGLU and embedding scale without q/k norms, a local layer (window 18) between
+    global ones, one rope base, and caps low enough to bend these small random scores (3) and logits (8). Untied
+    (see gemma3_config)."""
+    return {
+        "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "vocab_size": vocab_size,
+        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 3, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 64, "query_pre_attn_scalar": 48, "max_position_embeddings": 512,
+        "sliding_window": 18, "layer_types": ["full_attention", "sliding_attention", "full_attention"],
+        "rope_theta": 10000.0, "attn_logit_softcapping": 3.0, "final_logit_softcapping": 8.0,
+        "rms_norm_eps": 1e-6, "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": False,
+        "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0, "torch_dtype": "float32",
+    }
+
+
 def llama3_config(vocab_size: int = 8192) -> dict:
     """Llama 3.1 style rope scaling; original_max_position_embeddings is small so that the
     ~40-token test prompts exercise all three frequency bands of the llama3 formula."""

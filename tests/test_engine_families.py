@@ -1,7 +1,8 @@
-"""Each family beyond Llama through the whole engine (issue 27): Qwen3, SmolLM3, Phi-3 and Gemma 3 checkpoints give
-transformers' greedy tokens through LLM.generate, cold (chunked prefill), warm (every full block a cache hit)
-and batched, in float32, on the compiled kernels and the pure-PyTorch path (the Gemma's and a Qwen3 layer's sliding
-windows are shorter than the prompts); in bfloat16 a cache hit changes no token; `serve --model` answers alike."""
+"""Each family beyond Llama through the whole engine (issue 27): Qwen3, SmolLM3, Phi-3, Gemma 2 and Gemma 3
+checkpoints give transformers' greedy tokens through LLM.generate, cold (chunked prefill), warm (every full block a
+cache hit) and batched, in float32, on the compiled kernels and the pure-PyTorch path (the Gemmas' and a Qwen3
+layer's sliding windows are shorter than the prompts); in bfloat16 a cache hit changes no token; `serve --model`
+answers alike."""
 
 import httpx
 import pytest
@@ -9,11 +10,12 @@ import pytest
 from prefixserve import SamplingParams
 
 from conftest import make_llm
-from model_helpers import gemma3_config, phi3_config, qwen3_config, smollm3_config, write_servable_checkpoint
+from model_helpers import gemma2_config, gemma3_config, phi3_config, qwen3_config, smollm3_config, write_servable_checkpoint
 from server_helpers import LiveServer
 from test_engine_reference import NUM_TOKENS, PROMPTS, transformers_greedy
 
-FAMILIES = {"qwen3": qwen3_config, "smollm3": smollm3_config, "phi3": phi3_config, "gemma3": gemma3_config}
+FAMILIES = {"qwen3": qwen3_config, "smollm3": smollm3_config, "phi3": phi3_config, "gemma2": gemma2_config,
+            "gemma3": gemma3_config}
 LONG_PROMPT = "A cached prefix of several blocks, read back on the second request: " * 3
 
 

@@ -1,10 +1,11 @@
 """Our paged-attention Llama family against transformers, on CPU in float32.
 
-Eight checkpoints: the built-in default model, a Qwen2-style one (q/k/v bias, tied embeddings,
+Nine checkpoints: the built-in default model, a Qwen2-style one (q/k/v bias, tied embeddings,
 GQA 6/2, explicit head_dim), a Llama 3.1-style one (llama3 rope scaling, one KV head), and one each of
 Qwen3 (per-head q/k norms, head_dim 64), SmolLM3 (a layer without rotary, tied), Phi-3 (fused weights
-on disk) and Gemma 3 (its norms, GeGLU, scaled embeddings, local and global rope, logit cap), and a Mistral, random
-weights in the shapes transformers' own config classes give. The Mistral's, the Gemma's and one of the Qwen3's
+on disk), Gemma 2 (capped attention scores and logits, head_dim 64) and Gemma 3 (its norms, GeGLU, scaled
+embeddings, local and global rope, logit cap), and a Mistral, random
+weights in the shapes transformers' own config classes give. The Mistral's, the Gemmas' and one of the Qwen3's
 layers slide over windows shorter than the prompts.
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_helpers import (BLOCK_SIZE, PagedSequences, gemma3_config, greedy_paged, llama3_config, mistral_config,
+from model_helpers import (BLOCK_SIZE, PagedSequences, gemma2_config, gemma3_config, greedy_paged, llama3_config, mistral_config,
                            phi3_config, qwen2_config, qwen3_config, smollm3_config, write_random_checkpoint)
 from prefixserve.model import Tokenizer, load_model
 
@@ -24,7 +25,7 @@ PROMPT = ("The paged cache keeps every block of sixteen tokens apart, and a sequ
           "need not be adjacent: here they are scattered on purpose.")
 # Non-contiguous, out-of-order block ids: a bug that assumes adjacency shows up as wrong logits.
 TABLE = [11, 3, 7, 0, 9, 14, 5]
-MODEL_KINDS = ["default", "qwen2", "llama3", "qwen3", "smollm3", "phi3", "gemma3", "mistral"]
+MODEL_KINDS = ["default", "qwen2", "llama3", "qwen3", "smollm3", "phi3", "gemma2", "gemma3", "mistral"]
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +38,7 @@ def checkpoints(default_model_dir, tmp_path_factory):
         "qwen3": write_random_checkpoint(root / "qwen3", qwen3_config(), seed=3),
         "smollm3": write_random_checkpoint(root / "smollm3", smollm3_config(), seed=4),
         "phi3": write_random_checkpoint(root / "phi3", phi3_config(), seed=5),
+        "gemma2": write_random_checkpoint(root / "gemma2", gemma2_config(), seed=8),
         "gemma3": write_random_checkpoint(root / "gemma3", gemma3_config(), seed=6),
         "mistral": write_random_checkpoint(root / "mistral", mistral_config(), seed=7),
     }

@@ -1,5 +1,6 @@
 """Sliding-window attention (issue 27): a row at position p reads keys (p - window, p], in the compiled
-kernel of every variant this CPU runs and on the pure-PyTorch path, against dense attention in float64.
+kernel of every variant this CPU runs and on the pure-PyTorch path, against dense attention in float64; and
+Gemma 2's soft-capped scores (softcap tanh(s / softcap)) on both paths, with and without a window.
 
 Every slot below the lowest key a sequence's rows may read holds NaN, as a block released from the window
 would: a kernel that read one would return NaN.
@@ -33,7 +34,7 @@ def scattered_cache(specs, window, block_size, num_kv_heads, head_dim, generator
     return k_cache, v_cache, tables
 
 
-def dense_windowed(q_rows, k_cache, v_cache, table, past, new, window, scale):
+def dense_windowed(q_rows, k_cache, v_cache, table, past, new, window, scale, softcap=None):
     """float64 attention of the rows at positions past .. past + new - 1 over keys (p - window, p]."""
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     group = q_rows.shape[1] // num_kv_heads
@@ -43,6 +44,8 @@ def dense_windowed(q_rows, k_cache, v_cache, table, past, new, window, scale):
     keys = k_cache.reshape(-1, num_kv_heads, head_dim)[slots].double().repeat_interleave(group, 1)
     values = v_cache.reshape(-1, num_kv_heads, head_dim)[slots].double().repeat_interleave(group, 1)
     scores = torch.einsum("qhd,khd->hqk", q_rows.double(), keys) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     rows = torch.arange(past, past + new)[:, None]
     hidden = (positions[None, :] > rows) | (positions[None, :] <= rows - window)
     return torch.einsum("hqk,khd->qhd", scores.masked_fill(hidden, float("-inf")).softmax(-1), values).float()
@@ -108,3 +111,26 @@ def test_a_windowed_rows_bits_are_its_own_in_any_chunking_or_decode(dtype, kerne
     whole = rows([length])
     for splits in ([33, 34, 100, length], [1, 70, 71, length], list(range(1, length + 1))):
         assert torch.equal(rows(splits), whole), splits
+
+
+@pytest.mark.parametrize("window", [0, 33])
+@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (24, 4), (128, 8)])
+def test_capped_scores_on_the_kernel_and_the_pure_path(window, head_dim, block_size, kernel_variant):
+    """Scores of a few units against a cap of 3: tanh's series (|s| < 1.2) and its exponential form both run."""
+    generator = torch.Generator().manual_seed(head_dim + window)
+    num_heads, num_kv_heads, softcap = 4, 2, 3.0
+    reach = window or 10_000
+    k_cache, v_cache, tables = scattered_cache(SPECS, reach, block_size, num_kv_heads, head_dim, generator)
+    q = torch.randn(sum(new for _, new in SPECS), num_heads, head_dim, generator=generator) * 2
+    padded, query_start, seq_lens = call_args(SPECS, tables, q)
+    scale = head_dim ** -0.5
+    out = kernel_variant.paged_causal(q, k_cache, v_cache, padded, query_start, seq_lens, scale, window, softcap)
+    meta = AttentionMetadata.build([new for _, new in SPECS], [past + new for past, new in SPECS], tables, block_size)
+    pure = windowed_attention(q, k_cache, v_cache, meta, scale, window or None, softcap)
+    uncapped = kernel_variant.paged_causal(q, k_cache, v_cache, padded, query_start, seq_lens, scale, window)
+    for i, ((past, new), table) in enumerate(zip(SPECS, tables)):
+        rows = slice(int(query_start[i]), int(query_start[i + 1]))
+        expected = dense_windowed(q[rows], k_cache, v_cache, table, past, new, reach, scale, softcap)
+        torch.testing.assert_close(out[rows], expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(pure[rows], expected, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(uncapped, out, atol=1e-2)  # the cap changed the answer

@@ -46,13 +46,14 @@ inline void axpy(float* out, float a, const T* v, int64_t d) {
 
 template <typename T>
 inline void tile_portable(const float* query, const T* const* key_of, const T* const* value_of, int64_t n,
-                          int64_t group, int64_t head_dim, float* scores, float* running_max, float* running_sum,
-                          float* acc) {
+                          int64_t group, int64_t head_dim, float softcap, float* scores, float* running_max,
+                          float* running_sum, float* acc) {
     for (int64_t g = 0; g < group; ++g) {
         float* s = scores + g * ROW_TILE;
         float tile_max = -std::numeric_limits<float>::infinity();
         for (int64_t t = 0; t < n; ++t) {
             s[t] = dot(query + g * head_dim, key_of[t], head_dim);
+            if (softcap != 0.f) s[t] = std::tanh(s[t] / softcap) * softcap;  // Gemma 2's soft cap
             tile_max = std::max(tile_max, s[t]);
         }
         const float new_max = std::max(running_max[g], tile_max);
@@ -105,8 +106,8 @@ inline void load_query(const T* q_row, int64_t q_head_stride, int64_t h, int64_t
 // The group of query heads of one row over keys [first, last), a tile at a time (the scalar path).
 template <typename T>
 inline void attend_row(const float* query, int64_t first, int64_t last, const Blocks& blocks, const T* k_cache,
-                       const T* v_cache, int64_t slot_stride, int64_t h, int64_t group, int64_t head_dim, float* scores,
-                       float* running_max, float* running_sum, float* acc) {
+                       const T* v_cache, int64_t slot_stride, int64_t h, int64_t group, int64_t head_dim, float softcap,
+                       float* scores, float* running_max, float* running_sum, float* acc) {
     std::fill(acc, acc + group * head_dim, 0.f);
     std::fill(running_max, running_max + group, -std::numeric_limits<float>::infinity());
     std::fill(running_sum, running_sum + group, 0.f);
@@ -120,7 +121,7 @@ inline void attend_row(const float* query, int64_t first, int64_t last, const Bl
             key_of[t] = k_cache + slot * slot_stride + h * head_dim;
             value_of[t] = v_cache + slot * slot_stride + h * head_dim;
         }
-        tile_portable(query, key_of, value_of, n, group, head_dim, scores, running_max, running_sum, acc);
+        tile_portable(query, key_of, value_of, n, group, head_dim, softcap, scores, running_max, running_sum, acc);
         start = stop;
     }
 }

@@ -30,14 +30,15 @@ struct Queries {
 
 // Sequence i's rows query_start[i] .. query_start[i + 1] are its last positions, up to seq_lens[i];
 // a row at position p reads keys [0, p + 1), or with a sliding `window` > 0 keys [p + 1 - window, p + 1)
-// (no key below the lowest of those is read: its block may be gone). out [rows, heads, head_dim].
+// (no key below the lowest of those is read: its block may be gone). A `softcap` > 0 caps each score s
+// at softcap tanh(s / softcap) before the softmax (Gemma 2). out [rows, heads, head_dim].
 template <typename T>
 void causal_kernel(const Queries<T>& q, const PagedKV<T>& kv, const int64_t* query_start, const int64_t* seq_lens,
-                   int64_t num_seqs, float scale, int64_t window, T* out);
+                   int64_t num_seqs, float scale, int64_t window, float softcap, T* out);
 
 template <typename T>
 using CausalKernel = void (*)(const Queries<T>&, const PagedKV<T>&, const int64_t*, const int64_t*, int64_t, float,
-                              int64_t, T*);
+                              int64_t, float, T*);
 
 template <typename T>
 struct RowwiseKernels {
@@ -49,7 +50,7 @@ struct RowwiseKernels {
 
 // Bumped whenever the table's layout or a kernel's contract changes: module.cpp refuses a variant
 // built against another (a stale build left beside a new one).
-constexpr uint32_t KERNEL_TABLE_VERSION = 4;
+constexpr uint32_t KERNEL_TABLE_VERSION = 5;
 constexpr const char* KERNEL_TABLE_CAPSULE = "prefixserve.KernelTable";
 
 struct KernelTable {

@@ -81,7 +81,7 @@ PagedKV<T> paged_kv_of(const torch::Tensor& k_cache, const torch::Tensor& v_cach
 
 torch::Tensor paged_causal(const py::object& capsule, const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                            const torch::Tensor& tables, const torch::Tensor& query_start, const torch::Tensor& seq_lens,
-                           double scale, int64_t window) {
+                           double scale, int64_t window, double softcap) {
     const KernelTable& kernels = table_of(capsule);
     check_inputs(q, k_cache, v_cache, {&tables, &query_start, &seq_lens});
     const int64_t num_seqs = seq_lens.size(0), num_heads = q.size(1), head_dim = q.size(2);
@@ -92,6 +92,7 @@ torch::Tensor paged_causal(const py::object& capsule, const torch::Tensor& q, co
     const int64_t* lens = seq_lens.data_ptr<int64_t>();
     TORCH_CHECK(start[0] == 0 && start[num_seqs] == q.size(0), "query starts must cover q's rows");
     TORCH_CHECK(window >= 0, "a sliding window is a positive number of keys, or 0 for none");
+    TORCH_CHECK(softcap >= 0, "an attention soft cap is a positive number, or 0 for none");
     for (int64_t i = 0; i < num_seqs; ++i) {
         const int64_t query_len = start[i + 1] - start[i];
         TORCH_CHECK(query_len >= 0 && lens[i] >= query_len, "each sequence needs 0 <= query_len <= seq_len");
@@ -102,11 +103,12 @@ torch::Tensor paged_causal(const py::object& capsule, const torch::Tensor& q, co
     AT_DISPATCH_SWITCH(q.scalar_type(), "paged_causal",
         AT_DISPATCH_CASE(torch::kFloat32, [&] {
             kernels.causal_float32(queries_of<float>(q), paged_kv_of<float>(k_cache, v_cache, tables), start, lens,
-                                   num_seqs, static_cast<float>(scale), window, out.data_ptr<float>());
+                                   num_seqs, static_cast<float>(scale), window, static_cast<float>(softcap),
+                                   out.data_ptr<float>());
         })
         AT_DISPATCH_CASE(torch::kBFloat16, [&] {
             kernels.causal_bfloat16(queries_of<at::BFloat16>(q), paged_kv_of<at::BFloat16>(k_cache, v_cache, tables),
-                                    start, lens, num_seqs, static_cast<float>(scale), window,
+                                    start, lens, num_seqs, static_cast<float>(scale), window, static_cast<float>(softcap),
                                     out.data_ptr<at::BFloat16>());
         }));
     return out;
@@ -225,7 +227,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "prefixserve's compiled CPU kernels (the pure-PyTorch paths in prefixserve.model are their reference)";
     m.def("paged_causal", &paged_causal, "causal attention of every row of a step, each row alike in any batch",
           py::arg("table"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("tables"),
-          py::arg("query_start"), py::arg("seq_lens"), py::arg("scale"), py::arg("window") = 0);
+          py::arg("query_start"), py::arg("seq_lens"), py::arg("scale"), py::arg("window") = 0,
+          py::arg("softcap") = 0.0);
     m.def("rms_norm", &rms_norm, "RMSNorm of each row of x [rows, width] (float32 or bf16), times weight");
     m.def("add_rms_norm_", &add_rms_norm_, "x += delta in place, then RMSNorm(x) * weight");
     m.def("rotate_heads_", &rotate_heads_, "rotate the first heads of each row of x in place (rotate-half)");

@@ -1,5 +1,6 @@
 // Causal attention of every row of a step, read in place from the paged cache: a row at position p
-// attends to keys [0, p + 1), or with a sliding window of w keys to [first, p + 1), first = max(0, p + 1 - w).
+// attends to keys [0, p + 1), or with a sliding window of w keys to [first, p + 1), first = max(0, p + 1 - w);
+// with a soft cap c (Gemma 2) each score s becomes c tanh(s / c) before the softmax.
 // Every row of every step, prefill chunks and decodes, float32 and bf16 (attention.py calls nothing else
 // where the kernel is built).
 //
@@ -248,14 +249,21 @@ inline void score_step(int64_t count, const QueryElement<PAIRS>* query, int64_t 
     }
 }
 
+// Gemma 2's soft-capped scores, softcap tanh(s / softcap), as transformers computes them; softcap 0: s.
+inline vf capped(vf scores, float softcap) {
+    if (softcap == 0.f) return scores;
+    const vf cap = simd::set1(softcap);
+    return simd::mul(simd::tanh(simd::div(scores, cap)), cap);
+}
+
 // One step's online softmax for one vector, its STEP scores in TILES registers of which the first n
 // lanes are live: they update the running max and sum, the sums so far are rescaled when the max
 // grows, and the step's weights (0 in dead lanes) go to `weights` for the value sums.
-inline void softmax_step(const vf* scores, int64_t lo, int64_t n, float& running_max, float& running_sum, float* acc,
-                         int64_t head_dim, float* weights) {
+inline void softmax_step(const vf* scores, int64_t lo, int64_t n, float softcap, float& running_max, float& running_sum,
+                         float* acc, int64_t head_dim, float* weights) {
     const vf none = simd::set1(-std::numeric_limits<float>::infinity());
     vf live[TILES];
-    for (int t = 0; t < TILES; ++t) live[t] = keep_range(scores[t], lo - t * TILE, n - t * TILE, none);
+    for (int t = 0; t < TILES; ++t) live[t] = keep_range(capped(scores[t], softcap), lo - t * TILE, n - t * TILE, none);
     vf top_lanes = live[0];
     for (int t = 1; t < TILES; ++t) top_lanes = simd::max(top_lanes, live[t]);
     const float new_max = std::max(running_max, simd::max_lanes(top_lanes));
@@ -400,7 +408,7 @@ inline void for_each_step_run(const Row* rows, int64_t count, int64_t shift, Vis
 // transposed copy of the keys; a row's sums are the same whichever run it is in.
 template <typename T, bool PAIRS>
 void attend_rows(const Row* rows, int64_t count, int64_t shift, const PagedKV<T>& kv, int64_t h, int64_t group,
-                 float scale, CausalScratch& s) {
+                 float scale, float softcap, CausalScratch& s) {
     const int64_t head_dim = kv.head_dim, elements = PAIRS ? head_dim / 2 : head_dim;
     const int64_t slot_stride = kv.num_kv_heads * head_dim;
     reset_sums(s, count * group, head_dim);
@@ -442,7 +450,7 @@ void attend_rows(const Row* rows, int64_t count, int64_t shift, const PagedKV<T>
             for (int64_t v = v0; v < v0 + block; ++v) {
                 const Row& row = rows[v / group];
                 const int64_t n = std::min(STEP, row.position + 1 - start);  // keys of the step it sees: [lo, n)
-                softmax_step(scores + (v - v0) * TILES, row.first - start, n, s.running_max[v], s.running_sum[v],
+                softmax_step(scores + (v - v0) * TILES, row.first - start, n, softcap, s.running_max[v], s.running_sum[v],
                              s.acc.data() + v * head_dim, head_dim, s.weights.data() + v * STEP);
             }
         }
@@ -459,12 +467,13 @@ void attend_rows(const Row* rows, int64_t count, int64_t shift, const PagedKV<T>
 #if PREFIXSERVE_AMX
 // One step's online softmax for one vector on AMX: as softmax_step, its weights rounded to bf16 into
 // `weights` (the A operand of the value tile) and the rounded weights summed.
-inline void softmax_step_bf16(const float* scores, int64_t lo, int64_t n, float scale, float& running_max,
-                              float& running_sum, float* acc, int64_t head_dim, uint16_t* weights) {
+inline void softmax_step_bf16(const float* scores, int64_t lo, int64_t n, float scale, float softcap,
+                              float& running_max, float& running_sum, float* acc, int64_t head_dim, uint16_t* weights) {
     const __m512 none = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    const __m512 low = keep_range(_mm512_mul_ps(_mm512_loadu_ps(scores), _mm512_set1_ps(scale)), lo, n, none);
-    const __m512 high = keep_range(_mm512_mul_ps(_mm512_loadu_ps(scores + 16), _mm512_set1_ps(scale)), lo - 16,
-                                   n - 16, none);
+    const __m512 low = keep_range(capped(_mm512_mul_ps(_mm512_loadu_ps(scores), _mm512_set1_ps(scale)), softcap), lo,
+                                  n, none);
+    const __m512 high = keep_range(capped(_mm512_mul_ps(_mm512_loadu_ps(scores + 16), _mm512_set1_ps(scale)), softcap),
+                                   lo - 16, n - 16, none);
     const float new_max = std::max(running_max, _mm512_reduce_max_ps(_mm512_max_ps(low, high)));
     const float correction = running_max == new_max ? 1.f : simd::first_lane(simd::exp(simd::set1(running_max - new_max)));
     const __m512 top = _mm512_set1_ps(new_max);
@@ -484,7 +493,7 @@ inline void softmax_step_bf16(const float* scores, int64_t lo, int64_t n, float 
 // tiles; scores and value sums by tile products, 16 vectors a block.
 template <typename T>
 void attend_rows_amx(const Row* rows, int64_t count, int64_t shift, const PagedKV<T>& kv, int64_t h, int64_t group,
-                     float scale, CausalScratch& s) {
+                     float scale, float softcap, CausalScratch& s) {
     const int64_t head_dim = kv.head_dim, elements = head_dim / 2;
     const int64_t slot_stride = kv.num_kv_heads * head_dim;
     reset_sums(s, count * group, head_dim);
@@ -515,7 +524,7 @@ void attend_rows_amx(const Row* rows, int64_t count, int64_t shift, const PagedK
             for (int64_t v = v0; v < v0 + block; ++v) {
                 const Row& row = rows[v / group];
                 const int64_t n = std::min(STEP, row.position + 1 - start);
-                softmax_step_bf16(s.block_scores.data() + (v - v0) * STEP, row.first - start, n, scale, s.running_max[v],
+                softmax_step_bf16(s.block_scores.data() + (v - v0) * STEP, row.first - start, n, scale, softcap, s.running_max[v],
                                   s.running_sum[v], s.acc.data() + v * head_dim, head_dim,
                                   s.block_weights.data() + (v - v0) * STEP);
             }
@@ -574,7 +583,7 @@ std::vector<int64_t> make_items(const int64_t* query_start, const int64_t* seq_l
 
 template <typename T>
 void causal_kernel(const Queries<T>& q, const PagedKV<T>& kv, const int64_t* query_start, const int64_t* seq_lens,
-                   int64_t num_seqs, float scale, int64_t window, T* out) {
+                   int64_t num_seqs, float scale, int64_t window, float softcap, T* out) {
     const int64_t num_kv_heads = kv.num_kv_heads, head_dim = kv.head_dim;
     const int64_t group = q.num_heads / num_kv_heads;
     const int64_t slot_stride = num_kv_heads * head_dim;
@@ -597,15 +606,15 @@ void causal_kernel(const Queries<T>& q, const PagedKV<T>& kv, const int64_t* que
 #if PREFIXSERVE_AMX
             if (tiles) {
                 load_queries<T, true>(q, item_rows, count, h, group, head_dim, scale, queries_in<true>(s));
-                attend_rows_amx<T>(item_rows, count, shift, kv, h, group, scale, s);
+                attend_rows_amx<T>(item_rows, count, shift, kv, h, group, scale, softcap, s);
             } else
 #endif
             if (pairs) {
                 load_queries<T, true>(q, item_rows, count, h, group, head_dim, scale, queries_in<true>(s));
-                attend_rows<T, true>(item_rows, count, shift, kv, h, group, scale, s);
+                attend_rows<T, true>(item_rows, count, shift, kv, h, group, scale, softcap, s);
             } else {
                 load_queries<T, false>(q, item_rows, count, h, group, head_dim, scale, queries_in<false>(s));
-                attend_rows<T, false>(item_rows, count, shift, kv, h, group, scale, s);
+                attend_rows<T, false>(item_rows, count, shift, kv, h, group, scale, softcap, s);
             }
             for (int64_t r = 0; r < count; ++r) {
                 finish(s.acc.data() + r * group * head_dim, s.running_sum.data() + r * group, group, head_dim,
@@ -620,7 +629,8 @@ void causal_kernel(const Queries<T>& q, const PagedKV<T>& kv, const int64_t* que
             const Blocks blocks{row.table, shift, kv.block_size - 1};
             load_query(q.data + row.q_row * q.row_stride, q.head_stride, h, group, head_dim, scale, one.query.data());
             attend_row(one.query.data(), row.first, row.position + 1, blocks, kv.keys, kv.values, slot_stride, h, group,
-                       head_dim, one.scores.data(), one.running_max.data(), one.running_sum.data(), one.acc.data());
+                       head_dim, softcap, one.scores.data(), one.running_max.data(), one.running_sum.data(),
+                       one.acc.data());
             finish(one.acc.data(), one.running_sum.data(), group, head_dim, out_of(row));
         }
     };
@@ -641,8 +651,8 @@ void causal_kernel(const Queries<T>& q, const PagedKV<T>& kv, const int64_t* que
 }
 
 template void causal_kernel<float>(const Queries<float>&, const PagedKV<float>&, const int64_t*, const int64_t*,
-                                   int64_t, float, int64_t, float*);
+                                   int64_t, float, int64_t, float, float*);
 template void causal_kernel<at::BFloat16>(const Queries<at::BFloat16>&, const PagedKV<at::BFloat16>&, const int64_t*,
-                                          const int64_t*, int64_t, float, int64_t, at::BFloat16*);
+                                          const int64_t*, int64_t, float, int64_t, float, at::BFloat16*);
 
 }  // namespace prefixserve

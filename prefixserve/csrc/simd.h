@@ -99,6 +99,10 @@ inline vf fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }    // a b
 inline vf fnmadd(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a b, one rounding
 inline vf round_nearest(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline vf scale_by_power_of_two(vf p, vf n) { return _mm512_scalef_ps(p, n); }  // p 2^n, one rounding
+// Lanes where x < bound take `yes`, the others `no`.
+inline vf blend_below(vf x, vf bound, vf yes, vf no) {
+    return _mm512_mask_mov_ps(no, _mm512_cmp_ps_mask(x, bound, _CMP_LT_OQ), yes);
+}
 // Lanes [0, n) of x, `fill` in the others.
 inline vf keep_first(vf x, int64_t n, vf fill) {
     const __mmask16 live = static_cast<__mmask16>(n >= 16 ? 0xFFFFu : n <= 0 ? 0u : (1u << n) - 1u);
@@ -184,6 +188,9 @@ inline vf scale_by_power_of_two(vf p, vf n) {
     const vf second = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(rest, bias), 23));
     return _mm256_mul_ps(_mm256_mul_ps(p, first), second);
 }
+inline vf blend_below(vf x, vf bound, vf yes, vf no) {
+    return _mm256_blendv_ps(no, yes, _mm256_cmp_ps(x, bound, _CMP_LT_OQ));
+}
 inline vf keep_first(vf x, int64_t n, vf fill) {
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n < 0 ? 0 : n > 8 ? 8 : n)), lane);
@@ -248,6 +255,7 @@ inline vf max(vf a, vf b) { return vmaxq_f32(a, b); }
 inline vf min(vf a, vf b) { return vminq_f32(a, b); }
 inline vf fmadd(vf a, vf b, vf c) { return vfmaq_f32(c, a, b); }
 inline vf fnmadd(vf a, vf b, vf c) { return vfmsq_f32(c, a, b); }
+inline vf blend_below(vf x, vf bound, vf yes, vf no) { return vbslq_f32(vcltq_f32(x, bound), yes, no); }
 inline vf round_nearest(vf x) { return vrndnq_f32(x); }
 inline vf scale_by_power_of_two(vf p, vf n) {
     const int32x4_t whole = vcvtq_s32_f32(n);
@@ -333,6 +341,7 @@ inline vf max(vf a, vf b) { return select(a > b, a, b); }
 inline vf min(vf a, vf b) { return select(a < b, a, b); }
 inline vf fmadd(vf a, vf b, vf c) { return a * b + c; }
 inline vf fnmadd(vf a, vf b, vf c) { return c - a * b; }
+inline vf blend_below(vf x, vf bound, vf yes, vf no) { return select(x < bound, yes, no); }
 // Round to nearest even by adding and removing 1.5 * 2^23 (exact for |x| < 2^22; the kernels round
 // x log2(e) for x in [-87, 89]); IEEE arithmetic without -ffast-math may not fold it away.
 inline vf round_nearest(vf x) {
@@ -391,6 +400,25 @@ inline vf exp(vf x) {
     vf p = set1(EXP_POLY[0]);
     for (int k = 1; k < 7; ++k) p = fmadd(p, r, set1(EXP_POLY[k]));
     return scale_by_power_of_two(p, n);
+}
+
+// tanh x, lane by lane. |x| < TANH_SERIES: its odd Taylor series to x^17 (the next term is under
+// 1e-9 relative there); above, (1 - e^-2|x|) / (1 + e^-2|x|), where the subtraction loses under one
+// bit (e^-2|x| < 0.45). The sign of x is put back by a multiplication (exact).
+constexpr float TANH_SERIES = 0.4f;
+constexpr float TANH_TAYLOR[8] = {  // the coefficients of x^17, x^15, ..., x^3
+    0.00059002744f, -0.0014558344f, 0.0035921280f, -0.0088632355f, 0.021869489f, -0.053968254f, 0.13333334f,
+    -0.33333334f};
+inline vf tanh(vf x) {
+    const vf size = max(x, sub(zero(), x));
+    const vf square = mul(x, x);
+    vf series = set1(TANH_TAYLOR[0]);
+    for (int k = 1; k < 8; ++k) series = fmadd(series, square, set1(TANH_TAYLOR[k]));
+    series = fmadd(mul(series, square), x, x);  // x + x (c3 x^2 + c5 x^4 + ...)
+    const vf t = exp(mul(size, set1(-2.f)));
+    const vf whole = div(sub(set1(1.f), t), add(set1(1.f), t));
+    const vf sign = div(x, max(size, set1(1e-30f)));  // +-1; 0 for x = 0, where either form is 0
+    return blend_below(size, set1(TANH_SERIES), series, mul(whole, sign));
 }
 
 // Fetch the cache line at p for reading soon (a hint: no effect on results).

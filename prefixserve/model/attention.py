@@ -129,14 +129,15 @@ def plan_step(meta: AttentionMetadata, k_cache: torch.Tensor) -> StepPlan:
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, k: Optional[torch.Tensor] = None,
                     v: Optional[torch.Tensor] = None, plan: Optional[StepPlan] = None,
-                    window: Optional[int] = None) -> torch.Tensor:
+                    window: Optional[int] = None, softcap: Optional[float] = None) -> torch.Tensor:
     """Attention of q [num_tokens, num_heads, head_dim] over the paged cache; returns q's shape.
 
     `k`, `v` [num_tokens, num_kv_heads, head_dim] are this step's own keys and values, already
     written to the cache; given, a prefill chunk reads them directly instead of from the cache.
     Grouped-query attention: num_heads must be a multiple of the cache's num_kv_heads. Without a
     `plan` (from `plan_step`) one is built for this call. With a sliding `window`, a row at position p
-    reads only keys (p - window, p] (as transformers' sliding-window mask).
+    reads only keys (p - window, p] (as transformers' sliding-window mask). With a `softcap` (Gemma 2), each
+    score s is softcap * tanh(s / softcap) before the softmax.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -147,9 +148,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         # Compiled (csrc/paged_causal.cpp): every row of the step in one call, prefill chunks and
         # decodes alike, read in place through the block tables; each row's sums in an order of its
         # own, so in either dtype a row's attention bits do not depend on the batch or the chunking.
-        return causal(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, window or 0)
-    if window is not None and max(meta.seq_lens_list, default=0) > window:  # some row's window leaves keys out
-        return windowed_attention(q, k_cache, v_cache, meta, scale, window)
+        return causal(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, window or 0,
+                      softcap or 0.0)
+    if softcap is not None or (window is not None and max(meta.seq_lens_list, default=0) > window):
+        # some row's window leaves keys out, or the scores are capped: rows over their keys, with a mask
+        return windowed_attention(q, k_cache, v_cache, meta, scale, window, softcap)
     if plan is None:
         plan = plan_step(meta, k_cache)
     flat_k = k_cache.view(-1, num_kv_heads, head_dim)

@@ -1,11 +1,12 @@
-"""Gemma 3 (text) over the Llama layer's attention and paged cache: what the family does otherwise.
+"""Gemma 2 and Gemma 3 (text) over the Llama layer's attention and paged cache: what the family does otherwise.
 
     embeddings       x sqrt(hidden_size), rounded to the model's dtype first (as the reference)
     RMSNorm          x / rms(x) * (1 + w), all in float32, rounded once at the end (Llama rounds before w)
     layer            h += post_attention_norm(attention(input_norm(h)))
                      h += post_feedforward_norm(mlp(pre_feedforward_norm(h)))
-    attention        q/k RMSNorm per head (the same (1 + w) norm), scale query_pre_attn_scalar ** -0.5,
-                     local (sliding-window) layers rotate with their own rope base (llama.py's local_rotary)
+    attention        scale query_pre_attn_scalar ** -0.5; Gemma 2: scores soft-capped (the attention paths);
+                     Gemma 3: q/k RMSNorm per head (the same (1 + w) norm), local (sliding-window) layers
+                     rotate with their own rope base (llama.py's local_rotary)
     MLP              GeGLU: gelu_tanh(gate) * up
 
 The local layers' sliding window is the attention paths' (attention.py, csrc/paged_causal.cpp).
@@ -56,7 +57,7 @@ class GemmaDecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
-class Gemma3ForCausalLM(LlamaForCausalLM):
+class GemmaForCausalLM(LlamaForCausalLM):
     layer_class = GemmaDecoderLayer
     norm_class = GemmaRMSNorm
 

@@ -98,6 +98,7 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = config.attention_scale or self.head_dim ** -0.5
+        self.softcap = config.attn_logit_softcapping  # Gemma 2 caps the scores
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         self.uses_rope = config.uses_rope(layer_index)  # SmolLM3's NoPE layers attend without positions
@@ -136,9 +137,9 @@ class Attention(nn.Module):
             # Each kept row alone at its position reads the same keys as in the step (a row's sums are
             # its own on the compiled path, so its bits are too).
             out = paged_attention(q.index_select(0, output_rows.index), k_cache, v_cache, output_rows.meta,
-                                  self.scale, window=self.window)
+                                  self.scale, window=self.window, softcap=self.softcap)
             return self.o_proj(out.reshape(len(output_rows.index), self.q_size))
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale, k, v, plan, self.window)
+        out = paged_attention(q, k_cache, v_cache, meta, self.scale, k, v, plan, self.window, self.softcap)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .gemma import Gemma3ForCausalLM
+from .gemma import GemmaForCausalLM
 from .gguf_source import gguf_fingerprint
 from .llama import LlamaForCausalLM
 from .model_config import SUPPORTED_ARCHITECTURES, ModelConfig, load_generation_eos
@@ -26,7 +26,7 @@ __all__ = ["LoadedModel", "load_model", "load_generation_eos", "model_fingerprin
 
 logger = logging.getLogger("prefixserve.model")
 
-MODEL_CLASSES = {"Gemma3ForCausalLM": Gemma3ForCausalLM}  # the other families are LlamaForCausalLM's switches
+MODEL_CLASSES = {"Gemma2ForCausalLM": GemmaForCausalLM, "Gemma3ForCausalLM": GemmaForCausalLM}  # the other families are LlamaForCausalLM's switches
 EXPECTED_LAYOUT = "expected a Hugging Face checkpoint directory with config.json and *.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 

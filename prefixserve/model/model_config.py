@@ -14,7 +14,7 @@ from typing import Any
 from .model_families import family_fields
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "SmolLM3ForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM")
+                           "SmolLM3ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                   "num_attention_heads", "max_position_embeddings")
@@ -46,6 +46,7 @@ class ModelConfig:
     activation: str = "silu"           # of the gated MLP: "silu", or "gelu_tanh" (Gemma's GeGLU)
     attention_scale: float | None = None  # Gemma 3: query_pre_attn_scalar ** -0.5; None: head_dim ** -0.5
     local_rope_theta: float | None = None  # Gemma 3: the window layers' rope base
+    attn_logit_softcapping: float | None = None   # Gemma 2: scores = cap * tanh(scores / cap)
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -114,6 +115,10 @@ class ModelConfig:
             raise ValueError(f"config head_dim={self.head_dim} must be even for rotary embeddings")
         if not self.rms_norm_eps > 0:
             raise ValueError(f"config rms_norm_eps={self.rms_norm_eps}; it must be > 0")
+        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"config {name}={value!r}; it must be > 0, or null for none")
         if not self.rope_theta > 0:
             raise ValueError(f"config rope_theta={self.rope_theta}; it must be > 0")
         if self.rope_scaling is not None:

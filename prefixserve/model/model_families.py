@@ -8,8 +8,11 @@ silently ignored.
     Qwen2                 q/k/v bias (not o_proj); with use_sliding_window, windows from max_window_layers on
     Qwen3                 RMSNorm on each q and k head; windows as Qwen2
     SmolLM3               layers without rotary (no_rope_layers); with use_sliding_window, those slide
-    Gemma 3 (text)        GeGLU, (1 + w) RMSNorms around attention and MLP, embeddings x sqrt(hidden),
-                          q/k norms, query_pre_attn_scalar, local layers with their own rope base
+    Gemma 2               GeGLU, (1 + w) RMSNorms around attention and MLP, embeddings x sqrt(hidden),
+                          query_pre_attn_scalar, soft-capped attention scores and logits, every other
+                          layer local (sliding)
+    Gemma 3 (text)        as Gemma 2 without the attention cap, plus q/k norms, local layers (five in six)
+                          with their own rope base
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
-GEMMA_SLIDING_PATTERN = 6  # transformers' default: every sixth Gemma 3 layer is global
+GEMMA_SLIDING_PATTERN = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6}  # transformers' default: every n-th is global
 
 
 def family_fields(architecture: str, hf: dict[str, Any]) -> dict[str, Any]:
@@ -34,6 +37,8 @@ def family_fields(architecture: str, hf: dict[str, Any]) -> dict[str, Any]:
         fields["rope_layers"] = tuple(_smollm3_rope_layers(hf))
     elif architecture == "Phi3ForCausalLM":
         _check_whole_rotary(hf)
+    elif architecture == "Gemma2ForCausalLM":
+        fields.update(_gemma2_fields(hf))
     elif architecture == "Gemma3ForCausalLM":
         fields.update(_gemma3_fields(hf))
     return fields
@@ -44,6 +49,8 @@ def _window_fields(architecture: str, hf: dict[str, Any]) -> dict[str, Any]:
     layers = hf["num_hidden_layers"]
     if architecture == "MistralForCausalLM":
         window = hf.get("sliding_window", 4096)
+    elif architecture == "Gemma2ForCausalLM":  # transformers' Gemma2Config default
+        window = hf.get("sliding_window", 4096)
     elif architecture in ("Phi3ForCausalLM", "Gemma3ForCausalLM"):
         window = hf.get("sliding_window")
     else:  # Qwen2, Qwen3, SmolLM3: off unless asked for
@@ -51,8 +58,8 @@ def _window_fields(architecture: str, hf: dict[str, Any]) -> dict[str, Any]:
     if window is None:
         return {"sliding_window": None, "window_layers": ()}
     layer_types = hf.get("layer_types")
-    if architecture == "Gemma3ForCausalLM" and not layer_types:
-        pattern = hf.get("sliding_window_pattern") or GEMMA_SLIDING_PATTERN
+    if architecture in GEMMA_SLIDING_PATTERN and not layer_types:
+        pattern = hf.get("sliding_window_pattern") or GEMMA_SLIDING_PATTERN[architecture]
         layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
     elif architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not layer_types:
         first = hf.get("max_window_layers", 28)
@@ -85,11 +92,17 @@ def _check_whole_rotary(hf: dict[str, Any]) -> None:
                          "is not supported yet; Phi-3 checkpoints rotate whole heads")
 
 
+def _gemma2_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2's fields; a key config.json leaves out means transformers' Gemma2Config default."""
+    return {"attention_scale": float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
+            "attn_logit_softcapping": hf.get("attn_logit_softcapping", 50.0),
+            "final_logit_softcapping": hf.get("final_logit_softcapping", 30.0)}
+
+
 def _gemma3_fields(hf: dict[str, Any]) -> dict[str, Any]:
-    for name in ("attn_logit_softcapping", "use_bidirectional_attention"):
-        if hf.get(name):
-            raise ValueError(f"config.json {name}={hf[name]!r} is not supported yet (the attention kernels neither "
-                             "cap scores nor attend both ways)")
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError("config.json use_bidirectional_attention=true is not supported (the attention paths are "
+                         "causal); Gemma 3's text checkpoints attend causally")
     local = (hf.get("rope_parameters") or {}).get("sliding_attention") or {}
     if local.get("rope_type", "default") != "default":
         raise ValueError(f"config.json rope_parameters.sliding_attention of type {local['rope_type']!r} is not "
@@ -97,4 +110,5 @@ def _gemma3_fields(hf: dict[str, Any]) -> dict[str, Any]:
     return {"qk_norm": True,  # the window layers rotate with the local base
             "local_rope_theta": float(local.get("rope_theta") or hf.get("rope_local_base_freq") or 10000.0),
             "attention_scale": float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
+            "attn_logit_softcapping": hf.get("attn_logit_softcapping"),
             "final_logit_softcapping": hf.get("final_logit_softcapping")}

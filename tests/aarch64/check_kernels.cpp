@@ -1,7 +1,7 @@
 // paged_causal and the row-wise kernels built for aarch64 (the neon or portable backend), run under
 // qemu by test_model_kernel_variants.py: every row against attention in double precision, in float32
-// and with bf16 keys and values, without and with a sliding window, and each decode alone bit for bit as in
-// the batch. Exit 0 when all hold.
+// and with bf16 keys and values, without and with a sliding window and a soft cap on the scores, and each decode
+// alone bit for bit as in the batch. Exit 0 when all hold.
 #include "kernels.h"
 #include "rowwise.h"
 #include "simd.h"
@@ -38,7 +38,7 @@ struct Case {
 
 template <typename T>
 std::vector<T> attend(const Case& c, const std::vector<T>& keys, const std::vector<T>& values,
-                      const std::vector<T>& queries, const std::vector<int64_t>& seqs, int64_t window) {
+                      const std::vector<T>& queries, const std::vector<int64_t>& seqs, int64_t window, float softcap) {
     // The rows of the sequences in `seqs`, computed in one call.
     std::vector<T> q;
     std::vector<int64_t> starts = {0}, lens, tables;
@@ -53,13 +53,13 @@ std::vector<T> attend(const Case& c, const std::vector<T>& keys, const std::vect
     const Queries<T> view{q.data(), HEADS * HEAD_DIM, HEAD_DIM, HEADS};
     const PagedKV<T> kv{keys.data(), values.data(), BLOCK, KV_HEADS, HEAD_DIM, tables.data(), WIDTH};
     causal_kernel<T>(view, kv, starts.data(), lens.data(), static_cast<int64_t>(seqs.size()), 0.125f, window,
-                     out.data());
+                     softcap, out.data());
     return out;
 }
 
 template <typename T>
 double worst_error(const Case& c, const std::vector<T>& keys, const std::vector<T>& values,
-                   const std::vector<T>& queries, const std::vector<T>& out, int64_t window) {
+                   const std::vector<T>& queries, const std::vector<T>& out, int64_t window, float softcap) {
     double worst = 0;
     for (size_t s = 0; s < LENGTHS.size(); ++s) {
         for (int64_t r = c.query_start[s]; r < c.query_start[s + 1]; ++r) {
@@ -76,7 +76,7 @@ double worst_error(const Case& c, const std::vector<T>& keys, const std::vector<
                         dot += as_double(queries[(r * HEADS + h) * HEAD_DIM + j]) *
                                as_double(keys[(slot(p) * KV_HEADS + g) * HEAD_DIM + j]);
                     }
-                    scores[p] = dot * 0.125;
+                    scores[p] = softcap > 0 ? std::tanh(dot * 0.125 / softcap) * softcap : dot * 0.125;
                     top = std::max(top, scores[p]);
                 }
                 for (int64_t p = first; p <= position; ++p) total += (scores[p] = std::exp(scores[p] - top));
@@ -94,20 +94,20 @@ double worst_error(const Case& c, const std::vector<T>& keys, const std::vector<
 }
 
 template <typename T>
-bool check(const Case& c, const char* name, double tolerance, int64_t window) {
+bool check(const Case& c, const char* name, double tolerance, int64_t window, float softcap) {
     const auto keys = converted<T>(c.keys), values = converted<T>(c.values), queries = converted<T>(c.queries);
     std::vector<int64_t> all(LENGTHS.size());
     for (size_t s = 0; s < all.size(); ++s) all[s] = static_cast<int64_t>(s);
-    const std::vector<T> together = attend(c, keys, values, queries, all, window);
-    const double worst = worst_error(c, keys, values, queries, together, window);
+    const std::vector<T> together = attend(c, keys, values, queries, all, window, softcap);
+    const double worst = worst_error(c, keys, values, queries, together, window, softcap);
     bool alike = true;
     for (size_t s = 0; s < all.size(); ++s) {  // each sequence alone: the same bits as in the batch
-        const std::vector<T> alone = attend(c, keys, values, queries, {static_cast<int64_t>(s)}, window);
+        const std::vector<T> alone = attend(c, keys, values, queries, {static_cast<int64_t>(s)}, window, softcap);
         alike = alike && std::memcmp(alone.data(), together.data() + c.query_start[s] * HEADS * HEAD_DIM,
                                      alone.size() * sizeof(T)) == 0;
     }
-    std::printf("%s %s, window %lld: max error %.3g, each sequence alone as in the batch: %s\n", simd::BACKEND,
-                name, static_cast<long long>(window), worst, alike ? "yes" : "NO");
+    std::printf("%s %s, window %lld, soft cap %g: max error %.3g, each sequence alone as in the batch: %s\n",
+                simd::BACKEND, name, static_cast<long long>(window), softcap, worst, alike ? "yes" : "NO");
     return worst < tolerance && alike;
 }
 
@@ -150,7 +150,10 @@ int main() {
     for (float& value : c.queries) value = normal(generator);
     bool ok = check_rowwise();
     for (int64_t window : {0, 33}) {  // 33: windows that begin inside a 32-key step
-        ok = check<float>(c, "float32", 1e-5, window) & check<at::BFloat16>(c, "bfloat16", 2e-2, window) & ok;
+        for (float softcap : {0.f, 1.5f}) {
+            ok = check<float>(c, "float32", 1e-5, window, softcap) &
+                 check<at::BFloat16>(c, "bfloat16", 2e-2, window, softcap) & ok;
+        }
     }
     return ok ? 0 : 1;
 }
