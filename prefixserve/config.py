@@ -43,6 +43,9 @@ class EngineConfig:
     enable_prefix_caching: bool = option(True, "disable prefix caching (a baseline)", flag="--no-prefix-caching")
     prefix_hash: str = option("sha256", "the block-key hash: sha256, or xxh3_128 (faster, not collision resistant: "
                                         "only where every prompt is trusted)", choices=tuple(sorted(HASH_FUNCTIONS)))
+    window_kv_release: bool = option(True, "keep every layer's K/V for every cached block: the sliding-window "
+                                           "layers then use no smaller pool of their own (a baseline)",
+                                     flag="--no-window-kv-release")
     max_num_seqs: int = option(64, "requests running at once", metavar="N")
     max_num_batched_tokens: int = option(2048, "tokens one engine step computes (longer prefills are chunked)",
                                          metavar="N")

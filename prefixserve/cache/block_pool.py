@@ -10,7 +10,7 @@ bookkeeping changes. A block is in exactly one of three states:
 
 from __future__ import annotations
 
-from typing import Iterable, Optional, Union
+from typing import Callable, Iterable, Optional, Union
 
 
 class Block:
@@ -117,6 +117,8 @@ class BlockPool:
             )
         self.blocks = [Block(block_id) for block_id in range(num_blocks)]
         self.free_list = FreeBlockList(self.blocks)
+        # Called with each block freed: the window layers' slots (window_slots.py) follow the block.
+        self.on_free: Optional[Callable[[Block], None]] = None
 
     @property
     def num_blocks(self) -> int:
@@ -140,4 +142,6 @@ class BlockPool:
         block.device_only = False
         block.token_bytes = None
         block.ttl = block.expire_at = None
+        if self.on_free is not None:
+            self.on_free(block)
         self.free_list.append(block)

@@ -74,6 +74,9 @@ class RadixCache(RadixRemoval, RadixPins):
         # block about to leave by LRU eviction while its KV is still intact in its slot.
         self.on_insert: Optional[Callable[[Block], None]] = None
         self.on_evict: Optional[Callable[[Block], None]] = None
+        # A caller's block replaced by the cached copy of the same tokens (duplicate, kept), before the
+        # duplicate is released: the window layers' slots (window_slots.py) move with it.
+        self.on_merge: Optional[Callable[[Block, Block], None]] = None
 
     # ----------------------------------------------------------------- lookup
     def match(
@@ -222,6 +225,8 @@ class RadixCache(RadixRemoval, RadixPins):
                 self.stats.num_collisions += 1
                 return block
             self.acquire([existing], ttl)
+            if self.on_merge is not None:
+                self.on_merge(block, existing)
             self.release([block])
             self.stats.num_merged_blocks += 1
             return existing

@@ -58,12 +58,14 @@ void check_inputs(const torch::Tensor& q, const torch::Tensor& k_cache, const to
     TORCH_CHECK(k_cache.size(1) > 0 && (k_cache.size(1) & (k_cache.size(1) - 1)) == 0, "block_size must be a power of two");
 }
 
-// Every block holding positions [0, seq_len) of sequence i must exist.
-void check_blocks(const torch::Tensor& tables, int64_t i, int64_t seq_len, int64_t block_size, int64_t num_blocks) {
+// Every block holding positions [first, seq_len) of sequence i must exist: first is 0, or with a window
+// the lowest key its rows read (the blocks below may be released, -1).
+void check_blocks(const torch::Tensor& tables, int64_t i, int64_t first, int64_t seq_len, int64_t block_size,
+                  int64_t num_blocks) {
     TORCH_CHECK(seq_len == 0 || (seq_len - 1) / block_size < tables.size(1),
                 "key range [0, seq_len) outside the block table");
     const int64_t* table = tables.data_ptr<int64_t>() + i * tables.stride(0);
-    for (int64_t b = 0; b * block_size < seq_len; ++b) {
+    for (int64_t b = first / block_size; b * block_size < seq_len; ++b) {
         TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "block id out of range");
     }
 }
@@ -96,7 +98,8 @@ torch::Tensor paged_causal(const py::object& capsule, const torch::Tensor& q, co
     for (int64_t i = 0; i < num_seqs; ++i) {
         const int64_t query_len = start[i + 1] - start[i];
         TORCH_CHECK(query_len >= 0 && lens[i] >= query_len, "each sequence needs 0 <= query_len <= seq_len");
-        check_blocks(tables, i, lens[i], block_size, k_cache.size(0));
+        const int64_t first = window > 0 ? std::max<int64_t>(0, lens[i] - query_len + 1 - window) : 0;
+        check_blocks(tables, i, first, lens[i], block_size, k_cache.size(0));
     }
     auto out = torch::empty({q.size(0), num_heads, head_dim}, q.options());
     py::gil_scoped_release released;  // a long prefill must not stall the server's event loop

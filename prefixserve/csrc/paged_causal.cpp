@@ -543,7 +543,7 @@ void attend_rows_amx(const Row* rows, int64_t count, int64_t shift, const PagedK
 
 // Work items of up to ROWS rows, positions ascending. A prefill chunk's rows go ROWS at a time; the
 // decodes (one row each) of sequences whose tables start with the same block go together, so that
-// the keys of the prefix they share are transposed once for all of them.
+// the keys of the prefix they share are transposed once for all of them (without a window).
 std::vector<int64_t> make_items(const int64_t* query_start, const int64_t* seq_lens, int64_t num_seqs,
                                 const int64_t* tables, int64_t table_stride, int64_t window, std::vector<Row>& rows) {
     std::vector<int64_t> item_start;  // item k: rows[item_start[k] .. item_start[k + 1])
@@ -552,7 +552,9 @@ std::vector<int64_t> make_items(const int64_t* query_start, const int64_t* seq_l
         const int64_t query_len = query_start[i + 1] - query_start[i];
         const int64_t* table = tables + i * table_stride;
         if (query_len == 1) {
-            decodes.emplace_back(table[0], i);
+            // Sequences sharing their first block share an item. With a window no two do: a table's entries
+            // below its own window may be released (-1), and another row's run could read through them.
+            decodes.emplace_back(window > 0 ? -1 - i : table[0], i);
             continue;
         }
         for (int64_t r0 = query_start[i]; r0 < query_start[i + 1]; r0 += ROWS) {

@@ -20,7 +20,7 @@ from ..cache.scoping import PromptScoper
 from ..config import EngineConfig
 from .device import check_exact, resolve_device, resolve_dtype
 from .input_processor import InputProcessor, PromptType
-from .kv_pool_size import size_kv_pool, startup_summary
+from .kv_pool_size import size_kv_pool, startup_summary, window_slots_for
 from .kv_tiers import empty_breakdown
 from .limits import RANGES
 from .model_version import CurrentVersion, ModelVersion, load_version
@@ -48,13 +48,14 @@ class LLMEngine:
         loaded_version = load_version(config.model, self.dtype, self.device, self.numerics, config.block_size)
         loaded = loaded_version.loaded
         pool = size_kv_pool(config, loaded, self.device, self.dtype)
-        num_blocks, bytes_per_token = pool.num_blocks, pool.bytes_per_token
+        num_blocks = pool.num_blocks
         self.current = CurrentVersion(loaded_version.within(pool.max_model_len))
         self.num_reloads = 0  # hot reloads so far (reload.py); requests made before one are refused after it
 
         self.events = EventQueue() if config.enable_kv_events else None
         self.cache = RadixCache(num_blocks, config.block_size, max_pinned_blocks=config.max_pinned_blocks,
                                 events=self.events)
+        self.window_slots = window_slots_for(self.cache, pool, loaded.config)
         self.keyer = BlockKeyer(config.block_size, config.prefix_hash)
         self.reuse_gaps = ReuseGapTracker(config.block_size)
         self.hot_prefixes = (HotPrefixPolicy(config.hot_prefix_min_requests, config.hot_prefix_window,
@@ -69,15 +70,15 @@ class LLMEngine:
             policy=config.scheduling_policy,
             reuse_gaps=self.reuse_gaps,
             hot_prefixes=self.hot_prefixes,
+            window_slots=self.window_slots,
         )
         # Lay linear weights out for oneDNN once, sized for a full step's token budget (CPU only).
         self._log_progress("packing weights for this CPU ...")
         loaded.model.pack_linear_weights(batch_size_hint=config.max_num_batched_tokens)
-        self._log_progress(f"allocating the KV pool: {num_blocks} blocks "
-                           f"({num_blocks * config.block_size * bytes_per_token / 2**20:.0f} MiB) ...")
+        self._log_progress(f"allocating the KV pool: {num_blocks} blocks ({pool.num_bytes / 2**20:.0f} MiB) ...")
         self.runner = ModelRunner(self.current, num_blocks, config.block_size, self.dtype,
                                   self.device, config.max_num_batched_tokens, config.max_num_seqs, config.seed,
-                                  batch_invariant=config.batch_invariant)
+                                  batch_invariant=config.batch_invariant, window_slots=self.window_slots)
         self.tiers = tiered_kv(self)
         self.inputs = InputProcessor(self.current, config.prefix_ttl)
         self.outputs = OutputProcessor(self.current)

@@ -90,8 +90,9 @@ class TieredKV(TierReads):
 
     def _spill(self, block: Block) -> None:
         """A cold block leaves the pool: keep its KV in host RAM (its slot is still intact), unless its
-        request said its KV never leaves the device (cache_retention "device")."""
-        if block.device_only:
+        request said its KV never leaves the device (cache_retention "device"), or its window layers' K/V is
+        already gone (cache/window_slots.py: a record holds every layer)."""
+        if block.device_only or not self.runner.holds_every_layer(block.block_id):
             return
         record = self._record(block, self.runner.read_blocks([block.block_id])[0])
         for tier in self.spill_tiers:
@@ -147,7 +148,8 @@ class TieredKV(TierReads):
         payloads: dict[int, bytes] = {}
         for tier in self.write_tiers:
             blocks = [block for block, source in written if block.key is not None and source != tier.name
-                      and not (source is not None and tier.traits.shared)]
+                      and not (source is not None and tier.traits.shared)
+                      and self.runner.holds_every_layer(block.block_id)]
             if not tier.traits.shared:  # already there: a look-up in this replica's own index
                 blocks = [block for block in blocks if not tier.contains([block.key])]
             missing = [block.block_id for block in blocks if block.block_id not in payloads]

@@ -54,12 +54,18 @@ def kv_layout(config) -> tuple[int, int, int]:
     return config.num_hidden_layers, config.num_key_value_heads, config.head_dim
 
 
+def _windows(config) -> tuple:
+    return tuple(config.window_of(i) for i in range(config.num_hidden_layers))
+
+
 def check_swappable(engine, version: ModelVersion) -> None:
     """Raise IncompatibleModelError naming the difference when the pool cannot hold the new version's KV."""
     old, new = kv_layout(engine.version.config), kv_layout(version.loaded.config)
+    if engine.window_slots is not None:  # the window layers' pool is theirs: the same layers, the same window
+        old, new = (*old, _windows(engine.version.config)), (*new, _windows(version.loaded.config))
     if old != new:
         raise IncompatibleModelError(
-            f"{version.name} has a different KV layout (layers, KV heads, head size) {new} from the served "
+            f"{version.name} has a different KV layout (layers, KV heads, head size, sliding windows) {new} from the served "
             f"model's {old}; a hot reload keeps the KV pool, so restart the server with the new model instead")
 
 

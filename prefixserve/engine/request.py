@@ -69,6 +69,7 @@ class Request:
     blocks: list[Block] = field(default_factory=list)
     block_keys: list[bytes] = field(default_factory=list)
     num_inserted_blocks: int = 0  # leading blocks registered in the radix index
+    window_start: int = 0  # blocks from here on are attached in the window layers' pool (cache/window_slots.py)
     num_preemptions: int = 0
     is_fetching: bool = False  # its prefix is being read back from a lower tier: not admitted meanwhile
     status: RequestStatus = RequestStatus.WAITING

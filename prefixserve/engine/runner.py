@@ -13,6 +13,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
+from ..cache.window_slots import WindowSlots
 from ..model import AttentionMetadata, LlamaForCausalLM, ModelConfig
 from .kv_memory import zeroed_pool
 from .logits_processors import process_logits
@@ -47,6 +48,7 @@ class ModelRunner:
         max_num_seqs: int,
         seed: int = 0,
         batch_invariant: bool = True,
+        window_slots: Optional[WindowSlots] = None,
     ) -> None:
         self.batch_invariant = batch_invariant
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
@@ -55,12 +57,19 @@ class ModelRunner:
         config = current.version.config
         self.block_size = block_size
         self.device = device
-        shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        # With window slots, the sliding-window layers keep their K/V in a pool of window_slots.num_slots
+        # blocks, reached through window_slots.slot_of (cache/window_slots.py); the others hold every block.
+        self.window_slots = window_slots
+        self.window_layers = ([config.window_of(i) is not None for i in range(config.num_hidden_layers)]
+                              if window_slots is not None else [False] * config.num_hidden_layers)
         # Zeroed, not empty, as a defence only: the attention plan never reads an unwritten slot (decode
         # padding reads the sequence's own newest slot; tests fill unwritten slots with NaN to prove it).
         # On Linux CPUs in huge pages (kv_memory.py): decodes read blocks scattered over the pool.
-        self.kv_caches = [(zeroed_pool(shape, dtype, device), zeroed_pool(shape, dtype, device))
-                          for _ in range(config.num_hidden_layers)]
+        self.kv_caches = []
+        for windowed in self.window_layers:
+            shape = (window_slots.num_slots if windowed else num_blocks, block_size, config.num_key_value_heads,
+                     config.head_dim)
+            self.kv_caches.append((zeroed_pool(shape, dtype, device), zeroed_pool(shape, dtype, device)))
         self.sampler = Sampler(seed)
 
     def prepare(self, model: LlamaForCausalLM) -> None:
@@ -78,29 +87,56 @@ class ModelRunner:
         _, block_size, num_kv_heads, head_dim = self.kv_caches[0][0].shape
         return (len(self.kv_caches), 2, block_size, num_kv_heads, head_dim)
 
+    def holds_every_layer(self, block_id: int) -> bool:
+        """Whether the pool holds this block's K/V in every layer (a window layer's slot may be gone)."""
+        return self.window_slots is None or not any(self.window_layers) or self.window_slots.slot_of[block_id] >= 0
+
+    def _rows_of(self, block_ids: Sequence[int]) -> list[torch.Tensor]:
+        """Per layer, the rows of its cache holding these blocks (a window layer's: their slots)."""
+        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        if not any(self.window_layers):
+            return [ids] * len(self.kv_caches)
+        slots = torch.tensor([self.window_slots.slot_of[b] for b in block_ids], dtype=torch.int64, device=self.device)
+        if bool((slots < 0).any()):
+            raise ValueError("a block's window-layer K/V is gone; check holds_every_layer first")
+        return [slots if windowed else ids for windowed in self.window_layers]
+
     @property
     def dtype_name(self) -> str:
         return str(self.kv_caches[0][0].dtype).removeprefix("torch.")
 
     @torch.inference_mode()
     def read_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
-        """The KV of these pool blocks as bytes, one payload per block (see block_shape)."""
-        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        stacked = torch.stack([torch.stack([k.index_select(0, ids), v.index_select(0, ids)]) for k, v in self.kv_caches])
+        """The KV of these pool blocks as bytes, one payload per block (see block_shape); every layer's must
+        be held (holds_every_layer)."""
+        rows = self._rows_of(block_ids)
+        stacked = torch.stack([torch.stack([k.index_select(0, ids), v.index_select(0, ids)])
+                               for (k, v), ids in zip(self.kv_caches, rows)])
         per_block = stacked.permute(2, 0, 1, 3, 4, 5).contiguous().cpu()  # [blocks, layers, 2, size, heads, d]
         raw = per_block.view(-1).view(torch.uint8).view(len(block_ids), -1)
         return [raw[i].numpy().tobytes() for i in range(len(block_ids))]
 
     @torch.inference_mode()
     def write_blocks(self, block_ids: Sequence[int], payloads: Sequence[bytes]) -> None:
-        """Copy payloads (from read_blocks, possibly another process's) into these pool blocks."""
+        """Copy payloads (from read_blocks, possibly another process's) into these pool blocks. The window
+        layers' part goes to slots given as idle (window_slots.py); a block none can be had for keeps only its
+        full layers' K/V, and a match cut before it recomputes it."""
         dtype = self.kv_caches[0][0].dtype
         flat = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).view(dtype)
         values = flat.view(len(block_ids), *self.block_shape).to(self.device)
+        kept = list(range(len(block_ids)))
+        if any(self.window_layers):
+            kept = [i for i, block_id in enumerate(block_ids) if self.window_slots.give_idle(block_id)]
         ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        picked = torch.tensor(kept, dtype=torch.int64, device=self.device)
+        rows = self._rows_of([block_ids[i] for i in kept])
         for layer, (k_cache, v_cache) in enumerate(self.kv_caches):
-            k_cache.index_copy_(0, ids, values[:, layer, 0])
-            v_cache.index_copy_(0, ids, values[:, layer, 1])
+            if self.window_layers[layer]:
+                k_cache.index_copy_(0, rows[layer], values[picked, layer, 0])
+                v_cache.index_copy_(0, rows[layer], values[picked, layer, 1])
+            else:
+                k_cache.index_copy_(0, ids, values[:, layer, 0])
+                v_cache.index_copy_(0, ids, values[:, layer, 1])
 
     @torch.inference_mode()
     def execute(self, scheduled: Sequence[ScheduledRequest]) -> StepResult:
@@ -121,6 +157,13 @@ class ModelRunner:
                 sampled_requests.append(request)
         meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size, self.device)
         meta.batch_invariant = self.batch_invariant
+        window_meta = None
+        if any(self.window_layers):  # the same step over the window layers' slots (-1: released below a window)
+            slot_of = self.window_slots.slot_of
+            window_meta = AttentionMetadata.build(query_lens, seq_lens, [[slot_of[b] for b in table]
+                                                                         for table in block_tables],
+                                                  self.block_size, self.device)
+            window_meta.batch_invariant = self.batch_invariant
         # Only the sampled rows' outputs are used: the last layer computes those alone (every row's
         # K/V is still written). A step of decodes samples every row.
         every_row = len(sample_rows) == len(input_ids)
@@ -130,6 +173,7 @@ class ModelRunner:
             self.kv_caches,
             meta,
             output_rows=None if every_row else sample_rows,
+            window_meta=window_meta,
         )
         if not sample_rows:
             return StepResult([None] * len(scheduled), [None] * len(scheduled))

@@ -11,6 +11,11 @@ the cache, since its own full blocks stay cached.
 
 A request that cannot get a block even alone (pinned prefixes hold the rest of the pool) is
 never preempted in a loop: it finishes with "length" if it has output, else with "error".
+
+A model with sliding-window layers may keep their K/V in a smaller pool (cache/window_slots.py): a request
+attaches the blocks its window covers, from `request.window_start` on, and detaches those its window leaves
+as it advances; room in that pool is checked with the blocks', and a cached match is cut to where its last
+window of blocks is still held.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import NamedTuple, Optional, Sequence
 from ..cache import Block, BlockKeyer, RadixCache
 from ..cache.hot_prefixes import HotPrefixPolicy
 from ..cache.reuse_gaps import ReuseGapTracker
+from ..cache.window_slots import WindowSlots
 from .request import Request, RequestStatus
 from .stopping import check_stop
 
@@ -56,8 +62,10 @@ class Scheduler:
         policy: str = "fcfs",
         reuse_gaps: Optional[ReuseGapTracker] = None,
         hot_prefixes: Optional[HotPrefixPolicy] = None,
+        window_slots: Optional[WindowSlots] = None,
     ) -> None:
         self.cache = cache
+        self.window_slots = window_slots
         self.reuse_gaps = reuse_gaps  # measures release -> next use of prefixes, for TTL planning
         self.hot_prefixes = hot_prefixes  # counts reuse of cached prefixes; the engine ticks it to pin
         self.keyer = keyer
@@ -101,15 +109,19 @@ class Scheduler:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             needed = self._blocks_for(request.num_computed_tokens + num_new) - len(request.blocks)
-            while not self.cache.can_allocate(needed) and self.running[-1] is not request:
+            self._slide_window(request)
+            while not self._fits(needed) and self.running[-1] is not request:
                 output.preempted.append(self._preempt(self.running[-1]))
-            if not self.cache.can_allocate(needed):
+            if not self._fits(needed):
                 if index == 0:  # alone, and still no room: waiting would never end
                     self._finish_unfittable(request, needed, output)
                 else:  # older requests hold the blocks; they will finish
                     output.preempted.append(self._preempt(request))
                 continue
-            request.blocks += self.cache.allocate(needed)
+            new_blocks = self.cache.allocate(needed)
+            request.blocks += new_blocks
+            if self.window_slots is not None:
+                self.window_slots.attach([block.block_id for block in new_blocks])
             output.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
             index += 1
@@ -127,6 +139,10 @@ class Scheduler:
             num_cached = len(hit) * self.block_size
             num_new = min(request.num_tokens - num_cached, budget)
             needed = self._blocks_for(num_cached + num_new) - len(hit)
+            window_start = self.window_slots.first_block(num_cached) if self.window_slots is not None else 0
+            if self.window_slots is not None and not self.window_slots.can_attach(
+                    [block.block_id for block in hit[window_start:]], needed):
+                break  # the window layers' pool is held by running requests: they will move on
             blocks = self.cache.admit(hit, needed, request.prefix_ttl)
             if blocks is None:
                 if self.running or output.scheduled:
@@ -138,6 +154,9 @@ class Scheduler:
             self.waiting.remove(request)
             request.blocks = blocks
             request.num_computed_tokens = num_cached
+            if self.window_slots is not None:
+                request.window_start = window_start
+                self.window_slots.attach([block.block_id for block in blocks[window_start:]])
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
                 self.cache.stats.record_query(request.num_prompt_tokens, num_cached)
@@ -167,7 +186,10 @@ class Scheduler:
         if not self.enable_prefix_caching:
             return []
         self.keyer.extend(request.block_keys, request.scope_digest, request.token_ids, request.private_from)
-        return self.cache.match(request.scope_digest, request.block_keys, request.token_ids, record_stats=False).blocks
+        hit = self.cache.match(request.scope_digest, request.block_keys, request.token_ids, record_stats=False).blocks
+        if self.window_slots is not None:  # only as far as the window layers still hold the last window
+            hit = hit[:self.window_slots.usable_hit(hit)]
+        return hit
 
     def _finish_unfittable(self, request: Request, num_needed: int, output: SchedulerOutput) -> None:
         if request.num_output_tokens > 0:
@@ -190,7 +212,24 @@ class Scheduler:
         self.num_preemptions += 1
         return request
 
+    def _fits(self, num_blocks: int) -> bool:
+        """Room for `num_blocks` new blocks, in the pool and in the window layers' pool."""
+        return self.cache.can_allocate(num_blocks) and (
+            self.window_slots is None or self.window_slots.can_attach((), num_blocks))
+
+    def _slide_window(self, request: Request) -> None:
+        """Detach the blocks the request's window has left (it computes from num_computed_tokens on)."""
+        if self.window_slots is None:
+            return
+        first = self.window_slots.first_block(request.num_computed_tokens)
+        if first > request.window_start:
+            self.window_slots.detach([block.block_id for block in request.blocks[request.window_start:first]])
+            request.window_start = first
+
     def _release(self, request: Request) -> None:
+        if self.window_slots is not None:
+            self.window_slots.detach([block.block_id for block in request.blocks[request.window_start:]])
+            request.window_start = 0
         self.cache.release(request.blocks)
         request.blocks = []
         request.num_inserted_blocks = 0

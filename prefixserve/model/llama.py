@@ -234,26 +234,36 @@ class LlamaForCausalLM(nn.Module):
         return True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata, output_rows: Optional[list[int]] = None) -> torch.Tensor:
+                meta: AttentionMetadata, output_rows: Optional[list[int]] = None,
+                window_meta: Optional[AttentionMetadata] = None) -> torch.Tensor:
         """Final-normed hidden states [T, hidden] of the flat tokens input_ids [T] at positions [T].
 
         With `output_rows` (row indices), only those rows' states [R, hidden], in that order: the last
         layer then attends and runs its MLP for them alone (a 2,020-token prompt sampling one row
         skips an eighth of the built-in model's work). Every row's K/V is written to the cache either way.
+        `window_meta`, where the sliding-window layers keep their K/V in a pool of their own
+        (cache/window_slots.py), is the step's metadata over that pool's slots: those layers read it.
         """
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
+        last = len(self.layers) - 1
+        metas = [window_meta if window_meta is not None and layer.self_attn.window is not None else meta
+                 for layer in self.layers]
         kept = None
         if output_rows is not None:
-            kept = OutputRows.of(meta, list(output_rows), kv_caches[0][0].shape[1], input_ids.device)
+            kept = OutputRows.of(metas[last], list(output_rows), kv_caches[last][0].shape[1], input_ids.device)
         x = self.embed(input_ids)
         rotary = self.rotary(positions, x.dtype)
         local_rotary = self.local_rotary(positions, x.dtype) if self.local_rotary is not None else rotary
-        plan = plan_step(meta, kv_caches[0][0])  # once per step; every layer reads the same slots
-        last = len(self.layers) - 1
+        plans = {}  # once per step and pool; every layer of a pool reads the same slots
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            x = layer(x, local_rotary if layer.self_attn.is_local else rotary, kv_cache, meta, plan,
-                      kept if index == last else None)
+            layer_meta = metas[index]
+            if id(layer_meta) not in plans:
+                # A window pool's rows past their windows go to windowed_attention: no plan over released blocks
+                released = layer_meta is window_meta and max(meta.seq_lens_list, default=0) > layer.self_attn.window
+                plans[id(layer_meta)] = None if released else plan_step(layer_meta, kv_cache[0])
+            x = layer(x, local_rotary if layer.self_attn.is_local else rotary, kv_cache, layer_meta,
+                      plans[id(layer_meta)], kept if index == last else None)
         return self.norm(x)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
