@@ -1,7 +1,7 @@
 """The sliding-window layers' own pool (issue 27, cache/window_slots.py): a running request holds only the blocks its
 window covers on those layers, a cached prefix hits only where its last window is still held, and no token
-changes for it: against transformers, against the engine with one pool for every layer, through eviction
-of the window slots, and through a host tier."""
+changes for it: against transformers, against the engine with one pool for every layer, through reuse of
+the window slots, and through a disk tier that brings them back."""
 
 from __future__ import annotations
 
@@ -132,13 +132,16 @@ def test_the_same_budget_holds_more_blocks(window_model):
     assert window_caches and all(k.shape[0] == released.window_slots.num_slots for k, _ in window_caches)
 
 
-def test_blocks_spilled_to_host_ram_come_back_with_their_window_layers(window_model):
-    """A small pool spills to host RAM; blocks whose window K/V is gone are not spilled, fetched ones get slots."""
-    llm = make_llm(model=str(window_model), kv_host_cache_bytes=8 << 20, max_num_batched_tokens=32,
+def test_a_tier_brings_back_the_window_layers_a_match_lacks(window_model, tmp_path):
+    """The first prompt's window slots are reused by others while its blocks stay in the pool: the disk tier
+    (written when each block was computed, every layer) restores them, the cached copies take the slots."""
+    llm = make_llm(model=str(window_model), kv_disk_cache_dir=str(tmp_path), max_num_batched_tokens=32,
                    kv_cache_memory_bytes=600 << 10)
-    prompts = [STORY * 6] + [f"Unrelated prompt {i} pushes the first one out of the pool. " * 6 for i in range(3)]
+    prompts = [STORY * 6] + [f"Unrelated prompt {i} takes the window slots of the first. " * 10 for i in range(5)]
     cold = [llm.generate([prompt], PARAMS, use_tqdm=False)[0] for prompt in prompts]
+    assert llm.engine.window_slots.num_reused > 0
     again = llm.generate([prompts[0]], PARAMS, use_tqdm=False)[0]
+    assert llm.engine.tiers.hit_tokens["disk"] > 0 and again.num_cached_tokens >= len(again.prompt_token_ids) - 16
     assert again.token_ids == cold[0].token_ids
     reference = transformers_greedy(window_model, [out.prompt_token_ids for out in cold], NUM_TOKENS)
     assert [out.token_ids for out in cold] == reference

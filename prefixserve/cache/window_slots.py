@@ -86,17 +86,20 @@ class WindowSlots:
             if self.users[block_id] == 0 and self.slot_of[block_id] >= 0:
                 self._idle[block_id] = None
 
-    def give_idle(self, block_id: int) -> bool:
-        """A slot for a block no request uses yet (K/V brought back from a tier): True when it has one; never
-        takes a slot a running request holds."""
-        if self.slot_of[block_id] >= 0:
-            return True
-        if not self._free and not self._idle:
-            return False
-        self.slot_of[block_id] = self._take()
-        if self.users[block_id] == 0:
-            self._idle[block_id] = None
-        return True
+    def give_idle(self, block_ids: Sequence[int]) -> list[bool]:
+        """Slots for blocks no request uses yet (K/V brought back from a tier), the last ones first where there
+        is not room for all (a match needs its last window); never a slot a running request holds. Which of
+        them have one now."""
+        batch = set(block_ids)
+        wanted = [block_id for block_id in block_ids if self.slot_of[block_id] < 0]
+        room = len(self._free) + sum(1 for block_id in self._idle if block_id not in batch)
+        for block_id in wanted[max(0, len(wanted) - room):]:
+            self.slot_of[block_id] = self._take()
+        for block_id in block_ids:  # idle in their order: the earliest are taken first
+            if self.slot_of[block_id] >= 0 and self.users[block_id] == 0:
+                self._idle.pop(block_id, None)
+                self._idle[block_id] = None
+        return [self.slot_of[block_id] >= 0 for block_id in block_ids]
 
     def merge(self, duplicate: int, kept: int) -> None:
         """The radix cache replaced block `duplicate` by its cached copy `kept` (same tokens, same K/V): the

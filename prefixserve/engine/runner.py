@@ -126,7 +126,7 @@ class ModelRunner:
         values = flat.view(len(block_ids), *self.block_shape).to(self.device)
         kept = list(range(len(block_ids)))
         if any(self.window_layers):
-            kept = [i for i, block_id in enumerate(block_ids) if self.window_slots.give_idle(block_id)]
+            kept = [i for i, given in enumerate(self.window_slots.give_idle(block_ids)) if given]
         ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
         picked = torch.tensor(kept, dtype=torch.int64, device=self.device)
         rows = self._rows_of([block_ids[i] for i in kept])

@@ -74,6 +74,9 @@ class TierReads:
                                      request.private_from)
             limit = max_hit_blocks(request.num_prompt_tokens, self.block_size, len(keys))
             hit = self.cache.match(request.scope_digest, keys, request.token_ids, record_stats=False).blocks
+            slots = self.runner.window_slots
+            if slots is not None:  # past where the window layers still hold the last window, a tier's record
+                hit = hit[:slots.usable_hit(hit)]  # brings their K/V back (the cached copy takes its slot)
             fetch = self.fetches[request.request_id] = TierFetch(request, start=len(hit))
             self._plan_and_fetch(fetch, keys[:limit])
 
