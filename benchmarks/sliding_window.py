@@ -1,12 +1,16 @@
 """A sliding-window model's prefix-cache hit against a full-attention model's, at long histories (issue 27).
 
     python benchmarks/sliding_window.py [--lengths 2000,8000] [--window 4096] [--repeats 3] [--dtype float32]
+                                        [--memory-context 32768]
 
-Both models are the built-in model's weights with 16,384 positions: one Llama (full attention), one Mistral
+Both models are the built-in model's weights with 40,960 positions: one Llama (full attention), one Mistral
 whose every layer slides over `--window` keys. For each history length L (+ 20 new tokens) it measures the TTFT
-of a miss (nothing cached) and of a hit (L cached, 20 new; a fresh suffix each repeat), medians of `--repeats`,
-and the KV memory the cached prefix holds (elements of the blocks it keeps; every layer keeps every block today). Prints a table with the CPU, saves
-benchmarks/results/sliding_window.png.
+of a miss (nothing cached) and of a hit (L cached, 20 new; a fresh suffix each repeat), medians of `--repeats`.
+Then the memory: one request of `--memory-context` tokens through the window model, stepped, counting the
+window layers' slots (cache/window_slots.py) it holds at most while it runs and the idle ones its finished
+prefix keeps (reclaimable: taken first when the pool needs room), against the blocks the full-attention model's
+layers hold for it (all of them); and the pool each model gets from the same 1 GiB budget. Prints tables with
+the CPU, saves benchmarks/results/sliding_window.png.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from prefixserve.model import ensure_default_model
 from prefixserve.model.cpu_caps import cpu_name
 
 SUFFIX_LEN = 20
-POSITIONS = 16384
+POSITIONS = 40960
 ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
 
@@ -59,12 +63,31 @@ def measure(model_dir: Path, lengths: list[int], repeats: int, dtype: str, seed:
             out = llm.generate([prefix + suffix], ONE_TOKEN, use_tqdm=False)[0]
             assert out.num_cached_tokens >= length - 16, "the prefix was not read back"
             hits.append(out.metrics.ttft)
-        # KV the cached prefix holds: its blocks (each holds every layer's K and V of block_size tokens)
-        rows.append({"length": length, "miss": statistics.median(misses), "hit": statistics.median(hits),
-                     "kv_bytes": engine.cache.num_cached_blocks * math.prod(engine.runner.block_shape)})
+        rows.append({"length": length, "miss": statistics.median(misses), "hit": statistics.median(hits)})
         engine.cache.clear()
     llm.close()
     return rows
+
+
+def memory(model_dir: Path, context: int, dtype: str, seed: int) -> dict:
+    """Slots and blocks one `context`-token request holds (see the module docstring)."""
+    llm = LLM(str(model_dir), dtype=dtype, max_model_len=context + 16, kv_cache_memory_bytes=1 << 30,
+              log_stats=False)
+    engine, rng = llm.engine, random.Random(seed)
+    slots, blocks = engine.window_slots, -(-context // engine.config.block_size)
+    most_held = blocks  # full attention: every layer holds every block (not run: its prefill is quadratic)
+    if slots is not None:
+        engine.add_request({"prompt_token_ids": [rng.randrange(10, 8000) for _ in range(context - 1)]}, ONE_TOKEN)
+        most_held = 0
+        while engine.has_unfinished_requests():
+            engine.step()
+            most_held = max(most_held, slots.num_held)
+    row = {"blocks": blocks, "most_held": most_held,
+           "idle": slots.num_idle if slots is not None else 0, "pool_blocks": engine.cache.pool.num_blocks,
+           "slots": slots.num_slots if slots is not None else 0,
+           "block_bytes": math.prod(engine.runner.block_shape) * engine.runner.kv_caches[0][0].element_size()}
+    llm.close()
+    return row
 
 
 def main() -> None:
@@ -73,6 +96,7 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--memory-context", type=int, default=32768)
     args = parser.parse_args()
     lengths = [int(n) for n in args.lengths.split(",")]
     with tempfile.TemporaryDirectory() as scratch:
@@ -82,13 +106,25 @@ def main() -> None:
                       "architectures": ["MistralForCausalLM"], "model_type": "mistral",
                       "sliding_window": args.window})}
         results = {name: measure(path, lengths, args.repeats, args.dtype, seed=0) for name, path in models.items()}
+        held = {name: memory(path, args.memory_context, args.dtype, seed=1) for name, path in models.items()}
     full, windowed = results.values()
     print(f"{cpu_name()}, {args.dtype}, built-in model's weights, medians of {args.repeats}")
-    print("| history | full miss | full hit | window miss | window hit | hit ratio | prefix KV ratio |")
-    print("|---|---|---|---|---|---|---|")
+    print("| history | full miss | full hit | window miss | window hit | hit ratio |")
+    print("|---|---|---|---|---|---|")
     for a, b in zip(full, windowed):
         print(f"| {a['length']:,} | {a['miss'] * 1e3:,.0f} ms | {a['hit'] * 1e3:,.1f} ms | {b['miss'] * 1e3:,.0f} ms | "
-              f"{b['hit'] * 1e3:,.1f} ms | {b['hit'] / a['hit']:.2f}x | {b['kv_bytes'] / a['kv_bytes']:.2f} |")
+              f"{b['hit'] * 1e3:,.1f} ms | {b['hit'] / a['hit']:.2f}x |")
+    whole, slid = held.values()
+    print(f"\none request of {args.memory_context:,} tokens, window {args.window:,}, 1 GiB budget; window layers' K/V "
+          f"in blocks of {whole['block_bytes'] / 2**20:.2f} MiB (all layers of 16 tokens)")
+    print("| | full attention | window model | ratio | window / context |")
+    print("|---|---|---|---|---|")
+    print(f"| blocks its window layers hold while it runs (most) | {whole['blocks']:,} | {slid['most_held']:,} | "
+          f"{slid['most_held'] / whole['blocks']:.3f} | {args.window / args.memory_context:.3f} |")
+    print(f"| ... after it finished: held / idle (reclaimable) | {whole['blocks']:,} / 0 | 0 / {slid['idle']:,} | "
+          f"0 / {slid['idle'] / whole['blocks']:.3f} | |")
+    print(f"| the pool from the same budget: blocks (window layers' slots) | {whole['pool_blocks']:,} | "
+          f"{slid['pool_blocks']:,} ({slid['slots']:,}) | {slid['pool_blocks'] / whole['pool_blocks']:.2f}x tokens | |")
     plot(results, Path(__file__).parent / "results" / "sliding_window.png")
 
 
