@@ -9,7 +9,8 @@ of a miss (nothing cached) and of a hit (L cached, 20 new; a fresh suffix each r
 Then the memory: one request of `--memory-context` tokens through the window model, stepped, counting the
 window layers' slots (cache/window_slots.py) it holds at most while it runs and the idle ones its finished
 prefix keeps (reclaimable: taken first when the pool needs room), against the blocks the full-attention model's
-layers hold for it (all of them); and the pool each model gets from the same 1 GiB budget. Prints tables with
+layers hold for it (all of them), while it decodes and at most during its prefill; and the pool each model gets
+from the same 1 GiB budget. Prints tables with
 the CPU, saves benchmarks/results/sliding_window.png.
 """
 
@@ -75,14 +76,17 @@ def memory(model_dir: Path, context: int, dtype: str, seed: int) -> dict:
               log_stats=False)
     engine, rng = llm.engine, random.Random(seed)
     slots, blocks = engine.window_slots, -(-context // engine.config.block_size)
-    most_held = blocks  # full attention: every layer holds every block (not run: its prefill is quadratic)
+    most_held = decode_held = blocks  # full attention: every layer holds every block (not run: quadratic prefill)
     if slots is not None:
-        engine.add_request({"prompt_token_ids": [rng.randrange(10, 8000) for _ in range(context - 1)]}, ONE_TOKEN)
+        request = engine.add_request({"prompt_token_ids": [rng.randrange(10, 8000) for _ in range(context - 4)]},
+                                     SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
         most_held = 0
         while engine.has_unfinished_requests():
             engine.step()
             most_held = max(most_held, slots.num_held)
-    row = {"blocks": blocks, "most_held": most_held,
+            if not request.is_finished and request.num_computed_tokens >= request.num_prompt_tokens:
+                decode_held = slots.num_held  # decoding: its window and the block being written
+    row = {"blocks": blocks, "most_held": most_held, "decode_held": decode_held,
            "idle": slots.num_idle if slots is not None else 0, "pool_blocks": engine.cache.pool.num_blocks,
            "slots": slots.num_slots if slots is not None else 0,
            "block_bytes": math.prod(engine.runner.block_shape) * engine.runner.kv_caches[0][0].element_size()}
@@ -119,8 +123,10 @@ def main() -> None:
           f"in blocks of {whole['block_bytes'] / 2**20:.2f} MiB (all layers of 16 tokens)")
     print("| | full attention | window model | ratio | window / context |")
     print("|---|---|---|---|---|")
-    print(f"| blocks its window layers hold while it runs (most) | {whole['blocks']:,} | {slid['most_held']:,} | "
-          f"{slid['most_held'] / whole['blocks']:.3f} | {args.window / args.memory_context:.3f} |")
+    print(f"| blocks its window layers hold while it decodes | {whole['blocks']:,} | {slid['decode_held']:,} | "
+          f"{slid['decode_held'] / whole['blocks']:.3f} | {args.window / args.memory_context:.3f} |")
+    print(f"| ... at most, during its prefill (window + a 2,048-token chunk) | {whole['blocks']:,} | "
+          f"{slid['most_held']:,} | {slid['most_held'] / whole['blocks']:.3f} | |")
     print(f"| ... after it finished: held / idle (reclaimable) | {whole['blocks']:,} / 0 | 0 / {slid['idle']:,} | "
           f"0 / {slid['idle'] / whole['blocks']:.3f} | |")
     print(f"| the pool from the same budget: blocks (window layers' slots) | {whole['pool_blocks']:,} | "

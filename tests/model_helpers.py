@@ -128,6 +128,23 @@ def phi3_config(vocab_size: int = 8192) -> dict:
     }
 
 
+def phi3_longrope_config(vocab_size: int = 8192) -> dict:
+    """Phi-3 128k style LongRoPE with a pre-training length of 24 tokens: the test prompts of 5-12 tokens grow
+    past it while generating (recomputed with the long factors, as transformers does) and the longer one starts
+    past it. The two factor sets differ enough that a row rotated with the wrong one changes the tokens."""
+    return {**phi3_config(vocab_size), "original_max_position_embeddings": 24,
+            "rope_scaling": {"type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(16)],
+                             "long_factor": [1.0 + 0.9 * i for i in range(16)]}}
+
+
+def phi4_mini_config(vocab_size: int = 8192) -> dict:
+    """Phi-4-mini style: LongRoPE on the first 3/4 of each head (partial_rotary_factor), 2 KV heads, tied."""
+    return {**phi3_config(vocab_size), "num_key_value_heads": 2, "partial_rotary_factor": 0.75,
+            "original_max_position_embeddings": 24, "tie_word_embeddings": True,
+            "rope_scaling": {"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(12)],
+                             "long_factor": [2.0 + 1.5 * i for i in range(12)]}}
+
+
 def gemma3_config(vocab_size: int = 8192) -> dict:
     """Gemma 3 text: GeGLU, (1 + w) norms, q/k norms, query_pre_attn_scalar apart from head_dim, a global layer
     (linear rope scaling) between two local ones (their own rope base), a final logit cap. Untied: tied random

@@ -10,12 +10,13 @@ import pytest
 from prefixserve import SamplingParams
 
 from conftest import make_llm
-from model_helpers import gemma2_config, gemma3_config, phi3_config, qwen3_config, smollm3_config, write_servable_checkpoint
+from model_helpers import (gemma2_config, gemma3_config, phi3_config, phi3_longrope_config, phi4_mini_config,
+                           qwen3_config, smollm3_config, write_servable_checkpoint)
 from server_helpers import LiveServer
 from test_engine_reference import NUM_TOKENS, PROMPTS, transformers_greedy
 
 FAMILIES = {"qwen3": qwen3_config, "smollm3": smollm3_config, "phi3": phi3_config, "gemma2": gemma2_config,
-            "gemma3": gemma3_config}
+            "gemma3": gemma3_config, "phi3_longrope": phi3_longrope_config, "phi4_mini": phi4_mini_config}
 LONG_PROMPT = "A cached prefix of several blocks, read back on the second request: " * 3
 
 

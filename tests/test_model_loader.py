@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from model_helpers import qwen2_config, write_random_checkpoint
+from model_helpers import gemma2_config, phi3_config, phi4_mini_config, qwen2_config, write_random_checkpoint
 from prefixserve.model import ModelConfig, ensure_default_model, load_generation_eos, load_model
 from prefixserve.model import loader
 
@@ -98,6 +98,20 @@ def test_config_reads_transformers5_rope_parameters():
     assert config.rope_theta == 500000.0
     assert config.rope_scaling["original_max_position_embeddings"] == 512  # defaults like transformers
     assert config.attention_bias and not config.o_proj_bias  # Qwen2: bias on q/k/v only
+
+
+def test_longrope_and_partial_rotary_configs_are_read_and_checked():
+    config = ModelConfig.from_hf_dict(phi4_mini_config())
+    assert config.rotary_dim == 24 and config.long_rope_after == 24
+    assert config.rope_scaling["rope_type"] == "longrope"
+    with pytest.raises(ValueError, match="long_factor must be 12 positive numbers"):
+        ModelConfig.from_hf_dict({**phi4_mini_config(), "rope_scaling": {
+            "type": "longrope", "short_factor": [1.0] * 12, "long_factor": [1.0] * 16}})
+    with pytest.raises(ValueError, match="partial_rotary_factor=0.8 gives 25 rotary dims"):
+        ModelConfig.from_hf_dict({**phi4_mini_config(), "partial_rotary_factor": 0.8})
+    with pytest.raises(ValueError, match="attn_logit_softcapping=0.0"):
+        ModelConfig.from_hf_dict({**gemma2_config(), "attn_logit_softcapping": 0.0})
+    assert ModelConfig.from_hf_dict(phi3_config()).long_rope_after is None
 
 
 # ---- loading and fingerprints ---------------------------------------------------------------------

@@ -8,6 +8,7 @@ tenant's chain forks right after it (see BlockKeyer.extend).
 
 from __future__ import annotations
 
+import hashlib
 from typing import Optional, Sequence
 
 from .keys import CacheScope, PrivateFrom
@@ -23,6 +24,12 @@ def compose_salt(tenant: Optional[str], cache_salt: Optional[str]) -> Optional[s
     if tenant is None and not cache_salt:
         return None
     return f"tenant={_length_prefixed(tenant)};salt={_length_prefixed(cache_salt or None)}"
+
+
+def long_rope_scope(digest: bytes) -> bytes:
+    """The scope of a LongRoPE sequence rotated with the long factors (model/rope.py): its K/V differs from the
+    same tokens' under the short ones, so its keys must too."""
+    return hashlib.sha256(b"prefixserve long rope\0" + digest).digest()
 
 
 def _length_prefixed(part: Optional[str]) -> str:

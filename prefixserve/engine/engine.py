@@ -71,6 +71,7 @@ class LLMEngine:
             reuse_gaps=self.reuse_gaps,
             hot_prefixes=self.hot_prefixes,
             window_slots=self.window_slots,
+            long_rope_after=loaded.config.long_rope_after,
         )
         # Lay linear weights out for oneDNN once, sized for a full step's token budget (CPU only).
         self._log_progress("packing weights for this CPU ...")

@@ -141,4 +141,7 @@ class InputProcessor:
         )
         if arrival_time is not None:
             request.metrics.arrival_time = arrival_time
+        long_after = version.config.long_rope_after
+        if long_after is not None and len(token_ids) > long_after:  # LongRoPE: a long prompt rotates long throughout
+            request.rotate_long()
         return request

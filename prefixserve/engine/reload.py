@@ -87,6 +87,7 @@ def swap_model(engine, version: ModelVersion) -> ReloadReport:
     successor = version.succeeding(engine.version)
     engine.runner.prepare(successor.model)  # may raise: before the swap, so a failure changes nothing
     previous = engine.current.swap(successor).scope  # the one swap: every reader sees the new version now
+    engine.scheduler.long_rope_after = successor.config.long_rope_after
     num_blocks = engine.cache.clear()  # every pooled block is the old scope's: none can match again
     records = engine.tiers.rescope(engine.scope.digest) if engine.tiers is not None else {}
     engine.num_reloads += 1

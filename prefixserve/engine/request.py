@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..cache import Block
+from ..cache.scoping import long_rope_scope
 from .sampling_params import SamplingParams
 from .structured_output import Grammar
 
@@ -70,6 +71,7 @@ class Request:
     block_keys: list[bytes] = field(default_factory=list)
     num_inserted_blocks: int = 0  # leading blocks registered in the radix index
     window_start: int = 0  # blocks from here on are attached in the window layers' pool (cache/window_slots.py)
+    long_rope: bool = False  # LongRoPE: rotated with the long factors (model/rope.py), keyed in their own scope
     num_preemptions: int = 0
     is_fetching: bool = False  # its prefix is being read back from a lower tier: not admitted meanwhile
     status: RequestStatus = RequestStatus.WAITING
@@ -85,6 +87,15 @@ class Request:
             self.token_ids = list(self.prompt_token_ids)
         if self.logprobs is None and self.sampling_params.logprobs is not None:
             self.logprobs = []
+
+    def rotate_long(self) -> None:
+        """From now on this request rotates with LongRoPE's long factors: its keys move to their own scope
+        (computed afresh); the caller recomputes whatever K/V it had."""
+        self.long_rope = True
+        self.scope_digest = long_rope_scope(self.scope_digest)
+        if self.private_from is not None:
+            self.private_from = (self.private_from[0], long_rope_scope(self.private_from[1]))
+        self.block_keys.clear()
 
     def block_scope(self, index: int) -> bytes:
         """The scope block `index` of this request belongs to: the tenant's private one from

@@ -138,6 +138,16 @@ class ModelRunner:
                 k_cache.index_copy_(0, ids, values[:, layer, 0])
                 v_cache.index_copy_(0, ids, values[:, layer, 1])
 
+    def _rotary_positions(self, meta: AttentionMetadata, scheduled: Sequence[ScheduledRequest]) -> torch.Tensor:
+        """The rows of the rotary table each row reads: its position, past `long_offset` for a sequence that
+        rotates with LongRoPE's long factors (model/rope.py)."""
+        offset = self.model.rotary.long_offset
+        if offset is None or not any(request.long_rope for request, _ in scheduled):
+            return meta.positions
+        shifts = torch.tensor([offset if request.long_rope else 0 for request, _ in scheduled], dtype=torch.int64)
+        rows = torch.tensor([num_new for _, num_new in scheduled], dtype=torch.int64)
+        return meta.positions + torch.repeat_interleave(shifts, rows).to(meta.positions.device)
+
     @torch.inference_mode()
     def execute(self, scheduled: Sequence[ScheduledRequest]) -> StepResult:
         """Run one step; a sampled token (and logprob) per request, None for mid-prompt chunks."""
@@ -169,7 +179,7 @@ class ModelRunner:
         every_row = len(sample_rows) == len(input_ids)
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.int64, device=self.device),
-            meta.positions,
+            self._rotary_positions(meta, scheduled),
             self.kv_caches,
             meta,
             output_rows=None if every_row else sample_rows,

@@ -12,6 +12,9 @@ the cache, since its own full blocks stay cached.
 A request that cannot get a block even alone (pinned prefixes hold the rest of the pool) is
 never preempted in a loop: it finishes with "length" if it has output, else with "error".
 
+A LongRoPE model's sequence that grows past the pre-training length is preempted and recomputed with the
+long factors, in their own key scope (Request.rotate_long), as transformers recomputes it.
+
 A model with sliding-window layers may keep their K/V in a smaller pool (cache/window_slots.py): a request
 attaches the blocks its window covers, from `request.window_start` on, and detaches those its window leaves
 as it advances; room in that pool is checked with the blocks', and a cached match is cut to where its last
@@ -63,9 +66,12 @@ class Scheduler:
         reuse_gaps: Optional[ReuseGapTracker] = None,
         hot_prefixes: Optional[HotPrefixPolicy] = None,
         window_slots: Optional[WindowSlots] = None,
+        long_rope_after: Optional[int] = None,
     ) -> None:
         self.cache = cache
         self.window_slots = window_slots
+        # LongRoPE (model/rope.py): a sequence growing past this many tokens is recomputed with the long factors
+        self.long_rope_after = long_rope_after
         self.reuse_gaps = reuse_gaps  # measures release -> next use of prefixes, for TTL planning
         self.hot_prefixes = hot_prefixes  # counts reuse of cached prefixes; the engine ticks it to pin
         self.keyer = keyer
@@ -108,6 +114,12 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if (self.long_rope_after is not None and not request.long_rope
+                    and request.num_computed_tokens + num_new > self.long_rope_after):
+                # transformers recomputes the whole sequence with the long factors here: so do we
+                request.rotate_long()
+                output.preempted.append(self._preempt(request))
+                continue
             needed = self._blocks_for(request.num_computed_tokens + num_new) - len(request.blocks)
             self._slide_window(request)
             while not self._fits(needed) and self.running[-1] is not request:

@@ -102,6 +102,7 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         self.uses_rope = config.uses_rope(layer_index)  # SmolLM3's NoPE layers attend without positions
+        self.rotary_dim = config.rotary_dim  # Phi-4-mini rotates the first 3/4 of each head
         self.window = config.window_of(layer_index)  # keys a row sees, None: all before it (attention.py)
         self.is_local = self.window is not None and config.local_rope_theta is not None  # Gemma 3's rope base
         # Qwen3 normalises each q and k head before the rotation (one weight per head_dim, shared by the heads)
@@ -118,7 +119,10 @@ class Attention(nn.Module):
             self._norm_heads(qkv)
         # q and k heads are adjacent columns: rotate them in one pass (half the elementwise ops).
         compiled = rowwise_for(qkv) if self.head_dim % 32 == 0 else None
-        if not self.uses_rope:
+        if not self.uses_rope or self.rotary_dim < self.head_dim:
+            qk = qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+            if self.uses_rope:  # the rotated part, in place; the rest of each head passes through
+                qk[..., :self.rotary_dim] = rotate(qk[..., :self.rotary_dim], *rotary)
             q = qkv[:, :self.q_size].view(num_tokens, self.num_heads, self.head_dim)
             k = qkv[:, self.q_size:qk_size].view(num_tokens, self.num_kv_heads, self.head_dim)
         elif compiled is not None:  # in place, in qkv's own memory

@@ -15,7 +15,7 @@ from .model_families import family_fields
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "SmolLM3ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 _REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                   "num_attention_heads", "max_position_embeddings")
 
@@ -43,6 +43,7 @@ class ModelConfig:
     window_layers: tuple[bool, ...] = ()  # which layers slide (Gemma 3's local ones...); (): all, given a window
     qk_norm: bool = False              # Qwen3: RMSNorm over each q and k head before the rotation
     rope_layers: tuple[bool, ...] = () # SmolLM3: which layers rotate q and k (the others are NoPE); (): all
+    partial_rotary_factor: float = 1.0  # Phi-4-mini: the rotation covers this share of each head's dims
     activation: str = "silu"           # of the gated MLP: "silu", or "gelu_tanh" (Gemma's GeGLU)
     attention_scale: float | None = None  # Gemma 3: query_pre_attn_scalar ** -0.5; None: head_dim ** -0.5
     local_rope_theta: float | None = None  # Gemma 3: the window layers' rope base
@@ -56,6 +57,18 @@ class ModelConfig:
     @property
     def architecture(self) -> str:
         return self.architectures[0]
+
+    @property
+    def rotary_dim(self) -> int:
+        """The leading dims of each q and k head that rotate (the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def long_rope_after(self) -> int | None:
+        """LongRoPE: the length past which a sequence rotates with the long factors; None without it."""
+        scaling = self.rope_scaling
+        return None if scaling is None or scaling["rope_type"] != "longrope" else \
+            int(scaling["original_max_position_embeddings"])
 
     @property
     def max_context_len(self) -> int:
@@ -113,6 +126,9 @@ class ModelConfig:
                 f"num_key_value_heads={self.num_key_value_heads}; fix one of them")
         if self.head_dim % 2:
             raise ValueError(f"config head_dim={self.head_dim} must be even for rotary embeddings")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2 or self.rotary_dim == 0:
+            raise ValueError(f"config partial_rotary_factor={self.partial_rotary_factor} gives {self.rotary_dim} "
+                             f"rotary dims of head_dim {self.head_dim}; it must be in (0, 1] and give an even number")
         if not self.rms_norm_eps > 0:
             raise ValueError(f"config rms_norm_eps={self.rms_norm_eps}; it must be > 0")
         for name in ("attn_logit_softcapping", "final_logit_softcapping"):
@@ -122,7 +138,7 @@ class ModelConfig:
         if not self.rope_theta > 0:
             raise ValueError(f"config rope_theta={self.rope_theta}; it must be > 0")
         if self.rope_scaling is not None:
-            _check_rope_scaling(self.rope_scaling)
+            _check_rope_scaling(self.rope_scaling, self.rotary_dim)
         for name, flags in (("no_rope_layers", self.rope_layers), ("layer_types", self.window_layers)):
             if flags and len(flags) != self.num_hidden_layers:
                 raise ValueError(f"config {name} has {len(flags)} entries for {self.num_hidden_layers} layers; "
@@ -152,23 +168,38 @@ def _rope_fields(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     if rope_type == "llama3":
         # As transformers: the pre-training length defaults to max_position_embeddings.
         params.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
+    if rope_type == "longrope":  # Phi-3 keeps the pre-training length beside rope_scaling (Phi3Config: 4096)
+        original = hf.get("original_max_position_embeddings")
+        if original is None and hf.get("architectures", [None])[0] == "Phi3ForCausalLM":
+            original = 4096
+        params["original_max_position_embeddings"] = original or params.get("original_max_position_embeddings") \
+            or hf.get("max_position_embeddings")
+    params.pop("type", None)
+    params.pop("partial_rotary_factor", None)  # a field of its own (partial_rotary_factor)
     return theta, params
 
 
-def _check_rope_scaling(scaling: dict[str, Any]) -> None:
+def _check_rope_scaling(scaling: dict[str, Any], rotary_dim: int) -> None:
     rope_type = scaling.get("rope_type")
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
             f"config rope_scaling type {rope_type!r} is not supported; supported: "
             f"{', '.join(SUPPORTED_ROPE_TYPES)}")
     needed = {"linear": ("factor",),
-              "llama3": ("factor", "low_freq_factor", "high_freq_factor",
-                         "original_max_position_embeddings")}[rope_type]
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+              "longrope": ("short_factor", "long_factor", "original_max_position_embeddings")}[rope_type]
     for key in needed:
         if scaling.get(key) is None:
             raise ValueError(f"config rope_scaling of type {rope_type!r} is missing {key!r}")
     if rope_type == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
         raise ValueError("config rope_scaling needs high_freq_factor > low_freq_factor")
+    if rope_type == "longrope":
+        for key in ("short_factor", "long_factor"):
+            factors = scaling[key]
+            if not isinstance(factors, list) or len(factors) != rotary_dim // 2 or not all(
+                    isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in factors):
+                raise ValueError(f"config rope_scaling {key} must be {rotary_dim // 2} positive numbers (half the "
+                                 "rotary dims)")
 
 
 def load_generation_eos(path: str | Path) -> list[int]:

@@ -4,7 +4,8 @@ sliding window and its layers, and Gemma 3's activation, attention scale, local 
 silently ignored.
 
     family                differs from Llama in
-    Mistral, Phi-3        a sliding window on every layer (Phi-3 stores q/k/v, gate/up fused: hf_weights.py)
+    Mistral, Phi-3        a sliding window on every layer (Phi-3 stores q/k/v, gate/up fused: hf_weights.py;
+                          Phi-4-mini rotates part of each head, partial_rotary_factor)
     Qwen2                 q/k/v bias (not o_proj); with use_sliding_window, windows from max_window_layers on
     Qwen3                 RMSNorm on each q and k head; windows as Qwen2
     SmolLM3               layers without rotary (no_rope_layers); with use_sliding_window, those slide
@@ -36,7 +37,8 @@ def family_fields(architecture: str, hf: dict[str, Any]) -> dict[str, Any]:
     elif architecture == "SmolLM3ForCausalLM":
         fields["rope_layers"] = tuple(_smollm3_rope_layers(hf))
     elif architecture == "Phi3ForCausalLM":
-        _check_whole_rotary(hf)
+        fields["partial_rotary_factor"] = float(
+            (hf.get("rope_parameters") or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
     elif architecture == "Gemma2ForCausalLM":
         fields.update(_gemma2_fields(hf))
     elif architecture == "Gemma3ForCausalLM":
@@ -83,13 +85,6 @@ def _activation(name: str) -> str:
         raise ValueError(f"config.json hidden activation {name!r} is not supported; supported: "
                          f"{', '.join(ACTIVATIONS)}")
     return ACTIVATIONS[name]
-
-
-def _check_whole_rotary(hf: dict[str, Any]) -> None:
-    partial = (hf.get("rope_parameters") or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        raise ValueError(f"config.json partial_rotary_factor={partial} (Phi-4-mini's rotary on part of each head) "
-                         "is not supported yet; Phi-3 checkpoints rotate whole heads")
 
 
 def _gemma2_fields(hf: dict[str, Any]) -> dict[str, Any]:

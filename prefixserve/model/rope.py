@@ -2,7 +2,14 @@
 
 The frequencies follow transformers' ``modeling_rope_utils`` exactly (same float32 ops in the
 same order), because a last-bit difference in cos/sin shows up in the logits of a reference test.
+
+Phi-3's LongRoPE has two sets of frequencies: the short ones while a sequence is at most
+original_max_position_embeddings long, the long ones (for every position) once it is longer. The
+table holds both, the long set at rows `long_offset` + position; the engine decides per sequence
+which one it reads (runner.py), and a sequence that grows past the limit is recomputed in the long set, as
+transformers recomputes it (scheduler.py). Both sets are scaled by the attention factor.
 """
+
 
 from __future__ import annotations
 
@@ -14,11 +21,15 @@ from torch import nn
 from .model_config import ModelConfig
 
 
-def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
-    """float32 [head_dim // 2] inverse frequencies, including rope scaling."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+def inverse_frequencies(config: ModelConfig, long: bool = False) -> torch.Tensor:
+    """float32 [rotary_dim // 2] inverse frequencies, including rope scaling (LongRoPE: the `long` set or the
+    short one)."""
+    dim = config.rotary_dim
     scaling = config.rope_scaling
+    if scaling is not None and scaling["rope_type"] == "longrope":
+        factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+        return 1.0 / (factors * config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if scaling is None:
         return inv_freq
     if scaling["rope_type"] == "linear":
@@ -38,28 +49,48 @@ def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     return torch.where(is_medium_freq, smoothed, inv_freq_llama)
 
 
+def attention_factor(config: ModelConfig) -> float:
+    """LongRoPE's scale of cos and sin (transformers' default from the context extension), else 1."""
+    scaling = config.rope_scaling
+    if scaling is None or scaling["rope_type"] != "longrope":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or config.max_position_embeddings / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin for every position up to max_position_embeddings, computed once, looked up per step.
 
-    Only half of head_dim is stored: the rotate-half formula uses the same angle for both halves.
+    Only half of rotary_dim (head_dim, or Phi-4-mini's part of it) is stored: the rotate-half formula uses the
+    same angle for both halves. LongRoPE's long set follows the short one, from row `long_offset`.
     """
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        half = config.head_dim // 2
+        half = config.rotary_dim // 2
+        scaling = config.rope_scaling
+        self.long_offset = (config.max_position_embeddings if scaling is not None
+                            and scaling["rope_type"] == "longrope" else None)
+        rows = config.max_position_embeddings * (1 if self.long_offset is None else 2)
         # Buffers follow model.to(device, dtype); transformers casts cos/sin to the activation
         # dtype too, so a bf16 model rounds them the same way. Not persistent: derived from config.
-        self.register_buffer("cos", torch.empty(config.max_position_embeddings, half), persistent=False)
-        self.register_buffer("sin", torch.empty(config.max_position_embeddings, half), persistent=False)
+        self.register_buffer("cos", torch.empty(rows, half), persistent=False)
+        self.register_buffer("sin", torch.empty(rows, half), persistent=False)
         self.reset()
 
     def reset(self) -> None:
         """(Re)compute the tables in place, e.g. after ``to_empty`` from the meta device."""
         positions = torch.arange(self.config.max_position_embeddings, dtype=torch.int64).float()
-        freqs = positions[:, None] * inverse_frequencies(self.config)[None, :]  # float32, as transformers
-        self.cos = freqs.cos().to(device=self.cos.device, dtype=self.cos.dtype)
-        self.sin = freqs.sin().to(device=self.sin.device, dtype=self.sin.dtype)
+        sets = [False] if self.long_offset is None else [False, True]
+        # float32, as transformers: angles, then cos and sin times the attention factor
+        freqs = torch.cat([positions[:, None] * inverse_frequencies(self.config, long)[None, :] for long in sets])
+        scale = attention_factor(self.config)
+        self.cos = (freqs.cos() * scale).to(device=self.cos.device, dtype=self.cos.dtype)
+        self.sin = (freqs.sin() * scale).to(device=self.sin.device, dtype=self.sin.dtype)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, 1, head_dim // 2] for positions [T], ready to broadcast over heads."""
