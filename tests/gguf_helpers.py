@@ -71,7 +71,7 @@ def train_tokenizer(vocab_size: int = 360) -> tuple[list[str], list[str], list[i
 
 def tiny_llama_config(vocab_size: int, tie: bool = False, model_type: str = "llama") -> dict:
     return {
-        "architectures": ["Qwen2ForCausalLM" if model_type == "qwen2" else "LlamaForCausalLM"],
+        "architectures": [{"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(model_type, "LlamaForCausalLM")],
         "model_type": model_type, "vocab_size": vocab_size, "hidden_size": 64,
         "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 256,
@@ -108,6 +108,9 @@ def random_hf_weights(config: dict, seed: int = 0) -> dict[str, np.ndarray]:
         if config["model_type"] == "qwen2":
             for name, size in (("q", q_size), ("k", kv_size), ("v", kv_size)):
                 weights[prefix + f"self_attn.{name}_proj.bias"] = normal(size, std=0.1)
+        if config["model_type"] == "qwen3":
+            for name in ("q", "k"):
+                weights[prefix + f"self_attn.{name}_norm.weight"] = normal(config["head_dim"], std=0.1, mean=1.0)
     return weights
 
 
@@ -118,6 +121,7 @@ _GGUF_LAYER_NAMES = {
     "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.bias": "attn_v.bias", "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
 }
 _GGUF_GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                       "lm_head.weight": "output.weight"}

@@ -186,6 +186,34 @@ def test_qwen2_file_keeps_its_row_order_and_biases(tmp_path, tokenizer):
     load_model(converted, torch.float32, CPU)  # biases and tied embeddings fit our model
 
 
+def test_qwen3_file_keeps_its_head_norms_and_matches_transformers(tmp_path, tokenizer):
+    config = tiny_llama_config(vocab_size=len(tokenizer[0]), model_type="qwen3")
+    weights = random_hf_weights(config, seed=6)
+    path = write_gguf(tmp_path / "qwen3.gguf", config, gguf_tensors(config, weights), tokenizer=tokenizer,
+                      pre="qwen2")
+    converted = convert_gguf(path, tmp_path / "cache")
+    loaded = load_file(converted / "model.safetensors")
+    assert sorted(loaded) == sorted(weights)
+    for name, value in weights.items():
+        np.testing.assert_array_equal(loaded[name], value, err_msg=name)
+    assert json.loads((converted / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
+    ours = load_model(converted, torch.float32, CPU)
+    prompt = [5, 80, 17, 200, 33, 9, 150, 77, 3, 41, 250, 12, 99, 8, 60, 61, 62, 300, 7]
+    logits = PagedSequences(ours.model).step([prompt], [0], [[0, 1]])
+    # transformers' own GGUF reader takes Qwen3's head_dim from its config default, not the file's key_length:
+    # the reference is transformers' Qwen3 built from the original config and weights instead.
+    transformers = pytest.importorskip("transformers")
+    reference = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**config)).eval()
+    reference.load_state_dict({name: torch.from_numpy(value) for name, value in weights.items()})
+    with torch.no_grad():
+        expected = reference(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+    broken = {name: value for name, value in gguf_tensors(config, weights).items() if name != "blk.1.attn_k_norm.weight"}
+    with pytest.raises(ValueError, match="missing 1 tensors .*model.layers.1.self_attn.k_norm.weight"):
+        convert_gguf(write_gguf(tmp_path / "broken.gguf", config, broken, tokenizer=tokenizer, pre="qwen2"),
+                     tmp_path / "cache")
+
+
 # ---- errors --------------------------------------------------------------------------------------
 
 def test_unsupported_tensor_type_names_it_and_the_supported_ones(tmp_path, tokenizer):
@@ -218,7 +246,7 @@ def test_not_a_gguf_file(tmp_path):
 def test_unsupported_architecture(tmp_path, tiny):
     config = dict(tiny[1], model_type="gemma2")
     path = write_gguf(tmp_path / "gemma.gguf", config, {"token_embd.weight": np.zeros((4, 64), np.float32)})
-    with pytest.raises(ValueError, match=r"architecture 'gemma2' is not supported; supported: llama, qwen2"):
+    with pytest.raises(ValueError, match=r"architecture 'gemma2' is not supported; supported: llama, qwen2, qwen3"):
         convert_gguf(path, tmp_path / "cache")
 
 

@@ -37,11 +37,14 @@ class Architecture:
     hf_architecture: str
     model_type: str
     permutes_qk: bool  # llama.cpp reorders the Q/K rows (see the module docstring)
+    layer_tensors: tuple[str, ...] = ()  # GGUF layer tensors it needs beyond Llama's
 
 
 ARCHITECTURES = {
     "llama": Architecture("LlamaForCausalLM", "llama", permutes_qk=True),
     "qwen2": Architecture("Qwen2ForCausalLM", "qwen2", permutes_qk=False),
+    "qwen3": Architecture("Qwen3ForCausalLM", "qwen3", permutes_qk=False,
+                          layer_tensors=("attn_q_norm.weight", "attn_k_norm.weight")),
 }
 
 _GLOBAL_NAMES = {
@@ -62,8 +65,11 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",  # Qwen3
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
-_REQUIRED_LAYER_NAMES = [name for name in _LAYER_NAMES if name.endswith(".weight")]
+_FAMILY_LAYER_NAMES = {"attn_q_norm.weight", "attn_k_norm.weight"}  # required where Architecture.layer_tensors says
+_REQUIRED_LAYER_NAMES = [name for name in _LAYER_NAMES if name.endswith(".weight") and name not in _FAMILY_LAYER_NAMES]
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
 _IGNORED = re.compile(r"blk\.\d+\.attn_rot_embd")  # an old precomputed rotary table, never a weight
 
@@ -146,7 +152,7 @@ def hf_config(metadata: dict[str, Any], reader: GGUFReader, source: Path) -> dic
     if metadata.get(f"{prefix}.rope.scaling.type") == "linear":
         config["rope_scaling"] = {"rope_type": "linear",
                                   "factor": _float32(get("rope.scaling.factor"))}
-    if architecture.model_type == "llama":
+    if architecture.model_type in ("llama", "qwen3"):
         config["attention_bias"] = "blk.0.attn_q.bias" in names
         config["mlp_bias"] = False
     for key in ("bos_token_id", "eos_token_id"):
@@ -214,8 +220,9 @@ def _check_complete(hf_names: set[str], config: dict[str, Any], source: Path) ->
     expected = {"model.embed_tokens.weight", "model.norm.weight"}
     if not config["tie_word_embeddings"]:
         expected.add("lm_head.weight")
+    required = _REQUIRED_LAYER_NAMES + list(ARCHITECTURES[config["model_type"]].layer_tensors)
     for index in range(config["num_hidden_layers"]):
-        expected |= {f"model.layers.{index}.{_LAYER_NAMES[name]}" for name in _REQUIRED_LAYER_NAMES}
+        expected |= {f"model.layers.{index}.{_LAYER_NAMES[name]}" for name in required}
     missing = sorted(expected - hf_names)
     if missing:
         raise ValueError(f"{source}: missing {len(missing)} tensors (e.g. {', '.join(missing[:3])}); "
