@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from redis_helpers import redis_server  # noqa: F401 (a fixture: each test its own redis-server)
+from redis_helpers import redis_server, shared_redis  # noqa: F401 (fixtures: each test its own redis-server or cluster)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -19,33 +19,34 @@ def run(llm, batch):
     return [llm.generate([prompt], GREEDY, use_tqdm=False)[0] for prompt in batch]
 
 
-def test_another_engine_is_served_from_redis_with_the_same_tokens(redis_server, tier_secret_file):
+def test_another_engine_is_served_from_redis_with_the_same_tokens(shared_redis, tier_secret_file):
     batch = prompts(0)
-    writer = make_llm(kv_remote_url=redis_server.url, kv_tier_secret_file=tier_secret_file)
+    writer = make_llm(kv_remote_url=shared_redis.url, kv_tier_secret_file=tier_secret_file)
     expected = [out.token_ids for out in run(writer, batch)]
     writer.engine.tiers.tiers["remote"].flush()
     # another replica, nothing in its own pool; every remote hit fetched, so the counts below do not hang on
     # how fast this machine reads Redis against how fast it prefills (the default planner weighs both)
-    reader = make_llm(kv_remote_url=redis_server.url, kv_tier_secret_file=tier_secret_file, kv_fetch_policy="always")
+    reader = make_llm(kv_remote_url=shared_redis.url, kv_tier_secret_file=tier_secret_file, kv_fetch_policy="always")
     outputs = run(reader, batch)
     assert [out.token_ids for out in outputs] == expected
     assert [out.cached_tokens_by_tier["remote"] for out in outputs] == [PREFIX_LEN] * len(batch)
     assert reader.engine.tiers.tiers["remote"].stats.hits == len(batch) * PREFIX_LEN // 16
 
 
-def test_a_damaged_value_or_a_dead_redis_means_recompute(redis_server, tier_secret_file):
+def test_a_damaged_value_or_a_dead_redis_means_recompute(shared_redis, tier_secret_file):
     batch = prompts(1)
-    writer = make_llm(kv_remote_url=redis_server.url, kv_tier_secret_file=tier_secret_file)
+    writer = make_llm(kv_remote_url=shared_redis.url, kv_tier_secret_file=tier_secret_file)
     expected = [out.token_ids for out in run(writer, batch)]
     writer.engine.tiers.tiers["remote"].flush()
-    client = redis_server.client()
+    client = shared_redis.client()
     first_key = sorted(client.keys("pskv:*"))[0]
     client.set(first_key, client.get(first_key)[:-10])  # truncated in place
-    reader = make_llm(kv_remote_url=redis_server.url, kv_tier_secret_file=tier_secret_file)
+    # every remote run fetched: the default planner may recompute a run on a loaded machine, never reading the damage
+    reader = make_llm(kv_remote_url=shared_redis.url, kv_tier_secret_file=tier_secret_file, kv_fetch_policy="always")
     assert [out.token_ids for out in run(reader, batch)] == expected
     assert reader.engine.tiers.tiers["remote"].stats.rejected_records >= 1
-    redis_server.kill()
-    cold = make_llm(kv_remote_url=redis_server.url, kv_tier_secret_file=tier_secret_file, kv_remote_timeout=0.3)
+    shared_redis.kill()
+    cold = make_llm(kv_remote_url=shared_redis.url, kv_tier_secret_file=tier_secret_file, kv_remote_timeout=0.3)
     outputs = run(cold, prompts(2))
     reference = make_llm(enable_prefix_caching=False)
     assert [out.token_ids for out in outputs] == [out.token_ids for out in run(reference, prompts(2))]

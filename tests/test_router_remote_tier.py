@@ -33,17 +33,17 @@ def test_an_idle_replica_that_can_fetch_wins_over_a_busy_holder():
     assert [holder, idle][policy.choose(fetchable, [holder, idle])] is idle  # fetching beats a 0.3 s queue
 
 
-def test_the_router_learns_the_remote_run_from_redis(redis_server):
+def test_the_router_learns_the_remote_run_from_redis(shared_redis):
     from prefixserve.router.app import RouterSettings
     from prefixserve.router.fleet import Router
 
     tokens = list(range(500, 500 + 64)) + [3]
     keys = BlockKeyer(16).keys(SCOPE.digest, tokens)
-    writer = RedisTier(redis_server.url, scope_digest=SCOPE.digest)
+    writer = RedisTier(shared_redis.url, scope_digest=SCOPE.digest)
     parents = [None, *keys[:-1]]
     writer.put([BlockRecord(key, parent, SCOPE.digest, tuple(tokens[i * 16:(i + 1) * 16]), "float32", (16,),
                             bytes(64)) for i, (key, parent) in enumerate(zip(keys[:3], parents))])
-    router = Router(RouterSettings(replicas=("http://127.0.0.1:9",), kv_remote_url=redis_server.url))
+    router = Router(RouterSettings(replicas=("http://127.0.0.1:9",), kv_remote_url=shared_redis.url))
     router._open_remote(SCOPE.digest)
     route = asyncio.run(router.with_remote_run(route_for(tokens)))
     assert route.remote_blocks == 3  # of the 4 full blocks, the first 3 are in Redis

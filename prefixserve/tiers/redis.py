@@ -8,7 +8,9 @@ and Redis evicts (maxmemory) and expires (TTL) behind this process's back. So
 `contains` asks Redis (one pipelined round trip of EXISTS per key), a key that
 vanished between `contains` and `get` is a miss, and `used_bytes` and
 `capacity_bytes` are Redis's used_memory and maxmemory. Every command names one
-key, so none can fail with CROSSSLOT under Redis Cluster's per-key routing.
+key, so none can fail with CROSSSLOT under Redis Cluster's per-key routing: on a
+cluster (found by asking the server) the commands go to each key's master in one
+pipeline per master, each master with a back-off of its own (redis_nodes.py).
 
 Faults never reach the caller and never stall it past a timeout: a failed call
 opens a back-off episode (redis_backoff.py) during which lookups miss and writes
@@ -28,6 +30,7 @@ from .record import BlockRecord
 from .seal import Sealer
 from .redis_backoff import Backoff
 from .redis_client import connect, memory_advice, redacted, require_redis
+from .redis_nodes import NodeGroup, cluster_nodes, connect_nodes, is_moved
 from .redis_rate import TokenBucket
 from .redis_writes import RemoteWrites
 from .writer import BackgroundWriter
@@ -73,11 +76,13 @@ class RedisTier(RemoteWrites, KVTier):
         self.scope_digest = scope_digest
         self.ttl_ms = None if ttl_seconds is None else max(1, round(ttl_seconds * 1000))
         self._prefix = KEY_PREFIX + scope_digest.hex().encode() + b":"
-        self._client = connect(url, connect_timeout, read_timeout)
         self._faults: tuple[type[BaseException], ...] = (redis.RedisError, OSError)  # end a call: an episode
         self._out_of_memory = redis.exceptions.OutOfMemoryError  # one command refused: Redis is full
         self._response_error = redis.exceptions.ResponseError
         self._backoff = Backoff(BACKOFF_SECONDS, clock)  # tests step an injected clock past a back-off
+        self._connect = (url, connect_timeout, read_timeout, clock)
+        self._nodes = connect_nodes(connect(url, connect_timeout, read_timeout), url, connect_timeout, read_timeout,
+                                    self._backoff, f"Redis at {self.url}", clock)
         self._rate = None if max_write_bytes_per_second is None else TokenBucket(max_write_bytes_per_second)
         self._pending_bytes = 0  # accepted by put_async, not yet written or dropped
         self._writer = BackgroundWriter(self._write_batch, max_pending_bytes, "prefixserve-remote-writer")
@@ -89,7 +94,7 @@ class RedisTier(RemoteWrites, KVTier):
         """Length of the leading run of `keys` in Redis: one pipelined round trip, whatever the length."""
         if not keys:
             return 0
-        replies = self._pipeline("contains", lambda pipe: [pipe.exists(self._name(key)) for key in keys])
+        replies = self._pipeline("contains", [self._name(key) for key in keys], lambda pipe, name: pipe.exists(name))
         run = 0
         for reply in replies or ():
             if reply != 1:  # 0, or an error reply: absent either way
@@ -103,7 +108,7 @@ class RedisTier(RemoteWrites, KVTier):
         results: list[Optional[bytes]] = [None] * len(keys)
         for offset in range(0, len(keys), GET_BATCH_KEYS):
             batch = keys[offset : offset + GET_BATCH_KEYS]
-            replies = self._pipeline("get", lambda pipe: [self._read(pipe, self._name(key)) for key in batch])
+            replies = self._pipeline("get", [self._name(key) for key in batch], self._read)
             if replies is None:  # a fault: the rest would only wait for the same timeout
                 break
             for index, reply in enumerate(replies):
@@ -115,7 +120,7 @@ class RedisTier(RemoteWrites, KVTier):
 
     def keys(self) -> list[bytes]:
         """Every key of this scope in Redis (SCAN: this replica's and every other's)."""
-        names = self._call("keys", lambda: list(self._client.scan_iter(match=self._prefix + b"*", count=1000)))
+        names = self._scan("keys", self._prefix)
         return [bytes.fromhex(name[len(self._prefix):].decode("ascii")) for name in names or ()]
 
     @property
@@ -142,12 +147,13 @@ class RedisTier(RemoteWrites, KVTier):
     def put_async(self, records: Sequence[BlockRecord]) -> None:
         """Queue records for the writer thread; never blocks. Dropped (and counted): what does not fit the
         queue, and everything while Redis is backing off."""
-        num_accepted = 0 if self._backoff.is_backing_off else self._writer.submit(records)
+        backing_off = self._nodes.all_backing_off
+        num_accepted = 0 if backing_off else self._writer.submit(records)
         with self._lock:
             self._pending_bytes += sum(len(record.payload) for record in records[:num_accepted])
         if num_accepted < len(records):
             self._count(dropped_puts=len(records) - num_accepted)
-            if not self._backoff.is_backing_off:
+            if not backing_off:
                 self._log_once("queue", "full", "remote tier: write queue full (or closed); %d records dropped. "
                                "Redis or the network is slower than this replica's writes", len(records) - num_accepted)
 
@@ -157,7 +163,7 @@ class RedisTier(RemoteWrites, KVTier):
     def delete(self, keys: Sequence[bytes]) -> None:
         for offset in range(0, len(keys), GET_BATCH_KEYS):
             batch = keys[offset : offset + GET_BATCH_KEYS]  # DEL per key: a multi-key DEL is CROSSSLOT on a cluster
-            self._pipeline("delete", lambda pipe: [pipe.delete(self._name(key)) for key in batch])
+            self._pipeline("delete", [self._name(key) for key in batch], lambda pipe, name: pipe.delete(name))
 
     def purge_scope(self, scope_digest: bytes) -> int:
         """Delete every record of another scope (an old model version no replica serves any more);
@@ -165,10 +171,10 @@ class RedisTier(RemoteWrites, KVTier):
         if scope_digest == self.scope_digest:
             raise ValueError("purge_scope deletes another scope's records, not the one this tier serves")
         prefix = KEY_PREFIX + scope_digest.hex().encode() + b":"
-        names = self._call("purge", lambda: list(self._client.scan_iter(match=prefix + b"*", count=1000))) or []
+        names = self._scan("purge", prefix) or []
         for offset in range(0, len(names), GET_BATCH_KEYS):
             batch = names[offset : offset + GET_BATCH_KEYS]  # DEL per key: a multi-key DEL is CROSSSLOT on a cluster
-            self._pipeline("purge", lambda pipe: [pipe.delete(name) for name in batch])
+            self._pipeline("purge", batch, lambda pipe, name: pipe.delete(name))
         return len(names)
 
     def rescope(self, scope_digest: bytes) -> Optional[int]:
@@ -182,7 +188,7 @@ class RedisTier(RemoteWrites, KVTier):
     def close(self) -> None:
         self._writer.close()
         self._readers.shutdown(wait=True)
-        self._client.close()
+        self._nodes.close()
 
     def check_integrity(self) -> None:
         """What can be checked here (Redis holds the rest): counters non-negative, nothing left to write.
@@ -199,16 +205,27 @@ class RedisTier(RemoteWrites, KVTier):
     def _read(self, pipe: Any, name: bytes) -> Any:
         return pipe.get(name) if self.ttl_ms is None else pipe.getex(name, px=self.ttl_ms)
 
-    def _pipeline(self, operation: str, queue: Callable[[Any], object]) -> Optional[list[Any]]:
-        """Queue commands on a pipeline and run them in one round trip; None on a fault or while backing off.
-        A command Redis refused (OOM, READONLY, WRONGTYPE) comes back as its error, counted and logged once."""
-        def run() -> list[Any]:
-            pipe = self._client.pipeline(transaction=False)
-            queue(pipe)
-            return pipe.execute(raise_on_error=False)
-
-        replies = self._call(operation, run)
-        for reply in replies or ():
+    def _pipeline(self, operation: str, names: Sequence[bytes], queue: Callable[[Any, bytes], object],
+                  per_name: int = 1) -> Optional[list[Any]]:
+        """`queue(pipe, name)` queues `per_name` commands for each name; they run in one round trip per server
+        (redis_nodes.py), the replies in the names' order. None when no server answered (a fault, or backing
+        off); on a cluster, a master that did not answer leaves None for its names' replies. A command Redis
+        refused (OOM, READONLY, WRONGTYPE) comes back as its error, counted and logged once."""
+        replies: list[Any] = [None] * (len(names) * per_name)
+        answered = False
+        for group in self._nodes.split(names):
+            got = self._call(operation, self._run_group(group, names, queue), group)
+            if got is None:
+                self._nodes.node_failed()
+                continue
+            answered = True
+            for position, index in enumerate(group.indices):
+                replies[index * per_name:(index + 1) * per_name] = got[position * per_name:(position + 1) * per_name]
+        if not answered:
+            return None
+        if any(is_moved(reply) for reply in replies):
+            self._moved(replies)
+        for reply in replies:
             if isinstance(reply, Exception):
                 self._count(errors=1)
                 fix = ("set maxmemory-policy allkeys-lru, so Redis evicts instead of refusing writes"
@@ -218,24 +235,68 @@ class RedisTier(RemoteWrites, KVTier):
                                "(%s: %s). Fix: %s", self.url, operation, type(reply).__name__, reply, fix)
         return replies
 
-    def _call(self, operation: str, call: Callable[[], Any]) -> Any:
-        """`call()`, or None while backing off or on a fault (which opens or extends an episode)."""
-        if not self._backoff.try_begin():
+    @staticmethod
+    def _run_group(group: NodeGroup, names: Sequence[bytes], queue: Callable[[Any, bytes], object]):
+        def run() -> list[Any]:
+            pipe = group.client.pipeline(transaction=False)
+            for index in group.indices:
+                queue(pipe, names[index])
+            return pipe.execute(raise_on_error=False)
+        return run
+
+    def _moved(self, replies: list[Any]) -> None:
+        """MOVED or ASK replies: the commands were misses; a single-server client learns it talks to a cluster
+        node and switches, a cluster client refreshes its slot map."""
+        self._count(errors=sum(1 for reply in replies if is_moved(reply)))
+        for index, reply in enumerate(replies):
+            if is_moved(reply):
+                replies[index] = None
+        if self._nodes.is_cluster:
+            self._nodes.moved()
+            return
+        url, connect_timeout, read_timeout, clock = self._connect
+        logger.warning("remote tier: Redis at %s answered MOVED: it is a Redis Cluster node; the tier now sends "
+                       "each key to its master", self.url)
+        try:
+            nodes = cluster_nodes(url, connect_timeout, read_timeout, BACKOFF_SECONDS, clock)
+        except self._faults as error:
+            logger.warning("remote tier: connecting to the Redis Cluster at %s failed (%s: %s); retried at the "
+                           "next MOVED reply", self.url, type(error).__name__, error)
+            return
+        old, self._nodes = self._nodes, nodes
+        old.close()
+
+    def _scan(self, operation: str, prefix: bytes) -> Optional[list[bytes]]:
+        """Every name starting with `prefix`, on every server (SCAN); None when none answered."""
+        found, answered = [], False
+        for group in self._nodes.every_node():
+            names = self._call(operation, lambda: list(group.client.scan_iter(match=prefix + b"*", count=1000)),
+                               group)
+            if names is not None:
+                answered = True
+                found += names
+        return found if answered else None
+
+    def _call(self, operation: str, call: Callable[[], Any], group: Optional[NodeGroup] = None) -> Any:
+        """`call()`, or None while backing off or on a fault (which opens or extends an episode) of the server
+        `group` names (the tier's own server by default)."""
+        backoff, where = (self._backoff, f"Redis at {self.url}") if group is None else (group.backoff, group.where)
+        if not backoff.try_begin():
             return None
         try:
             result = call()
         except self._faults as error:
             self._count(errors=1)
-            if self._backoff.failed():
+            if backoff.failed():
                 logger.warning(
-                    "remote tier: Redis at %s failed during %s (%s: %s); lookups miss and writes are dropped until it "
+                    "remote tier: %s failed during %s (%s: %s); lookups miss and writes are dropped until it "
                     "answers again (retried every %.0f s, faults counted in stats.errors). Fix: check that redis-server "
-                    "is running and reachable, and the URL's host, port, database and password", self.url, operation,
+                    "is running and reachable, and the URL's host, port, database and password", where, operation,
                     type(error).__name__, error, BACKOFF_SECONDS)
             return None
-        episode = self._backoff.succeeded()
+        episode = backoff.succeeded()
         if episode is not None:
-            logger.warning("remote tier: Redis at %s answers again after %.1f s (%d failed calls)", self.url,
+            logger.warning("remote tier: %s answers again after %.1f s (%d failed calls)", where,
                            episode.seconds, episode.num_faults)
         return result
 
@@ -249,11 +310,20 @@ class RedisTier(RemoteWrites, KVTier):
         return memory if info is None else self._memory
 
     def _read_memory(self, operation: str) -> Optional[dict]:
-        info = self._call(operation, lambda: self._client.info("memory"))
-        if info is not None:
-            with self._lock:
-                self._memory = MemoryInfo(int(info["used_memory"]), int(info["maxmemory"]), time.monotonic())
-        return info
+        """INFO memory of every server, summed (a cluster's masters; 0 maxmemory if any has none)."""
+        infos = [info for group in self._nodes.every_node()
+                 if (info := self._call(operation, lambda: group.client.info("memory"), group)) is not None]
+        if not infos:
+            return None
+        limits = [int(info["maxmemory"]) for info in infos]
+        total = {"used_memory": sum(int(info["used_memory"]) for info in infos),
+                 "maxmemory": 0 if 0 in limits else sum(limits),
+                 "maxmemory_policy": next((info["maxmemory_policy"] for info in infos
+                                           if info.get("maxmemory_policy") != "allkeys-lru"),
+                                          infos[0].get("maxmemory_policy", ""))}
+        with self._lock:
+            self._memory = MemoryInfo(total["used_memory"], total["maxmemory"], time.monotonic())
+        return total
 
     def _check_server(self) -> None:
         """Warn about Redis settings that make it a poor cache (a Redis that is down opens an episode instead)."""

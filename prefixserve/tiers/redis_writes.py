@@ -18,7 +18,8 @@ PUT_BATCH_BYTES = 8 << 20
 
 class RemoteWrites:
     """RedisTier's writes. It works on what RedisTier and KVTier hold: `ttl_ms`, `_rate`, `_pending_bytes`,
-    `_lock`, the counters, and the tier's `_pipeline`, `_name`, `encode` and `_log_once`."""
+    `_lock`, the counters, and the tier's `_pipeline`, `_name`, `encode` and `_log_once`. On a cluster a master
+    that does not answer leaves None replies: its records are neither found nor stored (counted dropped)."""
 
     def _write_batch(self, records: list[BlockRecord]) -> None:
         try:
@@ -33,7 +34,8 @@ class RemoteWrites:
             return 0
         # TYPE (and with a TTL PEXPIRE, which renews a present record's TTL): one round trip. A key holding
         # another type (a list planted under a record's name) is written over: SET replaces any type.
-        replies = self._pipeline("put", lambda pipe: [self._touch(pipe, self._name(record.key)) for record in records])
+        replies = self._pipeline("put", [self._name(record.key) for record in records], self._touch,
+                                 per_name=1 if self.ttl_ms is None else 2)
         if replies is None:
             self._count(dropped_puts=len(records))
             return 0
@@ -42,7 +44,9 @@ class RemoteWrites:
         num_stored = len(records) - len(missing)
         batches = self._encode_within_cap(missing)
         for index, batch in enumerate(batches):
-            replies = self._pipeline("put", lambda pipe: [pipe.set(name, data, px=self.ttl_ms) for name, data in batch])
+            data_of = dict(batch)
+            replies = self._pipeline("put", [name for name, _ in batch],
+                                     lambda pipe, name: pipe.set(name, data_of[name], px=self.ttl_ms))
             if replies is None:
                 self._count(dropped_puts=sum(len(rest) for rest in batches[index:]))
                 break
