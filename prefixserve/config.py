@@ -15,6 +15,7 @@ DEVICES = ("auto", "cpu", "cuda")
 SCHEDULING_POLICIES = ("fcfs", "lpm")
 CACHE_RETENTIONS = ("device", "none")  # a request's or tenant's cache_retention; absent: cached as usual
 FETCH_POLICIES = ("cost", "always")  # how lower-tier hits are fetched: see kv_fetch_policy
+ROLES = ("both", "prefill", "decode")  # a replica's part in prefill/decode disaggregation: see role
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
 DEFAULT_MAX_CACHE_TTL = 3600.0  # seconds: the server's cap on a requested cache_ttl (Anthropic's longest, 1 hour)
 DEFAULT_DISK_CACHE_BYTES = 16 << 30
@@ -118,6 +119,10 @@ class EngineConfig:
     kv_fetch_policy: str = option("cost", "cost: fetch a run from host, disk or remote only where reading it is "
                                           "measured to be faster than recomputing it; always: fetch every block a "
                                           "tier holds", choices=FETCH_POLICIES)
+    role: str = option("both", "prefill: a router's prefill replica, its prompts' KV written to the remote tier before "
+                               "it answers; decode: a router's decode replica, which fetches what the remote tier "
+                               "holds (pair with --kv-fetch-policy always); both: a whole replica. prefill and "
+                               "decode need --kv-remote-url", choices=ROLES)
     seed: int = option(0, "the seed of unseeded sampling (seeded requests draw from their own seed)", metavar="N")
     log_stats: bool = option(True, "no start-up summary or progress lines from the engine",
                              flag="--disable-log-stats")
@@ -168,6 +173,9 @@ class EngineConfig:
                 "every record, or else anyone who can write that Redis can change this replica's answers; "
                 "kv_remote_insecure=True (--kv-remote-insecure) runs without one")
         require(self.kv_tier_deadline > 0, f"kv_tier_deadline must be positive, got {self.kv_tier_deadline}")
+        require(self.role in ROLES, f"role must be one of {ROLES}, got {self.role!r}")
+        require(self.role == "both" or self.kv_remote_url is not None,
+                f"role {self.role!r} hands KV over the fleet's remote tier: give kv_remote_url (--kv-remote-url)")
         require(self.kv_fetch_policy in FETCH_POLICIES,
                 f"kv_fetch_policy must be one of {FETCH_POLICIES}, got {self.kv_fetch_policy!r}")
         require(self.kv_disk_cache_bytes is None or self.kv_disk_cache_dir is not None,

@@ -44,5 +44,6 @@ PREDICTED_HIT_TOKENS = router_metric("predicted_hit_tokens")
 FAILOVERS = router_metric("failovers")
 CONTINUED_STREAMS = router_metric("continued_streams")
 CACHE_KEY_ROUTES = router_metric("cache_key_routes")  # counter, label outcome: kept | overflowed
+PREFILLS = router_metric("prefills")  # counter, label outcome: done | refused | skipped (no prefill replica answered)
 REPLICA_LOAD_SECONDS = router_metric("replica_load_seconds")  # gauge
 REPLICA_HEALTHY = router_metric("replica_healthy")  # gauge

@@ -43,14 +43,21 @@ def wait_healthy(url: str, timeout: float = 90.0) -> None:
 class Fleet:
     """Replicas replica-0..N-1 and a router over them; `kill` and `restart` a replica by index."""
 
-    def __init__(self, num_replicas: int = 3, replica_args: tuple = (), **router_options) -> None:
+    def __init__(self, num_replicas: int = 3, replica_args: tuple = (), roles: Optional[list[str]] = None,
+                 **router_options) -> None:
+        """`roles`, one per replica ("both", "prefill", "decode"): each started with its --role and given to the
+        router as --replica, --prefill-replica or --decode-replica."""
         self.ports = [free_port() for _ in range(num_replicas)]
         self.urls = [f"http://127.0.0.1:{port}" for port in self.ports]
+        self.roles = roles or ["both"] * num_replicas
         self.replica_args = replica_args
         self.processes: list[Optional[subprocess.Popen]] = [None] * num_replicas
         options = {"admin_api_key": ADMIN_KEY, "health_interval": 0.3, "sync_interval": 0.1, "control_timeout": 5.0,
                    "request_timeout": 120.0, **router_options}
-        self.settings = RouterSettings(replicas=tuple(self.urls), **options)
+        by_role = {role: tuple(url for url, kind in zip(self.urls, self.roles) if kind == role)
+                   for role in ("both", "prefill", "decode")}
+        self.settings = RouterSettings(replicas=by_role["both"], prefill_replicas=by_role["prefill"],
+                                       decode_replicas=by_role["decode"], **options)
         self.app = None
         self.server: Optional[uvicorn.Server] = None
         self.thread: Optional[threading.Thread] = None
@@ -62,7 +69,7 @@ class Fleet:
 
     def __enter__(self) -> "Fleet":
         try:
-            self.processes = [start_replica(port, *self.replica_args) for port in self.ports]
+            self.processes = [start_replica(port, *self.args_of(index)) for index, port in enumerate(self.ports)]
             for url in self.urls:
                 wait_healthy(url)
             port = free_port()
@@ -76,6 +83,10 @@ class Fleet:
             self.__exit__()
             raise
         return self
+
+    def args_of(self, index: int) -> tuple:
+        role = self.roles[index]
+        return (*self.replica_args, *(("--role", role) if role != "both" else ()))
 
     def wait_all_healthy(self, timeout: float = 60.0) -> None:
         """Until the router sees every replica healthy and has learned the scope."""
@@ -94,7 +105,7 @@ class Fleet:
 
     def restart(self, index: int, *extra: str) -> None:
         """Start the replica again on its port (no wait), with these options after the fleet's."""
-        self.processes[index] = start_replica(self.ports[index], *self.replica_args, *extra)
+        self.processes[index] = start_replica(self.ports[index], *self.args_of(index), *extra)
 
     def __exit__(self, *exc) -> None:
         if self.server is not None:

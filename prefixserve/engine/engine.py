@@ -62,16 +62,14 @@ class LLMEngine:
                                              max_blocks=self.cache.max_pinned_blocks // 2)
                              if config.hot_prefix_min_requests and config.enable_prefix_caching else None)
         self.scheduler = Scheduler(
-            self.cache,
-            self.keyer,
+            self.cache, self.keyer,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_prefix_caching=config.enable_prefix_caching,
             policy=config.scheduling_policy,
             reuse_gaps=self.reuse_gaps,
             hot_prefixes=self.hot_prefixes,
-            window_slots=self.window_slots,
-            long_rope_after=loaded.config.long_rope_after,
+            window_slots=self.window_slots, long_rope_after=loaded.config.long_rope_after,
         )
         # Lay linear weights out for oneDNN once, sized for a full step's token budget (CPU only).
         self._log_progress("packing weights for this CPU ...")

@@ -52,11 +52,15 @@ class TieredKV(TierReads):
     """The tiers below one engine's pool: what is written down (here) and read back (TierReads, tier_reads.py)."""
 
     def __init__(self, tiers: Sequence[KVTier], runner: ModelRunner, cache: RadixCache, keyer: BlockKeyer,
-                 scope_digest: bytes, fetch_policy: str = "cost", deadline: float = DEFAULT_TIER_DEADLINE) -> None:
+                 scope_digest: bytes, fetch_policy: str = "cost", deadline: float = DEFAULT_TIER_DEADLINE,
+                 shared_writes_wait: bool = False) -> None:
         self.tiers = {tier.name: tier for tier in tiers}
         self.deadline = deadline  # seconds a request waits for a tier read before it recomputes
         self.stalled: dict[str, concurrent.futures.Future] = {}  # tier -> a read given up on, still running
         self.fetch_policy = fetch_policy  # EngineConfig.kv_fetch_policy
+        # A prefill replica (EngineConfig.role): the shared tier's writes end before the step does, so a request's
+        # KV is there before its answer leaves, for the decode replica the router sends it to next.
+        self.shared_writes_wait = shared_writes_wait
         self.runner, self.cache, self.keyer = runner, cache, keyer
         self.block_size = cache.block_size
         self.scope_digest = scope_digest  # the model's unsalted scope: records of another model never load
@@ -156,7 +160,11 @@ class TieredKV(TierReads):
             if missing:
                 payloads.update(zip(missing, self.runner.read_blocks(missing)))
             if blocks:
-                tier.put_async([self._record(block, payloads[block.block_id]) for block in blocks])
+                records = [self._record(block, payloads[block.block_id]) for block in blocks]
+                if self.shared_writes_wait and tier.traits.shared:
+                    tier.put(records)
+                else:
+                    tier.put_async(records)
 
     # ------------------------------------------------------------------ bookkeeping
     def observe_step(self, scheduled, seconds: float) -> None:

@@ -15,10 +15,8 @@ never preempted in a loop: it finishes with "length" if it has output, else with
 A LongRoPE model's sequence that grows past the pre-training length is preempted and recomputed with the
 long factors, in their own key scope (Request.rotate_long), as transformers recomputes it.
 
-A model with sliding-window layers may keep their K/V in a smaller pool (cache/window_slots.py): a request
-attaches the blocks its window covers, from `request.window_start` on, and detaches those its window leaves
-as it advances; room in that pool is checked with the blocks', and a cached match is cut to where its last
-window of blocks is still held.
+Where sliding-window layers keep their K/V in a pool of their own, room there is checked with the blocks' and a
+cached match is cut to what it holds (request_windows.py).
 """
 
 from __future__ import annotations
@@ -31,6 +29,7 @@ from ..cache import Block, BlockKeyer, RadixCache
 from ..cache.hot_prefixes import HotPrefixPolicy
 from ..cache.reuse_gaps import ReuseGapTracker
 from ..cache.window_slots import WindowSlots
+from .request_windows import RequestWindows
 from .request import Request, RequestStatus
 from .stopping import check_stop
 
@@ -69,7 +68,7 @@ class Scheduler:
         long_rope_after: Optional[int] = None,
     ) -> None:
         self.cache = cache
-        self.window_slots = window_slots
+        self.windows = RequestWindows(window_slots)
         # LongRoPE (model/rope.py): a sequence growing past this many tokens is recomputed with the long factors
         self.long_rope_after = long_rope_after
         self.reuse_gaps = reuse_gaps  # measures release -> next use of prefixes, for TTL planning
@@ -121,7 +120,7 @@ class Scheduler:
                 output.preempted.append(self._preempt(request))
                 continue
             needed = self._blocks_for(request.num_computed_tokens + num_new) - len(request.blocks)
-            self._slide_window(request)
+            self.windows.slide(request)
             while not self._fits(needed) and self.running[-1] is not request:
                 output.preempted.append(self._preempt(self.running[-1]))
             if not self._fits(needed):
@@ -132,8 +131,7 @@ class Scheduler:
                 continue
             new_blocks = self.cache.allocate(needed)
             request.blocks += new_blocks
-            if self.window_slots is not None:
-                self.window_slots.attach([block.block_id for block in new_blocks])
+            self.windows.allocated(new_blocks)
             output.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
             index += 1
@@ -151,9 +149,8 @@ class Scheduler:
             num_cached = len(hit) * self.block_size
             num_new = min(request.num_tokens - num_cached, budget)
             needed = self._blocks_for(num_cached + num_new) - len(hit)
-            window_start = self.window_slots.first_block(num_cached) if self.window_slots is not None else 0
-            if self.window_slots is not None and not self.window_slots.can_attach(
-                    [block.block_id for block in hit[window_start:]], needed):
+            window_start = self.windows.start_of(num_cached)
+            if not self.windows.can_admit(hit, window_start, needed):
                 break  # the window layers' pool is held by running requests: they will move on
             blocks = self.cache.admit(hit, needed, request.prefix_ttl)
             if blocks is None:
@@ -166,9 +163,7 @@ class Scheduler:
             self.waiting.remove(request)
             request.blocks = blocks
             request.num_computed_tokens = num_cached
-            if self.window_slots is not None:
-                request.window_start = window_start
-                self.window_slots.attach([block.block_id for block in blocks[window_start:]])
+            self.windows.admitted(request, window_start)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
                 self.cache.stats.record_query(request.num_prompt_tokens, num_cached)
@@ -198,10 +193,8 @@ class Scheduler:
         if not self.enable_prefix_caching:
             return []
         self.keyer.extend(request.block_keys, request.scope_digest, request.token_ids, request.private_from)
-        hit = self.cache.match(request.scope_digest, request.block_keys, request.token_ids, record_stats=False).blocks
-        if self.window_slots is not None:  # only as far as the window layers still hold the last window
-            hit = hit[:self.window_slots.usable_hit(hit)]
-        return hit
+        return self.windows.usable(
+            self.cache.match(request.scope_digest, request.block_keys, request.token_ids, record_stats=False).blocks)
 
     def _finish_unfittable(self, request: Request, num_needed: int, output: SchedulerOutput) -> None:
         if request.num_output_tokens > 0:
@@ -226,22 +219,10 @@ class Scheduler:
 
     def _fits(self, num_blocks: int) -> bool:
         """Room for `num_blocks` new blocks, in the pool and in the window layers' pool."""
-        return self.cache.can_allocate(num_blocks) and (
-            self.window_slots is None or self.window_slots.can_attach((), num_blocks))
-
-    def _slide_window(self, request: Request) -> None:
-        """Detach the blocks the request's window has left (it computes from num_computed_tokens on)."""
-        if self.window_slots is None:
-            return
-        first = self.window_slots.first_block(request.num_computed_tokens)
-        if first > request.window_start:
-            self.window_slots.detach([block.block_id for block in request.blocks[request.window_start:first]])
-            request.window_start = first
+        return self.cache.can_allocate(num_blocks) and self.windows.fits(num_blocks)
 
     def _release(self, request: Request) -> None:
-        if self.window_slots is not None:
-            self.window_slots.detach([block.block_id for block in request.blocks[request.window_start:]])
-            request.window_start = 0
+        self.windows.released(request)
         self.cache.release(request.blocks)
         request.blocks = []
         request.num_inserted_blocks = 0

@@ -23,7 +23,7 @@ def tiered_kv(engine) -> Optional[TieredKV]:
         logger.info("KV tiers below the pool: " + ", ".join(
             f"{tier.name} {tier.capacity_bytes / 2**20:.0f} MiB" for tier in tiers))
     return TieredKV(tiers, engine.runner, engine.cache, engine.keyer, engine.scope.digest, config.kv_fetch_policy,
-                    config.kv_tier_deadline)
+                    config.kv_tier_deadline, shared_writes_wait=config.role == "prefill")
 
 
 def tier_sealer(config) -> Optional[Sealer]:

@@ -22,8 +22,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from ..cache import BlockKeyer, CacheScope, max_hit_blocks
 from ..cache.scoping import PromptScoper
 from ..http_keys import AdminKey, Credentials, KeyTable
-from ..metric_names import (CACHE_KEY_ROUTES, CONTINUED_STREAMS, FAILOVERS, PREDICTED_HIT_TOKENS, REPLICA_HEALTHY,
-                            REPLICA_LOAD_SECONDS, ROUTED_REQUESTS)
+from ..metric_names import (CACHE_KEY_ROUTES, CONTINUED_STREAMS, FAILOVERS, PREDICTED_HIT_TOKENS, PREFILLS,
+                            REPLICA_HEALTHY, REPLICA_LOAD_SECONDS, ROUTED_REQUESTS)
 from .cache_key import keyed_replica
 from .costs import policy_options_for
 from .policies import RouteRequest, make_policy
@@ -55,6 +55,9 @@ class RouterMetrics:
                              registry=self.registry)
         self.cache_key_routes = Counter(CACHE_KEY_ROUTES, "Requests with a prompt_cache_key kept on its replica or "
                                         "overflowed to the policy.", ["outcome"], registry=self.registry)
+        self.prefills = Counter(PREFILLS, "Prefill phases of disaggregated requests: done on a prefill replica, "
+                                "refused by it, or skipped (none answered: the decode replica computed the prompt).",
+                                ["outcome"], registry=self.registry)
 
 
 class Router:
@@ -63,7 +66,8 @@ class Router:
         from ..model.tokenizer import Tokenizer
 
         self.settings = settings
-        self.replicas = [Replica(url, name, settings.health_failure_threshold) for name, url in settings.named_replicas()]
+        self.replicas = [Replica(url, name, settings.health_failure_threshold, role)
+                         for name, url, role in settings.replica_roles()]
         self.policy = make_policy(settings.policy, policy_options_for(settings.cost))
         self.tokenizer = Tokenizer.from_dir(settings.model or default_tokenizer_dir())
         self.max_chars_per_token = self.tokenizer.max_chars_per_token  # computed once, over the vocabulary
@@ -224,13 +228,16 @@ class Router:
         return RouteRequest(keys, token_ids, scope_digest, -(-len(token_ids) // size), size)
 
     def choose(self, route: Optional[RouteRequest], exclude: set[str], model_fingerprint: Optional[str] = None,
-               version: Optional[str] = None, cache_key: Optional[str] = None) -> Optional[Replica]:
+               version: Optional[str] = None, cache_key: Optional[str] = None,
+               role: str = "generate") -> Optional[Replica]:
         """The replica for a request, among the healthy ones not in `exclude` that serve what it needs: given a
         fingerprint (a stream's continuation), only replicas known to serve exactly that model version; given a
         version (a request for 'name@fp_...'), those whose fingerprint begins with it, or failing any, those whose
         version the router could not read (the replica checks it and answers 404 if it differs). Given a
-        prompt_cache_key, the replica that key belongs to unless it is overloaded (cache_key.py)."""
-        candidates = [r for r in self.replicas if r.healthy and r.name not in exclude
+        prompt_cache_key, the replica that key belongs to unless it is overloaded (cache_key.py). `role` "generate"
+        takes the replicas that answer requests ("both" and "decode"), "prefill" the prefill replicas."""
+        roles = ("prefill",) if role == "prefill" else ("both", "decode")
+        candidates = [r for r in self.replicas if r.healthy and r.name not in exclude and r.role in roles
                       and (model_fingerprint is None or r.model_fingerprint == model_fingerprint)]
         if version is not None:
             candidates = ([r for r in candidates if r.version_matches(version)]

@@ -73,10 +73,51 @@ async def forward(router: Router, request: Request, path: str) -> Response:
         return errors(404, f"no healthy replica serves version {version} of this model (serving: {served}); "
                            "ask for the model's name alone to take any version", "not_found_error",
                       param="model", code="model_not_found")
+    if router.settings.disaggregated:
+        await _prefill(router, path, client_request, route, headers)
     if client_request.streaming and not client_request.is_messages:
         # The relay needs token ids to continue the stream elsewhere; it strips them unless the client asked.
         raw = json.dumps({**client_request.body, "return_token_ids": True}).encode()
     return await _send_to_replicas(router, path, client_request, route, raw, headers)
+
+
+# What a prefill replica is not asked for: it answers one token, whole, and that answer is dropped.
+PREFILL_DROPPED_FIELDS = ("stream", "stream_options", "n", "max_completion_tokens", "min_tokens", "logprobs",
+                          "top_logprobs", "prompt_logprobs")
+
+
+async def _prefill(router: Router, path: str, client_request: ClientRequest, route: RouteRequest,
+                   headers: dict) -> bool:
+    """Prefill/decode disaggregation: the prompt is computed on a prefill replica first (chosen as the policy
+    chooses: by its cached prefix and queue), which writes its KV to the remote tier before it answers (--role
+    prefill); the decode replica chosen next fetches only what it lacks. One token, not streamed, the answer
+    dropped. Best effort: when no prefill replica answers, the decode replica computes the prompt itself.
+    Whether a prefill replica did it."""
+    body = {key: value for key, value in client_request.body.items() if key not in PREFILL_DROPPED_FIELDS}
+    raw = json.dumps({**body, "max_tokens": 1}).encode()
+    tried: set[str] = set()
+    while len(tried) < router.settings.max_attempts:
+        replica = router.choose(route, tried, version=client_request.model_version, role="prefill")
+        if replica is None:
+            break
+        tried.add(replica.name)
+        ticket = router.record_route(replica, route, 1)
+        try:
+            upstream = await post_to(router.client, replica, path, raw, headers)
+            try:
+                content = await read_answer(upstream, replica.went_down, router.progress)
+            finally:
+                await upstream.aclose()
+        except (httpx.TransportError, Stalled) as failure:
+            router.fail_over(replica, failure, f"prefilling on {path}")
+            continue
+        finally:
+            router.release(replica, ticket)
+        status = unwrap_beats(content)[0] if has_beats(upstream.headers) else upstream.status_code
+        router.metrics.prefills.labels("done" if status == 200 else "refused").inc()
+        return status == 200  # a refusal is the request's (the decode replica answers it the same way)
+    router.metrics.prefills.labels("skipped").inc()
+    return False
 
 
 async def _send_to_replicas(router: Router, path: str, client_request: ClientRequest, route: RouteRequest,

@@ -12,9 +12,15 @@ from .policies import POLICIES
 
 
 def add_route_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--replica", action="append", required=True, metavar="[NAME=]URL",
+    parser.add_argument("--replica", action="append", default=[], metavar="[NAME=]URL",
                         help="a replica's base URL, optionally named, e.g. gpu-a=http://127.0.0.1:8001 (repeat for "
                              "each; unnamed ones are replica-0, replica-1, ...). Clients and metrics see only names")
+    parser.add_argument("--prefill-replica", action="append", default=[], metavar="[NAME=]URL",
+                        help="a replica started with --role prefill: each request's prompt is computed there first "
+                             "(chosen as --policy chooses), its KV handed over the remote tier (repeat for each)")
+    parser.add_argument("--decode-replica", action="append", default=[], metavar="[NAME=]URL",
+                        help="a replica started with --role decode: it generates, fetching the prompt's KV it lacks "
+                             "from the remote tier; chosen by the prefix it holds (repeat for each)")
     parser.add_argument("--policy", default="kv_aware", choices=sorted(POLICIES),
                         help="how a replica is chosen: kv_aware sends a request where its prefix is cached, unless "
                              "that replica is overloaded")
@@ -53,6 +59,8 @@ def settings_from_args(args: argparse.Namespace):
     try:
         return RouterSettings(
             replicas=tuple(args.replica),
+            prefill_replicas=tuple(args.prefill_replica),
+            decode_replicas=tuple(args.decode_replica),
             policy=args.policy,
             model=args.model,
             api_keys=load_api_keys(args.api_keys_file),

@@ -61,9 +61,11 @@ def parse_replica(spec: str, index: int) -> tuple[str, str]:
 
 
 class Replica:
-    def __init__(self, url: str, name: Optional[str] = None, health_failure_threshold: int = 3) -> None:
+    def __init__(self, url: str, name: Optional[str] = None, health_failure_threshold: int = 3,
+                 role: str = "both") -> None:
         self.url = url.rstrip("/")
         self.name = name or self.url
+        self.role = role  # "both", or its part in prefill/decode disaggregation: "prefill" or "decode"
         self.mirror = PrefixMirror()
         self.healthy = False
         self.cursor: Optional[int] = None  # event sequence the mirror is current to; None: needs a snapshot

@@ -14,6 +14,9 @@ from .replicas import parse_replica
 @dataclass(frozen=True)
 class RouterSettings:
     replicas: tuple[str, ...]  # each `URL` or `NAME=URL`; unnamed ones are replica-0, replica-1, ...
+    # Prefill/decode disaggregation (forward.py): replicas started with --role prefill and --role decode
+    prefill_replicas: tuple[str, ...] = ()
+    decode_replicas: tuple[str, ...] = ()
     policy: str = "kv_aware"
     model: Optional[str] = None  # checkpoint directory whose tokenizer the replicas use; None: built-in
     api_keys: Mapping[str, str] = field(default_factory=dict)  # key -> tenant, as the replicas have it
@@ -34,8 +37,11 @@ class RouterSettings:
     cache_key_slack: float = 5.0
 
     def __post_init__(self) -> None:
-        if not self.replicas:
-            raise ValueError("the router needs at least one --replica URL")
+        if not self.replicas and not self.decode_replicas:
+            raise ValueError("the router needs at least one --replica URL (or --decode-replica URL)")
+        if self.prefill_replicas and self.kv_remote_url is None:
+            raise ValueError("--prefill-replica hands KV to the decode replicas over the remote tier: give the "
+                             "replicas' --kv-remote-url to the router too")
         named = self.named_replicas()
         for kind, values in (("name", [n for n, _ in named]), ("URL", [u for _, u in named])):
             duplicates = sorted({v for v in values if values.count(v) > 1})
@@ -56,4 +62,14 @@ class RouterSettings:
             raise ValueError("--cache-key-slack must be 0 or more seconds")
 
     def named_replicas(self) -> list[tuple[str, str]]:
-        return [parse_replica(spec, i) for i, spec in enumerate(self.replicas)]
+        return [(name, url) for name, url, _ in self.replica_roles()]
+
+    def replica_roles(self) -> list[tuple[str, str, str]]:
+        """(name, url, role) of every replica: "both", "prefill" or "decode"."""
+        specs = ([(spec, "both") for spec in self.replicas] + [(spec, "prefill") for spec in self.prefill_replicas]
+                 + [(spec, "decode") for spec in self.decode_replicas])
+        return [(*parse_replica(spec, i), role) for i, (spec, role) in enumerate(specs)]
+
+    @property
+    def disaggregated(self) -> bool:
+        return bool(self.prefill_replicas)

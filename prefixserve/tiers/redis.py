@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from .base import KVTier, TierTraits
 from .policy import TierCost
@@ -30,8 +30,9 @@ from .record import BlockRecord
 from .seal import Sealer
 from .redis_backoff import Backoff
 from .redis_client import connect, memory_advice, redacted, require_redis
-from .redis_nodes import NodeGroup, cluster_nodes, connect_nodes, is_moved
+from .redis_nodes import connect_nodes
 from .redis_rate import TokenBucket
+from .redis_calls import BACKOFF_SECONDS, MemoryInfo, RemoteCalls
 from .redis_writes import RemoteWrites
 from .writer import BackgroundWriter
 
@@ -39,20 +40,13 @@ logger = logging.getLogger("prefixserve.tiers")
 
 # A prior, refreshed by reads: a LAN round trip, and the 0.6-0.8 GB/s measured on localhost (redis-py bounds it).
 REMOTE_READ_COST = TierCost(latency_seconds=5e-4, bytes_per_second=7e8)
-BACKOFF_SECONDS = 1.0  # after a fault, calls skip Redis this long before one probe
 MEMORY_INFO_SECONDS = 1.0  # INFO memory is asked at most this often
 GET_BATCH_KEYS = 32  # per round trip: 8 MiB of 256 KiB records (8 to 32 equally fast here, 125 at once 15% slower)
 DEFAULT_MAX_PENDING_BYTES = 64 << 20
 KEY_PREFIX = b"pskv:"
 
 
-class MemoryInfo(NamedTuple):
-    used_bytes: int
-    max_bytes: int  # 0: no maxmemory
-    read_at: float
-
-
-class RedisTier(RemoteWrites, KVTier):
+class RedisTier(RemoteCalls, RemoteWrites, KVTier):
     """No write cap by default: on this machine Redis takes about 0.85 GB/s of put_async, a CPU replica at full
     prefill makes about 47 MB/s of KV, and the bounded queue already drops what Redis cannot take. A fleet of GPU
     replicas, whose write-through can fill the link its reads need, should set max_write_bytes_per_second."""
@@ -205,101 +199,6 @@ class RedisTier(RemoteWrites, KVTier):
     def _read(self, pipe: Any, name: bytes) -> Any:
         return pipe.get(name) if self.ttl_ms is None else pipe.getex(name, px=self.ttl_ms)
 
-    def _pipeline(self, operation: str, names: Sequence[bytes], queue: Callable[[Any, bytes], object],
-                  per_name: int = 1) -> Optional[list[Any]]:
-        """`queue(pipe, name)` queues `per_name` commands for each name; they run in one round trip per server
-        (redis_nodes.py), the replies in the names' order. None when no server answered (a fault, or backing
-        off); on a cluster, a master that did not answer leaves None for its names' replies. A command Redis
-        refused (OOM, READONLY, WRONGTYPE) comes back as its error, counted and logged once."""
-        replies: list[Any] = [None] * (len(names) * per_name)
-        answered = False
-        for group in self._nodes.split(names):
-            got = self._call(operation, self._run_group(group, names, queue), group)
-            if got is None:
-                self._nodes.node_failed()
-                continue
-            answered = True
-            for position, index in enumerate(group.indices):
-                replies[index * per_name:(index + 1) * per_name] = got[position * per_name:(position + 1) * per_name]
-        if not answered:
-            return None
-        if any(is_moved(reply) for reply in replies):
-            self._moved(replies)
-        for reply in replies:
-            if isinstance(reply, Exception):
-                self._count(errors=1)
-                fix = ("set maxmemory-policy allkeys-lru, so Redis evicts instead of refusing writes"
-                       if isinstance(reply, self._out_of_memory) else
-                       "point kv_remote_url at a writable primary and a database used only by prefixserve")
-                self._log_once(operation, type(reply).__name__, "remote tier: Redis at %s refused a %s command "
-                               "(%s: %s). Fix: %s", self.url, operation, type(reply).__name__, reply, fix)
-        return replies
-
-    @staticmethod
-    def _run_group(group: NodeGroup, names: Sequence[bytes], queue: Callable[[Any, bytes], object]):
-        def run() -> list[Any]:
-            pipe = group.client.pipeline(transaction=False)
-            for index in group.indices:
-                queue(pipe, names[index])
-            return pipe.execute(raise_on_error=False)
-        return run
-
-    def _moved(self, replies: list[Any]) -> None:
-        """MOVED or ASK replies: the commands were misses; a single-server client learns it talks to a cluster
-        node and switches, a cluster client refreshes its slot map."""
-        self._count(errors=sum(1 for reply in replies if is_moved(reply)))
-        for index, reply in enumerate(replies):
-            if is_moved(reply):
-                replies[index] = None
-        if self._nodes.is_cluster:
-            self._nodes.moved()
-            return
-        url, connect_timeout, read_timeout, clock = self._connect
-        logger.warning("remote tier: Redis at %s answered MOVED: it is a Redis Cluster node; the tier now sends "
-                       "each key to its master", self.url)
-        try:
-            nodes = cluster_nodes(url, connect_timeout, read_timeout, BACKOFF_SECONDS, clock)
-        except self._faults as error:
-            logger.warning("remote tier: connecting to the Redis Cluster at %s failed (%s: %s); retried at the "
-                           "next MOVED reply", self.url, type(error).__name__, error)
-            return
-        old, self._nodes = self._nodes, nodes
-        old.close()
-
-    def _scan(self, operation: str, prefix: bytes) -> Optional[list[bytes]]:
-        """Every name starting with `prefix`, on every server (SCAN); None when none answered."""
-        found, answered = [], False
-        for group in self._nodes.every_node():
-            names = self._call(operation, lambda: list(group.client.scan_iter(match=prefix + b"*", count=1000)),
-                               group)
-            if names is not None:
-                answered = True
-                found += names
-        return found if answered else None
-
-    def _call(self, operation: str, call: Callable[[], Any], group: Optional[NodeGroup] = None) -> Any:
-        """`call()`, or None while backing off or on a fault (which opens or extends an episode) of the server
-        `group` names (the tier's own server by default)."""
-        backoff, where = (self._backoff, f"Redis at {self.url}") if group is None else (group.backoff, group.where)
-        if not backoff.try_begin():
-            return None
-        try:
-            result = call()
-        except self._faults as error:
-            self._count(errors=1)
-            if backoff.failed():
-                logger.warning(
-                    "remote tier: %s failed during %s (%s: %s); lookups miss and writes are dropped until it "
-                    "answers again (retried every %.0f s, faults counted in stats.errors). Fix: check that redis-server "
-                    "is running and reachable, and the URL's host, port, database and password", where, operation,
-                    type(error).__name__, error, BACKOFF_SECONDS)
-            return None
-        episode = backoff.succeeded()
-        if episode is not None:
-            logger.warning("remote tier: %s answers again after %.1f s (%d failed calls)", where,
-                           episode.seconds, episode.num_faults)
-        return result
-
     def _memory_info(self) -> MemoryInfo:
         with self._lock:
             memory = self._memory
@@ -308,22 +207,6 @@ class RedisTier(RemoteWrites, KVTier):
             self._memory = memory._replace(read_at=time.monotonic())  # one asker per second, even on a fault
         info = self._read_memory("info")
         return memory if info is None else self._memory
-
-    def _read_memory(self, operation: str) -> Optional[dict]:
-        """INFO memory of every server, summed (a cluster's masters; 0 maxmemory if any has none)."""
-        infos = [info for group in self._nodes.every_node()
-                 if (info := self._call(operation, lambda: group.client.info("memory"), group)) is not None]
-        if not infos:
-            return None
-        limits = [int(info["maxmemory"]) for info in infos]
-        total = {"used_memory": sum(int(info["used_memory"]) for info in infos),
-                 "maxmemory": 0 if 0 in limits else sum(limits),
-                 "maxmemory_policy": next((info["maxmemory_policy"] for info in infos
-                                           if info.get("maxmemory_policy") != "allkeys-lru"),
-                                          infos[0].get("maxmemory_policy", ""))}
-        with self._lock:
-            self._memory = MemoryInfo(total["used_memory"], total["maxmemory"], time.monotonic())
-        return total
 
     def _check_server(self) -> None:
         """Warn about Redis settings that make it a poor cache (a Redis that is down opens an episode instead)."""
