@@ -71,6 +71,12 @@ def start_replicas(count: int, extra: list[str]) -> tuple[list[subprocess.Popen]
     return processes, urls
 
 
+def stop(processes: list[subprocess.Popen]) -> None:
+    for process in processes:
+        process.terminate()
+        process.wait(timeout=30)
+
+
 def workload(num_prefixes: int, prefix_len: int, num_replicas: int, seed: int = 0) -> list[tuple[int, list[int]]]:
     """(replica index, prompt): every prefix once on every replica, round robin, prefixes interleaved."""
     rng = random.Random(seed)
@@ -131,9 +137,7 @@ def main() -> None:
                 try:
                     results[name] = run(urls, requests, concurrency=args.replicas)
                 finally:
-                    for process in processes:
-                        process.terminate()
-                        process.wait(timeout=30)
+                    stop(processes)
         finally:
             redis.kill()
             redis.wait(timeout=10)

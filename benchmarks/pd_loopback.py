@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fleet_remote import RESULTS, free_port, start_redis, start_replicas, wait_until  # noqa: E402
+from fleet_remote import RESULTS, free_port, start_redis, start_replicas, stop, wait_until  # noqa: E402
 
 from prefixserve.model.cpu_caps import cpu_name  # noqa: E402
 
@@ -127,9 +127,7 @@ def main() -> None:
                 try:
                     results[name] = summary(run_fleet(router_url, work, args.concurrency, args.max_tokens))
                 finally:
-                    for process in [router, *processes]:
-                        process.terminate()
-                        process.wait(timeout=30)
+                    stop([router, *processes])
         finally:
             redis.kill()
             redis.wait(timeout=10)

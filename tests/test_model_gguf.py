@@ -172,31 +172,30 @@ def test_quantized_model_matches_transformers_gguf_load(tmp_path, tokenizer):
     assert read_gguf_source(converted)["tensor_types"] == ["F32", "Q4_0", "Q4_1", "Q8_0"]
 
 
-def test_qwen2_file_keeps_its_row_order_and_biases(tmp_path, tokenizer):
-    config = tiny_llama_config(vocab_size=len(tokenizer[0]), tie=True, model_type="qwen2")
-    weights = random_hf_weights(config, seed=5)
-    path = write_gguf(tmp_path / "qwen2.gguf", config, gguf_tensors(config, weights), tokenizer=tokenizer,
+def converted_exactly(tmp_path, tokenizer, model_type: str, seed: int, tie: bool, architecture: str):
+    """(config, weights, GGUF path, converted directory) of a float32 GGUF of `model_type`, after checking the
+    conversion gave back exactly the weights written and the Hugging Face architecture."""
+    config = tiny_llama_config(vocab_size=len(tokenizer[0]), tie=tie, model_type=model_type)
+    weights = random_hf_weights(config, seed=seed)
+    path = write_gguf(tmp_path / f"{model_type}.gguf", config, gguf_tensors(config, weights), tokenizer=tokenizer,
                       pre="qwen2")
     converted = convert_gguf(path, tmp_path / "cache")
     loaded = load_file(converted / "model.safetensors")
     assert sorted(loaded) == sorted(weights)
     for name, value in weights.items():
         np.testing.assert_array_equal(loaded[name], value, err_msg=name)
-    assert json.loads((converted / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+    assert json.loads((converted / "config.json").read_text())["architectures"] == [architecture]
+    return config, weights, path, converted
+
+
+def test_qwen2_file_keeps_its_row_order_and_biases(tmp_path, tokenizer):
+    *_, converted = converted_exactly(tmp_path, tokenizer, "qwen2", seed=5, tie=True, architecture="Qwen2ForCausalLM")
     load_model(converted, torch.float32, CPU)  # biases and tied embeddings fit our model
 
 
 def test_qwen3_file_keeps_its_head_norms_and_matches_transformers(tmp_path, tokenizer):
-    config = tiny_llama_config(vocab_size=len(tokenizer[0]), model_type="qwen3")
-    weights = random_hf_weights(config, seed=6)
-    path = write_gguf(tmp_path / "qwen3.gguf", config, gguf_tensors(config, weights), tokenizer=tokenizer,
-                      pre="qwen2")
-    converted = convert_gguf(path, tmp_path / "cache")
-    loaded = load_file(converted / "model.safetensors")
-    assert sorted(loaded) == sorted(weights)
-    for name, value in weights.items():
-        np.testing.assert_array_equal(loaded[name], value, err_msg=name)
-    assert json.loads((converted / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
+    config, weights, path, converted = converted_exactly(tmp_path, tokenizer, "qwen3", seed=6, tie=False,
+                                                         architecture="Qwen3ForCausalLM")
     ours = load_model(converted, torch.float32, CPU)
     prompt = [5, 80, 17, 200, 33, 9, 150, 77, 3, 41, 250, 12, 99, 8, 60, 61, 62, 300, 7]
     logits = PagedSequences(ours.model).step([prompt], [0], [[0, 1]])

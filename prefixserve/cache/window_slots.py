@@ -45,10 +45,16 @@ class WindowSlots:
 
     def usable_hit(self, blocks: Sequence) -> int:
         """How many leading blocks of a cached match can be used: the longest prefix whose window blocks all
-        have slots (0 always can)."""
+        have slots (0 always can). One pass: a prefix of `count` blocks is usable when the last block without a
+        slot before it lies below its window's first block."""
+        last_missing, missing_before = -1, []  # missing_before[count]: the last slotless block of blocks[:count]
+        for index, block in enumerate(blocks):
+            missing_before.append(last_missing)
+            if self.slot_of[block.block_id] < 0:
+                last_missing = index
+        missing_before.append(last_missing)
         for count in range(len(blocks), 0, -1):
-            first = self.first_block(count * self.block_size)
-            if all(self.slot_of[block.block_id] >= 0 for block in blocks[first:count]):
+            if missing_before[count] < self.first_block(count * self.block_size):
                 return count
         return 0
 

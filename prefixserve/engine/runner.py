@@ -89,12 +89,12 @@ class ModelRunner:
 
     def holds_every_layer(self, block_id: int) -> bool:
         """Whether the pool holds this block's K/V in every layer (a window layer's slot may be gone)."""
-        return self.window_slots is None or not any(self.window_layers) or self.window_slots.slot_of[block_id] >= 0
+        return self.window_slots is None or self.window_slots.slot_of[block_id] >= 0
 
     def _rows_of(self, block_ids: Sequence[int]) -> list[torch.Tensor]:
         """Per layer, the rows of its cache holding these blocks (a window layer's: their slots)."""
         ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        if not any(self.window_layers):
+        if self.window_slots is None:
             return [ids] * len(self.kv_caches)
         slots = torch.tensor([self.window_slots.slot_of[b] for b in block_ids], dtype=torch.int64, device=self.device)
         if bool((slots < 0).any()):
@@ -125,7 +125,7 @@ class ModelRunner:
         flat = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).view(dtype)
         values = flat.view(len(block_ids), *self.block_shape).to(self.device)
         kept = list(range(len(block_ids)))
-        if any(self.window_layers):
+        if self.window_slots is not None:
             kept = [i for i, given in enumerate(self.window_slots.give_idle(block_ids)) if given]
         ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
         picked = torch.tensor(kept, dtype=torch.int64, device=self.device)
@@ -168,7 +168,7 @@ class ModelRunner:
         meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size, self.device)
         meta.batch_invariant = self.batch_invariant
         window_meta = None
-        if any(self.window_layers):  # the same step over the window layers' slots (-1: released below a window)
+        if self.window_slots is not None:  # the same step over the window layers' slots (-1: released below a window)
             slot_of = self.window_slots.slot_of
             window_meta = AttentionMetadata.build(query_lens, seq_lens, [[slot_of[b] for b in table]
                                                                          for table in block_tables],

@@ -68,7 +68,8 @@ _LAYER_NAMES = {
     "attn_q_norm.weight": "self_attn.q_norm.weight",  # Qwen3
     "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
-_FAMILY_LAYER_NAMES = {"attn_q_norm.weight", "attn_k_norm.weight"}  # required where Architecture.layer_tensors says
+# required only where an Architecture's layer_tensors names them
+_FAMILY_LAYER_NAMES = {name for architecture in ARCHITECTURES.values() for name in architecture.layer_tensors}
 _REQUIRED_LAYER_NAMES = [name for name in _LAYER_NAMES if name.endswith(".weight") and name not in _FAMILY_LAYER_NAMES]
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
 _IGNORED = re.compile(r"blk\.\d+\.attn_rot_embd")  # an old precomputed rotary table, never a weight

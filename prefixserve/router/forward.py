@@ -87,12 +87,11 @@ PREFILL_DROPPED_FIELDS = ("stream", "stream_options", "n", "max_completion_token
 
 
 async def _prefill(router: Router, path: str, client_request: ClientRequest, route: RouteRequest,
-                   headers: dict) -> bool:
+                   headers: dict) -> None:
     """Prefill/decode disaggregation: the prompt is computed on a prefill replica first (chosen as the policy
     chooses: by its cached prefix and queue), which writes its KV to the remote tier before it answers (--role
     prefill); the decode replica chosen next fetches only what it lacks. One token, not streamed, the answer
-    dropped. Best effort: when no prefill replica answers, the decode replica computes the prompt itself.
-    Whether a prefill replica did it."""
+    dropped. Best effort: when no prefill replica answers, the decode replica computes the prompt itself."""
     body = {key: value for key, value in client_request.body.items() if key not in PREFILL_DROPPED_FIELDS}
     raw = json.dumps({**body, "max_tokens": 1}).encode()
     tried: set[str] = set()
@@ -113,11 +112,15 @@ async def _prefill(router: Router, path: str, client_request: ClientRequest, rou
             continue
         finally:
             router.release(replica, ticket)
-        status = unwrap_beats(content)[0] if has_beats(upstream.headers) else upstream.status_code
+        try:
+            status = unwrap_beats(content)[0] if has_beats(upstream.headers) else upstream.status_code
+        except ValueError:  # an answer the router cannot read: the decode replica computes the prompt
+            router.check_soon(replica)
+            status = 502
+        # a refusal is the request's (the decode replica answers it the same way)
         router.metrics.prefills.labels("done" if status == 200 else "refused").inc()
-        return status == 200  # a refusal is the request's (the decode replica answers it the same way)
+        return
     router.metrics.prefills.labels("skipped").inc()
-    return False
 
 
 async def _send_to_replicas(router: Router, path: str, client_request: ClientRequest, route: RouteRequest,
