@@ -7,11 +7,13 @@ replica, with the same text."""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
 
 from prefixserve import SamplingParams
+from prefixserve.cache.scoping import compose_salt
 
 from conftest import make_llm
 from router_fleet import Fleet
@@ -88,3 +90,37 @@ def test_prefill_replicas_need_the_remote_tier():
 
     with pytest.raises(ValueError, match="role 'prefill' hands KV over the fleet's remote tier"):
         EngineConfig(role="prefill")
+
+
+def test_short_misses_prefill_on_the_decode_replica_and_tenants_stay_apart(redis_server, tier_secret_file, tmp_path):
+    """--local-prefill-tokens: a prompt the decode replica mostly holds is prefilled there, not handed over; the
+    router predicts that per tenant, so another tenant's identical prompt is a miss and goes through the prefill
+    replica. Every text equals a whole replica's."""
+    keys = {"key-acme": "acme", "key-beta": "beta"}
+    keys_file = tmp_path / "keys.json"
+    keys_file.write_text(json.dumps(keys))
+    whole = make_llm()
+    prompts = [SHARED + "First question: what is cached?", SHARED + "Second question: what moves?"]
+    expected = {p: whole.generate([p], SamplingParams(**GREEDY), use_tqdm=False)[0].text for p in prompts}
+    args = ("--kv-remote-url", redis_server.url, "--kv-tier-secret-file", tier_secret_file, "--kv-fetch-policy",
+            "always", "--api-keys-file", str(keys_file))
+    with Fleet(2, replica_args=args, roles=["prefill", "decode"], kv_remote_url=redis_server.url, api_keys=keys,
+               local_prefill_tokens=48) as fleet:
+        def ask(prompt: str, key: str) -> httpx.Response:
+            return httpx.post(fleet.url + "/v1/completions", timeout=120, headers={"Authorization": f"Bearer {key}"},
+                json={"model": "prefixserve-tiny", "prompt": prompt, **GREEDY})
+
+        first = ask(prompts[0], "key-acme")
+        assert first.status_code == 200 and first.json()["choices"][0]["text"] == expected[prompts[0]]
+        assert prefills(fleet, "done") == 1 and prefills(fleet, "local") == 0  # nothing held: handed over
+        deadline = time.monotonic() + 10  # the router learns the decode replica's blocks from its KV events
+        route = fleet.router.route_request(fleet.router.tokenizer.encode(prompts[1]), compose_salt("acme", None))
+        while time.monotonic() < deadline and fleet.router.replicas[1].num_hit_blocks(route) == 0:
+            time.sleep(0.05)
+        second = ask(prompts[1], "key-acme")
+        assert second.json()["choices"][0]["text"] == expected[prompts[1]]
+        assert prefills(fleet, "local") == 1 and prefills(fleet, "done") == 1  # a short miss: prefilled there
+        assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        other = ask(prompts[1], "key-beta")  # acme's blocks are not beta's: a whole miss, handed over
+        assert other.json()["choices"][0]["text"] == expected[prompts[1]]
+        assert prefills(fleet, "done") == 2 and prefills(fleet, "local") == 1

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 from ..config import FETCH_POLICIES
 from .paths import int_list, output_path
 from .plan import LOG_FORMAT, measure_tier_reads  # one way: plan never imports simulate
+from .simulate_pd import add_pd_arguments, run_pd
 
 if TYPE_CHECKING:  # the router's modules load only when a replay runs
     from ..router.policies import RouteRequest
@@ -66,6 +67,10 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--costs", metavar="COSTS_JSON",
                         help="cost model, as a --calibrate run writes it "
                              "(default: an estimate of Llama-3-8B on one H100)")
+    parser.add_argument("--rate", type=float, default=1.0, metavar="X",
+                        help="replay the trace's arrivals X times as fast: X times the load on the same fleet "
+                             "(default: %(default)s)")
+    add_pd_arguments(parser)
     _add_output_and_sweep_arguments(parser)
 
 
@@ -180,8 +185,14 @@ def _replay(args: argparse.Namespace) -> int:
     config = SimulationConfig(args.replicas, args.capacity_blocks, cost, host_blocks=args.host_blocks,
                               disk_blocks=args.disk_blocks, remote_blocks=args.remote_blocks,
                               fetch_policy=args.kv_fetch_policy, seed=args.seed, progress=not args.no_progress)
-    trace = load_trace(args.trace, args.limit, args.seed, agent)
+    if args.pd and args.sweep:
+        raise ValueError("--pd and --sweep are separate replays; run them one at a time")
+    trace = load_trace(args.trace, args.limit, args.seed, agent).at_rate(args.rate)
     routes = prepare_routes(trace)
+    if args.pd:
+        for path in run_pd(args, trace, routes, config, plot_path):
+            print(f"wrote {path}")
+        return 0
     written = _compare(trace, routes, policies, config, json_path, plot_path, lift_plot)
     if args.sweep == "capacity":
         written += _capacity_sweep(trace, policies, capacities, config, sweep_plot)

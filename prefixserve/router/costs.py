@@ -41,6 +41,12 @@ class CostModel:
     disk_bytes_per_second: float = GPU_DISK_COST.bytes_per_second
     remote_latency_seconds: float = REMOTE_COST.latency_seconds
     remote_bytes_per_second: float = REMOTE_COST.bytes_per_second
+    # The step-level replay (`simulate --pd`, sim_steps.py) runs decode steps: each costs decode_seconds_per_token
+    # plus reading every running sequence's KV at decode_bytes_per_second (H100 HBM3, about 75% of 3.35 TB/s),
+    # and a step that carries a chunk of prefill (chunked prefill, vLLM's and SGLang's default) also computes
+    # prefill_chunk_tokens of it (8,192: both engines' default chunk on an 80 GB GPU).
+    prefill_chunk_tokens: float = 8192.0
+    decode_bytes_per_second: float = 2.5e12
     description: str = ("default: Llama-3-8B bf16 on one H100, host DRAM over PCIe, NVMe, a 5 GB/s remote store "
                         "(estimated, not measured)")
 
@@ -51,7 +57,8 @@ class CostModel:
                 raise ValueError(f"CostModel.{item.name} must be a non-negative number, got {value!r}")
         if self.decode_batch_size < 1:
             raise ValueError(f"CostModel.decode_batch_size must be at least 1, got {self.decode_batch_size}")
-        for name in ("kv_bytes_per_token", *(f"{tier}_bytes_per_second" for tier in TIER_NAMES)):
+        for name in ("kv_bytes_per_token", "prefill_chunk_tokens", "decode_bytes_per_second",
+                     *(f"{tier}_bytes_per_second" for tier in TIER_NAMES)):
             if not getattr(self, name) > 0:
                 raise ValueError(f"CostModel.{name} must be positive, got {getattr(self, name)!r}")
 
@@ -69,6 +76,10 @@ class CostModel:
 
     def decode_seconds(self, num_output_tokens: int) -> float:
         return num_output_tokens * self.decode_seconds_per_token
+
+    def decode_step_seconds(self, num_context_tokens: float) -> float:
+        """One decode step of a batch whose sequences hold `num_context_tokens` in all (the step-level replay)."""
+        return self.decode_seconds_per_token + num_context_tokens * self.kv_bytes_per_token / self.decode_bytes_per_second
 
     def decode_work_seconds(self, num_output_tokens: int) -> float:
         return num_output_tokens * self.decode_seconds_per_token / self.decode_batch_size

@@ -56,7 +56,8 @@ class RouterMetrics:
         self.cache_key_routes = Counter(CACHE_KEY_ROUTES, "Requests with a prompt_cache_key kept on its replica or "
                                         "overflowed to the policy.", ["outcome"], registry=self.registry)
         self.prefills = Counter(PREFILLS, "Prefill phases of disaggregated requests: done on a prefill replica, "
-                                "refused by it, or skipped (none answered: the decode replica computed the prompt).",
+                                "refused by it, skipped (none answered: the decode replica computed the prompt), or "
+                                "local (short enough to prefill on the decode replica, --local-prefill-tokens).",
                                 ["outcome"], registry=self.registry)
 
 

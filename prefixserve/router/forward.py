@@ -73,7 +73,7 @@ async def forward(router: Router, request: Request, path: str) -> Response:
         return errors(404, f"no healthy replica serves version {version} of this model (serving: {served}); "
                            "ask for the model's name alone to take any version", "not_found_error",
                       param="model", code="model_not_found")
-    if router.settings.disaggregated:
+    if router.settings.disaggregated and not _prefills_locally(router, client_request, route):
         await _prefill(router, path, client_request, route, headers)
     if client_request.streaming and not client_request.is_messages:
         # The relay needs token ids to continue the stream elsewhere; it strips them unless the client asked.
@@ -84,6 +84,18 @@ async def forward(router: Router, request: Request, path: str) -> Response:
 # What a prefill replica is not asked for: it answers one token, whole, and that answer is dropped.
 PREFILL_DROPPED_FIELDS = ("stream", "stream_options", "n", "max_completion_tokens", "min_tokens", "logprobs",
                           "top_logprobs", "prompt_logprobs")
+
+
+def _prefills_locally(router: Router, client_request: ClientRequest, route: RouteRequest) -> bool:
+    """Whether the decode replica the policy would pick lacks at most --local-prefill-tokens of the prompt."""
+    threshold = router.settings.local_prefill_tokens
+    if not threshold:
+        return False
+    replica = router.choose(route, set(), version=client_request.model_version)
+    if replica is None or len(route.token_ids) - replica.num_hit_blocks(route) * route.tokens_per_block > threshold:
+        return False
+    router.metrics.prefills.labels("local").inc()
+    return True
 
 
 async def _prefill(router: Router, path: str, client_request: ClientRequest, route: RouteRequest,

@@ -21,6 +21,10 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-replica", action="append", default=[], metavar="[NAME=]URL",
                         help="a replica started with --role decode: it generates, fetching the prompt's KV it lacks "
                              "from the remote tier; chosen by the prefix it holds (repeat for each)")
+    parser.add_argument("--local-prefill-tokens", type=int, default=0, metavar="N",
+                        help="with --prefill-replica: a prompt of which the decode replica it would go to lacks at "
+                             "most N tokens is prefilled there, not handed over (short prefills are not worth the "
+                             "hand-off; `prefixserve simulate --pd-local-prefill` sizes it) (default: 0, all)")
     parser.add_argument("--policy", default="kv_aware", choices=sorted(POLICIES),
                         help="how a replica is chosen: kv_aware sends a request where its prefix is cached, unless "
                              "that replica is overloaded")
@@ -61,6 +65,7 @@ def settings_from_args(args: argparse.Namespace):
             replicas=tuple(args.replica),
             prefill_replicas=tuple(args.prefill_replica),
             decode_replicas=tuple(args.decode_replica),
+            local_prefill_tokens=args.local_prefill_tokens,
             policy=args.policy,
             model=args.model,
             api_keys=load_api_keys(args.api_keys_file),

@@ -17,6 +17,9 @@ class RouterSettings:
     # Prefill/decode disaggregation (forward.py): replicas started with --role prefill and --role decode
     prefill_replicas: tuple[str, ...] = ()
     decode_replicas: tuple[str, ...] = ()
+    # A prompt of which the chosen decode replica lacks at most this many tokens is prefilled there, not handed
+    # over (conditional disaggregation, as Dynamo's max local prefill length); 0: every prompt is handed over
+    local_prefill_tokens: int = 0
     policy: str = "kv_aware"
     model: Optional[str] = None  # checkpoint directory whose tokenizer the replicas use; None: built-in
     api_keys: Mapping[str, str] = field(default_factory=dict)  # key -> tenant, as the replicas have it
@@ -58,6 +61,8 @@ class RouterSettings:
             raise ValueError("--max-attempts must be at least 1")
         if self.max_request_bytes < 1:
             raise ValueError("--max-request-bytes must be positive")
+        if self.local_prefill_tokens < 0:
+            raise ValueError("--local-prefill-tokens must be 0 (hand every prompt over) or more")
         if not self.cache_key_slack >= 0:
             raise ValueError("--cache-key-slack must be 0 or more seconds")
 

@@ -66,6 +66,8 @@ class SimulationClock:
 class SimulatedReplica:
     """One replica: the real cache, an FCFS prefill queue and a decode batch. A `ReplicaView`."""
 
+    job_type = Job  # what enqueue makes (sim_steps.StepJob adds the step-level replay's progress)
+
     def __init__(self, index: int, capacity_blocks: int, cost: CostModel, block_size: int, clock: SimulationClock,
                  tiers: Optional[ReplicaTiers] = None, fetch_policy: str = "cost") -> None:
         self.name = f"replica-{index}"
@@ -153,7 +155,7 @@ class SimulatedReplica:
         hit, run = self._predict(route)
         prefill = self._prefill_seconds(request, hit, self._plan(run))
         self._memo = (None, 0.0, 0, [])  # starting a prefill may evict: predict afresh
-        job = Job(request, route, prefill, prefill + self.cost.decode_work_seconds(request.output_length))
+        job = self.job_type(request, route, prefill, prefill + self.cost.decode_work_seconds(request.output_length))
         self.queue.append(job)
         for key in route.keys:
             self.pending_keys[key] = self.pending_keys.get(key, 0) + 1
@@ -188,6 +190,14 @@ class SimulatedReplica:
 
     def finish_prefill(self, job: Job) -> None:
         """Register the full prompt blocks (the partial tail has no key) and join the decode batch."""
+        self.register_prompt(job)
+        job.done_at = self.clock.now + self.cost.decode_seconds(job.request.output_length)
+        self.num_decoding += 1
+        self.decode_done_sum += job.done_at
+        self.busy_seconds += job.prefill_seconds + self.cost.decode_work_seconds(job.request.output_length)
+
+    def register_prompt(self, job: Job) -> None:
+        """The prefill ended: insert its full blocks into the index, write the computed ones through, free the slot."""
         assert self.prefilling is job
         cache, route = self.cache, job.route
         if job.blocks:
@@ -205,10 +215,6 @@ class SimulatedReplica:
             else:
                 self.pending_keys[key] -= 1
         self.prefilling = None
-        job.done_at = self.clock.now + self.cost.decode_seconds(job.request.output_length)
-        self.num_decoding += 1
-        self.decode_done_sum += job.done_at
-        self.busy_seconds += job.prefill_seconds + self.cost.decode_work_seconds(job.request.output_length)
 
     def _spill(self, block: Block) -> None:
         parent = block.parent

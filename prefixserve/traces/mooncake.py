@@ -61,6 +61,15 @@ class Trace:
     def num_input_tokens(self) -> int:
         return sum(request.input_length for request in self.requests)
 
+    def at_rate(self, rate: float) -> "Trace":
+        """The same requests arriving `rate` times as fast (2: twice the load on the same fleet)."""
+        if not rate > 0:
+            raise ValueError(f"an arrival rate factor (--rate) must be positive, got {rate}")
+        if rate == 1:
+            return self
+        requests = [replace(request, arrival_time=request.arrival_time / rate) for request in self.requests]
+        return Trace(requests, self.block_size, f"{self.name} x{rate:g}")
+
 
 BUILT_IN_TRACES = ("conversation", "synthetic", "agent")  # `--trace NAME`; anything else is a path
 TRACE_DIR = Path(__file__).resolve().parents[1] / "data" / "traces"  # package data: <name>.jsonl.gz

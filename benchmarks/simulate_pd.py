@@ -1,0 +1,100 @@
+"""Whole against disaggregated fleets of 8, 16 and 32 replicas on the Mooncake conversation trace, at high load.
+
+    python benchmarks/simulate_pd.py [--sizes 8,16,32] [--rate-per-8 1.5] [--fabric-gbps 25]
+                                     [--local-prefill 0,8192,16384] [--costs costs.json] [--no-progress]
+
+Each fleet of N replicas replays the trace's arrivals N/8 x --rate-per-8 as fast (the same load per
+replica), whole (N `both` replicas) and split N/4:3N/4 and 3N/8:5N/8 at each --local-prefill threshold
+(conditional disaggregation; 0 hands every prompt over). Every fleet shares a tier that holds the whole
+working set, read and written at --fabric-gbps (the KV hand-off's fabric: 25 GB/s is a 200 Gb/s RDMA NIC;
+stated, not measured). Prints one row a fleet and writes benchmarks/results/simulate_pd.{json,png}.
+The figures are simulated seconds: the same on any CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from prefixserve.cli import HelpFormatter
+from prefixserve.router.costs import CostModel
+from prefixserve.router.report import _align
+from prefixserve.router.simulate import SimulationConfig, prepare_routes, working_set_blocks
+from prefixserve.router.simulate_pd import fleet_roles, simulate_steps
+from prefixserve.traces.mooncake import load_trace
+
+ROOT = Path(__file__).resolve().parent
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False,
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--sizes", default="8,16,32", help="fleet sizes")
+    parser.add_argument("--rate-per-8", type=float, default=1.5,
+                        help="arrival rate factor for 8 replicas; N replicas get N/8 times it")
+    parser.add_argument("--fabric-gbps", type=float, default=25.0, help="shared tier read/write GB/s")
+    parser.add_argument("--local-prefill", default="0,8192,16384", help="conditional disaggregation thresholds")
+    parser.add_argument("--costs", help="cost model JSON (default: the built-in H100 estimate)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars (drawn only on a terminal anyway)")
+    parser.add_argument("--out", default=str(ROOT / "results"), help="folder for the JSON and PNG results")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cost = replace(CostModel.load(args.costs) if args.costs else CostModel(),
+                   remote_bytes_per_second=args.fabric_gbps * 1e9)
+    base = load_trace("conversation")
+    routes = prepare_routes(base)
+    working_set = working_set_blocks(routes)
+    thresholds = [int(value) for value in args.local_prefill.split(",")]
+    rows = [("replicas", "rate", "fleet", "local prefill", "TTFT p50", "TTFT p99", "TPOT p99", "TPOT p99 better",
+             "TTFT p50 ratio", "KV moved/req")]
+    body: dict = {}
+    for size in (int(value) for value in args.sizes.split(",")):
+        rate = args.rate_per_8 * size / 8
+        trace = base.at_rate(rate)
+        config = SimulationConfig(size, cost=cost, remote_blocks=working_set, progress=not args.no_progress)
+        whole = simulate_steps(trace, "kv_aware", config, fleet_roles(size, 0), routes)
+        runs = [(whole, 0)]
+        for prefill in sorted({size // 4, 3 * size // 8}):
+            for threshold in thresholds:
+                runs.append((simulate_steps(trace, "kv_aware", config, fleet_roles(prefill, size - prefill), routes,
+                                            local_prefill_tokens=threshold), threshold))
+        for result, threshold in runs:
+            better = whole.percentile("tpot", 99) / result.percentile("tpot", 99)
+            ratio = result.percentile("ttft", 50) / whole.percentile("ttft", 50)
+            rows.append((str(size), f"x{rate:g}", result.name, f"{threshold:,}" if result is not whole else "-",
+                         f"{result.percentile('ttft', 50):.3f} s", f"{result.percentile('ttft', 99):.2f} s",
+                         f"{result.percentile('tpot', 99):.3f} s", f"{better:.2f}x", f"{ratio:.2f}x",
+                         f"{result.moved_bytes_per_request / 1e9:.2f} GB"))
+            body[f"{size}/{result.name}/local {threshold}"] = {**result.metrics(), "rate": rate,
+                                                               "tpot_p99_better": better, "ttft_p50_ratio": ratio}
+        print(_align(rows, num_left=4), flush=True)
+        rows = rows[:1]
+    (out / "simulate_pd.json").write_text(json.dumps(body, indent=2) + "\n")
+    _plot(body, out / "simulate_pd.png")
+    print(f"wrote {out / 'simulate_pd.json'}, {out / 'simulate_pd.png'}")
+
+
+def _plot(body: dict, path: Path) -> None:
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(8, 6), layout="constrained")
+    axis = figure.subplots()
+    for name, values in body.items():
+        if values["ttft_p50_ratio"] == 1 and values["tpot_p99_better"] == 1:
+            continue  # the whole fleet itself
+        axis.scatter(values["ttft_p50_ratio"], values["tpot_p99_better"])
+        axis.annotate(name, (values["ttft_p50_ratio"], values["tpot_p99_better"]), fontsize=7)
+    axis.axvline(1.1, color="black", linestyle="--")
+    axis.axhline(1.5, color="black", linestyle="--")
+    axis.set_xscale("log")
+    axis.set_xlabel("TTFT p50, split / whole (goal: at most 1.1)")
+    axis.set_ylabel("TPOT p99, whole / split (goal: at least 1.5)")
+    figure.suptitle("disaggregated against whole fleets, Mooncake conversation trace")
+    figure.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
