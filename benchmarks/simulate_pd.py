@@ -1,11 +1,12 @@
 """Whole against disaggregated fleets of 8, 16 and 32 replicas on the Mooncake conversation trace, at high load.
 
     python benchmarks/simulate_pd.py [--sizes 8,16,32] [--rate-per-8 1.5] [--fabric-gbps 25]
-                                     [--local-prefill 0,8192,16384] [--costs costs.json] [--no-progress]
+                                     [--variants 0/-,16384/-,16384/2,8192/2] [--costs costs.json] [--no-progress]
 
 Each fleet of N replicas replays the trace's arrivals N/8 x --rate-per-8 as fast (the same load per
-replica), whole (N `both` replicas) and split N/4:3N/4 and 3N/8:5N/8 at each --local-prefill threshold
-(conditional disaggregation; 0 hands every prompt over). Every fleet shares a tier that holds the whole
+replica), whole (N `both` replicas) and split N/4:3N/4 and 3N/8:5N/8 in each variant LOCAL/QUEUE: prompts
+the decode replica lacks at most LOCAL tokens of are prefilled there (0: none), and all of them while every
+prefill replica has more than QUEUE seconds queued (-: no limit): conditional disaggregation. Every fleet shares a tier that holds the whole
 working set, read and written at --fabric-gbps (the KV hand-off's fabric: 25 GB/s is a 200 Gb/s RDMA NIC;
 stated, not measured). Prints one row a fleet and writes benchmarks/results/simulate_pd.{json,png}.
 The figures are simulated seconds: the same on any CPU.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -35,7 +37,8 @@ def main() -> None:
     parser.add_argument("--rate-per-8", type=float, default=1.5,
                         help="arrival rate factor for 8 replicas; N replicas get N/8 times it")
     parser.add_argument("--fabric-gbps", type=float, default=25.0, help="shared tier read/write GB/s")
-    parser.add_argument("--local-prefill", default="0,8192,16384", help="conditional disaggregation thresholds")
+    parser.add_argument("--variants", default="0/-,16384/-,16384/2,8192/2",
+                        help="conditional disaggregation: LOCAL_TOKENS/QUEUE_SECONDS (- for no queue limit), ...")
     parser.add_argument("--costs", help="cost model JSON (default: the built-in H100 estimate)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (drawn only on a terminal anyway)")
     parser.add_argument("--out", default=str(ROOT / "results"), help="folder for the JSON and PNG results")
@@ -47,8 +50,9 @@ def main() -> None:
     base = load_trace("conversation")
     routes = prepare_routes(base)
     working_set = working_set_blocks(routes)
-    thresholds = [int(value) for value in args.local_prefill.split(",")]
-    rows = [("replicas", "rate", "fleet", "local prefill", "TTFT p50", "TTFT p99", "TPOT p99", "TPOT p99 better",
+    variants = [(int(local), math.inf if queue == "-" else float(queue))
+                for local, queue in (variant.split("/") for variant in args.variants.split(","))]
+    rows = [("replicas", "rate", "fleet", "local / queue", "TTFT p50", "TTFT p99", "TPOT p99", "TPOT p99 better",
              "TTFT p50 ratio", "KV moved/req")]
     body: dict = {}
     for size in (int(value) for value in args.sizes.split(",")):
@@ -56,19 +60,20 @@ def main() -> None:
         trace = base.at_rate(rate)
         config = SimulationConfig(size, cost=cost, remote_blocks=working_set, progress=not args.no_progress)
         whole = simulate_steps(trace, "kv_aware", config, fleet_roles(size, 0), routes)
-        runs = [(whole, 0)]
+        runs = [(whole, "-")]
         for prefill in sorted({size // 4, 3 * size // 8}):
-            for threshold in thresholds:
+            for local, queue in variants:
                 runs.append((simulate_steps(trace, "kv_aware", config, fleet_roles(prefill, size - prefill), routes,
-                                            local_prefill_tokens=threshold), threshold))
-        for result, threshold in runs:
+                                            local_prefill_tokens=local, max_prefill_queue=queue),
+                             f"{local:,} / {queue:g} s" if queue < math.inf else f"{local:,} / -"))
+        for result, variant in runs:
             better = whole.percentile("tpot", 99) / result.percentile("tpot", 99)
             ratio = result.percentile("ttft", 50) / whole.percentile("ttft", 50)
-            rows.append((str(size), f"x{rate:g}", result.name, f"{threshold:,}" if result is not whole else "-",
+            rows.append((str(size), f"x{rate:g}", result.name, variant,
                          f"{result.percentile('ttft', 50):.3f} s", f"{result.percentile('ttft', 99):.2f} s",
                          f"{result.percentile('tpot', 99):.3f} s", f"{better:.2f}x", f"{ratio:.2f}x",
                          f"{result.moved_bytes_per_request / 1e9:.2f} GB"))
-            body[f"{size}/{result.name}/local {threshold}"] = {**result.metrics(), "rate": rate,
+            body[f"{size}/{result.name}/{variant}"] = {**result.metrics(), "rate": rate,
                                                                "tpot_p99_better": better, "ttft_p50_ratio": ratio}
         print(_align(rows, num_left=4), flush=True)
         rows = rows[:1]

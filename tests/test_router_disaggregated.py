@@ -84,6 +84,10 @@ def test_prefill_replicas_need_the_remote_tier():
 
     with pytest.raises(ValueError, match="--kv-remote-url"):
         RouterSettings(replicas=(), prefill_replicas=("http://127.0.0.1:9",), decode_replicas=("http://127.0.0.1:8",))
+    with pytest.raises(ValueError, match="--max-prefill-queue-seconds"):
+        RouterSettings(replicas=("http://127.0.0.1:8",), max_prefill_queue_seconds=-1.0)
+    with pytest.raises(ValueError, match="--local-prefill-tokens"):
+        RouterSettings(replicas=("http://127.0.0.1:8",), local_prefill_tokens=-1)
     with pytest.raises(ValueError, match="at least one --replica URL"):
         RouterSettings(replicas=(), prefill_replicas=("http://127.0.0.1:9",), kv_remote_url="redis://127.0.0.1:1")
     from prefixserve.config import EngineConfig

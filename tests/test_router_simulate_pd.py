@@ -83,6 +83,18 @@ def test_conditional_disaggregation_prefills_short_misses_on_the_decode_replica(
         replay(requests, fleet_roles(1, 1), local_prefill_tokens=-1)
 
 
+def test_a_backed_up_prefill_pool_is_not_waited_for():
+    requests = [TraceRequest(0.0, 4096, 4, list(range(8))), TraceRequest(0.5, 4096, 4, list(range(10, 18))),
+                TraceRequest(9.0, 4096, 4, list(range(20, 28)))]
+    trails = by_arrival(replay(requests, fleet_roles(1, 1), max_prefill_queue=1.0))
+    assert trails[0].prefill_replica.startswith("prefill")
+    # 3.6 s of the first prompt still to compute: the second is prefilled on the decode replica
+    assert trails[1].prefill_replica.startswith("decode") and trails[1].written_bytes == 0
+    assert trails[2].prefill_replica.startswith("prefill")  # the pool is free again
+    with pytest.raises(ValueError, match="max_prefill_queue"):
+        replay(requests, fleet_roles(1, 1), max_prefill_queue=-1.0)
+
+
 def test_every_request_is_answered_and_the_split_computes_no_more_than_the_tails():
     trace = load_trace("conversation", limit=400)
     routes = prepare_routes(trace)

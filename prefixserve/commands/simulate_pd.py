@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -29,6 +30,9 @@ def add_pd_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --pd, prefill a prompt on its decode replica when that replica lacks at most "
                              "this many of its tokens (conditional disaggregation: short prefills are not worth "
                              "a hand-off) (default: 0, hand every prompt over)")
+    parser.add_argument("--pd-max-prefill-queue", type=float, default=None, metavar="SECONDS",
+                        help="with --pd, prefill every prompt on its decode replica while the least queued prefill "
+                             "replica has more than this many seconds of prefill queued (default: no limit)")
     parser.add_argument("--pd-trails", metavar="JSONL",
                         help="with --pd, write one JSON line per request and fleet: which replicas had the prefix, "
                              "bytes moved, prefill seconds reuse saved, waits, TTFT, TPOT (default: none)")
@@ -65,13 +69,16 @@ def run_pd(args: argparse.Namespace, trace: Trace, routes: Sequence[RouteRequest
     began = time.perf_counter()
     results = [simulate_steps(trace, args.pd_policy, config, fleet_roles(config.num_replicas, 0), routes)]
     results += [simulate_steps(trace, args.pd_policy, config, fleet_roles(p, d), routes,
-                               local_prefill_tokens=args.pd_local_prefill) for p, d in splits]
+                               local_prefill_tokens=args.pd_local_prefill,
+                               max_prefill_queue=math.inf if args.pd_max_prefill_queue is None
+                               else args.pd_max_prefill_queue) for p, d in splits]
     cost = config.cost
     print(f"{trace.name}: {len(trace)} requests over {trace.duration:.0f} s, {config.num_replicas} replicas x "
           f"{config.capacity_blocks} blocks of {trace.block_size} tokens, shared tier {config.remote_blocks:,} blocks "
           f"(working set {working_set:,}) at {cost.remote_bytes_per_second / 1e9:g} GB/s, {args.pd_policy}, "
           f"prefill chunks of {cost.prefill_chunk_tokens:g} tokens"
           + (f", local prefill up to {args.pd_local_prefill:,} tokens" if args.pd_local_prefill else "")
+          + (f" or past {args.pd_max_prefill_queue:g} s of prefill queue" if args.pd_max_prefill_queue else "")
           + f" ({time.perf_counter() - began:.1f} s)")
     print(format_pd_table(results))
     for split in results[1:]:

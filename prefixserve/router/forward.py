@@ -87,8 +87,13 @@ PREFILL_DROPPED_FIELDS = ("stream", "stream_options", "n", "max_completion_token
 
 
 def _prefills_locally(router: Router, client_request: ClientRequest, route: RouteRequest) -> bool:
-    """Whether the decode replica the policy would pick lacks at most --local-prefill-tokens of the prompt."""
-    threshold = router.settings.local_prefill_tokens
+    """Whether the decode replica the policy would pick lacks at most --local-prefill-tokens of the prompt, or every
+    prefill replica has more than --max-prefill-queue-seconds of work outstanding."""
+    settings = router.settings
+    threshold, max_queue = settings.local_prefill_tokens, settings.max_prefill_queue_seconds
+    if max_queue is not None and all(r.load > max_queue for r in router.replicas if r.role == "prefill" and r.healthy):
+        router.metrics.prefills.labels("local").inc()
+        return True
     if not threshold:
         return False
     replica = router.choose(route, set(), version=client_request.model_version)

@@ -25,6 +25,10 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --prefill-replica: a prompt of which the decode replica it would go to lacks at "
                              "most N tokens is prefilled there, not handed over (short prefills are not worth the "
                              "hand-off; `prefixserve simulate --pd-local-prefill` sizes it) (default: 0, all)")
+    parser.add_argument("--max-prefill-queue-seconds", type=float, default=None, metavar="S",
+                        help="with --prefill-replica: while every prefill replica has more than S seconds of work "
+                             "outstanding, prompts are prefilled on their decode replica (a backed-up prefill pool "
+                             "is not worth waiting for) (default: no limit)")
     parser.add_argument("--policy", default="kv_aware", choices=sorted(POLICIES),
                         help="how a replica is chosen: kv_aware sends a request where its prefix is cached, unless "
                              "that replica is overloaded")
@@ -66,6 +70,7 @@ def settings_from_args(args: argparse.Namespace):
             prefill_replicas=tuple(args.prefill_replica),
             decode_replicas=tuple(args.decode_replica),
             local_prefill_tokens=args.local_prefill_tokens,
+            max_prefill_queue_seconds=args.max_prefill_queue_seconds,
             policy=args.policy,
             model=args.model,
             api_keys=load_api_keys(args.api_keys_file),

@@ -20,6 +20,8 @@ class RouterSettings:
     # A prompt of which the chosen decode replica lacks at most this many tokens is prefilled there, not handed
     # over (conditional disaggregation, as Dynamo's max local prefill length); 0: every prompt is handed over
     local_prefill_tokens: int = 0
+    # ... and so is every prompt while each prefill replica has more than this many seconds of work outstanding
+    max_prefill_queue_seconds: Optional[float] = None
     policy: str = "kv_aware"
     model: Optional[str] = None  # checkpoint directory whose tokenizer the replicas use; None: built-in
     api_keys: Mapping[str, str] = field(default_factory=dict)  # key -> tenant, as the replicas have it
@@ -61,6 +63,8 @@ class RouterSettings:
             raise ValueError("--max-attempts must be at least 1")
         if self.max_request_bytes < 1:
             raise ValueError("--max-request-bytes must be positive")
+        if self.max_prefill_queue_seconds is not None and not self.max_prefill_queue_seconds >= 0:
+            raise ValueError("--max-prefill-queue-seconds must be 0 or more seconds")
         if self.local_prefill_tokens < 0:
             raise ValueError("--local-prefill-tokens must be 0 (hand every prompt over) or more")
         if not self.cache_key_slack >= 0:

@@ -125,13 +125,17 @@ class _First:
 
 def simulate_steps(trace: Trace, policy: str, config: SimulationConfig, roles: Sequence[str],
                    routes: Optional[Sequence[RouteRequest]] = None, name: str = "",
-                   local_prefill_tokens: int = 0) -> StepResult:
+                   local_prefill_tokens: int = 0, max_prefill_queue: float = math.inf) -> StepResult:
     """Replay `trace` over replicas of these roles (fleet_roles), each step-level; a split fleet needs the
     shared tier (config.remote_blocks) its replicas hand prompts over through. In a split fleet a prompt of
     which the chosen decode replica lacks at most `local_prefill_tokens` is prefilled there, not handed over
-    (conditional disaggregation, as Dynamo's max local prefill length); 0 hands every prompt over."""
+    (conditional disaggregation, as Dynamo's max local prefill length); 0 hands every prompt over. So is every
+    prompt while the least queued prefill replica has more than `max_prefill_queue` seconds of prefill queued
+    (as Dynamo's max prefill queue size): a backed-up prefill pool is not worth waiting for."""
     if local_prefill_tokens < 0:
         raise ValueError(f"local_prefill_tokens (--pd-local-prefill) must be 0 or more, got {local_prefill_tokens}")
+    if not max_prefill_queue >= 0:
+        raise ValueError(f"max_prefill_queue (--pd-max-prefill-queue) must be 0 or more seconds, got {max_prefill_queue}")
     split = "prefill" in roles
     if split and not config.remote_blocks:
         raise ValueError("prefill and decode replicas hand prompts over through the shared tier: "
@@ -146,10 +150,10 @@ def simulate_steps(trace: Trace, policy: str, config: SimulationConfig, roles: S
         replay.run_events(request.arrival_time)
         replay.clock.now = request.arrival_time
         trail = RequestTrail(request.arrival_time, len(route.keys))
-        if split and local_prefill_tokens:
+        if split and (local_prefill_tokens or max_prefill_queue < math.inf):
             index = replay.back_policy.choose(route, replay.back)
             lacking = request.input_length - replay.back[index].num_hit_blocks(route) * trace.block_size
-            if lacking <= local_prefill_tokens:
+            if lacking <= local_prefill_tokens or min(r.queue_seconds for r in replay.front) > max_prefill_queue:
                 trail.handed_over_at = request.arrival_time  # no hand-off: the decode replica's queue is the wait
                 trail.prefill_replica = replay.back[index].name
                 replay.trails.append(trail)
