@@ -178,6 +178,11 @@ class RadixCache(RadixRemoval, RadixPins):
             )
         return [self.pool.allocate() for _ in range(num_blocks)]
 
+    def can_admit(self, hit: Sequence[Block], num_new_blocks: int) -> bool:
+        """Whether `admit(hit, num_new_blocks)` would succeed now (it changes nothing)."""
+        num_cold_hits = sum(1 for block in hit if block.ref_count == 0 and block.pin_count == 0)
+        return self.can_allocate(num_new_blocks + num_cold_hits)
+
     def admit(self, hit: Sequence[Block], num_new_blocks: int, ttl: Optional[float] = None) -> Optional[list[Block]]:
         """The one admission step: acquire a matched prefix and allocate `num_new_blocks` after it.
 
@@ -185,8 +190,7 @@ class RadixCache(RadixRemoval, RadixPins):
         a cold hit takes it out of the reclaimable pool, so it is counted against the free room:
         checking `can_allocate(num_new_blocks)` alone would over-promise.
         """
-        num_cold_hits = sum(1 for block in hit if block.ref_count == 0 and block.pin_count == 0)
-        if not self.can_allocate(num_new_blocks + num_cold_hits):
+        if not self.can_admit(hit, num_new_blocks):
             return None
         self.acquire(hit, ttl)
         return list(hit) + self.allocate(num_new_blocks)

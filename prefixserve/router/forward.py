@@ -91,16 +91,15 @@ def _prefills_locally(router: Router, client_request: ClientRequest, route: Rout
     prefill replica has more than --max-prefill-queue-seconds of work outstanding."""
     settings = router.settings
     threshold, max_queue = settings.local_prefill_tokens, settings.max_prefill_queue_seconds
-    if max_queue is not None and all(r.load > max_queue for r in router.replicas if r.role == "prefill" and r.healthy):
+    local = max_queue is not None and all(r.load > max_queue for r in router.replicas
+                                          if r.role == "prefill" and r.healthy)
+    if not local and threshold:
+        replica = router.choose(route, set(), version=client_request.model_version)
+        local = (replica is not None
+                 and len(route.token_ids) - replica.num_hit_blocks(route) * route.tokens_per_block <= threshold)
+    if local:
         router.metrics.prefills.labels("local").inc()
-        return True
-    if not threshold:
-        return False
-    replica = router.choose(route, set(), version=client_request.model_version)
-    if replica is None or len(route.token_ids) - replica.num_hit_blocks(route) * route.tokens_per_block > threshold:
-        return False
-    router.metrics.prefills.labels("local").inc()
-    return True
+    return local
 
 
 async def _prefill(router: Router, path: str, client_request: ClientRequest, route: RouteRequest,

@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-from .report import _align
+from .report import _align, _seconds
 
 if TYPE_CHECKING:
     from .simulate_pd import StepResult
-
-
-def _seconds(value: float) -> str:
-    return "-" if math.isnan(value) else f"{value:.3f} s"
 
 
 def format_pd_table(results: Sequence[StepResult]) -> str:

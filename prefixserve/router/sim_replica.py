@@ -172,7 +172,7 @@ class SimulatedReplica:
         self.queued_prefill = self.queued_prefill - job.prefill_estimate if self.queue else 0.0
         request, route, cache = job.request, job.route, self.cache
         hit = cache.match(route.scope_digest, route.keys, route.token_ids)
-        num_needed = -(-(request.input_length + request.output_length) // self.block_size) - len(hit.blocks)
+        num_needed = self.num_blocks_needed(request) - len(hit.blocks)
         blocks = cache.admit(hit.blocks, num_needed)  # the engine scheduler's admission step
         if blocks is not None:
             job.blocks = blocks
@@ -215,6 +215,18 @@ class SimulatedReplica:
             else:
                 self.pending_keys[key] -= 1
         self.prefilling = None
+
+    def check_integrity(self) -> None:
+        """After a replay (tests): the cache's invariants, no block still referenced, every tier within its size."""
+        self.cache.check_integrity()
+        assert self.cache.usage().num_referenced_blocks == 0, f"{self.name} leaked block references"
+        for tier in self.tiers.tiers:
+            tier.index.check_integrity()
+            assert len(tier) <= tier.capacity_blocks, f"{self.name}'s {tier.name} tier is over capacity"
+
+    def num_blocks_needed(self, request: TraceRequest) -> int:
+        """Blocks a request holds while it runs: its prompt and its output."""
+        return -(-(request.input_length + request.output_length) // self.block_size)
 
     def _spill(self, block: Block) -> None:
         parent = block.parent

@@ -79,8 +79,6 @@ class StepReplica(SimulatedReplica):
         self.updated_at = 0.0
         self.version = 0  # bumped at every change of rates: events scheduled before it are stale
         self._order = itertools.count()
-        self.prefill_compute_seconds = 0.0  # computation done by prefills here, wall time they took
-        self.prefill_wall_seconds = 0.0
 
     # ------------------------------------------------------------------ rates
     def _rates(self) -> tuple[float, float]:
@@ -101,13 +99,10 @@ class StepReplica(SimulatedReplica):
         prefill_rate, token_rate = self._rates()
         job = self.prefilling
         if job is not None:
-            self.prefill_wall_seconds += elapsed
             if job.fetch_left > _EPSILON:
                 job.fetch_left = max(job.fetch_left - elapsed, 0.0)
             else:
-                done = min(elapsed * prefill_rate, job.compute_left)
-                job.compute_left -= done
-                self.prefill_compute_seconds += done
+                job.compute_left -= min(elapsed * prefill_rate, job.compute_left)
         self.token_clock += elapsed * token_rate
         self.updated_at = now
 
@@ -152,9 +147,7 @@ class StepReplica(SimulatedReplica):
     def _fits(self, job: Job) -> bool:
         route, cache = job.route, self.cache
         hit = cache.match(route.scope_digest, route.keys, route.token_ids, record_stats=False).blocks
-        num_cold = sum(1 for block in hit if block.ref_count == 0 and block.pin_count == 0)
-        num_blocks = -(-(job.request.input_length + job.request.output_length) // self.block_size)
-        return cache.can_allocate(num_blocks - len(hit) + num_cold)
+        return cache.can_admit(hit, self.num_blocks_needed(job.request) - len(hit))
 
     def prefill_done(self) -> Optional[StepJob]:
         job = self.prefilling
@@ -169,8 +162,8 @@ class StepReplica(SimulatedReplica):
         job.blocks = []
         self.busy_seconds += job.prefill_seconds
 
-    def join_batch(self, job: StepJob) -> bool:
-        """The prompt is in and its first token out: decode the rest here. False if nothing is left to decode."""
+    def join_batch(self, job: StepJob) -> None:
+        """The prompt is in and its first token out: decode the rest here (a one-token answer is done)."""
         self.register_prompt(job)
         job.first_token_at = self.clock.now
         num_tokens = job.request.output_length - 1
@@ -178,7 +171,7 @@ class StepReplica(SimulatedReplica):
         if num_tokens <= 0:
             self.cache.release(job.blocks)
             job.blocks = []
-            return False
+            return
         job.done_tokens = self.token_clock + num_tokens
         job.context_tokens = job.request.input_length + num_tokens / 2
         job.done_at = self.clock.now + self.cost.decode_seconds(num_tokens)  # the policies' load estimate
@@ -187,7 +180,6 @@ class StepReplica(SimulatedReplica):
         self.num_decoding += 1
         self.decode_done_sum += job.done_at
         self.busy_seconds += self.cost.decode_work_seconds(num_tokens)
-        return True
 
     def finished(self) -> list[StepJob]:
         """The sequences whose last token is out by now; they leave the batch and free their blocks."""

@@ -18,7 +18,7 @@ import heapq
 import itertools
 import math
 from dataclasses import dataclass, field, replace
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from tqdm import tqdm
 
@@ -64,6 +64,16 @@ class SimulationConfig:
         if self.fetch_policy not in FETCH_POLICIES:
             raise ValueError(f"fetch_policy (--kv-fetch-policy) must be one of {', '.join(FETCH_POLICIES)}, "
                              f"got {self.fetch_policy!r}")
+
+    def tier_factory(self) -> Callable[[], ReplicaTiers]:
+        """Each call: one replica's own host and disk tiers (as sized) above the one remote tier the fleet shares."""
+        remote = SimulatedTier("remote", self.remote_blocks) if self.remote_blocks else None
+
+        def tiers() -> ReplicaTiers:
+            return ReplicaTiers(SimulatedTier("host", self.host_blocks) if self.host_blocks else None,
+                                SimulatedTier("disk", self.disk_blocks) if self.disk_blocks else None, remote)
+
+        return tiers
 
     @property
     def tier_names(self) -> tuple[str, ...]:
@@ -116,7 +126,12 @@ class SimulationResult:
             "num_failed_allocations": self.num_failed_allocations, "num_evicted_blocks": self.num_evicted_blocks,
             **{f"{tier}_hit_rate": self.tier_hit_rate(tier) for tier in self.num_hit_tokens_by_tier},
         }
-        return {name: None if isinstance(v, float) and math.isnan(v) else v for name, v in values.items()}
+        return json_ready(values)
+
+
+def json_ready(values: dict) -> dict:
+    """NaN (a metric with no sample) as None, which JSON can write."""
+    return {name: None if isinstance(v, float) and math.isnan(v) else v for name, v in values.items()}
 
 
 def prepare_routes(trace: Trace) -> list[RouteRequest]:
@@ -166,12 +181,7 @@ class _Replay:
     def __init__(self, trace: Trace, config: SimulationConfig) -> None:
         self.trace, self.config = trace, config
         self.clock = SimulationClock()
-        remote = SimulatedTier("remote", config.remote_blocks) if config.remote_blocks else None
-
-        def tiers() -> ReplicaTiers:
-            return ReplicaTiers(SimulatedTier("host", config.host_blocks) if config.host_blocks else None,
-                                SimulatedTier("disk", config.disk_blocks) if config.disk_blocks else None, remote)
-
+        tiers = config.tier_factory()
         self.replicas = [SimulatedReplica(i, config.capacity_blocks, config.cost, trace.block_size, self.clock, tiers(),
                                           config.fetch_policy) for i in range(config.num_replicas)]
         self.events: list[tuple[float, int, int, int, Job]] = []  # (time, sequence, kind, replica, job)
@@ -207,11 +217,7 @@ class _Replay:
         replicas, trace = self.replicas, self.trace
         if self.config.check_integrity:
             for replica in replicas:
-                replica.cache.check_integrity()
-                assert replica.cache.usage().num_referenced_blocks == 0, f"{replica.name} leaked block references"
-                for tier in replica.tiers.tiers:
-                    tier.index.check_integrity()
-                    assert len(tier) <= tier.capacity_blocks, f"{replica.name}'s {tier.name} tier is over capacity"
+                replica.check_integrity()
         busy = [replica.busy_seconds for replica in replicas]
         mean_busy = sum(busy) / len(busy)
         return SimulationResult(

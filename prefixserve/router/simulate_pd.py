@@ -26,8 +26,7 @@ from ..traces.mooncake import Trace
 from .policies import RouteRequest, make_policy
 from .sim_replica import SimulationClock
 from .sim_steps import StepJob, StepReplica, last_block_tokens
-from .sim_tiers import ReplicaTiers, SimulatedTier
-from .simulate import SimulationConfig, _percentile, prepare_routes
+from .simulate import SimulationConfig, _percentile, json_ready, prepare_routes
 
 
 def fleet_roles(num_prefill: int, num_decode: int) -> list[str]:
@@ -84,7 +83,6 @@ class RequestTrail:
 @dataclass
 class StepResult:
     name: str  # "both x8", "pd 3:5"
-    policy: str
     trails: list[RequestTrail] = field(default_factory=list)
     num_input_tokens: int = 0
 
@@ -109,18 +107,10 @@ class StepResult:
                                                                               "decode_wait") for q in (50, 99)},
                   "moved_bytes_per_request": self.moved_bytes_per_request,
                   "saved_prefill_seconds": sum(trail.saved_seconds for trail in self.trails)}
-        return {name: None if isinstance(v, float) and math.isnan(v) else v for name, v in values.items()}
+        return json_ready(values)
 
 
 _STEP, _HANDOFF = 0, 1
-
-
-class _First:
-    """The policy of a pool of one."""
-
-    @staticmethod
-    def choose(route: RouteRequest, replicas: Sequence[StepReplica]) -> int:
-        return 0
 
 
 def simulate_steps(trace: Trace, policy: str, config: SimulationConfig, roles: Sequence[str],
@@ -150,34 +140,30 @@ def simulate_steps(trace: Trace, policy: str, config: SimulationConfig, roles: S
         replay.run_events(request.arrival_time)
         replay.clock.now = request.arrival_time
         trail = RequestTrail(request.arrival_time, len(route.keys))
+        replica = None
         if split and (local_prefill_tokens or max_prefill_queue < math.inf):
-            index = replay.back_policy.choose(route, replay.back)
-            lacking = request.input_length - replay.back[index].num_hit_blocks(route) * trace.block_size
+            decode = replay.back[replay.back_policy.choose(route, replay.back)]
+            lacking = request.input_length - decode.num_hit_blocks(route) * trace.block_size
             if lacking <= local_prefill_tokens or min(r.queue_seconds for r in replay.front) > max_prefill_queue:
                 trail.handed_over_at = request.arrival_time  # no hand-off: the decode replica's queue is the wait
-                trail.prefill_replica = replay.back[index].name
+                trail.prefill_replica = decode.name
                 replay.trails.append(trail)
-                replay.admit([replay.back[index]], _First(), request, route, trail)
-                progress.update()
-                continue
-        replay.admit(replay.front, replay.front_policy, request, route, trail)
+                replica = decode
+        if replica is None:
+            replica = replay.front[replay.front_policy.choose(route, replay.front)]
+        replay.admit(replica, request, route, trail)
         progress.update()
     progress.close()
     replay.run_events(math.inf)
     replay.check(config.check_integrity)
     return StepResult(name or (f"pd {roles.count('prefill')}:{roles.count('decode')}" if split
-                               else f"both x{len(roles)}"), policy, replay.trails, trace.num_input_tokens)
+                               else f"both x{len(roles)}"), replay.trails, trace.num_input_tokens)
 
 
 class _StepReplay:
     def __init__(self, trace: Trace, config: SimulationConfig, roles: Sequence[str], policy: str) -> None:
         self.config, self.clock, self.block_size = config, SimulationClock(), trace.block_size
-        remote = SimulatedTier("remote", config.remote_blocks) if config.remote_blocks else None
-
-        def tiers() -> ReplicaTiers:
-            return ReplicaTiers(SimulatedTier("host", config.host_blocks) if config.host_blocks else None,
-                                SimulatedTier("disk", config.disk_blocks) if config.disk_blocks else None, remote)
-
+        tiers = config.tier_factory()
         self.replicas = [StepReplica(i, config.capacity_blocks, config.cost, trace.block_size, self.clock, tiers(),
                                      config.fetch_policy, role=role) for i, role in enumerate(roles)]
         self.front = [r for r in self.replicas if r.role != "decode"]
@@ -189,8 +175,7 @@ class _StepReplay:
         self.sequence = itertools.count()
         self.trails: list[RequestTrail] = []
 
-    def admit(self, pool: list[StepReplica], policy, request, route, trail: RequestTrail) -> None:
-        replica = pool[policy.choose(route, pool)]
+    def admit(self, replica: StepReplica, request, route, trail: RequestTrail) -> None:
         replica.advance(self.clock.now)
         job = replica.enqueue(request, route)
         job.trail, job.handed_tokens = trail, trail.handed_tokens
@@ -230,7 +215,8 @@ class _StepReplay:
             if kind == _HANDOFF:
                 job: StepJob = subject
                 job.trail.handed_over_at = self.clock.now
-                self.admit(self.back, self.back_policy, job.request, job.route, job.trail)
+                self.admit(self.back[self.back_policy.choose(job.route, self.back)], job.request, job.route,
+                           job.trail)
                 continue
             replica: StepReplica = subject
             if version != replica.version:
@@ -273,12 +259,10 @@ class _StepReplay:
         for replica in self.replicas:
             assert replica.prefilling is None and not replica.batch and not replica.queue, f"{replica.name} unfinished"
             if integrity:
-                replica.cache.check_integrity()
-                assert replica.cache.usage().num_referenced_blocks == 0, f"{replica.name} leaked block references"
+                replica.check_integrity()
 
 
 def trails_to_rows(result: StepResult) -> list[dict]:
     """One JSON-ready dict a request, in arrival order (NaN as None)."""
-    return [{name: None if isinstance(value, float) and math.isnan(value) else value
-             for name, value in {**asdict(trail), "moved_bytes": trail.moved_bytes}.items()}
+    return [json_ready({**asdict(trail), "moved_bytes": trail.moved_bytes})
             for trail in sorted(result.trails, key=lambda trail: trail.arrival)]
