@@ -26,7 +26,8 @@ from setuptools import setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CSRC = "prefixserve/csrc"
-HEADERS = [f"{CSRC}/{name}" for name in ("attention_tiles.h", "kernels.h", "peak.h", "rowwise.h", "simd.h")]
+HEADERS = [f"{CSRC}/{name}" for name in ("attention_tiles.h", "kernels.h", "peak.h", "quantized.h", "rowwise.h",
+                                          "simd.h")]
 COMMON_FLAGS = ["-O3", "-g0", "-ffp-contract=off", "-fopenmp", "-fvisibility=hidden",
                 "-Wno-maybe-uninitialized"]  # gcc 12 warns inside its own intrinsics headers
 
@@ -58,7 +59,8 @@ def extensions():
     for variant in chosen_variants():
         modules.append(CppExtension(
             catalogue["module_name"](variant.name),
-            [f"{CSRC}/variant.cpp", f"{CSRC}/paged_causal.cpp", f"{CSRC}/rowwise.cpp", f"{CSRC}/peak.cpp"],
+            [f"{CSRC}/variant.cpp", f"{CSRC}/paged_causal.cpp", f"{CSRC}/rowwise.cpp", f"{CSRC}/peak.cpp",
+             f"{CSRC}/quantized_matmul.cpp"],
             depends=HEADERS,
             # C++17: the kernel sources need nothing newer (the binding follows torch's headers).
             extra_compile_args=COMMON_FLAGS + ["-std=c++17", f"-DPREFIXSERVE_SIMD_{variant.backend}",

@@ -15,7 +15,8 @@ DEVICES = ("auto", "cpu", "cuda")
 SCHEDULING_POLICIES = ("fcfs", "lpm")
 CACHE_RETENTIONS = ("device", "none")  # a request's or tenant's cache_retention; absent: cached as usual
 FETCH_POLICIES = ("cost", "always")  # how lower-tier hits are fetched: see kv_fetch_policy
-ROLES = ("both", "prefill", "decode")  # a replica's part in prefill/decode disaggregation: see role
+ROLES = ("both", "prefill", "decode")
+QUANTIZE = ("int8", "int4")  # --quantize: model/quantized.py  # a replica's part in prefill/decode disaggregation: see role
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
 DEFAULT_MAX_CACHE_TTL = 3600.0  # seconds: the server's cap on a requested cache_ttl (Anthropic's longest, 1 hour)
 DEFAULT_DISK_CACHE_BYTES = 16 << 30
@@ -40,6 +41,12 @@ class EngineConfig:
                                 "with bf16 instructions, else float32 (bfloat16 is served exactly on every CPU; "
                                 "engine/device.py)", choices=DTYPES)
     device: str = option("auto", "auto: cuda when available, else cpu", choices=DEVICES)
+    quantize: Optional[str] = option(None, "keep a float checkpoint's weights quantized in memory (CPU): int8 as "
+                                           "GGUF's Q8_0, int4 as Q4_1 (embedding and lm_head int8); a GGUF is "
+                                           "quantized again from its decoded weights", choices=QUANTIZE)
+    dequantize: bool = option(False, "serve a GGUF's weights decoded to float (exact to transformers on those "
+                                     "weights, 4-8x the bytes per decode step) instead of quantized as the file "
+                                     "holds them")
     block_size: int = option(16, "tokens per KV block, the unit of cache reuse", metavar="N")
     enable_prefix_caching: bool = option(True, "disable prefix caching (a baseline)", flag="--no-prefix-caching")
     prefix_hash: str = option("sha256", "the block-key hash: sha256, or xxh3_128 (faster, not collision resistant: "
@@ -134,6 +141,10 @@ class EngineConfig:
 
         require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         require(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
+        require(self.quantize is None or self.quantize in QUANTIZE, f"quantize must be one of {QUANTIZE}, got "
+                                                                   f"{self.quantize!r}")
+        require(self.quantize is None or not self.dequantize,
+                "quantize and dequantize contradict each other: give one (--quantize int8|int4 or --dequantize)")
         require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), f"block_size must be a power of two up to 128, got {self.block_size}")
         require(self.max_num_seqs >= 1, f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         require(

@@ -8,6 +8,8 @@
 
 #include <cstdint>
 
+#include "quantized.h"
+
 namespace prefixserve {
 
 // The paged cache of one layer, [blocks, block_size, kv_heads, head_dim] for keys and values alike,
@@ -50,7 +52,7 @@ struct RowwiseKernels {
 
 // Bumped whenever the table's layout or a kernel's contract changes: module.cpp refuses a variant
 // built against another (a stale build left beside a new one).
-constexpr uint32_t KERNEL_TABLE_VERSION = 5;
+constexpr uint32_t KERNEL_TABLE_VERSION = 6;
 constexpr const char* KERNEL_TABLE_CAPSULE = "prefixserve.KernelTable";
 
 struct KernelTable {
@@ -66,6 +68,9 @@ struct KernelTable {
     RowwiseKernels<at::BFloat16> rowwise_bfloat16;
     // The variant's float32 multiply-add peak (peak.h): flops done in `iterations` rounds.
     int64_t (*multiply_add_flops)(int64_t iterations);
+    // Weights kept quantized (quantized.h), float32 activations.
+    void (*quantized_matmul)(const QuantizedWeight&, const float*, int64_t, int64_t, const float*, float*, int64_t);
+    void (*dequantize_rows)(const QuantizedWeight&, int64_t, int64_t, float*);
 };
 
 }  // namespace prefixserve

@@ -205,6 +205,70 @@ torch::Tensor silu_mul(const py::object& capsule, const torch::Tensor& gate_up) 
     return out;
 }
 
+// A quantized weight's tensors (quantized.h), checked: codes [rows, cols] int8 or [rows, cols / 2] uint8,
+// scales and offsets (or an empty tensor for none) [rows, cols / group_size] float16 or float32.
+prefixserve::QuantizedWeight quantized_weight_of(const torch::Tensor& codes, const torch::Tensor& scales,
+                                                 const torch::Tensor& offsets, int64_t bits, int64_t group_size,
+                                                 int64_t zero_point) {
+    TORCH_CHECK(bits == 8 || (bits == 4 && group_size == 32), "bits must be 8, or 4 with group_size 32");
+    TORCH_CHECK(codes.device().is_cpu() && codes.dim() == 2 && codes.is_contiguous() && codes.element_size() == 1,
+                "codes must be a contiguous 2-D CPU tensor of bytes");
+    const int64_t rows = codes.size(0), cols = bits == 8 ? codes.size(1) : 2 * codes.size(1);
+    TORCH_CHECK(group_size >= 16 && group_size % 16 == 0 && cols % group_size == 0,
+                "group_size must be a multiple of 16 dividing the row");
+    TORCH_CHECK(scales.scalar_type() == torch::kFloat16 || scales.scalar_type() == torch::kFloat32,
+                "scales must be float16 or float32");
+    const bool has_offsets = offsets.numel() > 0;
+    for (const torch::Tensor* values : {&scales, &offsets}) {
+        if (values == &offsets && !has_offsets) continue;
+        TORCH_CHECK(values->device().is_cpu() && values->is_contiguous() && values->scalar_type() == scales.scalar_type() &&
+                        values->dim() == 2 && values->size(0) == rows && values->size(1) == cols / group_size,
+                    "scales and offsets must be contiguous [rows, cols / group_size] tensors of one dtype");
+    }
+    return {codes.data_ptr<uint8_t>(), static_cast<int32_t>(bits), static_cast<int32_t>(zero_point), rows, cols,
+            group_size, scales.data_ptr(), has_offsets ? offsets.data_ptr() : nullptr,
+            scales.scalar_type() == torch::kFloat16};
+}
+
+const KernelTable& quantized_kernels(const py::object& capsule) {
+    const KernelTable& kernels = table_of(capsule);
+    TORCH_CHECK(kernels.quantized_matmul != nullptr, "kernel variant ", kernels.variant, " has no quantized matmul");
+    return kernels;
+}
+
+// x [num_rows, cols] float32 (rows may be strided) times the quantized weight: out [num_rows, rows].
+torch::Tensor quantized_matmul(const py::object& capsule, const torch::Tensor& x, const torch::Tensor& codes,
+                               const torch::Tensor& scales, const torch::Tensor& offsets, int64_t bits,
+                               int64_t group_size, int64_t zero_point, const c10::optional<torch::Tensor>& bias) {
+    const KernelTable& kernels = quantized_kernels(capsule);
+    const auto weight = quantized_weight_of(codes, scales, offsets, bits, group_size, zero_point);
+    TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1 &&
+                    x.size(1) == weight.cols,
+                "x must be a float32 CPU tensor [rows, in_features] with contiguous rows");
+    if (bias.has_value()) {
+        TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->dim() == 1 &&
+                        bias->size(0) == weight.rows,
+                    "bias must be a contiguous float32 tensor [out_features]");
+    }
+    auto out = torch::empty({x.size(0), weight.rows}, x.options());
+    const float* bias_data = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+    py::gil_scoped_release released;
+    kernels.quantized_matmul(weight, x.data_ptr<float>(), x.size(0), x.stride(0), bias_data, out.data_ptr<float>(),
+                             weight.rows);
+    return out;
+}
+
+// The weight's rows [first, first + count) decoded to float32, as the matmul decodes them.
+torch::Tensor dequantize(const py::object& capsule, const torch::Tensor& codes, const torch::Tensor& scales,
+                         const torch::Tensor& offsets, int64_t bits, int64_t group_size, int64_t zero_point) {
+    const KernelTable& kernels = quantized_kernels(capsule);
+    const auto weight = quantized_weight_of(codes, scales, offsets, bits, group_size, zero_point);
+    auto out = torch::empty({weight.rows, weight.cols}, torch::kFloat32);
+    py::gil_scoped_release released;
+    kernels.dequantize_rows(weight, 0, weight.rows, out.data_ptr<float>());
+    return out;
+}
+
 int64_t multiply_add_flops(const py::object& capsule, int64_t iterations) {
     TORCH_CHECK(iterations > 0, "iterations must be positive");
     const KernelTable& kernels = table_of(capsule);
@@ -236,6 +300,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("add_rms_norm_", &add_rms_norm_, "x += delta in place, then RMSNorm(x) * weight");
     m.def("rotate_heads_", &rotate_heads_, "rotate the first heads of each row of x in place (rotate-half)");
     m.def("silu_mul", &silu_mul, "silu(gate) * up of gate_up [rows, 2 width]");
+    m.def("quantized_matmul", &quantized_matmul, "x times a weight kept quantized (csrc/quantized.h)");
+    m.def("dequantize", &dequantize, "a quantized weight decoded to float32 as quantized_matmul decodes it");
     m.def("describe", &describe, "what a variant's kernel table says of itself");
     m.def("multiply_add_flops", &multiply_add_flops, "run the variant's multiply-add peak loop; its flops");
 }

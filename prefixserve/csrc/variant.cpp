@@ -45,6 +45,8 @@ const prefixserve::KernelTable table = {
     rowwise<float>(),
     rowwise<at::BFloat16>(),
     &prefixserve::multiply_add_flops,
+    &prefixserve::quantized_matmul,
+    &prefixserve::dequantize_rows,
 };
 
 PyModuleDef module_def = {

@@ -32,7 +32,7 @@ def cpu_has_fast_bfloat16() -> bool:
     return kernels.variant() in BF16_VARIANTS and native_bfloat16_matmul()
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, quantized: bool = False) -> torch.dtype:
     """auto: bfloat16 on CUDA; on CPU, the fastest exact dtype: bfloat16 where cpu_has_fast_bfloat16,
     else float32.
 
@@ -44,9 +44,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     of benchmarks/compare.py's requests (vLLM's CPU build: 64%). On a CPU with bf16 instructions bf16
     runs the suite 1.25-1.6x faster than float32 (AVX-512 BF16, measured on an AMD EPYC). Without
     them (AVX2) bf16's matmuls run in float32 and cost more than float32 itself, so auto is float32.
+    Quantized weights multiply float32 activations (model/quantized_linear.py): auto is float32 there.
     """
     if name != "auto":
         return TORCH_DTYPES[name]
+    if quantized:
+        return torch.float32
     if device.type == "cuda":
         return torch.bfloat16
     return torch.bfloat16 if cpu_has_fast_bfloat16() else torch.float32

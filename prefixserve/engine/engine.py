@@ -23,7 +23,7 @@ from .input_processor import InputProcessor, PromptType
 from .kv_pool_size import size_kv_pool, startup_summary, window_slots_for
 from .kv_tiers import empty_breakdown
 from .limits import RANGES
-from .model_version import CurrentVersion, ModelVersion, load_version
+from .model_version import CurrentVersion, ModelVersion, load_version, weight_format
 from .numerics import numerics_fingerprint
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
@@ -42,10 +42,12 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.weights = weight_format(config.model, config.quantize, config.dequantize)  # "float", "gguf", "int8", ...
+        self.dtype = resolve_dtype(config.dtype, self.device, quantized=self.weights != "float")
         check_exact(self.dtype, self.device, config.batch_invariant)
         self.numerics = numerics_fingerprint(self.dtype, self.device, config.batch_invariant)
-        loaded_version = load_version(config.model, self.dtype, self.device, self.numerics, config.block_size)
+        loaded_version = load_version(config.model, self.dtype, self.device, self.numerics, config.block_size,
+                                      weights=self.weights)
         loaded = loaded_version.loaded
         pool = size_kv_pool(config, loaded, self.device, self.dtype)
         num_blocks = pool.num_blocks
@@ -163,9 +165,7 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> Optional[RequestOutput]:
         request = self.scheduler.abort_request(request_id)
-        if request is None:
-            return None
-        return self._make_output(request)
+        return None if request is None else self._make_output(request)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -279,12 +279,12 @@ class LLMEngine:
         return output
 
     def load_version(self, model: Optional[str] = None) -> ModelVersion:
-        """Load `model` (None: the served path again) for a reload, packed for this engine's steps; reads
-        fixed settings only, so it may run in another thread while the engine serves. Raises
-        FileNotFoundError / ValueError (IncompatibleModelError) naming the fix."""
-        version = load_version(str(self.version.path) if model is None else model, self.dtype, self.device,
-                               self.numerics, self.config.block_size,
-                               batch_size_hint=self.config.max_num_batched_tokens)
+        """Load `model` (None: the served source again) for a reload, packed for this engine's steps, in any thread
+        (fixed settings only); raises FileNotFoundError / ValueError (IncompatibleModelError) naming the fix."""
+        model = str(self.version.source) if model is None else model
+        version = load_version(model, self.dtype, self.device, self.numerics, self.config.block_size,
+                               self.config.max_num_batched_tokens,
+                               weight_format(model, self.config.quantize, self.config.dequantize))
         check_swappable(self, version)
         return version
 

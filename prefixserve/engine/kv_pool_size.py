@@ -21,6 +21,7 @@ import torch
 from ..cache.window_slots import WindowSlots
 from ..config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from ..model import kernels
+from ..model.quantized_model import weight_memory
 from .device import cpu_has_fast_bfloat16, measure_cuda_kv_budget
 from .runner import kv_bytes_per_token
 
@@ -134,10 +135,11 @@ def startup_summary(engine, pool: PoolSize) -> str:
     """The start-up line: model, dtype, device, weights, KV pool, max_model_len."""
     config, version = engine.config, engine.version
     block_size, num_blocks = config.block_size, pool.num_blocks
-    weight_bytes = sum(p.numel() * p.element_size() for p in version.model.parameters())
+    memory = weight_memory(version.model)
+    quantized = version.weights != "float"  # float32 activations by design (model/quantized_linear.py)
     summary = (
         f"model {version.name} ({version.config.architecture}), {engine.dtype} on {engine.device}; "
-        f"weights {weight_bytes / 2**20:.0f} MiB; KV {pool.bytes_per_token} bytes/token; "
+        f"{memory.describe()}; KV {pool.bytes_per_token} bytes/token; "
         f"{num_blocks} blocks x {block_size} = {num_blocks * block_size} tokens fit "
         f"({pool.num_bytes / 2**20:.0f} MiB{_window_note(pool)}); "
         f"max_model_len {version.max_model_len}{pool.note}; "
@@ -145,7 +147,7 @@ def startup_summary(engine, pool: PoolSize) -> str:
     )
     if engine.device.type == "cpu":
         summary += "; " + kernels.describe()
-    if engine.dtype == torch.float32 and engine.device.type == "cpu" and cpu_has_fast_bfloat16():
+    if engine.dtype == torch.float32 and engine.device.type == "cpu" and cpu_has_fast_bfloat16() and not quantized:
         summary += (
             "; this CPU has bf16 instructions: dtype bfloat16 runs the workload suite 1.25-1.6x faster, and cache "
             "hits never change its greedy outputs either (batch-invariant; the default on such CPUs)")

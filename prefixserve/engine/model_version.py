@@ -35,6 +35,8 @@ class ModelVersion:
     # the numerics: a new version of any makes every old block unreachable), per tenant salt.
     scoper: PromptScoper
     max_model_len: int  # the longest prompt + output served: the model's context, or less (within())
+    source: Path  # what a reload reads again: the GGUF file, or the checkpoint directory
+    weights: str  # how the weights are held: "float", "gguf" (quantized as the file has them), "int8", "int4"
 
     @property
     def scope(self) -> CacheScope:
@@ -100,13 +102,32 @@ def resolve_model_path(model: Optional[str]) -> Path:
     return path
 
 
+def weight_format(model: Optional[str], quantize: Optional[str] = None, dequantize: bool = False) -> str:
+    """How `model`'s weights are held: quantized to `quantize`, as a GGUF file holds them ("gguf", unless
+    `dequantize`), or as floats."""
+    if quantize is not None:
+        return quantize
+    from ..model.named_models import gguf_file_of
+
+    return "gguf" if not dequantize and gguf_file_of(model) is not None else "float"
+
+
 def load_version(model: Optional[str], dtype: torch.dtype, device: torch.device, numerics: str, block_size: int,
-                 batch_size_hint: Optional[int] = None) -> ModelVersion:
+                 batch_size_hint: Optional[int] = None, weights: str = "float") -> ModelVersion:
     """Load weights and tokenizer, serving the model's whole context; with `batch_size_hint`, also lay
     the linear weights out for oneDNN (CPU) sized for a step of that many tokens. `numerics`:
-    numerics_fingerprint()'s."""
+    numerics_fingerprint()'s; `weights`: weight_format()'s."""
     path = resolve_model_path(model)
     loaded = load_model(path, dtype, device)
+    gguf = None
+    if model is not None:
+        from ..model.named_models import gguf_file_of
+
+        gguf = gguf_file_of(model)
+    if weights != "float":
+        from ..model.quantized_model import serve_quantized
+
+        loaded = serve_quantized(loaded, weights, gguf, device)
     tokenizer = Tokenizer.from_dir(path)
     eos = frozenset(tokenizer.eos_token_ids) | frozenset(load_generation_eos(path))
     if batch_size_hint is not None:
@@ -114,4 +135,4 @@ def load_version(model: Optional[str], dtype: torch.dtype, device: torch.device,
     scope = CacheScope(loaded.model_fingerprint, tokenizer.fingerprint, numerics=numerics)
     return ModelVersion(path=path, name=str(model) if model else DEFAULT_MODEL_NAME, loaded=loaded,
                         tokenizer=tokenizer, eos_token_ids=eos, scoper=PromptScoper(scope, block_size),
-                        max_model_len=loaded.config.max_context_len)
+                        max_model_len=loaded.config.max_context_len, source=gguf or path, weights=weights)

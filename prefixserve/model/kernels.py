@@ -84,6 +84,8 @@ class CompiledKernels:
         self.has_rowwise: bool = info["rowwise"]
         self.paged_causal = functools.partial(binding.paged_causal, self.table)
         self.multiply_add_flops = functools.partial(binding.multiply_add_flops, self.table)  # benchmarks' peak
+        self.quantized_matmul = functools.partial(binding.quantized_matmul, self.table)
+        self.dequantize = functools.partial(binding.dequantize, self.table)
         if self.has_rowwise:
             self.rms_norm = functools.partial(binding.rms_norm, self.table)
             self.add_rms_norm_ = functools.partial(binding.add_rms_norm_, self.table)

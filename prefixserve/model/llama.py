@@ -225,7 +225,7 @@ class LlamaForCausalLM(nn.Module):
         `batch_size_hint` is the typical number of rows per matmul.
         """
         linears = [module for module in self.modules() if isinstance(module, Linear)]
-        weight = self.embed_tokens.weight
+        weight = self.norm.weight  # the model's dtype and device (a quantized embedding has no float weight)
         element_size = 4 if weight.dtype == torch.bfloat16 and not native_bfloat16_matmul() else weight.element_size()
         packed_bytes = sum(module.weight.numel() for module in linears) * element_size
         if (weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16)
@@ -283,7 +283,7 @@ class LlamaForCausalLM(nn.Module):
         """Every linear layer's row calls (linear.py): probed where batch invariance is asked for.
         `max_rows` is a step's token budget; lm_head sees at most `max_sampled_rows` (one per sequence)."""
         for module in self.modules():
-            if isinstance(module, Linear):
+            if hasattr(module, "plan_rows") and module is not self:  # Linear and QuantizedLinear
                 module.plan_rows(batch_invariant, max_sampled_rows if module is self.lm_head else max_rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

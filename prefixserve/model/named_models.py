@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .gguf import convert_gguf
+from .gguf import convert_gguf, find_gguf_file
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,21 @@ def resolve_model(name_or_path: str | os.PathLike | None, cache_dir: str | Path 
         f"model {str(name_or_path)!r} does not exist: give a Hugging Face checkpoint directory (config.json and "
         f"*.safetensors), a .gguf file or a directory holding one, or a model name "
         f"({', '.join(NAMED_MODELS)})")
+
+
+def gguf_file_of(name_or_path: str | os.PathLike | None) -> Path | None:
+    """The GGUF file a model argument names (a known name, a .gguf file, or a directory holding one and no
+    config.json), or None for a Hugging Face directory or the built-in model."""
+    if name_or_path is None:
+        return None
+    path = Path(name_or_path).expanduser()
+    if not path.exists() and str(name_or_path).lower() in NAMED_MODELS:
+        return named_model_file(str(name_or_path).lower())
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return path
+    if path.is_dir() and not (path / "config.json").is_file() and any(path.glob("*.gguf")):
+        return find_gguf_file(path)
+    return None
 
 
 def named_model_file(name: str) -> Path:

@@ -1,0 +1,46 @@
+// Weights kept quantized in memory (prefixserve/model/quantized.py lays them out) and their matmul
+// (quantized_matmul.cpp), on raw pointers; module.cpp's binding checks the tensors first.
+//
+// A weight [rows, cols] (out_features x in_features) is cut along each row into groups of
+// `group_size` values; value k of row n in group g = k / group_size is
+//
+//     w[n, k] = scale[n, g] * (code[n, k] - zero_point) + offset[n, g]      (offset 0 where absent)
+//
+// computed in float32 with one fused multiply-add where the variant has one. The codes:
+//
+//   bits 8   int8, one byte per value: codes[n * cols + k]                        (Q8_0)
+//   bits 4   0 .. 15, two per byte, group_size 32: the 16 bytes of group g of row n hold
+//            values 0 .. 15 of the group in their low nibbles and 16 .. 31 in their high nibbles,
+//            as GGUF's Q4_0 and Q4_1 blocks do                       (Q4_0: zero_point 8; Q4_1, Q4_K)
+//
+//       byte j of a group:   [ high nibble: value 16 + j | low nibble: value j ]
+//
+// Scales and offsets are float16 (exact for Q8_0 / Q4_0 / Q4_1, whose blocks store float16) or
+// float32 (Q4_K's 6-bit sub-block scales times its float16 super-block scale), [rows, groups].
+#pragma once
+
+#include <cstdint>
+
+namespace prefixserve {
+
+struct QuantizedWeight {
+    const uint8_t* codes;
+    int32_t bits;         // 8 or 4
+    int32_t zero_point;   // subtracted from every code
+    int64_t rows, cols, group_size;
+    const void* scales;   // [rows, cols / group_size]
+    const void* offsets;  // the same, or null
+    bool half_scales;     // float16 scales and offsets (else float32)
+};
+
+// out[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]) for m < num_rows (x [num_rows, cols] with row stride
+// x_stride, out [num_rows, rows] with row stride out_stride). Each output element is one dot product
+// in an order fixed by the weight alone (W running sums along k, then simd::sum_lanes), so a row's
+// bits never depend on the other rows of the call.
+void quantized_matmul(const QuantizedWeight& weight, const float* x, int64_t num_rows, int64_t x_stride,
+                      const float* bias, float* out, int64_t out_stride);
+
+// The float32 weight rows [first, first + count) as the kernel computes them, into out [count, cols].
+void dequantize_rows(const QuantizedWeight& weight, int64_t first, int64_t count, float* out);
+
+}  // namespace prefixserve

@@ -1,0 +1,181 @@
+// The matmul of a weight kept quantized (quantized.h), in two steps per block of TILE_COLS weight rows:
+//
+//   1. decode the block's codes to float32 rows in a small buffer (L1-sized: TILE_COLS x cols), once
+//      per chunk of ROW_CHUNK input rows: the codes are read from memory once per chunk, the only
+//      pass over the weight a decode step makes (4 or 8 times fewer bytes than float32 weights);
+//   2. multiply TILE_ROWS input rows by the block in registers: TILE_ROWS x TILE_COLS running sums of
+//      W lanes each, one multiply-add per lane and value, then each sum's lanes in a fixed tree.
+//
+// Every output element is the same sequence of operations wherever its row sits in the call (a tile
+// of one row or of TILE_ROWS), so a token's logits never depend on its batch. Against a float32
+// matmul of the decoded weights the sums differ in order only.
+//
+// Threads split the weight rows (out_features); each keeps its own decode buffer.
+#include "quantized.h"
+
+#include "simd.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <array>
+#include <utility>
+#include <vector>
+
+namespace prefixserve {
+
+using simd::vf;
+using simd::W;
+
+namespace {
+
+#if defined(PREFIXSERVE_SIMD_AVX512)
+constexpr int TILE_ROWS = 4, TILE_COLS = 4;  // 16 running sums of 32 registers
+// W int8 codes at p, less zero_point, as float lanes (exact).
+inline vf int8_lanes(const uint8_t* p, __m512i zero_point) {
+    const __m512i wide = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm512_cvtepi32_ps(_mm512_sub_epi32(wide, zero_point));
+}
+// The low (or high) nibbles of W bytes at p, less zero_point.
+inline vf nibble_lanes(const uint8_t* p, bool high, __m512i zero_point) {
+    __m512i wide = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    if (high) wide = _mm512_srli_epi32(wide, 4);
+    wide = _mm512_and_si512(wide, _mm512_set1_epi32(0xF));
+    return _mm512_cvtepi32_ps(_mm512_sub_epi32(wide, zero_point));
+}
+inline __m512i zero_point_lanes(int32_t zero_point) { return _mm512_set1_epi32(zero_point); }
+#elif defined(PREFIXSERVE_SIMD_AVX2)
+constexpr int TILE_ROWS = 3, TILE_COLS = 4;  // 12 running sums of 16 registers
+inline vf int8_lanes(const uint8_t* p, __m256i zero_point) {
+    const __m256i wide = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_cvtepi32_ps(_mm256_sub_epi32(wide, zero_point));
+}
+inline vf nibble_lanes(const uint8_t* p, bool high, __m256i zero_point) {
+    __m256i wide = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    if (high) wide = _mm256_srli_epi32(wide, 4);
+    wide = _mm256_and_si256(wide, _mm256_set1_epi32(0xF));
+    return _mm256_cvtepi32_ps(_mm256_sub_epi32(wide, zero_point));
+}
+inline __m256i zero_point_lanes(int32_t zero_point) { return _mm256_set1_epi32(zero_point); }
+#else
+// NEON and portable: the codes are widened one lane at a time (exact either way); the multiply-adds
+// that dominate stay vector operations.
+constexpr int TILE_ROWS = 2, TILE_COLS = 4;
+inline vf from_lanes(const float* lanes) { return simd::load(lanes); }
+inline vf int8_lanes(const uint8_t* p, int32_t zero_point) {
+    float lanes[W];
+    for (int l = 0; l < W; ++l) lanes[l] = static_cast<float>(static_cast<int8_t>(p[l]) - zero_point);
+    return from_lanes(lanes);
+}
+inline vf nibble_lanes(const uint8_t* p, bool high, int32_t zero_point) {
+    float lanes[W];
+    for (int l = 0; l < W; ++l) lanes[l] = static_cast<float>(((high ? p[l] >> 4 : p[l]) & 0xF) - zero_point);
+    return from_lanes(lanes);
+}
+inline int32_t zero_point_lanes(int32_t zero_point) { return zero_point; }
+#endif
+
+constexpr int64_t ROW_CHUNK = 64;  // input rows that stay in L2 while a thread decodes its blocks
+
+inline float group_value(const void* values, bool half, int64_t index) {
+    if (values == nullptr) return 0.f;
+    if (half) return static_cast<float>(static_cast<const c10::Half*>(values)[index]);
+    return static_cast<const float*>(values)[index];
+}
+
+// Weight row n decoded into out [cols].
+void decode_row(const QuantizedWeight& weight, int64_t n, float* out) {
+    const int64_t groups = weight.cols / weight.group_size;
+    const auto zero_point = zero_point_lanes(weight.zero_point);
+    for (int64_t g = 0; g < groups; ++g) {
+        const int64_t index = n * groups + g;
+        const vf scale = simd::set1(group_value(weight.scales, weight.half_scales, index));
+        const vf offset = simd::set1(group_value(weight.offsets, weight.half_scales, index));
+        float* values = out + g * weight.group_size;
+        if (weight.bits == 8) {
+            const uint8_t* codes = weight.codes + n * weight.cols + g * weight.group_size;
+            for (int64_t v = 0; v < weight.group_size; v += W) {
+                simd::store(values + v, simd::fmadd(int8_lanes(codes + v, zero_point), scale, offset));
+            }
+        } else {  // 32 values in 16 bytes: value e in byte e % 16, high nibble from 16 on
+            const uint8_t* codes = weight.codes + n * (weight.cols / 2) + g * 16;
+            for (int64_t v = 0; v < 32; v += W) {
+                const vf lanes = nibble_lanes(codes + v % 16, v >= 16, zero_point);
+                simd::store(values + v, simd::fmadd(lanes, scale, offset));
+            }
+        }
+    }
+}
+
+// out[r, c] = x[r] . block[c] (+ bias[c]) for R rows and C decoded weight rows.
+template <int R, int C>
+void tile(const float* x, int64_t x_stride, const float* block, int64_t cols, const float* bias, float* out,
+          int64_t out_stride) {
+    vf sums[R][C];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) sums[r][c] = simd::zero();
+    for (int64_t k = 0; k < cols; k += W) {
+        vf w[C];
+        for (int c = 0; c < C; ++c) w[c] = simd::load(block + c * cols + k);
+        for (int r = 0; r < R; ++r) {
+            const vf xv = simd::load(x + r * x_stride + k);
+            for (int c = 0; c < C; ++c) sums[r][c] = simd::fmadd(w[c], xv, sums[r][c]);
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        for (int c = 0; c < C; ++c) {
+            const float sum = simd::sum_lanes(sums[r][c]);
+            out[r * out_stride + c] = bias == nullptr ? sum : sum + bias[c];
+        }
+    }
+}
+
+using TileFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t);
+
+template <int R, int... C>
+constexpr std::array<TileFn, sizeof...(C)> tiles_of_rows(std::integer_sequence<int, C...>) {
+    return {&tile<R, C + 1>...};
+}
+
+template <int... R>
+constexpr std::array<std::array<TileFn, TILE_COLS>, sizeof...(R)> all_tiles(std::integer_sequence<int, R...>) {
+    return {tiles_of_rows<R + 1>(std::make_integer_sequence<int, TILE_COLS>())...};
+}
+
+// TILES[r - 1][c - 1]: the tile of r rows and c columns.
+const auto TILES = all_tiles(std::make_integer_sequence<int, TILE_ROWS>());
+
+}  // namespace
+
+void quantized_matmul(const QuantizedWeight& weight, const float* x, int64_t num_rows, int64_t x_stride,
+                      const float* bias, float* out, int64_t out_stride) {
+    const int64_t cols = weight.cols;
+    const int64_t num_blocks = (weight.rows + TILE_COLS - 1) / TILE_COLS;
+    // A decode step (a few rows) splits the weight finely; a prefill's blocks are larger work each.
+    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (cols * std::min<int64_t>(num_rows, ROW_CHUNK)));
+    at::parallel_for(0, num_blocks, grain, [&](int64_t begin, int64_t end) {
+        std::vector<float> block(static_cast<size_t>(TILE_COLS * cols));
+        for (int64_t first_row = 0; first_row < num_rows; first_row += ROW_CHUNK) {
+            const int64_t chunk_end = std::min(num_rows, first_row + ROW_CHUNK);
+            for (int64_t b = begin; b < end; ++b) {
+                const int64_t n0 = b * TILE_COLS;
+                const int64_t num_cols = std::min<int64_t>(TILE_COLS, weight.rows - n0);
+                for (int64_t c = 0; c < num_cols; ++c) decode_row(weight, n0 + c, block.data() + c * cols);
+                const float* block_bias = bias == nullptr ? nullptr : bias + n0;
+                for (int64_t r = first_row; r < chunk_end; r += TILE_ROWS) {
+                    const int64_t count = std::min<int64_t>(TILE_ROWS, chunk_end - r);
+                    TILES[count - 1][num_cols - 1](x + r * x_stride, x_stride, block.data(), cols, block_bias,
+                                                   out + r * out_stride + n0, out_stride);
+                }
+            }
+        }
+    });
+}
+
+void dequantize_rows(const QuantizedWeight& weight, int64_t first, int64_t count, float* out) {
+    at::parallel_for(0, count, 64, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) decode_row(weight, first + i, out + i * weight.cols);
+    });
+}
+
+}  // namespace prefixserve

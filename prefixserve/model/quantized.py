@@ -1,0 +1,156 @@
+"""Weights kept quantized in memory: the layout the compiled matmul reads (csrc/quantized.h), made from
+a GGUF tensor's blocks or by quantizing a float weight.
+
+A weight [out_features, in_features] is cut along each row into groups; a value is
+
+    w = scale * (code - zero_point) + offset          (per group of 32 values; offset absent: 0)
+
+    kind    from                 bits  codes                      scale, offset      bytes per value
+    Q8_0    GGUF Q8_0, int8      8     int8                       float16, -         1.0625
+    Q4_0    GGUF Q4_0            4     0..15, zero_point 8        float16, -         0.5625
+    Q4_1    GGUF Q4_1, int4      4     0..15                      float16, float16   0.625
+    Q4_K    GGUF Q4_K            4     0..15                      float32, float32   0.75
+
+GGUF's Q8_0, Q4_0 and Q4_1 blocks store float16 scales, kept as they are (the same bytes as the file).
+Q4_K's scale is a 6-bit sub-block scale times a float16 super-block scale: exact in float32, not in
+float16, so Q4_K costs a third more memory here than in the file. A GGUF tensor of another type
+(Q5_*, Q2_K, Q3_K, Q5_K, Q6_K) is decoded by the format's reference reader and quantized again to
+int8 (Q8_0's layout): finer than its source, so close to it, and said at start-up.
+
+`--quantize int8|int4` quantizes a float checkpoint the same way as llama.cpp's Q8_0 and Q4_1
+(round to nearest; a group's scale from its largest magnitude, or its range).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+GROUP_SIZE = 32
+KINDS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K")
+QUANTIZE_CHOICES = ("int8", "int4")
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """One weight in the compiled kernel's layout; `codes` uint8 [out, in] (int8 values) or [out, in / 2]."""
+    kind: str
+    codes: torch.Tensor
+    scales: torch.Tensor
+    offsets: Optional[torch.Tensor]
+    bits: int
+    zero_point: int = 0
+    group_size: int = GROUP_SIZE
+
+    @property
+    def out_features(self) -> int:
+        return self.codes.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.codes.shape[1] * (8 // self.bits)
+
+    @property
+    def nbytes(self) -> int:
+        tensors = (self.codes, self.scales) + ((self.offsets,) if self.offsets is not None else ())
+        return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+
+    def layout(self) -> tuple:
+        """What two weights must share to be one weight (their rows stacked)."""
+        return (self.bits, self.zero_point, self.group_size, self.scales.dtype, self.offsets is not None)
+
+    def select_rows(self, rows: torch.Tensor) -> "QuantizedWeight":
+        """The weight of these rows (an index tensor), in that order."""
+        offsets = None if self.offsets is None else self.offsets[rows]
+        return replace(self, codes=self.codes[rows].contiguous(), scales=self.scales[rows].contiguous(),
+                       offsets=offsets if offsets is None else offsets.contiguous())
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [out, in]: the reference decoding in PyTorch (two roundings where the kernel's
+        multiply-add has one, so within one float32 ulp of what the kernel computes)."""
+        rows, groups = self.scales.shape
+        if self.bits == 8:
+            codes = self.codes.view(torch.int8).to(torch.int32).view(rows, groups, self.group_size)
+        else:
+            packed = self.codes.view(rows, groups, 16).to(torch.int32)
+            codes = torch.cat([packed & 0xF, packed >> 4], dim=-1)
+        values = (codes - self.zero_point).float() * self.scales.float().unsqueeze(-1)
+        if self.offsets is not None:
+            values = values + self.offsets.float().unsqueeze(-1)
+        return values.view(rows, groups * self.group_size)
+
+
+def stack_rows(parts: Sequence[QuantizedWeight]) -> QuantizedWeight:
+    """One weight of the parts' rows in order (a fused q/k/v or gate/up); the parts share a layout."""
+    first = parts[0]
+    assert all(part.layout() == first.layout() for part in parts), "stack only weights of one layout"
+    offsets = None if first.offsets is None else torch.cat([part.offsets for part in parts])
+    kinds = sorted({part.kind for part in parts})
+    return replace(first, kind="+".join(kinds), codes=torch.cat([part.codes for part in parts]),
+                   scales=torch.cat([part.scales for part in parts]), offsets=offsets)
+
+
+def quantize(weight: torch.Tensor, bits: int) -> QuantizedWeight:
+    """A float weight [out, in] quantized per group of 32: int8 as Q8_0 (scale = max |w| / 127), int4 as
+    Q4_1 (scale = (max - min) / 15, offset = min), codes rounded to nearest under the float16 scale."""
+    out_features, in_features = weight.shape
+    if in_features % GROUP_SIZE:
+        raise ValueError(f"cannot quantize a weight of {in_features} input features: it must be a multiple of "
+                         f"{GROUP_SIZE}; serve this model without --quantize")
+    groups = weight.detach().float().reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
+    if bits == 8:
+        scales = (groups.abs().amax(-1) / 127).half()
+        divisor = torch.where(scales == 0, 1.0, scales.float()).unsqueeze(-1)
+        codes = torch.round(groups / divisor).clamp(-127, 127).to(torch.int8).view(torch.uint8)
+        return QuantizedWeight("Q8_0", codes.reshape(out_features, in_features), scales, None, 8)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scales, offsets = ((high - low) / 15).half(), low.half()
+    divisor = torch.where(scales == 0, 1.0, scales.float()).unsqueeze(-1)
+    codes = torch.round((groups - offsets.float().unsqueeze(-1)) / divisor).clamp(0, 15).to(torch.uint8)
+    packed = codes[..., :16] | (codes[..., 16:] << 4)
+    return QuantizedWeight("Q4_1", packed.reshape(out_features, in_features // 2), scales, offsets, 4)
+
+
+def from_gguf_blocks(kind: str, data: np.ndarray, out_features: int, in_features: int) -> QuantizedWeight:
+    """A GGUF tensor's raw blocks (uint8 [out, bytes per row]) in our layout, without decoding a value."""
+    if in_features % (256 if kind == "Q4_K" else GROUP_SIZE):
+        raise ValueError(f"a {kind} tensor of {in_features} columns is not whole blocks; the file is corrupt")
+    rows = np.ascontiguousarray(data, dtype=np.uint8).reshape(out_features, -1)
+    if kind == "Q4_K":
+        return _from_q4_k(rows, out_features, in_features)
+    block_bytes = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[kind]
+    blocks = rows.reshape(out_features, in_features // GROUP_SIZE, block_bytes)
+    scales = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16).reshape(out_features, -1))
+    if kind == "Q8_0":
+        codes = blocks[..., 2:].reshape(out_features, in_features)
+        return QuantizedWeight(kind, torch.from_numpy(codes.copy()), scales, None, 8)
+    if kind == "Q4_0":
+        codes = blocks[..., 2:].reshape(out_features, in_features // 2)
+        return QuantizedWeight(kind, torch.from_numpy(codes.copy()), scales, None, 4, zero_point=8)
+    offsets = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16).reshape(out_features, -1))
+    codes = blocks[..., 4:].reshape(out_features, in_features // 2)
+    return QuantizedWeight(kind, torch.from_numpy(codes.copy()), scales, offsets, 4)
+
+
+def _from_q4_k(rows: np.ndarray, out_features: int, in_features: int) -> QuantizedWeight:
+    """Q4_K's 144-byte super-blocks of 256 values: float16 d and dmin, twelve bytes of 6-bit scales and
+    minimums for eight sub-blocks of 32, then 128 bytes where each 32 bytes hold two sub-blocks (low
+    nibbles the first, high nibbles the second). Value = d * scale_s * code - dmin * min_s."""
+    blocks = rows.reshape(out_features, in_features // 256, 144)
+    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
+    packed = blocks[..., 4:16].astype(np.uint8)
+    low, mid, high = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sub_scales = np.concatenate([low & 0x3F, (high & 0x0F) | ((low >> 2) & 0x30)], axis=-1)
+    sub_mins = np.concatenate([mid & 0x3F, (high >> 4) | ((mid >> 2) & 0x30)], axis=-1)
+    scales = (d * sub_scales.astype(np.float32)).reshape(out_features, -1)
+    offsets = -(dmin * sub_mins.astype(np.float32)).reshape(out_features, -1)
+    quads = blocks[..., 16:].reshape(out_features, in_features // 256, 4, 32)
+    values = np.stack([quads & 0x0F, quads >> 4], axis=3)  # [.., chunk, sub-block, 32 values]
+    values = values.reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
+    codes = (values[..., :16] | (values[..., 16:] << 4)).astype(np.uint8).reshape(out_features, -1)
+    return QuantizedWeight("Q4_K", torch.from_numpy(codes), torch.from_numpy(scales),
+                           torch.from_numpy(offsets), 4)
