@@ -11,6 +11,7 @@ from gguf_helpers import smollm2_gguf, transformers_gguf_model
 from prefixserve import LLM, SamplingParams
 from prefixserve.model.gguf import convert_gguf
 from prefixserve.model.named_models import resolve_model
+from prefixserve.model.quantized_model import weight_memory
 
 GGUF_PATH = smollm2_gguf()
 pytestmark = pytest.mark.skipif(
@@ -69,3 +70,29 @@ def test_greedy_chat_equals_transformers_cold_and_warm(converted, reference):
         assert second.token_ids == expected and second.prompt_token_ids == prompt, question
         assert second.num_cached_tokens >= len(prompt) // 16 * 16 - 16 > 0, question  # all but the tail
     assert cold[0].text == "The capital of France is Paris."
+
+
+AGREEMENT_QUESTIONS = QUESTIONS + [
+    "Why is the sky blue?", "Write a haiku about autumn.", "How many legs does a spider have?",
+    "What is 12 times 12?", "Give me a synonym for happy.", "Translate 'good morning' into French.",
+    "Who wrote Romeo and Juliet?", "What is the boiling point of water in Celsius?", "Name a planet with rings.",
+    "Explain recursion in one sentence.", "What language is spoken in Brazil?", "Suggest a name for a cat."]
+
+
+def test_served_quantized_it_agrees_with_the_float32_reference(converted):
+    """The GGUF served as its own Q4_1 / Q8_0 blocks (the default) against its decoded weights in float32 (the
+    exact path): greedy tokens agree on >= 99% of positions, every first token agrees, and the weights take no
+    more memory than the file."""
+    quantized = LLM("smollm2-135m-instruct", kv_cache_memory_bytes=64 << 20, log_stats=False)
+    reference = LLM(str(converted), dtype="float32", kv_cache_memory_bytes=64 << 20, log_stats=False)
+    memory = weight_memory(quantized.engine.version.model)
+    assert memory.kinds == ("Q4_1", "Q8_0") and memory.resident_bytes <= 1.1 * GGUF_PATH.stat().st_size
+    assert memory.decode_bytes < weight_memory(reference.engine.version.model).decode_bytes / 5
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    chats = [_chat(question) for question in AGREEMENT_QUESTIONS]
+    ours = quantized.chat(chats, params, use_tqdm=False)
+    theirs = reference.chat(chats, params, use_tqdm=False)
+    positions = sum(len(output.token_ids) for output in theirs)
+    agreeing = sum(a == b for mine, other in zip(ours, theirs) for a, b in zip(mine.token_ids, other.token_ids))
+    assert agreeing >= 0.99 * positions, f"{agreeing} of {positions} positions agree"
+    assert [output.token_ids[0] for output in ours] == [output.token_ids[0] for output in theirs]

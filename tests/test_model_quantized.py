@@ -1,0 +1,179 @@
+"""Weights kept quantized (model/quantized.py, quantized_linear.py, csrc/quantized_matmul.cpp): the GGUF blocks
+decode as the format's reference reader decodes them, the compiled matmul keeps each row's bits its own on every
+variant, and an engine serving a GGUF quantized agrees with the float reference of the same weights."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+
+from gguf_helpers import (encode_tensor, gguf_tensors, random_blocks, random_hf_weights, tiny_llama_config,
+                          train_tokenizer, write_gguf)
+from prefixserve import LLM, SamplingParams
+from prefixserve.model import kernels
+from prefixserve.model.quantized import QuantizedWeight, from_gguf_blocks, quantize
+from prefixserve.model.quantized_linear import QuantizedLinear
+from prefixserve.model.quantized_model import serve_quantized, weight_memory
+
+Q = GGMLQuantizationType
+KINDS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K")
+
+
+def gguf_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Bytes of a [rows, cols] tensor of `kind`: quantized by the format's writer, or random K-quant blocks."""
+    if kind == "Q4_K":
+        return random_blocks(Q.Q4_K, rows, cols, seed)
+    values = np.random.default_rng(seed).normal(0, 0.05, size=(rows, cols)).astype(np.float32)
+    return encode_tensor(values, Q[kind])
+
+
+def decoded_by_kernel(compiled, weight: QuantizedWeight) -> torch.Tensor:
+    offsets = torch.empty(0) if weight.offsets is None else weight.offsets
+    return compiled.dequantize(weight.codes, weight.scales, offsets, weight.bits, weight.group_size, weight.zero_point)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_blocks_decode_as_the_format_reader_decodes_them(kind):
+    rows, cols = 6, 512
+    raw = gguf_blocks(kind, rows, cols)
+    expected = torch.from_numpy(gguf_dequantize(raw, Q[kind]).reshape(rows, cols).astype(np.float32))
+    weight = from_gguf_blocks(kind, raw, rows, cols)
+    assert weight.kind == kind and (weight.out_features, weight.in_features) == (rows, cols)
+    assert weight.nbytes <= raw.nbytes * (4 / 3 if kind == "Q4_K" else 1)  # Q4_K's float32 scales cost a third more
+    # The reader rounds a product and a sum where the kernel fuses them: one rounding apart at most.
+    tolerance = dict(rtol=0, atol=float(expected.abs().max()) * 2**-22)
+    torch.testing.assert_close(weight.dequantize(), expected, **tolerance)
+    if kernels.compiled is not None:
+        torch.testing.assert_close(decoded_by_kernel(kernels.compiled, weight), expected, **tolerance)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_variant_multiplies_each_row_alone(kernel_variant, kind):
+    rows, cols = 70, 256  # rows: not a whole number of the kernel's column tiles
+    weight = from_gguf_blocks(kind, gguf_blocks(kind, rows, cols, seed=1), rows, cols)
+    decoded = decoded_by_kernel(kernel_variant, weight)
+    x = torch.randn(75, cols, generator=torch.Generator().manual_seed(2))
+    offsets = torch.empty(0) if weight.offsets is None else weight.offsets
+
+    def multiply(block: torch.Tensor) -> torch.Tensor:
+        return kernel_variant.quantized_matmul(block, weight.codes, weight.scales, offsets, weight.bits,
+                                               weight.group_size, weight.zero_point, None)
+
+    whole = multiply(x)
+    exact = (x.double() @ decoded.double().T).float()
+    assert torch.all((whole - exact).abs() <= 1e-5 * (x.abs() @ decoded.abs().T))  # float32 sums, any order
+    for size in (1, 2, 3, 5, 8, 64, 75):  # tile tails and row chunks: every row computes as it does alone
+        assert torch.equal(torch.cat([multiply(x[i:i + size]) for i in range(0, 75, size)]), whole), size
+    strided = torch.randn(75, cols + 32)[:, :cols]
+    strided.copy_(x)
+    assert torch.equal(multiply(strided), whole)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantize_rounds_each_value_to_its_nearest_code(bits):
+    weight = torch.randn(48, 96, generator=torch.Generator().manual_seed(3))
+    weight[0, :32] = 0  # an all-zero group has scale 0 and decodes to zeros
+    quantized = quantize(weight, bits)
+    assert quantized.kind == ("Q8_0" if bits == 8 else "Q4_1")
+    step = quantized.scales.float().repeat_interleave(32, dim=1)
+    error = (quantized.dequantize() - weight).abs()
+    assert torch.all(error <= step * 0.5 + 1e-6 + step * 2**-10)  # half a step, and the float16 scale's rounding
+    assert torch.equal(quantized.dequantize()[0, :32], torch.zeros(32))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize(torch.randn(4, 40), bits)
+
+
+def test_the_pure_pytorch_path_keeps_rows_independent(monkeypatch):
+    weight = from_gguf_blocks("Q4_1", gguf_blocks("Q4_1", 40, 64, seed=4), 40, 64)
+    layer = QuantizedLinear([weight], bias=torch.randn(40))
+    x = torch.randn(33, 64, generator=torch.Generator().manual_seed(5))
+    expected = x @ weight.dequantize().T + layer.bias
+    monkeypatch.setattr(kernels, "compiled", None)
+    layer.plan_rows(batch_invariant=True, max_rows=64)
+    whole = layer(x)
+    torch.testing.assert_close(whole, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(torch.cat([layer(x[i:i + 1]) for i in range(33)]), whole)
+
+
+def test_mixed_layouts_of_one_projection_stay_apart_and_in_order():
+    parts = [from_gguf_blocks("Q4_K", gguf_blocks("Q4_K", 8, 256), 8, 256),
+             from_gguf_blocks("Q4_1", gguf_blocks("Q4_1", 8, 256, seed=1), 8, 256),
+             from_gguf_blocks("Q4_1", gguf_blocks("Q4_1", 4, 256, seed=2), 4, 256)]
+    layer = QuantizedLinear(parts)
+    assert layer.kinds == ["Q4_K", "Q4_1"] and layer.out_features == 20
+    x = torch.randn(3, 256)
+    decoded = torch.cat([part.dequantize() for part in parts])
+    exact = (x.double() @ decoded.double().T).float()
+    assert torch.all((layer(x) - exact).abs() <= 1e-5 * (x.abs() @ decoded.abs().T))
+
+
+# ------------------------------------------------------------------ served through the engine
+@pytest.fixture(scope="module")
+def quantized_gguf(tmp_path_factory):
+    """A 2-layer llama GGUF laid out as llama.cpp's mixed files are: Q8_0 embedding, Q4_1 attention, Q4_0 MLP."""
+    tokenizer = train_tokenizer()
+    config = tiny_llama_config(vocab_size=len(tokenizer[0]))
+    stored = gguf_tensors(config, random_hf_weights(config, seed=4))
+    kinds = {name: (Q.Q8_0 if name in ("token_embd.weight", "output.weight") else Q.Q4_1 if ".attn_" in name
+                    else Q.Q4_0) for name, value in stored.items() if value.ndim == 2}
+    return write_gguf(tmp_path_factory.mktemp("quantized") / "mixed.gguf", config, stored, kinds, tokenizer=tokenizer)
+
+
+PROMPTS = ["The capital of France is", "Hello world! Hello there", "def main():\n    return",
+           "In 2024 there were 365 days", "naïve café Zürich", "3.14159 is close to"]
+
+
+def generate(llm: LLM, prompts: list[str], max_tokens: int = 24) -> list[list[int]]:
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    return [list(output.token_ids) for output in outputs]
+
+
+def test_a_gguf_is_served_quantized_and_agrees_with_its_float_reference(quantized_gguf):
+    quantized = LLM(str(quantized_gguf), kv_cache_memory_bytes=16 << 20, log_stats=False)
+    reference = LLM(str(quantized_gguf), dequantize=True, dtype="float32", kv_cache_memory_bytes=16 << 20,
+                    log_stats=False)
+    engine, float_engine = quantized.engine, reference.engine
+    assert engine.weights == "gguf" and float_engine.weights == "float" and engine.dtype == torch.float32
+    assert engine.scope.model_fingerprint != float_engine.scope.model_fingerprint  # their KV is not shared
+    memory = weight_memory(engine.version.model)
+    assert memory.kinds == ("Q4_0", "Q4_1", "Q8_0")
+    assert memory.resident_bytes <= 1.1 * quantized_gguf.stat().st_size
+    ours, theirs = generate(quantized, PROMPTS), generate(reference, PROMPTS)
+    agreeing = sum(a == b for mine, other in zip(ours, theirs) for a, b in zip(mine, other))
+    assert agreeing >= 0.99 * sum(len(tokens) for tokens in theirs)
+    assert [tokens[0] for tokens in ours] == [tokens[0] for tokens in theirs]
+
+
+def test_cache_hits_never_change_a_quantized_output(quantized_gguf):
+    shared = "The capital of France is Paris. The capital of Italy is Rome. " * 3
+    prompts = [shared + tail for tail in PROMPTS]
+    cached = LLM(str(quantized_gguf), kv_cache_memory_bytes=16 << 20, log_stats=False)
+    uncached = LLM(str(quantized_gguf), enable_prefix_caching=False, kv_cache_memory_bytes=16 << 20, log_stats=False)
+    first = generate(cached, prompts)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    again = cached.generate(prompts[::-1], params)[::-1]  # every prompt now hits, batched otherwise
+    assert all(output.num_cached_tokens >= 48 for output in again)
+    assert [list(output.token_ids) for output in again] == first
+    assert generate(uncached, prompts) == first
+
+
+@pytest.mark.parametrize("bits", ["int8", "int4"])
+def test_quantize_holds_a_float_checkpoint_at_that_width(default_model_dir, bits):
+    llm = LLM(str(default_model_dir), quantize=bits, kv_cache_memory_bytes=16 << 20, log_stats=False)
+    memory = weight_memory(llm.engine.version.model)
+    float_bytes = sum(file.stat().st_size for file in default_model_dir.glob("*.safetensors"))
+    assert memory.resident_bytes < float_bytes / (3.5 if bits == "int8" else 5)
+    assert memory.kinds == (("Q8_0",) if bits == "int8" else ("Q4_1", "Q8_0"))  # lm_head (and the embedding): int8
+    assert all(len(tokens) == 8 for tokens in generate(llm, PROMPTS[:2], max_tokens=8))
+
+
+def test_contradicting_or_impossible_options_name_the_fix(quantized_gguf, default_model):
+    with pytest.raises(ValueError, match="contradict"):
+        LLM(str(quantized_gguf), quantize="int8", dequantize=True)
+    with pytest.raises(ValueError, match="quantize must be one of"):
+        LLM(str(quantized_gguf), quantize="int3")
+    with pytest.raises(ValueError, match="CPU only"):
+        serve_quantized(default_model, "int8", None, torch.device("cuda"))
