@@ -199,7 +199,7 @@ def test_the_kernels_compile_for_aarch64(backend, tmp_path):
     flags = ["-std=c++17", "-O2", "-march=armv8-a", "-ffp-contract=off", "-fopenmp", "-fPIC", "-Werror=return-type",
              f"-DPREFIXSERVE_SIMD_{backend}", "-DPREFIXSERVE_VARIANT=cross", "-DTORCH_EXTENSION_NAME=_kernels_cross",
              f"-I{sysconfig.get_paths()['include']}"] + [f"-I{path}" for path in include_paths()]
-    for source in ("variant.cpp", "paged_causal.cpp", "rowwise.cpp", "peak.cpp"):
+    for source in ("variant.cpp", "paged_causal.cpp", "rowwise.cpp", "peak.cpp", "quantized_matmul.cpp"):
         result = subprocess.run([CROSS_COMPILER, *flags, "-c", str(ROOT / "prefixserve" / "csrc" / source),
                                  "-o", str(tmp_path / f"{source}.o")], capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr[-3000:]
@@ -213,7 +213,7 @@ def test_the_kernels_compile_for_aarch64(backend, tmp_path):
 def test_the_aarch64_kernels_compute_attention_under_qemu(backend, tmp_path):
     """The kernels built for aarch64, run: tests/aarch64/check_kernels.cpp links them statically with a
     serial stand-in for ATen's parallel_for and checks every row against double precision (float32 and
-    bf16 K/V), each sequence alone bit for bit as in the batch, and the row-wise kernels."""
+    bf16 K/V), each sequence alone bit for bit as in the batch, the row-wise kernels, and the quantized matmul."""
     from torch.utils.cpp_extension import include_paths
 
     program = tmp_path / f"check_{backend.lower()}"
@@ -221,10 +221,12 @@ def test_the_aarch64_kernels_compute_attention_under_qemu(backend, tmp_path):
     build = [CROSS_COMPILER, "-std=c++17", "-O2", "-march=armv8-a", "-ffp-contract=off", "-static",
              f"-DPREFIXSERVE_SIMD_{backend}", f"-I{here}", f"-I{ROOT / 'prefixserve' / 'csrc'}",
              *[f"-I{path}" for path in include_paths()],
-             str(ROOT / "prefixserve" / "csrc" / "paged_causal.cpp"), str(ROOT / "prefixserve" / "csrc" / "rowwise.cpp"),
+             *[str(ROOT / "prefixserve" / "csrc" / source) for source in ("paged_causal.cpp", "rowwise.cpp",
+                                                                         "quantized_matmul.cpp")],
              str(here / "check_kernels.cpp"), "-o", str(program)]
     built = subprocess.run(build, capture_output=True, text=True, timeout=600)
     assert built.returncode == 0, built.stderr[-3000:]
     ran = subprocess.run(["qemu-aarch64", str(program)], capture_output=True, text=True, timeout=300)
     assert ran.returncode == 0, ran.stdout + ran.stderr
     assert f"{backend.lower()} float32" in ran.stdout and "alone as in the batch: yes" in ran.stdout
+    assert "quantized int8: worst" in ran.stdout and "quantized int4: worst" in ran.stdout

@@ -3,8 +3,11 @@
 // and with bf16 keys and values, without and with a sliding window and a soft cap on the scores, and each decode
 // alone bit for bit as in the batch. Exit 0 when all hold.
 #include "kernels.h"
+#include "quantized.h"
 #include "rowwise.h"
 #include "simd.h"
+
+#include <c10/util/Half.h>
 
 #include <cmath>
 #include <cstdio>
@@ -134,6 +137,46 @@ bool check_rowwise() {
 
 }  // namespace
 
+// The quantized matmul (int8 and int4 codes, float16 scales and offsets): every output against double precision
+// over the decoded weight, and each row alone bit for bit as in the batch.
+bool check_quantized(std::mt19937& generator) {
+    constexpr int64_t ROWS = 7, OUT = 10, IN = 96, GROUPS = IN / 32;
+    std::uniform_int_distribution<int> byte(0, 255);
+    std::vector<c10::Half> scales(OUT * GROUPS), offsets(OUT * GROUPS);
+    for (auto& value : scales) value = static_cast<c10::Half>(0.001f * (1 + byte(generator) % 50));
+    for (auto& value : offsets) value = static_cast<c10::Half>(0.002f * (byte(generator) - 128));
+    std::vector<float> x(ROWS * IN), decoded(OUT * IN), out(ROWS * OUT), alone(OUT);
+    std::normal_distribution<float> normal;
+    for (float& value : x) value = normal(generator);
+    bool ok = true;
+    for (int bits : {8, 4}) {
+        std::vector<uint8_t> codes(OUT * IN * bits / 8);
+        for (auto& code : codes) code = static_cast<uint8_t>(byte(generator));
+        const QuantizedWeight weight{codes.data(), bits, bits == 4 ? 8 : 0, OUT, IN, 32, scales.data(),
+                                     bits == 4 ? offsets.data() : nullptr, true};
+        dequantize_rows(weight, 0, OUT, decoded.data());
+        quantized_matmul(weight, x.data(), ROWS, IN, nullptr, out.data(), OUT);
+        double worst = 0;
+        bool same = true;
+        for (int64_t r = 0; r < ROWS; ++r) {
+            quantized_matmul(weight, x.data() + r * IN, 1, IN, nullptr, alone.data(), OUT);
+            for (int64_t n = 0; n < OUT; ++n) {
+                double exact = 0, size = 0;
+                for (int64_t k = 0; k < IN; ++k) {
+                    exact += static_cast<double>(x[r * IN + k]) * decoded[n * IN + k];
+                    size += std::fabs(static_cast<double>(x[r * IN + k]) * decoded[n * IN + k]);
+                }
+                worst = std::max(worst, std::fabs(out[r * OUT + n] - exact) / (size + 1e-30));
+                same = same && std::memcmp(&alone[n], &out[r * OUT + n], sizeof(float)) == 0;
+            }
+        }
+        std::printf("quantized int%d: worst relative error %.2e; rows alone as in the batch: %s\n", bits, worst,
+                    same ? "yes" : "NO");
+        ok = ok && same && worst < 1e-5;
+    }
+    return ok;
+}
+
 int main() {
     std::mt19937 generator(1);
     std::normal_distribution<float> normal;
@@ -148,7 +191,7 @@ int main() {
     for (int64_t n : QUERY_LENS) c.query_start.push_back(c.query_start.back() + n);
     c.queries.resize(c.query_start.back() * HEADS * HEAD_DIM);
     for (float& value : c.queries) value = normal(generator);
-    bool ok = check_rowwise();
+    bool ok = check_rowwise() & check_quantized(generator);
     for (int64_t window : {0, 33}) {  // 33: windows that begin inside a 32-key step
         for (float softcap : {0.f, 1.5f}) {
             ok = check<float>(c, "float32", 1e-5, window, softcap) &
