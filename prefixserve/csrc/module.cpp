@@ -210,12 +210,11 @@ torch::Tensor silu_mul(const py::object& capsule, const torch::Tensor& gate_up) 
 prefixserve::QuantizedWeight quantized_weight_of(const torch::Tensor& codes, const torch::Tensor& scales,
                                                  const torch::Tensor& offsets, int64_t bits, int64_t group_size,
                                                  int64_t zero_point) {
-    TORCH_CHECK(bits == 8 || (bits == 4 && group_size == 32), "bits must be 8, or 4 with group_size 32");
+    TORCH_CHECK((bits == 8 || bits == 4) && group_size == 32, "bits must be 8 or 4, group_size 32");
     TORCH_CHECK(codes.device().is_cpu() && codes.dim() == 2 && codes.is_contiguous() && codes.element_size() == 1,
                 "codes must be a contiguous 2-D CPU tensor of bytes");
     const int64_t rows = codes.size(0), cols = bits == 8 ? codes.size(1) : 2 * codes.size(1);
-    TORCH_CHECK(group_size >= 16 && group_size % 16 == 0 && cols % group_size == 0,
-                "group_size must be a multiple of 16 dividing the row");
+    TORCH_CHECK(cols % group_size == 0, "the row must be whole groups of 32 values");
     TORCH_CHECK(scales.scalar_type() == torch::kFloat16 || scales.scalar_type() == torch::kFloat32,
                 "scales must be float16 or float32");
     const bool has_offsets = offsets.numel() > 0;

@@ -2,7 +2,7 @@
 // (quantized_matmul.cpp), on raw pointers; module.cpp's binding checks the tensors first.
 //
 // A weight [rows, cols] (out_features x in_features) is cut along each row into groups of
-// `group_size` values; value k of row n in group g = k / group_size is
+// `group_size` = 32 values; value k of row n in group g = k / group_size is
 //
 //     w[n, k] = scale[n, g] * (code[n, k] - zero_point) + offset[n, g]      (offset 0 where absent)
 //
@@ -27,7 +27,7 @@ struct QuantizedWeight {
     const uint8_t* codes;
     int32_t bits;         // 8 or 4
     int32_t zero_point;   // subtracted from every code
-    int64_t rows, cols, group_size;
+    int64_t rows, cols, group_size;  // group_size: 32 (every GGUF block format we keep, and --quantize)
     const void* scales;   // [rows, cols / group_size]
     const void* offsets;  // the same, or null
     bool half_scales;     // float16 scales and offsets (else float32)

@@ -6,6 +6,9 @@
 //   2. multiply TILE_ROWS input rows by the block in registers: TILE_ROWS x TILE_COLS running sums of
 //      W lanes each, one multiply-add per lane and value, then each sum's lanes in a fixed tree.
 //
+// A call of at most TILE_ROWS rows (a decode step) skips the buffer: fused_tile decodes into registers
+// and multiplies at once, the same operations in the same order, so the same bits as the two steps.
+//
 // Every output element is the same sequence of operations wherever its row sits in the call (a tile
 // of one row or of TILE_ROWS), so a token's logits never depend on its batch. Against a float32
 // matmul of the decoded weights the sums differ in order only.
@@ -79,30 +82,85 @@ constexpr int64_t ROW_CHUNK = 64;  // input rows that stay in L2 while a thread 
 
 inline float group_value(const void* values, bool half, int64_t index) {
     if (values == nullptr) return 0.f;
-    if (half) return static_cast<float>(static_cast<const c10::Half*>(values)[index]);
-    return static_cast<const float*>(values)[index];
+    if (!half) return static_cast<const float*>(values)[index];
+#if defined(__F16C__)  // one instruction (x86 variants from AVX2 on); c10's exact conversion elsewhere
+    return _cvtsh_ss(static_cast<const uint16_t*>(values)[index]);
+#else
+    return static_cast<float>(static_cast<const c10::Half*>(values)[index]);
+#endif
+}
+
+constexpr int64_t GROUP = 32;  // values per group (quantized.h): a constant, so a group's values stay in registers
+
+inline vf group_lanes(const QuantizedWeight& weight, const void* values, int64_t n, int64_t g) {
+    return simd::set1(group_value(values, weight.half_scales, n * (weight.cols / GROUP) + g));
+}
+
+// The values of group g of weight row n, decoded into out[GROUP / W]: scale (code - zero_point) + offset,
+// one rounding each. int4: 32 values in 16 bytes, value e in byte e % 16, its high nibble from e = 16 on.
+template <typename ZeroPoint>
+inline void decode_group(const QuantizedWeight& weight, int64_t n, int64_t g, ZeroPoint zero_point, vf* out) {
+    const vf scale = group_lanes(weight, weight.scales, n, g), offset = group_lanes(weight, weight.offsets, n, g);
+    if (weight.bits == 8) {
+        const uint8_t* codes = weight.codes + n * weight.cols + g * GROUP;
+        for (int64_t v = 0; v < GROUP; v += W) {
+            out[v / W] = simd::fmadd(int8_lanes(codes + v, zero_point), scale, offset);
+        }
+        return;
+    }
+    const uint8_t* codes = weight.codes + n * (weight.cols / 2) + g * 16;
+#if defined(PREFIXSERVE_SIMD_AVX512)
+    // The 16 values a code can take, decoded once per group, then looked up by each code's nibble: the same
+    // multiply-add of the same operands as decoding each value, in one permute instead of three operations.
+    const __m512 levels = _mm512_cvtepi32_ps(_mm512_sub_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), zero_point));
+    const __m512 table = _mm512_fmadd_ps(levels, scale, offset);
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+    out[0] = _mm512_permutexvar_ps(bytes, table);  // reads each index's low 4 bits: the low nibble
+    out[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+#else
+    for (int64_t v = 0; v < 32; v += W) {
+        out[v / W] = simd::fmadd(nibble_lanes(codes + v % 16, v >= 16, zero_point), scale, offset);
+    }
+#endif
 }
 
 // Weight row n decoded into out [cols].
 void decode_row(const QuantizedWeight& weight, int64_t n, float* out) {
-    const int64_t groups = weight.cols / weight.group_size;
     const auto zero_point = zero_point_lanes(weight.zero_point);
-    for (int64_t g = 0; g < groups; ++g) {
-        const int64_t index = n * groups + g;
-        const vf scale = simd::set1(group_value(weight.scales, weight.half_scales, index));
-        const vf offset = simd::set1(group_value(weight.offsets, weight.half_scales, index));
-        float* values = out + g * weight.group_size;
-        if (weight.bits == 8) {
-            const uint8_t* codes = weight.codes + n * weight.cols + g * weight.group_size;
-            for (int64_t v = 0; v < weight.group_size; v += W) {
-                simd::store(values + v, simd::fmadd(int8_lanes(codes + v, zero_point), scale, offset));
+    vf values[GROUP / W];
+    for (int64_t g = 0; g < weight.cols / GROUP; ++g) {
+        decode_group(weight, n, g, zero_point, values);
+        for (int64_t v = 0; v < GROUP; v += W) simd::store(out + g * GROUP + v, values[v / W]);
+    }
+}
+
+// The same sums as decode_row then tile<R, C> (the same operations in the same order, so the same bits),
+// with the decoded values kept in registers: for calls of a few rows (decode steps), where writing the
+// block out and reading it back would cost more than the multiply-adds.
+template <int R, int C>
+void fused_tile(const QuantizedWeight& weight, int64_t n0, const float* x, int64_t x_stride, const float* bias,
+                float* out, int64_t out_stride) {
+    vf sums[R][C];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) sums[r][c] = simd::zero();
+    const auto zero_point = zero_point_lanes(weight.zero_point);
+    vf values[GROUP / W];
+    for (int64_t g = 0; g < weight.cols / GROUP; ++g) {
+        for (int c = 0; c < C; ++c) {
+            decode_group(weight, n0 + c, g, zero_point, values);
+            for (int64_t v = 0; v < GROUP; v += W) {
+                const int64_t k = g * GROUP + v;
+                for (int r = 0; r < R; ++r) {
+                    sums[r][c] = simd::fmadd(values[v / W], simd::load(x + r * x_stride + k), sums[r][c]);
+                }
             }
-        } else {  // 32 values in 16 bytes: value e in byte e % 16, high nibble from 16 on
-            const uint8_t* codes = weight.codes + n * (weight.cols / 2) + g * 16;
-            for (int64_t v = 0; v < 32; v += W) {
-                const vf lanes = nibble_lanes(codes + v % 16, v >= 16, zero_point);
-                simd::store(values + v, simd::fmadd(lanes, scale, offset));
-            }
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        for (int c = 0; c < C; ++c) {
+            const float sum = simd::sum_lanes(sums[r][c]);
+            out[r * out_stride + c] = bias == nullptr ? sum : sum + bias[c];
         }
     }
 }
@@ -145,6 +203,20 @@ constexpr std::array<std::array<TileFn, TILE_COLS>, sizeof...(R)> all_tiles(std:
 // TILES[r - 1][c - 1]: the tile of r rows and c columns.
 const auto TILES = all_tiles(std::make_integer_sequence<int, TILE_ROWS>());
 
+using FusedFn = void (*)(const QuantizedWeight&, int64_t, const float*, int64_t, const float*, float*, int64_t);
+
+template <int R, int... C>
+constexpr std::array<FusedFn, sizeof...(C)> fused_of_rows(std::integer_sequence<int, C...>) {
+    return {&fused_tile<R, C + 1>...};
+}
+
+template <int... R>
+constexpr std::array<std::array<FusedFn, TILE_COLS>, sizeof...(R)> all_fused(std::integer_sequence<int, R...>) {
+    return {fused_of_rows<R + 1>(std::make_integer_sequence<int, TILE_COLS>())...};
+}
+
+const auto FUSED = all_fused(std::make_integer_sequence<int, TILE_ROWS>());
+
 }  // namespace
 
 void quantized_matmul(const QuantizedWeight& weight, const float* x, int64_t num_rows, int64_t x_stride,
@@ -160,8 +232,14 @@ void quantized_matmul(const QuantizedWeight& weight, const float* x, int64_t num
             for (int64_t b = begin; b < end; ++b) {
                 const int64_t n0 = b * TILE_COLS;
                 const int64_t num_cols = std::min<int64_t>(TILE_COLS, weight.rows - n0);
-                for (int64_t c = 0; c < num_cols; ++c) decode_row(weight, n0 + c, block.data() + c * cols);
                 const float* block_bias = bias == nullptr ? nullptr : bias + n0;
+                if (chunk_end - first_row <= TILE_ROWS) {  // a decode step: decode in registers
+                    FUSED[chunk_end - first_row - 1][num_cols - 1](weight, n0, x + first_row * x_stride, x_stride,
+                                                                   block_bias, out + first_row * out_stride + n0,
+                                                                   out_stride);
+                    continue;
+                }
+                for (int64_t c = 0; c < num_cols; ++c) decode_row(weight, n0 + c, block.data() + c * cols);
                 for (int64_t r = first_row; r < chunk_end; r += TILE_ROWS) {
                     const int64_t count = std::min<int64_t>(TILE_ROWS, chunk_end - r);
                     TILES[count - 1][num_cols - 1](x + r * x_stride, x_stride, block.data(), cols, block_bias,

@@ -21,14 +21,16 @@ class Variant(NamedTuple):
 
 
 _X86 = ("-march=x86-64", "-mtune=generic")  # the x86-64 baseline: SSE2, no AVX
-_AVX2 = _X86 + ("-mavx2", "-mfma")
+# F16C (float16 conversion in one instruction: the quantized matmul's scales) came with AVX2 on every CPU since
+# Haswell and Zen.
+_AVX2 = _X86 + ("-mavx2", "-mfma", "-mf16c")
 _AVX512 = _AVX2 + ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl")
-_AVX512_NEEDS = ("avx2", "fma3", "avx512_f", "avx512_bw", "avx512_dq", "avx512_vl")
+_AVX512_NEEDS = ("avx2", "fma3", "f16c", "avx512_f", "avx512_bw", "avx512_dq", "avx512_vl")
 
 VARIANTS: dict[str, tuple[Variant, ...]] = {
     "x86_64": (
         Variant("portable", "PORTABLE", _X86, ()),
-        Variant("avx2", "AVX2", _AVX2, ("avx2", "fma3")),
+        Variant("avx2", "AVX2", _AVX2, ("avx2", "fma3", "f16c")),
         Variant("avx512", "AVX512", _AVX512, _AVX512_NEEDS),
         Variant("avx512_bf16", "AVX512", _AVX512 + ("-mavx512bf16",), _AVX512_NEEDS + ("avx512_bf16",)),
         # bf16 attention on AMX tiles (Sapphire Rapids and later); the OS must grant the tile state
