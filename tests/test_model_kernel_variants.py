@@ -51,23 +51,24 @@ def test_the_cpu_features_come_from_cpuinfo_when_torch_does_not_report_them(monk
     fake = tmp_path / "cpuinfo"
     real_open = open
     monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(fake if path == "/proc/cpuinfo" else path, *a, **k))
-    fake.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 fma avx512f avx512bw avx512dq avx512vl amx_bf16\n")
-    assert {"avx2", "fma3", "avx512_f", "avx512_bw", "avx512_dq", "avx512_vl", "amx_bf16"} <= kernels.cpu_features()
+    fake.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 fma f16c avx512f avx512bw avx512dq avx512vl amx_bf16\n")
+    expected = {"avx2", "fma3", "f16c", "avx512_f", "avx512_bw", "avx512_dq", "avx512_vl", "amx_bf16"}
+    assert expected <= kernels.cpu_features()
     kernels.cpu_features.cache_clear()
-    fake.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 fma\n")
+    fake.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 fma f16c\n")
     monkeypatch.setattr(kernels, "variants_for", lambda: kernel_variants.variants_for("x86_64"))
-    assert kernels.cpu_features() == {"avx2", "fma3"}
+    assert kernels.cpu_features() == {"avx2", "fma3", "f16c"}
     assert [variant.name for variant in kernels.executable()] == ["portable", "avx2"]
 
 
 def test_the_cap_keeps_the_choice_at_or_below_it_and_an_unknown_cap_names_the_choices(monkeypatch):
-    monkeypatch.setattr(kernels, "cpu_features", lambda: frozenset({"avx2", "fma3", "avx512_f", "avx512_bw",
+    monkeypatch.setattr(kernels, "cpu_features", lambda: frozenset({"avx2", "fma3", "f16c", "avx512_f", "avx512_bw",
                                                                      "avx512_dq", "avx512_vl", "avx512_bf16"}))
     monkeypatch.setattr(kernels, "variants_for", lambda: kernel_variants.variants_for("x86_64"))
     monkeypatch.delenv(kernels.CAP_VARIABLE, raising=False)
     assert [variant.name for variant in kernels.allowed()] == ["portable", "avx2", "avx512", "avx512_bf16"]
     monkeypatch.setattr(kernels, "amx_permitted", lambda: True)  # the OS grants the tile state
-    monkeypatch.setattr(kernels, "cpu_features", lambda: frozenset({"avx2", "fma3", "avx512_f", "avx512_bw",
+    monkeypatch.setattr(kernels, "cpu_features", lambda: frozenset({"avx2", "fma3", "f16c", "avx512_f", "avx512_bw",
                                                                      "avx512_dq", "avx512_vl", "avx512_bf16",
                                                                      "amx_tile", "amx_bf16"}))
     assert kernels.allowed()[-1].name == "amx"
@@ -77,7 +78,7 @@ def test_the_cap_keeps_the_choice_at_or_below_it_and_an_unknown_cap_names_the_ch
     assert [variant.name for variant in kernels.allowed()] == ["portable", "avx2"]
     monkeypatch.setenv(kernels.CAP_VARIABLE, "portable")
     assert [variant.name for variant in kernels.allowed()] == ["portable"]
-    monkeypatch.setattr(kernels, "cpu_features", lambda: frozenset({"avx2", "fma3"}))
+    monkeypatch.setattr(kernels, "cpu_features", lambda: frozenset({"avx2", "fma3", "f16c"}))
     monkeypatch.setenv(kernels.CAP_VARIABLE, "avx512_bf16")  # a cap is a ceiling: the CPU still decides
     assert [variant.name for variant in kernels.allowed()] == ["portable", "avx2"]
     monkeypatch.setenv(kernels.CAP_VARIABLE, "sse9")

@@ -18,7 +18,7 @@ import os
 import torch
 
 # /proc/cpuinfo flag -> the name torch's cpuinfo report gives it (the fallback reads the former).
-_PROC_FLAGS = {"avx2": "avx2", "fma": "fma3", "avx512f": "avx512_f", "avx512bw": "avx512_bw",
+_PROC_FLAGS = {"avx2": "avx2", "fma": "fma3", "f16c": "f16c", "avx512f": "avx512_f", "avx512bw": "avx512_bw",
                "avx512dq": "avx512_dq", "avx512vl": "avx512_vl", "avx512_bf16": "avx512_bf16",
                "amx_bf16": "amx_bf16", "amx_tile": "amx_tile", "avx512_vnni": "avx512_vnni"}
 AVX512 = frozenset({"avx512_f", "avx512_bw", "avx512_dq", "avx512_vl"})
