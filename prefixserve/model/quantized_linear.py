@@ -66,6 +66,9 @@ class QuantizedLinear(nn.Module):
             raise ValueError("the parts of a quantized projection must share their input features")
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.row_calls = RowCalls.ALL
+        first = self.parts[0]
+        self._kernel_arguments = (first.codes, first.scales, _NO_OFFSETS if first.offsets is None else first.offsets,
+                                  first.bits, first.group_size, first.zero_point, None)
 
     @property
     def weight_bytes(self) -> int:
@@ -84,6 +87,8 @@ class QuantizedLinear(nn.Module):
         """One call over all of x's rows, in float32, rounded to x's dtype."""
         x32 = x.float().contiguous()
         compiled = _compiled_for(x32)
+        if compiled is not None and len(self.parts) == 1 and self.bias is None and x.dtype == torch.float32:
+            return compiled.quantized_matmul(x32, *self._kernel_arguments)  # a decode step's common case
         outputs = [self._multiply(compiled, x32, part) for part in self.parts]
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
         if self.bias is not None:
