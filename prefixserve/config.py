@@ -43,7 +43,8 @@ class EngineConfig:
     device: str = option("auto", "auto: cuda when available, else cpu", choices=DEVICES)
     quantize: Optional[str] = option(None, "keep a float checkpoint's weights quantized in memory (CPU): int8 as "
                                            "GGUF's Q8_0, int4 as Q4_1 (embedding and lm_head int8); a GGUF is "
-                                           "quantized again from its decoded weights", choices=QUANTIZE)
+                                           "quantized again from its decoded weights (default: none: a float "
+                                           "checkpoint stays float, a GGUF keeps its own blocks)", choices=QUANTIZE)
     dequantize: bool = option(False, "serve a GGUF's weights decoded to float (exact to transformers on those "
                                      "weights, 4-8x the bytes per decode step) instead of quantized as the file "
                                      "holds them")
