@@ -13,6 +13,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf_helpers import (encode_tensor, gguf_tensors, random_blocks, random_hf_weights, tiny_llama_config,
                           train_tokenizer, write_gguf)
 from prefixserve import LLM, SamplingParams
+from prefixserve.engine.model_version import weight_format
 from prefixserve.model import kernels
 from prefixserve.model.quantized import QuantizedWeight, from_gguf_blocks, quantize
 from prefixserve.model.quantized_linear import QuantizedLinear
@@ -177,3 +178,8 @@ def test_contradicting_or_impossible_options_name_the_fix(quantized_gguf, defaul
         LLM(str(quantized_gguf), quantize="int3")
     with pytest.raises(ValueError, match="CPU only"):
         serve_quantized(default_model, "int8", None, torch.device("cuda"))
+    # Off the CPU a GGUF is decoded to float as before; on it, it keeps its blocks unless asked otherwise.
+    assert weight_format(str(quantized_gguf), device=torch.device("cuda")) == "float"
+    assert weight_format(str(quantized_gguf), device=torch.device("cpu")) == "gguf"
+    assert weight_format(str(quantized_gguf), dequantize=True) == "float"
+    assert weight_format(None, quantize="int4", device=torch.device("cpu")) == "int4"

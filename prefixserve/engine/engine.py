@@ -42,7 +42,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = resolve_device(config.device)
-        self.weights = weight_format(config.model, config.quantize, config.dequantize)  # "float", "gguf", "int8", ...
+        self.weights = weight_format(config.model, config.quantize, config.dequantize, self.device)  # "float", ...
         self.dtype = resolve_dtype(config.dtype, self.device, quantized=self.weights != "float")
         check_exact(self.dtype, self.device, config.batch_invariant)
         self.numerics = numerics_fingerprint(self.dtype, self.device, config.batch_invariant)
@@ -284,7 +284,7 @@ class LLMEngine:
         model = str(self.version.source) if model is None else model
         version = load_version(model, self.dtype, self.device, self.numerics, self.config.block_size,
                                self.config.max_num_batched_tokens,
-                               weight_format(model, self.config.quantize, self.config.dequantize))
+                               weight_format(model, self.config.quantize, self.config.dequantize, self.device))
         check_swappable(self, version)
         return version
 

@@ -102,11 +102,14 @@ def resolve_model_path(model: Optional[str]) -> Path:
     return path
 
 
-def weight_format(model: Optional[str], quantize: Optional[str] = None, dequantize: bool = False) -> str:
+def weight_format(model: Optional[str], quantize: Optional[str] = None, dequantize: bool = False,
+                  device: Optional[torch.device] = None) -> str:
     """How `model`'s weights are held: quantized to `quantize`, as a GGUF file holds them ("gguf", unless
-    `dequantize`), or as floats."""
+    `dequantize`, or off the CPU: the quantized kernels are CPU kernels), or as floats."""
     if quantize is not None:
         return quantize
+    if device is not None and device.type != "cpu":
+        return "float"
     from ..model.named_models import gguf_file_of
 
     return "gguf" if not dequantize and gguf_file_of(model) is not None else "float"
