@@ -58,10 +58,8 @@ def contenders(out_features: int, in_features: int, rows: int):
     compiled = kernels.compiled
     calls = {}
     for name, bits in (("ours Q4_1", 4), ("ours Q8_0", 8)):
-        q = quantize(weight, bits)
-        offsets = q.offsets if q.offsets is not None else torch.empty(0)
-        calls[name] = (lambda q=q, offsets=offsets: compiled.quantized_matmul(
-            x, q.codes, q.scales, offsets, q.bits, q.group_size, q.zero_point, None))
+        arguments = quantize(weight, bits).kernel_arguments()
+        calls[name] = lambda arguments=arguments: compiled.quantized_matmul(x, *arguments, None)
     codes = torch.randint(0, 16, (out_features, in_features), dtype=torch.int32, generator=generator)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
     scales_and_zeros = torch.rand(in_features // 32, out_features, 2, generator=generator)

@@ -32,8 +32,7 @@ def gguf_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
 
 
 def decoded_by_kernel(compiled, weight: QuantizedWeight) -> torch.Tensor:
-    offsets = torch.empty(0) if weight.offsets is None else weight.offsets
-    return compiled.dequantize(weight.codes, weight.scales, offsets, weight.bits, weight.group_size, weight.zero_point)
+    return compiled.dequantize(*weight.kernel_arguments())
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -57,11 +56,9 @@ def test_every_variant_multiplies_each_row_alone(kernel_variant, kind):
     weight = from_gguf_blocks(kind, gguf_blocks(kind, rows, cols, seed=1), rows, cols)
     decoded = decoded_by_kernel(kernel_variant, weight)
     x = torch.randn(75, cols, generator=torch.Generator().manual_seed(2))
-    offsets = torch.empty(0) if weight.offsets is None else weight.offsets
 
     def multiply(block: torch.Tensor) -> torch.Tensor:
-        return kernel_variant.quantized_matmul(block, weight.codes, weight.scales, offsets, weight.bits,
-                                               weight.group_size, weight.zero_point, None)
+        return kernel_variant.quantized_matmul(block, *weight.kernel_arguments(), None)
 
     whole = multiply(x)
     exact = (x.double() @ decoded.double().T).float()

@@ -39,13 +39,7 @@ inline vf int8_lanes(const uint8_t* p, __m512i zero_point) {
     const __m512i wide = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm512_cvtepi32_ps(_mm512_sub_epi32(wide, zero_point));
 }
-// The low (or high) nibbles of W bytes at p, less zero_point.
-inline vf nibble_lanes(const uint8_t* p, bool high, __m512i zero_point) {
-    __m512i wide = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    if (high) wide = _mm512_srli_epi32(wide, 4);
-    wide = _mm512_and_si512(wide, _mm512_set1_epi32(0xF));
-    return _mm512_cvtepi32_ps(_mm512_sub_epi32(wide, zero_point));
-}
+// (int4 codes decode by a table lookup here: decode_group.)
 inline __m512i zero_point_lanes(int32_t zero_point) { return _mm512_set1_epi32(zero_point); }
 #elif defined(PREFIXSERVE_SIMD_AVX2)
 constexpr int TILE_ROWS = 3, TILE_COLS = 4;  // 12 running sums of 16 registers
@@ -53,6 +47,7 @@ inline vf int8_lanes(const uint8_t* p, __m256i zero_point) {
     const __m256i wide = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
     return _mm256_cvtepi32_ps(_mm256_sub_epi32(wide, zero_point));
 }
+// The low (or high) nibbles of W bytes at p, less zero_point.
 inline vf nibble_lanes(const uint8_t* p, bool high, __m256i zero_point) {
     __m256i wide = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
     if (high) wide = _mm256_srli_epi32(wide, 4);

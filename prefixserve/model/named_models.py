@@ -36,17 +36,14 @@ def resolve_model(name_or_path: str | os.PathLike | None, cache_dir: str | Path 
     """The checkpoint directory to load for a model argument; converts a GGUF on first use."""
     if name_or_path is None:
         return None
+    gguf = gguf_file_of(name_or_path)
+    if gguf is not None:
+        return convert_gguf(gguf, cache_dir)
     path = Path(name_or_path).expanduser()
-    if not path.exists() and str(name_or_path).lower() in NAMED_MODELS:
-        return convert_gguf(named_model_file(str(name_or_path).lower()), cache_dir)
     if path.is_file():
-        if path.suffix.lower() != ".gguf":
-            raise ValueError(f"model file {path} is not a .gguf file; give a GGUF file or a Hugging Face "
-                             f"checkpoint directory (config.json and *.safetensors)")
-        return convert_gguf(path, cache_dir)
+        raise ValueError(f"model file {path} is not a .gguf file; give a GGUF file or a Hugging Face "
+                         f"checkpoint directory (config.json and *.safetensors)")
     if path.is_dir():
-        if not (path / "config.json").is_file() and any(path.glob("*.gguf")):
-            return convert_gguf(path, cache_dir)
         return path  # the loader names whatever is missing
     raise FileNotFoundError(
         f"model {str(name_or_path)!r} does not exist: give a Hugging Face checkpoint directory (config.json and "

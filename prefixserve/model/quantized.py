@@ -32,6 +32,7 @@ import torch
 GROUP_SIZE = 32
 KINDS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K")
 QUANTIZE_CHOICES = ("int8", "int4")
+_NO_OFFSETS = torch.empty(0)
 
 
 @dataclass(frozen=True)
@@ -53,10 +54,19 @@ class QuantizedWeight:
     def in_features(self) -> int:
         return self.codes.shape[1] * (8 // self.bits)
 
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """What holds the weight in memory: codes, scales and (where present) offsets."""
+        return (self.codes, self.scales) + ((self.offsets,) if self.offsets is not None else ())
+
     @property
     def nbytes(self) -> int:
-        tensors = (self.codes, self.scales) + ((self.offsets,) if self.offsets is not None else ())
-        return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+        return sum(tensor.numel() * tensor.element_size() for tensor in self.tensors())
+
+    def kernel_arguments(self) -> tuple:
+        """The compiled kernels' weight arguments (quantized_matmul's after x, dequantize's): an empty
+        tensor stands for no offsets."""
+        offsets = _NO_OFFSETS if self.offsets is None else self.offsets
+        return (self.codes, self.scales, offsets, self.bits, self.group_size, self.zero_point)
 
     def layout(self) -> tuple:
         """What two weights must share to be one weight (their rows stacked)."""

@@ -24,7 +24,6 @@ from .quantized import QuantizedWeight, stack_rows
 from .row_calls import RowCalls, probe_once
 
 _DECODE_ROWS = 4096  # weight rows the reference decodes at a time (a 4096 x 4096 slice is 64 MiB)
-_NO_OFFSETS = torch.empty(0)
 
 
 def _compiled_for(x: torch.Tensor):
@@ -36,11 +35,7 @@ def _decode(weight: QuantizedWeight, rows: Optional[torch.Tensor] = None) -> tor
     if rows is not None:
         weight = weight.select_rows(rows)
     compiled = kernels.compiled
-    if compiled is None:
-        return weight.dequantize()
-    offsets = _NO_OFFSETS if weight.offsets is None else weight.offsets
-    return compiled.dequantize(weight.codes, weight.scales, offsets, weight.bits, weight.group_size,
-                               weight.zero_point)
+    return weight.dequantize() if compiled is None else compiled.dequantize(*weight.kernel_arguments())
 
 
 def merge_layouts(parts: Sequence[QuantizedWeight]) -> list[QuantizedWeight]:
@@ -66,9 +61,6 @@ class QuantizedLinear(nn.Module):
             raise ValueError("the parts of a quantized projection must share their input features")
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.row_calls = RowCalls.ALL
-        first = self.parts[0]
-        self._kernel_arguments = (first.codes, first.scales, _NO_OFFSETS if first.offsets is None else first.offsets,
-                                  first.bits, first.group_size, first.zero_point, None)
 
     @property
     def weight_bytes(self) -> int:
@@ -87,8 +79,6 @@ class QuantizedLinear(nn.Module):
         """One call over all of x's rows, in float32, rounded to x's dtype."""
         x32 = x.float().contiguous()
         compiled = _compiled_for(x32)
-        if compiled is not None and len(self.parts) == 1 and self.bias is None and x.dtype == torch.float32:
-            return compiled.quantized_matmul(x32, *self._kernel_arguments)  # a decode step's common case
         outputs = [self._multiply(compiled, x32, part) for part in self.parts]
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
         if self.bias is not None:
@@ -98,9 +88,7 @@ class QuantizedLinear(nn.Module):
     @staticmethod
     def _multiply(compiled, x: torch.Tensor, part: QuantizedWeight) -> torch.Tensor:
         if compiled is not None:
-            offsets = _NO_OFFSETS if part.offsets is None else part.offsets
-            return compiled.quantized_matmul(x, part.codes, part.scales, offsets, part.bits, part.group_size,
-                                             part.zero_point, None)
+            return compiled.quantized_matmul(x, *part.kernel_arguments(), None)
         slices = []
         for first in range(0, part.out_features, _DECODE_ROWS):
             rows = torch.arange(first, min(first + _DECODE_ROWS, part.out_features))

@@ -152,14 +152,11 @@ def weight_memory(model: nn.Module) -> WeightMemory:
     for module in model.modules():
         if isinstance(module, QuantizedLinear):
             for part in module.parts:
-                tensors = [part.codes, part.scales] + ([part.offsets] if part.offsets is not None else [])
-                resident += sum(count(tensor) for tensor in tensors)
+                resident += sum(count(tensor) for tensor in part.tensors())
                 kinds.add(part.kind)
             decode += module.weight_bytes
         elif isinstance(module, QuantizedEmbedding):
-            tensors = [module.weight.codes, module.weight.scales]
-            tensors += [module.weight.offsets] if module.weight.offsets is not None else []
-            resident += sum(count(tensor) for tensor in tensors)
+            resident += sum(count(tensor) for tensor in module.weight.tensors())
         elif isinstance(module, Linear):
             read = module.packed if module.packed is not None else module.weight
             decode += read.numel() * read.element_size()
