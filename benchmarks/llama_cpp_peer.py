@@ -9,7 +9,8 @@ gives), on 127.0.0.1 and a free port, sized for that workload:
 
 A turn is `POST /completion` {"prompt": [token ids], "n_predict", "temperature": 0, "ignore_eos",
 "cache_prompt": true, "stream": true, "return_tokens": true}: greedy, a fixed number of tokens, the
-same ids the other engines get. TTFT runs from the round's submission to the first streamed token.
+same ids the other engines get. TTFT runs from the round's submission to the first streamed token;
+decode time from the first streamed token to the last.
 
 Hit rate: the last event's `timings.cache_n`, the prompt tokens the slot reused (prompt_n + cache_n =
 the prompt). Not `tokens_cached`: that is the slot's whole context after the answer, output included.
@@ -151,7 +152,7 @@ class LlamaServer:
             if response.status != 200:
                 raise RuntimeError(f"llama-server answered {response.status}: {response.read()[:500]!r}")
             tokens: list[int] = []
-            ttft, last = None, {}
+            ttft, first_at, last_at, last = None, None, None, {}
             for raw in response:
                 line = raw.decode().strip()
                 if not line.startswith("data: "):
@@ -159,8 +160,10 @@ class LlamaServer:
                 event = json.loads(line[len("data: "):])
                 if "error" in event:
                     raise RuntimeError(f"llama-server failed a request: {event['error']}")
-                if event.get("tokens") and ttft is None:
-                    ttft = time.perf_counter() - submitted
+                if event.get("tokens"):
+                    last_at = time.perf_counter()
+                    if ttft is None:
+                        first_at, ttft = last_at, last_at - submitted
                 tokens += event.get("tokens", [])
                 last = event
                 if event.get("stop"):
@@ -171,7 +174,7 @@ class LlamaServer:
             raise RuntimeError(f"llama-server streamed {len(tokens)} of {turn.max_tokens} tokens "
                                f"(stop: {last.get('stop')}); its log ends with:\n{self.log_tail()}")
         timings = last.get("timings", {})
-        return Completion(tokens, ttft, timings.get("cache_n"))
+        return Completion(tokens, ttft, timings.get("cache_n"), last_at - first_at)
 
     def generate(self, turns: Sequence[Turn]) -> list[Completion]:
         """Every turn at once, one thread each; returns when all are done."""

@@ -1,7 +1,7 @@
 """Where one engine step's time goes: per-step wall times and a torch.profiler table per chosen step.
 
     python benchmarks/profile_step.py [--dtype bfloat16] [--workload system-prompt] [--steps 0,1,8]
-                                      [--rows 20] [--no-prefix-caching]
+                                      [--rows 20] [--no-prefix-caching] [--model smollm2-135m-instruct]
 
 Submits the first round of a workload (benchmarks/workloads.py) to one engine, steps it to the
 end, prints every step's wall time with its batch (prompt tokens computed, tokens out), then for each chosen
@@ -12,6 +12,7 @@ does not see pybind functions, so this script names each call). Prints only; not
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -53,19 +54,22 @@ def main() -> None:
     parser.add_argument("--steps", default="0,1,8", help="steps to profile, counted from 0")
     parser.add_argument("--rows", type=int, default=20)
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--model", default=None,
+                        help="a checkpoint directory, .gguf file (served quantized) or model name; default: the built-in one")
     args = parser.parse_args()
     profiled = {int(step) for step in args.steps.split(",") if step}
     if kernels.compiled is not None:
         kernels.compiled = NamedKernels(kernels.compiled)
 
-    llm = LLM(dtype=args.dtype, enable_prefix_caching=not args.no_prefix_caching, log_stats=False)
+    model = () if args.model is None else (args.model,)
+    llm = LLM(*model, dtype=args.dtype, enable_prefix_caching=not args.no_prefix_caching, log_stats=False)
     llm.generate([[5] * 64], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm up
     llm.engine.cache.clear()
     engine = llm.engine
     for turn in build_workloads()[args.workload].next_round(0, []):
         engine.add_request(turn.prompt_token_ids, SamplingParams(max_tokens=turn.max_tokens, temperature=0.0,
                                                                  ignore_eos=True))
-    tables = {}
+    tables, walls = {}, []
     step = 0
     total = time.perf_counter()
     while engine.has_unfinished_requests():
@@ -78,10 +82,12 @@ def main() -> None:
         else:
             engine.step()
         wall = time.perf_counter() - start
+        walls.append(wall)
         print(f"step {step:>3}: {wall * 1e3:8.1f} ms  {engine.num_prefill_tokens_computed - prefilled:>5} prompt tokens, "
               f"{engine.num_generation_tokens - generated:>3} tokens out" + ("  (profiled)" if step in profiled else ""))
         step += 1
-    print(f"{step} steps, {time.perf_counter() - total:.2f} s")
+    print(f"{step} steps, {time.perf_counter() - total:.2f} s"
+          + (f"; steps 1-{step - 1}: {statistics.median(walls[1:]) * 1e3:.1f} ms median" if step > 2 else ""))
     for step, table in tables.items():
         print(f"\n== step {step} ({args.workload}, {args.dtype}) ==\n{table}")
 

@@ -31,6 +31,13 @@ def first_token_latency(output) -> float | None:
     return latency if latency else None
 
 
+def decode_seconds(output) -> float | None:
+    """First to last output token, on the engine core's clock (both stamps are its monotonic time)."""
+    metrics = getattr(output, "metrics", None)
+    first, last = getattr(metrics, "first_token_ts", 0.0), getattr(metrics, "last_token_ts", 0.0)
+    return last - first if first and last else None
+
+
 def make_generate(llm, sampling_params_class):
     from vllm.inputs import TokensPrompt
 
@@ -40,7 +47,7 @@ def make_generate(llm, sampling_params_class):
                   for turn in turns]
         outputs = llm.generate(prompts, params, use_tqdm=False)
         return [Completion(list(output.outputs[0].token_ids), first_token_latency(output),
-                           output.num_cached_tokens) for output in outputs]
+                           output.num_cached_tokens, decode_seconds(output)) for output in outputs]
 
     return generate
 

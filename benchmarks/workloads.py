@@ -12,6 +12,10 @@ next round may depend on this round's outputs (a chat turn resends the previous 
     agent-loop    20 rounds: 1 request; call k = [ call k-1 prompt | its output | new 110 ] -> 16
     few-shot       1 round : 32 x [ shared 1,500 | own 30 ]                      -> 4 tokens each
     no-sharing     1 round : 32 x [ own 1,000 ]                                  -> 32 tokens each
+    decode         1 round :  1 x [ own 64 ]                                     -> 256 tokens
+
+`decode` is one request that is almost all decode: its time per output token (TPOT) is what a
+single user of a CPU engine waits on, and what quantized weights speed up.
 
 Deviations from the issue, on purpose: the agent loop's tool results are 110 tokens, not 200,
 because 1,500 + 20 x 200 tokens exceed the built-in model's 4,096 positions; the last call's
@@ -44,6 +48,7 @@ class Completion:
     output_token_ids: list[int]
     ttft: Optional[float] = None          # seconds from submission to the first token
     num_cached_tokens: Optional[int] = None  # prompt tokens served from a prefix cache
+    decode_s: Optional[float] = None      # seconds from the first output token to the last (TPOT x (n - 1))
 
 
 @dataclass
@@ -102,6 +107,12 @@ def no_sharing(seed: int, num_requests: int = 32, prompt_len: int = 1000, max_to
     return Workload("no-sharing", 1, lambda index, previous: turns)
 
 
+def decode(seed: int, prompt_len: int = 64, max_tokens: int = 256) -> Workload:
+    rng = random.Random(f"decode-{seed}")
+    turns = [Turn(random_tokens(rng, prompt_len), max_tokens)]
+    return Workload("decode", 1, lambda index, previous: turns)
+
+
 def build_workloads(seed: int = 0) -> dict[str, Workload]:
     """Every workload of the suite by name, in the order the comparison runs them."""
     workloads = [
@@ -110,6 +121,7 @@ def build_workloads(seed: int = 0) -> dict[str, Workload]:
         agent_loop(seed),
         shared_prefix("few-shot", seed, num_requests=32, prefix_len=1500, own_len=30, max_tokens=4),
         no_sharing(seed),
+        decode(seed),
     ]
     return {workload.name: workload for workload in workloads}
 

@@ -22,6 +22,7 @@ from workloads import build_workloads  # noqa: E402
     ("agent-loop", ServerShape(1, 1500 + 19 * (110 + 16) + 110 + 16)),
     ("few-shot", ServerShape(32, 1500 + 30 + 4)),
     ("no-sharing", ServerShape(32, 1000 + 32)),
+    ("decode", ServerShape(1, 64 + 256)),
 ])
 def test_each_workload_sizes_its_server(name, shape):
     assert workload_shape(build_workloads(0)[name]) == shape
