@@ -176,6 +176,35 @@ def test_paged_causal_decodes_sharing_a_prefix_are_each_as_alone(dtype, block_si
             torch.testing.assert_close(together[i], expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("num_decodes", [3, 12, 40])
+def test_decodes_sharing_a_prefix_split_over_threads_are_each_as_alone(num_decodes, kernel_variant):
+    """Decodes on one prefix go in smaller work items when a step has too few items for its threads (items of
+    32, 16, 8 or 4 rows, by thread count and batch): every decode's bits stay those it gets alone, whatever the
+    thread count."""
+    generator = torch.Generator().manual_seed(num_decodes)
+    num_kv_heads, num_heads, head_dim, block_size = 3, 9, 64, 16
+    prefix = list(range(1, 9))  # 128 shared tokens
+    lengths = [128 + 1 + (7 * i) % 40 for i in range(num_decodes)]
+    tables = [prefix + [100 + 4 * i + j for j in range(3)] for i in range(num_decodes)]
+    k_cache = torch.randn(300, block_size, num_kv_heads, head_dim, generator=generator)
+    v_cache = torch.randn(300, block_size, num_kv_heads, head_dim, generator=generator)
+    q = torch.randn(num_decodes, num_heads, head_dim, generator=generator)
+    args = (k_cache, v_cache, torch.tensor(tables), torch.arange(num_decodes + 1), torch.tensor(lengths), 0.125)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for num_threads in (1, 2, 3, 8):
+            torch.set_num_threads(num_threads)
+            results.append(kernel_variant.paged_causal(q, *args))
+    finally:
+        torch.set_num_threads(threads)
+    for i, length in enumerate(lengths):
+        alone = kernel_variant.paged_causal(q[i:i + 1], k_cache, v_cache, torch.tensor(tables[i:i + 1]),
+                                            torch.tensor([0, 1]), torch.tensor([length]), 0.125)
+        for together in results:
+            assert torch.equal(alone[0], together[i]), i
+
+
 def test_a_kernel_call_leaves_other_python_threads_running(kernel_variant):
     """The engine thread's kernels run with the GIL released (as PyTorch's ops do): while one long
     paged_causal call runs, another thread (the server's event loop answering /health) keeps running.

@@ -544,8 +544,18 @@ void attend_rows_amx(const Row* rows, int64_t count, int64_t shift, const PagedK
 // Work items of up to ROWS rows, positions ascending. A prefill chunk's rows go ROWS at a time; the
 // decodes (one row each) of sequences whose tables start with the same block go together, so that
 // the keys of the prefix they share are transposed once for all of them (without a window).
+//
+// Decodes sharing a prefix go in smaller items when the step would otherwise have too few to share
+// out: 32 decodes on one system prompt with 3 KV heads are 3 items, 2 for one thread and 1 for the
+// other of 2; in items of 8 rows they are 12, 6 each. Items are halved down to MIN_SHARED_ROWS rows
+// until there are at least ITEMS_PER_THREAD x threads (items x KV heads). A row's sums never depend
+// on the other rows of its item, so this changes no bits, only who computes them.
+constexpr int64_t MIN_SHARED_ROWS = 4;
+constexpr int64_t ITEMS_PER_THREAD = 4;
+
 std::vector<int64_t> make_items(const int64_t* query_start, const int64_t* seq_lens, int64_t num_seqs,
-                                const int64_t* tables, int64_t table_stride, int64_t window, std::vector<Row>& rows) {
+                                const int64_t* tables, int64_t table_stride, int64_t window, int64_t num_kv_heads,
+                                int64_t num_threads, std::vector<Row>& rows) {
     std::vector<int64_t> item_start;  // item k: rows[item_start[k] .. item_start[k + 1])
     std::vector<std::pair<int64_t, int64_t>> decodes;  // (first block id, sequence)
     for (int64_t i = 0; i < num_seqs; ++i) {
@@ -567,15 +577,38 @@ std::vector<int64_t> make_items(const int64_t* query_start, const int64_t* seq_l
     }
     std::stable_sort(decodes.begin(), decodes.end(),
                      [](const auto& a, const auto& b) { return a.first < b.first; });
+    std::vector<int64_t> run_lengths;  // decodes sharing a first block, in order
     for (size_t d = 0; d < decodes.size();) {
-        item_start.push_back(static_cast<int64_t>(rows.size()));
-        const size_t first = d;
-        for (; d < decodes.size() && d - first < ROWS && decodes[d].first == decodes[first].first; ++d) {
-            const int64_t i = decodes[d].second;
-            rows.push_back({tables + i * table_stride, seq_lens[i] - 1, query_start[i], first_key(seq_lens[i] - 1, window)});
+        size_t end = d;
+        while (end < decodes.size() && decodes[end].first == decodes[d].first) ++end;
+        run_lengths.push_back(static_cast<int64_t>(end - d));
+        d = end;
+    }
+    auto decode_items = [&](int64_t rows_per_item) {
+        int64_t count = 0;
+        for (int64_t length : run_lengths) count += (length + rows_per_item - 1) / rows_per_item;
+        return count;
+    };
+    const int64_t prefill_items = static_cast<int64_t>(item_start.size());
+    int64_t rows_per_item = ROWS;
+    while (rows_per_item / 2 >= MIN_SHARED_ROWS &&
+           (prefill_items + decode_items(rows_per_item)) * num_kv_heads < ITEMS_PER_THREAD * num_threads) {
+        rows_per_item /= 2;
+    }
+    size_t d = 0;
+    for (int64_t length : run_lengths) {
+        const int64_t parts = (length + rows_per_item - 1) / rows_per_item;
+        for (int64_t part = 0; part < parts; ++part) {  // even parts: lengths differ by one at most
+            item_start.push_back(static_cast<int64_t>(rows.size()));
+            const int64_t part_rows = length / parts + (part < length % parts ? 1 : 0);
+            for (int64_t j = 0; j < part_rows; ++j, ++d) {
+                const int64_t i = decodes[d].second;
+                rows.push_back({tables + i * table_stride, seq_lens[i] - 1, query_start[i],
+                                first_key(seq_lens[i] - 1, window)});
+            }
+            std::sort(rows.begin() + item_start.back(), rows.end(),
+                      [](const Row& a, const Row& b) { return a.position < b.position; });
         }
-        std::sort(rows.begin() + item_start.back(), rows.end(),
-                  [](const Row& a, const Row& b) { return a.position < b.position; });
     }
     item_start.push_back(static_cast<int64_t>(rows.size()));
     return item_start;
@@ -596,7 +629,7 @@ void causal_kernel(const Queries<T>& q, const PagedKV<T>& kv, const int64_t* que
     (void)tiles;  // read only where the variant has AMX
     std::vector<Row> rows;
     const std::vector<int64_t> item_start = make_items(query_start, seq_lens, num_seqs, kv.tables, kv.table_stride,
-                                                       window, rows);
+                                                       window, num_kv_heads, at::get_num_threads(), rows);
     const int64_t out_row_stride = q.num_heads * head_dim;
     // Item k: rows of item k / num_kv_heads, KV head k % num_kv_heads.
     auto attend_item = [&](int64_t k, Scratch& row_scratch, CausalScratch& s) {
