@@ -173,3 +173,45 @@ def test_plan_tiers_flags_cannot_be_abbreviated(capsys):
     with pytest.raises(SystemExit):
         main(["plan", "tiers", "--prefill", "1"])
     assert "unrecognized arguments: --prefill" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- the remote tier, timed
+def test_plan_tiers_times_a_redis_with_sealed_records_and_leaves_nothing_there(tmp_path, capsys, redis_server,
+                                                                                tier_secret_file):
+    path = tmp_path / "plan.json"
+    code = main(["plan", "tiers", "--dtype", "float32", "--prefill-seconds-per-token", "0.001", "--disk-dir",
+                 str(tmp_path), "--kv-remote-url", redis_server.url, "--kv-tier-secret-file", tier_secret_file,
+                 "--json", str(path)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "records sealed and verified" in out
+    measured = json.loads(path.read_text())["profiles"][0]
+    assert [row["tier"] for row in measured["crossovers"]] == ["host", "disk", "remote"]
+    remote = measured["crossovers"][2]
+    assert remote["bytes_per_second"] > 0 and remote["latency_seconds"] >= 0
+    assert redis_server.num_keys() == 0  # the timed records were deleted
+
+
+def test_calibrate_writes_the_remote_tier_it_timed(redis_server):
+    from prefixserve.commands.simulate import _measure_tiers
+
+    measured = _measure_tiers(redis_server.url, None)
+    assert measured["remote_bytes_per_second"] > 0 and measured["remote_latency_seconds"] >= 0
+    assert set(measured) >= {"host_bytes_per_second", "disk_bytes_per_second", "kv_bytes_per_token"}
+    assert redis_server.num_keys() == 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plan", "tiers", "--prefill-seconds-per-token", "1", "--kv-remote-url", "redis://127.0.0.1:{port}"],
+     "the timed records could not be written (is Redis up"),
+    (["plan", "tiers", "--prefill-seconds-per-token", "1", "--kv-tier-secret-file", "{secret}"],
+     "give --kv-remote-url too"),
+    (["simulate", "--trace", "agent", "--kv-remote-url", "redis://127.0.0.1:{port}"],
+     "time a Redis for --calibrate; a replay takes the remote tier's cost from --costs"),
+])
+def test_a_remote_tier_that_cannot_be_timed_is_named(argv, message, capsys, tier_secret_file):
+    from redis_helpers import free_port
+
+    argv = [arg.format(port=free_port(), secret=tier_secret_file) for arg in argv]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err

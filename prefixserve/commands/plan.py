@@ -12,15 +12,14 @@ from pathlib import Path
 from typing import Optional
 
 from .paths import output_path
+from .tier_reads import READ_REPEATS, READ_SIZES_BLOCKS, add_remote_arguments, measure_tier_reads, remote_assumption
 from .plan_price import add_plan_price_arguments, plan_price_command
 from .plan_ttl import add_plan_ttl_arguments, plan_ttl_command
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-PLAN_TIERS_SUMMARY = ("print per KV tier (host, disk) the prefix length above which fetching beats recomputing, "
+PLAN_TIERS_SUMMARY = ("print per KV tier (host, disk, and a Redis given by URL) the prefix length above which fetching beats recomputing, "
                       "for this machine and model (measured) and for a stated GPU profile, beside the literature's "
                       "figure")
-READ_SIZES_BLOCKS = (1, 8, 32, 125)  # runs timed per tier: 125 blocks of 16 are the 2,000-token reference prefix
-READ_REPEATS = 5
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +40,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     tiers.add_argument("--disk-dir", metavar="DIR",
                        help="a folder on the disk to time; a temporary folder is made in it and removed "
                             "(default: the system's temporary folder)")
+    add_remote_arguments(tiers)
     tiers.add_argument("--json", metavar="FILE", help="also write the report here (default: no JSON)")
     tiers.add_argument("--no-progress", action="store_true",
                        help="no progress output while measuring prefill (a bar is drawn only on a terminal)")
@@ -79,7 +79,7 @@ def _plan_tiers(args: argparse.Namespace) -> int:
     block_shape = (model.num_hidden_layers, 2, config.block_size, model.num_key_value_heads, model.head_dim)
     block_bytes = kv_bytes_per_token(model.num_hidden_layers, model.num_key_value_heads, model.head_dim,
                                      dtype) * config.block_size
-    read_costs = measure_tier_reads(block_shape, dtype, args.disk_dir)
+    read_costs = measure_tier_reads(block_shape, dtype, args.disk_dir, args.kv_remote_url, args.kv_tier_secret_file)
     prefill, source = args.prefill_seconds_per_token, "given"
     if prefill is None:
         from ..engine.calibrate import measure_costs  # loads the model and runs it: the slow part
@@ -99,6 +99,7 @@ def _plan_tiers(args: argparse.Namespace) -> int:
         f"reads: runs of {', '.join(map(str, READ_SIZES_BLOCKS))} blocks, median of {READ_REPEATS}, through the "
         f"tier's get and the record check; disk files fsynced and dropped from the page cache first (cold); the "
         f"copy into the pool is not included",
+        remote_assumption(args.kv_remote_url, args.kv_tier_secret_file),
     ))
     priors = Profile(f"{name}, the tiers' start-up priors (before any read is observed)", config.block_size,
                      block_bytes, prefill, {"host": HOST_READ_COST, "disk": DISK_READ_COST})
@@ -118,52 +119,3 @@ def _model_dir(model: Optional[str]) -> Path:
     from ..model.named_models import resolve_model
 
     return resolve_model(model)
-
-
-def measure_tier_reads(block_shape: tuple[int, ...], dtype: str, disk_dir: Optional[str]) -> dict:
-    """Latency and bandwidth of host and (cold) disk reads of real records: a chain written, then runs read back."""
-    import hashlib
-    import os
-    import statistics
-    import tempfile
-
-    from ..plan.tiers import fit_read_cost
-    from ..tiers import BlockRecord, DiskTier, HostTier, RecordExpectation, decode_record
-    from ..tiers.disk_files import record_path
-    from ..tiers.record import DTYPE_SIZES
-
-    block_size, block_bytes = block_shape[2], math.prod(block_shape) * DTYPE_SIZES[dtype]
-    scope = hashlib.sha256(b"prefixserve plan tiers").digest()
-    records, parent = [], None
-    for index in range(max(READ_SIZES_BLOCKS)):
-        key = hashlib.sha256(scope + index.to_bytes(4, "little")).digest()
-        records.append(BlockRecord(key, parent, scope, tuple(range(index * block_size, (index + 1) * block_size)),
-                                   dtype, block_shape, os.urandom(block_bytes)))
-        parent = key
-    capacity = 2 * len(records) * (block_bytes + 4096)
-    with tempfile.TemporaryDirectory(prefix="prefixserve-plan-", dir=disk_dir) as directory:
-        def drop_page_cache(chosen: list[BlockRecord]) -> None:
-            for record in chosen:
-                fd = os.open(record_path(Path(directory), record.key), os.O_RDONLY)
-                try:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # fsynced pages are clean: this drops them
-                finally:
-                    os.close(fd)
-
-        def time_read(tier, chosen: list[BlockRecord]) -> float:
-            if isinstance(tier, DiskTier) and hasattr(os, "posix_fadvise"):  # files: a cold read
-                drop_page_cache(chosen)
-            start = time.perf_counter()
-            for record, data in zip(chosen, tier.get([record.key for record in chosen])):
-                decode_record(data, RecordExpectation(record.key, scope, record.token_ids, dtype, block_shape))
-            return time.perf_counter() - start
-
-        costs = {}
-        for tier in (HostTier(capacity), DiskTier(directory, capacity, expect_scope=scope)):
-            with tier:
-                tier.put(records)
-                samples = [(size * block_bytes, statistics.median(time_read(tier, records[:size])
-                                                                  for _ in range(READ_REPEATS)))
-                           for size in READ_SIZES_BLOCKS]
-            costs[tier.name] = fit_read_cost(samples)
-    return costs

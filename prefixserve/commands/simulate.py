@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 from ..config import FETCH_POLICIES
 from .paths import int_list, output_path
-from .plan import LOG_FORMAT, measure_tier_reads  # one way: plan never imports simulate
+from .plan import LOG_FORMAT  # one way: plan never imports simulate
+from .tier_reads import add_remote_arguments, measure_tier_reads
 from .simulate_pd import add_pd_arguments, run_pd
 
 if TYPE_CHECKING:  # the router's modules load only when a replay runs
@@ -41,9 +42,9 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
                              "turn_gap_seconds, think_time_mean_seconds; token ranges LOW-HIGH: system_prompt_tokens, "
                              "task_tokens, turns, tool_result_tokens, output_tokens (default: the built-in shape)")
     parser.add_argument("--calibrate", metavar="COSTS_JSON",
-                        help="measure the real engine (built-in model) and this machine's host and disk tier reads, "
-                             "write the cost model to this file and exit (about a minute); the remote tier keeps "
-                             "its stated cost")
+                        help="measure the real engine (built-in model) and this machine's host and disk tier reads "
+                             "(and the remote tier's, given --kv-remote-url), write the cost model to this file and "
+                             "exit (about a minute); without --kv-remote-url the remote tier keeps its stated cost")
     parser.add_argument("--replicas", type=int, default=8, metavar="N", help="simulated replicas")
     parser.add_argument("--policies", default=",".join(POLICIES), metavar="NAME,...",
                         help="routing policies to compare, comma-separated")
@@ -70,6 +71,7 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate", type=float, default=1.0, metavar="X",
                         help="replay the trace's arrivals X times as fast: X times the load on the same fleet "
                              "(default: %(default)s)")
+    add_remote_arguments(parser)  # only with --calibrate
     add_pd_arguments(parser)
     _add_output_and_sweep_arguments(parser)
 
@@ -102,6 +104,9 @@ def simulate(args: argparse.Namespace) -> int:
     try:
         if args.calibrate:
             return _calibrate(args)
+        if args.kv_remote_url or args.kv_tier_secret_file:
+            raise ValueError("--kv-remote-url and --kv-tier-secret-file time a Redis for --calibrate; a replay "
+                             "takes the remote tier's cost from --costs")
         if not args.trace:
             raise ValueError("--trace NAME|FILE is required unless --calibrate is given "
                              "(built-in traces: conversation, synthetic, agent)")
@@ -118,16 +123,18 @@ def _calibrate(args: argparse.Namespace) -> int:
     path = output_path("--calibrate", args.calibrate)
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)  # model generation and loading say what they do
     measured = measure_costs(progress=not args.no_progress)
-    tiers = _measure_tiers()
-    measured["description"] = f"{measured['description']}; host and disk reads measured, remote stated"
+    tiers = _measure_tiers(args.kv_remote_url, args.kv_tier_secret_file)
+    measured["description"] += ("; host, disk and remote reads measured" if args.kv_remote_url
+                                else "; host and disk reads measured, remote stated")
     cost = CostModel(**measured, **tiers)
     cost.save(path)
     print(f"wrote {path}: {cost}")
     return 0
 
 
-def _measure_tiers() -> dict[str, float]:
-    """KV bytes per token of the built-in model and its host and (cold) disk read costs, as `plan tiers` times them."""
+def _measure_tiers(remote_url: Optional[str], secret_file: Optional[str]) -> dict[str, float]:
+    """KV bytes per token of the built-in model and its host, (cold) disk and (given a URL) remote read costs, as
+    `plan tiers` times them."""
     from ..config import EngineConfig
     from ..engine.device import resolve_device, resolve_dtype
     from ..model import ModelConfig, ensure_default_model
@@ -138,10 +145,10 @@ def _measure_tiers() -> dict[str, float]:
     model = ModelConfig.from_hf_dict(read_config_dict(ensure_default_model()))
     dtype = str(resolve_dtype(config.dtype, resolve_device(config.device))).removeprefix("torch.")
     block_shape = (model.num_hidden_layers, 2, config.block_size, model.num_key_value_heads, model.head_dim)
-    reads = measure_tier_reads(block_shape, dtype, None)
+    reads = measure_tier_reads(block_shape, dtype, None, remote_url, secret_file)
     fields = {"kv_bytes_per_token": float(kv_bytes_per_token(model.num_hidden_layers, model.num_key_value_heads,
                                                              model.head_dim, dtype))}
-    for tier, cost in reads.items():  # the tiers measure_tier_reads timed (host, disk), by name
+    for tier, cost in reads.items():  # the tiers measure_tier_reads timed (host, disk, remote), by name
         fields[f"{tier}_latency_seconds"] = cost.latency_seconds
         fields[f"{tier}_bytes_per_second"] = cost.bytes_per_second
     return fields
