@@ -1,5 +1,6 @@
 """Prefill/decode disaggregation over the shared tier (issue 28): one `--role prefill` replica and two `--role
-decode` replicas behind the router, sharing a redis-server. The prefill replica computes each prompt and writes its
+decode` replicas behind the router, sharing a redis-server (the first test also a 3-master Redis Cluster, with a
+TTL on every record). The prefill replica computes each prompt and writes its
 KV to Redis before it answers; the decode replica the router picks fetches only the blocks it lacks and generates.
 The text equals a whole replica's, whole or streamed; a dead prefill replica leaves the prompt to the decode
 replica, with the same text."""
@@ -46,13 +47,20 @@ def prefills(fleet: Fleet, outcome: str) -> float:
     return fleet.router.metrics.prefills.labels(outcome)._value.get()
 
 
-def test_prefill_then_decode_moves_only_missing_blocks_and_keeps_the_text(redis_server, tier_secret_file):
+def record_ttls(shared) -> list[int]:
+    """The TTL in seconds of every KV record on one redis-server or on every master of a cluster (-1: none)."""
+    servers = shared.masters() if hasattr(shared, "masters") else [shared]
+    return [client.ttl(name) for server in servers for client in [server.client()]
+            for name in client.scan_iter(match=b"pskv:*")]
+
+
+def test_prefill_then_decode_moves_only_missing_blocks_and_keeps_the_text(shared_redis, tier_secret_file):
     prompts = [SHARED + "First question: what is cached?", SHARED + "Second question: what moves?"]
     whole = make_llm()
     expected = [whole.generate([prompt], SamplingParams(**GREEDY), use_tqdm=False)[0] for prompt in prompts]
-    args = ("--kv-remote-url", redis_server.url, "--kv-tier-secret-file", tier_secret_file, "--kv-fetch-policy",
-            "always")
-    with Fleet(3, replica_args=args, roles=["prefill", "decode", "decode"], kv_remote_url=redis_server.url) as fleet:
+    args = ("--kv-remote-url", shared_redis.url, "--kv-tier-secret-file", tier_secret_file, "--kv-fetch-policy",
+            "always", "--kv-remote-ttl", "600")
+    with Fleet(3, replica_args=args, roles=["prefill", "decode", "decode"], kv_remote_url=shared_redis.url) as fleet:
         answered = complete(fleet.url, prompts[0])
         first = answered.json()
         assert first["choices"][0]["text"] == expected[0].text
@@ -61,6 +69,8 @@ def test_prefill_then_decode_moves_only_missing_blocks_and_keeps_the_text(redis_
         full_blocks = (first["usage"]["prompt_tokens"] - 1) // 16
         # the decode replica had nothing: every full block of the prompt came over Redis, none computed twice
         assert details["cached_tokens_by_tier"]["remote"] == full_blocks * 16 == details["cached_tokens"]
+        ttls = record_ttls(shared_redis)  # the hand-off's records expire as every record of the tier does
+        assert len(ttls) >= full_blocks and all(0 < ttl <= 600 for ttl in ttls), ttls
         second = complete(fleet.url, prompts[1])
         assert second.json()["choices"][0]["text"] == expected[1].text
         # the router sent it to the decode replica that holds the shared prefix: only the new blocks moved
