@@ -1,10 +1,12 @@
 """Whole against disaggregated fleets of 8, 16 and 32 replicas on the Mooncake conversation trace, at high load.
 
-    python benchmarks/simulate_pd.py [--sizes 8,16,32] [--rate-per-8 1.5] [--fabric-gbps 25]
-                                     [--variants 0/-,16384/-,16384/2,8192/2] [--costs costs.json] [--no-progress]
+    python benchmarks/simulate_pd.py [--sizes 8,16,32] [--rate-per-8 1.5] [--fabric-gbps 25] [--splits 1/4,5/16,3/8]
+                                     [--variants 0/-,16384/-,16384/2,12288/4,17408/12] [--costs costs.json]
+                                     [--no-progress]
 
 Each fleet of N replicas replays the trace's arrivals N/8 x --rate-per-8 as fast (the same load per
-replica), whole (N `both` replicas) and split N/4:3N/4 and 3N/8:5N/8 in each variant LOCAL/QUEUE: prompts
+replica), whole (N `both` replicas) and split with each --splits share of prefill replicas (default N/4,
+5N/16 and 3N/8, rounded down, at least one) in each variant LOCAL/QUEUE: prompts
 the decode replica lacks at most LOCAL tokens of are prefilled there (0: none), and all of them while every
 prefill replica has more than QUEUE seconds queued (-: no limit): conditional disaggregation. Every fleet shares a tier that holds the whole
 working set, read and written at --fabric-gbps (the KV hand-off's fabric: 25 GB/s is a 200 Gb/s RDMA NIC;
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from fractions import Fraction
 from dataclasses import replace
 from pathlib import Path
 
@@ -37,8 +40,10 @@ def main() -> None:
     parser.add_argument("--rate-per-8", type=float, default=1.5,
                         help="arrival rate factor for 8 replicas; N replicas get N/8 times it")
     parser.add_argument("--fabric-gbps", type=float, default=25.0, help="shared tier read/write GB/s")
-    parser.add_argument("--variants", default="0/-,16384/-,16384/2,8192/2",
+    parser.add_argument("--variants", default="0/-,16384/-,16384/2,12288/4,17408/12",
                         help="conditional disaggregation: LOCAL_TOKENS/QUEUE_SECONDS (- for no queue limit), ...")
+    parser.add_argument("--splits", default="1/4,5/16,3/8",
+                        help="shares of each fleet that are prefill replicas, as fractions A/B, comma-separated")
     parser.add_argument("--costs", help="cost model JSON (default: the built-in H100 estimate)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (drawn only on a terminal anyway)")
     parser.add_argument("--out", default=str(ROOT / "results"), help="folder for the JSON and PNG results")
@@ -50,6 +55,12 @@ def main() -> None:
     base = load_trace("conversation")
     routes = prepare_routes(base)
     working_set = working_set_blocks(routes)
+    try:
+        splits = [Fraction(text) for text in args.splits.split(",")]
+    except ValueError:
+        splits = []
+    if not splits or not all(0 < share < 1 for share in splits):
+        parser.error(f"--splits takes fractions between 0 and 1, e.g. 1/4,3/8; got {args.splits!r}")
     variants = [(int(local), math.inf if queue == "-" else float(queue))
                 for local, queue in (variant.split("/") for variant in args.variants.split(","))]
     rows = [("replicas", "rate", "fleet", "local / queue", "TTFT p50", "TTFT p99", "TPOT p99", "TPOT p99 better",
@@ -61,7 +72,7 @@ def main() -> None:
         config = SimulationConfig(size, cost=cost, remote_blocks=working_set, progress=not args.no_progress)
         whole = simulate_steps(trace, "kv_aware", config, fleet_roles(size, 0), routes)
         runs = [(whole, "-")]
-        for prefill in sorted({size // 4, 3 * size // 8}):
+        for prefill in sorted({max(1, min(size - 1, math.floor(size * share))) for share in splits}):
             for local, queue in variants:
                 runs.append((simulate_steps(trace, "kv_aware", config, fleet_roles(prefill, size - prefill), routes,
                                             local_prefill_tokens=local, max_prefill_queue=queue),
