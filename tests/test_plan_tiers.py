@@ -176,8 +176,17 @@ def test_plan_tiers_flags_cannot_be_abbreviated(capsys):
 
 
 # --------------------------------------------------------------------------- the remote tier, timed
+@pytest.fixture
+def short_timing(monkeypatch):
+    """Runs of 1 and 8 blocks, read twice: what the remote tests check is the wiring, not the figures."""
+    from prefixserve.commands import tier_reads
+
+    monkeypatch.setattr(tier_reads, "READ_SIZES_BLOCKS", (1, 8))
+    monkeypatch.setattr(tier_reads, "READ_REPEATS", 2)
+
+
 def test_plan_tiers_times_a_redis_with_sealed_records_and_leaves_nothing_there(tmp_path, capsys, redis_server,
-                                                                                tier_secret_file):
+                                                                                tier_secret_file, short_timing):
     path = tmp_path / "plan.json"
     code = main(["plan", "tiers", "--dtype", "float32", "--prefill-seconds-per-token", "0.001", "--disk-dir",
                  str(tmp_path), "--kv-remote-url", redis_server.url, "--kv-tier-secret-file", tier_secret_file,
@@ -192,7 +201,7 @@ def test_plan_tiers_times_a_redis_with_sealed_records_and_leaves_nothing_there(t
     assert redis_server.num_keys() == 0  # the timed records were deleted
 
 
-def test_calibrate_writes_the_remote_tier_it_timed(redis_server):
+def test_calibrate_writes_the_remote_tier_it_timed(redis_server, short_timing):
     from prefixserve.commands.simulate import _measure_tiers
 
     measured = _measure_tiers(redis_server.url, None)

@@ -1,6 +1,6 @@
 """Prefill/decode disaggregation over the shared tier (issue 28): one `--role prefill` replica and two `--role
-decode` replicas behind the router, sharing a redis-server (the first test also a 3-master Redis Cluster, with a
-TTL on every record). The prefill replica computes each prompt and writes its
+decode` replicas behind the router, sharing a 3-master Redis Cluster (the first test, with a TTL on every record)
+or one redis-server (the second). The prefill replica computes each prompt and writes its
 KV to Redis before it answers; the decode replica the router picks fetches only the blocks it lacks and generates.
 The text equals a whole replica's, whole or streamed; a dead prefill replica leaves the prompt to the decode
 replica, with the same text."""
@@ -17,6 +17,7 @@ from prefixserve import SamplingParams
 from prefixserve.cache.scoping import compose_salt
 
 from conftest import make_llm
+from redis_helpers import redis_cluster  # noqa: F401 (the fixture)
 from router_fleet import Fleet
 
 pytest.importorskip("redis", reason="redis-py is not installed: pip install 'redis>=5' to test the remote tier")
@@ -47,20 +48,19 @@ def prefills(fleet: Fleet, outcome: str) -> float:
     return fleet.router.metrics.prefills.labels(outcome)._value.get()
 
 
-def record_ttls(shared) -> list[int]:
-    """The TTL in seconds of every KV record on one redis-server or on every master of a cluster (-1: none)."""
-    servers = shared.masters() if hasattr(shared, "masters") else [shared]
-    return [client.ttl(name) for server in servers for client in [server.client()]
+def record_ttls(cluster) -> list[int]:
+    """The TTL in seconds of every KV record on every master of a cluster (-1: none)."""
+    return [client.ttl(name) for server in cluster.masters() for client in [server.client()]
             for name in client.scan_iter(match=b"pskv:*")]
 
 
-def test_prefill_then_decode_moves_only_missing_blocks_and_keeps_the_text(shared_redis, tier_secret_file):
+def test_prefill_then_decode_moves_only_missing_blocks_and_keeps_the_text(redis_cluster, tier_secret_file):
     prompts = [SHARED + "First question: what is cached?", SHARED + "Second question: what moves?"]
     whole = make_llm()
     expected = [whole.generate([prompt], SamplingParams(**GREEDY), use_tqdm=False)[0] for prompt in prompts]
-    args = ("--kv-remote-url", shared_redis.url, "--kv-tier-secret-file", tier_secret_file, "--kv-fetch-policy",
+    args = ("--kv-remote-url", redis_cluster.url, "--kv-tier-secret-file", tier_secret_file, "--kv-fetch-policy",
             "always", "--kv-remote-ttl", "600")
-    with Fleet(3, replica_args=args, roles=["prefill", "decode", "decode"], kv_remote_url=shared_redis.url) as fleet:
+    with Fleet(3, replica_args=args, roles=["prefill", "decode", "decode"], kv_remote_url=redis_cluster.url) as fleet:
         answered = complete(fleet.url, prompts[0])
         first = answered.json()
         assert first["choices"][0]["text"] == expected[0].text
@@ -69,7 +69,7 @@ def test_prefill_then_decode_moves_only_missing_blocks_and_keeps_the_text(shared
         full_blocks = (first["usage"]["prompt_tokens"] - 1) // 16
         # the decode replica had nothing: every full block of the prompt came over Redis, none computed twice
         assert details["cached_tokens_by_tier"]["remote"] == full_blocks * 16 == details["cached_tokens"]
-        ttls = record_ttls(shared_redis)  # the hand-off's records expire as every record of the tier does
+        ttls = record_ttls(redis_cluster)  # the hand-off's records expire as every record of the tier does
         assert len(ttls) >= full_blocks and all(0 < ttl <= 600 for ttl in ttls), ttls
         second = complete(fleet.url, prompts[1])
         assert second.json()["choices"][0]["text"] == expected[1].text
