@@ -52,7 +52,9 @@ def test_blocks_decode_as_the_format_reader_decodes_them(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_variant_multiplies_each_row_alone(kernel_variant, kind):
-    rows, cols = 70, 256  # rows: not a whole number of the kernel's column tiles
+    # rows: not a whole number of the kernel's column tiles; cols: 24 groups, one whole chunk of 16
+    # whose scales convert at once and a tail of 8 (Q4_K's super-blocks need a multiple of 256)
+    rows, cols = 70, 768
     weight = from_gguf_blocks(kind, gguf_blocks(kind, rows, cols, seed=1), rows, cols)
     decoded = decoded_by_kernel(kernel_variant, weight)
     x = torch.randn(75, cols, generator=torch.Generator().manual_seed(2))
