@@ -26,8 +26,8 @@ from setuptools import setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CSRC = "prefixserve/csrc"
-HEADERS = [f"{CSRC}/{name}" for name in ("attention_tiles.h", "kernels.h", "peak.h", "quantized.h", "rowwise.h",
-                                          "simd.h")]
+HEADERS = [f"{CSRC}/{name}" for name in ("attention_tiles.h", "binding.h", "kernels.h", "peak.h", "quantized.h",
+                                          "rowwise.h", "simd.h")]
 COMMON_FLAGS = ["-O3", "-g0", "-ffp-contract=off", "-fopenmp", "-fvisibility=hidden",
                 "-Wno-maybe-uninitialized"]  # gcc 12 warns inside its own intrinsics headers
 
@@ -54,7 +54,7 @@ def extensions():
         warnings.warn(f"prefixserve's kernels are not built: {error}")
         return []
     binding_flags = list(catalogue["BINDING_FLAGS"].get(catalogue["machine"](), ()))
-    modules = [CppExtension("prefixserve._C", [f"{CSRC}/module.cpp"], depends=HEADERS,
+    modules = [CppExtension("prefixserve._C", [f"{CSRC}/module.cpp", f"{CSRC}/decoder_stack.cpp"], depends=HEADERS,
                             extra_compile_args=["-O2", "-g0"] + binding_flags)]
     for variant in chosen_variants():
         modules.append(CppExtension(

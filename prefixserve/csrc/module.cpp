@@ -6,13 +6,14 @@
 //
 //   paged_causal   every row of a step (prefill chunks and decodes), a row at position p over keys
 //                  [0, p + 1) (or its sliding window's last keys), read in place from the paged KV cache,
-//                  each row's bits its own whatever
-//                  else is in the call. Kernel: paged_causal.cpp. Reference: attention.py's plan path
-//                  (float32) and invariant_attention.py (bf16).
+//                  each row's bits its own whatever else is in the call. Kernel: paged_causal.cpp.
+//                  Reference: attention.py's plan path (float32) and invariant_attention.py (bf16).
 //   rms_norm, add_rms_norm_, rotate_heads_, silu_mul
 //                  the decoder layer's row-wise work in float32 or bf16, one pass each (variants with
 //                  a fused multiply-add: all but portable).
 //                  Kernels: rowwise.cpp. Reference: llama.py's RMSNorm, rotate and MLP.
+//   quantized_matmul, dequantize    weights kept quantized (quantized_matmul.cpp)
+//   DecoderStack   every decoder layer of a step in one call, through these same kernels (decoder_stack.cpp)
 //
 // This file checks what a caller hands in (shapes, dtypes, every block id of every range read: a bad
 // table is an error, never a stray read) and dispatches on the dtype and the variant. The kernels run
@@ -20,13 +21,9 @@
 // event loop free to answer /health and stream tokens.
 #include <torch/extension.h>
 
-#include "kernels.h"
+#include "binding.h"
 
-namespace {
-
-using prefixserve::KernelTable;
-using prefixserve::PagedKV;
-using prefixserve::Queries;
+namespace prefixserve::binding {
 
 // The KernelTable in a variant module's `table` capsule, checked for its layout version.
 const KernelTable& table_of(const py::object& capsule) {
@@ -38,6 +35,53 @@ const KernelTable& table_of(const py::object& capsule) {
                 prefixserve::KERNEL_TABLE_VERSION, ": reinstall with `pip install -e .`");
     return table;
 }
+
+// Every block holding positions [first, seq_len) of sequence i must exist: first is 0, or with a window
+// the lowest key its rows read (the blocks below may be released, -1).
+void check_blocks(const torch::Tensor& tables, int64_t i, int64_t first, int64_t seq_len, int64_t block_size,
+                  int64_t num_blocks) {
+    TORCH_CHECK(seq_len == 0 || (seq_len - 1) / block_size < tables.size(1),
+                "key range [0, seq_len) outside the block table");
+    const int64_t* table = tables.data_ptr<int64_t>() + i * tables.stride(0);
+    for (int64_t b = first / block_size; b * block_size < seq_len; ++b) {
+        TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "block id out of range");
+    }
+}
+
+// A quantized weight's tensors (quantized.h), checked: codes [rows, cols] int8 or [rows, cols / 2] uint8,
+// scales and offsets (or an empty tensor for none) [rows, cols / group_size] float16 or float32.
+prefixserve::QuantizedWeight quantized_weight_of(const torch::Tensor& codes, const torch::Tensor& scales,
+                                                 const torch::Tensor& offsets, int64_t bits, int64_t group_size,
+                                                 int64_t zero_point) {
+    TORCH_CHECK((bits == 8 || bits == 4) && group_size == 32, "bits must be 8 or 4, group_size 32");
+    TORCH_CHECK(codes.device().is_cpu() && codes.dim() == 2 && codes.is_contiguous() && codes.element_size() == 1,
+                "codes must be a contiguous 2-D CPU tensor of bytes");
+    const int64_t rows = codes.size(0), cols = bits == 8 ? codes.size(1) : 2 * codes.size(1);
+    TORCH_CHECK(cols % group_size == 0, "the row must be whole groups of 32 values");
+    TORCH_CHECK(scales.scalar_type() == torch::kFloat16 || scales.scalar_type() == torch::kFloat32,
+                "scales must be float16 or float32");
+    const bool has_offsets = offsets.numel() > 0;
+    for (const torch::Tensor* values : {&scales, &offsets}) {
+        if (values == &offsets && !has_offsets) continue;
+        TORCH_CHECK(values->device().is_cpu() && values->is_contiguous() && values->scalar_type() == scales.scalar_type() &&
+                        values->dim() == 2 && values->size(0) == rows && values->size(1) == cols / group_size,
+                    "scales and offsets must be contiguous [rows, cols / group_size] tensors of one dtype");
+    }
+    return {codes.data_ptr<uint8_t>(), static_cast<int32_t>(bits), static_cast<int32_t>(zero_point), rows, cols,
+            group_size, scales.data_ptr(), has_offsets ? offsets.data_ptr() : nullptr,
+            scales.scalar_type() == torch::kFloat16};
+}
+
+}  // namespace prefixserve::binding
+
+namespace {
+
+using namespace prefixserve::binding;
+
+using prefixserve::KernelTable;
+using prefixserve::PagedKV;
+using prefixserve::Queries;
+
 
 
 void check_inputs(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
@@ -58,17 +102,6 @@ void check_inputs(const torch::Tensor& q, const torch::Tensor& k_cache, const to
     TORCH_CHECK(k_cache.size(1) > 0 && (k_cache.size(1) & (k_cache.size(1) - 1)) == 0, "block_size must be a power of two");
 }
 
-// Every block holding positions [first, seq_len) of sequence i must exist: first is 0, or with a window
-// the lowest key its rows read (the blocks below may be released, -1).
-void check_blocks(const torch::Tensor& tables, int64_t i, int64_t first, int64_t seq_len, int64_t block_size,
-                  int64_t num_blocks) {
-    TORCH_CHECK(seq_len == 0 || (seq_len - 1) / block_size < tables.size(1),
-                "key range [0, seq_len) outside the block table");
-    const int64_t* table = tables.data_ptr<int64_t>() + i * tables.stride(0);
-    for (int64_t b = first / block_size; b * block_size < seq_len; ++b) {
-        TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "block id out of range");
-    }
-}
 
 template <typename T>
 Queries<T> queries_of(const torch::Tensor& q) {
@@ -205,29 +238,6 @@ torch::Tensor silu_mul(const py::object& capsule, const torch::Tensor& gate_up) 
     return out;
 }
 
-// A quantized weight's tensors (quantized.h), checked: codes [rows, cols] int8 or [rows, cols / 2] uint8,
-// scales and offsets (or an empty tensor for none) [rows, cols / group_size] float16 or float32.
-prefixserve::QuantizedWeight quantized_weight_of(const torch::Tensor& codes, const torch::Tensor& scales,
-                                                 const torch::Tensor& offsets, int64_t bits, int64_t group_size,
-                                                 int64_t zero_point) {
-    TORCH_CHECK((bits == 8 || bits == 4) && group_size == 32, "bits must be 8 or 4, group_size 32");
-    TORCH_CHECK(codes.device().is_cpu() && codes.dim() == 2 && codes.is_contiguous() && codes.element_size() == 1,
-                "codes must be a contiguous 2-D CPU tensor of bytes");
-    const int64_t rows = codes.size(0), cols = bits == 8 ? codes.size(1) : 2 * codes.size(1);
-    TORCH_CHECK(cols % group_size == 0, "the row must be whole groups of 32 values");
-    TORCH_CHECK(scales.scalar_type() == torch::kFloat16 || scales.scalar_type() == torch::kFloat32,
-                "scales must be float16 or float32");
-    const bool has_offsets = offsets.numel() > 0;
-    for (const torch::Tensor* values : {&scales, &offsets}) {
-        if (values == &offsets && !has_offsets) continue;
-        TORCH_CHECK(values->device().is_cpu() && values->is_contiguous() && values->scalar_type() == scales.scalar_type() &&
-                        values->dim() == 2 && values->size(0) == rows && values->size(1) == cols / group_size,
-                    "scales and offsets must be contiguous [rows, cols / group_size] tensors of one dtype");
-    }
-    return {codes.data_ptr<uint8_t>(), static_cast<int32_t>(bits), static_cast<int32_t>(zero_point), rows, cols,
-            group_size, scales.data_ptr(), has_offsets ? offsets.data_ptr() : nullptr,
-            scales.scalar_type() == torch::kFloat16};
-}
 
 const KernelTable& quantized_kernels(const py::object& capsule) {
     const KernelTable& kernels = table_of(capsule);
@@ -303,4 +313,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("dequantize", &dequantize, "a quantized weight decoded to float32 as quantized_matmul decodes it");
     m.def("describe", &describe, "what a variant's kernel table says of itself");
     m.def("multiply_add_flops", &multiply_add_flops, "run the variant's multiply-add peak loop; its flops");
+    bind_decoder_stack(m);
 }

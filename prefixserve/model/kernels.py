@@ -86,6 +86,9 @@ class CompiledKernels:
         self.multiply_add_flops = functools.partial(binding.multiply_add_flops, self.table)  # benchmarks' peak
         self.quantized_matmul = functools.partial(binding.quantized_matmul, self.table)
         self.dequantize = functools.partial(binding.dequantize, self.table)
+        # every decoder layer of a step in one call (decoder_stack.py); None from a binding built before it
+        self.decoder_stack = (functools.partial(binding.DecoderStack, self.table)
+                              if hasattr(binding, "DecoderStack") else None)
         if self.has_rowwise:
             self.rms_norm = functools.partial(binding.rms_norm, self.table)
             self.add_rms_norm_ = functools.partial(binding.add_rms_norm_, self.table)

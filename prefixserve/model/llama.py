@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import decoder_stack
 from .attention import paged_attention, plan_step, write_kv
 from .attention_metadata import AttentionMetadata, OutputRows
 from .attention_plan import StepPlan
@@ -36,6 +37,7 @@ from .hf_weights import load_hf_weights
 from .model_config import ModelConfig
 from .rope import RotaryEmbedding
 
+_UNBUILT = object()  # a model's decoder stack before its first step
 PACKED_WEIGHTS_MAX_BYTES = 2 << 30  # packing keeps a second copy of each weight; larger models skip it
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [blocks, block_size, kv_heads, d]
@@ -209,6 +211,11 @@ class LlamaForCausalLM(nn.Module):
         self.norm = self.norm_class(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
+        self._decoder_stack = _UNBUILT  # decoder_stack.py's compiled layers, built at the first step
+
+    def forget_decoder_stack(self) -> None:
+        """Drop the compiled stack of the layers: call after replacing layers or their weights."""
+        self._decoder_stack = _UNBUILT
 
     def tie_weights(self) -> None:
         """Share the embedding with lm_head when the config says so. Call again after
@@ -258,6 +265,10 @@ class LlamaForCausalLM(nn.Module):
             kept = OutputRows.of(metas[last], list(output_rows), kv_caches[last][0].shape[1], input_ids.device)
         x = self.embed(input_ids)
         rotary = self.rotary(positions, x.dtype)
+        if self._decoder_stack is _UNBUILT:
+            self._decoder_stack = decoder_stack.build(self)
+        if self._decoder_stack is not None and decoder_stack.can_run(x, kv_caches, output_rows, window_meta):
+            return self.norm(decoder_stack.run(self._decoder_stack, x, rotary, kv_caches, meta))
         local_rotary = self.local_rotary(positions, x.dtype) if self.local_rotary is not None else rotary
         plans = {}  # once per step and pool; every layer of a pool reads the same slots
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
@@ -297,3 +308,4 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the (fused) parameters; checks names and shapes."""
         load_hf_weights(self, named_tensors)
+        self.forget_decoder_stack()

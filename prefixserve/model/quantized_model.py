@@ -102,6 +102,7 @@ def quantize_model(model: nn.Module, weights: Optional[Mapping[str, QuantizedWei
         _replace(model, name, QuantizedLinear(parts, module.bias))
     model.embed_tokens = QuantizedEmbedding(embedding, dtype)
     model.lm_head = QuantizedLinear([head])
+    model.forget_decoder_stack()  # a stack built before held the float layers (or none)
 
 
 def _checkpoint_names(name: str) -> tuple[str, ...]:
