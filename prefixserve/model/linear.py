@@ -99,3 +99,28 @@ class Linear(nn.Linear):
         if x.shape[0] == 0:
             return F.linear(x, self.weight, self.bias)
         return self.row_calls.run(self.matmul, x)
+
+
+PACKED_WEIGHTS_MAX_BYTES = 2 << 30  # packing keeps a second copy of each weight; larger models skip it
+
+
+def pack_linears(model: nn.Module, weight: torch.Tensor, batch_size_hint: int) -> bool:
+    """Prepack every Linear of `model` for oneDNN (CPU, float32 or bfloat16); True when done.
+
+    `weight` is one of the model's float weights (its dtype and device: a quantized embedding has none).
+    Skipped (False) off the CPU, without oneDNN (these are the ops torch.compile's CPU backend uses
+    for frozen linears), or when the copies would exceed PACKED_WEIGHTS_MAX_BYTES (bf16 on a CPU
+    without bf16 matmuls packs float32 copies: twice the bytes).
+    `batch_size_hint` is the typical number of rows per matmul.
+    """
+    linears = [module for module in model.modules() if isinstance(module, Linear)]
+    element_size = 4 if weight.dtype == torch.bfloat16 and not native_bfloat16_matmul() else weight.element_size()
+    packed_bytes = sum(module.weight.numel() for module in linears) * element_size
+    if (weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16)
+            or not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            or packed_bytes > PACKED_WEIGHTS_MAX_BYTES):
+        return False
+    with torch.no_grad():
+        for module in linears:
+            module.pack(batch_size_hint)
+    return True

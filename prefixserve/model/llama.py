@@ -4,7 +4,7 @@ Qwen3's per-head q/k norms and SmolLM3's layers without rotary (NoPE) are config
 families of their own: each is one step the reference adds to the same layer; Phi-3 differs only in how
 its checkpoint names the weights (hf_weights.py).
 
-Reads like the reference (transformers' modeling_llama) with four serving changes:
+Reads like the reference (transformers' modeling_llama) with these serving changes:
   * tokens are flat [T, ...] (no batch axis); sequences are told apart by AttentionMetadata,
   * q/k/v and gate/up are fused into one matmul each (load_weights maps the HF names),
   * attention writes K/V into the paged cache and reads the context back from it,
@@ -32,13 +32,12 @@ from .attention import paged_attention, plan_step, write_kv
 from .attention_metadata import AttentionMetadata, OutputRows
 from .attention_plan import StepPlan
 from .kernels import rowwise_for
-from .linear import Linear, native_bfloat16_matmul
+from .linear import Linear, pack_linears
 from .hf_weights import load_hf_weights
 from .model_config import ModelConfig
 from .rope import RotaryEmbedding
 
 _UNBUILT = object()  # a model's decoder stack before its first step
-PACKED_WEIGHTS_MAX_BYTES = 2 << 30  # packing keeps a second copy of each weight; larger models skip it
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [blocks, block_size, kv_heads, d]
 Rotary = tuple[torch.Tensor, torch.Tensor]   # (cos, sin) of this step's positions, shared by all layers
@@ -224,25 +223,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def pack_linear_weights(self, batch_size_hint: int) -> bool:
-        """Prepack every linear weight for oneDNN (CPU, float32 or bfloat16); True when done.
-
-        Skipped (False) off the CPU, without oneDNN (these are the ops torch.compile's CPU backend
-        uses for frozen linears), or when the copies would exceed PACKED_WEIGHTS_MAX_BYTES (bf16 on a
-        CPU without bf16 matmuls packs float32 copies: twice the bytes).
-        `batch_size_hint` is the typical number of rows per matmul.
-        """
-        linears = [module for module in self.modules() if isinstance(module, Linear)]
-        weight = self.norm.weight  # the model's dtype and device (a quantized embedding has no float weight)
-        element_size = 4 if weight.dtype == torch.bfloat16 and not native_bfloat16_matmul() else weight.element_size()
-        packed_bytes = sum(module.weight.numel() for module in linears) * element_size
-        if (weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16)
-                or not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise")
-                or packed_bytes > PACKED_WEIGHTS_MAX_BYTES):
-            return False
-        with torch.no_grad():
-            for module in linears:
-                module.pack(batch_size_hint)
-        return True
+        """Prepack every linear weight for oneDNN (linear.pack_linears); True when done."""
+        return pack_linears(self, self.norm.weight, batch_size_hint)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata, output_rows: Optional[list[int]] = None,
