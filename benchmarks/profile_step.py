@@ -2,6 +2,7 @@
 
     python benchmarks/profile_step.py [--dtype bfloat16] [--workload system-prompt] [--steps 0,1,8]
                                       [--rows 20] [--no-prefix-caching] [--model smollm2-135m-instruct]
+                                      [--dequantize]
 
 Submits the first round of a workload (benchmarks/workloads.py) to one engine, steps it to the
 end, prints every step's wall time with its batch (prompt tokens computed, tokens out), then for each chosen
@@ -56,13 +57,16 @@ def main() -> None:
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--model", default=None,
                         help="a checkpoint directory, .gguf file (served quantized) or model name; default: the built-in one")
+    parser.add_argument("--dequantize", action="store_true",
+                        help="serve a .gguf's weights decoded to --dtype instead of its own quantized blocks")
     args = parser.parse_args()
     profiled = {int(step) for step in args.steps.split(",") if step}
     if kernels.compiled is not None:
         kernels.compiled = NamedKernels(kernels.compiled)
 
     model = () if args.model is None else (args.model,)
-    llm = LLM(*model, dtype=args.dtype, enable_prefix_caching=not args.no_prefix_caching, log_stats=False)
+    llm = LLM(*model, dtype=args.dtype, enable_prefix_caching=not args.no_prefix_caching, log_stats=False,
+              dequantize=args.dequantize)
     llm.generate([[5] * 64], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm up
     llm.engine.cache.clear()
     engine = llm.engine

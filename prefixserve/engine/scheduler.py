@@ -3,7 +3,7 @@
 Each step has a token budget (`max_num_batched_tokens`). Running requests are
 served first, oldest first, so decodes never wait behind a long prompt; what
 is left of the budget admits waiting requests, whose cached prefix costs
-nothing. A prompt longer than the budget is prefilled in chunks over several
+nothing; one whose prefix a running request is computing now waits for it (in_flight.py). A prompt longer than the budget is prefilled in chunks over several
 steps. When blocks run out, cold cached leaves are evicted (inside
 `RadixCache.allocate`); if that is not enough, the newest running request is
 preempted: its blocks are released and it is recomputed later, mostly from
@@ -29,6 +29,7 @@ from ..cache import Block, BlockKeyer, RadixCache
 from ..cache.hot_prefixes import HotPrefixPolicy
 from ..cache.reuse_gaps import ReuseGapTracker
 from ..cache.window_slots import WindowSlots
+from .in_flight import waits_for_in_flight
 from .request_windows import RequestWindows
 from .request import Request, RequestStatus
 from .stopping import check_stop
@@ -177,16 +178,24 @@ class Scheduler:
             budget -= num_new
 
     def _next_waiting(self) -> Optional[tuple[Request, list[Block]]]:
-        """The request to admit next and its cached prefix; None when every waiting request is still
-        fetching its prefix from a lower tier (those wait; the others pass them)."""
-        if self.policy == "fcfs":
-            request = next((request for request in self.waiting if not request.is_fetching), None)
-            return None if request is None else (request, self._match(request))
-        window = [request for request in self.waiting if not request.is_fetching][:LPM_WINDOW]
-        if not window:
+        """The request to admit next and its cached prefix; None when every waiting request (of the first
+        LPM_WINDOW) is still fetching its prefix from a lower tier or waits for a running request to compute
+        the prefix they share (in_flight.py): those wait, the others pass them."""
+        candidates = []
+        for index, request in enumerate(self.waiting):
+            if index == LPM_WINDOW:
+                break
+            if request.is_fetching:
+                continue
+            hit = self._match(request)
+            if self.enable_prefix_caching and waits_for_in_flight(request, len(hit), self.running, self.block_size):
+                continue
+            if self.policy == "fcfs":
+                return request, hit
+            candidates.append((len(hit), -index, request, hit))
+        if not candidates:
             return None
-        matches = [(len(hit := self._match(request)), -i, request, hit) for i, request in enumerate(window)]
-        _, _, request, hit = max(matches, key=lambda item: (item[0], item[1]))
+        _, _, request, hit = max(candidates, key=lambda item: (item[0], item[1]))
         return request, hit
 
     def _match(self, request: Request) -> list[Block]:
