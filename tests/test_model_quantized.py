@@ -182,3 +182,20 @@ def test_contradicting_or_impossible_options_name_the_fix(quantized_gguf, defaul
     assert weight_format(str(quantized_gguf), device=torch.device("cpu")) == "gguf"
     assert weight_format(str(quantized_gguf), dequantize=True) == "float"
     assert weight_format(None, quantize="int4", device=torch.device("cpu")) == "int4"
+
+
+def test_a_gguf_of_float_weights_only_is_served_as_floats(tmp_path, quantized_gguf):
+    """An F32 export holds nothing to keep quantized: it is served as floats (as llama.cpp serves it),
+    not requantized to int8; one quantized 2-D tensor makes the file a quantized one."""
+    tokenizer = train_tokenizer()
+    config = tiny_llama_config(vocab_size=len(tokenizer[0]))
+    stored = gguf_tensors(config, random_hf_weights(config, seed=5))
+    float_file = write_gguf(tmp_path / "f32.gguf", config, stored, tokenizer=tokenizer)
+    assert weight_format(str(float_file), device=torch.device("cpu")) == "float"
+    one_quantized = write_gguf(tmp_path / "one.gguf", config, stored, {"blk.0.ffn_down.weight": GGMLQuantizationType.Q8_0},
+                               tokenizer=tokenizer)
+    assert weight_format(str(one_quantized), device=torch.device("cpu")) == "gguf"
+    served = LLM(str(float_file), kv_cache_memory_bytes=16 << 20, log_stats=False)
+    assert not any(isinstance(module, QuantizedLinear) for module in served.engine.version.model.modules())
+    decoded = LLM(str(float_file), dequantize=True, kv_cache_memory_bytes=16 << 20, log_stats=False)
+    assert generate(served, PROMPTS[:2], max_tokens=8) == generate(decoded, PROMPTS[:2], max_tokens=8)

@@ -105,14 +105,17 @@ def resolve_model_path(model: Optional[str]) -> Path:
 def weight_format(model: Optional[str], quantize: Optional[str] = None, dequantize: bool = False,
                   device: Optional[torch.device] = None) -> str:
     """How `model`'s weights are held: quantized to `quantize`, as a GGUF file holds them ("gguf", unless
-    `dequantize`, or off the CPU: the quantized kernels are CPU kernels), or as floats."""
+    `dequantize`, off the CPU (the quantized kernels are CPU kernels) or a file of float weights only), or as
+    floats."""
     if quantize is not None:
         return quantize
     if device is not None and device.type != "cpu":
         return "float"
     from ..model.named_models import gguf_file_of
+    from ..model.quantized_model import holds_quantized_weights
 
-    return "gguf" if not dequantize and gguf_file_of(model) is not None else "float"
+    source = None if dequantize else gguf_file_of(model)
+    return "gguf" if source is not None and holds_quantized_weights(source) else "float"
 
 
 def load_version(model: Optional[str], dtype: torch.dtype, device: torch.device, numerics: str, block_size: int,

@@ -51,6 +51,18 @@ class WeightMemory:
                 f"at batch 1)")
 
 
+FLOAT_GGUF_TYPES = ("F32", "F16", "BF16")
+
+
+def holds_quantized_weights(source: Path) -> bool:
+    """Whether any 2-D tensor of the GGUF is quantized. A file of float weights only (an F32 or F16 export)
+    is served as floats, as llama.cpp serves it, not turned into int8 here."""
+    from .gguf import open_gguf
+
+    return any(len(tensor.shape) == 2 and tensor.tensor_type.name not in FLOAT_GGUF_TYPES
+               for tensor in open_gguf(source).tensors)
+
+
 def weights_from_gguf(source: Path) -> dict[str, QuantizedWeight]:
     """Every 2-D weight of the GGUF under its Hugging Face name, quantized as the file holds it."""
     from .gguf import open_gguf  # the GGUF reader is imported only where a GGUF is served
