@@ -5,18 +5,10 @@ from prefixserve.engine.in_flight import IN_FLIGHT_MIN_TOKENS
 from prefixserve.engine.request import Request
 from prefixserve.engine.sampling_params import SamplingParams
 
-from test_scheduler import BS, SCOPE, make, request, step
+from test_scheduler import BS, make, request, run, step
 
 SHARED = list(range(1000, 1000 + 10 * BS + 2))  # 10 full blocks and 2 tokens: well over IN_FLIGHT_MIN_TOKENS
 assert len(SHARED) >= IN_FLIGHT_MIN_TOKENS + BS
-
-
-def finish_all(s, limit=200):
-    for _ in range(limit):
-        if not s.num_unfinished:
-            return
-        step(s)
-    raise AssertionError("the scheduler did not finish its requests")
 
 
 def test_requests_arriving_together_on_one_prompt_compute_it_once():
@@ -30,7 +22,7 @@ def test_requests_arriving_together_on_one_prompt_compute_it_once():
     own = len(SHARED) + 3 - 10 * BS  # the partial block and their own tokens
     assert plan == [("r0", 1)] + [(f"r{i}", own) for i in range(1, 4)]
     assert [r.num_cached_tokens for r in requests] == [0, 10 * BS, 10 * BS, 10 * BS]
-    finish_all(s)
+    run(s)
     assert all(r.finish_reason == "length" for r in requests)
 
 
@@ -47,7 +39,7 @@ def test_a_prompt_longer_than_the_budget_is_waited_for_while_enough_of_it_is_lef
             assert "second" not in dict(plan), (left, plan)
     # it joined with less than IN_FLIGHT_MIN_TOKENS of the prompt left to compute twice
     assert len(long_prompt) - IN_FLIGHT_MIN_TOKENS < second.num_cached_tokens <= len(long_prompt)
-    finish_all(s)
+    run(s)
 
 
 def test_an_unrelated_request_is_not_held_back_and_passes_the_waiting_one():
@@ -87,7 +79,7 @@ def test_another_tenants_identical_prompt_is_not_waited_for():
     s.add_request(theirs)
     plan, _ = step(s)
     assert [name for name, _ in plan] == ["ours", "theirs"]
-    finish_all(s)
+    run(s)
     assert theirs.num_cached_tokens == 0
 
 
@@ -100,3 +92,14 @@ def test_lpm_admits_the_longest_cached_match_among_those_that_do_not_wait():
     assert sorted(name for name, _ in plan) == ["a", "c"]
     plan, _ = step(s)
     assert ("b", len(SHARED) + 1 - 10 * BS) in plan
+
+
+def test_requests_fetching_from_a_tier_are_passed_however_many_lead_the_queue():
+    s = make(num_blocks=256, budget=64, max_num_seqs=128)
+    fetching = [request(f"f{i}", range(10 * i, 10 * i + 5)) for i in range(70)]  # more than LPM_WINDOW
+    for r in fetching:
+        r.is_fetching = True
+        s.add_request(r)
+    s.add_request(request("ready", range(9000, 9005)))
+    plan, _ = step(s)
+    assert plan == [("ready", 5)]

@@ -3,7 +3,8 @@
 Each step has a token budget (`max_num_batched_tokens`). Running requests are
 served first, oldest first, so decodes never wait behind a long prompt; what
 is left of the budget admits waiting requests, whose cached prefix costs
-nothing; one whose prefix a running request is computing now waits for it (in_flight.py). A prompt longer than the budget is prefilled in chunks over several
+nothing; one whose prefix a running request is computing now waits for it
+(in_flight.py). A prompt longer than the budget is prefilled in chunks over several
 steps. When blocks run out, cold cached leaves are evicted (inside
 `RadixCache.allocate`); if that is not enough, the newest running request is
 preempted: its blocks are released and it is recomputed later, mostly from
@@ -22,6 +23,7 @@ cached match is cut to what it holds (request_windows.py).
 from __future__ import annotations
 
 from collections import deque
+from itertools import islice
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional, Sequence
 
@@ -178,15 +180,12 @@ class Scheduler:
             budget -= num_new
 
     def _next_waiting(self) -> Optional[tuple[Request, list[Block]]]:
-        """The request to admit next and its cached prefix; None when every waiting request (of the first
-        LPM_WINDOW) is still fetching its prefix from a lower tier or waits for a running request to compute
-        the prefix they share (in_flight.py): those wait, the others pass them."""
+        """The request to admit next and its cached prefix, from the first LPM_WINDOW waiting requests that
+        are not fetching their prefix from a lower tier; None when each of those waits for a running request
+        to compute the prefix they share (in_flight.py). Fetching and waiting requests are passed by others."""
         candidates = []
-        for index, request in enumerate(self.waiting):
-            if index == LPM_WINDOW:
-                break
-            if request.is_fetching:
-                continue
+        ready = (request for request in self.waiting if not request.is_fetching)
+        for index, request in enumerate(islice(ready, LPM_WINDOW)):
             hit = self._match(request)
             if self.enable_prefix_caching and waits_for_in_flight(request, len(hit), self.running, self.block_size):
                 continue
