@@ -42,7 +42,8 @@ def test_blocks_decode_as_the_format_reader_decodes_them(kind):
     expected = torch.from_numpy(gguf_dequantize(raw, Q[kind]).reshape(rows, cols).astype(np.float32))
     weight = from_gguf_blocks(kind, raw, rows, cols)
     assert weight.kind == kind and (weight.out_features, weight.in_features) == (rows, cols)
-    assert weight.nbytes <= raw.nbytes * (4 / 3 if kind == "Q4_K" else 1)  # Q4_K's float32 scales cost a third more
+    # Q4_K: its 6-bit scales and minimums a byte each, 148 bytes per 256 values where the file has 144
+    assert weight.nbytes * 144 <= raw.nbytes * (148 if kind == "Q4_K" else 144)
     # The reader rounds a product and a sum where the kernel fuses them: one rounding apart at most.
     tolerance = dict(rtol=0, atol=float(expected.abs().max()) * 2**-22)
     torch.testing.assert_close(weight.dequantize(), expected, **tolerance)
@@ -70,6 +71,20 @@ def test_every_variant_multiplies_each_row_alone(kernel_variant, kind):
     strided = torch.randn(75, cols + 32)[:, :cols]
     strided.copy_(x)
     assert torch.equal(multiply(strided), whole)
+
+
+def test_q4_k_scales_formed_from_the_file_bytes_are_the_float32_scales_bit_for_bit(kernel_variant):
+    weight = from_gguf_blocks("Q4_K", gguf_blocks("Q4_K", 21, 768, seed=3), 21, 768)
+    scales, offsets = weight.group_values()  # d * scale and -(dmin * min): exact float32 products
+    as_floats = QuantizedWeight("Q4_K", weight.codes, scales.contiguous(), offsets.contiguous(), 4)
+    x = torch.randn(9, 768, generator=torch.Generator().manual_seed(4))
+    for rows in (x[:1], x[:3], x):  # the fused decode path and the buffered one
+        assert torch.equal(kernel_variant.quantized_matmul(rows, *weight.kernel_arguments(), None),
+                           kernel_variant.quantized_matmul(rows, *as_floats.kernel_arguments(), None))
+    assert torch.equal(decoded_by_kernel(kernel_variant, weight), decoded_by_kernel(kernel_variant, as_floats))
+    bad = QuantizedWeight("Q4_K", weight.codes, weight.scales[:, :-2].contiguous(), weight.offsets, 4)
+    with pytest.raises(RuntimeError, match="Q4_K scales must be uint8"):
+        kernel_variant.quantized_matmul(x, *bad.kernel_arguments(), None)
 
 
 @pytest.mark.parametrize("bits", [8, 4])

@@ -48,8 +48,10 @@ void check_blocks(const torch::Tensor& tables, int64_t i, int64_t first, int64_t
     }
 }
 
-// A quantized weight's tensors (quantized.h), checked: codes [rows, cols] int8 or [rows, cols / 2] uint8,
-// scales and offsets (or an empty tensor for none) [rows, cols / group_size] float16 or float32.
+// A quantized weight's tensors (quantized.h), checked: codes [rows, cols] int8 or [rows, cols / 2] uint8;
+// scales and offsets (or an empty tensor for none) [rows, cols / group_size] float16 or float32, or Q4_K's
+// bytes: scales uint8 [rows, groups + groups / 2] (6-bit scales, then float16 d and dmin per 8 groups),
+// offsets uint8 [rows, groups] (6-bit minimums).
 prefixserve::QuantizedWeight quantized_weight_of(const torch::Tensor& codes, const torch::Tensor& scales,
                                                  const torch::Tensor& offsets, int64_t bits, int64_t group_size,
                                                  int64_t zero_point) {
@@ -58,18 +60,30 @@ prefixserve::QuantizedWeight quantized_weight_of(const torch::Tensor& codes, con
                 "codes must be a contiguous 2-D CPU tensor of bytes");
     const int64_t rows = codes.size(0), cols = bits == 8 ? codes.size(1) : 2 * codes.size(1);
     TORCH_CHECK(cols % group_size == 0, "the row must be whole groups of 32 values");
-    TORCH_CHECK(scales.scalar_type() == torch::kFloat16 || scales.scalar_type() == torch::kFloat32,
-                "scales must be float16 or float32");
+    const int64_t groups = cols / group_size;
     const bool has_offsets = offsets.numel() > 0;
-    for (const torch::Tensor* values : {&scales, &offsets}) {
-        if (values == &offsets && !has_offsets) continue;
-        TORCH_CHECK(values->device().is_cpu() && values->is_contiguous() && values->scalar_type() == scales.scalar_type() &&
-                        values->dim() == 2 && values->size(0) == rows && values->size(1) == cols / group_size,
-                    "scales and offsets must be contiguous [rows, cols / group_size] tensors of one dtype");
+    auto is_matrix = [rows](const torch::Tensor& values, int64_t width) {
+        return values.device().is_cpu() && values.is_contiguous() && values.dim() == 2 && values.size(0) == rows &&
+               values.size(1) == width;
+    };
+    const bool k_scales = scales.scalar_type() == torch::kUInt8;
+    if (k_scales) {
+        TORCH_CHECK(bits == 4 && zero_point == 0 && groups % 8 == 0 && is_matrix(scales, groups + groups / 2) &&
+                        has_offsets && offsets.scalar_type() == torch::kUInt8 && is_matrix(offsets, groups),
+                    "Q4_K scales must be uint8 [rows, groups * 3 / 2] and its minimums uint8 [rows, groups], "
+                    "for 4-bit codes in whole super-blocks of 256 values");
+    } else {
+        TORCH_CHECK(scales.scalar_type() == torch::kFloat16 || scales.scalar_type() == torch::kFloat32,
+                    "scales must be float16 or float32 (or Q4_K's bytes)");
+        for (const torch::Tensor* values : {&scales, &offsets}) {
+            if (values == &offsets && !has_offsets) continue;
+            TORCH_CHECK(values->scalar_type() == scales.scalar_type() && is_matrix(*values, groups),
+                        "scales and offsets must be contiguous [rows, cols / group_size] tensors of one dtype");
+        }
     }
     return {codes.data_ptr<uint8_t>(), static_cast<int32_t>(bits), static_cast<int32_t>(zero_point), rows, cols,
             group_size, scales.data_ptr(), has_offsets ? offsets.data_ptr() : nullptr,
-            scales.scalar_type() == torch::kFloat16};
+            scales.scalar_type() == torch::kFloat16, k_scales};
 }
 
 }  // namespace prefixserve::binding

@@ -15,8 +15,11 @@
 //
 //       byte j of a group:   [ high nibble: value 16 + j | low nibble: value j ]
 //
-// Scales and offsets are float16 (exact for Q8_0 / Q4_0 / Q4_1, whose blocks store float16) or
-// float32 (Q4_K's 6-bit sub-block scales times its float16 super-block scale), [rows, groups].
+// Scales and offsets are float16 (exact for Q8_0 / Q4_0 / Q4_1, whose blocks store float16) or float32,
+// [rows, groups]; or, for Q4_K (`k_scales`), as its super-blocks of 8 groups hold them: row n of
+// `scales` is its groups' 6-bit scales (a byte each), then each super-block's float16 d and dmin
+// ([rows, groups + groups / 2] bytes), and row n of `offsets` its groups' 6-bit minimums
+// ([rows, groups] bytes). Then scale = d * scale_g and offset = -(dmin * min_g), both exact in float32.
 #pragma once
 
 #include <cstdint>
@@ -31,6 +34,7 @@ struct QuantizedWeight {
     const void* scales;   // [rows, cols / group_size]
     const void* offsets;  // the same, or null
     bool half_scales;     // float16 scales and offsets (else float32)
+    bool k_scales = false;  // Q4_K's 6-bit scales and minimums with float16 super-block factors (above)
 };
 
 // out[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]) for m < num_rows (x [num_rows, cols] with row stride

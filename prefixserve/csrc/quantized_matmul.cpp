@@ -15,11 +15,11 @@
 //
 // Threads split the weight rows (out_features); each keeps its own decode buffer.
 #include "quantized.h"
+#include "quantized_scales.h"
 
 #include "simd.h"
 
 #include <ATen/Parallel.h>
-#include <c10/util/Half.h>
 
 #include <array>
 #include <utility>
@@ -84,49 +84,6 @@ constexpr int64_t FUSED_ROWS = TILE_ROWS;
 // no gain there, so only the fused path asks.
 constexpr int64_t PREFETCH_BLOCKS = 2;
 
-inline float group_value(const void* values, bool half, int64_t index) {
-    if (values == nullptr) return 0.f;
-    if (!half) return static_cast<const float*>(values)[index];
-#if defined(__F16C__)  // one instruction (x86 variants from AVX2 on); c10's exact conversion elsewhere
-    return _cvtsh_ss(static_cast<const uint16_t*>(values)[index]);
-#else
-    return static_cast<float>(static_cast<const c10::Half*>(values)[index]);
-#endif
-}
-
-constexpr int64_t GROUP = 32;  // values per group (quantized.h): a constant, so a group's values stay in registers
-
-inline vf group_lanes(const QuantizedWeight& weight, const void* values, int64_t n, int64_t g) {
-    return simd::set1(group_value(values, weight.half_scales, n * (weight.cols / GROUP) + g));
-}
-
-constexpr int64_t VALUE_CHUNK = 16;  // groups whose scales and offsets fused_tile converts at once
-
-// values[first .. first + count) as float32 into out (count <= VALUE_CHUNK; zeros where values is null):
-// 16 float16 values in one conversion where the variant has F16C. Exact either way, so a group's
-// decoded values are the bits group_lanes gives; the kernel then broadcasts each from memory (a load)
-// instead of converting and broadcasting it in registers for every group of every row.
-inline void convert_values(const void* values, bool half, int64_t first, int64_t count, float* out) {
-    if (values == nullptr) {
-        std::fill(out, out + count, 0.f);
-        return;
-    }
-    int64_t i = 0;
-#if defined(__AVX512F__)
-    if (half && count == VALUE_CHUNK) {
-        const auto* p = static_cast<const uint16_t*>(values) + first;
-        _mm512_storeu_ps(out, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
-        return;
-    }
-#elif defined(__F16C__)
-    for (; half && i + 8 <= count; i += 8) {
-        const auto* p = static_cast<const uint16_t*>(values) + first + i;
-        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-    }
-#endif
-    for (; i < count; ++i) out[i] = group_value(values, half, first + i);
-}
-
 // The values of group g of weight row n, decoded into out[GROUP / W]: scale (code - zero_point) + offset,
 // one rounding each. int4: 32 values in 16 bytes, value e in byte e % 16, its high nibble from e = 16 on.
 template <typename ZeroPoint>
@@ -156,14 +113,20 @@ inline void decode_group(const QuantizedWeight& weight, int64_t n, int64_t g, vf
 #endif
 }
 
-// Weight row n decoded into out [cols].
+// Weight row n decoded into out [cols], its scales and offsets converted as fused_tile converts them.
 void decode_row(const QuantizedWeight& weight, int64_t n, float* out) {
     const auto zero_point = zero_point_lanes(weight.zero_point);
+    const int64_t groups = weight.cols / GROUP;
     vf values[GROUP / W];
-    for (int64_t g = 0; g < weight.cols / GROUP; ++g) {
-        decode_group(weight, n, g, group_lanes(weight, weight.scales, n, g), group_lanes(weight, weight.offsets, n, g),
-                     zero_point, values);
-        for (int64_t v = 0; v < GROUP; v += W) simd::store(out + g * GROUP + v, values[v / W]);
+    float scales[VALUE_CHUNK], offsets[VALUE_CHUNK];
+    for (int64_t g0 = 0; g0 < groups; g0 += VALUE_CHUNK) {
+        const int64_t count = std::min(VALUE_CHUNK, groups - g0);
+        convert_values(weight, Part::scale, n, g0, count, scales);
+        convert_values(weight, Part::offset, n, g0, count, offsets);
+        for (int64_t g = g0; g < g0 + count; ++g) {
+            decode_group(weight, n, g, simd::set1(scales[g - g0]), simd::set1(offsets[g - g0]), zero_point, values);
+            for (int64_t v = 0; v < GROUP; v += W) simd::store(out + g * GROUP + v, values[v / W]);
+        }
     }
 }
 
@@ -186,8 +149,8 @@ void fused_tile(const QuantizedWeight& weight, int64_t n0, const float* x, int64
     for (int64_t g0 = 0; g0 < groups; g0 += VALUE_CHUNK) {
         const int64_t count = std::min(VALUE_CHUNK, groups - g0);
         for (int c = 0; c < C; ++c) {
-            convert_values(weight.scales, weight.half_scales, (n0 + c) * groups + g0, count, scales[c]);
-            convert_values(weight.offsets, weight.half_scales, (n0 + c) * groups + g0, count, offsets[c]);
+            convert_values(weight, Part::scale, n0 + c, g0, count, scales[c]);
+            convert_values(weight, Part::offset, n0 + c, g0, count, offsets[c]);
         }
         for (int64_t g = g0; g < g0 + count; ++g) {
             // The codes of the block PREFETCH_BLOCKS ahead, at this group's offset: a decode step reads each

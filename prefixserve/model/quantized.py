@@ -9,11 +9,12 @@ A weight [out_features, in_features] is cut along each row into groups; a value 
     Q8_0    GGUF Q8_0, int8      8     int8                       float16, -         1.0625
     Q4_0    GGUF Q4_0            4     0..15, zero_point 8        float16, -         0.5625
     Q4_1    GGUF Q4_1, int4      4     0..15                      float16, float16   0.625
-    Q4_K    GGUF Q4_K            4     0..15                      float32, float32   0.75
+    Q4_K    GGUF Q4_K            4     0..15                      6-bit, 6-bit (*)   0.578
 
 GGUF's Q8_0, Q4_0 and Q4_1 blocks store float16 scales, kept as they are (the same bytes as the file).
-Q4_K's scale is a 6-bit sub-block scale times a float16 super-block scale: exact in float32, not in
-float16, so Q4_K costs a third more memory here than in the file. A GGUF tensor of another type
+(*) Q4_K's scale is a 6-bit sub-block scale times its super-block's float16 d, its offset minus a 6-bit
+minimum times dmin: the kernel forms both in float32, where the products are exact, from the file's
+6-bit values (a byte each here, 4 bytes more per 256 values than the file's 144) and d and dmin. A GGUF tensor of another type
 (Q5_*, Q2_K, Q3_K, Q5_K, Q6_K) is decoded by the format's reference reader and quantized again to
 int8 (Q8_0's layout): finer than its source, so close to it, and said at start-up.
 
@@ -78,18 +79,29 @@ class QuantizedWeight:
         return replace(self, codes=self.codes[rows].contiguous(), scales=self.scales[rows].contiguous(),
                        offsets=offsets if offsets is None else offsets.contiguous())
 
+    def group_values(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Each group's scale and offset (None: no offsets) in float32, [out, groups]; Q4_K's from its
+        6-bit values and float16 super-block factors, as the kernel forms them (exact products)."""
+        if self.scales.dtype != torch.uint8:
+            return self.scales.float(), None if self.offsets is None else self.offsets.float()
+        groups = self.offsets.shape[1]
+        factors = self.scales[:, groups:].contiguous().view(torch.float16).float().view(-1, groups // 8, 2)
+        d, dmin = (factor.repeat_interleave(8, dim=1) for factor in factors.unbind(-1))
+        return d * self.scales[:, :groups].float(), -(dmin * self.offsets.float())
+
     def dequantize(self) -> torch.Tensor:
         """float32 [out, in]: the reference decoding in PyTorch (two roundings where the kernel's
         multiply-add has one, so within one float32 ulp of what the kernel computes)."""
-        rows, groups = self.scales.shape
+        scales, offsets = self.group_values()
+        rows, groups = scales.shape
         if self.bits == 8:
             codes = self.codes.view(torch.int8).to(torch.int32).view(rows, groups, self.group_size)
         else:
             packed = self.codes.view(rows, groups, 16).to(torch.int32)
             codes = torch.cat([packed & 0xF, packed >> 4], dim=-1)
-        values = (codes - self.zero_point).float() * self.scales.float().unsqueeze(-1)
-        if self.offsets is not None:
-            values = values + self.offsets.float().unsqueeze(-1)
+        values = (codes - self.zero_point).float() * scales.unsqueeze(-1)
+        if offsets is not None:
+            values = values + offsets.unsqueeze(-1)
         return values.view(rows, groups * self.group_size)
 
 
@@ -148,19 +160,19 @@ def from_gguf_blocks(kind: str, data: np.ndarray, out_features: int, in_features
 def _from_q4_k(rows: np.ndarray, out_features: int, in_features: int) -> QuantizedWeight:
     """Q4_K's 144-byte super-blocks of 256 values: float16 d and dmin, twelve bytes of 6-bit scales and
     minimums for eight sub-blocks of 32, then 128 bytes where each 32 bytes hold two sub-blocks (low
-    nibbles the first, high nibbles the second). Value = d * scale_s * code - dmin * min_s."""
+    nibbles the first, high nibbles the second). Value = d * scale_s * code - dmin * min_s. Kept: the
+    6-bit scales and minimums a byte each, then per row each super-block's d and dmin bytes as they are."""
     blocks = rows.reshape(out_features, in_features // 256, 144)
-    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)
-    dmin = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
     packed = blocks[..., 4:16].astype(np.uint8)
     low, mid, high = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
     sub_scales = np.concatenate([low & 0x3F, (high & 0x0F) | ((low >> 2) & 0x30)], axis=-1)
     sub_mins = np.concatenate([mid & 0x3F, (high >> 4) | ((mid >> 2) & 0x30)], axis=-1)
-    scales = (d * sub_scales.astype(np.float32)).reshape(out_features, -1)
-    offsets = -(dmin * sub_mins.astype(np.float32)).reshape(out_features, -1)
+    factors = blocks[..., 0:4].reshape(out_features, -1)  # d, dmin of each super-block: float16 bytes
+    scales = np.concatenate([sub_scales.reshape(out_features, -1), factors], axis=1)
+    offsets = sub_mins.reshape(out_features, -1)
     quads = blocks[..., 16:].reshape(out_features, in_features // 256, 4, 32)
     values = np.stack([quads & 0x0F, quads >> 4], axis=3)  # [.., chunk, sub-block, 32 values]
     values = values.reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
     codes = (values[..., :16] | (values[..., 16:] << 4)).astype(np.uint8).reshape(out_features, -1)
-    return QuantizedWeight("Q4_K", torch.from_numpy(codes), torch.from_numpy(scales),
-                           torch.from_numpy(offsets), 4)
+    return QuantizedWeight("Q4_K", torch.from_numpy(codes), torch.from_numpy(np.ascontiguousarray(scales)),
+                           torch.from_numpy(np.ascontiguousarray(offsets)), 4)

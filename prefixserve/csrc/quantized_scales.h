@@ -1,0 +1,136 @@
+// A quantized weight's per-group scales and offsets as float32 (quantized.h's three formats: float16,
+// float32, and Q4_K's 6-bit values with float16 super-block factors), for quantized_matmul.cpp's two
+// decode paths. Every conversion here is exact (float16 to float32; Q4_K's products of an 11-bit
+// significand and a 6-bit integer), so a group decodes to the same bits whichever path converts it.
+#pragma once
+
+#include "quantized.h"
+
+#include <c10/util/Half.h>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <cstring>
+
+namespace prefixserve {
+namespace {
+
+inline float half_value(const uint16_t* half) {
+#if defined(__F16C__)  // one instruction (x86 variants from AVX2 on); c10's exact conversion elsewhere
+    return _cvtsh_ss(*half);
+#else
+    return static_cast<float>(*reinterpret_cast<const c10::Half*>(half));
+#endif
+}
+
+constexpr int64_t GROUP = 32;  // values per group (quantized.h): a constant, so a group's values stay in registers
+constexpr int64_t SUPER_GROUPS = 8;  // Q4_K: groups per super-block
+
+enum class Part { scale, offset };
+
+// Group g of row n's scale or offset from Q4_K's bytes (quantized.h): d * scale_g or -(dmin * min_g),
+// the products exact in float32, so the same bits as the float32 values they were stored as before.
+inline float k_value(const QuantizedWeight& weight, Part part, int64_t n, int64_t g) {
+    const int64_t groups = weight.cols / GROUP;
+    const auto* row = static_cast<const uint8_t*>(weight.scales) + n * (groups + groups / 2);
+    uint16_t factor;  // d or dmin, two bytes at an even offset of the row
+    std::memcpy(&factor, row + groups + (g / SUPER_GROUPS) * 4 + (part == Part::offset ? 2 : 0), sizeof(factor));
+    if (part == Part::scale) return half_value(&factor) * static_cast<float>(row[g]);
+    const auto* mins = static_cast<const uint8_t*>(weight.offsets) + n * groups;
+    return -(half_value(&factor) * static_cast<float>(mins[g]));
+}
+
+// Group g of row n's scale or offset as float32 (an offset of 0 where the weight has none).
+inline float group_value(const QuantizedWeight& weight, Part part, int64_t n, int64_t g) {
+    const void* values = part == Part::scale ? weight.scales : weight.offsets;
+    if (values == nullptr) return 0.f;
+    if (weight.k_scales) return k_value(weight, part, n, g);
+    const int64_t index = n * (weight.cols / GROUP) + g;
+    if (!weight.half_scales) return static_cast<const float*>(values)[index];
+    return half_value(static_cast<const uint16_t*>(values) + index);
+}
+
+constexpr int64_t VALUE_CHUNK = 16;  // groups whose scales and offsets fused_tile converts at once
+
+// Groups [g0, g0 + count) of row n's Q4_K scales or offsets as float32 into out (g0 a multiple of VALUE_CHUNK):
+// k_value's products, a super-block (8 groups) or two at a time where the variant has F16C. Exact
+// products either way, and a negation flips only the sign, so the same bits as k_value.
+inline void convert_k_values(const QuantizedWeight& weight, Part part, int64_t n, int64_t g0, int64_t count,
+                             float* out) {
+    const int64_t groups = weight.cols / GROUP;
+    const auto* row = static_cast<const uint8_t*>(weight.scales) + n * (groups + groups / 2);
+    [[maybe_unused]] const uint8_t* bytes =
+        part == Part::scale ? row : static_cast<const uint8_t*>(weight.offsets) + n * groups;
+    [[maybe_unused]] const uint8_t* factors = row + groups;  // d, dmin (float16) per super-block
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    if (count == 2 * SUPER_GROUPS) {
+        const __m512 small = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+            reinterpret_cast<const __m128i*>(bytes + g0))));
+        const __m128i halves = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(factors + g0 / SUPER_GROUPS * 4));
+        const __m512 pairs = _mm512_cvtph_ps(_mm256_zextsi128_si256(halves));  // d0, dmin0, d1, dmin1, 0...
+        const int first = part == Part::scale ? 0 : 1;
+        const __m512i pick = _mm512_setr_epi32(first, first, first, first, first, first, first, first, first + 2,
+                                               first + 2, first + 2, first + 2, first + 2, first + 2, first + 2,
+                                               first + 2);
+        __m512 values = _mm512_mul_ps(_mm512_permutexvar_ps(pick, pairs), small);
+        if (part == Part::offset) {
+            values = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(values), _mm512_set1_epi32(INT32_MIN)));
+        }
+        _mm512_storeu_ps(out, values);
+        return;
+    }
+#elif defined(__F16C__)
+    for (; i + SUPER_GROUPS <= count; i += SUPER_GROUPS) {
+        const int64_t g = g0 + i;
+        const __m256 small = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+            reinterpret_cast<const __m128i*>(bytes + g))));
+        uint16_t factor;
+        std::memcpy(&factor, factors + g / SUPER_GROUPS * 4 + (part == Part::scale ? 0 : 2), sizeof(factor));
+        __m256 values = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(factor)), small);
+        if (part == Part::offset) values = _mm256_xor_ps(values, _mm256_set1_ps(-0.f));
+        _mm256_storeu_ps(out + i, values);
+    }
+#endif
+    for (; i < count; ++i) out[i] = k_value(weight, part, n, g0 + i);
+}
+
+// Groups [g0, g0 + count) of row n's scales or offsets as float32 into out (count <= VALUE_CHUNK; zeros
+// where the weight has no offsets): 16 float16 values in one conversion where the variant has F16C.
+// Exact either way (the bits group_value gives). Both decode paths convert through here, 16 groups at
+// once, then broadcast each value from memory (a load) instead of converting it for every group.
+inline void convert_values(const QuantizedWeight& weight, Part part, int64_t n, int64_t g0, int64_t count, float* out) {
+    const void* values = part == Part::scale ? weight.scales : weight.offsets;
+    if (values == nullptr) {
+        std::fill(out, out + count, 0.f);
+        return;
+    }
+    if (weight.k_scales) {
+        convert_k_values(weight, part, n, g0, count, out);
+        return;
+    }
+    [[maybe_unused]] const bool half = weight.half_scales;
+    [[maybe_unused]] const int64_t first = n * (weight.cols / GROUP) + g0;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    if (half && count == VALUE_CHUNK) {
+        const auto* p = static_cast<const uint16_t*>(values) + first;
+        _mm512_storeu_ps(out, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+        return;
+    }
+#elif defined(__F16C__)
+    for (; half && i + 8 <= count; i += 8) {
+        const auto* p = static_cast<const uint16_t*>(values) + first + i;
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    }
+#endif
+    for (; i < count; ++i) out[i] = group_value(weight, part, n, g0 + i);
+}
+
+}  // namespace
+}  // namespace prefixserve
