@@ -231,3 +231,4 @@ def test_the_aarch64_kernels_compute_attention_under_qemu(backend, tmp_path):
     assert ran.returncode == 0, ran.stdout + ran.stderr
     assert f"{backend.lower()} float32" in ran.stdout and "alone as in the batch: yes" in ran.stdout
     assert "quantized int8: worst" in ran.stdout and "quantized int4: worst" in ran.stdout
+    assert "quantized Q6_K: decoded as its layout says and rows alone as in the batch: yes" in ran.stdout

@@ -10,6 +10,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
+from k_quants import encode_q4_k, encode_q6_k
 from gguf_helpers import (encode_tensor, gguf_tensors, random_blocks, random_hf_weights, tiny_llama_config,
                           train_tokenizer, write_gguf)
 from prefixserve import LLM, SamplingParams
@@ -20,13 +21,13 @@ from prefixserve.model.quantized_linear import QuantizedLinear
 from prefixserve.model.quantized_model import serve_quantized, weight_memory
 
 Q = GGMLQuantizationType
-KINDS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K")
+KINDS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
 
 
 def gguf_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     """Bytes of a [rows, cols] tensor of `kind`: quantized by the format's writer, or random K-quant blocks."""
-    if kind == "Q4_K":
-        return random_blocks(Q.Q4_K, rows, cols, seed)
+    if kind in ("Q4_K", "Q6_K"):
+        return random_blocks(Q[kind], rows, cols, seed)
     values = np.random.default_rng(seed).normal(0, 0.05, size=(rows, cols)).astype(np.float32)
     return encode_tensor(values, Q[kind])
 
@@ -42,7 +43,8 @@ def test_blocks_decode_as_the_format_reader_decodes_them(kind):
     expected = torch.from_numpy(gguf_dequantize(raw, Q[kind]).reshape(rows, cols).astype(np.float32))
     weight = from_gguf_blocks(kind, raw, rows, cols)
     assert weight.kind == kind and (weight.out_features, weight.in_features) == (rows, cols)
-    # Q4_K: its 6-bit scales and minimums a byte each, 148 bytes per 256 values where the file has 144
+    # Q4_K: its 6-bit scales and minimums a byte each, 148 bytes per 256 values where the file has 144;
+    # the others exactly the file's bytes (Q6_K's 210 per 256 re-laid)
     assert weight.nbytes * 144 <= raw.nbytes * (148 if kind == "Q4_K" else 144)
     # The reader rounds a product and a sum where the kernel fuses them: one rounding apart at most.
     tolerance = dict(rtol=0, atol=float(expected.abs().max()) * 2**-22)
@@ -84,6 +86,23 @@ def test_q4_k_scales_formed_from_the_file_bytes_are_the_float32_scales_bit_for_b
     assert torch.equal(decoded_by_kernel(kernel_variant, weight), decoded_by_kernel(kernel_variant, as_floats))
     bad = QuantizedWeight("Q4_K", weight.codes, weight.scales[:, :-2].contiguous(), weight.offsets, 4)
     with pytest.raises(RuntimeError, match="Q4_K scales must be uint8"):
+        kernel_variant.quantized_matmul(x, *bad.kernel_arguments(), None)
+
+
+def test_q6_k_decodes_to_the_format_readers_values_bit_for_bit(kernel_variant):
+    # d * scale is exact in float32 and so is its product with a 6-bit code: no rounding to differ in
+    rows, cols = 21, 768
+    raw = gguf_blocks("Q6_K", rows, cols, seed=3)
+    weight = from_gguf_blocks("Q6_K", raw, rows, cols)
+    expected = torch.from_numpy(gguf_dequantize(raw, Q.Q6_K).reshape(rows, cols).astype(np.float32))
+    assert torch.equal(decoded_by_kernel(kernel_variant, weight), expected)
+    assert torch.equal(weight.dequantize(), expected)
+    x = torch.randn(9, cols, generator=torch.Generator().manual_seed(4))
+    for size in (1, 3, 9):  # the fused decode path and the buffered one
+        assert torch.equal(kernel_variant.quantized_matmul(x[:size], *weight.kernel_arguments(), None),
+                           kernel_variant.quantized_matmul(x, *weight.kernel_arguments(), None)[:size])
+    bad = QuantizedWeight("Q6_K", weight.codes, weight.scales[:, :-2].contiguous(), None, 6, zero_point=32)
+    with pytest.raises(RuntimeError, match="Q6_K scales must be uint8"):
         kernel_variant.quantized_matmul(x, *bad.kernel_arguments(), None)
 
 
@@ -137,6 +156,24 @@ def quantized_gguf(tmp_path_factory):
     return write_gguf(tmp_path_factory.mktemp("quantized") / "mixed.gguf", config, stored, kinds, tokenizer=tokenizer)
 
 
+@pytest.fixture(scope="module")
+def k_quant_gguf(tmp_path_factory):
+    """A 2-layer llama GGUF mixed as llama.cpp's Q4_K_M files are: Q4_K projections, Q6_K for attn_v,
+    ffn_down, the embedding and the output (rows of 256 values: K-quants' super-blocks)."""
+    tokenizer = train_tokenizer()
+    config = tiny_llama_config(vocab_size=len(tokenizer[0])) | {"hidden_size": 256, "intermediate_size": 512,
+                                                                "head_dim": 64}
+    stored = gguf_tensors(config, random_hf_weights(config, seed=5))
+    six = ("token_embd.weight", "output.weight", "attn_v.weight", "ffn_down.weight")
+    kinds, tensors = {}, {}
+    for name, value in stored.items():
+        if value.ndim == 2:
+            kinds[name] = Q.Q6_K if name.endswith(six) else Q.Q4_K
+            value = (encode_q6_k if kinds[name] == Q.Q6_K else encode_q4_k)(value)
+        tensors[name] = value
+    return write_gguf(tmp_path_factory.mktemp("k_quants") / "q4_k_m.gguf", config, tensors, kinds, tokenizer=tokenizer)
+
+
 PROMPTS = ["The capital of France is", "Hello world! Hello there", "def main():\n    return",
            "In 2024 there were 365 days", "naïve café Zürich", "3.14159 is close to"]
 
@@ -156,6 +193,19 @@ def test_a_gguf_is_served_quantized_and_agrees_with_its_float_reference(quantize
     memory = weight_memory(engine.version.model)
     assert memory.kinds == ("Q4_0", "Q4_1", "Q8_0")
     assert memory.resident_bytes <= 1.1 * quantized_gguf.stat().st_size
+    ours, theirs = generate(quantized, PROMPTS), generate(reference, PROMPTS)
+    agreeing = sum(a == b for mine, other in zip(ours, theirs) for a, b in zip(mine, other))
+    assert agreeing >= 0.99 * sum(len(tokens) for tokens in theirs)
+    assert [tokens[0] for tokens in ours] == [tokens[0] for tokens in theirs]
+
+
+def test_a_q4_k_m_gguf_keeps_its_k_quants_at_the_files_size_and_agrees_with_its_float_reference(k_quant_gguf):
+    quantized = LLM(str(k_quant_gguf), kv_cache_memory_bytes=16 << 20, log_stats=False)
+    reference = LLM(str(k_quant_gguf), dequantize=True, dtype="float32", kv_cache_memory_bytes=16 << 20,
+                    log_stats=False)
+    memory = weight_memory(quantized.engine.version.model)
+    assert memory.kinds == ("Q4_K", "Q6_K")  # nothing requantized to int8
+    assert memory.resident_bytes <= 1.1 * k_quant_gguf.stat().st_size
     ours, theirs = generate(quantized, PROMPTS), generate(reference, PROMPTS)
     agreeing = sum(a == b for mine, other in zip(ours, theirs) for a, b in zip(mine, other))
     assert agreeing >= 0.99 * sum(len(tokens) for tokens in theirs)

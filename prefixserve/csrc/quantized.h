@@ -15,11 +15,18 @@
 //
 //       byte j of a group:   [ high nibble: value 16 + j | low nibble: value j ]
 //
+//   bits 6   0 .. 63, zero_point 32, 24 bytes a group (Q6_K): 16 bytes of low nibbles laid out as bits 4
+//            lays them, then 8 bytes where byte j holds the high bit pairs of values j, 8 + j, 16 + j,
+//            24 + j (bits 0-1, 2-3, 4-5, 6-7)
+//
 // Scales and offsets are float16 (exact for Q8_0 / Q4_0 / Q4_1, whose blocks store float16) or float32,
 // [rows, groups]; or, for Q4_K (`k_scales`), as its super-blocks of 8 groups hold them: row n of
 // `scales` is its groups' 6-bit scales (a byte each), then each super-block's float16 d and dmin
 // ([rows, groups + groups / 2] bytes), and row n of `offsets` its groups' 6-bit minimums
 // ([rows, groups] bytes). Then scale = d * scale_g and offset = -(dmin * min_g), both exact in float32.
+// Q6_K (bits 6) has a scale per 16 values and no offsets: row n of `scales` is its int8 scales (a byte
+// per 16 values), then each super-block's float16 d ([rows, cols / 16 + cols / 128] bytes); value k's
+// scale is d * scale_{k / 16}, exact in float32.
 #pragma once
 
 #include <cstdint>
@@ -28,7 +35,7 @@ namespace prefixserve {
 
 struct QuantizedWeight {
     const uint8_t* codes;
-    int32_t bits;         // 8 or 4
+    int32_t bits;         // 8, 6 or 4
     int32_t zero_point;   // subtracted from every code
     int64_t rows, cols, group_size;  // group_size: 32 (every GGUF block format we keep, and --quantize)
     const void* scales;   // [rows, cols / group_size]

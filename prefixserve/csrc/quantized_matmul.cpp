@@ -41,6 +41,23 @@ inline vf int8_lanes(const uint8_t* p, __m512i zero_point) {
 }
 // (int4 codes decode by a table lookup here: decode_group.)
 inline __m512i zero_point_lanes(int32_t zero_point) { return _mm512_set1_epi32(zero_point); }
+// Q6_K's group of 32 at p (quantized.h), less zero_point, as two vectors of float lanes: values 0 .. 15
+// and 16 .. 31. Value e: low nibble of byte e % 16 (its high nibble from e = 16 on), high pair from
+// byte 16 + e % 8 at bit 2 (e / 8).
+inline void six_bit_lanes(const uint8_t* p, __m512i zero_point, __m512* out) {
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m128i pairs = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 16));
+    const __m512i high = _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(pairs, pairs)), 4);
+    const __m512i shifts = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+    const __m512i nibble = _mm512_set1_epi32(0xF), pair = _mm512_set1_epi32(0x30);
+    const __m512i first = _mm512_or_si512(_mm512_and_si512(bytes, nibble),
+                                          _mm512_and_si512(_mm512_srlv_epi32(high, shifts), pair));
+    const __m512i second = _mm512_or_si512(
+        _mm512_srli_epi32(bytes, 4),
+        _mm512_and_si512(_mm512_srlv_epi32(high, _mm512_add_epi32(shifts, _mm512_set1_epi32(4))), pair));
+    out[0] = _mm512_cvtepi32_ps(_mm512_sub_epi32(first, zero_point));
+    out[1] = _mm512_cvtepi32_ps(_mm512_sub_epi32(second, zero_point));
+}
 #elif defined(PREFIXSERVE_SIMD_AVX2)
 constexpr int TILE_ROWS = 3, TILE_COLS = 4;  // 12 running sums of 16 registers
 inline vf int8_lanes(const uint8_t* p, __m256i zero_point) {
@@ -55,6 +72,18 @@ inline vf nibble_lanes(const uint8_t* p, bool high, __m256i zero_point) {
     return _mm256_cvtepi32_ps(_mm256_sub_epi32(wide, zero_point));
 }
 inline __m256i zero_point_lanes(int32_t zero_point) { return _mm256_set1_epi32(zero_point); }
+// Q6_K's group of 32 at p as four vectors (values 8 v .. 8 v + 7): low nibbles as nibble_lanes reads them,
+// the high pair of value 8 v + j from byte 16 + j at bit 2 v.
+inline void six_bit_lanes(const uint8_t* p, __m256i zero_point, __m256* out) {
+    const __m256i high = _mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 16))), 4);
+    for (int v = 0; v < 4; ++v) {
+        __m256i low = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * (v % 2))));
+        if (v >= 2) low = _mm256_srli_epi32(low, 4);
+        const __m256i code = _mm256_or_si256(_mm256_and_si256(low, _mm256_set1_epi32(0xF)),
+            _mm256_and_si256(_mm256_srl_epi32(high, _mm_cvtsi32_si128(2 * v)), _mm256_set1_epi32(0x30)));
+        out[v] = _mm256_cvtepi32_ps(_mm256_sub_epi32(code, zero_point));
+    }
+}
 #else
 // NEON and portable: the codes are widened one lane at a time (exact either way); the multiply-adds
 // that dominate stay vector operations.
@@ -71,6 +100,19 @@ inline vf nibble_lanes(const uint8_t* p, bool high, int32_t zero_point) {
     return from_lanes(lanes);
 }
 inline int32_t zero_point_lanes(int32_t zero_point) { return zero_point; }
+// Q6_K's group of 32 at p as 32 / W vectors: value e's low nibble from byte e % 16 (the high nibble from
+// e = 16 on), its high pair from byte 16 + e % 8 at bit 2 (e / 8).
+inline void six_bit_lanes(const uint8_t* p, int32_t zero_point, vf* out) {
+    for (int v = 0; v < 32 / W; ++v) {
+        float lanes[W];
+        for (int l = 0; l < W; ++l) {
+            const int e = v * W + l;
+            const int low = (p[e % 16] >> (e >= 16 ? 4 : 0)) & 0xF, high = (p[16 + e % 8] >> (2 * (e / 8))) & 3;
+            lanes[l] = static_cast<float>((low | high << 4) - zero_point);
+        }
+        out[v] = from_lanes(lanes);
+    }
+}
 #endif
 
 constexpr int64_t ROW_CHUNK = 64;  // input rows that stay in L2 while a thread decodes its blocks
@@ -86,9 +128,16 @@ constexpr int64_t PREFETCH_BLOCKS = 2;
 
 // The values of group g of weight row n, decoded into out[GROUP / W]: scale (code - zero_point) + offset,
 // one rounding each. int4: 32 values in 16 bytes, value e in byte e % 16, its high nibble from e = 16 on.
+// Q6_K (bits 6): 24 bytes a group, its last 16 values scaled by high_scale (the others by scale, as
+// every value of the other formats).
 template <typename ZeroPoint>
-inline void decode_group(const QuantizedWeight& weight, int64_t n, int64_t g, vf scale, vf offset,
+inline void decode_group(const QuantizedWeight& weight, int64_t n, int64_t g, vf scale, vf high_scale, vf offset,
                          ZeroPoint zero_point, vf* out) {
+    if (weight.bits == 6) {
+        six_bit_lanes(weight.codes + n * (weight.cols / 4 * 3) + g * 24, zero_point, out);
+        for (int64_t v = 0; v < GROUP; v += W) out[v / W] = simd::fmadd(out[v / W], v < 16 ? scale : high_scale, offset);
+        return;
+    }
     if (weight.bits == 8) {
         const uint8_t* codes = weight.codes + n * weight.cols + g * GROUP;
         for (int64_t v = 0; v < GROUP; v += W) {
@@ -118,13 +167,16 @@ void decode_row(const QuantizedWeight& weight, int64_t n, float* out) {
     const auto zero_point = zero_point_lanes(weight.zero_point);
     const int64_t groups = weight.cols / GROUP;
     vf values[GROUP / W];
-    float scales[VALUE_CHUNK], offsets[VALUE_CHUNK];
+    float scales[VALUE_CHUNK], high_scales[VALUE_CHUNK], offsets[VALUE_CHUNK];
+    const float* high = weight.bits == 6 ? high_scales : scales;  // a group's last 16 values' scales
     for (int64_t g0 = 0; g0 < groups; g0 += VALUE_CHUNK) {
         const int64_t count = std::min(VALUE_CHUNK, groups - g0);
         convert_values(weight, Part::scale, n, g0, count, scales);
+        if (weight.bits == 6) convert_values(weight, Part::high_scale, n, g0, count, high_scales);
         convert_values(weight, Part::offset, n, g0, count, offsets);
         for (int64_t g = g0; g < g0 + count; ++g) {
-            decode_group(weight, n, g, simd::set1(scales[g - g0]), simd::set1(offsets[g - g0]), zero_point, values);
+            decode_group(weight, n, g, simd::set1(scales[g - g0]), simd::set1(high[g - g0]), simd::set1(offsets[g - g0]),
+                         zero_point, values);
             for (int64_t v = 0; v < GROUP; v += W) simd::store(out + g * GROUP + v, values[v / W]);
         }
     }
@@ -143,13 +195,15 @@ void fused_tile(const QuantizedWeight& weight, int64_t n0, const float* x, int64
     const auto zero_point = zero_point_lanes(weight.zero_point);
     const int64_t groups = weight.cols / GROUP;
     vf values[GROUP / W];
-    float scales[C][VALUE_CHUNK], offsets[C][VALUE_CHUNK];
+    float scales[C][VALUE_CHUNK], high_scales[C][VALUE_CHUNK], offsets[C][VALUE_CHUNK];
+    const bool halves = weight.bits == 6;  // Q6_K: a scale per 16 values
     const int64_t row_bytes = weight.cols * weight.bits / 8, group_bytes = GROUP * weight.bits / 8;
     const int64_t ahead = std::min<int64_t>(C, std::max<int64_t>(0, weight.rows - n0 - PREFETCH_BLOCKS * C));
     for (int64_t g0 = 0; g0 < groups; g0 += VALUE_CHUNK) {
         const int64_t count = std::min(VALUE_CHUNK, groups - g0);
         for (int c = 0; c < C; ++c) {
             convert_values(weight, Part::scale, n0 + c, g0, count, scales[c]);
+            if (halves) convert_values(weight, Part::high_scale, n0 + c, g0, count, high_scales[c]);
             convert_values(weight, Part::offset, n0 + c, g0, count, offsets[c]);
         }
         for (int64_t g = g0; g < g0 + count; ++g) {
@@ -159,8 +213,9 @@ void fused_tile(const QuantizedWeight& weight, int64_t n0, const float* x, int64
                 __builtin_prefetch(weight.codes + (n0 + PREFETCH_BLOCKS * C + c) * row_bytes + g * group_bytes, 0, 3);
             }
             for (int c = 0; c < C; ++c) {
-                decode_group(weight, n0 + c, g, simd::set1(scales[c][g - g0]), simd::set1(offsets[c][g - g0]),
-                             zero_point, values);
+                const float* high = halves ? high_scales[c] : scales[c];
+                decode_group(weight, n0 + c, g, simd::set1(scales[c][g - g0]), simd::set1(high[g - g0]),
+                             simd::set1(offsets[c][g - g0]), zero_point, values);
                 for (int64_t v = 0; v < GROUP; v += W) {
                     const int64_t k = g * GROUP + v;
                     for (int r = 0; r < R; ++r) {

@@ -1,7 +1,8 @@
-// A quantized weight's per-group scales and offsets as float32 (quantized.h's three formats: float16,
-// float32, and Q4_K's 6-bit values with float16 super-block factors), for quantized_matmul.cpp's two
-// decode paths. Every conversion here is exact (float16 to float32; Q4_K's products of an 11-bit
-// significand and a 6-bit integer), so a group decodes to the same bits whichever path converts it.
+// A quantized weight's per-group scales and offsets as float32 (quantized.h's four formats: float16,
+// float32, Q4_K's 6-bit values with float16 super-block factors, Q6_K's int8 scales per half group with
+// a float16 d), for quantized_matmul.cpp's two decode paths. Every conversion here is exact (float16 to
+// float32; Q4_K's products of an 11-bit significand and a 6-bit integer, Q6_K's and an 8-bit one), so a
+// group decodes to the same bits whichever path converts it.
 #pragma once
 
 #include "quantized.h"
@@ -31,7 +32,8 @@ inline float half_value(const uint16_t* half) {
 constexpr int64_t GROUP = 32;  // values per group (quantized.h): a constant, so a group's values stay in registers
 constexpr int64_t SUPER_GROUPS = 8;  // Q4_K: groups per super-block
 
-enum class Part { scale, offset };
+// A group's scale (of its first 16 values, for Q6_K), the scale of its last 16 (Q6_K only), its offset.
+enum class Part { scale, high_scale, offset };
 
 // Group g of row n's scale or offset from Q4_K's bytes (quantized.h): d * scale_g or -(dmin * min_g),
 // the products exact in float32, so the same bits as the float32 values they were stored as before.
@@ -45,9 +47,19 @@ inline float k_value(const QuantizedWeight& weight, Part part, int64_t n, int64_
     return -(half_value(&factor) * static_cast<float>(mins[g]));
 }
 
+// Q6_K (bits 6): half group s (values 16 s .. 16 s + 15 of row n) has scale d * scale_s, exact in float32.
+inline float q6_value(const QuantizedWeight& weight, int64_t n, int64_t s) {
+    const int64_t subs = weight.cols / 16;
+    const auto* row = static_cast<const uint8_t*>(weight.scales) + n * (subs + subs / 8);
+    uint16_t d;  // two bytes per super-block of 16 half groups, after the row's scales
+    std::memcpy(&d, row + subs + (s / 16) * 2, sizeof(d));
+    return half_value(&d) * static_cast<float>(static_cast<int8_t>(row[s]));
+}
+
 // Group g of row n's scale or offset as float32 (an offset of 0 where the weight has none).
 inline float group_value(const QuantizedWeight& weight, Part part, int64_t n, int64_t g) {
-    const void* values = part == Part::scale ? weight.scales : weight.offsets;
+    if (weight.bits == 6) return part == Part::offset ? 0.f : q6_value(weight, n, 2 * g + (part == Part::high_scale));
+    const void* values = part == Part::offset ? weight.offsets : weight.scales;
     if (values == nullptr) return 0.f;
     if (weight.k_scales) return k_value(weight, part, n, g);
     const int64_t index = n * (weight.cols / GROUP) + g;
@@ -100,12 +112,45 @@ inline void convert_k_values(const QuantizedWeight& weight, Part part, int64_t n
     for (; i < count; ++i) out[i] = k_value(weight, part, n, g0 + i);
 }
 
+// Groups [g0, g0 + count) of row n's Q6_K scales (those of each group's first or last 16 values) as
+// float32 into out (g0 a multiple of VALUE_CHUNK): q6_value's products, two super-blocks at a time on
+// AVX-512. Exact either way, so the same bits as q6_value.
+inline void convert_q6_values(const QuantizedWeight& weight, Part part, int64_t n, int64_t g0, int64_t count,
+                              float* out) {
+    const int64_t high = part == Part::high_scale ? 1 : 0;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    if (count == 2 * SUPER_GROUPS) {
+        const int64_t subs = weight.cols / 16;
+        const auto* row = static_cast<const uint8_t*>(weight.scales) + n * (subs + subs / 8);
+        const __m512 first = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+            reinterpret_cast<const __m128i*>(row + 2 * g0))));
+        const __m512 second = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+            reinterpret_cast<const __m128i*>(row + 2 * g0 + 16))));
+        const __m512i every_other = _mm512_add_epi32(
+            _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30), _mm512_set1_epi32(high));
+        const __m512 scales = _mm512_permutex2var_ps(first, every_other, second);
+        uint32_t two_d;  // the two super-blocks' d, float16 each
+        std::memcpy(&two_d, row + subs + g0 / SUPER_GROUPS * 2, sizeof(two_d));
+        const __m512 d = _mm512_cvtph_ps(_mm256_set_m128i(_mm_set1_epi16(static_cast<short>(two_d >> 16)),
+                                                          _mm_set1_epi16(static_cast<short>(two_d & 0xFFFF))));
+        _mm512_storeu_ps(out, _mm512_mul_ps(d, scales));
+        return;
+    }
+#endif
+    for (; i < count; ++i) out[i] = q6_value(weight, n, 2 * (g0 + i) + high);
+}
+
 // Groups [g0, g0 + count) of row n's scales or offsets as float32 into out (count <= VALUE_CHUNK; zeros
 // where the weight has no offsets): 16 float16 values in one conversion where the variant has F16C.
 // Exact either way (the bits group_value gives). Both decode paths convert through here, 16 groups at
 // once, then broadcast each value from memory (a load) instead of converting it for every group.
 inline void convert_values(const QuantizedWeight& weight, Part part, int64_t n, int64_t g0, int64_t count, float* out) {
-    const void* values = part == Part::scale ? weight.scales : weight.offsets;
+    if (weight.bits == 6 && part != Part::offset) {
+        convert_q6_values(weight, part, n, g0, count, out);
+        return;
+    }
+    const void* values = part == Part::offset ? weight.offsets : weight.scales;
     if (values == nullptr) {
         std::fill(out, out + count, 0.f);
         return;

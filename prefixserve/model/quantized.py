@@ -10,13 +10,17 @@ A weight [out_features, in_features] is cut along each row into groups; a value 
     Q4_0    GGUF Q4_0            4     0..15, zero_point 8        float16, -         0.5625
     Q4_1    GGUF Q4_1, int4      4     0..15                      float16, float16   0.625
     Q4_K    GGUF Q4_K            4     0..15                      6-bit, 6-bit (*)   0.578
+    Q6_K    GGUF Q6_K            6     0..63, zero_point 32       8-bit per 16 (**)  0.820
 
 GGUF's Q8_0, Q4_0 and Q4_1 blocks store float16 scales, kept as they are (the same bytes as the file).
 (*) Q4_K's scale is a 6-bit sub-block scale times its super-block's float16 d, its offset minus a 6-bit
 minimum times dmin: the kernel forms both in float32, where the products are exact, from the file's
-6-bit values (a byte each here, 4 bytes more per 256 values than the file's 144) and d and dmin. A GGUF tensor of another type
-(Q5_*, Q2_K, Q3_K, Q5_K, Q6_K) is decoded by the format's reference reader and quantized again to
-int8 (Q8_0's layout): finer than its source, so close to it, and said at start-up.
+6-bit values (a byte each here, 4 bytes more per 256 values than the file's 144) and d and dmin.
+(**) Q6_K's scale is per 16 values: an int8 sub-block scale times the super-block's float16 d, formed
+in float32 by the kernel (exact); its codes are re-laid 24 bytes per group of 32 (quantized.h), the
+file's 210 bytes per 256 values exactly. A GGUF tensor of another type (Q5_*, Q2_K, Q3_K, Q5_K) is
+decoded by the format's reference reader and quantized again to int8 (Q8_0's layout): finer than its
+source, so close to it, and said at start-up.
 
 `--quantize int8|int4` quantizes a float checkpoint the same way as llama.cpp's Q8_0 and Q4_1
 (round to nearest; a group's scale from its largest magnitude, or its range).
@@ -31,7 +35,8 @@ import numpy as np
 import torch
 
 GROUP_SIZE = 32
-KINDS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K")
+KINDS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+SUPER_BLOCK = 256  # values per K-quant super-block
 QUANTIZE_CHOICES = ("int8", "int4")
 _NO_OFFSETS = torch.empty(0)
 
@@ -53,7 +58,7 @@ class QuantizedWeight:
 
     @property
     def in_features(self) -> int:
-        return self.codes.shape[1] * (8 // self.bits)
+        return self.codes.shape[1] * 8 // self.bits
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """What holds the weight in memory: codes, scales and (where present) offsets."""
@@ -81,7 +86,13 @@ class QuantizedWeight:
 
     def group_values(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Each group's scale and offset (None: no offsets) in float32, [out, groups]; Q4_K's from its
-        6-bit values and float16 super-block factors, as the kernel forms them (exact products)."""
+        6-bit values and float16 super-block factors, as the kernel forms them (exact products); Q6_K's
+        per 16 values, [out, 2 * groups], from its int8 scales and float16 d, likewise."""
+        if self.bits == 6:
+            subs = self.in_features // 16
+            d = self.scales[:, subs:].contiguous().view(torch.float16).float()
+            scales = self.scales[:, :subs].contiguous().view(torch.int8).float()
+            return d.repeat_interleave(SUPER_BLOCK // 16, dim=1) * scales, None
         if self.scales.dtype != torch.uint8:
             return self.scales.float(), None if self.offsets is None else self.offsets.float()
         groups = self.offsets.shape[1]
@@ -93,13 +104,21 @@ class QuantizedWeight:
         """float32 [out, in]: the reference decoding in PyTorch (two roundings where the kernel's
         multiply-add has one, so within one float32 ulp of what the kernel computes)."""
         scales, offsets = self.group_values()
-        rows, groups = scales.shape
+        rows, groups = self.out_features, self.in_features // self.group_size
         if self.bits == 8:
             codes = self.codes.view(torch.int8).to(torch.int32).view(rows, groups, self.group_size)
+        elif self.bits == 6:  # 16 bytes of low nibbles, then 8 of high bit pairs: value 8 i + j in byte j
+            packed = self.codes.view(rows, groups, 24).to(torch.int32)
+            low = torch.cat([packed[..., :16] & 0xF, packed[..., :16] >> 4], dim=-1)
+            high = torch.cat([(packed[..., 16:] >> (2 * i)) & 3 for i in range(4)], dim=-1)
+            codes = low | (high << 4)
+            scales = scales.view(rows, 2 * groups, 1).expand(-1, -1, 16).reshape(rows, groups, 32)
         else:
             packed = self.codes.view(rows, groups, 16).to(torch.int32)
             codes = torch.cat([packed & 0xF, packed >> 4], dim=-1)
-        values = (codes - self.zero_point).float() * scales.unsqueeze(-1)
+        if scales.dim() == 2:
+            scales = scales.unsqueeze(-1)
+        values = (codes - self.zero_point).float() * scales
         if offsets is not None:
             values = values + offsets.unsqueeze(-1)
         return values.view(rows, groups * self.group_size)
@@ -138,11 +157,13 @@ def quantize(weight: torch.Tensor, bits: int) -> QuantizedWeight:
 
 def from_gguf_blocks(kind: str, data: np.ndarray, out_features: int, in_features: int) -> QuantizedWeight:
     """A GGUF tensor's raw blocks (uint8 [out, bytes per row]) in our layout, without decoding a value."""
-    if in_features % (256 if kind == "Q4_K" else GROUP_SIZE):
+    if in_features % (SUPER_BLOCK if kind.endswith("_K") else GROUP_SIZE):
         raise ValueError(f"a {kind} tensor of {in_features} columns is not whole blocks; the file is corrupt")
     rows = np.ascontiguousarray(data, dtype=np.uint8).reshape(out_features, -1)
     if kind == "Q4_K":
         return _from_q4_k(rows, out_features, in_features)
+    if kind == "Q6_K":
+        return _from_q6_k(rows, out_features, in_features)
     block_bytes = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[kind]
     blocks = rows.reshape(out_features, in_features // GROUP_SIZE, block_bytes)
     scales = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16).reshape(out_features, -1))
@@ -176,3 +197,25 @@ def _from_q4_k(rows: np.ndarray, out_features: int, in_features: int) -> Quantiz
     codes = (values[..., :16] | (values[..., 16:] << 4)).astype(np.uint8).reshape(out_features, -1)
     return QuantizedWeight("Q4_K", torch.from_numpy(codes), torch.from_numpy(np.ascontiguousarray(scales)),
                            torch.from_numpy(np.ascontiguousarray(offsets)), 4)
+
+
+def _from_q6_k(rows: np.ndarray, out_features: int, in_features: int) -> QuantizedWeight:
+    """Q6_K's 210-byte super-blocks of 256 values: 128 bytes of low nibbles, 64 of high bit pairs, 16
+    int8 scales (one per 16 values), float16 d. Value = d * scale * (code - 32). Kept: the 6-bit codes
+    re-laid per group of 32 (16 bytes of low nibbles as Q4_1 lays them, then 8 bytes whose byte j holds
+    the high pairs of values j, 8 + j, 16 + j, 24 + j), then per row the int8 scales and each d's bytes."""
+    supers = in_features // SUPER_BLOCK
+    blocks = rows.reshape(out_features, supers, 210)
+    low = blocks[..., :128].reshape(out_features, supers, 2, 2, 32)  # [.., half, quarter pair, 32]
+    high = blocks[..., 128:192].reshape(out_features, supers, 2, 1, 32)
+    quarters = [(low[..., i % 2, :] >> (4 * (i // 2)) & 0xF) | ((high[..., 0, :] >> (2 * i) & 3) << 4)
+                for i in range(4)]  # the file's value order within each half: quarters of 32
+    values = np.stack(quarters, axis=3).reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
+    nibbles = (values[..., :16] & 0xF) | ((values[..., 16:] & 0xF) << 4)
+    pairs = (values >> 4).reshape(out_features, -1, 4, 8)
+    high_bytes = pairs[..., 0, :] | (pairs[..., 1, :] << 2) | (pairs[..., 2, :] << 4) | (pairs[..., 3, :] << 6)
+    codes = np.concatenate([nibbles, high_bytes], axis=-1).astype(np.uint8).reshape(out_features, -1)
+    scales = np.concatenate([blocks[..., 192:208].reshape(out_features, -1), blocks[..., 208:210].reshape(out_features, -1)],
+                            axis=1)
+    return QuantizedWeight("Q6_K", torch.from_numpy(codes), torch.from_numpy(np.ascontiguousarray(scales)), None, 6,
+                           zero_point=32)

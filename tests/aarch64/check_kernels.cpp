@@ -177,6 +177,48 @@ bool check_quantized(std::mt19937& generator) {
     return ok;
 }
 
+// Q6_K (6-bit codes, an int8 scale per 16 values times a float16 d per 256): the decoded weight against a
+// decoding written here from quantized.h's layout, bit for bit, and each row alone as in the batch.
+bool check_q6_k(std::mt19937& generator) {
+    constexpr int64_t ROWS = 5, OUT = 6, IN = 512, SUBS = IN / 16;
+    std::uniform_int_distribution<int> byte(0, 255);
+    std::vector<uint8_t> codes(OUT * IN * 6 / 8), scales(OUT * (SUBS + SUBS / 8));
+    for (auto& code : codes) code = static_cast<uint8_t>(byte(generator));
+    for (int64_t n = 0; n < OUT; ++n) {
+        uint8_t* row = scales.data() + n * (SUBS + SUBS / 8);
+        for (int64_t s = 0; s < SUBS; ++s) row[s] = static_cast<uint8_t>(byte(generator));
+        for (int64_t b = 0; b < IN / 256; ++b) {
+            const c10::Half d = static_cast<c10::Half>(0.0001f * (1 + byte(generator) % 50));
+            std::memcpy(row + SUBS + 2 * b, &d, 2);
+        }
+    }
+    const QuantizedWeight weight{codes.data(), 6, 32, OUT, IN, 32, scales.data(), nullptr, false};
+    std::vector<float> decoded(OUT * IN), x(ROWS * IN), out(ROWS * OUT), alone(OUT);
+    dequantize_rows(weight, 0, OUT, decoded.data());
+    bool same = true;
+    for (int64_t n = 0; n < OUT; ++n) {
+        const uint8_t* row = scales.data() + n * (SUBS + SUBS / 8);
+        for (int64_t k = 0; k < IN; ++k) {
+            const uint8_t* group = codes.data() + n * IN * 6 / 8 + k / 32 * 24;
+            const int64_t e = k % 32;
+            const int code = ((group[e % 16] >> (e >= 16 ? 4 : 0)) & 0xF) | ((group[16 + e % 8] >> (2 * (e / 8))) & 3) << 4;
+            c10::Half d;
+            std::memcpy(&d, row + SUBS + 2 * (k / 256), 2);
+            const float expected = static_cast<float>(d) * static_cast<float>(static_cast<int8_t>(row[k / 16])) * (code - 32);
+            same = same && expected == decoded[n * IN + k];
+        }
+    }
+    std::normal_distribution<float> normal;
+    for (float& value : x) value = normal(generator);
+    quantized_matmul(weight, x.data(), ROWS, IN, nullptr, out.data(), OUT);
+    for (int64_t r = 0; r < ROWS; ++r) {
+        quantized_matmul(weight, x.data() + r * IN, 1, IN, nullptr, alone.data(), OUT);
+        same = same && std::memcmp(alone.data(), out.data() + r * OUT, OUT * sizeof(float)) == 0;
+    }
+    std::printf("quantized Q6_K: decoded as its layout says and rows alone as in the batch: %s\n", same ? "yes" : "NO");
+    return same;
+}
+
 int main() {
     std::mt19937 generator(1);
     std::normal_distribution<float> normal;
@@ -191,7 +233,7 @@ int main() {
     for (int64_t n : QUERY_LENS) c.query_start.push_back(c.query_start.back() + n);
     c.queries.resize(c.query_start.back() * HEADS * HEAD_DIM);
     for (float& value : c.queries) value = normal(generator);
-    bool ok = check_rowwise() & check_quantized(generator);
+    bool ok = check_rowwise() & check_quantized(generator) & check_q6_k(generator);
     for (int64_t window : {0, 33}) {  // 33: windows that begin inside a 32-key step
         for (float softcap : {0.f, 1.5f}) {
             ok = check<float>(c, "float32", 1e-5, window, softcap) &

@@ -1,0 +1,54 @@
+"""K-quant blocks written for the tests (gguf's Python writer quantizes to Q8_0 and Q4_0/Q4_1 only):
+Q4_K and Q6_K as ggml lays out block_q4_K and block_q6_K, from float values by round to nearest. Simpler
+than llama.cpp's quantizer (no search for the best scales), so a little less accurate, but every byte
+is what the format's reader (gguf.quants.dequantize) decodes: the tests check that round trip."""
+
+from __future__ import annotations
+
+import numpy as np
+
+SUPER_BLOCK = 256
+
+
+def _half(values: np.ndarray) -> np.ndarray:
+    return values.astype(np.float16)
+
+
+def _divide(values: np.ndarray, by: np.ndarray) -> np.ndarray:
+    return values / np.where(by == 0, 1, by)
+
+
+def encode_q6_k(values: np.ndarray) -> np.ndarray:
+    """[rows, cols] float values (cols a multiple of 256) as Q6_K bytes [rows, cols / 256 * 210]."""
+    rows, cols = values.shape
+    x = values.astype(np.float32).reshape(-1, 16, 16)  # [super-block, sub-block of 16, 16]
+    sub_scales = np.abs(x).max(-1) / 31
+    d = _half(sub_scales.max(-1) / 127)
+    scales = np.clip(np.round(_divide(sub_scales, d.astype(np.float32)[:, None])), -128, 127).astype(np.int8)
+    step = (d.astype(np.float32)[:, None] * scales.astype(np.float32))[..., None]
+    q = np.clip(np.round(_divide(x, step)) + 32, 0, 63).astype(np.uint8).reshape(-1, 2, 4, 32)  # [.., half, quarter]
+    low = np.concatenate([q[:, :, 0] & 0xF | (q[:, :, 2] & 0xF) << 4, q[:, :, 1] & 0xF | (q[:, :, 3] & 0xF) << 4],
+                         axis=-1)
+    high = q[:, :, 0] >> 4 | (q[:, :, 1] >> 4) << 2 | (q[:, :, 2] >> 4) << 4 | (q[:, :, 3] >> 4) << 6
+    blocks = np.concatenate([low.reshape(-1, 128), high.reshape(-1, 64), scales.view(np.uint8),
+                             d.view(np.uint8).reshape(-1, 2)], axis=1)
+    return blocks.reshape(rows, cols // SUPER_BLOCK * 210)
+
+
+def encode_q4_k(values: np.ndarray) -> np.ndarray:
+    """[rows, cols] float values (cols a multiple of 256) as Q4_K bytes [rows, cols / 256 * 144]."""
+    rows, cols = values.shape
+    x = values.astype(np.float32).reshape(-1, 8, 32)  # [super-block, sub-block of 32, 32]
+    low, high = np.minimum(x.min(-1), 0), x.max(-1)
+    d, dmin = _half((high - low).max(-1) / 15 / 63), _half((-low).max(-1) / 63)
+    scales = np.clip(np.round(_divide((high - low) / 15, d.astype(np.float32)[:, None])), 0, 63).astype(np.uint8)
+    mins = np.clip(np.round(_divide(-low, dmin.astype(np.float32)[:, None])), 0, 63).astype(np.uint8)
+    step = (d.astype(np.float32)[:, None] * scales)[..., None]
+    offset = (dmin.astype(np.float32)[:, None] * mins)[..., None]
+    q = np.clip(np.round(_divide(x + offset, step)), 0, 15).astype(np.uint8)
+    packed = np.stack([scales[:, :4] | (scales[:, 4:] >> 4) << 6, mins[:, :4] | (mins[:, 4:] >> 4) << 6,
+                       scales[:, 4:] & 0xF | (mins[:, 4:] & 0xF) << 4], axis=1).reshape(-1, 12)
+    codes = (q[:, 0::2] | q[:, 1::2] << 4).reshape(-1, 128)  # 32 bytes per pair of sub-blocks
+    blocks = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), packed, codes],
+                            axis=1)
+    return blocks.reshape(rows, cols // SUPER_BLOCK * 144)
