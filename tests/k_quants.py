@@ -1,5 +1,5 @@
-"""K-quant blocks written for the tests (gguf's Python writer quantizes to Q8_0 and Q4_0/Q4_1 only):
-Q4_K and Q6_K as ggml lays out block_q4_K and block_q6_K, from float values by round to nearest. Simpler
+"""K-quant blocks written for the tests (gguf's Python writer quantizes to Q8_0, Q4_* and Q5_* only):
+Q4_K, Q5_K and Q6_K as ggml lays out block_q4_K, block_q5_K and block_q6_K, from float values by round to nearest. Simpler
 than llama.cpp's quantizer (no search for the best scales), so a little less accurate, but every byte
 is what the format's reader (gguf.quants.dequantize) decodes: the tests check that round trip."""
 
@@ -35,20 +35,24 @@ def encode_q6_k(values: np.ndarray) -> np.ndarray:
     return blocks.reshape(rows, cols // SUPER_BLOCK * 210)
 
 
-def encode_q4_k(values: np.ndarray) -> np.ndarray:
-    """[rows, cols] float values (cols a multiple of 256) as Q4_K bytes [rows, cols / 256 * 144]."""
+def encode_q4_k(values: np.ndarray, bits: int = 4) -> np.ndarray:
+    """[rows, cols] float values (cols a multiple of 256) as Q4_K bytes [rows, cols / 256 * 144], or with
+    bits=5 as Q5_K bytes [rows, cols / 256 * 176] (the same scales, and each code's fifth bit)."""
     rows, cols = values.shape
+    levels = (1 << bits) - 1
     x = values.astype(np.float32).reshape(-1, 8, 32)  # [super-block, sub-block of 32, 32]
     low, high = np.minimum(x.min(-1), 0), x.max(-1)
-    d, dmin = _half((high - low).max(-1) / 15 / 63), _half((-low).max(-1) / 63)
-    scales = np.clip(np.round(_divide((high - low) / 15, d.astype(np.float32)[:, None])), 0, 63).astype(np.uint8)
+    d, dmin = _half((high - low).max(-1) / levels / 63), _half((-low).max(-1) / 63)
+    scales = np.clip(np.round(_divide((high - low) / levels, d.astype(np.float32)[:, None])), 0, 63).astype(np.uint8)
     mins = np.clip(np.round(_divide(-low, dmin.astype(np.float32)[:, None])), 0, 63).astype(np.uint8)
     step = (d.astype(np.float32)[:, None] * scales)[..., None]
     offset = (dmin.astype(np.float32)[:, None] * mins)[..., None]
-    q = np.clip(np.round(_divide(x + offset, step)), 0, 15).astype(np.uint8)
+    q = np.clip(np.round(_divide(x + offset, step)), 0, levels).astype(np.uint8)
     packed = np.stack([scales[:, :4] | (scales[:, 4:] >> 4) << 6, mins[:, :4] | (mins[:, 4:] >> 4) << 6,
                        scales[:, 4:] & 0xF | (mins[:, 4:] & 0xF) << 4], axis=1).reshape(-1, 12)
-    codes = (q[:, 0::2] | q[:, 1::2] << 4).reshape(-1, 128)  # 32 bytes per pair of sub-blocks
-    blocks = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), packed, codes],
-                            axis=1)
-    return blocks.reshape(rows, cols // SUPER_BLOCK * 144)
+    codes = (q[:, 0::2] & 0xF | (q[:, 1::2] & 0xF) << 4).reshape(-1, 128)  # 32 bytes per pair of sub-blocks
+    parts = [d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), packed]
+    if bits == 5:  # bit s of byte l: the fifth bit of value l of sub-block s
+        parts.append(np.bitwise_or.reduce((q >> 4) << np.arange(8, dtype=np.uint8)[:, None], axis=1))
+    blocks = np.concatenate(parts + [codes], axis=1)
+    return blocks.reshape(rows, -1)

@@ -230,5 +230,5 @@ def test_the_aarch64_kernels_compute_attention_under_qemu(backend, tmp_path):
     ran = subprocess.run(["qemu-aarch64", str(program)], capture_output=True, text=True, timeout=300)
     assert ran.returncode == 0, ran.stdout + ran.stderr
     assert f"{backend.lower()} float32" in ran.stdout and "alone as in the batch: yes" in ran.stdout
-    assert "quantized int8: worst" in ran.stdout and "quantized int4: worst" in ran.stdout
+    assert all(f"quantized int{bits}: worst" in ran.stdout for bits in (8, 5, 4))
     assert "quantized Q6_K: decoded as its layout says and rows alone as in the batch: yes" in ran.stdout

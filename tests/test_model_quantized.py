@@ -21,12 +21,14 @@ from prefixserve.model.quantized_linear import QuantizedLinear
 from prefixserve.model.quantized_model import serve_quantized, weight_memory
 
 Q = GGMLQuantizationType
-KINDS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+KINDS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K")
+# Bytes kept per 256 values for each 256 the file has: the K-quants' 6-bit scales and minimums a byte each
+KEPT_PER_FILE = {"Q4_K": (148, 144), "Q5_K": (180, 176)}
 
 
 def gguf_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     """Bytes of a [rows, cols] tensor of `kind`: quantized by the format's writer, or random K-quant blocks."""
-    if kind in ("Q4_K", "Q6_K"):
+    if kind.endswith("_K"):
         return random_blocks(Q[kind], rows, cols, seed)
     values = np.random.default_rng(seed).normal(0, 0.05, size=(rows, cols)).astype(np.float32)
     return encode_tensor(values, Q[kind])
@@ -43,9 +45,8 @@ def test_blocks_decode_as_the_format_reader_decodes_them(kind):
     expected = torch.from_numpy(gguf_dequantize(raw, Q[kind]).reshape(rows, cols).astype(np.float32))
     weight = from_gguf_blocks(kind, raw, rows, cols)
     assert weight.kind == kind and (weight.out_features, weight.in_features) == (rows, cols)
-    # Q4_K: its 6-bit scales and minimums a byte each, 148 bytes per 256 values where the file has 144;
-    # the others exactly the file's bytes (Q6_K's 210 per 256 re-laid)
-    assert weight.nbytes * 144 <= raw.nbytes * (148 if kind == "Q4_K" else 144)
+    kept, held = KEPT_PER_FILE.get(kind, (1, 1))  # the others: the file's bytes, some re-laid
+    assert weight.nbytes * held == raw.nbytes * kept
     # The reader rounds a product and a sum where the kernel fuses them: one rounding apart at most.
     tolerance = dict(rtol=0, atol=float(expected.abs().max()) * 2**-22)
     torch.testing.assert_close(weight.dequantize(), expected, **tolerance)
@@ -56,7 +57,7 @@ def test_blocks_decode_as_the_format_reader_decodes_them(kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_variant_multiplies_each_row_alone(kernel_variant, kind):
     # rows: not a whole number of the kernel's column tiles; cols: 24 groups, one whole chunk of 16
-    # whose scales convert at once and a tail of 8 (Q4_K's super-blocks need a multiple of 256)
+    # whose scales convert at once and a tail of 8 (K-quants' super-blocks need a multiple of 256)
     rows, cols = 70, 768
     weight = from_gguf_blocks(kind, gguf_blocks(kind, rows, cols, seed=1), rows, cols)
     decoded = decoded_by_kernel(kernel_variant, weight)
@@ -85,7 +86,7 @@ def test_q4_k_scales_formed_from_the_file_bytes_are_the_float32_scales_bit_for_b
                            kernel_variant.quantized_matmul(rows, *as_floats.kernel_arguments(), None))
     assert torch.equal(decoded_by_kernel(kernel_variant, weight), decoded_by_kernel(kernel_variant, as_floats))
     bad = QuantizedWeight("Q4_K", weight.codes, weight.scales[:, :-2].contiguous(), weight.offsets, 4)
-    with pytest.raises(RuntimeError, match="Q4_K scales must be uint8"):
+    with pytest.raises(RuntimeError, match=r"Q4_K \(Q5_K\) scales must be uint8"):
         kernel_variant.quantized_matmul(x, *bad.kernel_arguments(), None)
 
 
@@ -156,10 +157,10 @@ def quantized_gguf(tmp_path_factory):
     return write_gguf(tmp_path_factory.mktemp("quantized") / "mixed.gguf", config, stored, kinds, tokenizer=tokenizer)
 
 
-@pytest.fixture(scope="module")
-def k_quant_gguf(tmp_path_factory):
-    """A 2-layer llama GGUF mixed as llama.cpp's Q4_K_M files are: Q4_K projections, Q6_K for attn_v,
-    ffn_down, the embedding and the output (rows of 256 values: K-quants' super-blocks)."""
+@pytest.fixture(scope="module", params=["Q4_K", "Q5_K"])
+def k_quant_gguf(request, tmp_path_factory):
+    """A 2-layer llama GGUF mixed as llama.cpp's Q4_K_M and Q5_K_M files are: Q4_K (Q5_K) projections, Q6_K
+    for attn_v, ffn_down, the embedding and the output (rows of 256 values: K-quants' super-blocks)."""
     tokenizer = train_tokenizer()
     config = tiny_llama_config(vocab_size=len(tokenizer[0])) | {"hidden_size": 256, "intermediate_size": 512,
                                                                 "head_dim": 64}
@@ -168,10 +169,12 @@ def k_quant_gguf(tmp_path_factory):
     kinds, tensors = {}, {}
     for name, value in stored.items():
         if value.ndim == 2:
-            kinds[name] = Q.Q6_K if name.endswith(six) else Q.Q4_K
-            value = (encode_q6_k if kinds[name] == Q.Q6_K else encode_q4_k)(value)
+            kinds[name] = Q.Q6_K if name.endswith(six) else Q[request.param]
+            value = (encode_q6_k(value) if kinds[name] == Q.Q6_K else
+                     encode_q4_k(value, bits=4 if request.param == "Q4_K" else 5))
         tensors[name] = value
-    return write_gguf(tmp_path_factory.mktemp("k_quants") / "q4_k_m.gguf", config, tensors, kinds, tokenizer=tokenizer)
+    path = tmp_path_factory.mktemp("k_quants") / f"{request.param}_M.gguf"
+    return write_gguf(path, config, tensors, kinds, tokenizer=tokenizer)
 
 
 PROMPTS = ["The capital of France is", "Hello world! Hello there", "def main():\n    return",
@@ -199,12 +202,12 @@ def test_a_gguf_is_served_quantized_and_agrees_with_its_float_reference(quantize
     assert [tokens[0] for tokens in ours] == [tokens[0] for tokens in theirs]
 
 
-def test_a_q4_k_m_gguf_keeps_its_k_quants_at_the_files_size_and_agrees_with_its_float_reference(k_quant_gguf):
+def test_a_k_quant_gguf_keeps_its_blocks_at_the_files_size_and_agrees_with_its_float_reference(k_quant_gguf):
     quantized = LLM(str(k_quant_gguf), kv_cache_memory_bytes=16 << 20, log_stats=False)
     reference = LLM(str(k_quant_gguf), dequantize=True, dtype="float32", kv_cache_memory_bytes=16 << 20,
                     log_stats=False)
     memory = weight_memory(quantized.engine.version.model)
-    assert memory.kinds == ("Q4_K", "Q6_K")  # nothing requantized to int8
+    assert memory.kinds == (k_quant_gguf.stem.removesuffix("_M"), "Q6_K")  # nothing requantized to int8
     assert memory.resident_bytes <= 1.1 * k_quant_gguf.stat().st_size
     ours, theirs = generate(quantized, PROMPTS), generate(reference, PROMPTS)
     agreeing = sum(a == b for mine, other in zip(ours, theirs) for a, b in zip(mine, other))

@@ -55,7 +55,8 @@ void check_blocks(const torch::Tensor& tables, int64_t i, int64_t first, int64_t
 prefixserve::QuantizedWeight quantized_weight_of(const torch::Tensor& codes, const torch::Tensor& scales,
                                                  const torch::Tensor& offsets, int64_t bits, int64_t group_size,
                                                  int64_t zero_point) {
-    TORCH_CHECK((bits == 8 || bits == 6 || bits == 4) && group_size == 32, "bits must be 8, 6 or 4, group_size 32");
+    TORCH_CHECK((bits == 8 || bits == 6 || bits == 5 || bits == 4) && group_size == 32,
+                "bits must be 8, 6, 5 or 4, group_size 32");
     TORCH_CHECK(codes.device().is_cpu() && codes.dim() == 2 && codes.is_contiguous() && codes.element_size() == 1,
                 "codes must be a contiguous 2-D CPU tensor of bytes");
     const int64_t rows = codes.size(0), cols = codes.size(1) * 8 / bits;
@@ -66,17 +67,17 @@ prefixserve::QuantizedWeight quantized_weight_of(const torch::Tensor& codes, con
         return values.device().is_cpu() && values.is_contiguous() && values.dim() == 2 && values.size(0) == rows &&
                values.size(1) == width;
     };
-    const bool k_scales = scales.scalar_type() == torch::kUInt8 && bits == 4;
+    const bool k_scales = scales.scalar_type() == torch::kUInt8 && (bits == 4 || bits == 5);
     if (bits == 6) {
         TORCH_CHECK(zero_point == 32 && groups % 8 == 0 && scales.scalar_type() == torch::kUInt8 &&
                         is_matrix(scales, 2 * groups + groups / 4) && !has_offsets,
                     "Q6_K scales must be uint8 [rows, cols / 16 + cols / 128] (int8 scales, then float16 d per "
                     "256 values), without offsets, zero_point 32, in whole super-blocks of 256 values");
     } else if (k_scales) {
-        TORCH_CHECK(bits == 4 && zero_point == 0 && groups % 8 == 0 && is_matrix(scales, groups + groups / 2) &&
+        TORCH_CHECK(zero_point == 0 && groups % 8 == 0 && is_matrix(scales, groups + groups / 2) &&
                         has_offsets && offsets.scalar_type() == torch::kUInt8 && is_matrix(offsets, groups),
-                    "Q4_K scales must be uint8 [rows, groups * 3 / 2] and its minimums uint8 [rows, groups], "
-                    "for 4-bit codes in whole super-blocks of 256 values");
+                    "Q4_K (Q5_K) scales must be uint8 [rows, groups * 3 / 2] and its minimums uint8 [rows, groups], "
+                    "for 4-bit (5-bit) codes in whole super-blocks of 256 values");
     } else {
         TORCH_CHECK(scales.scalar_type() == torch::kFloat16 || scales.scalar_type() == torch::kFloat32,
                     "scales must be float16 or float32 (or Q4_K's bytes)");

@@ -15,12 +15,15 @@
 //
 //       byte j of a group:   [ high nibble: value 16 + j | low nibble: value j ]
 //
+//   bits 5   0 .. 31, 20 bytes a group (Q5_0: zero_point 16; Q5_1, Q5_K): 16 bytes of low nibbles laid
+//            out as bits 4 lays them, then 4 bytes holding value e's high bit at bit e (little-endian)
+//
 //   bits 6   0 .. 63, zero_point 32, 24 bytes a group (Q6_K): 16 bytes of low nibbles laid out as bits 4
 //            lays them, then 8 bytes where byte j holds the high bit pairs of values j, 8 + j, 16 + j,
 //            24 + j (bits 0-1, 2-3, 4-5, 6-7)
 //
 // Scales and offsets are float16 (exact for Q8_0 / Q4_0 / Q4_1, whose blocks store float16) or float32,
-// [rows, groups]; or, for Q4_K (`k_scales`), as its super-blocks of 8 groups hold them: row n of
+// [rows, groups]; or, for Q4_K and Q5_K (`k_scales`), as their super-blocks of 8 groups hold them: row n of
 // `scales` is its groups' 6-bit scales (a byte each), then each super-block's float16 d and dmin
 // ([rows, groups + groups / 2] bytes), and row n of `offsets` its groups' 6-bit minimums
 // ([rows, groups] bytes). Then scale = d * scale_g and offset = -(dmin * min_g), both exact in float32.
@@ -35,13 +38,13 @@ namespace prefixserve {
 
 struct QuantizedWeight {
     const uint8_t* codes;
-    int32_t bits;         // 8, 6 or 4
+    int32_t bits;         // 8, 6, 5 or 4
     int32_t zero_point;   // subtracted from every code
     int64_t rows, cols, group_size;  // group_size: 32 (every GGUF block format we keep, and --quantize)
     const void* scales;   // [rows, cols / group_size]
     const void* offsets;  // the same, or null
     bool half_scales;     // float16 scales and offsets (else float32)
-    bool k_scales = false;  // Q4_K's 6-bit scales and minimums with float16 super-block factors (above)
+    bool k_scales = false;  // Q4_K's (Q5_K's) 6-bit scales and minimums with float16 super-block factors (above)
 };
 
 // out[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]) for m < num_rows (x [num_rows, cols] with row stride

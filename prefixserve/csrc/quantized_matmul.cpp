@@ -41,6 +41,12 @@ inline vf int8_lanes(const uint8_t* p, __m512i zero_point) {
 }
 // (int4 codes decode by a table lookup here: decode_group.)
 inline __m512i zero_point_lanes(int32_t zero_point) { return _mm512_set1_epi32(zero_point); }
+// The 32 high bits of a 5-bit group (quantized.h: value e's at bit e), as 16 in each of two masks.
+inline uint32_t high_bits(const uint8_t* p) {
+    uint32_t bits;
+    std::memcpy(&bits, p + 16, sizeof(bits));
+    return bits;
+}
 // Q6_K's group of 32 at p (quantized.h), less zero_point, as two vectors of float lanes: values 0 .. 15
 // and 16 .. 31. Value e: low nibble of byte e % 16 (its high nibble from e = 16 on), high pair from
 // byte 16 + e % 8 at bit 2 (e / 8).
@@ -72,6 +78,16 @@ inline vf nibble_lanes(const uint8_t* p, bool high, __m256i zero_point) {
     return _mm256_cvtepi32_ps(_mm256_sub_epi32(wide, zero_point));
 }
 inline __m256i zero_point_lanes(int32_t zero_point) { return _mm256_set1_epi32(zero_point); }
+// A 5-bit group's high bits as four vectors of 0 or 16 (values 8 v .. 8 v + 7), the bit of value e at e.
+inline void five_bit_highs(const uint8_t* p, __m256i* out) {
+    uint32_t bits;
+    std::memcpy(&bits, p + 16, sizeof(bits));
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int v = 0; v < 4; ++v) {
+        const __m256i shifted = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(bits >> (8 * v))), lane);
+        out[v] = _mm256_slli_epi32(_mm256_and_si256(shifted, _mm256_set1_epi32(1)), 4);
+    }
+}
 // Q6_K's group of 32 at p as four vectors (values 8 v .. 8 v + 7): low nibbles as nibble_lanes reads them,
 // the high pair of value 8 v + j from byte 16 + j at bit 2 v.
 inline void six_bit_lanes(const uint8_t* p, __m256i zero_point, __m256* out) {
@@ -100,6 +116,19 @@ inline vf nibble_lanes(const uint8_t* p, bool high, int32_t zero_point) {
     return from_lanes(lanes);
 }
 inline int32_t zero_point_lanes(int32_t zero_point) { return zero_point; }
+// A 5-bit group at p as 32 / W vectors: value e's low nibble as for 4 bits, its high bit bit e of the
+// group's last 4 bytes.
+inline void five_bit_lanes(const uint8_t* p, int32_t zero_point, vf* out) {
+    for (int v = 0; v < 32 / W; ++v) {
+        float lanes[W];
+        for (int l = 0; l < W; ++l) {
+            const int e = v * W + l;
+            const int low = (p[e % 16] >> (e >= 16 ? 4 : 0)) & 0xF, high = (p[16 + e / 8] >> (e % 8)) & 1;
+            lanes[l] = static_cast<float>((low | high << 4) - zero_point);
+        }
+        out[v] = from_lanes(lanes);
+    }
+}
 // Q6_K's group of 32 at p as 32 / W vectors: value e's low nibble from byte e % 16 (the high nibble from
 // e = 16 on), its high pair from byte 16 + e % 8 at bit 2 (e / 8).
 inline void six_bit_lanes(const uint8_t* p, int32_t zero_point, vf* out) {
@@ -136,6 +165,38 @@ inline void decode_group(const QuantizedWeight& weight, int64_t n, int64_t g, vf
     if (weight.bits == 6) {
         six_bit_lanes(weight.codes + n * (weight.cols / 4 * 3) + g * 24, zero_point, out);
         for (int64_t v = 0; v < GROUP; v += W) out[v / W] = simd::fmadd(out[v / W], v < 16 ? scale : high_scale, offset);
+        return;
+    }
+    if (weight.bits == 5) {
+        const uint8_t* codes = weight.codes + n * (weight.cols / 8 * 5) + g * 20;
+#if defined(PREFIXSERVE_SIMD_AVX512)
+        // As for 4 bits, a table of the 32 values a code can take, looked up by code (two tables of 16).
+        const __m512i first_levels = _mm512_sub_epi32(
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), zero_point);
+        const __m512 low_table = _mm512_fmadd_ps(_mm512_cvtepi32_ps(first_levels), scale, offset);
+        const __m512 high_table = _mm512_fmadd_ps(
+            _mm512_cvtepi32_ps(_mm512_add_epi32(first_levels, _mm512_set1_epi32(16))), scale, offset);
+        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+        const uint32_t high = high_bits(codes);
+        const __m512i sixteen = _mm512_set1_epi32(16);
+        const __m512i low = _mm512_and_si512(bytes, _mm512_set1_epi32(0xF)), upper = _mm512_srli_epi32(bytes, 4);
+        const __m512i first = _mm512_mask_or_epi32(low, static_cast<__mmask16>(high), low, sixteen);
+        const __m512i second = _mm512_mask_or_epi32(upper, static_cast<__mmask16>(high >> 16), upper, sixteen);
+        out[0] = _mm512_permutex2var_ps(low_table, first, high_table);
+        out[1] = _mm512_permutex2var_ps(low_table, second, high_table);
+#elif defined(PREFIXSERVE_SIMD_AVX2)
+        __m256i highs[4];
+        five_bit_highs(codes, highs);
+        for (int v = 0; v < 4; ++v) {
+            const __m256i low = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8 * (v % 2))));
+            const __m256i nibble = _mm256_and_si256(v >= 2 ? _mm256_srli_epi32(low, 4) : low, _mm256_set1_epi32(0xF));
+            const __m256i code = _mm256_sub_epi32(_mm256_or_si256(nibble, highs[v]), zero_point);
+            out[v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(code), scale, offset);
+        }
+#else
+        five_bit_lanes(codes, zero_point, out);
+        for (int64_t v = 0; v < GROUP; v += W) out[v / W] = simd::fmadd(out[v / W], scale, offset);
+#endif
         return;
     }
     if (weight.bits == 8) {

@@ -1,5 +1,5 @@
 // A quantized weight's per-group scales and offsets as float32 (quantized.h's four formats: float16,
-// float32, Q4_K's 6-bit values with float16 super-block factors, Q6_K's int8 scales per half group with
+// float32, Q4_K's (Q5_K's) 6-bit values with float16 super-block factors, Q6_K's int8 scales per half group with
 // a float16 d), for quantized_matmul.cpp's two decode paths. Every conversion here is exact (float16 to
 // float32; Q4_K's products of an 11-bit significand and a 6-bit integer, Q6_K's and an 8-bit one), so a
 // group decodes to the same bits whichever path converts it.
@@ -30,7 +30,7 @@ inline float half_value(const uint16_t* half) {
 }
 
 constexpr int64_t GROUP = 32;  // values per group (quantized.h): a constant, so a group's values stay in registers
-constexpr int64_t SUPER_GROUPS = 8;  // Q4_K: groups per super-block
+constexpr int64_t SUPER_GROUPS = 8;  // Q4_K, Q5_K: groups per super-block
 
 // A group's scale (of its first 16 values, for Q6_K), the scale of its last 16 (Q6_K only), its offset.
 enum class Part { scale, high_scale, offset };

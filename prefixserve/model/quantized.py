@@ -10,17 +10,21 @@ A weight [out_features, in_features] is cut along each row into groups; a value 
     Q4_0    GGUF Q4_0            4     0..15, zero_point 8        float16, -         0.5625
     Q4_1    GGUF Q4_1, int4      4     0..15                      float16, float16   0.625
     Q4_K    GGUF Q4_K            4     0..15                      6-bit, 6-bit (*)   0.578
+    Q5_0    GGUF Q5_0            5     0..31, zero_point 16       float16, -         0.6875
+    Q5_1    GGUF Q5_1            5     0..31                      float16, float16   0.75
+    Q5_K    GGUF Q5_K            5     0..31                      6-bit, 6-bit (*)   0.703
     Q6_K    GGUF Q6_K            6     0..63, zero_point 32       8-bit per 16 (**)  0.820
 
-GGUF's Q8_0, Q4_0 and Q4_1 blocks store float16 scales, kept as they are (the same bytes as the file).
-(*) Q4_K's scale is a 6-bit sub-block scale times its super-block's float16 d, its offset minus a 6-bit
+GGUF's Q8_0, Q4_*, Q5_0 and Q5_1 blocks store float16 scales, kept as they are (the same bytes as the
+file); 5-bit codes are 16 bytes of low nibbles as Q4_1's, then the group's 32 high bits (Q5_0's layout).
+(*) Q4_K's (and Q5_K's) scale is a 6-bit sub-block scale times its super-block's float16 d, its offset minus a 6-bit
 minimum times dmin: the kernel forms both in float32, where the products are exact, from the file's
-6-bit values (a byte each here, 4 bytes more per 256 values than the file's 144) and d and dmin.
+6-bit values (a byte each here, 4 bytes more per 256 values than the file's 144 or 176) and d and dmin.
 (**) Q6_K's scale is per 16 values: an int8 sub-block scale times the super-block's float16 d, formed
 in float32 by the kernel (exact); its codes are re-laid 24 bytes per group of 32 (quantized.h), the
-file's 210 bytes per 256 values exactly. A GGUF tensor of another type (Q5_*, Q2_K, Q3_K, Q5_K) is
-decoded by the format's reference reader and quantized again to int8 (Q8_0's layout): finer than its
-source, so close to it, and said at start-up.
+file's 210 bytes per 256 values exactly. A GGUF tensor of another type (Q2_K, Q3_K) is decoded by the
+format's reference reader and quantized again to int8 (Q8_0's layout): finer than its source, so close
+to it, and said at start-up.
 
 `--quantize int8|int4` quantizes a float checkpoint the same way as llama.cpp's Q8_0 and Q4_1
 (round to nearest; a group's scale from its largest magnitude, or its range).
@@ -35,7 +39,7 @@ import numpy as np
 import torch
 
 GROUP_SIZE = 32
-KINDS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+KINDS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K")
 SUPER_BLOCK = 256  # values per K-quant super-block
 QUANTIZE_CHOICES = ("int8", "int4")
 _NO_OFFSETS = torch.empty(0)
@@ -107,6 +111,12 @@ class QuantizedWeight:
         rows, groups = self.out_features, self.in_features // self.group_size
         if self.bits == 8:
             codes = self.codes.view(torch.int8).to(torch.int32).view(rows, groups, self.group_size)
+        elif self.bits == 5:  # 16 bytes of low nibbles, then the 32 high bits: value e's at bit e
+            packed = self.codes.view(rows, groups, 20).to(torch.int32)
+            low = torch.cat([packed[..., :16] & 0xF, packed[..., :16] >> 4], dim=-1)
+            high = torch.stack([(packed[..., 16:] >> i) & 1 for i in range(8)], dim=-1)  # [byte b, bit i]: 8 b + i
+            high = high.reshape(rows, groups, 32)
+            codes = low | (high << 4)
         elif self.bits == 6:  # 16 bytes of low nibbles, then 8 of high bit pairs: value 8 i + j in byte j
             packed = self.codes.view(rows, groups, 24).to(torch.int32)
             low = torch.cat([packed[..., :16] & 0xF, packed[..., :16] >> 4], dim=-1)
@@ -164,6 +174,10 @@ def from_gguf_blocks(kind: str, data: np.ndarray, out_features: int, in_features
         return _from_q4_k(rows, out_features, in_features)
     if kind == "Q6_K":
         return _from_q6_k(rows, out_features, in_features)
+    if kind == "Q5_K":
+        return _from_q5_k(rows, out_features, in_features)
+    if kind in ("Q5_0", "Q5_1"):
+        return _from_q5(kind, rows, out_features, in_features)
     block_bytes = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[kind]
     blocks = rows.reshape(out_features, in_features // GROUP_SIZE, block_bytes)
     scales = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16).reshape(out_features, -1))
@@ -184,19 +198,61 @@ def _from_q4_k(rows: np.ndarray, out_features: int, in_features: int) -> Quantiz
     nibbles the first, high nibbles the second). Value = d * scale_s * code - dmin * min_s. Kept: the
     6-bit scales and minimums a byte each, then per row each super-block's d and dmin bytes as they are."""
     blocks = rows.reshape(out_features, in_features // 256, 144)
+    scales, offsets = _k_scales(blocks, out_features)
+    quads = blocks[..., 16:].reshape(out_features, in_features // 256, 4, 32)
+    values = np.stack([quads & 0x0F, quads >> 4], axis=3)  # [.., chunk, sub-block, 32 values]
+    values = values.reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
+    codes = (values[..., :16] | (values[..., 16:] << 4)).astype(np.uint8).reshape(out_features, -1)
+    return QuantizedWeight("Q4_K", torch.from_numpy(codes), scales, offsets, 4)
+
+
+def _k_scales(blocks: np.ndarray, out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K's and Q5_K's scales and minimums (blocks [out, super-blocks, bytes]: d, dmin, twelve bytes of
+    6-bit values for eight sub-blocks of 32) as kept: (6-bit scales then the d and dmin bytes, 6-bit
+    minimums), a byte per value."""
     packed = blocks[..., 4:16].astype(np.uint8)
     low, mid, high = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
     sub_scales = np.concatenate([low & 0x3F, (high & 0x0F) | ((low >> 2) & 0x30)], axis=-1)
     sub_mins = np.concatenate([mid & 0x3F, (high >> 4) | ((mid >> 2) & 0x30)], axis=-1)
     factors = blocks[..., 0:4].reshape(out_features, -1)  # d, dmin of each super-block: float16 bytes
     scales = np.concatenate([sub_scales.reshape(out_features, -1), factors], axis=1)
-    offsets = sub_mins.reshape(out_features, -1)
-    quads = blocks[..., 16:].reshape(out_features, in_features // 256, 4, 32)
-    values = np.stack([quads & 0x0F, quads >> 4], axis=3)  # [.., chunk, sub-block, 32 values]
-    values = values.reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
-    codes = (values[..., :16] | (values[..., 16:] << 4)).astype(np.uint8).reshape(out_features, -1)
-    return QuantizedWeight("Q4_K", torch.from_numpy(codes), torch.from_numpy(np.ascontiguousarray(scales)),
-                           torch.from_numpy(np.ascontiguousarray(offsets)), 4)
+    return torch.from_numpy(np.ascontiguousarray(scales)), torch.from_numpy(sub_mins.reshape(out_features, -1).copy())
+
+
+def _five_bit_codes(values: np.ndarray) -> np.ndarray:
+    """5-bit values [.., groups, 32] as kept: 16 bytes of low nibbles (Q4_1's order), then 4 bytes holding
+    value e's high bit at bit e (little-endian, as Q5_0's qh)."""
+    nibbles = (values[..., :16] & 0xF) | ((values[..., 16:] & 0xF) << 4)
+    bits = (values >> 4).astype(np.uint8).reshape(*values.shape[:-1], 4, 8)
+    high = np.bitwise_or.reduce(bits << np.arange(8, dtype=np.uint8), axis=-1)
+    return np.concatenate([nibbles, high], axis=-1).astype(np.uint8)
+
+
+def _from_q5(kind: str, rows: np.ndarray, out_features: int, in_features: int) -> QuantizedWeight:
+    """Q5_0 (float16 d, 4 bytes of high bits, 16 of low nibbles: value = d * (code - 16)) and Q5_1 (d, m,
+    then as Q5_0: value = d * code + m) blocks of 32: the bytes reordered, nothing decoded."""
+    offset_bytes = 2 if kind == "Q5_1" else 0
+    blocks = rows.reshape(out_features, in_features // GROUP_SIZE, 22 + offset_bytes)
+    scales = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16).reshape(out_features, -1))
+    offsets = (torch.from_numpy(blocks[..., 2:4].copy().view(np.float16).reshape(out_features, -1))
+               if offset_bytes else None)
+    high, low = blocks[..., 2 + offset_bytes:6 + offset_bytes], blocks[..., 6 + offset_bytes:]
+    codes = np.concatenate([low, high], axis=-1).reshape(out_features, -1)
+    return QuantizedWeight(kind, torch.from_numpy(codes.copy()), scales, offsets, 5,
+                           zero_point=0 if offset_bytes else 16)
+
+
+def _from_q5_k(rows: np.ndarray, out_features: int, in_features: int) -> QuantizedWeight:
+    """Q5_K's 176-byte super-blocks: Q4_K's d, dmin and 6-bit scales and minimums, 32 bytes whose bit s
+    of byte l is the high bit of value l of sub-block s, then Q4_K's 128 bytes of low nibbles."""
+    blocks = rows.reshape(out_features, in_features // SUPER_BLOCK, 176)
+    scales, offsets = _k_scales(blocks, out_features)
+    quads = blocks[..., 48:].reshape(out_features, -1, 4, 1, 32)
+    low = (quads >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 0xF  # [.., pair, sub-block of it, 32]
+    high = (blocks[..., 16:48].reshape(out_features, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1
+    values = low.reshape(out_features, -1, 8, 32) | (high << 4)
+    codes = _five_bit_codes(values.reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE))
+    return QuantizedWeight("Q5_K", torch.from_numpy(codes.reshape(out_features, -1)), scales, offsets, 5)
 
 
 def _from_q6_k(rows: np.ndarray, out_features: int, in_features: int) -> QuantizedWeight:

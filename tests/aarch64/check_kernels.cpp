@@ -137,7 +137,7 @@ bool check_rowwise() {
 
 }  // namespace
 
-// The quantized matmul (int8 and int4 codes, float16 scales and offsets): every output against double precision
+// The quantized matmul (int8, int5 and int4 codes, float16 scales and offsets): every output against double precision
 // over the decoded weight, and each row alone bit for bit as in the batch.
 bool check_quantized(std::mt19937& generator) {
     constexpr int64_t ROWS = 7, OUT = 10, IN = 96, GROUPS = IN / 32;
@@ -149,10 +149,10 @@ bool check_quantized(std::mt19937& generator) {
     std::normal_distribution<float> normal;
     for (float& value : x) value = normal(generator);
     bool ok = true;
-    for (int bits : {8, 4}) {
+    for (int bits : {8, 5, 4}) {
         std::vector<uint8_t> codes(OUT * IN * bits / 8);
         for (auto& code : codes) code = static_cast<uint8_t>(byte(generator));
-        const QuantizedWeight weight{codes.data(), bits, bits == 4 ? 8 : 0, OUT, IN, 32, scales.data(),
+        const QuantizedWeight weight{codes.data(), bits, bits == 4 ? 8 : bits == 5 ? 16 : 0, OUT, IN, 32, scales.data(),
                                      bits == 4 ? offsets.data() : nullptr, true};
         dequantize_rows(weight, 0, OUT, decoded.data());
         quantized_matmul(weight, x.data(), ROWS, IN, nullptr, out.data(), OUT);
