@@ -27,7 +27,7 @@ from setuptools import setup
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CSRC = "prefixserve/csrc"
 HEADERS = [f"{CSRC}/{name}" for name in ("attention_tiles.h", "binding.h", "kernels.h", "peak.h", "quantized.h",
-                                          "quantized_scales.h", "rowwise.h", "simd.h")]
+                                          "quantized_codes.h", "quantized_scales.h", "rowwise.h", "simd.h")]
 COMMON_FLAGS = ["-O3", "-g0", "-ffp-contract=off", "-fopenmp", "-fvisibility=hidden",
                 "-Wno-maybe-uninitialized"]  # gcc 12 warns inside its own intrinsics headers
 

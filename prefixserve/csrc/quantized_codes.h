@@ -1,0 +1,189 @@
+// A quantized weight's group of 32 codes decoded to float32 lanes (quantized.h's layouts: 8, 6, 5 and
+// 4 bits), for quantized_matmul.cpp's two decode paths: W lanes a vector (simd.h), exact integer
+// arithmetic, then one multiply-add per value with its scale and offset (quantized_scales.h).
+#pragma once
+
+#include "quantized_scales.h"
+#include "simd.h"
+
+#include <cstdint>
+#include <cstring>
+
+namespace prefixserve {
+namespace {
+
+using simd::vf;
+using simd::W;
+
+#if defined(PREFIXSERVE_SIMD_AVX512)
+// W int8 codes at p, less zero_point, as float lanes (exact).
+inline vf int8_lanes(const uint8_t* p, __m512i zero_point) {
+    const __m512i wide = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm512_cvtepi32_ps(_mm512_sub_epi32(wide, zero_point));
+}
+// (int4 codes decode by a table lookup here: decode_group.)
+inline __m512i zero_point_lanes(int32_t zero_point) { return _mm512_set1_epi32(zero_point); }
+// The 32 high bits of a 5-bit group (quantized.h: value e's at bit e), as 16 in each of two masks.
+inline uint32_t high_bits(const uint8_t* p) {
+    uint32_t bits;
+    std::memcpy(&bits, p + 16, sizeof(bits));
+    return bits;
+}
+// Q6_K's group of 32 at p (quantized.h), less zero_point, as two vectors of float lanes: values 0 .. 15
+// and 16 .. 31. Value e: low nibble of byte e % 16 (its high nibble from e = 16 on), high pair from
+// byte 16 + e % 8 at bit 2 (e / 8).
+inline void six_bit_lanes(const uint8_t* p, __m512i zero_point, __m512* out) {
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m128i pairs = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 16));
+    const __m512i high = _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(pairs, pairs)), 4);
+    const __m512i shifts = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+    const __m512i nibble = _mm512_set1_epi32(0xF), pair = _mm512_set1_epi32(0x30);
+    const __m512i first = _mm512_or_si512(_mm512_and_si512(bytes, nibble),
+                                          _mm512_and_si512(_mm512_srlv_epi32(high, shifts), pair));
+    const __m512i second = _mm512_or_si512(
+        _mm512_srli_epi32(bytes, 4),
+        _mm512_and_si512(_mm512_srlv_epi32(high, _mm512_add_epi32(shifts, _mm512_set1_epi32(4))), pair));
+    out[0] = _mm512_cvtepi32_ps(_mm512_sub_epi32(first, zero_point));
+    out[1] = _mm512_cvtepi32_ps(_mm512_sub_epi32(second, zero_point));
+}
+#elif defined(PREFIXSERVE_SIMD_AVX2)
+inline vf int8_lanes(const uint8_t* p, __m256i zero_point) {
+    const __m256i wide = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_cvtepi32_ps(_mm256_sub_epi32(wide, zero_point));
+}
+// The low (or high) nibbles of W bytes at p, less zero_point.
+inline vf nibble_lanes(const uint8_t* p, bool high, __m256i zero_point) {
+    __m256i wide = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    if (high) wide = _mm256_srli_epi32(wide, 4);
+    wide = _mm256_and_si256(wide, _mm256_set1_epi32(0xF));
+    return _mm256_cvtepi32_ps(_mm256_sub_epi32(wide, zero_point));
+}
+inline __m256i zero_point_lanes(int32_t zero_point) { return _mm256_set1_epi32(zero_point); }
+// A 5-bit group's high bits as four vectors of 0 or 16 (values 8 v .. 8 v + 7), the bit of value e at e.
+inline void five_bit_highs(const uint8_t* p, __m256i* out) {
+    uint32_t bits;
+    std::memcpy(&bits, p + 16, sizeof(bits));
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int v = 0; v < 4; ++v) {
+        const __m256i shifted = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(bits >> (8 * v))), lane);
+        out[v] = _mm256_slli_epi32(_mm256_and_si256(shifted, _mm256_set1_epi32(1)), 4);
+    }
+}
+// Q6_K's group of 32 at p as four vectors (values 8 v .. 8 v + 7): low nibbles as nibble_lanes reads them,
+// the high pair of value 8 v + j from byte 16 + j at bit 2 v.
+inline void six_bit_lanes(const uint8_t* p, __m256i zero_point, __m256* out) {
+    const __m256i high = _mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 16))), 4);
+    for (int v = 0; v < 4; ++v) {
+        __m256i low = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * (v % 2))));
+        if (v >= 2) low = _mm256_srli_epi32(low, 4);
+        const __m256i code = _mm256_or_si256(_mm256_and_si256(low, _mm256_set1_epi32(0xF)),
+            _mm256_and_si256(_mm256_srl_epi32(high, _mm_cvtsi32_si128(2 * v)), _mm256_set1_epi32(0x30)));
+        out[v] = _mm256_cvtepi32_ps(_mm256_sub_epi32(code, zero_point));
+    }
+}
+#else
+// NEON and portable: the codes are widened one lane at a time (exact either way); the multiply-adds
+// that dominate stay vector operations.
+inline vf from_lanes(const float* lanes) { return simd::load(lanes); }
+inline vf int8_lanes(const uint8_t* p, int32_t zero_point) {
+    float lanes[W];
+    for (int l = 0; l < W; ++l) lanes[l] = static_cast<float>(static_cast<int8_t>(p[l]) - zero_point);
+    return from_lanes(lanes);
+}
+inline vf nibble_lanes(const uint8_t* p, bool high, int32_t zero_point) {
+    float lanes[W];
+    for (int l = 0; l < W; ++l) lanes[l] = static_cast<float>(((high ? p[l] >> 4 : p[l]) & 0xF) - zero_point);
+    return from_lanes(lanes);
+}
+inline int32_t zero_point_lanes(int32_t zero_point) { return zero_point; }
+// A 5-bit group at p as 32 / W vectors: value e's low nibble as for 4 bits, its high bit bit e of the
+// group's last 4 bytes.
+inline void five_bit_lanes(const uint8_t* p, int32_t zero_point, vf* out) {
+    for (int v = 0; v < 32 / W; ++v) {
+        float lanes[W];
+        for (int l = 0; l < W; ++l) {
+            const int e = v * W + l;
+            const int low = (p[e % 16] >> (e >= 16 ? 4 : 0)) & 0xF, high = (p[16 + e / 8] >> (e % 8)) & 1;
+            lanes[l] = static_cast<float>((low | high << 4) - zero_point);
+        }
+        out[v] = from_lanes(lanes);
+    }
+}
+// Q6_K's group of 32 at p as 32 / W vectors: value e's low nibble from byte e % 16 (the high nibble from
+// e = 16 on), its high pair from byte 16 + e % 8 at bit 2 (e / 8).
+inline void six_bit_lanes(const uint8_t* p, int32_t zero_point, vf* out) {
+    for (int v = 0; v < 32 / W; ++v) {
+        float lanes[W];
+        for (int l = 0; l < W; ++l) {
+            const int e = v * W + l;
+            const int low = (p[e % 16] >> (e >= 16 ? 4 : 0)) & 0xF, high = (p[16 + e % 8] >> (2 * (e / 8))) & 3;
+            lanes[l] = static_cast<float>((low | high << 4) - zero_point);
+        }
+        out[v] = from_lanes(lanes);
+    }
+}
+#endif
+
+
+// Group values decoded into out[GROUP / W] from the group's codes: scale (code - zero_point) + offset,
+// one rounding each, for a weight of BITS bits (quantized.h's layouts). int4: 32 values in 16 bytes,
+// value e in byte e % 16, its high nibble from e = 16 on. Q6_K (bits 6): its last 16 values scaled by
+// high_scale (the others by scale, as every value of the other formats). A template per width, so that
+// a tile's loop over groups holds no branch on the format and keeps its constants in registers.
+template <int BITS, typename ZeroPoint>
+inline void decode_group(const uint8_t* codes, vf scale, vf high_scale, vf offset, ZeroPoint zero_point, vf* out) {
+    static_assert(BITS == 4 || BITS == 5 || BITS == 6 || BITS == 8, "quantized.h's widths");
+    if constexpr (BITS == 6) {
+        six_bit_lanes(codes, zero_point, out);
+        for (int64_t v = 0; v < GROUP; v += W) out[v / W] = simd::fmadd(out[v / W], v < 16 ? scale : high_scale, offset);
+    } else if constexpr (BITS == 5) {
+#if defined(PREFIXSERVE_SIMD_AVX512)
+        // As for 4 bits, a table of the 32 values a code can take, looked up by code (two tables of 16).
+        const __m512i first_levels = _mm512_sub_epi32(
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), zero_point);
+        const __m512 low_table = _mm512_fmadd_ps(_mm512_cvtepi32_ps(first_levels), scale, offset);
+        const __m512 high_table = _mm512_fmadd_ps(
+            _mm512_cvtepi32_ps(_mm512_add_epi32(first_levels, _mm512_set1_epi32(16))), scale, offset);
+        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+        const uint32_t high = high_bits(codes);
+        const __m512i sixteen = _mm512_set1_epi32(16);
+        const __m512i low = _mm512_and_si512(bytes, _mm512_set1_epi32(0xF)), upper = _mm512_srli_epi32(bytes, 4);
+        const __m512i first = _mm512_mask_or_epi32(low, static_cast<__mmask16>(high), low, sixteen);
+        const __m512i second = _mm512_mask_or_epi32(upper, static_cast<__mmask16>(high >> 16), upper, sixteen);
+        out[0] = _mm512_permutex2var_ps(low_table, first, high_table);
+        out[1] = _mm512_permutex2var_ps(low_table, second, high_table);
+#elif defined(PREFIXSERVE_SIMD_AVX2)
+        __m256i highs[4];
+        five_bit_highs(codes, highs);
+        for (int v = 0; v < 4; ++v) {
+            const __m256i low = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8 * (v % 2))));
+            const __m256i nibble = _mm256_and_si256(v >= 2 ? _mm256_srli_epi32(low, 4) : low, _mm256_set1_epi32(0xF));
+            const __m256i code = _mm256_sub_epi32(_mm256_or_si256(nibble, highs[v]), zero_point);
+            out[v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(code), scale, offset);
+        }
+#else
+        five_bit_lanes(codes, zero_point, out);
+        for (int64_t v = 0; v < GROUP; v += W) out[v / W] = simd::fmadd(out[v / W], scale, offset);
+#endif
+    } else if constexpr (BITS == 8) {
+        for (int64_t v = 0; v < GROUP; v += W) out[v / W] = simd::fmadd(int8_lanes(codes + v, zero_point), scale, offset);
+    } else {
+#if defined(PREFIXSERVE_SIMD_AVX512)
+        // The 16 values a code can take, decoded once per group, then looked up by each code's nibble: the
+        // same multiply-add of the same operands as decoding each value, in one permute instead of three.
+        const __m512 levels = _mm512_cvtepi32_ps(_mm512_sub_epi32(
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), zero_point));
+        const __m512 table = _mm512_fmadd_ps(levels, scale, offset);
+        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+        out[0] = _mm512_permutexvar_ps(bytes, table);  // reads each index's low 4 bits: the low nibble
+        out[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+#else
+        for (int64_t v = 0; v < 32; v += W) {
+            out[v / W] = simd::fmadd(nibble_lanes(codes + v % 16, v >= 16, zero_point), scale, offset);
+        }
+#endif
+    }
+}
+
+}  // namespace
+}  // namespace prefixserve
