@@ -59,6 +59,7 @@ prefixserve::QuantizedWeight quantized_weight_of(const torch::Tensor& codes, con
                 "bits must be 8, 6, 5 or 4, group_size 32");
     TORCH_CHECK(codes.device().is_cpu() && codes.dim() == 2 && codes.is_contiguous() && codes.element_size() == 1,
                 "codes must be a contiguous 2-D CPU tensor of bytes");
+    TORCH_CHECK(bits != 8 || zero_point == 0, "8-bit codes are int8 with zero_point 0");
     const int64_t rows = codes.size(0), cols = codes.size(1) * 8 / bits;
     TORCH_CHECK(cols % group_size == 0 && cols * bits == codes.size(1) * 8, "the row must be whole groups of 32 values");
     const int64_t groups = cols / group_size;

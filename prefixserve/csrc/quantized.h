@@ -8,7 +8,7 @@
 //
 // computed in float32 with one fused multiply-add where the variant has one. The codes:
 //
-//   bits 8   int8, one byte per value: codes[n * cols + k]                        (Q8_0)
+//   bits 8   int8, one byte per value: codes[n * cols + k], zero_point 0          (Q8_0)
 //   bits 4   0 .. 15, two per byte, group_size 32: the 16 bytes of group g of row n hold
 //            values 0 .. 15 of the group in their low nibbles and 16 .. 31 in their high nibbles,
 //            as GGUF's Q4_0 and Q4_1 blocks do                       (Q4_0: zero_point 8; Q4_1, Q4_K)

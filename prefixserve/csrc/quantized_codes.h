@@ -16,10 +16,9 @@ using simd::vf;
 using simd::W;
 
 #if defined(PREFIXSERVE_SIMD_AVX512)
-// W int8 codes at p, less zero_point, as float lanes (exact).
-inline vf int8_lanes(const uint8_t* p, __m512i zero_point) {
-    const __m512i wide = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return _mm512_cvtepi32_ps(_mm512_sub_epi32(wide, zero_point));
+// W int8 codes at p as float lanes (exact; 8-bit codes have zero_point 0, quantized.h).
+inline vf int8_lanes(const uint8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 // (int4 codes decode by a table lookup here: decode_group.)
 inline __m512i zero_point_lanes(int32_t zero_point) { return _mm512_set1_epi32(zero_point); }
@@ -47,9 +46,8 @@ inline void six_bit_lanes(const uint8_t* p, __m512i zero_point, __m512* out) {
     out[1] = _mm512_cvtepi32_ps(_mm512_sub_epi32(second, zero_point));
 }
 #elif defined(PREFIXSERVE_SIMD_AVX2)
-inline vf int8_lanes(const uint8_t* p, __m256i zero_point) {
-    const __m256i wide = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    return _mm256_cvtepi32_ps(_mm256_sub_epi32(wide, zero_point));
+inline vf int8_lanes(const uint8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 // The low (or high) nibbles of W bytes at p, less zero_point.
 inline vf nibble_lanes(const uint8_t* p, bool high, __m256i zero_point) {
@@ -85,9 +83,9 @@ inline void six_bit_lanes(const uint8_t* p, __m256i zero_point, __m256* out) {
 // NEON and portable: the codes are widened one lane at a time (exact either way); the multiply-adds
 // that dominate stay vector operations.
 inline vf from_lanes(const float* lanes) { return simd::load(lanes); }
-inline vf int8_lanes(const uint8_t* p, int32_t zero_point) {
+inline vf int8_lanes(const uint8_t* p) {
     float lanes[W];
-    for (int l = 0; l < W; ++l) lanes[l] = static_cast<float>(static_cast<int8_t>(p[l]) - zero_point);
+    for (int l = 0; l < W; ++l) lanes[l] = static_cast<float>(static_cast<int8_t>(p[l]));
     return from_lanes(lanes);
 }
 inline vf nibble_lanes(const uint8_t* p, bool high, int32_t zero_point) {
@@ -166,7 +164,7 @@ inline void decode_group(const uint8_t* codes, vf scale, vf high_scale, vf offse
         for (int64_t v = 0; v < GROUP; v += W) out[v / W] = simd::fmadd(out[v / W], scale, offset);
 #endif
     } else if constexpr (BITS == 8) {
-        for (int64_t v = 0; v < GROUP; v += W) out[v / W] = simd::fmadd(int8_lanes(codes + v, zero_point), scale, offset);
+        for (int64_t v = 0; v < GROUP; v += W) out[v / W] = simd::fmadd(int8_lanes(codes + v), scale, offset);
     } else {
 #if defined(PREFIXSERVE_SIMD_AVX512)
         // The 16 values a code can take, decoded once per group, then looked up by each code's nibble: the
