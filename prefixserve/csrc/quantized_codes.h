@@ -15,6 +15,13 @@ namespace {
 using simd::vf;
 using simd::W;
 
+// The 32 high bits of a 5-bit group at p (quantized.h: value e's at bit e).
+inline uint32_t high_bits(const uint8_t* p) {
+    uint32_t bits;
+    std::memcpy(&bits, p + 16, sizeof(bits));
+    return bits;
+}
+
 #if defined(PREFIXSERVE_SIMD_AVX512)
 // W int8 codes at p as float lanes (exact; 8-bit codes have zero_point 0, quantized.h).
 inline vf int8_lanes(const uint8_t* p) {
@@ -22,12 +29,6 @@ inline vf int8_lanes(const uint8_t* p) {
 }
 // (int4 codes decode by a table lookup here: decode_group.)
 inline __m512i zero_point_lanes(int32_t zero_point) { return _mm512_set1_epi32(zero_point); }
-// The 32 high bits of a 5-bit group (quantized.h: value e's at bit e), as 16 in each of two masks.
-inline uint32_t high_bits(const uint8_t* p) {
-    uint32_t bits;
-    std::memcpy(&bits, p + 16, sizeof(bits));
-    return bits;
-}
 // Q6_K's group of 32 at p (quantized.h), less zero_point, as two vectors of float lanes: values 0 .. 15
 // and 16 .. 31. Value e: low nibble of byte e % 16 (its high nibble from e = 16 on), high pair from
 // byte 16 + e % 8 at bit 2 (e / 8).
@@ -59,8 +60,7 @@ inline vf nibble_lanes(const uint8_t* p, bool high, __m256i zero_point) {
 inline __m256i zero_point_lanes(int32_t zero_point) { return _mm256_set1_epi32(zero_point); }
 // A 5-bit group's high bits as four vectors of 0 or 16 (values 8 v .. 8 v + 7), the bit of value e at e.
 inline void five_bit_highs(const uint8_t* p, __m256i* out) {
-    uint32_t bits;
-    std::memcpy(&bits, p + 16, sizeof(bits));
+    const uint32_t bits = high_bits(p);
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     for (int v = 0; v < 4; ++v) {
         const __m256i shifted = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(bits >> (8 * v))), lane);
@@ -94,32 +94,23 @@ inline vf nibble_lanes(const uint8_t* p, bool high, int32_t zero_point) {
     return from_lanes(lanes);
 }
 inline int32_t zero_point_lanes(int32_t zero_point) { return zero_point; }
-// A 5-bit group at p as 32 / W vectors: value e's low nibble as for 4 bits, its high bit bit e of the
-// group's last 4 bytes.
-inline void five_bit_lanes(const uint8_t* p, int32_t zero_point, vf* out) {
+// A 5- or 6-bit group at p as 32 / W vectors: value e's low nibble from byte e % 16 (the high nibble from
+// e = 16 on); its high bit from bit e of the last 4 bytes (5 bits), or its high pair from byte 16 + e % 8
+// at bit 2 (e / 8) (6 bits).
+template <int BITS>
+inline void wide_code_lanes(const uint8_t* p, int32_t zero_point, vf* out) {
     for (int v = 0; v < 32 / W; ++v) {
         float lanes[W];
         for (int l = 0; l < W; ++l) {
             const int e = v * W + l;
-            const int low = (p[e % 16] >> (e >= 16 ? 4 : 0)) & 0xF, high = (p[16 + e / 8] >> (e % 8)) & 1;
+            const int low = (p[e % 16] >> (e >= 16 ? 4 : 0)) & 0xF;
+            const int high = BITS == 5 ? (high_bits(p) >> e) & 1 : (p[16 + e % 8] >> (2 * (e / 8))) & 3;
             lanes[l] = static_cast<float>((low | high << 4) - zero_point);
         }
         out[v] = from_lanes(lanes);
     }
 }
-// Q6_K's group of 32 at p as 32 / W vectors: value e's low nibble from byte e % 16 (the high nibble from
-// e = 16 on), its high pair from byte 16 + e % 8 at bit 2 (e / 8).
-inline void six_bit_lanes(const uint8_t* p, int32_t zero_point, vf* out) {
-    for (int v = 0; v < 32 / W; ++v) {
-        float lanes[W];
-        for (int l = 0; l < W; ++l) {
-            const int e = v * W + l;
-            const int low = (p[e % 16] >> (e >= 16 ? 4 : 0)) & 0xF, high = (p[16 + e % 8] >> (2 * (e / 8))) & 3;
-            lanes[l] = static_cast<float>((low | high << 4) - zero_point);
-        }
-        out[v] = from_lanes(lanes);
-    }
-}
+inline void six_bit_lanes(const uint8_t* p, int32_t zero_point, vf* out) { wide_code_lanes<6>(p, zero_point, out); }
 #endif
 
 
@@ -160,7 +151,7 @@ inline void decode_group(const uint8_t* codes, vf scale, vf high_scale, vf offse
             out[v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(code), scale, offset);
         }
 #else
-        five_bit_lanes(codes, zero_point, out);
+        wide_code_lanes<5>(codes, zero_point, out);
         for (int64_t v = 0; v < GROUP; v += W) out[v / W] = simd::fmadd(out[v / W], scale, offset);
 #endif
     } else if constexpr (BITS == 8) {

@@ -186,9 +186,10 @@ const std::array<FusedTiles, 4> FUSED = {all_fused<4>(std::make_integer_sequence
 using DecodeRowFn = void (*)(const QuantizedWeight&, int64_t, float*);
 const std::array<DecodeRowFn, 4> DECODE_ROW = {&decode_row<4>, &decode_row<5>, &decode_row<6>, &decode_row<8>};
 
-// The index of `bits` in WIDTHS: one of quantized.h's widths, which module.cpp's binding checks.
+// The index of `bits` in FUSED and DECODE_ROW: one of quantized.h's widths, which module.cpp's binding checks.
 constexpr int64_t width_index(int32_t bits) { return bits == 8 ? 3 : bits - 4; }
-static_assert(width_index(4) == 0 && width_index(5) == 1 && width_index(6) == 2 && width_index(8) == 3, "WIDTHS");
+static_assert(width_index(4) == 0 && width_index(5) == 1 && width_index(6) == 2 && width_index(8) == 3,
+              "the order of FUSED and DECODE_ROW");
 
 }  // namespace
 

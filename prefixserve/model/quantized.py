@@ -111,21 +111,15 @@ class QuantizedWeight:
         rows, groups = self.out_features, self.in_features // self.group_size
         if self.bits == 8:
             codes = self.codes.view(torch.int8).to(torch.int32).view(rows, groups, self.group_size)
-        elif self.bits == 5:  # 16 bytes of low nibbles, then the 32 high bits: value e's at bit e
-            packed = self.codes.view(rows, groups, 20).to(torch.int32)
-            low = torch.cat([packed[..., :16] & 0xF, packed[..., :16] >> 4], dim=-1)
-            high = torch.stack([(packed[..., 16:] >> i) & 1 for i in range(8)], dim=-1)  # [byte b, bit i]: 8 b + i
-            high = high.reshape(rows, groups, 32)
-            codes = low | (high << 4)
-        elif self.bits == 6:  # 16 bytes of low nibbles, then 8 of high bit pairs: value 8 i + j in byte j
-            packed = self.codes.view(rows, groups, 24).to(torch.int32)
-            low = torch.cat([packed[..., :16] & 0xF, packed[..., :16] >> 4], dim=-1)
-            high = torch.cat([(packed[..., 16:] >> (2 * i)) & 3 for i in range(4)], dim=-1)
-            codes = low | (high << 4)
+        else:  # 16 bytes of low nibbles (value e in byte e % 16), then 5 and 6 bits' high bits
+            packed = self.codes.view(rows, groups, self.group_size * self.bits // 8).to(torch.int32)
+            codes = torch.cat([packed[..., :16] & 0xF, packed[..., :16] >> 4], dim=-1)
+        if self.bits == 5:  # 4 bytes: value 8 b + i's high bit at bit i of byte b
+            high = torch.stack([(packed[..., 16:] >> i) & 1 for i in range(8)], dim=-1)
+            codes = codes | (high.reshape(rows, groups, 32) << 4)
+        elif self.bits == 6:  # 8 bytes: value 8 i + j's high pair at bits 2 i of byte j
+            codes = codes | (torch.cat([(packed[..., 16:] >> (2 * i)) & 3 for i in range(4)], dim=-1) << 4)
             scales = scales.view(rows, 2 * groups, 1).expand(-1, -1, 16).reshape(rows, groups, 32)
-        else:
-            packed = self.codes.view(rows, groups, 16).to(torch.int32)
-            codes = torch.cat([packed & 0xF, packed >> 4], dim=-1)
         if scales.dim() == 2:
             scales = scales.unsqueeze(-1)
         values = (codes - self.zero_point).float() * scales
