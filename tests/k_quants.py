@@ -1,5 +1,5 @@
 """K-quant blocks written for the tests (gguf's Python writer quantizes to Q8_0, Q4_* and Q5_* only):
-Q4_K, Q5_K and Q6_K as ggml lays out block_q4_K, block_q5_K and block_q6_K, from float values by round to nearest. Simpler
+Q2_K to Q6_K as ggml lays out block_q2_K .. block_q6_K, from float values by round to nearest. Simpler
 than llama.cpp's quantizer (no search for the best scales), so a little less accurate, but every byte
 is what the format's reader (gguf.quants.dequantize) decodes: the tests check that round trip."""
 
@@ -56,3 +56,40 @@ def encode_q4_k(values: np.ndarray, bits: int = 4) -> np.ndarray:
         parts.append(np.bitwise_or.reduce((q >> 4) << np.arange(8, dtype=np.uint8)[:, None], axis=1))
     blocks = np.concatenate(parts + [codes], axis=1)
     return blocks.reshape(rows, -1)
+
+
+def encode_q3_k(values: np.ndarray) -> np.ndarray:
+    """[rows, cols] float values (cols a multiple of 256) as Q3_K bytes [rows, cols / 256 * 110]."""
+    rows, cols = values.shape
+    x = values.astype(np.float32).reshape(-1, 16, 16)  # [super-block, sub-block of 16, 16]
+    sub_scales = np.abs(x).max(-1) / 4
+    d = _half(sub_scales.max(-1) / 31)
+    scales = np.clip(np.round(_divide(sub_scales, d.astype(np.float32)[:, None])), -32, 31).astype(np.int16)
+    step = (d.astype(np.float32)[:, None] * scales.astype(np.float32))[..., None]
+    q = (np.clip(np.round(_divide(x, step)), -4, 3) + 4).astype(np.uint8).reshape(-1, 2, 4, 32)  # [.., half, quarter]
+    low = (q & 3)[:, :, 0] | (q & 3)[:, :, 1] << 2 | (q & 3)[:, :, 2] << 4 | (q & 3)[:, :, 3] << 6  # [.., half, 32]
+    high_bits = (q >> 2).reshape(-1, 8, 32)  # bit 4 h + j of byte l: value 128 h + 32 j + l
+    high = np.bitwise_or.reduce(high_bits << np.arange(8, dtype=np.uint8)[:, None], axis=1)
+    six = (scales + 32).astype(np.uint8)  # sixteen 6-bit scales in twelve bytes
+    packed = np.concatenate([six[:, :8] & 0xF | (six[:, 8:] & 0xF) << 4,
+                             six[:, 0:4] >> 4 | (six[:, 4:8] >> 4) << 2 | (six[:, 8:12] >> 4) << 4 |
+                             (six[:, 12:16] >> 4) << 6], axis=1)
+    blocks = np.concatenate([high, low.reshape(-1, 64), packed, d.view(np.uint8).reshape(-1, 2)], axis=1)
+    return blocks.reshape(rows, cols // SUPER_BLOCK * 110)
+
+
+def encode_q2_k(values: np.ndarray) -> np.ndarray:
+    """[rows, cols] float values (cols a multiple of 256) as Q2_K bytes [rows, cols / 256 * 84]."""
+    rows, cols = values.shape
+    x = values.astype(np.float32).reshape(-1, 16, 16)  # [super-block, sub-block of 16, 16]
+    low, high = np.minimum(x.min(-1), 0), x.max(-1)
+    d, dmin = _half((high - low).max(-1) / 3 / 15), _half((-low).max(-1) / 15)
+    scales = np.clip(np.round(_divide((high - low) / 3, d.astype(np.float32)[:, None])), 0, 15).astype(np.uint8)
+    mins = np.clip(np.round(_divide(-low, dmin.astype(np.float32)[:, None])), 0, 15).astype(np.uint8)
+    step = (d.astype(np.float32)[:, None] * scales)[..., None]
+    offset = (dmin.astype(np.float32)[:, None] * mins)[..., None]
+    q = np.clip(np.round(_divide(x + offset, step)), 0, 3).astype(np.uint8).reshape(-1, 2, 4, 32)  # [.., half, quarter]
+    pairs = q[:, :, 0] | q[:, :, 1] << 2 | q[:, :, 2] << 4 | q[:, :, 3] << 6  # bits 2 j of byte 32 h + l
+    blocks = np.concatenate([scales | mins << 4, pairs.reshape(-1, 64), d.view(np.uint8).reshape(-1, 2),
+                             dmin.view(np.uint8).reshape(-1, 2)], axis=1)
+    return blocks.reshape(rows, cols // SUPER_BLOCK * 84)

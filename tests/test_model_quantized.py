@@ -4,13 +4,15 @@ variant, and an engine serving a GGUF quantized agrees with the float reference 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
-from k_quants import encode_q4_k, encode_q6_k
+from k_quants import encode_q2_k, encode_q3_k, encode_q4_k, encode_q6_k
 from gguf_helpers import (encode_tensor, gguf_tensors, random_blocks, random_hf_weights, tiny_llama_config,
                           train_tokenizer, write_gguf)
 from prefixserve import LLM, SamplingParams
@@ -21,9 +23,9 @@ from prefixserve.model.quantized_linear import QuantizedLinear
 from prefixserve.model.quantized_model import serve_quantized, weight_memory
 
 Q = GGMLQuantizationType
-KINDS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K")
+KINDS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q3_K", "Q2_K")
 # Bytes kept per 256 values for each 256 the file has: the K-quants' 6-bit scales and minimums a byte each
-KEPT_PER_FILE = {"Q4_K": (148, 144), "Q5_K": (180, 176)}
+KEPT_PER_FILE = {"Q4_K": (148, 144), "Q5_K": (180, 176), "Q3_K": (114, 110)}
 
 
 def gguf_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -90,21 +92,25 @@ def test_q4_k_scales_formed_from_the_file_bytes_are_the_float32_scales_bit_for_b
         kernel_variant.quantized_matmul(x, *bad.kernel_arguments(), None)
 
 
-def test_q6_k_decodes_to_the_format_readers_values_bit_for_bit(kernel_variant):
-    # d * scale is exact in float32 and so is its product with a 6-bit code: no rounding to differ in
+@pytest.mark.parametrize("kind", ["Q6_K", "Q3_K", "Q2_K"])
+def test_kinds_scaled_per_16_values_decode_to_the_format_readers_values_bit_for_bit(kernel_variant, kind):
+    # d * scale is exact in float32 and so is its product with a 6-, 3- or 2-bit code (and Q2_K's offset
+    # -(dmin * min)): no rounding to differ in
     rows, cols = 21, 768
-    raw = gguf_blocks("Q6_K", rows, cols, seed=3)
-    weight = from_gguf_blocks("Q6_K", raw, rows, cols)
-    expected = torch.from_numpy(gguf_dequantize(raw, Q.Q6_K).reshape(rows, cols).astype(np.float32))
+    raw = gguf_blocks(kind, rows, cols, seed=3)
+    weight = from_gguf_blocks(kind, raw, rows, cols)
+    expected = torch.from_numpy(gguf_dequantize(raw, Q[kind]).reshape(rows, cols).astype(np.float32))
     assert torch.equal(decoded_by_kernel(kernel_variant, weight), expected)
     assert torch.equal(weight.dequantize(), expected)
     x = torch.randn(9, cols, generator=torch.Generator().manual_seed(4))
     for size in (1, 3, 9):  # the fused decode path and the buffered one
         assert torch.equal(kernel_variant.quantized_matmul(x[:size], *weight.kernel_arguments(), None),
                            kernel_variant.quantized_matmul(x, *weight.kernel_arguments(), None)[:size])
-    bad = QuantizedWeight("Q6_K", weight.codes, weight.scales[:, :-2].contiguous(), None, 6, zero_point=32)
-    with pytest.raises(RuntimeError, match="Q6_K scales must be uint8"):
+    bad = replace(weight, scales=weight.scales[:, :-2].contiguous())
+    with pytest.raises(RuntimeError, match=f"{kind} scales must be uint8"):
         kernel_variant.quantized_matmul(x, *bad.kernel_arguments(), None)
+    with pytest.raises(RuntimeError, match=f"zero_point {weight.zero_point}"):
+        kernel_variant.quantized_matmul(x, *replace(weight, zero_point=weight.zero_point + 1).kernel_arguments(), None)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -157,10 +163,11 @@ def quantized_gguf(tmp_path_factory):
     return write_gguf(tmp_path_factory.mktemp("quantized") / "mixed.gguf", config, stored, kinds, tokenizer=tokenizer)
 
 
-@pytest.fixture(scope="module", params=["Q4_K", "Q5_K"])
+@pytest.fixture(scope="module", params=["Q4_K", "Q5_K", "Q3_K", "Q2_K"])
 def k_quant_gguf(request, tmp_path_factory):
-    """A 2-layer llama GGUF mixed as llama.cpp's Q4_K_M and Q5_K_M files are: Q4_K (Q5_K) projections, Q6_K
-    for attn_v, ffn_down, the embedding and the output (rows of 256 values: K-quants' super-blocks)."""
+    """A 2-layer llama GGUF mixed as llama.cpp's Q4_K_M, Q5_K_M, Q3_K_M and Q2_K files are: Q4_K (Q5_K, Q3_K,
+    Q2_K) projections, Q6_K for attn_v, ffn_down, the embedding and the output (rows of 256 values: K-quants'
+    super-blocks)."""
     tokenizer = train_tokenizer()
     config = tiny_llama_config(vocab_size=len(tokenizer[0])) | {"hidden_size": 256, "intermediate_size": 512,
                                                                 "head_dim": 64}
@@ -170,8 +177,9 @@ def k_quant_gguf(request, tmp_path_factory):
     for name, value in stored.items():
         if value.ndim == 2:
             kinds[name] = Q.Q6_K if name.endswith(six) else Q[request.param]
-            value = (encode_q6_k(value) if kinds[name] == Q.Q6_K else
-                     encode_q4_k(value, bits=4 if request.param == "Q4_K" else 5))
+            encode = {"Q4_K": encode_q4_k, "Q5_K": lambda value: encode_q4_k(value, bits=5), "Q3_K": encode_q3_k,
+                      "Q2_K": encode_q2_k}[request.param]
+            value = encode_q6_k(value) if kinds[name] == Q.Q6_K else encode(value)
         tensors[name] = value
     path = tmp_path_factory.mktemp("k_quants") / f"{request.param}_M.gguf"
     return write_gguf(path, config, tensors, kinds, tokenizer=tokenizer)

@@ -48,15 +48,16 @@ void check_blocks(const torch::Tensor& tables, int64_t i, int64_t first, int64_t
     }
 }
 
-// A quantized weight's tensors (quantized.h), checked: codes [rows, cols] int8 or [rows, cols / 2] uint8;
-// scales and offsets (or an empty tensor for none) [rows, cols / group_size] float16 or float32, or Q4_K's
+// A quantized weight's tensors (quantized.h), checked: codes [rows, cols * bits / 8] bytes; scales and
+// offsets (or an empty tensor for none) [rows, cols / group_size] float16 or float32, or Q4_K's (Q5_K's)
 // bytes: scales uint8 [rows, groups + groups / 2] (6-bit scales, then float16 d and dmin per 8 groups),
-// offsets uint8 [rows, groups] (6-bit minimums).
+// offsets uint8 [rows, groups] (6-bit minimums), or Q6_K's (Q3_K's): int8 scales per 16 values, then d, or
+// Q2_K's: a byte per 16 values (4-bit scale and minimum), then d and dmin.
 prefixserve::QuantizedWeight quantized_weight_of(const torch::Tensor& codes, const torch::Tensor& scales,
                                                  const torch::Tensor& offsets, int64_t bits, int64_t group_size,
                                                  int64_t zero_point) {
-    TORCH_CHECK((bits == 8 || bits == 6 || bits == 5 || bits == 4) && group_size == 32,
-                "bits must be 8, 6, 5 or 4, group_size 32");
+    TORCH_CHECK((bits == 8 || (bits >= 2 && bits <= 6)) && group_size == 32,
+                "bits must be 8, 6, 5, 4, 3 or 2, group_size 32");
     TORCH_CHECK(codes.device().is_cpu() && codes.dim() == 2 && codes.is_contiguous() && codes.element_size() == 1,
                 "codes must be a contiguous 2-D CPU tensor of bytes");
     TORCH_CHECK(bits != 8 || zero_point == 0, "8-bit codes are int8 with zero_point 0");
@@ -69,11 +70,19 @@ prefixserve::QuantizedWeight quantized_weight_of(const torch::Tensor& codes, con
                values.size(1) == width;
     };
     const bool k_scales = scales.scalar_type() == torch::kUInt8 && (bits == 4 || bits == 5);
-    if (bits == 6) {
-        TORCH_CHECK(zero_point == 32 && groups % 8 == 0 && scales.scalar_type() == torch::kUInt8 &&
+    if (bits == 2) {
+        TORCH_CHECK(zero_point == 0 && groups % 8 == 0 && scales.scalar_type() == torch::kUInt8 &&
+                        is_matrix(scales, 2 * groups + groups / 2) && !has_offsets,
+                    "Q2_K scales must be uint8 [rows, cols / 16 + cols / 64] (a 4-bit scale and minimum per 16 "
+                    "values, then float16 d and dmin per 256 values), without offsets, zero_point 0, in whole "
+                    "super-blocks of 256 values");
+    } else if (bits == 6 || bits == 3) {
+        const char* kind = bits == 6 ? "Q6_K" : "Q3_K";
+        TORCH_CHECK(zero_point == (bits == 6 ? 32 : 4) && groups % 8 == 0 && scales.scalar_type() == torch::kUInt8 &&
                         is_matrix(scales, 2 * groups + groups / 4) && !has_offsets,
-                    "Q6_K scales must be uint8 [rows, cols / 16 + cols / 128] (int8 scales, then float16 d per "
-                    "256 values), without offsets, zero_point 32, in whole super-blocks of 256 values");
+                    kind, " scales must be uint8 [rows, cols / 16 + cols / 128] (int8 scales, then float16 d per "
+                    "256 values), without offsets, zero_point ", bits == 6 ? 32 : 4,
+                    ", in whole super-blocks of 256 values");
     } else if (k_scales) {
         TORCH_CHECK(zero_point == 0 && groups % 8 == 0 && is_matrix(scales, groups + groups / 2) &&
                         has_offsets && offsets.scalar_type() == torch::kUInt8 && is_matrix(offsets, groups),

@@ -22,14 +22,23 @@
 //            lays them, then 8 bytes where byte j holds the high bit pairs of values j, 8 + j, 16 + j,
 //            24 + j (bits 0-1, 2-3, 4-5, 6-7)
 //
+//   bits 3   0 .. 7, zero_point 4, 12 bytes a group (Q3_K): 8 bytes of low bit pairs laid out as bits 6
+//            lays out its high pairs (byte j: values j, 8 + j, 16 + j, 24 + j), then 4 bytes holding
+//            value e's high bit at bit e, as bits 5 holds them
+//
+//   bits 2   0 .. 3, 8 bytes a group (Q2_K): the 8 bytes of low pairs of bits 3
+//
 // Scales and offsets are float16 (exact for Q8_0 / Q4_0 / Q4_1, whose blocks store float16) or float32,
 // [rows, groups]; or, for Q4_K and Q5_K (`k_scales`), as their super-blocks of 8 groups hold them: row n of
 // `scales` is its groups' 6-bit scales (a byte each), then each super-block's float16 d and dmin
 // ([rows, groups + groups / 2] bytes), and row n of `offsets` its groups' 6-bit minimums
 // ([rows, groups] bytes). Then scale = d * scale_g and offset = -(dmin * min_g), both exact in float32.
-// Q6_K (bits 6) has a scale per 16 values and no offsets: row n of `scales` is its int8 scales (a byte
-// per 16 values), then each super-block's float16 d ([rows, cols / 16 + cols / 128] bytes); value k's
-// scale is d * scale_{k / 16}, exact in float32.
+// Q6_K and Q3_K (bits 6 and 3) have a scale per 16 values and no offsets: row n of `scales` is its int8
+// scales (a byte per 16 values), then each super-block's float16 d ([rows, cols / 16 + cols / 128] bytes);
+// value k's scale is d * scale_{k / 16}, exact in float32. Q2_K (bits 2) has a scale and an offset per 16
+// values and no `offsets` tensor: row n of `scales` is a byte per 16 values (the scale in its low nibble, the
+// minimum in its high nibble), then each super-block's float16 d and dmin ([rows, cols / 16 + cols / 64]
+// bytes); value k's scale is d * scale_{k / 16}, its offset -(dmin * min_{k / 16}), both exact in float32.
 #pragma once
 
 #include <cstdint>
@@ -38,7 +47,7 @@ namespace prefixserve {
 
 struct QuantizedWeight {
     const uint8_t* codes;
-    int32_t bits;         // 8, 6, 5 or 4
+    int32_t bits;         // 8, 6, 5, 4, 3 or 2
     int32_t zero_point;   // subtracted from every code
     int64_t rows, cols, group_size;  // group_size: 32 (every GGUF block format we keep, and --quantize)
     const void* scales;   // [rows, cols / group_size]

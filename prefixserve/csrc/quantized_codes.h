@@ -1,5 +1,5 @@
-// A quantized weight's group of 32 codes decoded to float32 lanes (quantized.h's layouts: 8, 6, 5 and
-// 4 bits), for quantized_matmul.cpp's two decode paths: W lanes a vector (simd.h), exact integer
+// A quantized weight's group of 32 codes decoded to float32 lanes (quantized.h's layouts: 8, 6, 5, 4, 3
+// and 2 bits), for quantized_matmul.cpp's two decode paths: W lanes a vector (simd.h), exact integer
 // arithmetic, then one multiply-add per value with its scale and offset (quantized_scales.h).
 #pragma once
 
@@ -15,10 +15,13 @@ namespace {
 using simd::vf;
 using simd::W;
 
-// The 32 high bits of a 5-bit group at p (quantized.h: value e's at bit e).
+// The 32 high bits of a 5- or 3-bit group at p (quantized.h: value e's at bit e), after its 16 bytes of
+// low nibbles (5 bits) or its 8 bytes of low pairs (3 bits).
+template <int BITS>
 inline uint32_t high_bits(const uint8_t* p) {
+    static_assert(BITS == 5 || BITS == 3, "the widths with a high bit per value");
     uint32_t bits;
-    std::memcpy(&bits, p + 16, sizeof(bits));
+    std::memcpy(&bits, p + (BITS == 5 ? 16 : 8), sizeof(bits));
     return bits;
 }
 
@@ -46,6 +49,25 @@ inline void six_bit_lanes(const uint8_t* p, __m512i zero_point, __m512* out) {
     out[0] = _mm512_cvtepi32_ps(_mm512_sub_epi32(first, zero_point));
     out[1] = _mm512_cvtepi32_ps(_mm512_sub_epi32(second, zero_point));
 }
+// A Q3_K or Q2_K group of 32 at p (quantized.h), less zero_point, as two vectors of float lanes (values
+// 0 .. 15 and 16 .. 31). Value e: low pair from byte e % 8 at bit 2 (e / 8); for 3 bits, its high bit (4)
+// from bit e of the last 4 bytes.
+template <int BITS>
+inline void pair_code_lanes(const uint8_t* p, __m512i zero_point, __m512* out) {
+    const __m128i pairs = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(pairs, pairs));
+    const __m512i shifts = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+    const __m512i three = _mm512_set1_epi32(3), four = _mm512_set1_epi32(4);
+    __m512i first = _mm512_and_si512(_mm512_srlv_epi32(bytes, shifts), three);
+    __m512i second = _mm512_and_si512(_mm512_srlv_epi32(bytes, _mm512_add_epi32(shifts, four)), three);
+    if constexpr (BITS == 3) {
+        const uint32_t high = high_bits<3>(p);
+        first = _mm512_mask_or_epi32(first, static_cast<__mmask16>(high), first, four);
+        second = _mm512_mask_or_epi32(second, static_cast<__mmask16>(high >> 16), second, four);
+    }
+    out[0] = _mm512_cvtepi32_ps(_mm512_sub_epi32(first, zero_point));
+    out[1] = _mm512_cvtepi32_ps(_mm512_sub_epi32(second, zero_point));
+}
 #elif defined(PREFIXSERVE_SIMD_AVX2)
 inline vf int8_lanes(const uint8_t* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
@@ -58,13 +80,15 @@ inline vf nibble_lanes(const uint8_t* p, bool high, __m256i zero_point) {
     return _mm256_cvtepi32_ps(_mm256_sub_epi32(wide, zero_point));
 }
 inline __m256i zero_point_lanes(int32_t zero_point) { return _mm256_set1_epi32(zero_point); }
-// A 5-bit group's high bits as four vectors of 0 or 16 (values 8 v .. 8 v + 7), the bit of value e at e.
-inline void five_bit_highs(const uint8_t* p, __m256i* out) {
-    const uint32_t bits = high_bits(p);
+// A 5- or 3-bit group's high bits as four vectors of 0 or 2^(BITS - 1) (values 8 v .. 8 v + 7), the bit of
+// value e at e.
+template <int BITS>
+inline void high_bit_lanes(const uint8_t* p, __m256i* out) {
+    const uint32_t bits = high_bits<BITS>(p);
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     for (int v = 0; v < 4; ++v) {
         const __m256i shifted = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(bits >> (8 * v))), lane);
-        out[v] = _mm256_slli_epi32(_mm256_and_si256(shifted, _mm256_set1_epi32(1)), 4);
+        out[v] = _mm256_slli_epi32(_mm256_and_si256(shifted, _mm256_set1_epi32(1)), BITS - 1);
     }
 }
 // Q6_K's group of 32 at p as four vectors (values 8 v .. 8 v + 7): low nibbles as nibble_lanes reads them,
@@ -76,6 +100,19 @@ inline void six_bit_lanes(const uint8_t* p, __m256i zero_point, __m256* out) {
         if (v >= 2) low = _mm256_srli_epi32(low, 4);
         const __m256i code = _mm256_or_si256(_mm256_and_si256(low, _mm256_set1_epi32(0xF)),
             _mm256_and_si256(_mm256_srl_epi32(high, _mm_cvtsi32_si128(2 * v)), _mm256_set1_epi32(0x30)));
+        out[v] = _mm256_cvtepi32_ps(_mm256_sub_epi32(code, zero_point));
+    }
+}
+// A Q3_K or Q2_K group of 32 at p as four vectors (values 8 v .. 8 v + 7): the low pair of value 8 v + j
+// from byte j at bit 2 v; for 3 bits, its high bit as high_bit_lanes reads it.
+template <int BITS>
+inline void pair_code_lanes(const uint8_t* p, __m256i zero_point, __m256* out) {
+    const __m256i pairs = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    __m256i highs[4];
+    if constexpr (BITS == 3) high_bit_lanes<3>(p, highs);
+    for (int v = 0; v < 4; ++v) {
+        __m256i code = _mm256_and_si256(_mm256_srl_epi32(pairs, _mm_cvtsi32_si128(2 * v)), _mm256_set1_epi32(3));
+        if constexpr (BITS == 3) code = _mm256_or_si256(code, highs[v]);
         out[v] = _mm256_cvtepi32_ps(_mm256_sub_epi32(code, zero_point));
     }
 }
@@ -94,37 +131,56 @@ inline vf nibble_lanes(const uint8_t* p, bool high, int32_t zero_point) {
     return from_lanes(lanes);
 }
 inline int32_t zero_point_lanes(int32_t zero_point) { return zero_point; }
-// A 5- or 6-bit group at p as 32 / W vectors: value e's low nibble from byte e % 16 (the high nibble from
-// e = 16 on); its high bit from bit e of the last 4 bytes (5 bits), or its high pair from byte 16 + e % 8
-// at bit 2 (e / 8) (6 bits).
+// A 5-, 6-, 3- or 2-bit group at p as 32 / W vectors. 5 and 6 bits: value e's low nibble from byte e % 16
+// (the high nibble from e = 16 on); its high bit from bit e of the last 4 bytes (5 bits), or its high pair
+// from byte 16 + e % 8 at bit 2 (e / 8) (6 bits). 3 and 2 bits: its low pair from byte e % 8 at bit
+// 2 (e / 8); for 3 bits, its high bit from bit e of the last 4 bytes.
 template <int BITS>
 inline void wide_code_lanes(const uint8_t* p, int32_t zero_point, vf* out) {
     for (int v = 0; v < 32 / W; ++v) {
         float lanes[W];
         for (int l = 0; l < W; ++l) {
             const int e = v * W + l;
-            const int low = (p[e % 16] >> (e >= 16 ? 4 : 0)) & 0xF;
-            const int high = BITS == 5 ? (high_bits(p) >> e) & 1 : (p[16 + e % 8] >> (2 * (e / 8))) & 3;
-            lanes[l] = static_cast<float>((low | high << 4) - zero_point);
+            int code;
+            if constexpr (BITS == 3) {
+                code = ((p[e % 8] >> (2 * (e / 8))) & 3) | ((high_bits<3>(p) >> e) & 1) << 2;
+            } else if constexpr (BITS == 2) {
+                code = (p[e % 8] >> (2 * (e / 8))) & 3;
+            } else {
+                const int low = (p[e % 16] >> (e >= 16 ? 4 : 0)) & 0xF;
+                const int high = BITS == 5 ? (high_bits<5>(p) >> e) & 1 : (p[16 + e % 8] >> (2 * (e / 8))) & 3;
+                code = low | high << 4;
+            }
+            lanes[l] = static_cast<float>(code - zero_point);
         }
         out[v] = from_lanes(lanes);
     }
 }
 inline void six_bit_lanes(const uint8_t* p, int32_t zero_point, vf* out) { wide_code_lanes<6>(p, zero_point, out); }
+template <int BITS>
+inline void pair_code_lanes(const uint8_t* p, int32_t zero_point, vf* out) { wide_code_lanes<BITS>(p, zero_point, out); }
 #endif
 
 
 // Group values decoded into out[GROUP / W] from the group's codes: scale (code - zero_point) + offset,
 // one rounding each, for a weight of BITS bits (quantized.h's layouts). int4: 32 values in 16 bytes,
-// value e in byte e % 16, its high nibble from e = 16 on. Q6_K (bits 6): its last 16 values scaled by
-// high_scale (the others by scale, as every value of the other formats). A template per width, so that
+// value e in byte e % 16, its high nibble from e = 16 on. Q6_K, Q3_K and Q2_K (bits 6, 3 and 2): their last
+// 16 values take high_scale and high_offset (the others scale and offset, as every value of the other
+// formats). A template per width, so that
 // a tile's loop over groups holds no branch on the format and keeps its constants in registers.
 template <int BITS, typename ZeroPoint>
-inline void decode_group(const uint8_t* codes, vf scale, vf high_scale, vf offset, ZeroPoint zero_point, vf* out) {
-    static_assert(BITS == 4 || BITS == 5 || BITS == 6 || BITS == 8, "quantized.h's widths");
-    if constexpr (BITS == 6) {
-        six_bit_lanes(codes, zero_point, out);
-        for (int64_t v = 0; v < GROUP; v += W) out[v / W] = simd::fmadd(out[v / W], v < 16 ? scale : high_scale, offset);
+inline void decode_group(const uint8_t* codes, vf scale, vf high_scale, vf offset, vf high_offset, ZeroPoint zero_point,
+                         vf* out) {
+    static_assert(BITS == 2 || BITS == 3 || BITS == 4 || BITS == 5 || BITS == 6 || BITS == 8, "quantized.h's widths");
+    if constexpr (half_group_scales(BITS)) {
+        if constexpr (BITS == 6) {
+            six_bit_lanes(codes, zero_point, out);
+        } else {
+            pair_code_lanes<BITS>(codes, zero_point, out);
+        }
+        for (int64_t v = 0; v < GROUP; v += W) {
+            out[v / W] = simd::fmadd(out[v / W], v < 16 ? scale : high_scale, v < 16 ? offset : high_offset);
+        }
     } else if constexpr (BITS == 5) {
 #if defined(PREFIXSERVE_SIMD_AVX512)
         // As for 4 bits, a table of the 32 values a code can take, looked up by code (two tables of 16).
@@ -134,7 +190,7 @@ inline void decode_group(const uint8_t* codes, vf scale, vf high_scale, vf offse
         const __m512 high_table = _mm512_fmadd_ps(
             _mm512_cvtepi32_ps(_mm512_add_epi32(first_levels, _mm512_set1_epi32(16))), scale, offset);
         const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
-        const uint32_t high = high_bits(codes);
+        const uint32_t high = high_bits<5>(codes);
         const __m512i sixteen = _mm512_set1_epi32(16);
         const __m512i low = _mm512_and_si512(bytes, _mm512_set1_epi32(0xF)), upper = _mm512_srli_epi32(bytes, 4);
         const __m512i first = _mm512_mask_or_epi32(low, static_cast<__mmask16>(high), low, sixteen);
@@ -143,7 +199,7 @@ inline void decode_group(const uint8_t* codes, vf scale, vf high_scale, vf offse
         out[1] = _mm512_permutex2var_ps(low_table, second, high_table);
 #elif defined(PREFIXSERVE_SIMD_AVX2)
         __m256i highs[4];
-        five_bit_highs(codes, highs);
+        high_bit_lanes<5>(codes, highs);
         for (int v = 0; v < 4; ++v) {
             const __m256i low = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8 * (v % 2))));
             const __m256i nibble = _mm256_and_si256(v >= 2 ? _mm256_srli_epi32(low, 4) : low, _mm256_set1_epi32(0xF));

@@ -59,16 +59,19 @@ void decode_row(const QuantizedWeight& weight, int64_t n, float* out) {
     const int64_t groups = weight.cols / GROUP;
     const uint8_t* codes = weight.codes + n * (weight.cols * BITS / 8);
     vf values[GROUP / W];
-    float scales[VALUE_CHUNK], high_scales[VALUE_CHUNK], offsets[VALUE_CHUNK];
-    const float* high = BITS == 6 ? high_scales : scales;  // a group's last 16 values' scales
+    float scales[VALUE_CHUNK], high_scales[VALUE_CHUNK], offsets[VALUE_CHUNK], high_offsets[VALUE_CHUNK];
+    // a group's last 16 values' scales and offsets
+    const float* high = half_group_scales(BITS) ? high_scales : scales;
+    const float* high_offset = BITS == 2 ? high_offsets : offsets;
     for (int64_t g0 = 0; g0 < groups; g0 += VALUE_CHUNK) {
         const int64_t count = std::min(VALUE_CHUNK, groups - g0);
         convert_values(weight, Part::scale, n, g0, count, scales);
-        if (BITS == 6) convert_values(weight, Part::high_scale, n, g0, count, high_scales);
+        if (half_group_scales(BITS)) convert_values(weight, Part::high_scale, n, g0, count, high_scales);
         convert_values(weight, Part::offset, n, g0, count, offsets);
+        if (BITS == 2) convert_values(weight, Part::high_offset, n, g0, count, high_offsets);
         for (int64_t g = g0; g < g0 + count; ++g) {
             decode_group<BITS>(codes + g * (GROUP * BITS / 8), simd::set1(scales[g - g0]), simd::set1(high[g - g0]),
-                               simd::set1(offsets[g - g0]), zero_point, values);
+                               simd::set1(offsets[g - g0]), simd::set1(high_offset[g - g0]), zero_point, values);
             for (int64_t v = 0; v < GROUP; v += W) simd::store(out + g * GROUP + v, values[v / W]);
         }
     }
@@ -86,8 +89,9 @@ void fused_tile(const QuantizedWeight& weight, int64_t n0, const float* x, int64
     const auto zero_point = zero_point_lanes(weight.zero_point);
     const int64_t groups = weight.cols / GROUP;
     vf values[GROUP / W];
-    float scales[C][VALUE_CHUNK], high_scales[C][VALUE_CHUNK], offsets[C][VALUE_CHUNK];
-    constexpr bool halves = BITS == 6;  // Q6_K: a scale per 16 values
+    float scales[C][VALUE_CHUNK], high_scales[C][VALUE_CHUNK], offsets[C][VALUE_CHUNK], high_offsets[C][VALUE_CHUNK];
+    constexpr bool halves = half_group_scales(BITS);  // Q6_K, Q3_K, Q2_K: a scale per 16 values
+    constexpr bool half_offsets = BITS == 2;          // Q2_K: an offset per 16 values too
     constexpr int64_t group_bytes = GROUP * BITS / 8;
     const int64_t row_bytes = weight.cols * BITS / 8;
     const uint8_t* codes[C];
@@ -99,6 +103,7 @@ void fused_tile(const QuantizedWeight& weight, int64_t n0, const float* x, int64
             convert_values(weight, Part::scale, n0 + c, g0, count, scales[c]);
             if (halves) convert_values(weight, Part::high_scale, n0 + c, g0, count, high_scales[c]);
             convert_values(weight, Part::offset, n0 + c, g0, count, offsets[c]);
+            if (half_offsets) convert_values(weight, Part::high_offset, n0 + c, g0, count, high_offsets[c]);
         }
         for (int64_t g = g0; g < g0 + count; ++g) {
             // The codes of the block PREFETCH_BLOCKS ahead, at this group's offset: a decode step reads each
@@ -108,8 +113,10 @@ void fused_tile(const QuantizedWeight& weight, int64_t n0, const float* x, int64
             }
             for (int c = 0; c < C; ++c) {
                 const float* high = halves ? high_scales[c] : scales[c];
+                const float* high_offset = half_offsets ? high_offsets[c] : offsets[c];
                 decode_group<BITS>(codes[c] + g * group_bytes, simd::set1(scales[c][g - g0]), simd::set1(high[g - g0]),
-                                   simd::set1(offsets[c][g - g0]), zero_point, values);
+                                   simd::set1(offsets[c][g - g0]), simd::set1(high_offset[g - g0]), zero_point,
+                                   values);
                 for (int64_t v = 0; v < GROUP; v += W) {
                     const int64_t k = g * GROUP + v;
                     for (int r = 0; r < R; ++r) {
@@ -178,17 +185,21 @@ constexpr FusedTiles all_fused(std::integer_sequence<int, R...>) {
     return {fused_of_rows<BITS, R + 1>(std::make_integer_sequence<int, TILE_COLS>())...};
 }
 
-// FUSED[w][r - 1][c - 1]: the fused tile of r rows and c columns for codes of width 4, 5, 6, 8 (w = 0 .. 3).
-const std::array<FusedTiles, 4> FUSED = {all_fused<4>(std::make_integer_sequence<int, TILE_ROWS>()),
+// FUSED[w][r - 1][c - 1]: the fused tile of r rows and c columns for codes of width 2, 3, 4, 5, 6, 8 (w = 0 .. 5).
+const std::array<FusedTiles, 6> FUSED = {all_fused<2>(std::make_integer_sequence<int, TILE_ROWS>()),
+                                         all_fused<3>(std::make_integer_sequence<int, TILE_ROWS>()),
+                                         all_fused<4>(std::make_integer_sequence<int, TILE_ROWS>()),
                                          all_fused<5>(std::make_integer_sequence<int, TILE_ROWS>()),
                                          all_fused<6>(std::make_integer_sequence<int, TILE_ROWS>()),
                                          all_fused<8>(std::make_integer_sequence<int, TILE_ROWS>())};
 using DecodeRowFn = void (*)(const QuantizedWeight&, int64_t, float*);
-const std::array<DecodeRowFn, 4> DECODE_ROW = {&decode_row<4>, &decode_row<5>, &decode_row<6>, &decode_row<8>};
+const std::array<DecodeRowFn, 6> DECODE_ROW = {&decode_row<2>, &decode_row<3>, &decode_row<4>, &decode_row<5>,
+                                               &decode_row<6>, &decode_row<8>};
 
 // The index of `bits` in FUSED and DECODE_ROW: one of quantized.h's widths, which module.cpp's binding checks.
-constexpr int64_t width_index(int32_t bits) { return bits == 8 ? 3 : bits - 4; }
-static_assert(width_index(4) == 0 && width_index(5) == 1 && width_index(6) == 2 && width_index(8) == 3,
+constexpr int64_t width_index(int32_t bits) { return bits == 8 ? 5 : bits - 2; }
+static_assert(width_index(2) == 0 && width_index(3) == 1 && width_index(4) == 2 && width_index(5) == 3 &&
+                  width_index(6) == 4 && width_index(8) == 5,
               "the order of FUSED and DECODE_ROW");
 
 }  // namespace

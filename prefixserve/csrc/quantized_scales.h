@@ -1,6 +1,6 @@
 // A quantized weight's per-group scales and offsets as float32 (quantized.h's four formats: float16,
-// float32, Q4_K's (Q5_K's) 6-bit values with float16 super-block factors, Q6_K's int8 scales per half group with
-// a float16 d), for quantized_matmul.cpp's two decode paths. Every conversion here is exact (float16 to
+// float32, Q4_K's (Q5_K's) 6-bit values with float16 super-block factors, Q6_K's (Q3_K's) int8 scales per
+// half group with a float16 d), for quantized_matmul.cpp's two decode paths. Every conversion here is exact (float16 to
 // float32; Q4_K's products of an 11-bit significand and a 6-bit integer, Q6_K's and an 8-bit one), so a
 // group decodes to the same bits whichever path converts it.
 #pragma once
@@ -32,8 +32,15 @@ inline float half_value(const uint16_t* half) {
 constexpr int64_t GROUP = 32;  // values per group (quantized.h): a constant, so a group's values stay in registers
 constexpr int64_t SUPER_GROUPS = 8;  // Q4_K, Q5_K: groups per super-block
 
-// A group's scale (of its first 16 values, for Q6_K), the scale of its last 16 (Q6_K only), its offset.
-enum class Part { scale, high_scale, offset };
+// A group's scale and offset (those of its first 16 values, for Q6_K, Q3_K and Q2_K), and the scale and
+// offset of its last 16 (those formats only).
+enum class Part { scale, high_scale, offset, high_offset };
+
+inline bool is_offset(Part part) { return part == Part::offset || part == Part::high_offset; }
+
+// Whether codes of this width have a scale per 16 values: Q6_K's and Q3_K's int8 scales (no offsets), Q2_K's
+// 4-bit scales and minimums (an offset per 16 values too).
+constexpr bool half_group_scales(int32_t bits) { return bits == 6 || bits == 3 || bits == 2; }
 
 // Group g of row n's scale or offset from Q4_K's bytes (quantized.h): d * scale_g or -(dmin * min_g),
 // the products exact in float32, so the same bits as the float32 values they were stored as before.
@@ -41,14 +48,14 @@ inline float k_value(const QuantizedWeight& weight, Part part, int64_t n, int64_
     const int64_t groups = weight.cols / GROUP;
     const auto* row = static_cast<const uint8_t*>(weight.scales) + n * (groups + groups / 2);
     uint16_t factor;  // d or dmin, two bytes at an even offset of the row
-    std::memcpy(&factor, row + groups + (g / SUPER_GROUPS) * 4 + (part == Part::offset ? 2 : 0), sizeof(factor));
+    std::memcpy(&factor, row + groups + (g / SUPER_GROUPS) * 4 + (is_offset(part) ? 2 : 0), sizeof(factor));
     if (part == Part::scale) return half_value(&factor) * static_cast<float>(row[g]);
     const auto* mins = static_cast<const uint8_t*>(weight.offsets) + n * groups;
     return -(half_value(&factor) * static_cast<float>(mins[g]));
 }
 
-// Q6_K (bits 6): half group s (values 16 s .. 16 s + 15 of row n) has scale d * scale_s, exact in float32.
-inline float q6_value(const QuantizedWeight& weight, int64_t n, int64_t s) {
+// Q6_K and Q3_K: half group s (values 16 s .. 16 s + 15 of row n) has scale d * scale_s, exact in float32.
+inline float half_group_value(const QuantizedWeight& weight, int64_t n, int64_t s) {
     const int64_t subs = weight.cols / 16;
     const auto* row = static_cast<const uint8_t*>(weight.scales) + n * (subs + subs / 8);
     uint16_t d;  // two bytes per super-block of 16 half groups, after the row's scales
@@ -56,9 +63,27 @@ inline float q6_value(const QuantizedWeight& weight, int64_t n, int64_t s) {
     return half_value(&d) * static_cast<float>(static_cast<int8_t>(row[s]));
 }
 
-// Group g of row n's scale or offset as float32 (an offset of 0 where the weight has none).
+// Q2_K (bits 2): half group s of row n has scale d * scale_s and offset -(dmin * min_s), the 4-bit scale and
+// minimum the low and high nibble of byte s; exact in float32.
+inline float q2_value(const QuantizedWeight& weight, Part part, int64_t n, int64_t s) {
+    const int64_t subs = weight.cols / 16;
+    const auto* row = static_cast<const uint8_t*>(weight.scales) + n * (subs + subs / 4);
+    uint16_t factor;  // d, dmin: four bytes per super-block of 16 half groups, after the row's scale bytes
+    std::memcpy(&factor, row + subs + (s / 16) * 4 + (is_offset(part) ? 2 : 0), sizeof(factor));
+    if (!is_offset(part)) return half_value(&factor) * static_cast<float>(row[s] & 0xF);
+    return -(half_value(&factor) * static_cast<float>(row[s] >> 4));
+}
+
+// Group g of row n's scale or offset as float32 (an offset of 0 where the weight has none). Part::high_scale
+// and Part::high_offset: those of its last 16 values (for the other formats, the group's).
 inline float group_value(const QuantizedWeight& weight, Part part, int64_t n, int64_t g) {
-    if (weight.bits == 6) return part == Part::offset ? 0.f : q6_value(weight, n, 2 * g + (part == Part::high_scale));
+    if (half_group_scales(weight.bits)) {
+        const int64_t s = 2 * g + (part == Part::high_scale || part == Part::high_offset);
+        if (weight.bits == 2) return q2_value(weight, part, n, s);
+        return is_offset(part) ? 0.f : half_group_value(weight, n, s);
+    }
+    if (part == Part::high_scale) part = Part::scale;
+    if (part == Part::high_offset) part = Part::offset;
     const void* values = part == Part::offset ? weight.offsets : weight.scales;
     if (values == nullptr) return 0.f;
     if (weight.k_scales) return k_value(weight, part, n, g);
@@ -112,10 +137,10 @@ inline void convert_k_values(const QuantizedWeight& weight, Part part, int64_t n
     for (; i < count; ++i) out[i] = k_value(weight, part, n, g0 + i);
 }
 
-// Groups [g0, g0 + count) of row n's Q6_K scales (those of each group's first or last 16 values) as
-// float32 into out (g0 a multiple of VALUE_CHUNK): q6_value's products, two super-blocks at a time on
-// AVX-512. Exact either way, so the same bits as q6_value.
-inline void convert_q6_values(const QuantizedWeight& weight, Part part, int64_t n, int64_t g0, int64_t count,
+// Groups [g0, g0 + count) of row n's Q6_K (Q3_K) scales (those of each group's first or last 16 values) as
+// float32 into out (g0 a multiple of VALUE_CHUNK): half_group_value's products, two super-blocks at a time
+// on AVX-512. Exact either way, so the same bits as half_group_value.
+inline void convert_half_group_values(const QuantizedWeight& weight, Part part, int64_t n, int64_t g0, int64_t count,
                               float* out) {
     const int64_t high = part == Part::high_scale ? 1 : 0;
     int64_t i = 0;
@@ -138,7 +163,54 @@ inline void convert_q6_values(const QuantizedWeight& weight, Part part, int64_t 
         return;
     }
 #endif
-    for (; i < count; ++i) out[i] = q6_value(weight, n, 2 * (g0 + i) + high);
+    for (; i < count; ++i) out[i] = half_group_value(weight, n, 2 * (g0 + i) + high);
+}
+
+// Groups [g0, g0 + count) of row n's Q2_K scales or offsets (those of each group's first or last 16 values) as
+// float32 into out (g0 a multiple of VALUE_CHUNK): q2_value's products, a super-block (8 groups) or two at a
+// time where the variant has F16C. Exact either way, and a negation flips only the sign, so q2_value's bits.
+inline void convert_q2_values(const QuantizedWeight& weight, Part part, int64_t n, int64_t g0, int64_t count,
+                              float* out) {
+    const int64_t subs = weight.cols / 16;
+    [[maybe_unused]] const auto* row = static_cast<const uint8_t*>(weight.scales) + n * (subs + subs / 4);
+    [[maybe_unused]] const bool high = part == Part::high_scale || part == Part::high_offset;
+    [[maybe_unused]] const int nibble_shift = is_offset(part) ? 4 : 0;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    if (count == 2 * SUPER_GROUPS) {
+        // lane i: the bytes of half groups 2 (g0 + i) and 2 (g0 + i) + 1; this part's byte, then its nibble
+        const __m512i pairs = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2 * g0)));
+        const __m512i bytes = _mm512_srli_epi32(pairs, high ? 8 : 0);
+        const __m512 small = _mm512_cvtepi32_ps(
+            _mm512_and_si512(_mm512_srli_epi32(bytes, nibble_shift), _mm512_set1_epi32(0xF)));
+        const __m128i halves = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + subs + g0 / SUPER_GROUPS * 4));
+        const __m512 factors = _mm512_cvtph_ps(_mm256_zextsi128_si256(halves));  // d0, dmin0, d1, dmin1, 0...
+        const int first = is_offset(part) ? 1 : 0;
+        const __m512i pick = _mm512_setr_epi32(first, first, first, first, first, first, first, first, first + 2,
+                                               first + 2, first + 2, first + 2, first + 2, first + 2, first + 2,
+                                               first + 2);
+        __m512 values = _mm512_mul_ps(_mm512_permutexvar_ps(pick, factors), small);
+        if (is_offset(part)) {
+            values = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(values), _mm512_set1_epi32(INT32_MIN)));
+        }
+        _mm512_storeu_ps(out, values);
+        return;
+    }
+#elif defined(__F16C__)
+    for (; i + SUPER_GROUPS <= count; i += SUPER_GROUPS) {
+        const int64_t g = g0 + i;
+        const __m256i pairs = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * g)));
+        const __m256i bytes = _mm256_srli_epi32(pairs, high ? 8 : 0);
+        const __m256 small = _mm256_cvtepi32_ps(
+            _mm256_and_si256(_mm256_srli_epi32(bytes, nibble_shift), _mm256_set1_epi32(0xF)));
+        uint16_t factor;
+        std::memcpy(&factor, row + subs + g / SUPER_GROUPS * 4 + (is_offset(part) ? 2 : 0), sizeof(factor));
+        __m256 values = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(factor)), small);
+        if (is_offset(part)) values = _mm256_xor_ps(values, _mm256_set1_ps(-0.f));
+        _mm256_storeu_ps(out + i, values);
+    }
+#endif
+    for (; i < count; ++i) out[i] = group_value(weight, part, n, g0 + i);
 }
 
 // Groups [g0, g0 + count) of row n's scales or offsets as float32 into out (count <= VALUE_CHUNK; zeros
@@ -146,8 +218,12 @@ inline void convert_q6_values(const QuantizedWeight& weight, Part part, int64_t 
 // Exact either way (the bits group_value gives). Both decode paths convert through here, 16 groups at
 // once, then broadcast each value from memory (a load) instead of converting it for every group.
 inline void convert_values(const QuantizedWeight& weight, Part part, int64_t n, int64_t g0, int64_t count, float* out) {
-    if (weight.bits == 6 && part != Part::offset) {
-        convert_q6_values(weight, part, n, g0, count, out);
+    if (weight.bits == 2) {
+        convert_q2_values(weight, part, n, g0, count, out);
+        return;
+    }
+    if (half_group_scales(weight.bits) && !is_offset(part)) {
+        convert_half_group_values(weight, part, n, g0, count, out);
         return;
     }
     const void* values = part == Part::offset ? weight.offsets : weight.scales;

@@ -14,6 +14,8 @@ A weight [out_features, in_features] is cut along each row into groups; a value 
     Q5_1    GGUF Q5_1            5     0..31                      float16, float16   0.75
     Q5_K    GGUF Q5_K            5     0..31                      6-bit, 6-bit (*)   0.703
     Q6_K    GGUF Q6_K            6     0..63, zero_point 32       8-bit per 16 (**)  0.820
+    Q3_K    GGUF Q3_K            3     0..7, zero_point 4         8-bit per 16 (***) 0.445
+    Q2_K    GGUF Q2_K            2     0..3                       4-bit, 4-bit per 16 0.328
 
 GGUF's Q8_0, Q4_*, Q5_0 and Q5_1 blocks store float16 scales, kept as they are (the same bytes as the
 file); 5-bit codes are 16 bytes of low nibbles as Q4_1's, then the group's 32 high bits (Q5_0's layout).
@@ -22,9 +24,13 @@ minimum times dmin: the kernel forms both in float32, where the products are exa
 6-bit values (a byte each here, 4 bytes more per 256 values than the file's 144 or 176) and d and dmin.
 (**) Q6_K's scale is per 16 values: an int8 sub-block scale times the super-block's float16 d, formed
 in float32 by the kernel (exact); its codes are re-laid 24 bytes per group of 32 (quantized.h), the
-file's 210 bytes per 256 values exactly. A GGUF tensor of another type (Q2_K, Q3_K) is decoded by the
-format's reference reader and quantized again to int8 (Q8_0's layout): finer than its source, so close
-to it, and said at start-up.
+file's 210 bytes per 256 values exactly. (***) Q3_K's scale likewise: its 6-bit sub-block scale less 32
+as an int8 times d; its codes are 12 bytes per group of 32 (8 of low bit pairs, laid out as Q6_K's high
+pairs, then the group's 32 high bits, as 5 bits hold them): 114 bytes per 256 values for the file's 110.
+Q2_K's codes are 8 bytes of pairs per group, as Q3_K's low pairs, and its scale and minimum per 16 values
+the file's bytes (a nibble each), then d and dmin: the file's 84 bytes per 256 values exactly; its scale is
+d * scale, its offset -(dmin * min), formed in float32 (exact). Any GGUF type without a layout here (the
+IQ formats) is refused when the file is read (gguf_checkpoint.SUPPORTED_TENSOR_TYPES).
 
 `--quantize int8|int4` quantizes a float checkpoint the same way as llama.cpp's Q8_0 and Q4_1
 (round to nearest; a group's scale from its largest magnitude, or its range).
@@ -39,7 +45,7 @@ import numpy as np
 import torch
 
 GROUP_SIZE = 32
-KINDS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K")
+KINDS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q3_K", "Q2_K")
 SUPER_BLOCK = 256  # values per K-quant super-block
 QUANTIZE_CHOICES = ("int8", "int4")
 _NO_OFFSETS = torch.empty(0)
@@ -47,7 +53,7 @@ _NO_OFFSETS = torch.empty(0)
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """One weight in the compiled kernel's layout; `codes` uint8 [out, in] (int8 values) or [out, in / 2]."""
+    """One weight in the compiled kernel's layout; `codes` uint8 [out, in * bits / 8] (int8 values at 8 bits)."""
     kind: str
     codes: torch.Tensor
     scales: torch.Tensor
@@ -91,8 +97,15 @@ class QuantizedWeight:
     def group_values(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Each group's scale and offset (None: no offsets) in float32, [out, groups]; Q4_K's from its
         6-bit values and float16 super-block factors, as the kernel forms them (exact products); Q6_K's
-        per 16 values, [out, 2 * groups], from its int8 scales and float16 d, likewise."""
-        if self.bits == 6:
+        and Q3_K's per 16 values, [out, 2 * groups], from their int8 scales and float16 d, likewise; Q2_K's
+        per 16 values from its nibbles and float16 d and dmin."""
+        if self.bits == 2:
+            subs = self.in_features // 16
+            factors = self.scales[:, subs:].contiguous().view(torch.float16).float().view(-1, subs // 16, 2)
+            d, dmin = (factor.repeat_interleave(16, dim=1) for factor in factors.unbind(-1))
+            nibbles = self.scales[:, :subs]
+            return d * (nibbles & 0xF).float(), -(dmin * (nibbles >> 4).float())
+        if self.bits in (6, 3):
             subs = self.in_features // 16
             d = self.scales[:, subs:].contiguous().view(torch.float16).float()
             scales = self.scales[:, :subs].contiguous().view(torch.int8).float()
@@ -111,6 +124,12 @@ class QuantizedWeight:
         rows, groups = self.out_features, self.in_features // self.group_size
         if self.bits == 8:
             codes = self.codes.view(torch.int8).to(torch.int32).view(rows, groups, self.group_size)
+        elif self.bits in (3, 2):  # 8 bytes: value 8 i + j's low pair at bits 2 i of byte j; 3 bits: 4 of high bits
+            packed = self.codes.view(rows, groups, self.group_size * self.bits // 8).to(torch.int32)
+            codes = torch.cat([(packed[..., :8] >> (2 * i)) & 3 for i in range(4)], dim=-1)
+            if self.bits == 3:
+                high = torch.stack([(packed[..., 8:] >> i) & 1 for i in range(8)], dim=-1).reshape(rows, groups, 32)
+                codes = codes | (high << 2)
         else:  # 16 bytes of low nibbles (value e in byte e % 16), then 5 and 6 bits' high bits
             packed = self.codes.view(rows, groups, self.group_size * self.bits // 8).to(torch.int32)
             codes = torch.cat([packed[..., :16] & 0xF, packed[..., :16] >> 4], dim=-1)
@@ -119,12 +138,15 @@ class QuantizedWeight:
             codes = codes | (high.reshape(rows, groups, 32) << 4)
         elif self.bits == 6:  # 8 bytes: value 8 i + j's high pair at bits 2 i of byte j
             codes = codes | (torch.cat([(packed[..., 16:] >> (2 * i)) & 3 for i in range(4)], dim=-1) << 4)
-            scales = scales.view(rows, 2 * groups, 1).expand(-1, -1, 16).reshape(rows, groups, 32)
-        if scales.dim() == 2:
-            scales = scales.unsqueeze(-1)
+        if self.bits in (6, 3, 2):  # a scale (and for Q2_K an offset) per 16 values
+            scales, offsets = (None if values is None else
+                               values.view(rows, 2 * groups, 1).expand(-1, -1, 16).reshape(rows, groups, 32)
+                               for values in (scales, offsets))
+        else:
+            scales, offsets = (None if values is None else values.unsqueeze(-1) for values in (scales, offsets))
         values = (codes - self.zero_point).float() * scales
         if offsets is not None:
-            values = values + offsets.unsqueeze(-1)
+            values = values + offsets
         return values.view(rows, groups * self.group_size)
 
 
@@ -170,6 +192,10 @@ def from_gguf_blocks(kind: str, data: np.ndarray, out_features: int, in_features
         return _from_q6_k(rows, out_features, in_features)
     if kind == "Q5_K":
         return _from_q5_k(rows, out_features, in_features)
+    if kind == "Q3_K":
+        return _from_q3_k(rows, out_features, in_features)
+    if kind == "Q2_K":
+        return _from_q2_k(rows, out_features, in_features)
     if kind in ("Q5_0", "Q5_1"):
         return _from_q5(kind, rows, out_features, in_features)
     block_bytes = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[kind]
@@ -213,13 +239,24 @@ def _k_scales(blocks: np.ndarray, out_features: int) -> tuple[torch.Tensor, torc
     return torch.from_numpy(np.ascontiguousarray(scales)), torch.from_numpy(sub_mins.reshape(out_features, -1).copy())
 
 
+def _high_bit_bytes(bits: np.ndarray) -> np.ndarray:
+    """Bits [.., groups, 32] (0 or 1) as 4 bytes a group, value e's at bit e (little-endian, as Q5_0's qh)."""
+    grouped = bits.astype(np.uint8).reshape(*bits.shape[:-1], 4, 8)
+    return np.bitwise_or.reduce(grouped << np.arange(8, dtype=np.uint8), axis=-1)
+
+
+def _pair_bytes(pairs: np.ndarray) -> np.ndarray:
+    """2-bit values [.., groups, 32] as 8 bytes a group: byte j holds values j, 8 + j, 16 + j, 24 + j at bits
+    0-1, 2-3, 4-5, 6-7 (Q6_K's high pairs, Q3_K's low pairs)."""
+    quarters = pairs.astype(np.uint8).reshape(*pairs.shape[:-1], 4, 8)
+    return quarters[..., 0, :] | (quarters[..., 1, :] << 2) | (quarters[..., 2, :] << 4) | (quarters[..., 3, :] << 6)
+
+
 def _five_bit_codes(values: np.ndarray) -> np.ndarray:
     """5-bit values [.., groups, 32] as kept: 16 bytes of low nibbles (Q4_1's order), then 4 bytes holding
-    value e's high bit at bit e (little-endian, as Q5_0's qh)."""
+    value e's high bit at bit e."""
     nibbles = (values[..., :16] & 0xF) | ((values[..., 16:] & 0xF) << 4)
-    bits = (values >> 4).astype(np.uint8).reshape(*values.shape[:-1], 4, 8)
-    high = np.bitwise_or.reduce(bits << np.arange(8, dtype=np.uint8), axis=-1)
-    return np.concatenate([nibbles, high], axis=-1).astype(np.uint8)
+    return np.concatenate([nibbles, _high_bit_bytes(values >> 4)], axis=-1).astype(np.uint8)
 
 
 def _from_q5(kind: str, rows: np.ndarray, out_features: int, in_features: int) -> QuantizedWeight:
@@ -262,10 +299,48 @@ def _from_q6_k(rows: np.ndarray, out_features: int, in_features: int) -> Quantiz
                 for i in range(4)]  # the file's value order within each half: quarters of 32
     values = np.stack(quarters, axis=3).reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
     nibbles = (values[..., :16] & 0xF) | ((values[..., 16:] & 0xF) << 4)
-    pairs = (values >> 4).reshape(out_features, -1, 4, 8)
-    high_bytes = pairs[..., 0, :] | (pairs[..., 1, :] << 2) | (pairs[..., 2, :] << 4) | (pairs[..., 3, :] << 6)
-    codes = np.concatenate([nibbles, high_bytes], axis=-1).astype(np.uint8).reshape(out_features, -1)
+    codes = np.concatenate([nibbles, _pair_bytes(values >> 4)], axis=-1).astype(np.uint8).reshape(out_features, -1)
     scales = np.concatenate([blocks[..., 192:208].reshape(out_features, -1), blocks[..., 208:210].reshape(out_features, -1)],
                             axis=1)
     return QuantizedWeight("Q6_K", torch.from_numpy(codes), torch.from_numpy(np.ascontiguousarray(scales)), None, 6,
                            zero_point=32)
+
+
+def _from_q3_k(rows: np.ndarray, out_features: int, in_features: int) -> QuantizedWeight:
+    """Q3_K's 110-byte super-blocks of 256 values: 32 bytes of high bits (bit 4 h + j of byte l: value
+    128 h + 32 j + l), 64 bytes of low pairs (bits 2 j of byte 32 h + l: the same value), twelve bytes of
+    sixteen 6-bit scales (one per 16 values), float16 d. Value = d * (scale - 32) * (code - 4). Kept: the
+    codes re-laid per group of 32 (8 bytes of low pairs, then 4 of high bits), then per row the scales less
+    32 as int8 and each d's bytes, as Q6_K's."""
+    supers = in_features // SUPER_BLOCK
+    blocks = rows.reshape(out_features, supers, 110)
+    high_mask = blocks[..., 0:32].reshape(out_features, supers, 1, 1, 32)
+    low_pairs = blocks[..., 32:96].reshape(out_features, supers, 2, 1, 32)  # [.., half, 1, 32]
+    low = (low_pairs >> (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1)) & 3  # [.., half, quarter, 32]
+    high = (high_mask >> np.arange(8, dtype=np.uint8).reshape(2, 4, 1)) & 1
+    values = (low | (high << 2)).reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
+    codes = np.concatenate([_pair_bytes(values & 3), _high_bit_bytes(values >> 2)], axis=-1)
+    packed = blocks[..., 96:108]  # scale i: low nibble of byte i % 8 (high nibble from i = 8 on), then bits
+    low_nibbles = np.concatenate([packed[..., :8] & 0xF, packed[..., :8] >> 4], axis=-1)  # 2 (i / 4) of byte 8 + i % 4
+    high_pairs = np.concatenate([(packed[..., 8:] >> (2 * i)) & 3 for i in range(4)], axis=-1)
+    sub_scales = (low_nibbles | (high_pairs << 4)).astype(np.int16) - 32
+    scales = np.concatenate([sub_scales.astype(np.int8).view(np.uint8).reshape(out_features, -1),
+                             blocks[..., 108:110].reshape(out_features, -1)], axis=1)
+    return QuantizedWeight("Q3_K", torch.from_numpy(codes.astype(np.uint8).reshape(out_features, -1)),
+                           torch.from_numpy(np.ascontiguousarray(scales)), None, 3, zero_point=4)
+
+
+def _from_q2_k(rows: np.ndarray, out_features: int, in_features: int) -> QuantizedWeight:
+    """Q2_K's 84-byte super-blocks of 256 values: sixteen bytes of a 4-bit scale (low nibble) and minimum
+    (high nibble) per 16 values, 64 bytes of pairs (bits 2 j of byte 32 h + l: value 128 h + 32 j + l),
+    float16 d and dmin. Value = d * scale * code - dmin * min. Kept: the codes re-laid per group of 32 (8
+    bytes, as Q3_K's low pairs), then per row the scale bytes as they are and each d and dmin's bytes."""
+    supers = in_features // SUPER_BLOCK
+    blocks = rows.reshape(out_features, supers, 84)
+    pairs = blocks[..., 16:80].reshape(out_features, supers, 2, 1, 32)  # [.., half, 1, 32]
+    values = (pairs >> (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1)) & 3  # [.., half, quarter, 32]
+    codes = _pair_bytes(values.reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE))
+    scales = np.concatenate([blocks[..., :16].reshape(out_features, -1), blocks[..., 80:84].reshape(out_features, -1)],
+                            axis=1)
+    return QuantizedWeight("Q2_K", torch.from_numpy(codes.reshape(out_features, -1)),
+                           torch.from_numpy(np.ascontiguousarray(scales)), None, 2)

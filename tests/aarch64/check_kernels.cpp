@@ -177,34 +177,49 @@ bool check_quantized(std::mt19937& generator) {
     return ok;
 }
 
-// Q6_K (6-bit codes, an int8 scale per 16 values times a float16 d per 256): the decoded weight against a
-// decoding written here from quantized.h's layout, bit for bit, and each row alone as in the batch.
-bool check_q6_k(std::mt19937& generator) {
+// Q6_K and Q3_K (6- and 3-bit codes, an int8 scale per 16 values times a float16 d per 256) and Q2_K (2-bit
+// codes, a 4-bit scale and minimum per 16 values times float16 d and dmin per 256): the decoded weight
+// against a decoding written here from quantized.h's layouts, bit for bit, and each row alone as in the batch.
+bool check_half_group_scales(std::mt19937& generator, int bits) {
     constexpr int64_t ROWS = 5, OUT = 6, IN = 512, SUBS = IN / 16;
+    const int zero_point = bits == 6 ? 32 : bits == 3 ? 4 : 0;
+    const int64_t group_bytes = 32 * bits / 8, factors = bits == 2 ? 2 : 1;  // d (and dmin) per 256 values
+    const int64_t row_bytes = SUBS + SUBS / 8 * factors;
     std::uniform_int_distribution<int> byte(0, 255);
-    std::vector<uint8_t> codes(OUT * IN * 6 / 8), scales(OUT * (SUBS + SUBS / 8));
+    std::vector<uint8_t> codes(OUT * IN * bits / 8), scales(OUT * row_bytes);
     for (auto& code : codes) code = static_cast<uint8_t>(byte(generator));
     for (int64_t n = 0; n < OUT; ++n) {
-        uint8_t* row = scales.data() + n * (SUBS + SUBS / 8);
+        uint8_t* row = scales.data() + n * row_bytes;
         for (int64_t s = 0; s < SUBS; ++s) row[s] = static_cast<uint8_t>(byte(generator));
-        for (int64_t b = 0; b < IN / 256; ++b) {
+        for (int64_t f = 0; f < IN / 256 * factors; ++f) {
             const c10::Half d = static_cast<c10::Half>(0.0001f * (1 + byte(generator) % 50));
-            std::memcpy(row + SUBS + 2 * b, &d, 2);
+            std::memcpy(row + SUBS + 2 * f, &d, 2);
         }
     }
-    const QuantizedWeight weight{codes.data(), 6, 32, OUT, IN, 32, scales.data(), nullptr, false};
+    const QuantizedWeight weight{codes.data(), bits, zero_point, OUT, IN, 32, scales.data(), nullptr, false};
     std::vector<float> decoded(OUT * IN), x(ROWS * IN), out(ROWS * OUT), alone(OUT);
     dequantize_rows(weight, 0, OUT, decoded.data());
     bool same = true;
     for (int64_t n = 0; n < OUT; ++n) {
-        const uint8_t* row = scales.data() + n * (SUBS + SUBS / 8);
+        const uint8_t* row = scales.data() + n * row_bytes;
         for (int64_t k = 0; k < IN; ++k) {
-            const uint8_t* group = codes.data() + n * IN * 6 / 8 + k / 32 * 24;
+            const uint8_t* group = codes.data() + n * IN * bits / 8 + k / 32 * group_bytes;
             const int64_t e = k % 32;
-            const int code = ((group[e % 16] >> (e >= 16 ? 4 : 0)) & 0xF) | ((group[16 + e % 8] >> (2 * (e / 8))) & 3) << 4;
-            c10::Half d;
-            std::memcpy(&d, row + SUBS + 2 * (k / 256), 2);
-            const float expected = static_cast<float>(d) * static_cast<float>(static_cast<int8_t>(row[k / 16])) * (code - 32);
+            int code;
+            if (bits == 6) {
+                code = ((group[e % 16] >> (e >= 16 ? 4 : 0)) & 0xF) | ((group[16 + e % 8] >> (2 * (e / 8))) & 3) << 4;
+            } else {
+                code = (group[e % 8] >> (2 * (e / 8))) & 3;
+                if (bits == 3) code |= ((group[8 + e / 8] >> (e % 8)) & 1) << 2;
+            }
+            c10::Half d, dmin;
+            std::memcpy(&d, row + SUBS + 2 * factors * (k / 256), 2);
+            std::memcpy(&dmin, row + SUBS + 2 * factors * (k / 256) + 2, 2);
+            const float expected =
+                bits == 2 ? static_cast<float>(d) * static_cast<float>(row[k / 16] & 0xF) * code -
+                                static_cast<float>(dmin) * static_cast<float>(row[k / 16] >> 4)
+                          : static_cast<float>(d) * static_cast<float>(static_cast<int8_t>(row[k / 16])) *
+                                (code - zero_point);
             same = same && expected == decoded[n * IN + k];
         }
     }
@@ -215,7 +230,8 @@ bool check_q6_k(std::mt19937& generator) {
         quantized_matmul(weight, x.data() + r * IN, 1, IN, nullptr, alone.data(), OUT);
         same = same && std::memcmp(alone.data(), out.data() + r * OUT, OUT * sizeof(float)) == 0;
     }
-    std::printf("quantized Q6_K: decoded as its layout says and rows alone as in the batch: %s\n", same ? "yes" : "NO");
+    std::printf("quantized %s: decoded as its layout says and rows alone as in the batch: %s\n",
+                bits == 6 ? "Q6_K" : bits == 3 ? "Q3_K" : "Q2_K", same ? "yes" : "NO");
     return same;
 }
 
@@ -233,7 +249,8 @@ int main() {
     for (int64_t n : QUERY_LENS) c.query_start.push_back(c.query_start.back() + n);
     c.queries.resize(c.query_start.back() * HEADS * HEAD_DIM);
     for (float& value : c.queries) value = normal(generator);
-    bool ok = check_rowwise() & check_quantized(generator) & check_q6_k(generator);
+    bool ok = check_rowwise() & check_quantized(generator);
+    for (int bits : {6, 3, 2}) ok = check_half_group_scales(generator, bits) & ok;
     for (int64_t window : {0, 33}) {  // 33: windows that begin inside a 32-key step
         for (float softcap : {0.f, 1.5f}) {
             ok = check<float>(c, "float32", 1e-5, window, softcap) &
