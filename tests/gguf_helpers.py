@@ -30,9 +30,11 @@ TRAINING_TEXT = [
     "def main():\n    return [x * 2 for x in range(10)]\n",
 ] * 20
 
-# Where the float16 scale fields of each K-quant block sit (ggml's block_q*_K structs), so random
-# test blocks get finite scales.
-K_QUANT_HALF_OFFSETS = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+# Where the float16 scale fields of each K-quant and IQ block sit (ggml's block_q*_K and block_iq* structs),
+# so random test blocks get finite scales (IQ1_M packs its scale in its sub-block scales' top nibbles).
+K_QUANT_HALF_OFFSETS = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
+                        **{kind: (0,) for kind in (Q.IQ4_NL, Q.IQ4_XS, Q.IQ3_S, Q.IQ3_XXS, Q.IQ2_S, Q.IQ2_XS,
+                                                   Q.IQ2_XXS, Q.IQ1_S)}}
 
 
 def smollm2_gguf() -> Path | None:

@@ -93,9 +93,12 @@ def test_block_quants_decode_like_the_format_spec(tmp_path, kind):
     assert np.abs(ours - values).max() < 0.35  # and it is the tensor that was quantized
 
 
-@pytest.mark.parametrize("kind", [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda kind: kind.name)
-def test_k_quants_decode_like_an_independent_implementation(tmp_path, kind):
-    # gguf cannot quantize to K-quants; random blocks (with finite scales) exercise every bit.
+IQ_TYPES = [Q.IQ4_NL, Q.IQ4_XS, Q.IQ3_S, Q.IQ3_XXS, Q.IQ2_S, Q.IQ2_XS, Q.IQ2_XXS, Q.IQ1_S, Q.IQ1_M]
+
+
+@pytest.mark.parametrize("kind", [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, *IQ_TYPES], ids=lambda kind: kind.name)
+def test_k_quants_and_iq_types_decode_like_an_independent_implementation(tmp_path, kind):
+    # gguf cannot quantize to K-quants or IQ types; random blocks (with finite scales) exercise every bit.
     # transformers' torch decoder (from ComfyUI-GGUF) is a separate implementation of the format.
     dequant = pytest.importorskip("transformers.integrations.gguf.dequant")
     ours, raw = _decode_one(tmp_path, random_blocks(kind, 4, 512), kind)
@@ -119,7 +122,7 @@ def test_float_types_decode_exactly(tmp_path, kind):
 
 def test_every_supported_type_is_tested():
     tested = {Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
-              Q.F32, Q.F16, Q.BF16}
+              Q.F32, Q.F16, Q.BF16, *IQ_TYPES}
     assert set(SUPPORTED_TENSOR_TYPES) == tested
 
 
@@ -218,10 +221,10 @@ def test_qwen3_file_keeps_its_head_norms_and_matches_transformers(tmp_path, toke
 def test_unsupported_tensor_type_names_it_and_the_supported_ones(tmp_path, tokenizer):
     config = tiny_llama_config(vocab_size=len(tokenizer[0]))
     stored = gguf_tensors(config, random_hf_weights(config))
-    stored["blk.1.ffn_up.weight"] = random_blocks(Q.IQ4_NL, 128, 64)
-    path = write_gguf(tmp_path / "iq.gguf", config, stored, {"blk.1.ffn_up.weight": Q.IQ4_NL}, tokenizer=tokenizer)
-    with pytest.raises(ValueError, match=r"'blk.1.ffn_up.weight' has type IQ4_NL.*supported: F32, F16, BF16, "
-                                         r"Q8_0, Q4_0, Q4_1.*Q6_K"):
+    stored["blk.1.ffn_up.weight"] = random_blocks(Q.Q8_1, 128, 64)  # llama.cpp's activation blocks
+    path = write_gguf(tmp_path / "q8_1.gguf", config, stored, {"blk.1.ffn_up.weight": Q.Q8_1}, tokenizer=tokenizer)
+    with pytest.raises(ValueError, match=r"'blk.1.ffn_up.weight' has type Q8_1.*supported: F32, F16, BF16, "
+                                         r"Q8_0, Q4_0, Q4_1.*Q6_K, IQ4_NL"):
         convert_gguf(path, tmp_path / "cache")
     assert not [entry for entry in (tmp_path / "cache" / "gguf").iterdir() if entry.is_dir()]  # no debris
 

@@ -29,8 +29,9 @@ as an int8 times d; its codes are 12 bytes per group of 32 (8 of low bit pairs, 
 pairs, then the group's 32 high bits, as 5 bits hold them): 114 bytes per 256 values for the file's 110.
 Q2_K's codes are 8 bytes of pairs per group, as Q3_K's low pairs, and its scale and minimum per 16 values
 the file's bytes (a nibble each), then d and dmin: the file's 84 bytes per 256 values exactly; its scale is
-d * scale, its offset -(dmin * min), formed in float32 (exact). Any GGUF type without a layout here (the
-IQ formats) is refused when the file is read (gguf_checkpoint.SUPPORTED_TENSOR_TYPES).
+d * scale, its offset -(dmin * min), formed in float32 (exact). A GGUF tensor of a type without a layout
+here (the IQ formats: IQ4_NL, IQ4_XS, IQ3_*, IQ2_*, IQ1_*) is decoded by the format's reference reader and
+quantized again to int8 (Q8_0's layout): finer than its source, so close to it, and said at start-up.
 
 `--quantize int8|int4` quantizes a float checkpoint the same way as llama.cpp's Q8_0 and Q4_1
 (round to nearest; a group's scale from its largest magnitude, or its range).
