@@ -1,5 +1,5 @@
 """K-quant blocks written for the tests (gguf's Python writer quantizes to Q8_0, Q4_* and Q5_* only):
-Q2_K to Q6_K as ggml lays out block_q2_K .. block_q6_K, from float values by round to nearest. Simpler
+Q2_K to Q6_K and IQ4_XS as ggml lays out block_q2_K .. block_q6_K and block_iq4_xs, from float values by round to nearest. Simpler
 than llama.cpp's quantizer (no search for the best scales), so a little less accurate, but every byte
 is what the format's reader (gguf.quants.dequantize) decodes: the tests check that round trip."""
 
@@ -93,3 +93,24 @@ def encode_q2_k(values: np.ndarray) -> np.ndarray:
     blocks = np.concatenate([scales | mins << 4, pairs.reshape(-1, 64), d.view(np.uint8).reshape(-1, 2),
                              dmin.view(np.uint8).reshape(-1, 2)], axis=1)
     return blocks.reshape(rows, cols // SUPER_BLOCK * 84)
+
+
+IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
+
+
+def encode_iq4_xs(values: np.ndarray) -> np.ndarray:
+    """[rows, cols] float values (cols a multiple of 256) as IQ4_XS bytes [rows, cols / 256 * 136]: each value
+    the nearest of its sub-block's 16 levels."""
+    rows, cols = values.shape
+    x = values.astype(np.float32).reshape(-1, 8, 32)  # [super-block, sub-block of 32, 32]
+    sub_scales = np.abs(x).max(-1) / 127
+    d = _half(sub_scales.max(-1) / 31)
+    scales = np.clip(np.round(_divide(sub_scales, d.astype(np.float32)[:, None])), -32, 31).astype(np.int16)
+    step = (d.astype(np.float32)[:, None] * scales.astype(np.float32))[..., None, None]
+    q = np.abs(x[..., None] - step * IQ4_LEVELS).argmin(-1).astype(np.uint8)  # [.., sub-block, 32]
+    nibbles = (q[..., :16] | q[..., 16:] << 4).reshape(-1, 128)
+    six = (scales + 32).astype(np.uint16)
+    high = np.bitwise_or.reduce((six >> 4) << (2 * np.arange(8, dtype=np.uint16)), axis=1).astype("<u2")
+    low = (six[:, 0::2] & 0xF | (six[:, 1::2] & 0xF) << 4).astype(np.uint8)
+    blocks = np.concatenate([d.view(np.uint8).reshape(-1, 2), high.view(np.uint8).reshape(-1, 2), low, nibbles], axis=1)
+    return blocks.reshape(rows, cols // SUPER_BLOCK * 136)

@@ -232,4 +232,4 @@ def test_the_aarch64_kernels_compute_attention_under_qemu(backend, tmp_path):
     assert f"{backend.lower()} float32" in ran.stdout and "alone as in the batch: yes" in ran.stdout
     assert all(f"quantized int{bits}: worst" in ran.stdout for bits in (8, 5, 4))
     assert all(f"quantized {kind}: decoded as its layout says and rows alone as in the batch: yes" in ran.stdout
-               for kind in ("Q6_K", "Q3_K", "Q2_K"))
+               for kind in ("Q6_K", "Q3_K", "Q2_K", "IQ4_NL"))

@@ -12,7 +12,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
-from k_quants import encode_q2_k, encode_q3_k, encode_q4_k, encode_q6_k
+from k_quants import encode_iq4_xs, encode_q2_k, encode_q3_k, encode_q4_k, encode_q6_k
 from gguf_helpers import (encode_tensor, gguf_tensors, random_blocks, random_hf_weights, tiny_llama_config,
                           train_tokenizer, write_gguf)
 from prefixserve import LLM, SamplingParams
@@ -23,14 +23,15 @@ from prefixserve.model.quantized_linear import QuantizedLinear
 from prefixserve.model.quantized_model import serve_quantized, weight_memory
 
 Q = GGMLQuantizationType
-KINDS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q3_K", "Q2_K")
+KINDS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS")
 # Bytes kept per 256 values for each 256 the file has: the K-quants' 6-bit scales and minimums a byte each
-KEPT_PER_FILE = {"Q4_K": (148, 144), "Q5_K": (180, 176), "Q3_K": (114, 110)}
+KEPT_PER_FILE = {"Q4_K": (148, 144), "Q5_K": (180, 176), "Q3_K": (114, 110), "IQ4_XS": (138, 136)}
 
 
 def gguf_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    """Bytes of a [rows, cols] tensor of `kind`: quantized by the format's writer, or random K-quant blocks."""
-    if kind.endswith("_K"):
+    """Bytes of a [rows, cols] tensor of `kind`: quantized by the format's writer, or random K-quant and IQ
+    blocks."""
+    if kind.endswith("_K") or kind.startswith("IQ"):
         return random_blocks(Q[kind], rows, cols, seed)
     values = np.random.default_rng(seed).normal(0, 0.05, size=(rows, cols)).astype(np.float32)
     return encode_tensor(values, Q[kind])
@@ -92,10 +93,14 @@ def test_q4_k_scales_formed_from_the_file_bytes_are_the_float32_scales_bit_for_b
         kernel_variant.quantized_matmul(x, *bad.kernel_arguments(), None)
 
 
-@pytest.mark.parametrize("kind", ["Q6_K", "Q3_K", "Q2_K"])
-def test_kinds_scaled_per_16_values_decode_to_the_format_readers_values_bit_for_bit(kernel_variant, kind):
+BAD_SCALES = {"Q6_K": "Q6_K scales must be uint8", "Q3_K": "Q3_K scales must be uint8", "Q2_K": "Q2_K scales must be "
+              "uint8", "IQ4_NL": "scales and offsets must be contiguous", "IQ4_XS": "IQ4_XS scales must be uint8"}
+
+
+@pytest.mark.parametrize("kind", list(BAD_SCALES))
+def test_kinds_of_exact_products_decode_to_the_format_readers_values_bit_for_bit(kernel_variant, kind):
     # d * scale is exact in float32 and so is its product with a 6-, 3- or 2-bit code (and Q2_K's offset
-    # -(dmin * min)): no rounding to differ in
+    # -(dmin * min)), or with an IQ4 level (8 bits): no rounding to differ in
     rows, cols = 21, 768
     raw = gguf_blocks(kind, rows, cols, seed=3)
     weight = from_gguf_blocks(kind, raw, rows, cols)
@@ -107,7 +112,7 @@ def test_kinds_scaled_per_16_values_decode_to_the_format_readers_values_bit_for_
         assert torch.equal(kernel_variant.quantized_matmul(x[:size], *weight.kernel_arguments(), None),
                            kernel_variant.quantized_matmul(x, *weight.kernel_arguments(), None)[:size])
     bad = replace(weight, scales=weight.scales[:, :-2].contiguous())
-    with pytest.raises(RuntimeError, match=f"{kind} scales must be uint8"):
+    with pytest.raises(RuntimeError, match=BAD_SCALES[kind]):
         kernel_variant.quantized_matmul(x, *bad.kernel_arguments(), None)
     with pytest.raises(RuntimeError, match=f"zero_point {weight.zero_point}"):
         kernel_variant.quantized_matmul(x, *replace(weight, zero_point=weight.zero_point + 1).kernel_arguments(), None)
@@ -163,11 +168,11 @@ def quantized_gguf(tmp_path_factory):
     return write_gguf(tmp_path_factory.mktemp("quantized") / "mixed.gguf", config, stored, kinds, tokenizer=tokenizer)
 
 
-@pytest.fixture(scope="module", params=["Q4_K", "Q5_K", "Q3_K", "Q2_K"])
+@pytest.fixture(scope="module", params=["Q4_K", "Q5_K", "Q3_K", "Q2_K", "IQ4_XS"])
 def k_quant_gguf(request, tmp_path_factory):
-    """A 2-layer llama GGUF mixed as llama.cpp's Q4_K_M, Q5_K_M, Q3_K_M and Q2_K files are: Q4_K (Q5_K, Q3_K,
-    Q2_K) projections, Q6_K for attn_v, ffn_down, the embedding and the output (rows of 256 values: K-quants'
-    super-blocks)."""
+    """A 2-layer llama GGUF mixed as llama.cpp's Q4_K_M, Q5_K_M, Q3_K_M, Q2_K and IQ4_XS files are: Q4_K (Q5_K,
+    Q3_K, Q2_K, IQ4_XS) projections, Q6_K for attn_v, ffn_down, the embedding and the output (rows of 256
+    values: K-quants' super-blocks)."""
     tokenizer = train_tokenizer()
     config = tiny_llama_config(vocab_size=len(tokenizer[0])) | {"hidden_size": 256, "intermediate_size": 512,
                                                                 "head_dim": 64}
@@ -178,7 +183,7 @@ def k_quant_gguf(request, tmp_path_factory):
         if value.ndim == 2:
             kinds[name] = Q.Q6_K if name.endswith(six) else Q[request.param]
             encode = {"Q4_K": encode_q4_k, "Q5_K": lambda value: encode_q4_k(value, bits=5), "Q3_K": encode_q3_k,
-                      "Q2_K": encode_q2_k}[request.param]
+                      "Q2_K": encode_q2_k, "IQ4_XS": encode_iq4_xs}[request.param]
             value = encode_q6_k(value) if kinds[name] == Q.Q6_K else encode(value)
         tensors[name] = value
     path = tmp_path_factory.mktemp("k_quants") / f"{request.param}_M.gguf"

@@ -19,7 +19,7 @@ void check_blocks(const torch::Tensor& tables, int64_t i, int64_t first, int64_t
 // A quantized weight's tensors (quantized.h), checked.
 QuantizedWeight quantized_weight_of(const torch::Tensor& codes, const torch::Tensor& scales,
                                     const torch::Tensor& offsets, int64_t bits, int64_t group_size,
-                                    int64_t zero_point);
+                                    int64_t zero_point, const torch::Tensor& levels);
 
 // prefixserve._C.DecoderStack (decoder_stack.cpp).
 void bind_decoder_stack(py::module& m);

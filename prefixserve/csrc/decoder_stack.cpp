@@ -138,7 +138,7 @@ class DecoderStack {
     }
 
     // (parts, bias): parts a list of kernel_arguments tuples (codes, scales, offsets, bits, group_size,
-    // zero_point) in output order, bias a float32 tensor or None.
+    // zero_point, levels) in output order, bias a float32 tensor or None.
     Projection projection(const py::handle& spec, int64_t in_features, int64_t out_features) {
         const auto pair = spec.cast<py::tuple>();
         TORCH_CHECK(pair.size() == 2, "a projection is (parts, bias)");
@@ -146,13 +146,14 @@ class DecoderStack {
         projection.in_features = in_features;
         for (const auto& item : pair[0].cast<py::list>()) {
             const auto arguments = item.cast<py::tuple>();
-            TORCH_CHECK(arguments.size() == 6, "a part is (codes, scales, offsets, bits, group_size, zero_point)");
+            TORCH_CHECK(arguments.size() == 7,
+                        "a part is (codes, scales, offsets, bits, group_size, zero_point, levels)");
             const auto codes = arguments[0].cast<torch::Tensor>(), scales = arguments[1].cast<torch::Tensor>();
-            const auto offsets = arguments[2].cast<torch::Tensor>();
+            const auto offsets = arguments[2].cast<torch::Tensor>(), levels = arguments[6].cast<torch::Tensor>();
             const auto weight = quantized_weight_of(codes, scales, offsets, arguments[3].cast<int64_t>(),
-                                                    arguments[4].cast<int64_t>(), arguments[5].cast<int64_t>());
+                                                    arguments[4].cast<int64_t>(), arguments[5].cast<int64_t>(), levels);
             TORCH_CHECK(weight.cols == in_features, "a projection's parts must take ", in_features, " inputs");
-            held_.insert(held_.end(), {codes, scales, offsets});
+            held_.insert(held_.end(), {codes, scales, offsets, levels});
             projection.parts.push_back(weight);
             projection.out_features += weight.rows;
         }

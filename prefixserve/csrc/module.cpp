@@ -52,10 +52,12 @@ void check_blocks(const torch::Tensor& tables, int64_t i, int64_t first, int64_t
 // offsets (or an empty tensor for none) [rows, cols / group_size] float16 or float32, or Q4_K's (Q5_K's)
 // bytes: scales uint8 [rows, groups + groups / 2] (6-bit scales, then float16 d and dmin per 8 groups),
 // offsets uint8 [rows, groups] (6-bit minimums), or Q6_K's (Q3_K's): int8 scales per 16 values, then d, or
-// Q2_K's: a byte per 16 values (4-bit scale and minimum), then d and dmin.
+// Q2_K's: a byte per 16 values (4-bit scale and minimum), then d and dmin. levels: int8 [16] (4-bit codes'
+// values, IQ4_NL and IQ4_XS) or an empty tensor; with them, scales float16 (IQ4_NL) or IQ4_XS's bytes: int8
+// scales per group, then float16 d per 8 groups.
 prefixserve::QuantizedWeight quantized_weight_of(const torch::Tensor& codes, const torch::Tensor& scales,
                                                  const torch::Tensor& offsets, int64_t bits, int64_t group_size,
-                                                 int64_t zero_point) {
+                                                 int64_t zero_point, const torch::Tensor& levels) {
     TORCH_CHECK((bits == 8 || (bits >= 2 && bits <= 6)) && group_size == 32,
                 "bits must be 8, 6, 5, 4, 3 or 2, group_size 32");
     TORCH_CHECK(codes.device().is_cpu() && codes.dim() == 2 && codes.is_contiguous() && codes.element_size() == 1,
@@ -69,8 +71,19 @@ prefixserve::QuantizedWeight quantized_weight_of(const torch::Tensor& codes, con
         return values.device().is_cpu() && values.is_contiguous() && values.dim() == 2 && values.size(0) == rows &&
                values.size(1) == width;
     };
-    const bool k_scales = scales.scalar_type() == torch::kUInt8 && (bits == 4 || bits == 5);
-    if (bits == 2) {
+    const bool has_levels = levels.numel() > 0;
+    TORCH_CHECK(!has_levels || (bits == 4 && zero_point == 0 && !has_offsets && levels.device().is_cpu() &&
+                                levels.scalar_type() == torch::kInt8 && levels.dim() == 1 && levels.size(0) == 16 &&
+                                levels.is_contiguous()),
+                "levels must be a contiguous int8 tensor of 16 values, for 4-bit codes with zero_point 0 and no "
+                "offsets (IQ4_NL, IQ4_XS)");
+    const bool int8_scales = has_levels && scales.scalar_type() == torch::kUInt8;
+    const bool k_scales = scales.scalar_type() == torch::kUInt8 && (bits == 4 || bits == 5) && !int8_scales;
+    if (int8_scales) {
+        TORCH_CHECK(groups % 8 == 0 && is_matrix(scales, groups + groups / 4),
+                    "IQ4_XS scales must be uint8 [rows, groups + groups / 4] (int8 scales, then float16 d per 256 "
+                    "values), in whole super-blocks of 256 values");
+    } else if (bits == 2) {
         TORCH_CHECK(zero_point == 0 && groups % 8 == 0 && scales.scalar_type() == torch::kUInt8 &&
                         is_matrix(scales, 2 * groups + groups / 2) && !has_offsets,
                     "Q2_K scales must be uint8 [rows, cols / 16 + cols / 64] (a 4-bit scale and minimum per 16 "
@@ -99,7 +112,8 @@ prefixserve::QuantizedWeight quantized_weight_of(const torch::Tensor& codes, con
     }
     return {codes.data_ptr<uint8_t>(), static_cast<int32_t>(bits), static_cast<int32_t>(zero_point), rows, cols,
             group_size, scales.data_ptr(), has_offsets ? offsets.data_ptr() : nullptr,
-            scales.scalar_type() == torch::kFloat16, k_scales};
+            scales.scalar_type() == torch::kFloat16, k_scales,
+            has_levels ? levels.data_ptr<int8_t>() : nullptr, int8_scales};
 }
 
 }  // namespace prefixserve::binding
@@ -278,9 +292,10 @@ const KernelTable& quantized_kernels(const py::object& capsule) {
 // x [num_rows, cols] float32 (rows may be strided) times the quantized weight: out [num_rows, rows].
 torch::Tensor quantized_matmul(const py::object& capsule, const torch::Tensor& x, const torch::Tensor& codes,
                                const torch::Tensor& scales, const torch::Tensor& offsets, int64_t bits,
-                               int64_t group_size, int64_t zero_point, const c10::optional<torch::Tensor>& bias) {
+                               int64_t group_size, int64_t zero_point, const torch::Tensor& levels,
+                               const c10::optional<torch::Tensor>& bias) {
     const KernelTable& kernels = quantized_kernels(capsule);
-    const auto weight = quantized_weight_of(codes, scales, offsets, bits, group_size, zero_point);
+    const auto weight = quantized_weight_of(codes, scales, offsets, bits, group_size, zero_point, levels);
     TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1 &&
                     x.size(1) == weight.cols,
                 "x must be a float32 CPU tensor [rows, in_features] with contiguous rows");
@@ -299,9 +314,10 @@ torch::Tensor quantized_matmul(const py::object& capsule, const torch::Tensor& x
 
 // The weight's rows [first, first + count) decoded to float32, as the matmul decodes them.
 torch::Tensor dequantize(const py::object& capsule, const torch::Tensor& codes, const torch::Tensor& scales,
-                         const torch::Tensor& offsets, int64_t bits, int64_t group_size, int64_t zero_point) {
+                         const torch::Tensor& offsets, int64_t bits, int64_t group_size, int64_t zero_point,
+                         const torch::Tensor& levels) {
     const KernelTable& kernels = quantized_kernels(capsule);
-    const auto weight = quantized_weight_of(codes, scales, offsets, bits, group_size, zero_point);
+    const auto weight = quantized_weight_of(codes, scales, offsets, bits, group_size, zero_point, levels);
     auto out = torch::empty({weight.rows, weight.cols}, torch::kFloat32);
     py::gil_scoped_release released;
     kernels.dequantize_rows(weight, 0, weight.rows, out.data_ptr<float>());

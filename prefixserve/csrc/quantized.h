@@ -12,6 +12,8 @@
 //   bits 4   0 .. 15, two per byte, group_size 32: the 16 bytes of group g of row n hold
 //            values 0 .. 15 of the group in their low nibbles and 16 .. 31 in their high nibbles,
 //            as GGUF's Q4_0 and Q4_1 blocks do                       (Q4_0: zero_point 8; Q4_1, Q4_K)
+//            With `levels` (IQ4_NL, IQ4_XS), a code stands for levels[code] instead of code - zero_point:
+//            w = scale * levels[code] + offset, the 16 levels int8.
 //
 //       byte j of a group:   [ high nibble: value 16 + j | low nibble: value j ]
 //
@@ -33,6 +35,9 @@
 // `scales` is its groups' 6-bit scales (a byte each), then each super-block's float16 d and dmin
 // ([rows, groups + groups / 2] bytes), and row n of `offsets` its groups' 6-bit minimums
 // ([rows, groups] bytes). Then scale = d * scale_g and offset = -(dmin * min_g), both exact in float32.
+// IQ4_XS (`int8_scales`, bits 4 with levels) has an int8 scale per group and no offsets: row n of `scales`
+// is its groups' int8 scales, then each super-block's float16 d ([rows, groups + groups / 4] bytes); group g's
+// scale is d * scale_g, exact in float32.
 // Q6_K and Q3_K (bits 6 and 3) have a scale per 16 values and no offsets: row n of `scales` is its int8
 // scales (a byte per 16 values), then each super-block's float16 d ([rows, cols / 16 + cols / 128] bytes);
 // value k's scale is d * scale_{k / 16}, exact in float32. Q2_K (bits 2) has a scale and an offset per 16
@@ -54,6 +59,8 @@ struct QuantizedWeight {
     const void* offsets;  // the same, or null
     bool half_scales;     // float16 scales and offsets (else float32)
     bool k_scales = false;  // Q4_K's (Q5_K's) 6-bit scales and minimums with float16 super-block factors (above)
+    const int8_t* levels = nullptr;  // the 16 values a 4-bit code stands for (IQ4_NL, IQ4_XS); null: code - zero_point
+    bool int8_scales = false;        // IQ4_XS's int8 scale per group with a float16 d per 256 values (above)
 };
 
 // out[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]) for m < num_rows (x [num_rows, cols] with row stride

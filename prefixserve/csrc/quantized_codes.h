@@ -26,6 +26,11 @@ inline uint32_t high_bits(const uint8_t* p) {
 }
 
 #if defined(PREFIXSERVE_SIMD_AVX512)
+// The 16 values a 4-bit code stands for (quantized.h's levels: IQ4_NL, IQ4_XS) as float lanes, made once per call.
+using Levels = __m512;
+inline Levels levels_of(const QuantizedWeight& weight) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(weight.levels))));
+}
 // W int8 codes at p as float lanes (exact; 8-bit codes have zero_point 0, quantized.h).
 inline vf int8_lanes(const uint8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -69,6 +74,15 @@ inline void pair_code_lanes(const uint8_t* p, __m512i zero_point, __m512* out) {
     out[1] = _mm512_cvtepi32_ps(_mm512_sub_epi32(second, zero_point));
 }
 #elif defined(PREFIXSERVE_SIMD_AVX2)
+struct Levels {
+    __m256 low, high;  // the values of codes 0 .. 7 and 8 .. 15
+};
+inline Levels levels_of(const QuantizedWeight& weight) {
+    auto eight = [](const int8_t* p) {
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    };
+    return {eight(weight.levels), eight(weight.levels + 8)};
+}
 inline vf int8_lanes(const uint8_t* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
@@ -119,6 +133,14 @@ inline void pair_code_lanes(const uint8_t* p, __m256i zero_point, __m256* out) {
 #else
 // NEON and portable: the codes are widened one lane at a time (exact either way); the multiply-adds
 // that dominate stay vector operations.
+struct Levels {
+    float values[16];
+};
+inline Levels levels_of(const QuantizedWeight& weight) {
+    Levels levels;
+    for (int code = 0; code < 16; ++code) levels.values[code] = static_cast<float>(weight.levels[code]);
+    return levels;
+}
 inline vf from_lanes(const float* lanes) { return simd::load(lanes); }
 inline vf int8_lanes(const uint8_t* p) {
     float lanes[W];
@@ -161,6 +183,37 @@ template <int BITS>
 inline void pair_code_lanes(const uint8_t* p, int32_t zero_point, vf* out) { wide_code_lanes<BITS>(p, zero_point, out); }
 #endif
 
+
+// A 4-bit group with levels (IQ4_NL, IQ4_XS): value e = scale * levels[code_e] + offset, one rounding each;
+// codes laid out as bits 4 lays them out.
+inline void decode_levels_group(const uint8_t* codes, vf scale, vf offset, const Levels& levels, vf* out) {
+#if defined(PREFIXSERVE_SIMD_AVX512)
+    // As for linear 4-bit codes: the 16 values decoded once per group, then looked up by nibble.
+    const __m512 table = _mm512_fmadd_ps(levels, scale, offset);
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+    out[0] = _mm512_permutexvar_ps(bytes, table);
+    out[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+#elif defined(PREFIXSERVE_SIMD_AVX2)
+    // Two tables of 8 looked up by a code's low 3 bits, the one its bit 3 names kept (moved to the sign bit).
+    const __m256 low = _mm256_fmadd_ps(levels.low, scale, offset), high = _mm256_fmadd_ps(levels.high, scale, offset);
+    for (int v = 0; v < 4; ++v) {
+        __m256i code = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8 * (v % 2))));
+        if (v >= 2) code = _mm256_srli_epi32(code, 4);
+        code = _mm256_and_si256(code, _mm256_set1_epi32(0xF));
+        out[v] = _mm256_blendv_ps(_mm256_permutevar8x32_ps(low, code), _mm256_permutevar8x32_ps(high, code),
+                                  _mm256_castsi256_ps(_mm256_slli_epi32(code, 28)));
+    }
+#else
+    for (int v = 0; v < 32 / W; ++v) {
+        float lanes[W];
+        for (int l = 0; l < W; ++l) {
+            const int e = v * W + l;
+            lanes[l] = levels.values[(codes[e % 16] >> (e >= 16 ? 4 : 0)) & 0xF];
+        }
+        out[v] = simd::fmadd(from_lanes(lanes), scale, offset);
+    }
+#endif
+}
 
 // Group values decoded into out[GROUP / W] from the group's codes: scale (code - zero_point) + offset,
 // one rounding each, for a weight of BITS bits (quantized.h's layouts). int4: 32 values in 16 bytes,

@@ -52,10 +52,13 @@ constexpr int64_t FUSED_ROWS = TILE_ROWS;
 // no gain there, so only the fused path asks.
 constexpr int64_t PREFETCH_BLOCKS = 2;
 
-// Weight row n decoded into out [cols], its scales and offsets converted as fused_tile converts them.
-template <int BITS>
+// Weight row n decoded into out [cols], its scales and offsets converted as fused_tile converts them. LEVELS:
+// 4-bit codes standing for the weight's levels (IQ4_NL, IQ4_XS), not code - zero_point.
+template <int BITS, bool LEVELS>
 void decode_row(const QuantizedWeight& weight, int64_t n, float* out) {
     const auto zero_point = zero_point_lanes(weight.zero_point);
+    Levels levels{};
+    if constexpr (LEVELS) levels = levels_of(weight);
     const int64_t groups = weight.cols / GROUP;
     const uint8_t* codes = weight.codes + n * (weight.cols * BITS / 8);
     vf values[GROUP / W];
@@ -70,8 +73,14 @@ void decode_row(const QuantizedWeight& weight, int64_t n, float* out) {
         convert_values(weight, Part::offset, n, g0, count, offsets);
         if (BITS == 2) convert_values(weight, Part::high_offset, n, g0, count, high_offsets);
         for (int64_t g = g0; g < g0 + count; ++g) {
-            decode_group<BITS>(codes + g * (GROUP * BITS / 8), simd::set1(scales[g - g0]), simd::set1(high[g - g0]),
-                               simd::set1(offsets[g - g0]), simd::set1(high_offset[g - g0]), zero_point, values);
+            if constexpr (LEVELS) {
+                decode_levels_group(codes + g * (GROUP * BITS / 8), simd::set1(scales[g - g0]),
+                                    simd::set1(offsets[g - g0]), levels, values);
+            } else {
+                decode_group<BITS>(codes + g * (GROUP * BITS / 8), simd::set1(scales[g - g0]),
+                                   simd::set1(high[g - g0]), simd::set1(offsets[g - g0]),
+                                   simd::set1(high_offset[g - g0]), zero_point, values);
+            }
             for (int64_t v = 0; v < GROUP; v += W) simd::store(out + g * GROUP + v, values[v / W]);
         }
     }
@@ -80,13 +89,15 @@ void decode_row(const QuantizedWeight& weight, int64_t n, float* out) {
 // The same sums as decode_row then tile<R, C> (the same operations in the same order, so the same bits),
 // with the decoded values kept in registers: for calls of a few rows (decode steps), where writing the
 // block out and reading it back would cost more than the multiply-adds.
-template <int BITS, int R, int C>
+template <int BITS, bool LEVELS, int R, int C>
 void fused_tile(const QuantizedWeight& weight, int64_t n0, const float* x, int64_t x_stride, const float* bias,
                 float* out, int64_t out_stride) {
     vf sums[R][C];
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < C; ++c) sums[r][c] = simd::zero();
     const auto zero_point = zero_point_lanes(weight.zero_point);
+    Levels levels{};
+    if constexpr (LEVELS) levels = levels_of(weight);
     const int64_t groups = weight.cols / GROUP;
     vf values[GROUP / W];
     float scales[C][VALUE_CHUNK], high_scales[C][VALUE_CHUNK], offsets[C][VALUE_CHUNK], high_offsets[C][VALUE_CHUNK];
@@ -114,9 +125,14 @@ void fused_tile(const QuantizedWeight& weight, int64_t n0, const float* x, int64
             for (int c = 0; c < C; ++c) {
                 const float* high = halves ? high_scales[c] : scales[c];
                 const float* high_offset = half_offsets ? high_offsets[c] : offsets[c];
-                decode_group<BITS>(codes[c] + g * group_bytes, simd::set1(scales[c][g - g0]), simd::set1(high[g - g0]),
-                                   simd::set1(offsets[c][g - g0]), simd::set1(high_offset[g - g0]), zero_point,
-                                   values);
+                if constexpr (LEVELS) {
+                    decode_levels_group(codes[c] + g * group_bytes, simd::set1(scales[c][g - g0]),
+                                        simd::set1(offsets[c][g - g0]), levels, values);
+                } else {
+                    decode_group<BITS>(codes[c] + g * group_bytes, simd::set1(scales[c][g - g0]),
+                                       simd::set1(high[g - g0]), simd::set1(offsets[c][g - g0]),
+                                       simd::set1(high_offset[g - g0]), zero_point, values);
+                }
                 for (int64_t v = 0; v < GROUP; v += W) {
                     const int64_t k = g * GROUP + v;
                     for (int r = 0; r < R; ++r) {
@@ -175,32 +191,34 @@ const auto TILES = all_tiles(std::make_integer_sequence<int, TILE_ROWS>());
 using FusedFn = void (*)(const QuantizedWeight&, int64_t, const float*, int64_t, const float*, float*, int64_t);
 using FusedTiles = std::array<std::array<FusedFn, TILE_COLS>, TILE_ROWS>;
 
-template <int BITS, int R, int... C>
+template <int BITS, bool LEVELS, int R, int... C>
 constexpr std::array<FusedFn, sizeof...(C)> fused_of_rows(std::integer_sequence<int, C...>) {
-    return {&fused_tile<BITS, R, C + 1>...};
+    return {&fused_tile<BITS, LEVELS, R, C + 1>...};
 }
 
-template <int BITS, int... R>
+template <int BITS, bool LEVELS, int... R>
 constexpr FusedTiles all_fused(std::integer_sequence<int, R...>) {
-    return {fused_of_rows<BITS, R + 1>(std::make_integer_sequence<int, TILE_COLS>())...};
+    return {fused_of_rows<BITS, LEVELS, R + 1>(std::make_integer_sequence<int, TILE_COLS>())...};
 }
 
-// FUSED[w][r - 1][c - 1]: the fused tile of r rows and c columns for codes of width 2, 3, 4, 5, 6, 8 (w = 0 .. 5).
-const std::array<FusedTiles, 6> FUSED = {all_fused<2>(std::make_integer_sequence<int, TILE_ROWS>()),
-                                         all_fused<3>(std::make_integer_sequence<int, TILE_ROWS>()),
-                                         all_fused<4>(std::make_integer_sequence<int, TILE_ROWS>()),
-                                         all_fused<5>(std::make_integer_sequence<int, TILE_ROWS>()),
-                                         all_fused<6>(std::make_integer_sequence<int, TILE_ROWS>()),
-                                         all_fused<8>(std::make_integer_sequence<int, TILE_ROWS>())};
+// FUSED[f][r - 1][c - 1]: the fused tile of r rows and c columns for codes of width 2, 3, 4, 5, 6, 8 (f = 0 .. 5)
+// and 4-bit codes with levels (f = 6).
+constexpr auto ROWS = std::make_integer_sequence<int, TILE_ROWS>();
+const std::array<FusedTiles, 7> FUSED = {all_fused<2, false>(ROWS), all_fused<3, false>(ROWS), all_fused<4, false>(ROWS),
+                                         all_fused<5, false>(ROWS), all_fused<6, false>(ROWS), all_fused<8, false>(ROWS),
+                                         all_fused<4, true>(ROWS)};
 using DecodeRowFn = void (*)(const QuantizedWeight&, int64_t, float*);
-const std::array<DecodeRowFn, 6> DECODE_ROW = {&decode_row<2>, &decode_row<3>, &decode_row<4>, &decode_row<5>,
-                                               &decode_row<6>, &decode_row<8>};
+const std::array<DecodeRowFn, 7> DECODE_ROW = {&decode_row<2, false>, &decode_row<3, false>, &decode_row<4, false>,
+                                               &decode_row<5, false>, &decode_row<6, false>, &decode_row<8, false>,
+                                               &decode_row<4, true>};
 
-// The index of `bits` in FUSED and DECODE_ROW: one of quantized.h's widths, which module.cpp's binding checks.
+// The index of a weight's code format in FUSED and DECODE_ROW: one of quantized.h's widths, which module.cpp's
+// binding checks, or 4-bit codes with levels.
 constexpr int64_t width_index(int32_t bits) { return bits == 8 ? 5 : bits - 2; }
 static_assert(width_index(2) == 0 && width_index(3) == 1 && width_index(4) == 2 && width_index(5) == 3 &&
                   width_index(6) == 4 && width_index(8) == 5,
               "the order of FUSED and DECODE_ROW");
+int64_t format_index(const QuantizedWeight& weight) { return weight.levels != nullptr ? 6 : width_index(weight.bits); }
 
 }  // namespace
 
@@ -210,8 +228,8 @@ void quantized_matmul(const QuantizedWeight& weight, const float* x, int64_t num
     const int64_t num_blocks = (weight.rows + TILE_COLS - 1) / TILE_COLS;
     // A decode step (a few rows) splits the weight finely; a prefill's blocks are larger work each.
     const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (cols * std::min<int64_t>(num_rows, ROW_CHUNK)));
-    const FusedTiles& fused = FUSED[width_index(weight.bits)];
-    const DecodeRowFn decode_row_of = DECODE_ROW[width_index(weight.bits)];
+    const FusedTiles& fused = FUSED[format_index(weight)];
+    const DecodeRowFn decode_row_of = DECODE_ROW[format_index(weight)];
     at::parallel_for(0, num_blocks, grain, [&](int64_t begin, int64_t end) {
         std::vector<float> block(static_cast<size_t>(TILE_COLS * cols));
         for (int64_t first_row = 0; first_row < num_rows; first_row += ROW_CHUNK) {
@@ -240,7 +258,7 @@ void quantized_matmul(const QuantizedWeight& weight, const float* x, int64_t num
 }
 
 void dequantize_rows(const QuantizedWeight& weight, int64_t first, int64_t count, float* out) {
-    const DecodeRowFn decode_row_of = DECODE_ROW[width_index(weight.bits)];
+    const DecodeRowFn decode_row_of = DECODE_ROW[format_index(weight)];
     at::parallel_for(0, count, 64, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) decode_row_of(weight, first + i, out + i * weight.cols);
     });

@@ -74,6 +74,16 @@ inline float q2_value(const QuantizedWeight& weight, Part part, int64_t n, int64
     return -(half_value(&factor) * static_cast<float>(row[s] >> 4));
 }
 
+// IQ4_XS (int8_scales): group g of row n's scale d * scale_g, the int8 scale times its super-block's float16
+// d, exact in float32.
+inline float int8_scale_value(const QuantizedWeight& weight, int64_t n, int64_t g) {
+    const int64_t groups = weight.cols / GROUP;
+    const auto* row = static_cast<const uint8_t*>(weight.scales) + n * (groups + groups / 4);
+    uint16_t d;  // two bytes per super-block of 8 groups, after the row's scales
+    std::memcpy(&d, row + groups + (g / SUPER_GROUPS) * 2, sizeof(d));
+    return half_value(&d) * static_cast<float>(static_cast<int8_t>(row[g]));
+}
+
 // Group g of row n's scale or offset as float32 (an offset of 0 where the weight has none). Part::high_scale
 // and Part::high_offset: those of its last 16 values (for the other formats, the group's).
 inline float group_value(const QuantizedWeight& weight, Part part, int64_t n, int64_t g) {
@@ -84,6 +94,7 @@ inline float group_value(const QuantizedWeight& weight, Part part, int64_t n, in
     }
     if (part == Part::high_scale) part = Part::scale;
     if (part == Part::high_offset) part = Part::offset;
+    if (weight.int8_scales) return part == Part::offset ? 0.f : int8_scale_value(weight, n, g);
     const void* values = part == Part::offset ? weight.offsets : weight.scales;
     if (values == nullptr) return 0.f;
     if (weight.k_scales) return k_value(weight, part, n, g);
@@ -220,6 +231,24 @@ inline void convert_q2_values(const QuantizedWeight& weight, Part part, int64_t 
 inline void convert_values(const QuantizedWeight& weight, Part part, int64_t n, int64_t g0, int64_t count, float* out) {
     if (weight.bits == 2) {
         convert_q2_values(weight, part, n, g0, count, out);
+        return;
+    }
+#if defined(__AVX512F__)
+    if (weight.int8_scales && part == Part::scale && count == VALUE_CHUNK) {  // IQ4_XS: two super-blocks at once
+        const int64_t groups = weight.cols / GROUP;
+        const auto* row = static_cast<const uint8_t*>(weight.scales) + n * (groups + groups / 4);
+        const __m512 scales = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+            reinterpret_cast<const __m128i*>(row + g0))));
+        uint32_t two_d;  // the two super-blocks' d, float16 each
+        std::memcpy(&two_d, row + groups + g0 / SUPER_GROUPS * 2, sizeof(two_d));
+        const __m512 d = _mm512_cvtph_ps(_mm256_set_m128i(_mm_set1_epi16(static_cast<short>(two_d >> 16)),
+                                                          _mm_set1_epi16(static_cast<short>(two_d & 0xFFFF))));
+        _mm512_storeu_ps(out, _mm512_mul_ps(d, scales));
+        return;
+    }
+#endif
+    if (weight.int8_scales) {
+        for (int64_t i = 0; i < count; ++i) out[i] = group_value(weight, part, n, g0 + i);
         return;
     }
     if (half_group_scales(weight.bits) && !is_offset(part)) {

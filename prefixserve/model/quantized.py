@@ -16,6 +16,8 @@ A weight [out_features, in_features] is cut along each row into groups; a value 
     Q6_K    GGUF Q6_K            6     0..63, zero_point 32       8-bit per 16 (**)  0.820
     Q3_K    GGUF Q3_K            3     0..7, zero_point 4         8-bit per 16 (***) 0.445
     Q2_K    GGUF Q2_K            2     0..3                       4-bit, 4-bit per 16 0.328
+    IQ4_NL  GGUF IQ4_NL          4     IQ4_LEVELS[0..15]          float16, -         0.5625
+    IQ4_XS  GGUF IQ4_XS          4     IQ4_LEVELS[0..15]          8-bit (****)       0.539
 
 GGUF's Q8_0, Q4_*, Q5_0 and Q5_1 blocks store float16 scales, kept as they are (the same bytes as the
 file); 5-bit codes are 16 bytes of low nibbles as Q4_1's, then the group's 32 high bits (Q5_0's layout).
@@ -29,9 +31,12 @@ as an int8 times d; its codes are 12 bytes per group of 32 (8 of low bit pairs, 
 pairs, then the group's 32 high bits, as 5 bits hold them): 114 bytes per 256 values for the file's 110.
 Q2_K's codes are 8 bytes of pairs per group, as Q3_K's low pairs, and its scale and minimum per 16 values
 the file's bytes (a nibble each), then d and dmin: the file's 84 bytes per 256 values exactly; its scale is
-d * scale, its offset -(dmin * min), formed in float32 (exact). A GGUF tensor of a type without a layout
-here (the IQ formats: IQ4_NL, IQ4_XS, IQ3_*, IQ2_*, IQ1_*) is decoded by the format's reference reader and
-quantized again to int8 (Q8_0's layout): finer than its source, so close to it, and said at start-up.
+d * scale, its offset -(dmin * min), formed in float32 (exact). IQ4_NL's and IQ4_XS's codes (Q4_0's
+nibbles) stand for one of 16 non-uniform levels (`levels`, llama.cpp's kvalues_iq4nl), w = scale *
+levels[code]; (****) IQ4_XS's scale is a 6-bit sub-block scale less 32 as an int8 times its super-block's
+float16 d (138 bytes per 256 values for the file's 136), the products exact in float32. A GGUF tensor of a
+type without a layout here (IQ3_*, IQ2_*, IQ1_*) is decoded by the format's reference reader and quantized
+again to int8 (Q8_0's layout): finer than its source, so close to it, and said at start-up.
 
 `--quantize int8|int4` quantizes a float checkpoint the same way as llama.cpp's Q8_0 and Q4_1
 (round to nearest; a group's scale from its largest magnitude, or its range).
@@ -46,10 +51,13 @@ import numpy as np
 import torch
 
 GROUP_SIZE = 32
-KINDS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q3_K", "Q2_K")
-SUPER_BLOCK = 256  # values per K-quant super-block
+KINDS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS")
+SUPER_BLOCK = 256  # values per K-quant (and IQ4_XS) super-block
 QUANTIZE_CHOICES = ("int8", "int4")
+# The values IQ4_NL's and IQ4_XS's 4-bit codes stand for (ggml's kvalues_iq4nl), shared by every such weight.
+IQ4_LEVELS = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=torch.int8)
 _NO_OFFSETS = torch.empty(0)
+_NO_LEVELS = torch.empty(0, dtype=torch.int8)
 
 
 @dataclass(frozen=True)
@@ -62,6 +70,7 @@ class QuantizedWeight:
     bits: int
     zero_point: int = 0
     group_size: int = GROUP_SIZE
+    levels: Optional[torch.Tensor] = None  # int8 [16]: what a 4-bit code stands for (IQ4_*); None: code - zero_point
 
     @property
     def out_features(self) -> int:
@@ -72,7 +81,7 @@ class QuantizedWeight:
         return self.codes.shape[1] * 8 // self.bits
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        """What holds the weight in memory: codes, scales and (where present) offsets."""
+        """What holds the weight in memory: codes, scales and (where present) offsets (levels are shared)."""
         return (self.codes, self.scales) + ((self.offsets,) if self.offsets is not None else ())
 
     @property
@@ -83,11 +92,13 @@ class QuantizedWeight:
         """The compiled kernels' weight arguments (quantized_matmul's after x, dequantize's): an empty
         tensor stands for no offsets."""
         offsets = _NO_OFFSETS if self.offsets is None else self.offsets
-        return (self.codes, self.scales, offsets, self.bits, self.group_size, self.zero_point)
+        levels = _NO_LEVELS if self.levels is None else self.levels
+        return (self.codes, self.scales, offsets, self.bits, self.group_size, self.zero_point, levels)
 
     def layout(self) -> tuple:
         """What two weights must share to be one weight (their rows stacked)."""
-        return (self.bits, self.zero_point, self.group_size, self.scales.dtype, self.offsets is not None)
+        levels = None if self.levels is None else tuple(self.levels.tolist())
+        return (self.bits, self.zero_point, self.group_size, self.scales.dtype, self.offsets is not None, levels)
 
     def select_rows(self, rows: torch.Tensor) -> "QuantizedWeight":
         """The weight of these rows (an index tensor), in that order."""
@@ -113,6 +124,10 @@ class QuantizedWeight:
             return d.repeat_interleave(SUPER_BLOCK // 16, dim=1) * scales, None
         if self.scales.dtype != torch.uint8:
             return self.scales.float(), None if self.offsets is None else self.offsets.float()
+        if self.levels is not None:  # IQ4_XS: int8 scales, then a float16 d per 8 groups
+            groups = self.in_features // self.group_size
+            d = self.scales[:, groups:].contiguous().view(torch.float16).float()
+            return d.repeat_interleave(SUPER_BLOCK // self.group_size, dim=1) * self.scales[:, :groups].view(torch.int8).float(), None
         groups = self.offsets.shape[1]
         factors = self.scales[:, groups:].contiguous().view(torch.float16).float().view(-1, groups // 8, 2)
         d, dmin = (factor.repeat_interleave(8, dim=1) for factor in factors.unbind(-1))
@@ -145,7 +160,8 @@ class QuantizedWeight:
                                for values in (scales, offsets))
         else:
             scales, offsets = (None if values is None else values.unsqueeze(-1) for values in (scales, offsets))
-        values = (codes - self.zero_point).float() * scales
+        levels = (codes - self.zero_point).float() if self.levels is None else self.levels.float()[codes]
+        values = levels * scales
         if offsets is not None:
             values = values + offsets
         return values.view(rows, groups * self.group_size)
@@ -184,7 +200,7 @@ def quantize(weight: torch.Tensor, bits: int) -> QuantizedWeight:
 
 def from_gguf_blocks(kind: str, data: np.ndarray, out_features: int, in_features: int) -> QuantizedWeight:
     """A GGUF tensor's raw blocks (uint8 [out, bytes per row]) in our layout, without decoding a value."""
-    if in_features % (SUPER_BLOCK if kind.endswith("_K") else GROUP_SIZE):
+    if in_features % (SUPER_BLOCK if kind.endswith(("_K", "_XS")) else GROUP_SIZE):
         raise ValueError(f"a {kind} tensor of {in_features} columns is not whole blocks; the file is corrupt")
     rows = np.ascontiguousarray(data, dtype=np.uint8).reshape(out_features, -1)
     if kind == "Q4_K":
@@ -197,17 +213,21 @@ def from_gguf_blocks(kind: str, data: np.ndarray, out_features: int, in_features
         return _from_q3_k(rows, out_features, in_features)
     if kind == "Q2_K":
         return _from_q2_k(rows, out_features, in_features)
+    if kind == "IQ4_XS":
+        return _from_iq4_xs(rows, out_features, in_features)
     if kind in ("Q5_0", "Q5_1"):
         return _from_q5(kind, rows, out_features, in_features)
-    block_bytes = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[kind]
+    block_bytes = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "IQ4_NL": 18}[kind]
     blocks = rows.reshape(out_features, in_features // GROUP_SIZE, block_bytes)
     scales = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16).reshape(out_features, -1))
     if kind == "Q8_0":
         codes = blocks[..., 2:].reshape(out_features, in_features)
         return QuantizedWeight(kind, torch.from_numpy(codes.copy()), scales, None, 8)
-    if kind == "Q4_0":
-        codes = blocks[..., 2:].reshape(out_features, in_features // 2)
-        return QuantizedWeight(kind, torch.from_numpy(codes.copy()), scales, None, 4, zero_point=8)
+    if kind in ("Q4_0", "IQ4_NL"):  # float16 d, then Q4_0's nibbles
+        codes = torch.from_numpy(blocks[..., 2:].reshape(out_features, in_features // 2).copy())
+        if kind == "IQ4_NL":
+            return QuantizedWeight(kind, codes, scales, None, 4, levels=IQ4_LEVELS)
+        return QuantizedWeight(kind, codes, scales, None, 4, zero_point=8)
     offsets = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16).reshape(out_features, -1))
     codes = blocks[..., 4:].reshape(out_features, in_features // 2)
     return QuantizedWeight(kind, torch.from_numpy(codes.copy()), scales, offsets, 4)
@@ -345,3 +365,22 @@ def _from_q2_k(rows: np.ndarray, out_features: int, in_features: int) -> Quantiz
                             axis=1)
     return QuantizedWeight("Q2_K", torch.from_numpy(codes.reshape(out_features, -1)),
                            torch.from_numpy(np.ascontiguousarray(scales)), None, 2)
+
+
+def _from_iq4_xs(rows: np.ndarray, out_features: int, in_features: int) -> QuantizedWeight:
+    """IQ4_XS's 136-byte super-blocks of 256 values: float16 d, a uint16 of the eight sub-blocks' high scale
+    bit pairs (bits 2 s), four bytes of their low scale nibbles (sub-block s: byte s / 2, high nibble for odd
+    s), then 16 bytes of Q4_0's nibbles per sub-block of 32. Value = d * (scale - 32) * IQ4_LEVELS[code].
+    Kept: the nibbles as they are, then per row the scales less 32 as int8 and each d's bytes."""
+    supers = in_features // SUPER_BLOCK
+    blocks = rows.reshape(out_features, supers, 136)
+    high = blocks[..., 2:4].copy().view("<u2").astype(np.int16)  # [.., 1]
+    low = blocks[..., 4:8]
+    low_nibbles = np.stack([low & 0xF, low >> 4], axis=-1).reshape(out_features, supers, 8).astype(np.int16)
+    high_pairs = (high >> (2 * np.arange(8, dtype=np.int16))) & 3
+    sub_scales = (low_nibbles | (high_pairs << 4)) - 32
+    scales = np.concatenate([sub_scales.astype(np.int8).view(np.uint8).reshape(out_features, -1),
+                             blocks[..., 0:2].reshape(out_features, -1)], axis=1)
+    codes = blocks[..., 8:].reshape(out_features, in_features // 2)
+    return QuantizedWeight("IQ4_XS", torch.from_numpy(codes.copy()), torch.from_numpy(np.ascontiguousarray(scales)),
+                           None, 4, levels=IQ4_LEVELS)

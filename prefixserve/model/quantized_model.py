@@ -1,6 +1,6 @@
 """A loaded float model turned into one whose weights stay quantized (quantized.py, quantized_linear.py).
 
-    weights_from_gguf(file)   each GGUF tensor's blocks as they are (Q8_0, Q2_K-Q6_K, Q4_*, Q5_*), or, for
+    weights_from_gguf(file)   each GGUF tensor's blocks as they are (Q8_0, Q2_K-Q6_K, Q4_*, Q5_*, IQ4_*), or, for
                               another type, decoded by the format's reader and quantized to int8
     quantize_model(model, weights=..., bits=...)
                               every Linear becomes a QuantizedLinear and the embedding a
@@ -33,7 +33,7 @@ from .quantized_linear import QuantizedEmbedding, QuantizedLinear
 
 logger = logging.getLogger("prefixserve.model")
 
-KEPT_GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q3_K", "Q2_K")
+KEPT_GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS")
 # Projections as the checkpoint names them, per fused layer of ours (hf_weights.py's fusions).
 _FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
           "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}

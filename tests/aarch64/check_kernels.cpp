@@ -177,6 +177,40 @@ bool check_quantized(std::mt19937& generator) {
     return ok;
 }
 
+// 4-bit codes standing for levels (IQ4_NL: float16 scales, llama.cpp's 16 non-uniform int8 levels): the
+// decoded weight against scale * levels[code], bit for bit (an exact product), and each row alone as in the batch.
+bool check_levels(std::mt19937& generator) {
+    constexpr int64_t ROWS = 5, OUT = 6, IN = 128, GROUPS = IN / 32;
+    const int8_t levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+    std::uniform_int_distribution<int> byte(0, 255);
+    std::vector<c10::Half> scales(OUT * GROUPS);
+    for (auto& value : scales) value = static_cast<c10::Half>(0.0001f * (1 + byte(generator) % 50));
+    std::vector<uint8_t> codes(OUT * IN / 2);
+    for (auto& code : codes) code = static_cast<uint8_t>(byte(generator));
+    QuantizedWeight weight{codes.data(), 4, 0, OUT, IN, 32, scales.data(), nullptr, true};
+    weight.levels = levels;
+    std::vector<float> decoded(OUT * IN), x(ROWS * IN), out(ROWS * OUT), alone(OUT);
+    dequantize_rows(weight, 0, OUT, decoded.data());
+    bool same = true;
+    for (int64_t n = 0; n < OUT; ++n) {
+        for (int64_t k = 0; k < IN; ++k) {
+            const int64_t e = k % 32;
+            const int code = (codes[n * IN / 2 + k / 32 * 16 + e % 16] >> (e >= 16 ? 4 : 0)) & 0xF;
+            const float expected = static_cast<float>(scales[n * GROUPS + k / 32]) * static_cast<float>(levels[code]);
+            same = same && expected == decoded[n * IN + k];
+        }
+    }
+    std::normal_distribution<float> normal;
+    for (float& value : x) value = normal(generator);
+    quantized_matmul(weight, x.data(), ROWS, IN, nullptr, out.data(), OUT);
+    for (int64_t r = 0; r < ROWS; ++r) {
+        quantized_matmul(weight, x.data() + r * IN, 1, IN, nullptr, alone.data(), OUT);
+        same = same && std::memcmp(alone.data(), out.data() + r * OUT, OUT * sizeof(float)) == 0;
+    }
+    std::printf("quantized IQ4_NL: decoded as its layout says and rows alone as in the batch: %s\n", same ? "yes" : "NO");
+    return same;
+}
+
 // Q6_K and Q3_K (6- and 3-bit codes, an int8 scale per 16 values times a float16 d per 256) and Q2_K (2-bit
 // codes, a 4-bit scale and minimum per 16 values times float16 d and dmin per 256): the decoded weight
 // against a decoding written here from quantized.h's layouts, bit for bit, and each row alone as in the batch.
@@ -249,7 +283,7 @@ int main() {
     for (int64_t n : QUERY_LENS) c.query_start.push_back(c.query_start.back() + n);
     c.queries.resize(c.query_start.back() * HEADS * HEAD_DIM);
     for (float& value : c.queries) value = normal(generator);
-    bool ok = check_rowwise() & check_quantized(generator);
+    bool ok = check_rowwise() & check_quantized(generator) & check_levels(generator);
     for (int bits : {6, 3, 2}) ok = check_half_group_scales(generator, bits) & ok;
     for (int64_t window : {0, 33}) {  // 33: windows that begin inside a 32-key step
         for (float softcap : {0.f, 1.5f}) {
