@@ -1,5 +1,6 @@
 """K-quant blocks written for the tests (gguf's Python writer quantizes to Q8_0, Q4_* and Q5_* only):
-Q2_K to Q6_K and IQ4_XS as ggml lays out block_q2_K .. block_q6_K and block_iq4_xs, from float values by round to nearest. Simpler
+Q2_K to Q6_K and IQ4_XS as ggml lays out block_q2_K .. block_q6_K and block_iq4_xs, from float values by
+round to nearest. Simpler
 than llama.cpp's quantizer (no search for the best scales), so a little less accurate, but every byte
 is what the format's reader (gguf.quants.dequantize) decodes: the tests check that round trip."""
 

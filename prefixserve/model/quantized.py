@@ -127,7 +127,8 @@ class QuantizedWeight:
         if self.levels is not None:  # IQ4_XS: int8 scales, then a float16 d per 8 groups
             groups = self.in_features // self.group_size
             d = self.scales[:, groups:].contiguous().view(torch.float16).float()
-            return d.repeat_interleave(SUPER_BLOCK // self.group_size, dim=1) * self.scales[:, :groups].view(torch.int8).float(), None
+            scales = self.scales[:, :groups].view(torch.int8).float()
+            return d.repeat_interleave(SUPER_BLOCK // self.group_size, dim=1) * scales, None
         groups = self.offsets.shape[1]
         factors = self.scales[:, groups:].contiguous().view(torch.float16).float().view(-1, groups // 8, 2)
         d, dmin = (factor.repeat_interleave(8, dim=1) for factor in factors.unbind(-1))

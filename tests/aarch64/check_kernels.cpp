@@ -207,7 +207,8 @@ bool check_levels(std::mt19937& generator) {
         quantized_matmul(weight, x.data() + r * IN, 1, IN, nullptr, alone.data(), OUT);
         same = same && std::memcmp(alone.data(), out.data() + r * OUT, OUT * sizeof(float)) == 0;
     }
-    std::printf("quantized IQ4_NL: decoded as its layout says and rows alone as in the batch: %s\n", same ? "yes" : "NO");
+    std::printf("quantized IQ4_NL: decoded as its layout says and rows alone as in the batch: %s\n",
+                same ? "yes" : "NO");
     return same;
 }
 
