@@ -18,7 +18,8 @@ from gguf_helpers import (encode_tensor, gguf_tensors, random_blocks, random_hf_
 from prefixserve import LLM, SamplingParams
 from prefixserve.engine.model_version import weight_format
 from prefixserve.model import kernels
-from prefixserve.model.quantized import QuantizedWeight, from_gguf_blocks, quantize
+from prefixserve.model.gguf_blocks import from_gguf_blocks
+from prefixserve.model.quantized import QuantizedWeight, quantize
 from prefixserve.model.quantized_linear import QuantizedLinear
 from prefixserve.model.quantized_model import serve_quantized, weight_memory
 

@@ -28,7 +28,8 @@ from torch import nn
 
 from .linear import Linear
 from .loader import LoadedModel
-from .quantized import QuantizedWeight, from_gguf_blocks, quantize
+from .gguf_blocks import from_gguf_blocks
+from .quantized import QuantizedWeight, quantize
 from .quantized_linear import QuantizedEmbedding, QuantizedLinear
 
 logger = logging.getLogger("prefixserve.model")
