@@ -91,11 +91,11 @@ prefixserve::QuantizedWeight quantized_weight_of(const torch::Tensor& codes, con
                     "super-blocks of 256 values");
     } else if (bits == 6 || bits == 3) {
         const char* kind = bits == 6 ? "Q6_K" : "Q3_K";
-        TORCH_CHECK(zero_point == (bits == 6 ? 32 : 4) && groups % 8 == 0 && scales.scalar_type() == torch::kUInt8 &&
+        const int64_t kind_zero_point = bits == 6 ? 32 : 4;
+        TORCH_CHECK(zero_point == kind_zero_point && groups % 8 == 0 && scales.scalar_type() == torch::kUInt8 &&
                         is_matrix(scales, 2 * groups + groups / 4) && !has_offsets,
                     kind, " scales must be uint8 [rows, cols / 16 + cols / 128] (int8 scales, then float16 d per "
-                    "256 values), without offsets, zero_point ", bits == 6 ? 32 : 4,
-                    ", in whole super-blocks of 256 values");
+                    "256 values), without offsets, zero_point ", kind_zero_point, ", in whole super-blocks of 256 values");
     } else if (k_scales) {
         TORCH_CHECK(zero_point == 0 && groups % 8 == 0 && is_matrix(scales, groups + groups / 2) &&
                         has_offsets && offsets.scalar_type() == torch::kUInt8 && is_matrix(offsets, groups),

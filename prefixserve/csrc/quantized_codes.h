@@ -35,6 +35,15 @@ inline Levels levels_of(const QuantizedWeight& weight) {
 inline vf int8_lanes(const uint8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
+// A 4-bit group at p whose code c stands for levels[c]: the 16 values a code can take decoded once per group
+// (levels * scale + offset), then looked up by each code's nibble: the same multiply-add of the same operands
+// as decoding each value, in one permute instead of three.
+inline void nibble_table_lanes(const uint8_t* p, __m512 levels, vf scale, vf offset, vf* out) {
+    const __m512 table = _mm512_fmadd_ps(levels, scale, offset);
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    out[0] = _mm512_permutexvar_ps(bytes, table);  // reads each index's low 4 bits: the low nibble
+    out[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+}
 // (int4 codes decode by a table lookup here: decode_group.)
 inline __m512i zero_point_lanes(int32_t zero_point) { return _mm512_set1_epi32(zero_point); }
 // Q6_K's group of 32 at p (quantized.h), less zero_point, as two vectors of float lanes: values 0 .. 15
@@ -86,12 +95,15 @@ inline Levels levels_of(const QuantizedWeight& weight) {
 inline vf int8_lanes(const uint8_t* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
-// The low (or high) nibbles of W bytes at p, less zero_point.
-inline vf nibble_lanes(const uint8_t* p, bool high, __m256i zero_point) {
+// The low (or high) nibbles of W bytes at p as integer lanes.
+inline __m256i nibble_ints(const uint8_t* p, bool high) {
     __m256i wide = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
     if (high) wide = _mm256_srli_epi32(wide, 4);
-    wide = _mm256_and_si256(wide, _mm256_set1_epi32(0xF));
-    return _mm256_cvtepi32_ps(_mm256_sub_epi32(wide, zero_point));
+    return _mm256_and_si256(wide, _mm256_set1_epi32(0xF));
+}
+// The low (or high) nibbles of W bytes at p, less zero_point.
+inline vf nibble_lanes(const uint8_t* p, bool high, __m256i zero_point) {
+    return _mm256_cvtepi32_ps(_mm256_sub_epi32(nibble_ints(p, high), zero_point));
 }
 inline __m256i zero_point_lanes(int32_t zero_point) { return _mm256_set1_epi32(zero_point); }
 // A 5- or 3-bit group's high bits as four vectors of 0 or 2^(BITS - 1) (values 8 v .. 8 v + 7), the bit of
@@ -110,9 +122,7 @@ inline void high_bit_lanes(const uint8_t* p, __m256i* out) {
 inline void six_bit_lanes(const uint8_t* p, __m256i zero_point, __m256* out) {
     const __m256i high = _mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 16))), 4);
     for (int v = 0; v < 4; ++v) {
-        __m256i low = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * (v % 2))));
-        if (v >= 2) low = _mm256_srli_epi32(low, 4);
-        const __m256i code = _mm256_or_si256(_mm256_and_si256(low, _mm256_set1_epi32(0xF)),
+        const __m256i code = _mm256_or_si256(nibble_ints(p + 8 * (v % 2), v >= 2),
             _mm256_and_si256(_mm256_srl_epi32(high, _mm_cvtsi32_si128(2 * v)), _mm256_set1_epi32(0x30)));
         out[v] = _mm256_cvtepi32_ps(_mm256_sub_epi32(code, zero_point));
     }
@@ -188,18 +198,12 @@ inline void pair_code_lanes(const uint8_t* p, int32_t zero_point, vf* out) { wid
 // codes laid out as bits 4 lays them out.
 inline void decode_levels_group(const uint8_t* codes, vf scale, vf offset, const Levels& levels, vf* out) {
 #if defined(PREFIXSERVE_SIMD_AVX512)
-    // As for linear 4-bit codes: the 16 values decoded once per group, then looked up by nibble.
-    const __m512 table = _mm512_fmadd_ps(levels, scale, offset);
-    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
-    out[0] = _mm512_permutexvar_ps(bytes, table);
-    out[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+    nibble_table_lanes(codes, levels, scale, offset, out);
 #elif defined(PREFIXSERVE_SIMD_AVX2)
     // Two tables of 8 looked up by a code's low 3 bits, the one its bit 3 names kept (moved to the sign bit).
     const __m256 low = _mm256_fmadd_ps(levels.low, scale, offset), high = _mm256_fmadd_ps(levels.high, scale, offset);
     for (int v = 0; v < 4; ++v) {
-        __m256i code = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8 * (v % 2))));
-        if (v >= 2) code = _mm256_srli_epi32(code, 4);
-        code = _mm256_and_si256(code, _mm256_set1_epi32(0xF));
+        const __m256i code = nibble_ints(codes + 8 * (v % 2), v >= 2);
         out[v] = _mm256_blendv_ps(_mm256_permutevar8x32_ps(low, code), _mm256_permutevar8x32_ps(high, code),
                                   _mm256_castsi256_ps(_mm256_slli_epi32(code, 28)));
     }
@@ -219,8 +223,8 @@ inline void decode_levels_group(const uint8_t* codes, vf scale, vf offset, const
 // one rounding each, for a weight of BITS bits (quantized.h's layouts). int4: 32 values in 16 bytes,
 // value e in byte e % 16, its high nibble from e = 16 on. Q6_K, Q3_K and Q2_K (bits 6, 3 and 2): their last
 // 16 values take high_scale and high_offset (the others scale and offset, as every value of the other
-// formats). A template per width, so that
-// a tile's loop over groups holds no branch on the format and keeps its constants in registers.
+// formats). A template per width, so that a tile's loop over groups holds no branch on the format and keeps its
+// constants in registers.
 template <int BITS, typename ZeroPoint>
 inline void decode_group(const uint8_t* codes, vf scale, vf high_scale, vf offset, vf high_offset, ZeroPoint zero_point,
                          vf* out) {
@@ -254,9 +258,8 @@ inline void decode_group(const uint8_t* codes, vf scale, vf high_scale, vf offse
         __m256i highs[4];
         high_bit_lanes<5>(codes, highs);
         for (int v = 0; v < 4; ++v) {
-            const __m256i low = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 8 * (v % 2))));
-            const __m256i nibble = _mm256_and_si256(v >= 2 ? _mm256_srli_epi32(low, 4) : low, _mm256_set1_epi32(0xF));
-            const __m256i code = _mm256_sub_epi32(_mm256_or_si256(nibble, highs[v]), zero_point);
+            const __m256i code = _mm256_sub_epi32(_mm256_or_si256(nibble_ints(codes + 8 * (v % 2), v >= 2), highs[v]),
+                                                  zero_point);
             out[v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(code), scale, offset);
         }
 #else
@@ -267,19 +270,27 @@ inline void decode_group(const uint8_t* codes, vf scale, vf high_scale, vf offse
         for (int64_t v = 0; v < GROUP; v += W) out[v / W] = simd::fmadd(int8_lanes(codes + v), scale, offset);
     } else {
 #if defined(PREFIXSERVE_SIMD_AVX512)
-        // The 16 values a code can take, decoded once per group, then looked up by each code's nibble: the
-        // same multiply-add of the same operands as decoding each value, in one permute instead of three.
         const __m512 levels = _mm512_cvtepi32_ps(_mm512_sub_epi32(
             _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), zero_point));
-        const __m512 table = _mm512_fmadd_ps(levels, scale, offset);
-        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
-        out[0] = _mm512_permutexvar_ps(bytes, table);  // reads each index's low 4 bits: the low nibble
-        out[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+        nibble_table_lanes(codes, levels, scale, offset, out);
 #else
         for (int64_t v = 0; v < 32; v += W) {
             out[v / W] = simd::fmadd(nibble_lanes(codes + v % 16, v >= 16, zero_point), scale, offset);
         }
 #endif
+    }
+}
+
+// A group of either kind: codes standing for levels (LEVELS: 4-bit IQ4 codes) or code - zero_point (BITS
+// wide). decode_row and fused_tile decode through here.
+template <int BITS, bool LEVELS, typename ZeroPoint>
+inline void decode_codes(const uint8_t* codes, vf scale, vf high_scale, vf offset, vf high_offset, ZeroPoint zero_point,
+                         const Levels& levels, vf* out) {
+    if constexpr (LEVELS) {
+        static_assert(BITS == 4, "levels are for 4-bit codes");
+        decode_levels_group(codes, scale, offset, levels, out);
+    } else {
+        decode_group<BITS>(codes, scale, high_scale, offset, high_offset, zero_point, out);
     }
 }
 

@@ -73,14 +73,9 @@ void decode_row(const QuantizedWeight& weight, int64_t n, float* out) {
         convert_values(weight, Part::offset, n, g0, count, offsets);
         if (BITS == 2) convert_values(weight, Part::high_offset, n, g0, count, high_offsets);
         for (int64_t g = g0; g < g0 + count; ++g) {
-            if constexpr (LEVELS) {
-                decode_levels_group(codes + g * (GROUP * BITS / 8), simd::set1(scales[g - g0]),
-                                    simd::set1(offsets[g - g0]), levels, values);
-            } else {
-                decode_group<BITS>(codes + g * (GROUP * BITS / 8), simd::set1(scales[g - g0]),
-                                   simd::set1(high[g - g0]), simd::set1(offsets[g - g0]),
-                                   simd::set1(high_offset[g - g0]), zero_point, values);
-            }
+            decode_codes<BITS, LEVELS>(codes + g * (GROUP * BITS / 8), simd::set1(scales[g - g0]),
+                                       simd::set1(high[g - g0]), simd::set1(offsets[g - g0]),
+                                       simd::set1(high_offset[g - g0]), zero_point, levels, values);
             for (int64_t v = 0; v < GROUP; v += W) simd::store(out + g * GROUP + v, values[v / W]);
         }
     }
@@ -125,14 +120,9 @@ void fused_tile(const QuantizedWeight& weight, int64_t n0, const float* x, int64
             for (int c = 0; c < C; ++c) {
                 const float* high = halves ? high_scales[c] : scales[c];
                 const float* high_offset = half_offsets ? high_offsets[c] : offsets[c];
-                if constexpr (LEVELS) {
-                    decode_levels_group(codes[c] + g * group_bytes, simd::set1(scales[c][g - g0]),
-                                        simd::set1(offsets[c][g - g0]), levels, values);
-                } else {
-                    decode_group<BITS>(codes[c] + g * group_bytes, simd::set1(scales[c][g - g0]),
-                                       simd::set1(high[g - g0]), simd::set1(offsets[c][g - g0]),
-                                       simd::set1(high_offset[g - g0]), zero_point, values);
-                }
+                decode_codes<BITS, LEVELS>(codes[c] + g * group_bytes, simd::set1(scales[c][g - g0]),
+                                           simd::set1(high[g - g0]), simd::set1(offsets[c][g - g0]),
+                                           simd::set1(high_offset[g - g0]), zero_point, levels, values);
                 for (int64_t v = 0; v < GROUP; v += W) {
                     const int64_t k = g * GROUP + v;
                     for (int r = 0; r < R; ++r) {

@@ -105,6 +105,36 @@ inline float group_value(const QuantizedWeight& weight, Part part, int64_t n, in
 
 constexpr int64_t VALUE_CHUNK = 16;  // groups whose scales and offsets fused_tile converts at once
 
+// The vector paths below form small integers times a float16 super-block factor (d, or dmin for an offset,
+// negated); every such product is exact in float32 and a negation flips only the sign, so they give the
+// scalar functions' bits. These two helpers are what they share.
+#if defined(__AVX512F__)
+// Lanes 0-7: factor `which` (0: d, 1: dmin) of the super-block whose factors start at p; lanes 8-15: the next
+// super-block's. Each super-block has `per_block` float16 factors (1: d; 2: d, dmin); nothing past the two
+// super-blocks' is read.
+inline __m512 two_super_block_factors(const uint8_t* p, int per_block, int which) {
+    uint64_t bits = 0;
+    std::memcpy(&bits, p, static_cast<size_t>(4 * per_block));
+    const __m512 halves = _mm512_cvtph_ps(_mm256_zextsi128_si256(_mm_cvtsi64_si128(static_cast<long long>(bits))));
+    const int a = which, b = per_block + which;
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b), halves);
+}
+// factor * small, or -(factor * small) for an offset.
+inline __m512 factor_product(__m512 factor, __m512 small, bool negate) {
+    const __m512 product = _mm512_mul_ps(factor, small);
+    if (!negate) return product;
+    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(product), _mm512_set1_epi32(INT32_MIN)));
+}
+#elif defined(__F16C__)
+// The float16 factor at p times small, or its negation for an offset.
+inline __m256 factor_product(const uint8_t* p, __m256 small, bool negate) {
+    uint16_t factor;
+    std::memcpy(&factor, p, sizeof(factor));
+    const __m256 product = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(factor)), small);
+    return negate ? _mm256_xor_ps(product, _mm256_set1_ps(-0.f)) : product;
+}
+#endif
+
 // Groups [g0, g0 + count) of row n's Q4_K scales or offsets as float32 into out (g0 a multiple of VALUE_CHUNK):
 // k_value's products, a super-block (8 groups) or two at a time where the variant has F16C. Exact
 // products either way, and a negation flips only the sign, so the same bits as k_value.
@@ -120,17 +150,9 @@ inline void convert_k_values(const QuantizedWeight& weight, Part part, int64_t n
     if (count == 2 * SUPER_GROUPS) {
         const __m512 small = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
             reinterpret_cast<const __m128i*>(bytes + g0))));
-        const __m128i halves = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(factors + g0 / SUPER_GROUPS * 4));
-        const __m512 pairs = _mm512_cvtph_ps(_mm256_zextsi128_si256(halves));  // d0, dmin0, d1, dmin1, 0...
-        const int first = part == Part::scale ? 0 : 1;
-        const __m512i pick = _mm512_setr_epi32(first, first, first, first, first, first, first, first, first + 2,
-                                               first + 2, first + 2, first + 2, first + 2, first + 2, first + 2,
-                                               first + 2);
-        __m512 values = _mm512_mul_ps(_mm512_permutexvar_ps(pick, pairs), small);
-        if (part == Part::offset) {
-            values = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(values), _mm512_set1_epi32(INT32_MIN)));
-        }
-        _mm512_storeu_ps(out, values);
+        const bool offset = part == Part::offset;
+        const __m512 factor = two_super_block_factors(factors + g0 / SUPER_GROUPS * 4, 2, offset ? 1 : 0);
+        _mm512_storeu_ps(out, factor_product(factor, small, offset));
         return;
     }
 #elif defined(__F16C__)
@@ -138,11 +160,8 @@ inline void convert_k_values(const QuantizedWeight& weight, Part part, int64_t n
         const int64_t g = g0 + i;
         const __m256 small = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
             reinterpret_cast<const __m128i*>(bytes + g))));
-        uint16_t factor;
-        std::memcpy(&factor, factors + g / SUPER_GROUPS * 4 + (part == Part::scale ? 0 : 2), sizeof(factor));
-        __m256 values = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(factor)), small);
-        if (part == Part::offset) values = _mm256_xor_ps(values, _mm256_set1_ps(-0.f));
-        _mm256_storeu_ps(out + i, values);
+        const bool offset = part == Part::offset;
+        _mm256_storeu_ps(out + i, factor_product(factors + g / SUPER_GROUPS * 4 + (offset ? 2 : 0), small, offset));
     }
 #endif
     for (; i < count; ++i) out[i] = k_value(weight, part, n, g0 + i);
@@ -152,7 +171,7 @@ inline void convert_k_values(const QuantizedWeight& weight, Part part, int64_t n
 // float32 into out (g0 a multiple of VALUE_CHUNK): half_group_value's products, two super-blocks at a time
 // on AVX-512. Exact either way, so the same bits as half_group_value.
 inline void convert_half_group_values(const QuantizedWeight& weight, Part part, int64_t n, int64_t g0, int64_t count,
-                              float* out) {
+                                      float* out) {
     const int64_t high = part == Part::high_scale ? 1 : 0;
     int64_t i = 0;
 #if defined(__AVX512F__)
@@ -166,11 +185,8 @@ inline void convert_half_group_values(const QuantizedWeight& weight, Part part, 
         const __m512i every_other = _mm512_add_epi32(
             _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30), _mm512_set1_epi32(high));
         const __m512 scales = _mm512_permutex2var_ps(first, every_other, second);
-        uint32_t two_d;  // the two super-blocks' d, float16 each
-        std::memcpy(&two_d, row + subs + g0 / SUPER_GROUPS * 2, sizeof(two_d));
-        const __m512 d = _mm512_cvtph_ps(_mm256_set_m128i(_mm_set1_epi16(static_cast<short>(two_d >> 16)),
-                                                          _mm_set1_epi16(static_cast<short>(two_d & 0xFFFF))));
-        _mm512_storeu_ps(out, _mm512_mul_ps(d, scales));
+        _mm512_storeu_ps(out, factor_product(two_super_block_factors(row + subs + g0 / SUPER_GROUPS * 2, 1, 0), scales,
+                                             false));
         return;
     }
 #endif
@@ -194,17 +210,8 @@ inline void convert_q2_values(const QuantizedWeight& weight, Part part, int64_t 
         const __m512i bytes = _mm512_srli_epi32(pairs, high ? 8 : 0);
         const __m512 small = _mm512_cvtepi32_ps(
             _mm512_and_si512(_mm512_srli_epi32(bytes, nibble_shift), _mm512_set1_epi32(0xF)));
-        const __m128i halves = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + subs + g0 / SUPER_GROUPS * 4));
-        const __m512 factors = _mm512_cvtph_ps(_mm256_zextsi128_si256(halves));  // d0, dmin0, d1, dmin1, 0...
-        const int first = is_offset(part) ? 1 : 0;
-        const __m512i pick = _mm512_setr_epi32(first, first, first, first, first, first, first, first, first + 2,
-                                               first + 2, first + 2, first + 2, first + 2, first + 2, first + 2,
-                                               first + 2);
-        __m512 values = _mm512_mul_ps(_mm512_permutexvar_ps(pick, factors), small);
-        if (is_offset(part)) {
-            values = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(values), _mm512_set1_epi32(INT32_MIN)));
-        }
-        _mm512_storeu_ps(out, values);
+        const __m512 factor = two_super_block_factors(row + subs + g0 / SUPER_GROUPS * 4, 2, is_offset(part) ? 1 : 0);
+        _mm512_storeu_ps(out, factor_product(factor, small, is_offset(part)));
         return;
     }
 #elif defined(__F16C__)
@@ -214,14 +221,29 @@ inline void convert_q2_values(const QuantizedWeight& weight, Part part, int64_t 
         const __m256i bytes = _mm256_srli_epi32(pairs, high ? 8 : 0);
         const __m256 small = _mm256_cvtepi32_ps(
             _mm256_and_si256(_mm256_srli_epi32(bytes, nibble_shift), _mm256_set1_epi32(0xF)));
-        uint16_t factor;
-        std::memcpy(&factor, row + subs + g / SUPER_GROUPS * 4 + (is_offset(part) ? 2 : 0), sizeof(factor));
-        __m256 values = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(factor)), small);
-        if (is_offset(part)) values = _mm256_xor_ps(values, _mm256_set1_ps(-0.f));
-        _mm256_storeu_ps(out + i, values);
+        const uint8_t* factor = row + subs + g / SUPER_GROUPS * 4 + (is_offset(part) ? 2 : 0);
+        _mm256_storeu_ps(out + i, factor_product(factor, small, is_offset(part)));
     }
 #endif
     for (; i < count; ++i) out[i] = group_value(weight, part, n, g0 + i);
+}
+
+// Groups [g0, g0 + count) of row n's IQ4_XS scales as float32 into out (g0 a multiple of VALUE_CHUNK):
+// int8_scale_value's products, two super-blocks at a time on AVX-512. Exact either way.
+inline void convert_int8_scale_values(const QuantizedWeight& weight, int64_t n, int64_t g0, int64_t count, float* out) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    if (count == 2 * SUPER_GROUPS) {
+        const int64_t groups = weight.cols / GROUP;
+        const auto* row = static_cast<const uint8_t*>(weight.scales) + n * (groups + groups / 4);
+        const __m512 scales = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+            reinterpret_cast<const __m128i*>(row + g0))));
+        _mm512_storeu_ps(out, factor_product(two_super_block_factors(row + groups + g0 / SUPER_GROUPS * 2, 1, 0), scales,
+                                             false));
+        return;
+    }
+#endif
+    for (; i < count; ++i) out[i] = int8_scale_value(weight, n, g0 + i);
 }
 
 // Groups [g0, g0 + count) of row n's scales or offsets as float32 into out (count <= VALUE_CHUNK; zeros
@@ -233,22 +255,12 @@ inline void convert_values(const QuantizedWeight& weight, Part part, int64_t n, 
         convert_q2_values(weight, part, n, g0, count, out);
         return;
     }
-#if defined(__AVX512F__)
-    if (weight.int8_scales && part == Part::scale && count == VALUE_CHUNK) {  // IQ4_XS: two super-blocks at once
-        const int64_t groups = weight.cols / GROUP;
-        const auto* row = static_cast<const uint8_t*>(weight.scales) + n * (groups + groups / 4);
-        const __m512 scales = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-            reinterpret_cast<const __m128i*>(row + g0))));
-        uint32_t two_d;  // the two super-blocks' d, float16 each
-        std::memcpy(&two_d, row + groups + g0 / SUPER_GROUPS * 2, sizeof(two_d));
-        const __m512 d = _mm512_cvtph_ps(_mm256_set_m128i(_mm_set1_epi16(static_cast<short>(two_d >> 16)),
-                                                          _mm_set1_epi16(static_cast<short>(two_d & 0xFFFF))));
-        _mm512_storeu_ps(out, _mm512_mul_ps(d, scales));
-        return;
-    }
-#endif
-    if (weight.int8_scales) {
-        for (int64_t i = 0; i < count; ++i) out[i] = group_value(weight, part, n, g0 + i);
+    if (weight.int8_scales) {  // IQ4_XS: a scale per group, no offsets
+        if (is_offset(part)) {
+            std::fill(out, out + count, 0.f);
+        } else {
+            convert_int8_scale_values(weight, n, g0, count, out);
+        }
         return;
     }
     if (half_group_scales(weight.bits) && !is_offset(part)) {
