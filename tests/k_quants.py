@@ -19,15 +19,27 @@ def _divide(values: np.ndarray, by: np.ndarray) -> np.ndarray:
     return values / np.where(by == 0, 1, by)
 
 
+def _symmetric_sub_blocks(values: np.ndarray, bits: int, scale_bits: int,
+                          reach: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q6_K's and Q3_K's quantization of values [.., 256 * n]: per sub-block of 16 a signed scale of scale_bits
+    bits times the super-block's float16 d, such that the sub-block's largest magnitude is `reach` steps;
+    codes of `bits` bits less 2^(bits - 1). (d float16 [super-blocks], scales int16 [super-blocks, 16], codes
+    uint8 [super-blocks, half, quarter, 32])."""
+    x = values.astype(np.float32).reshape(-1, 16, 16)  # [super-block, sub-block of 16, 16]
+    zero, scale_max = 1 << (bits - 1), (1 << (scale_bits - 1)) - 1
+    sub_scales = np.abs(x).max(-1) / reach
+    d = _half(sub_scales.max(-1) / scale_max)
+    scales = np.clip(np.round(_divide(sub_scales, d.astype(np.float32)[:, None])), -scale_max - 1, scale_max)
+    step = (d.astype(np.float32)[:, None] * scales.astype(np.float32))[..., None]
+    q = np.clip(np.round(_divide(x, step)) + zero, 0, 2 * zero - 1).astype(np.uint8).reshape(-1, 2, 4, 32)
+    return d, scales.astype(np.int16), q
+
+
 def encode_q6_k(values: np.ndarray) -> np.ndarray:
     """[rows, cols] float values (cols a multiple of 256) as Q6_K bytes [rows, cols / 256 * 210]."""
     rows, cols = values.shape
-    x = values.astype(np.float32).reshape(-1, 16, 16)  # [super-block, sub-block of 16, 16]
-    sub_scales = np.abs(x).max(-1) / 31
-    d = _half(sub_scales.max(-1) / 127)
-    scales = np.clip(np.round(_divide(sub_scales, d.astype(np.float32)[:, None])), -128, 127).astype(np.int8)
-    step = (d.astype(np.float32)[:, None] * scales.astype(np.float32))[..., None]
-    q = np.clip(np.round(_divide(x, step)) + 32, 0, 63).astype(np.uint8).reshape(-1, 2, 4, 32)  # [.., half, quarter]
+    d, sub_scales, q = _symmetric_sub_blocks(values, bits=6, scale_bits=8, reach=31)
+    scales = sub_scales.astype(np.int8)
     low = np.concatenate([q[:, :, 0] & 0xF | (q[:, :, 2] & 0xF) << 4, q[:, :, 1] & 0xF | (q[:, :, 3] & 0xF) << 4],
                          axis=-1)
     high = q[:, :, 0] >> 4 | (q[:, :, 1] >> 4) << 2 | (q[:, :, 2] >> 4) << 4 | (q[:, :, 3] >> 4) << 6
@@ -62,12 +74,7 @@ def encode_q4_k(values: np.ndarray, bits: int = 4) -> np.ndarray:
 def encode_q3_k(values: np.ndarray) -> np.ndarray:
     """[rows, cols] float values (cols a multiple of 256) as Q3_K bytes [rows, cols / 256 * 110]."""
     rows, cols = values.shape
-    x = values.astype(np.float32).reshape(-1, 16, 16)  # [super-block, sub-block of 16, 16]
-    sub_scales = np.abs(x).max(-1) / 4
-    d = _half(sub_scales.max(-1) / 31)
-    scales = np.clip(np.round(_divide(sub_scales, d.astype(np.float32)[:, None])), -32, 31).astype(np.int16)
-    step = (d.astype(np.float32)[:, None] * scales.astype(np.float32))[..., None]
-    q = (np.clip(np.round(_divide(x, step)), -4, 3) + 4).astype(np.uint8).reshape(-1, 2, 4, 32)  # [.., half, quarter]
+    d, scales, q = _symmetric_sub_blocks(values, bits=3, scale_bits=6, reach=4)
     low = (q & 3)[:, :, 0] | (q & 3)[:, :, 1] << 2 | (q & 3)[:, :, 2] << 4 | (q & 3)[:, :, 3] << 6  # [.., half, 32]
     high_bits = (q >> 2).reshape(-1, 8, 32)  # bit 4 h + j of byte l: value 128 h + 32 j + l
     high = np.bitwise_or.reduce(high_bits << np.arange(8, dtype=np.uint8)[:, None], axis=1)

@@ -15,23 +15,13 @@ IQ4_LEVELS = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 
 
 def from_gguf_blocks(kind: str, data: np.ndarray, out_features: int, in_features: int) -> QuantizedWeight:
     """A GGUF tensor's raw blocks (uint8 [out, bytes per row]) in our layout, without decoding a value."""
-    if in_features % (SUPER_BLOCK if kind.endswith(("_K", "_XS")) else GROUP_SIZE):
+    if in_features % (SUPER_BLOCK if kind in _SUPER_BLOCK_LAYOUTS else GROUP_SIZE):
         raise ValueError(f"a {kind} tensor of {in_features} columns is not whole blocks; the file is corrupt")
     rows = np.ascontiguousarray(data, dtype=np.uint8).reshape(out_features, -1)
-    if kind == "Q4_K":
-        return _from_q4_k(rows, out_features, in_features)
-    if kind == "Q6_K":
-        return _from_q6_k(rows, out_features, in_features)
-    if kind == "Q5_K":
-        return _from_q5_k(rows, out_features, in_features)
-    if kind == "Q3_K":
-        return _from_q3_k(rows, out_features, in_features)
-    if kind == "Q2_K":
-        return _from_q2_k(rows, out_features, in_features)
-    if kind == "IQ4_XS":
-        return _from_iq4_xs(rows, out_features, in_features)
     if kind in ("Q5_0", "Q5_1"):
         return _from_q5(kind, rows, out_features, in_features)
+    if kind in _SUPER_BLOCK_LAYOUTS:
+        return _SUPER_BLOCK_LAYOUTS[kind](rows, out_features, in_features)
     block_bytes = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "IQ4_NL": 18}[kind]
     blocks = rows.reshape(out_features, in_features // GROUP_SIZE, block_bytes)
     scales = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16).reshape(out_features, -1))
@@ -199,3 +189,8 @@ def _from_iq4_xs(rows: np.ndarray, out_features: int, in_features: int) -> Quant
     codes = blocks[..., 8:].reshape(out_features, in_features // 2)
     return QuantizedWeight("IQ4_XS", torch.from_numpy(codes.copy()), torch.from_numpy(np.ascontiguousarray(scales)),
                            None, 4, levels=IQ4_LEVELS)
+
+
+# The formats of 256-value super-blocks, each re-laid by a function of its own (above).
+_SUPER_BLOCK_LAYOUTS = {"Q2_K": _from_q2_k, "Q3_K": _from_q3_k, "Q4_K": _from_q4_k, "Q5_K": _from_q5_k,
+                        "Q6_K": _from_q6_k, "IQ4_XS": _from_iq4_xs}

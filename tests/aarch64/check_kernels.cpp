@@ -177,6 +177,20 @@ bool check_quantized(std::mt19937& generator) {
     return ok;
 }
 
+// `rows` random rows times the weight, each alone and all at once: whether every row has the same bits both ways.
+bool rows_alone_as_in_batch(const QuantizedWeight& weight, int64_t rows, std::mt19937& generator) {
+    std::vector<float> x(rows * weight.cols), out(rows * weight.rows), alone(weight.rows);
+    std::normal_distribution<float> normal;
+    for (float& value : x) value = normal(generator);
+    quantized_matmul(weight, x.data(), rows, weight.cols, nullptr, out.data(), weight.rows);
+    bool same = true;
+    for (int64_t r = 0; r < rows; ++r) {
+        quantized_matmul(weight, x.data() + r * weight.cols, 1, weight.cols, nullptr, alone.data(), weight.rows);
+        same = same && std::memcmp(alone.data(), out.data() + r * weight.rows, weight.rows * sizeof(float)) == 0;
+    }
+    return same;
+}
+
 // 4-bit codes standing for levels (IQ4_NL: float16 scales, llama.cpp's 16 non-uniform int8 levels): the
 // decoded weight against scale * levels[code], bit for bit (an exact product), and each row alone as in the batch.
 bool check_levels(std::mt19937& generator) {
@@ -189,7 +203,7 @@ bool check_levels(std::mt19937& generator) {
     for (auto& code : codes) code = static_cast<uint8_t>(byte(generator));
     QuantizedWeight weight{codes.data(), 4, 0, OUT, IN, 32, scales.data(), nullptr, true};
     weight.levels = levels;
-    std::vector<float> decoded(OUT * IN), x(ROWS * IN), out(ROWS * OUT), alone(OUT);
+    std::vector<float> decoded(OUT * IN);
     dequantize_rows(weight, 0, OUT, decoded.data());
     bool same = true;
     for (int64_t n = 0; n < OUT; ++n) {
@@ -200,13 +214,7 @@ bool check_levels(std::mt19937& generator) {
             same = same && expected == decoded[n * IN + k];
         }
     }
-    std::normal_distribution<float> normal;
-    for (float& value : x) value = normal(generator);
-    quantized_matmul(weight, x.data(), ROWS, IN, nullptr, out.data(), OUT);
-    for (int64_t r = 0; r < ROWS; ++r) {
-        quantized_matmul(weight, x.data() + r * IN, 1, IN, nullptr, alone.data(), OUT);
-        same = same && std::memcmp(alone.data(), out.data() + r * OUT, OUT * sizeof(float)) == 0;
-    }
+    same = rows_alone_as_in_batch(weight, ROWS, generator) && same;
     std::printf("quantized IQ4_NL: decoded as its layout says and rows alone as in the batch: %s\n",
                 same ? "yes" : "NO");
     return same;
@@ -232,7 +240,7 @@ bool check_half_group_scales(std::mt19937& generator, int bits) {
         }
     }
     const QuantizedWeight weight{codes.data(), bits, zero_point, OUT, IN, 32, scales.data(), nullptr, false};
-    std::vector<float> decoded(OUT * IN), x(ROWS * IN), out(ROWS * OUT), alone(OUT);
+    std::vector<float> decoded(OUT * IN);
     dequantize_rows(weight, 0, OUT, decoded.data());
     bool same = true;
     for (int64_t n = 0; n < OUT; ++n) {
@@ -258,13 +266,7 @@ bool check_half_group_scales(std::mt19937& generator, int bits) {
             same = same && expected == decoded[n * IN + k];
         }
     }
-    std::normal_distribution<float> normal;
-    for (float& value : x) value = normal(generator);
-    quantized_matmul(weight, x.data(), ROWS, IN, nullptr, out.data(), OUT);
-    for (int64_t r = 0; r < ROWS; ++r) {
-        quantized_matmul(weight, x.data() + r * IN, 1, IN, nullptr, alone.data(), OUT);
-        same = same && std::memcmp(alone.data(), out.data() + r * OUT, OUT * sizeof(float)) == 0;
-    }
+    same = rows_alone_as_in_batch(weight, ROWS, generator) && same;
     std::printf("quantized %s: decoded as its layout says and rows alone as in the batch: %s\n",
                 bits == 6 ? "Q6_K" : bits == 3 ? "Q3_K" : "Q2_K", same ? "yes" : "NO");
     return same;
