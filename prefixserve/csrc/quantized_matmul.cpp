@@ -4,7 +4,8 @@
 //      per chunk of ROW_CHUNK input rows: the codes are read from memory once per chunk, the only
 //      pass over the weight a decode step makes (4 or 8 times fewer bytes than float32 weights);
 //   2. multiply TILE_ROWS input rows by the block in registers: TILE_ROWS x TILE_COLS running sums of
-//      W lanes each, one multiply-add per lane and value, then each sum's lanes in a fixed tree.
+//      W lanes each, one multiply-add per lane and value, then each sum's lanes in a fixed tree (the
+//      tile's sums side by side where the vector has room: the same tree, fewer instructions).
 //
 // A call of at most FUSED_ROWS rows (a decode step) skips the buffer: fused_tile decodes into registers
 // and multiplies at once, the same operations in the same order, so the same bits as the two steps.
@@ -51,6 +52,20 @@ constexpr int64_t FUSED_ROWS = TILE_ROWS;
 // with it (1, 2 or 4 blocks alike; benchmarks/quantized_matmul.py). A prefill's tiles are compute-bound:
 // no gain there, so only the fused path asks.
 constexpr int64_t PREFETCH_BLOCKS = 2;
+
+// out[r, c] = the sum of sums[r][c]'s lanes (+ bias[c]): the tree of simd::sum_lanes, a tile's sums side by side.
+template <int R, int C>
+__attribute__((always_inline)) inline void write_sums(const vf (&sums)[R][C], const float* bias, float* out,
+                                                      int64_t out_stride) {
+    float totals[R * C];
+    simd::sum_lanes_each(reinterpret_cast<const vf(&)[R * C]>(sums), totals);
+    for (int r = 0; r < R; ++r) {
+        for (int c = 0; c < C; ++c) {
+            const float sum = totals[r * C + c];
+            out[r * out_stride + c] = bias == nullptr ? sum : sum + bias[c];
+        }
+    }
+}
 
 // Weight row n decoded into out [cols], its scales and offsets converted as fused_tile converts them. LEVELS:
 // 4-bit codes standing for the weight's levels (IQ4_NL, IQ4_XS), not code - zero_point.
@@ -132,12 +147,7 @@ void fused_tile(const QuantizedWeight& weight, int64_t n0, const float* x, int64
             }
         }
     }
-    for (int r = 0; r < R; ++r) {
-        for (int c = 0; c < C; ++c) {
-            const float sum = simd::sum_lanes(sums[r][c]);
-            out[r * out_stride + c] = bias == nullptr ? sum : sum + bias[c];
-        }
-    }
+    write_sums(sums, bias, out, out_stride);
 }
 
 // out[r, c] = x[r] . block[c] (+ bias[c]) for R rows and C decoded weight rows.
@@ -155,12 +165,7 @@ void tile(const float* x, int64_t x_stride, const float* block, int64_t cols, co
             for (int c = 0; c < C; ++c) sums[r][c] = simd::fmadd(w[c], xv, sums[r][c]);
         }
     }
-    for (int r = 0; r < R; ++r) {
-        for (int c = 0; c < C; ++c) {
-            const float sum = simd::sum_lanes(sums[r][c]);
-            out[r * out_stride + c] = bias == nullptr ? sum : sum + bias[c];
-        }
-    }
+    write_sums(sums, bias, out, out_stride);
 }
 
 using TileFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t);

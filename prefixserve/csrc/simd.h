@@ -116,6 +116,28 @@ inline float sum_lanes(vf a) {
     const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
     return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
 }
+// Lane i: sum_lanes(a[i]), bit for bit (the same additions of the same pairs: the tree of each sum is
+// sum_lanes', only 16 of them run side by side), for the 16 sums that end a tile of running sums.
+// Each level adds the halves the next level of the tree pairs: 256-bit halves, 128-bit quarters, then
+// lanes (l, l + 2) and (0, 1) within each quarter; afterwards lane 4j + t holds a[4t + j]'s sum.
+__attribute__((always_inline)) inline vf lane_sums(const vf a[16]) {
+    vf halves[8], quarters[4], pairs[2];
+    for (int i = 0; i < 8; ++i) {  // [a's 8 sums (l, l + 8), b's 8]
+        const vf x = a[2 * i], y = a[2 * i + 1];
+        halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xEE));
+    }
+    for (int i = 0; i < 4; ++i) {  // quarter j: a[4i + j]'s 4 sums (l, l + 4)
+        const vf x = halves[2 * i], y = halves[2 * i + 1];
+        quarters[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
+    }
+    for (int i = 0; i < 2; ++i) {  // quarter j: a[8i + j]'s 2 sums (l, l + 2), then a[8i + 4 + j]'s
+        const vf x = quarters[2 * i], y = quarters[2 * i + 1];
+        pairs[i] = _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x44), _mm512_shuffle_ps(x, y, 0xEE));
+    }
+    const vf sums = _mm512_add_ps(_mm512_shuffle_ps(pairs[0], pairs[1], 0x88),
+                                  _mm512_shuffle_ps(pairs[0], pairs[1], 0xDD));
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), sums);
+}
 inline float max_lanes(vf a) { return _mm512_reduce_max_ps(a); }
 inline float first_lane(vf a) { return _mm512_cvtss_f32(a); }
 // W registers of W lanes transposed in place: afterwards r[j] lane k = before r[k] lane j.
@@ -201,6 +223,22 @@ inline float sum_lanes(vf a) {
     const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
     return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+// Lane i: sum_lanes(a[i]), bit for bit, as the avx512 backend's: 128-bit halves, then lanes (l, l + 2)
+// and (0, 1) within each half; afterwards lane 4h + t holds a[2t + h]'s sum.
+__attribute__((always_inline)) inline vf lane_sums(const vf a[8]) {
+    vf halves[4], pairs[2];
+    for (int i = 0; i < 4; ++i) {  // [a's 4 sums (l, l + 4), b's 4]
+        const vf x = a[2 * i], y = a[2 * i + 1];
+        halves[i] = _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
+    }
+    for (int i = 0; i < 2; ++i) {  // half h: a[4i + h]'s 2 sums (l, l + 2), then a[4i + 2 + h]'s
+        const vf x = halves[2 * i], y = halves[2 * i + 1];
+        pairs[i] = _mm256_add_ps(_mm256_shuffle_ps(x, y, 0x44), _mm256_shuffle_ps(x, y, 0xEE));
+    }
+    const vf sums = _mm256_add_ps(_mm256_shuffle_ps(pairs[0], pairs[1], 0x88),
+                                  _mm256_shuffle_ps(pairs[0], pairs[1], 0xDD));
+    return _mm256_permutevar8x32_ps(sums, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 inline float max_lanes(vf a) {
     const __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -378,6 +416,26 @@ inline void transpose(vf r[W]) {
     }
 }
 #endif
+
+// out[i] = sum_lanes(a[i]) for i < N, bit for bit. On AVX-512 and AVX2, groups of at least W / 2 sums
+// are reduced side by side (lane_sums; a tile's 12-16 sums take a third of the instructions one by
+// one takes); fewer, and the 4-lane backends, one by one. Inlined whole (N is known), so a tile's sums
+// go from its registers to the output without a pass through memory.
+template <int N>
+__attribute__((always_inline)) inline void sum_lanes_each(const vf (&a)[N], float* out) {
+    int i = 0;
+#if defined(PREFIXSERVE_SIMD_AVX512) || defined(PREFIXSERVE_SIMD_AVX2)
+    for (; N - i >= W / 2; i += W) {
+        const int count = std::min(W, N - i);
+        vf group[W];
+        for (int j = 0; j < W; ++j) group[j] = j < count ? a[i + j] : zero();
+        alignas(64) float sums[W];
+        store(sums, lane_sums(group));
+        for (int j = 0; j < count; ++j) out[i + j] = sums[j];
+    }
+#endif
+    for (; i < N; ++i) out[i] = sum_lanes(a[i]);
+}
 
 // x rounded as storing it as T would (bf16: nearest even), back in float32 lanes.
 template <typename T>
