@@ -119,6 +119,23 @@ def test_kinds_of_exact_products_decode_to_the_format_readers_values_bit_for_bit
         kernel_variant.quantized_matmul(x, *replace(weight, zero_point=weight.zero_point + 1).kernel_arguments(), None)
 
 
+def test_a_zero_point_decodes_exactly_and_only_a_power_of_two_without_offsets_is_taken(kernel_variant):
+    # The kernels may fold the zero point into the offset, exact for these weights only; scale (code - zero_point)
+    # is an exact product here, so the decode must equal the reference's bit for bit, at any such zero point.
+    q4_0 = from_gguf_blocks("Q4_0", gguf_blocks("Q4_0", 10, 96, seed=6), 10, 96)
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(7))
+    for zero_point in (8, 4, 16, 1):
+        weight = replace(q4_0, zero_point=zero_point)
+        assert torch.equal(decoded_by_kernel(kernel_variant, weight), weight.dequantize()), zero_point
+        for size in (1, 5):  # the fused decode path and the buffered one
+            assert torch.equal(kernel_variant.quantized_matmul(x[:size], *weight.kernel_arguments(), None),
+                               kernel_variant.quantized_matmul(x, *weight.kernel_arguments(), None)[:size])
+    q4_1 = from_gguf_blocks("Q4_1", gguf_blocks("Q4_1", 10, 96, seed=6), 10, 96)
+    for bad in (replace(q4_0, zero_point=6), replace(q4_0, zero_point=-8), replace(q4_1, zero_point=8)):
+        with pytest.raises(RuntimeError, match="zero_point must be 0, or a power of two for a weight without offsets"):
+            kernel_variant.quantized_matmul(x, *bad.kernel_arguments(), None)
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantize_rounds_each_value_to_its_nearest_code(bits):
     weight = torch.randn(48, 96, generator=torch.Generator().manual_seed(3))

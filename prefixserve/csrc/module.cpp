@@ -110,6 +110,10 @@ prefixserve::QuantizedWeight quantized_weight_of(const torch::Tensor& codes, con
                         "scales and offsets must be contiguous [rows, cols / group_size] tensors of one dtype");
         }
     }
+    // The kernels may fold the zero point into the offset (quantized_codes.h): offset - zero_point * scale is exact
+    // where the weight has no offsets and the zero point is a power of two (every GGUF kind's is: 4, 8, 16, 32).
+    TORCH_CHECK(zero_point == 0 || (!has_offsets && zero_point > 0 && (zero_point & (zero_point - 1)) == 0),
+                "zero_point must be 0, or a power of two for a weight without offsets");
     return {codes.data_ptr<uint8_t>(), static_cast<int32_t>(bits), static_cast<int32_t>(zero_point), rows, cols,
             group_size, scales.data_ptr(), has_offsets ? offsets.data_ptr() : nullptr,
             scales.scalar_type() == torch::kFloat16, k_scales,
