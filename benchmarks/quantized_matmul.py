@@ -1,4 +1,5 @@
-"""The quantized matmul (csrc/quantized_matmul.cpp) against PyTorch's own CPU weight-only ops and float32.
+"""The quantized matmul (csrc/quantized_matmul.cpp) against PyTorch's own CPU weight-only ops and float32, and
+our float32 path (the same tiles reading a float32 weight in place) against oneDNN's.
 
     python benchmarks/quantized_matmul.py [--rows 1,8,64,512] [--repeats 5]
 
@@ -7,8 +8,10 @@ Per shape and row count, the median time of --repeats timed runs (each a loop of
   ours Q4_1 / Q8_0      prefixserve's kernel on the GGUF layouts, float32 activations, rows batch-invariant
   torch int4 (g32)      torch.ops.aten._weight_int4pack_mm_for_cpu, groups of 32 (scale and zero per group)
   torch int8 (channel)  torch.ops.aten._weight_int8pack_mm, one scale per output channel (coarser than Q8_0)
-  float32               the float32 weight packed for oneDNN, as the engine's float path runs it
-Prints the table with each one's time relative to float32 and saves benchmarks/results/quantized_matmul.{json,png}.
+  ours float32          prefixserve's kernel on the float32 weight in place, as the engine's float32 path runs it
+                        where our AVX2 / AVX-512 kernels are (linear.py's use_kernel)
+  oneDNN float32        the float32 weight packed for oneDNN (the float path elsewhere, and bf16's)
+Prints the table with each one's time relative to oneDNN float32 and saves benchmarks/results/quantized_matmul.{json,png}.
 Which CPU: the first line printed (timings differ 2-3x between machines; compare ratios, not times).
 """
 
@@ -26,6 +29,7 @@ from prefixserve.model import kernels
 from prefixserve.model.linear import Linear
 from prefixserve.model.quantized import quantize
 
+BASELINE = "oneDNN float32"
 SHAPES = {"gate_up 576->3072": (3072, 576), "down 1536->576": (576, 1536), "lm_head 576->49152": (49152, 576)}
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -67,11 +71,17 @@ def contenders(out_features: int, in_features: int, rows: int):
     int8 = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8, generator=generator)
     channel_scales = torch.rand(out_features, generator=generator)
     calls["torch int8 (channel)"] = lambda: torch.ops.aten._weight_int8pack_mm(x, int8, channel_scales)
+    ours = Linear(in_features, out_features, bias=False)
+    with torch.no_grad():
+        ours.weight.copy_(weight)
+    if ours.can_use_kernel():
+        ours.use_kernel()
+        calls["ours float32"] = lambda: ours.matmul(x)
     linear = Linear(in_features, out_features, bias=False)
     with torch.no_grad():
         linear.weight.copy_(weight)
         linear.pack(max(rows, 1))
-    calls["float32"] = lambda: linear.matmul(x)
+    calls[BASELINE] = lambda: linear.matmul(x)
     return calls
 
 
@@ -93,7 +103,7 @@ def main() -> None:
             if header is None:
                 header = f"{'shape':<20} {'rows':>5} " + " ".join(f"{name:>22}" for name in seconds)
                 print(header)
-            cells = " ".join(f"{value * 1e3:>9.3f} ms ({value / seconds['float32']:4.2f}x)" for value in seconds.values())
+            cells = " ".join(f"{value * 1e3:>9.3f} ms ({value / seconds[BASELINE]:4.2f}x)" for value in seconds.values())
             print(f"{shape_name:<20} {rows:>5} {cells}")
             records.append({"shape": shape_name, "rows": rows, "seconds": seconds})
     RESULTS.mkdir(exist_ok=True)
@@ -113,12 +123,12 @@ def plot(records: list[dict], rows_list: list[int]) -> None:
     for ax, shape_name in zip(axes, SHAPES):
         rows = [record for record in records if record["shape"] == shape_name]
         for name in names:
-            ax.plot(rows_list, [record["seconds"]["float32"] / record["seconds"][name] for record in rows],
+            ax.plot(rows_list, [record["seconds"][BASELINE] / record["seconds"][name] for record in rows],
                     marker="o", label=name)
         ax.set_xscale("log", base=2)
         ax.set_title(shape_name)
         ax.set_xlabel("rows per call")
-    axes[0].set_ylabel("speed relative to float32 (higher is faster)")
+    axes[0].set_ylabel("speed relative to oneDNN float32 (higher is faster)")
     axes[0].legend()
     figure.tight_layout()
     figure.savefig(RESULTS / "quantized_matmul.png", dpi=110)

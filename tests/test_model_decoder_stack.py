@@ -93,7 +93,7 @@ def test_an_engine_serves_through_the_stack_and_nothing_changes(default_model_di
 
 
 def test_the_stack_runs_only_where_the_layers_take_its_kernels(default_model, default_model_dir, tmp_path):
-    assert decoder_stack.build(default_model.model) is None  # float projections: oneDNN's matmul from Python
+    assert decoder_stack.build(default_model.model) is None  # float weights not handed to our kernel (unpacked)
     tokenizer = train_tokenizer()
     config = tiny_llama_config(vocab_size=len(tokenizer[0]))  # head_dim 16: rotary stays in PyTorch
     stored = gguf_tensors(config, random_hf_weights(config, seed=6))

@@ -58,10 +58,20 @@ void check_blocks(const torch::Tensor& tables, int64_t i, int64_t first, int64_t
 prefixserve::QuantizedWeight quantized_weight_of(const torch::Tensor& codes, const torch::Tensor& scales,
                                                  const torch::Tensor& offsets, int64_t bits, int64_t group_size,
                                                  int64_t zero_point, const torch::Tensor& levels) {
-    TORCH_CHECK((bits == 8 || (bits >= 2 && bits <= 6)) && group_size == 32,
-                "bits must be 8, 6, 5, 4, 3 or 2, group_size 32");
+    TORCH_CHECK((bits == 32 || bits == 8 || (bits >= 2 && bits <= 6)) && group_size == 32,
+                "bits must be 32 (float32 values), 8, 6, 5, 4, 3 or 2, group_size 32");
     TORCH_CHECK(codes.device().is_cpu() && codes.dim() == 2 && codes.is_contiguous() && codes.element_size() == 1,
                 "codes must be a contiguous 2-D CPU tensor of bytes");
+    if (bits == 32) {  // a float32 weight, its values' bytes: nothing to scale, offset or look up
+        TORCH_CHECK(reinterpret_cast<uintptr_t>(codes.data_ptr()) % alignof(float) == 0 && codes.size(1) % 4 == 0 &&
+                        (codes.size(1) / 4) % group_size == 0,
+                    "a float32 weight's codes must be its values' bytes [rows, cols * 4], cols a multiple of 32");
+        TORCH_CHECK(scales.numel() == 0 && offsets.numel() == 0 && levels.numel() == 0 && zero_point == 0,
+                    "a float32 weight (bits 32) takes no scales, offsets, levels or zero point: pass empty tensors "
+                    "and 0");
+        return {codes.data_ptr<uint8_t>(), 32, 0, codes.size(0), codes.size(1) / 4, group_size, nullptr, nullptr,
+                false};
+    }
     TORCH_CHECK(bits != 8 || zero_point == 0, "8-bit codes are int8 with zero_point 0");
     const int64_t rows = codes.size(0), cols = codes.size(1) * 8 / bits;
     TORCH_CHECK(cols % group_size == 0 && cols * bits == codes.size(1) * 8, "the row must be whole groups of 32 values");

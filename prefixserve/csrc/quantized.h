@@ -8,6 +8,8 @@
 //
 // computed in float32 with one fused multiply-add where the variant has one. The codes:
 //
+//   bits 32  float32 values, four bytes each, no scales or offsets: w[n, k] = the value itself (a float32
+//            weight multiplied by the same tiles, nothing decoded)                   (F32)
 //   bits 8   int8, one byte per value: codes[n * cols + k], zero_point 0          (Q8_0)
 //   bits 4   0 .. 15, two per byte, group_size 32: the 16 bytes of group g of row n hold
 //            values 0 .. 15 of the group in their low nibbles and 16 .. 31 in their high nibbles,
@@ -52,7 +54,7 @@ namespace prefixserve {
 
 struct QuantizedWeight {
     const uint8_t* codes;
-    int32_t bits;         // 8, 6, 5, 4, 3 or 2
+    int32_t bits;         // 32 (float32 values), 8, 6, 5, 4, 3 or 2
     int32_t zero_point;   // subtracted from every code
     int64_t rows, cols, group_size;  // group_size: 32 (every GGUF block format we keep, and --quantize)
     const void* scales;   // [rows, cols / group_size]

@@ -14,6 +14,9 @@
 // of one row or of TILE_ROWS), so a token's logits never depend on its batch. Against a float32
 // matmul of the decoded weights the sums differ in order only.
 //
+// A float32 weight (bits 32) has nothing to decode: the same tiles read its rows where they lie (float_matmul),
+// so a float32 model's rows are batch-invariant by the same construction.
+//
 // Threads split the weight rows (out_features); each keeps its own decode buffer.
 #include "quantized.h"
 #include "quantized_codes.h"
@@ -24,6 +27,7 @@
 #include <ATen/Parallel.h>
 
 #include <array>
+#include <cstring>
 #include <utility>
 #include <vector>
 
@@ -52,6 +56,12 @@ constexpr int64_t FUSED_ROWS = TILE_ROWS;
 // with it (1, 2 or 4 blocks alike; benchmarks/quantized_matmul.py). A prefill's tiles are compute-bound:
 // no gain there, so only the fused path asks.
 constexpr int64_t PREFETCH_BLOCKS = 2;
+// Where a float32 weight's next rows go: L2 (locality 2, prefetcht1). Asked into L1 (prefetcht0, as the codes
+// are), the stream of 4-8x the bytes pushed out the lines in use: a 1-row matmul of a 512 MB float32 weight
+// on the AVX-512 EPYC, 2 threads, read 22-26 GB/s that way, 37-44 into L2 (a C++ loop of the same shape). The
+// codes' locality made no difference either way (1-row A/B, 7 kinds, within +-5%), so they keep L1's.
+constexpr int FLOAT_PREFETCH_LOCALITY = 2;
+constexpr int64_t PREFETCH_TILES = 4;  // the tiles of a chunk that ask for a float32 weight's next rows
 
 // out[r, c] = the sum of sums[r][c]'s lanes (+ bias[c]): the tree of simd::sum_lanes, a tile's sums side by side.
 template <int R, int C>
@@ -150,14 +160,21 @@ void fused_tile(const QuantizedWeight& weight, int64_t n0, const float* x, int64
     write_sums(sums, bias, out, out_stride);
 }
 
-// out[r, c] = x[r] . block[c] (+ bias[c]) for R rows and C decoded weight rows.
+// out[r, c] = x[r] . block[c] (+ bias[c]) for R rows and C decoded weight rows. `ahead`: how many rows of the
+// block PREFETCH_BLOCKS blocks further on to ask for, a cache line at a time (a float32 weight read in place;
+// 0 for a decoded block). A prefetch changes no operation, so not the bits.
 template <int R, int C>
 void tile(const float* x, int64_t x_stride, const float* block, int64_t cols, const float* bias, float* out,
-          int64_t out_stride) {
+          int64_t out_stride, int64_t ahead) {
     vf sums[R][C];
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < C; ++c) sums[r][c] = simd::zero();
+    constexpr int64_t line = 64 / sizeof(float);  // floats per cache line
+    const float* next = ahead > 0 ? block + PREFETCH_BLOCKS * C * cols : block;
     for (int64_t k = 0; k < cols; k += W) {
+        if (ahead > 0 && k % line == 0) {
+            for (int64_t c = 0; c < ahead; ++c) __builtin_prefetch(next + c * cols + k, 0, FLOAT_PREFETCH_LOCALITY);
+        }
         vf w[C];
         for (int c = 0; c < C; ++c) w[c] = simd::load(block + c * cols + k);
         for (int r = 0; r < R; ++r) {
@@ -168,7 +185,7 @@ void tile(const float* x, int64_t x_stride, const float* block, int64_t cols, co
     write_sums(sums, bias, out, out_stride);
 }
 
-using TileFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t);
+using TileFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t, int64_t);
 
 template <int R, int... C>
 constexpr std::array<TileFn, sizeof...(C)> tiles_of_rows(std::integer_sequence<int, C...>) {
@@ -215,10 +232,48 @@ static_assert(width_index(2) == 0 && width_index(3) == 1 && width_index(4) == 2 
               "the order of FUSED and DECODE_ROW");
 int64_t format_index(const QuantizedWeight& weight) { return weight.levels != nullptr ? 6 : width_index(weight.bits); }
 
+// A float32 weight (bits 32): the tiles read its rows where they lie, nothing to decode, and ask for the rows
+// PREFETCH_BLOCKS blocks ahead. A call of a few rows streams the weight once; a longer one walks its chunks of
+// ROW_CHUNK input rows over each block while the block sits in L1, as the decoded blocks do. Asking ahead pays
+// there too where the weight comes from memory: lm_head's (49152 x 576) 8 to 64 rows took 0.8-0.9x oneDNN's
+// time with it, 1.1-1.5x without (AVX-512 EPYC, 2 threads). Only a chunk's first PREFETCH_TILES tiles ask: asked
+// by every tile, 512 rows of the MLP's down projection took 1.2x oneDNN's time, against 1.14x. The tiles are the
+// quantized path's: on AVX2 (the avx2 variant on the AVX-512 EPYC) a float weight's other tile shapes (2 x 4,
+// 4 x 2, 2 x 6, 1 x 8) took 1.03-1.8x 3 x 4's time at 64 and 512 rows; larger row chunks were no faster.
+void float_matmul(const QuantizedWeight& weight, const float* x, int64_t num_rows, int64_t x_stride,
+                  const float* bias, float* out, int64_t out_stride) {
+    const int64_t cols = weight.cols;
+    const float* values = reinterpret_cast<const float*>(weight.codes);
+    const int64_t num_blocks = (weight.rows + TILE_COLS - 1) / TILE_COLS;
+    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (cols * std::min<int64_t>(num_rows, ROW_CHUNK)));
+    at::parallel_for(0, num_blocks, grain, [&](int64_t begin, int64_t end) {
+        for (int64_t first_row = 0; first_row < num_rows; first_row += ROW_CHUNK) {
+            const int64_t chunk_end = std::min(num_rows, first_row + ROW_CHUNK);
+            for (int64_t b = begin; b < end; ++b) {
+                const int64_t n0 = b * TILE_COLS;
+                const int64_t num_cols = std::min<int64_t>(TILE_COLS, weight.rows - n0);
+                const int64_t ahead =
+                    std::min<int64_t>(TILE_COLS, std::max<int64_t>(0, weight.rows - n0 - PREFETCH_BLOCKS * TILE_COLS));
+                const float* block_bias = bias == nullptr ? nullptr : bias + n0;
+                for (int64_t r = first_row; r < chunk_end; r += TILE_ROWS) {
+                    const int64_t count = std::min<int64_t>(TILE_ROWS, chunk_end - r);
+                    TILES[count - 1][num_cols - 1](x + r * x_stride, x_stride, values + n0 * cols, cols, block_bias,
+                                                   out + r * out_stride + n0, out_stride,
+                                                   r - first_row < PREFETCH_TILES * TILE_ROWS ? ahead : 0);
+                }
+            }
+        }
+    });
+}
+
 }  // namespace
 
 void quantized_matmul(const QuantizedWeight& weight, const float* x, int64_t num_rows, int64_t x_stride,
                       const float* bias, float* out, int64_t out_stride) {
+    if (weight.bits == 32) {
+        float_matmul(weight, x, num_rows, x_stride, bias, out, out_stride);
+        return;
+    }
     const int64_t cols = weight.cols;
     const int64_t num_blocks = (weight.rows + TILE_COLS - 1) / TILE_COLS;
     // A decode step (a few rows) splits the weight finely; a prefill's blocks are larger work each.
@@ -245,7 +300,7 @@ void quantized_matmul(const QuantizedWeight& weight, const float* x, int64_t num
                 for (int64_t r = first_row; r < chunk_end; r += TILE_ROWS) {
                     const int64_t count = std::min<int64_t>(TILE_ROWS, chunk_end - r);
                     TILES[count - 1][num_cols - 1](x + r * x_stride, x_stride, block.data(), cols, block_bias,
-                                                   out + r * out_stride + n0, out_stride);
+                                                   out + r * out_stride + n0, out_stride, 0);
                 }
             }
         }
@@ -253,6 +308,11 @@ void quantized_matmul(const QuantizedWeight& weight, const float* x, int64_t num
 }
 
 void dequantize_rows(const QuantizedWeight& weight, int64_t first, int64_t count, float* out) {
+    if (weight.bits == 32) {
+        std::memcpy(out, reinterpret_cast<const float*>(weight.codes) + first * weight.cols,
+                    static_cast<size_t>(count * weight.cols) * sizeof(float));
+        return;
+    }
     const DecodeRowFn decode_row_of = DECODE_ROW[format_index(weight)];
     at::parallel_for(0, count, 64, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) decode_row_of(weight, first + i, out + i * weight.cols);

@@ -73,7 +73,8 @@ class LLMEngine:
             hot_prefixes=self.hot_prefixes,
             window_slots=self.window_slots, long_rope_after=loaded.config.long_rope_after,
         )
-        # Lay linear weights out for oneDNN once, sized for a full step's token budget (CPU only).
+        # float32 weights to our kernel, the others laid out for oneDNN once, sized for a full step's token
+        # budget (CPU only).
         self._log_progress("packing weights for this CPU ...")
         loaded.model.pack_linear_weights(batch_size_hint=config.max_num_batched_tokens)
         self._log_progress(f"allocating the KV pool: {num_blocks} blocks ({pool.num_bytes / 2**20:.0f} MiB) ...")

@@ -19,6 +19,7 @@ import torch
 
 from ..model import kernels
 from ..model.cpu_caps import cpu_features
+from ..model.linear import float_kernel
 
 # The CPU features that change which kernels PyTorch, oneDNN and MKL run (torch's cpuinfo names).
 _GEMM_FEATURES = ("avx2", "fma3", "avx512_f", "avx512_bw", "avx512_dq", "avx512_vl", "avx512_vnni", "avx512_bf16",
@@ -42,6 +43,8 @@ def numerics_description(dtype: torch.dtype, device: torch.device, batch_invaria
         "library_caps": {name: os.environ[name] for name in _LIBRARY_CAPS if name in os.environ},
         "threads": torch.get_num_threads(),
         "onednn": torch.backends.mkldnn.is_available(),
+        # float32 weights: our kernel's tiles or oneDNN's (linear.py), which sum in other orders
+        "float32_matmul": "kernels" if float_kernel() is not None else "onednn",
     })
     return described
 

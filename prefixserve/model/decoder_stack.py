@@ -10,7 +10,8 @@ It runs where llama.py's layer would take exactly those kernels and nothing else
   * the compiled kernels with their row-wise ones, float32 activations and KV cache, on the CPU;
   * plain Llama layers (DecoderLayer, Attention, MLP, RMSNorm, not a family's subclass): rotary over
     the whole head, no per-head q/k norm, no sliding window, no score cap, SiLU;
-  * every projection a QuantizedLinear (float Linear layers run oneDNN's packed matmul from Python);
+  * every projection a QuantizedLinear or a float32 Linear our kernel multiplies (linear.py's use_kernel;
+    bf16 and oneDNN-packed Linear layers run from Python);
   * a step whose every row's output is used (no `output_rows`) and one KV pool (no window pool).
 Anything else keeps the layer-by-layer path, which stays the reference.
 """
@@ -23,13 +24,20 @@ import torch
 
 from . import kernels
 from .attention_metadata import AttentionMetadata
+from .linear import Linear
 from .quantized_linear import QuantizedLinear
 
 ENABLED = True  # tests switch it off to compare against the layer-by-layer path
 
 
-def _projection(layer: QuantizedLinear) -> tuple:
+def _projection(layer) -> tuple:
+    if isinstance(layer, Linear):  # a float32 weight our kernel reads in place (linear.py's use_kernel)
+        return ([layer.kernel_weight], layer.kernel_bias)
     return ([part.kernel_arguments() for part in layer.parts], layer.bias)
+
+
+def _compiled_projection(layer) -> bool:
+    return isinstance(layer, QuantizedLinear) or (isinstance(layer, Linear) and layer.kernel_weight is not None)
 
 
 def _plain(layer) -> bool:
@@ -41,7 +49,7 @@ def _plain(layer) -> bool:
     return (type(layer) is DecoderLayer and type(attention) is Attention and type(mlp) is MLP
             and all(type(norm) is RMSNorm and norm.weight.dtype == torch.float32 and norm.weight.device.type == "cpu"
                     for norm in norms)
-            and all(isinstance(projection, QuantizedLinear) for projection in projections)
+            and all(_compiled_projection(projection) for projection in projections)
             and attention.q_norm is None and attention.uses_rope and attention.rotary_dim == attention.head_dim
             and attention.window is None and attention.softcap is None and not attention.is_local
             and attention.head_dim % 32 == 0 and mlp.activation == "silu" and mlp.intermediate_size % 16 == 0)

@@ -1,6 +1,14 @@
-"""The linear layer of every model here: oneDNN's packed weights on CPU, bf16 on CPUs without bf16
-matmuls, and calls sized so that a row's result never depends on its batch.
+"""The linear layer of every model here: float32 weights read in place by our compiled kernel, oneDNN's
+packed weights for the rest on CPU, bf16 on CPUs without bf16 matmuls, and calls sized so that a row's
+result never depends on its batch.
 
+  * float32 weights on a CPU with our AVX2 or AVX-512 kernels (`use_kernel`): the quantized matmul's
+    tiles (csrc/quantized_matmul.cpp, a float32 weight as "bits 32") read the weight where it lies,
+    every row in the same order whatever the call's row count: no probe, no padding, no second copy.
+    A batch-1 decode streams the weight once with prefetching; oneDNN pads a lone row to two (its
+    float32 kernels sum a lone row in another order) and re-blocks small calls. SmolLM2's shapes on an
+    AVX-512 EPYC, 2 threads: 1-8 rows 0.45-0.9x oneDNN's time, 16-64 rows 0.8-1.05x, 512 rows 1.0-1.15x;
+    the avx2 variant against oneDNN capped at AVX2 likewise, 1.1-1.2x at 512 (benchmarks/quantized_matmul.py).
   * `pack` lays the weight out once in oneDNN's blocked format: a plain matmul re-packs its weight
     on every call, which dominates at decode batch sizes (about 2x). The packed weight serves every
     batch size (an empty batch takes F.linear). float32 results differ from MKL's sgemm in summation
@@ -23,8 +31,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
 from .cpu_caps import cpu_features, onednn_allows
 from .row_calls import RowCalls, probe_once
+
+KERNEL_BACKENDS = ("avx512", "avx2")  # where our float32 tiles were measured against oneDNN's
+_EMPTY = torch.empty(0)
+_NO_LEVELS = torch.empty(0, dtype=torch.int8)
+
+
+def float_kernel():
+    """The compiled kernels that multiply float32 weights here, or None (oneDNN's packed matmul then)."""
+    compiled = kernels.compiled
+    return compiled if compiled is not None and compiled.backend in KERNEL_BACKENDS else None
 
 
 @functools.lru_cache(maxsize=None)
@@ -42,10 +61,13 @@ def native_bfloat16_matmul() -> bool:
 
 
 class Linear(nn.Linear):
-    """nn.Linear that uses a prepacked oneDNN weight once `pack` has run (CPU only)."""
+    """nn.Linear that multiplies with our compiled kernel once `use_kernel` has run, or a prepacked oneDNN
+    weight once `pack` has (CPU only)."""
 
     packed: Optional[torch.Tensor] = None
     packed_bias: Optional[torch.Tensor] = None
+    kernel_weight: Optional[tuple] = None  # the compiled kernel's arguments for this float32 weight (use_kernel)
+    kernel_bias: Optional[torch.Tensor] = None
     batch_size_hint: Optional[int] = None
     emulated = False  # bf16 weights multiplied in float32 (no bf16 matmul on this CPU)
     batch_invariant = True  # ModelRunner sets it per engine, with the row calls it measured
@@ -60,6 +82,29 @@ class Linear(nn.Linear):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_size_hint)
         self.packed_bias = None if self.bias is None else self.bias.detach().to(weight.dtype)
         self.batch_size_hint = batch_size_hint
+        self.kernel_weight = self.kernel_bias = None
+        self.row_calls = RowCalls.ALL
+
+    def can_use_kernel(self) -> bool:
+        """Whether our compiled kernel can multiply this weight in place: float32 on the CPU, contiguous,
+        its rows whole groups of 32 values."""
+        weight = self.weight
+        return (float_kernel() is not None and weight.dtype == torch.float32 and weight.device.type == "cpu"
+                and weight.is_contiguous() and self.in_features % 32 == 0
+                and (self.bias is None or self.bias.dtype == torch.float32))
+
+    def use_kernel(self) -> None:
+        """Multiply with our compiled kernel, reading the weight where it lies (a view of its bytes, so
+        an in-place update of the weight is seen; call again after replacing the parameter)."""
+        if not self.can_use_kernel():
+            raise ValueError("our float32 kernel takes a contiguous float32 CPU weight whose rows are a multiple "
+                             f"of 32 values (this one: {self.weight.dtype}, {self.in_features} values) on a CPU "
+                             f"with the {' or '.join(KERNEL_BACKENDS)} kernels; call pack() instead")
+        weight = self.weight.detach()
+        self.kernel_weight = (weight.view(torch.uint8), _EMPTY, _EMPTY, 32, 32, 0, _NO_LEVELS)
+        self.kernel_bias = None if self.bias is None else self.bias.detach().contiguous()
+        self.packed = self.packed_bias = None
+        self.emulated = False
         self.row_calls = RowCalls.ALL
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -69,6 +114,12 @@ class Linear(nn.Linear):
 
     def _sums(self, x: torch.Tensor) -> torch.Tensor:
         """The matmul's result before any rounding of ours: float32 where bf16 is multiplied in float32."""
+        compiled = kernels.compiled
+        if self.kernel_weight is not None and compiled is not None and x.device.type == "cpu":
+            x32 = x.reshape(-1, self.in_features).float()
+            x32 = x32 if x32.stride(1) == 1 else x32.contiguous()
+            out = compiled.quantized_matmul(x32, *self.kernel_weight, self.kernel_bias)
+            return out.view(*x.shape[:-1], self.out_features)
         if self.packed is None:
             if self._computes_in_float32(x):
                 bias = None if self.bias is None else self.bias.float()
@@ -86,7 +137,7 @@ class Linear(nn.Linear):
     def plan_rows(self, batch_invariant: bool, max_rows: int) -> None:
         """Batch invariance on (probe this shape's accepted row counts, once per process) or off."""
         self.batch_invariant = batch_invariant
-        if not batch_invariant:
+        if not batch_invariant or self.kernel_weight is not None:  # our kernel: every row its own by construction
             self.row_calls = RowCalls.ALL
             return
         layout = ("packed", self.batch_size_hint, self.emulated) if self.packed is not None else ("plain",)
@@ -98,6 +149,10 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] == 0:
             return F.linear(x, self.weight, self.bias)
+        compiled = kernels.compiled
+        if (self.kernel_weight is not None and compiled is not None and x.dtype == torch.float32
+                and x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1):
+            return compiled.quantized_matmul(x, *self.kernel_weight, self.kernel_bias)
         return self.row_calls.run(self.matmul, x)
 
 
@@ -105,7 +160,9 @@ PACKED_WEIGHTS_MAX_BYTES = 2 << 30  # packing keeps a second copy of each weight
 
 
 def pack_linears(model: nn.Module, weight: torch.Tensor, batch_size_hint: int) -> bool:
-    """Prepack every Linear of `model` for oneDNN (CPU, float32 or bfloat16); True when done.
+    """Prepare every Linear of `model` for the CPU: a float32 weight read in place by our compiled kernel
+    where it can be (float_kernel(), Linear.can_use_kernel), the others prepacked for oneDNN (CPU,
+    float32 or bfloat16); True when every Linear is done.
 
     `weight` is one of the model's float weights (its dtype and device: a quantized embedding has none).
     Skipped (False) off the CPU, without oneDNN (these are the ops torch.compile's CPU backend uses
@@ -114,6 +171,12 @@ def pack_linears(model: nn.Module, weight: torch.Tensor, batch_size_hint: int) -
     `batch_size_hint` is the typical number of rows per matmul.
     """
     linears = [module for module in model.modules() if isinstance(module, Linear)]
+    kernel_linears = [module for module in linears if module.can_use_kernel()]
+    for module in kernel_linears:
+        module.use_kernel()
+    linears = [module for module in linears if module.kernel_weight is None]
+    if not linears:
+        return bool(kernel_linears)
     element_size = 4 if weight.dtype == torch.bfloat16 and not native_bfloat16_matmul() else weight.element_size()
     packed_bytes = sum(module.weight.numel() for module in linears) * element_size
     if (weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16)

@@ -8,8 +8,9 @@ Reads like the reference (transformers' modeling_llama) with these serving chang
   * tokens are flat [T, ...] (no batch axis); sequences are told apart by AttentionMetadata,
   * q/k/v and gate/up are fused into one matmul each (load_weights maps the HF names),
   * attention writes K/V into the paged cache and reads the context back from it,
-  * on CPU, `pack_linear_weights` lays the weights out once in oneDNN's blocked format, and calls
-    are sized so that a row's result never depends on its batch (linear.py),
+  * on CPU, `pack_linear_weights` hands float32 weights to our compiled kernel (read in place) and lays
+    the others out once in oneDNN's blocked format, with calls sized so that a row's result never
+    depends on its batch (linear.py),
   * the last layer attends and runs its MLP only for the rows whose outputs are used (`output_rows`:
     the sampled ones); every row's K/V is still written,
   * on CPU in float32 and bf16, RMSNorm (with the residual add before it), rotary and SiLU * up run
@@ -223,7 +224,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def pack_linear_weights(self, batch_size_hint: int) -> bool:
-        """Prepack every linear weight for oneDNN (linear.pack_linears); True when done."""
+        """Ready every linear weight for this CPU: our kernel or oneDNN (linear.pack_linears); True when done."""
         return pack_linears(self, self.norm.weight, batch_size_hint)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
