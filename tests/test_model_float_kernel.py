@@ -10,13 +10,10 @@ import torch.nn.functional as F
 
 from prefixserve.model import decoder_stack, linear
 from prefixserve.model.linear import Linear, pack_linears
+from prefixserve.model.quantized import float32_kernel_arguments
 
 EMPTY = torch.empty(0)
 NO_LEVELS = torch.empty(0, dtype=torch.int8)
-
-
-def float_arguments(weight: torch.Tensor) -> tuple:
-    return (weight.view(torch.uint8), EMPTY, EMPTY, 32, 32, 0, NO_LEVELS)
 
 
 def test_a_float32_weight_multiplies_as_float64_does_and_each_rows_bits_are_its_own(kernel_variant):
@@ -24,17 +21,17 @@ def test_a_float32_weight_multiplies_as_float64_does_and_each_rows_bits_are_its_
     weight = torch.randn(37, 96, generator=generator)  # rows not whole tiles of 4
     bias = torch.randn(37, generator=generator)
     x = torch.randn(75, 96, generator=generator)
-    whole = kernel_variant.quantized_matmul(x, *float_arguments(weight), bias)
+    whole = kernel_variant.quantized_matmul(x, *float32_kernel_arguments(weight), bias)
     expected = (x.double() @ weight.double().T + bias.double()).float()
     torch.testing.assert_close(whole, expected, rtol=1e-5, atol=1e-4)
     for count in (1, 2, 3, 4, 5, 16, 64, 65):  # decode steps (streamed), tiles, chunks of 64 and more
         for first in range(0, 75, count):
-            part = kernel_variant.quantized_matmul(x[first:first + count], *float_arguments(weight), bias)
+            part = kernel_variant.quantized_matmul(x[first:first + count], *float32_kernel_arguments(weight), bias)
             assert torch.equal(part, whole[first:first + count]), (count, first)
     strided = torch.zeros(75, 128)
     strided[:, :96] = x
-    assert torch.equal(kernel_variant.quantized_matmul(strided[:, :96], *float_arguments(weight), bias), whole)
-    assert torch.equal(kernel_variant.dequantize(*float_arguments(weight)), weight)
+    assert torch.equal(kernel_variant.quantized_matmul(strided[:, :96], *float32_kernel_arguments(weight), bias), whole)
+    assert torch.equal(kernel_variant.dequantize(*float32_kernel_arguments(weight)), weight)
 
 
 def test_a_float32_weight_the_kernel_cannot_read_is_refused_by_name(kernel_variant):
@@ -47,7 +44,7 @@ def test_a_float32_weight_the_kernel_cannot_read_is_refused_by_name(kernel_varia
         kernel_variant.quantized_matmul(x, codes, EMPTY, EMPTY, 32, 32, 8, NO_LEVELS, None)
     narrow = torch.randn(4, 48)
     with pytest.raises(RuntimeError, match="cols a multiple of 32"):
-        kernel_variant.quantized_matmul(torch.randn(2, 48), *float_arguments(narrow), None)
+        kernel_variant.quantized_matmul(torch.randn(2, 48), *float32_kernel_arguments(narrow), None)
     misaligned = torch.zeros(4 * 256 + 1, dtype=torch.uint8)[1:].view(4, 256)
     with pytest.raises(RuntimeError, match="its values' bytes"):
         kernel_variant.quantized_matmul(x, misaligned, EMPTY, EMPTY, 32, 32, 0, NO_LEVELS, None)
@@ -63,7 +60,7 @@ def test_a_linear_layer_reads_its_float32_weight_in_place_where_the_kernel_runs(
         return
     assert pack_linears(layer, layer.weight, 8) and layer.kernel_weight is not None and layer.packed is None
     out = layer(x)
-    assert torch.equal(out, kernel_variant.quantized_matmul(x, *float_arguments(layer.weight.detach()), None))
+    assert torch.equal(out, kernel_variant.quantized_matmul(x, *float32_kernel_arguments(layer.weight.detach()), None))
     torch.testing.assert_close(out, F.linear(x, layer.weight.detach()), rtol=1e-5, atol=1e-5)
     assert torch.equal(layer(x.unsqueeze(0))[0], out)  # any leading axes
     with torch.no_grad():

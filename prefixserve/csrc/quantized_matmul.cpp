@@ -14,7 +14,7 @@
 // of one row or of TILE_ROWS), so a token's logits never depend on its batch. Against a float32
 // matmul of the decoded weights the sums differ in order only.
 //
-// A float32 weight (bits 32) has nothing to decode: the same tiles read its rows where they lie (float_matmul),
+// A float32 weight (bits 32) has nothing to decode: the same tiles read its rows where they lie,
 // so a float32 model's rows are batch-invariant by the same construction.
 //
 // Threads split the weight rows (out_features); each keeps its own decode buffer.
@@ -232,6 +232,8 @@ static_assert(width_index(2) == 0 && width_index(3) == 1 && width_index(4) == 2 
               "the order of FUSED and DECODE_ROW");
 int64_t format_index(const QuantizedWeight& weight) { return weight.levels != nullptr ? 6 : width_index(weight.bits); }
 
+}  // namespace
+
 // A float32 weight (bits 32): the tiles read its rows where they lie, nothing to decode, and ask for the rows
 // PREFETCH_BLOCKS blocks ahead. A call of a few rows streams the weight once; a longer one walks its chunks of
 // ROW_CHUNK input rows over each block while the block sits in L1, as the decoded blocks do. Asking ahead pays
@@ -240,67 +242,45 @@ int64_t format_index(const QuantizedWeight& weight) { return weight.levels != nu
 // by every tile, 512 rows of the MLP's down projection took 1.2x oneDNN's time, against 1.14x. The tiles are the
 // quantized path's: on AVX2 (the avx2 variant on the AVX-512 EPYC) a float weight's other tile shapes (2 x 4,
 // 4 x 2, 2 x 6, 1 x 8) took 1.03-1.8x 3 x 4's time at 64 and 512 rows; larger row chunks were no faster.
-void float_matmul(const QuantizedWeight& weight, const float* x, int64_t num_rows, int64_t x_stride,
-                  const float* bias, float* out, int64_t out_stride) {
-    const int64_t cols = weight.cols;
-    const float* values = reinterpret_cast<const float*>(weight.codes);
-    const int64_t num_blocks = (weight.rows + TILE_COLS - 1) / TILE_COLS;
-    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (cols * std::min<int64_t>(num_rows, ROW_CHUNK)));
-    at::parallel_for(0, num_blocks, grain, [&](int64_t begin, int64_t end) {
-        for (int64_t first_row = 0; first_row < num_rows; first_row += ROW_CHUNK) {
-            const int64_t chunk_end = std::min(num_rows, first_row + ROW_CHUNK);
-            for (int64_t b = begin; b < end; ++b) {
-                const int64_t n0 = b * TILE_COLS;
-                const int64_t num_cols = std::min<int64_t>(TILE_COLS, weight.rows - n0);
-                const int64_t ahead =
-                    std::min<int64_t>(TILE_COLS, std::max<int64_t>(0, weight.rows - n0 - PREFETCH_BLOCKS * TILE_COLS));
-                const float* block_bias = bias == nullptr ? nullptr : bias + n0;
-                for (int64_t r = first_row; r < chunk_end; r += TILE_ROWS) {
-                    const int64_t count = std::min<int64_t>(TILE_ROWS, chunk_end - r);
-                    TILES[count - 1][num_cols - 1](x + r * x_stride, x_stride, values + n0 * cols, cols, block_bias,
-                                                   out + r * out_stride + n0, out_stride,
-                                                   r - first_row < PREFETCH_TILES * TILE_ROWS ? ahead : 0);
-                }
-            }
-        }
-    });
-}
-
-}  // namespace
-
 void quantized_matmul(const QuantizedWeight& weight, const float* x, int64_t num_rows, int64_t x_stride,
                       const float* bias, float* out, int64_t out_stride) {
-    if (weight.bits == 32) {
-        float_matmul(weight, x, num_rows, x_stride, bias, out, out_stride);
-        return;
-    }
     const int64_t cols = weight.cols;
     const int64_t num_blocks = (weight.rows + TILE_COLS - 1) / TILE_COLS;
     // A decode step (a few rows) splits the weight finely; a prefill's blocks are larger work each.
     const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (cols * std::min<int64_t>(num_rows, ROW_CHUNK)));
-    const FusedTiles& fused = FUSED[format_index(weight)];
-    const DecodeRowFn decode_row_of = DECODE_ROW[format_index(weight)];
+    const bool in_place = weight.bits == 32;  // float32 values: no codes to decode
+    const float* values = in_place ? reinterpret_cast<const float*>(weight.codes) : nullptr;
+    const FusedTiles* fused = in_place ? nullptr : &FUSED[format_index(weight)];
+    const DecodeRowFn decode_row_of = in_place ? nullptr : DECODE_ROW[format_index(weight)];
     at::parallel_for(0, num_blocks, grain, [&](int64_t begin, int64_t end) {
-        std::vector<float> block(static_cast<size_t>(TILE_COLS * cols));
+        std::vector<float> block(in_place ? 0 : static_cast<size_t>(TILE_COLS * cols));
         for (int64_t first_row = 0; first_row < num_rows; first_row += ROW_CHUNK) {
             const int64_t chunk_end = std::min(num_rows, first_row + ROW_CHUNK);
             for (int64_t b = begin; b < end; ++b) {
                 const int64_t n0 = b * TILE_COLS;
                 const int64_t num_cols = std::min<int64_t>(TILE_COLS, weight.rows - n0);
                 const float* block_bias = bias == nullptr ? nullptr : bias + n0;
-                if (chunk_end - first_row <= FUSED_ROWS) {  // a decode step: decode in registers
+                const float* block_rows = block.data();
+                int64_t ahead = 0;  // the rows of the block PREFETCH_BLOCKS ahead to ask for (float32 only)
+                if (in_place) {
+                    block_rows = values + n0 * cols;
+                    ahead = std::min<int64_t>(TILE_COLS,
+                                              std::max<int64_t>(0, weight.rows - n0 - PREFETCH_BLOCKS * TILE_COLS));
+                } else if (chunk_end - first_row <= FUSED_ROWS) {  // a decode step: decode in registers
                     for (int64_t r = first_row; r < chunk_end; r += TILE_ROWS) {
                         const int64_t count = std::min<int64_t>(TILE_ROWS, chunk_end - r);
-                        fused[count - 1][num_cols - 1](weight, n0, x + r * x_stride, x_stride, block_bias,
-                                                       out + r * out_stride + n0, out_stride);
+                        (*fused)[count - 1][num_cols - 1](weight, n0, x + r * x_stride, x_stride, block_bias,
+                                                          out + r * out_stride + n0, out_stride);
                     }
                     continue;
+                } else {
+                    for (int64_t c = 0; c < num_cols; ++c) decode_row_of(weight, n0 + c, block.data() + c * cols);
                 }
-                for (int64_t c = 0; c < num_cols; ++c) decode_row_of(weight, n0 + c, block.data() + c * cols);
                 for (int64_t r = first_row; r < chunk_end; r += TILE_ROWS) {
                     const int64_t count = std::min<int64_t>(TILE_ROWS, chunk_end - r);
-                    TILES[count - 1][num_cols - 1](x + r * x_stride, x_stride, block.data(), cols, block_bias,
-                                                   out + r * out_stride + n0, out_stride, 0);
+                    TILES[count - 1][num_cols - 1](x + r * x_stride, x_stride, block_rows, cols, block_bias,
+                                                   out + r * out_stride + n0, out_stride,
+                                                   r - first_row < PREFETCH_TILES * TILE_ROWS ? ahead : 0);
                 }
             }
         }

@@ -33,11 +33,10 @@ from torch import nn
 
 from . import kernels
 from .cpu_caps import cpu_features, onednn_allows
+from .quantized import float32_kernel_arguments
 from .row_calls import RowCalls, probe_once
 
 KERNEL_BACKENDS = ("avx512", "avx2")  # where our float32 tiles were measured against oneDNN's
-_EMPTY = torch.empty(0)
-_NO_LEVELS = torch.empty(0, dtype=torch.int8)
 
 
 def float_kernel():
@@ -100,8 +99,7 @@ class Linear(nn.Linear):
             raise ValueError("our float32 kernel takes a contiguous float32 CPU weight whose rows are a multiple "
                              f"of 32 values (this one: {self.weight.dtype}, {self.in_features} values) on a CPU "
                              f"with the {' or '.join(KERNEL_BACKENDS)} kernels; call pack() instead")
-        weight = self.weight.detach()
-        self.kernel_weight = (weight.view(torch.uint8), _EMPTY, _EMPTY, 32, 32, 0, _NO_LEVELS)
+        self.kernel_weight = float32_kernel_arguments(self.weight.detach())
         self.kernel_bias = None if self.bias is None else self.bias.detach().contiguous()
         self.packed = self.packed_bias = None
         self.emulated = False
@@ -149,10 +147,6 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] == 0:
             return F.linear(x, self.weight, self.bias)
-        compiled = kernels.compiled
-        if (self.kernel_weight is not None and compiled is not None and x.dtype == torch.float32
-                and x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1):
-            return compiled.quantized_matmul(x, *self.kernel_weight, self.kernel_bias)
         return self.row_calls.run(self.matmul, x)
 
 
@@ -175,8 +169,8 @@ def pack_linears(model: nn.Module, weight: torch.Tensor, batch_size_hint: int) -
     for module in kernel_linears:
         module.use_kernel()
     linears = [module for module in linears if module.kernel_weight is None]
-    if not linears:
-        return bool(kernel_linears)
+    if kernel_linears and not linears:  # nothing left for oneDNN
+        return True
     element_size = 4 if weight.dtype == torch.bfloat16 and not native_bfloat16_matmul() else weight.element_size()
     packed_bytes = sum(module.weight.numel() for module in linears) * element_size
     if (weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16)

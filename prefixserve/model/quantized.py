@@ -165,6 +165,12 @@ class QuantizedWeight:
         return values.view(rows, groups * self.group_size)
 
 
+def float32_kernel_arguments(weight: torch.Tensor) -> tuple:
+    """The compiled kernels' weight arguments for a float32 weight [out, in] read in place (bits 32: a view
+    of its bytes, no scales, offsets, levels or zero point; csrc/quantized.h)."""
+    return (weight.view(torch.uint8), _NO_OFFSETS, _NO_OFFSETS, 32, GROUP_SIZE, 0, _NO_LEVELS)
+
+
 def stack_rows(parts: Sequence[QuantizedWeight]) -> QuantizedWeight:
     """One weight of the parts' rows in order (a fused q/k/v or gate/up); the parts share a layout."""
     first = parts[0]
