@@ -7,6 +7,7 @@ prefill time it would take with no prefix cache), so light, medium and heavy mea
 every shape. Deterministic: assertions read the simulator's outputs, never wall time.
 """
 
+import functools
 import statistics
 from dataclasses import replace
 
@@ -42,8 +43,10 @@ TTFT_P99_RATIO = 1.05  # and its TTFT p99 the best other's by 5%
 CONFIG = SimulationConfig(num_replicas=8)
 
 
+@functools.lru_cache(maxsize=None)
 def trace_at(family, load, seed):
-    """The family's trace with as many sessions as give the load's utilization (to a few percent)."""
+    """The family's trace with as many sessions as give the load's utilization (to a few percent); built
+    once per module (the fixture and the shape test read the same traces, and the simulator never changes one)."""
     base = replace(parse_agent_knobs(FAMILIES[family]), seed=seed)
     factor, trace = 1.0, generate_agent_trace(base)
     for _ in range(4):  # the span of a trace is not quite proportional to its sessions (gaps, think times)

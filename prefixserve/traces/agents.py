@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import Hashable
 
 from .mooncake import _MAX_BLOCK_ID, MOONCAKE_BLOCK_SIZE, Trace, TraceRequest
@@ -134,36 +134,45 @@ def parse_agent_knobs(text: str, base: AgentTraceConfig = AgentTraceConfig()) ->
     return replace(base, **changes)
 
 
-@dataclass
 class _Transcript:
-    """Token content as (segment, length) runs; block ids come from a shared interning table."""
+    """Token content as (segment, offset, end) pieces cut into blocks as it grows; block ids come from a
+    shared interning table. A turn's request only cuts and interns what was appended since the last one
+    (recomputing every block each turn made a long session's trace quadratic in its turns)."""
 
-    segments: list[tuple[Hashable, int]] = field(default_factory=list)
-    num_tokens: int = 0
+    def __init__(self, block_size: int, interned: dict) -> None:
+        self.block_size = block_size
+        self.interned = interned
+        self.num_tokens = 0
+        self.full_blocks: list[tuple] = []  # each full block's pieces, in order
+        self.ids: list[int] = []  # the interned ids of full_blocks[:len(ids)]
+        self.pieces: list[tuple[Hashable, int, int]] = []  # the partial tail block
+        self.filled = 0
 
     def append(self, segment: Hashable, length: int) -> None:
-        if length:
-            self.segments.append((segment, length))
-            self.num_tokens += length
+        self.num_tokens += length
+        offset = 0
+        while offset < length:
+            take = min(length - offset, self.block_size - self.filled)
+            self.pieces.append((segment, offset, offset + take))
+            offset += take
+            self.filled += take
+            if self.filled == self.block_size:
+                self.full_blocks.append(tuple(self.pieces))
+                self.pieces, self.filled = [], 0
 
-    def block_ids(self, block_size: int, interned: dict) -> list[int]:
-        """Id i names (id i-1, the exact runs inside block i): equal ids <=> equal prefixes."""
-        ids: list[int] = []
-        pieces: list[tuple[Hashable, int, int]] = []
-        filled = 0
-        for segment, length in self.segments:
-            offset = 0
-            while offset < length:
-                take = min(length - offset, block_size - filled)
-                pieces.append((segment, offset, offset + take))
-                offset += take
-                filled += take
-                if filled == block_size:
-                    ids.append(interned.setdefault((ids[-1] if ids else -1, tuple(pieces)), len(interned)))
-                    pieces, filled = [], 0
-        if pieces:  # the partial tail block has its own id, as in the Mooncake traces
-            ids.append(interned.setdefault((ids[-1] if ids else -1, tuple(pieces)), len(interned)))
-        return ids
+    def _intern(self, previous: int, pieces: tuple) -> int:
+        return self.interned.setdefault((previous, pieces), len(self.interned))
+
+    def block_ids(self) -> list[int]:
+        """Id i names (id i-1, the exact runs inside block i): equal ids <=> equal prefixes. Ids are
+        interned in block order when a request first reads them, so a trace's ids do not depend on
+        what its sessions append after their last request."""
+        for pieces in self.full_blocks[len(self.ids):]:
+            self.ids.append(self._intern(self.ids[-1] if self.ids else -1, pieces))
+        if not self.pieces:
+            return list(self.ids)
+        # the partial tail block has its own id, as in the Mooncake traces
+        return self.ids + [self._intern(self.ids[-1] if self.ids else -1, tuple(self.pieces))]
 
 
 def _choose_system_prompt(rng: random.Random, config: AgentTraceConfig, weights: list[float]) -> int:
@@ -184,7 +193,7 @@ def generate_agent_trace(config: AgentTraceConfig = AgentTraceConfig()) -> Trace
     for session in range(config.num_sessions):
         session_start += draw_gap(rng, config.session_gaps, 1.0 / config.session_rate)
         prompt = _choose_system_prompt(rng, config, cumulative)
-        transcript = _Transcript()
+        transcript = _Transcript(config.block_size, interned)
         transcript.append(("system", prompt), system_lengths[prompt])
         transcript.append("tools", config.tool_schema_tokens)
         transcript.append(("task", session), rng.randint(*config.task_tokens))
@@ -194,7 +203,7 @@ def generate_agent_trace(config: AgentTraceConfig = AgentTraceConfig()) -> Trace
             if transcript.num_tokens:  # an empty prompt is no request
                 requests.append(TraceRequest(
                     arrival, transcript.num_tokens, output_length,
-                    transcript.block_ids(config.block_size, interned), session))
+                    transcript.block_ids(), session))
             transcript.append(("answer", session, turn), output_length)
             transcript.append(("tool_result", session, turn), rng.randint(*config.tool_result_tokens))
             arrival += config.turn_gap_seconds + draw_gap(rng, config.think_times, config.think_time_mean_seconds)
