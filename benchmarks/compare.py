@@ -11,7 +11,9 @@
 (PREFIXSERVE_CPU_ISA), PyTorch's libraries capped (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA,
 MKL_ENABLE_INSTRUCTIONS; kernel_variants.capped_environment), and vLLM's own kernel choice capped
 (benchmarks/vllm_caps/sitecustomize.py: it picks _C_AVX2 / _C_AVX512 / AMX paths from torch.cpu's
-hardware checks, which the library caps do not change). The script re-executes itself with them.
+hardware checks, which the library caps do not change), and llama.cpp built for that class instead of
+GGML_NATIVE (llama_cpp_build.py reads PREFIXSERVE_CPU_ISA; its own cache entry). The script re-executes
+itself with them.
 --serve-bench also runs vLLM's own client (`vllm bench serve`, serve_bench.py) against both servers.
 
 Engines, all on the built-in model (or --model) in the same dtype, each warmed once before timing:

