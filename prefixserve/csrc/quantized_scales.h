@@ -276,22 +276,33 @@ inline void convert_values(const QuantizedWeight& weight, Part part, int64_t n, 
         convert_k_values(weight, part, n, g0, count, out);
         return;
     }
-    [[maybe_unused]] const bool half = weight.half_scales;
-    [[maybe_unused]] const int64_t first = n * (weight.cols / GROUP) + g0;
-    int64_t i = 0;
-#if defined(__AVX512F__)
-    if (half && count == VALUE_CHUNK) {
-        const auto* p = static_cast<const uint16_t*>(values) + first;
-        _mm512_storeu_ps(out, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+    const int64_t first = n * (weight.cols / GROUP) + g0;
+    if (!weight.half_scales) {  // float32 values: group_value's, as they lie
+        std::memcpy(out, static_cast<const float*>(values) + first, static_cast<size_t>(count) * sizeof(float));
         return;
     }
-#elif defined(__F16C__)
-    for (; half && i + 8 <= count; i += 8) {
-        const auto* p = static_cast<const uint16_t*>(values) + first + i;
-        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    const auto* halves = static_cast<const uint16_t*>(values) + first;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    if (count == VALUE_CHUNK) {
+        _mm512_storeu_ps(out, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(halves))));
+        return;
     }
 #endif
-    for (; i < count; ++i) out[i] = group_value(weight, part, n, g0 + i);
+#if defined(__F16C__)
+    for (; i + 8 <= count; i += 8) {
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(halves + i))));
+    }
+    if (i < count) {  // a row's last groups (SmolLM2's 576 columns: 18 groups, a chunk of 16 and one of 2)
+        uint16_t tail[8] = {};
+        float converted[8];
+        std::memcpy(tail, halves + i, static_cast<size_t>(count - i) * sizeof(uint16_t));
+        _mm256_storeu_ps(converted, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tail))));
+        std::memcpy(out + i, converted, static_cast<size_t>(count - i) * sizeof(float));
+        return;
+    }
+#endif
+    for (; i < count; ++i) out[i] = half_value(halves + i);
 }
 
 }  // namespace
