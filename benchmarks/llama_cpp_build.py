@@ -144,14 +144,21 @@ def cmake_options(isa: Optional[str]) -> tuple[str, ...]:
 
 
 def cache_dir(version: str, isa: Optional[str] = None) -> Path:
+    """Where a build lives: the one place its name is spelled (cached_builds globs it, cached_version reads it)."""
     return CACHE / (f"llama.cpp-{version}-{cpu_flags_digest()}" + (f"-{isa}" if isa else ""))
 
 
 def cached_builds(tool: str = "llama-server", isa: Optional[str] = None) -> list[Path]:
     """This CPU's cached binaries of `tool` (capped to `isa`, or native), newest version first (by modification
     time: versions need not sort)."""
-    found = CACHE.glob(f"llama.cpp-*-{cpu_flags_digest()}" + (f"-{isa}" if isa else "") + f"/bin/{tool}")
+    found = CACHE.glob(f"{cache_dir('*', isa).name}/bin/{tool}")
     return sorted((path for path in found if os.access(path, os.X_OK)), key=lambda p: p.stat().st_mtime, reverse=True)
+
+
+def cached_version(binary: Path, isa: Optional[str] = None) -> str:
+    """The sdist version in the name of a cached binary's build directory (cache_dir's)."""
+    prefix, _, suffix = cache_dir("\n", isa).name.partition("\n")
+    return binary.parent.parent.name[len(prefix):-len(suffix)]
 
 
 def download_sdist(directory: Path) -> Path:
@@ -274,10 +281,9 @@ def find_or_build(sdist: Optional[Path] = None, tool: str = "llama-server",
         raise BuildError(f"no llama.cpp tool {tool!r} is built here; ask for one of {', '.join(TOOLS)}")
     isa = capped_isa(isa if isa is not None else os.environ.get("PREFIXSERVE_CPU_ISA"))
     with locked(CACHE / ".build.lock"):
-        if sdist is None and cached_builds(tool, isa):
-            binary = cached_builds(tool, isa)[0]
-            name = binary.parent.parent.name.removeprefix("llama.cpp-").removesuffix(f"-{isa}" if isa else "")
-            return LlamaServerBuild(binary, name.rsplit("-", 1)[0], None, isa)
+        cached = cached_builds(tool, isa) if sdist is None else []
+        if cached:
+            return LlamaServerBuild(cached[0], cached_version(cached[0], isa), None, isa)
         with tempfile.TemporaryDirectory() as download:
             if sdist is None:
                 sdist = download_sdist(Path(download))
