@@ -51,15 +51,20 @@ constexpr int64_t ROW_CHUNK = 64;  // input rows that stay in L2 while a thread 
 // on an AVX-512 EPYC: at 1-4 rows the fused path takes 0.3-0.6x the buffered one's time; at 8 rows they
 // are even (decoding twice costs what the buffer costs); at 16 the buffered path is faster.
 constexpr int64_t FUSED_ROWS = TILE_ROWS;
-// How far ahead (in blocks of TILE_COLS weight rows) a decode step asks for the codes it reads next. On the
-// AVX-512 EPYC, SmolLM2 Q4_1's 121 matmuls of one token (96 MB from DRAM) took 8.1 ms without and 5.9 ms
-// with it (1, 2 or 4 blocks alike; benchmarks/quantized_matmul.py). A prefill's tiles are compute-bound:
-// no gain there, so only the fused path asks.
+// How far ahead (in blocks of TILE_COLS weight rows) a call asks for a float32 weight's rows (tile).
 constexpr int64_t PREFETCH_BLOCKS = 2;
-// Where a float32 weight's next rows go: L2 (locality 2, prefetcht1). Asked into L1 (prefetcht0, as the codes
-// are), the stream of 4-8x the bytes pushed out the lines in use: a 1-row matmul of a 512 MB float32 weight
-// on the AVX-512 EPYC, 2 threads, read 22-26 GB/s that way, 37-44 into L2 (a C++ loop of the same shape). The
-// codes' locality made no difference either way (1-row A/B, 7 kinds, within +-5%), so they keep L1's.
+// How far ahead a decode step (fused_tile) asks for the codes it reads next, and where it asks for them: L2
+// (locality 1, prefetcht2; on AMD it fills L2 as prefetcht1 does). Once the scales' conversion was inlined
+// (2026-12-07), the tile decoded fast enough that the stream became the bound, and the old choice of 2 blocks
+// into L1 (prefetcht0) starved it. SmolLM2 Q8_0's 1-row matmuls of one token, AVX-512 EPYC, 2 threads
+// (benchmarks/quantized_matmul.py-like chain, interleaved): the 30 layers took 7.3 ms that way, 4.8 ms at 8
+// blocks into L2; lm_head 1.8 ms, 1.1 ms. 2 blocks into L2: 5.9 ms; 4: 5.3; 16: 5.1; prefetchnta: 6.9.
+constexpr int64_t CODE_PREFETCH_BLOCKS = 8;
+constexpr int CODE_PREFETCH_LOCALITY = 1;
+// Where a float32 weight's next rows go: L2 (locality 2, prefetcht1). Asked into L1 (prefetcht0), the stream
+// of 4-8x the bytes pushed out the lines in use: a 1-row matmul of a 512 MB float32 weight on the AVX-512 EPYC,
+// 2 threads, read 22-26 GB/s that way, 37-44 into L2 (a C++ loop of the same shape). Locality 1 and 4 blocks
+// ahead read the same (within 3%, 2026-12-07).
 constexpr int FLOAT_PREFETCH_LOCALITY = 2;
 constexpr int64_t PREFETCH_TILES = 4;  // the tiles of a chunk that ask for a float32 weight's next rows
 
@@ -89,17 +94,19 @@ void decode_row(const QuantizedWeight& weight, int64_t n, float* out) {
     vf values[GROUP / W];
     float scales[VALUE_CHUNK], high_scales[VALUE_CHUNK], offsets[VALUE_CHUNK], high_offsets[VALUE_CHUNK];
     // a group's last 16 values' scales and offsets
+    const bool with_offsets = has_offsets(weight);
     const float* high = half_group_scales(BITS) ? high_scales : scales;
-    const float* high_offset = BITS == 2 ? high_offsets : offsets;
+    const float* offset = with_offsets ? offsets : NO_OFFSETS;
+    const float* high_offset = BITS == 2 ? high_offsets : offset;
     for (int64_t g0 = 0; g0 < groups; g0 += VALUE_CHUNK) {
         const int64_t count = std::min(VALUE_CHUNK, groups - g0);
         convert_values(weight, Part::scale, n, g0, count, scales);
         if (half_group_scales(BITS)) convert_values(weight, Part::high_scale, n, g0, count, high_scales);
-        convert_values(weight, Part::offset, n, g0, count, offsets);
+        if (with_offsets) convert_values(weight, Part::offset, n, g0, count, offsets);
         if (BITS == 2) convert_values(weight, Part::high_offset, n, g0, count, high_offsets);
         for (int64_t g = g0; g < g0 + count; ++g) {
             decode_codes<BITS, LEVELS>(codes + g * (GROUP * BITS / 8), simd::set1(scales[g - g0]),
-                                       simd::set1(high[g - g0]), simd::set1(offsets[g - g0]),
+                                       simd::set1(high[g - g0]), simd::set1(offset[g - g0]),
                                        simd::set1(high_offset[g - g0]), zero_point, levels, values);
             for (int64_t v = 0; v < GROUP; v += W) simd::store(out + g * GROUP + v, values[v / W]);
         }
@@ -123,31 +130,35 @@ void fused_tile(const QuantizedWeight& weight, int64_t n0, const float* x, int64
     float scales[C][VALUE_CHUNK], high_scales[C][VALUE_CHUNK], offsets[C][VALUE_CHUNK], high_offsets[C][VALUE_CHUNK];
     constexpr bool halves = half_group_scales(BITS);  // Q6_K, Q3_K, Q2_K: a scale per 16 values
     constexpr bool half_offsets = BITS == 2;          // Q2_K: an offset per 16 values too
+    const bool with_offsets = has_offsets(weight);
     constexpr int64_t group_bytes = GROUP * BITS / 8;
     const int64_t row_bytes = weight.cols * BITS / 8;
     const uint8_t* codes[C];
-    for (int c = 0; c < C; ++c) codes[c] = weight.codes + (n0 + c) * row_bytes;
-    const int64_t ahead = std::min<int64_t>(C, std::max<int64_t>(0, weight.rows - n0 - PREFETCH_BLOCKS * C));
+    const uint8_t* ahead[C];  // the rows CODE_PREFETCH_BLOCKS blocks on, the weight's last row where it has no more
+    for (int c = 0; c < C; ++c) {
+        codes[c] = weight.codes + (n0 + c) * row_bytes;
+        ahead[c] = weight.codes + std::min<int64_t>(n0 + CODE_PREFETCH_BLOCKS * C + c, weight.rows - 1) * row_bytes;
+    }
     for (int64_t g0 = 0; g0 < groups; g0 += VALUE_CHUNK) {
         const int64_t count = std::min(VALUE_CHUNK, groups - g0);
         for (int c = 0; c < C; ++c) {
             convert_values(weight, Part::scale, n0 + c, g0, count, scales[c]);
             if (halves) convert_values(weight, Part::high_scale, n0 + c, g0, count, high_scales[c]);
-            convert_values(weight, Part::offset, n0 + c, g0, count, offsets[c]);
+            if (with_offsets) convert_values(weight, Part::offset, n0 + c, g0, count, offsets[c]);
             if (half_offsets) convert_values(weight, Part::high_offset, n0 + c, g0, count, high_offsets[c]);
         }
         for (int64_t g = g0; g < g0 + count; ++g) {
-            // The codes of the block PREFETCH_BLOCKS ahead, at this group's offset: a decode step reads each
+            // The codes of the block CODE_PREFETCH_BLOCKS ahead, at this group's offset: a decode step reads each
             // weight once, so its speed is how soon the next rows arrive from memory.
-            for (int64_t c = 0; c < ahead; ++c) {
-                __builtin_prefetch(weight.codes + (n0 + PREFETCH_BLOCKS * C + c) * row_bytes + g * group_bytes, 0, 3);
-            }
+            // (a fixed count, no loop to branch on: asking again for rows already asked for costs nothing)
+            for (int c = 0; c < C; ++c) __builtin_prefetch(ahead[c] + g * group_bytes, 0, CODE_PREFETCH_LOCALITY);
             for (int c = 0; c < C; ++c) {
-                const float* high = halves ? high_scales[c] : scales[c];
-                const float* high_offset = half_offsets ? high_offsets[c] : offsets[c];
-                decode_codes<BITS, LEVELS>(codes[c] + g * group_bytes, simd::set1(scales[c][g - g0]),
-                                           simd::set1(high[g - g0]), simd::set1(offsets[c][g - g0]),
-                                           simd::set1(high_offset[g - g0]), zero_point, levels, values);
+                const vf scale = simd::set1(scales[c][g - g0]);
+                const vf high = halves ? simd::set1(high_scales[c][g - g0]) : scale;
+                const vf offset = with_offsets ? simd::set1(offsets[c][g - g0]) : simd::zero();
+                const vf high_offset = half_offsets ? simd::set1(high_offsets[c][g - g0]) : offset;
+                decode_codes<BITS, LEVELS>(codes[c] + g * group_bytes, scale, high, offset, high_offset, zero_point,
+                                           levels, values);
                 for (int64_t v = 0; v < GROUP; v += W) {
                     const int64_t k = g * GROUP + v;
                     for (int r = 0; r < R; ++r) {

@@ -105,6 +105,16 @@ inline float group_value(const QuantizedWeight& weight, Part part, int64_t n, in
 
 constexpr int64_t VALUE_CHUNK = 16;  // groups whose scales and offsets fused_tile converts at once
 
+// Whether group_value gives any offset other than 0: Q4_1's and Q5_1's offsets, Q4_K's and Q5_K's minimums,
+// Q2_K's. Where not (Q8_0, Q4_0, Q6_K, IQ4_XS, ...), the decode paths read NO_OFFSETS instead of converting
+// zeros for every row: the same operands, so the same bits.
+inline bool has_offsets(const QuantizedWeight& weight) {
+    if (weight.bits == 2) return true;
+    if (weight.int8_scales || half_group_scales(weight.bits)) return false;
+    return weight.offsets != nullptr;
+}
+alignas(64) constexpr float NO_OFFSETS[VALUE_CHUNK] = {};
+
 // The vector paths below form small integers times a float16 super-block factor (d, or dmin for an offset,
 // negated); every such product is exact in float32 and a negation flips only the sign, so they give the
 // scalar functions' bits. These two helpers are what they share.
@@ -250,7 +260,8 @@ inline void convert_int8_scale_values(const QuantizedWeight& weight, int64_t n, 
 // where the weight has no offsets): 16 float16 values in one conversion where the variant has F16C.
 // Exact either way (the bits group_value gives). Both decode paths convert through here, 16 groups at
 // once, then broadcast each value from memory (a load) instead of converting it for every group.
-inline void convert_values(const QuantizedWeight& weight, Part part, int64_t n, int64_t g0, int64_t count, float* out) {
+__attribute__((always_inline)) inline void convert_values(const QuantizedWeight& weight, Part part, int64_t n, int64_t g0, int64_t count,
+                                                         float* out) {
     if (weight.bits == 2) {
         convert_q2_values(weight, part, n, g0, count, out);
         return;
@@ -283,7 +294,13 @@ inline void convert_values(const QuantizedWeight& weight, Part part, int64_t n, 
     }
     const auto* halves = static_cast<const uint16_t*>(values) + first;
     int64_t i = 0;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    // a masked load reads nothing past the row's last group (and cannot fault there), so a chunk's tail (SmolLM2's
+    // 576 columns: 18 groups, a chunk of 16 and one of 2) costs what a whole chunk does
+    const auto mask = static_cast<__mmask16>(count >= VALUE_CHUNK ? 0xFFFF : (1u << count) - 1);
+    _mm512_mask_storeu_ps(out, mask, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, halves)));
+    return;
+#elif defined(__AVX512F__)
     if (count == VALUE_CHUNK) {
         _mm512_storeu_ps(out, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(halves))));
         return;
