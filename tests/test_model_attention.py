@@ -72,3 +72,22 @@ def test_build_slot_mapping():
     assert meta.seq_lens.tolist() == [6, 5] and meta.seq_lens_list == [6, 5]
     with pytest.raises(ValueError, match="cannot hold 9 tokens"):
         AttentionMetadata.build([1], [9], [[0, 1]], block_size=4)
+
+
+def test_a_step_of_decodes_builds_what_the_general_path_builds():
+    # Decodes only take their slots and positions from the lists; a prefill row among them takes the
+    # tensor ops. The same decodes given as the last rows of one-token-longer chunks must map alike.
+    tables = [[7, 2, 5], [4, 9], [3], [11, 12]]
+    seq_lens = [9, 8, 1, 5]  # a block's last slot, a block boundary, a first token, a block's first slot
+    decodes = AttentionMetadata.build([1] * 4, seq_lens, tables, block_size=4)
+    assert decodes.positions.tolist() == [8, 7, 0, 4]
+    assert decodes.slot_mapping.tolist() == [20, 39, 12, 48]
+    assert decodes.query_start_loc.tolist() == [0, 1, 2, 3, 4] and decodes.first_slot is None
+    mixed = AttentionMetadata.build([2, 1, 1, 1], seq_lens, tables, block_size=4)  # the general path
+    assert mixed.slot_mapping.tolist()[1:] == decodes.slot_mapping.tolist()
+    assert mixed.positions.tolist()[1:] == decodes.positions.tolist()
+    assert decodes.block_tables.tolist() == mixed.block_tables.tolist()
+    for meta in (decodes, mixed):
+        assert all(t.dtype == torch.int64 for t in (meta.positions, meta.slot_mapping, meta.block_tables))
+    consecutive = AttentionMetadata.build([1, 1], [2, 3], [[5], [5]], block_size=4)
+    assert consecutive.slot_mapping.tolist() == [21, 22] and consecutive.first_slot == 21

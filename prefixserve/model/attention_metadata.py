@@ -63,18 +63,26 @@ class AttentionMetadata:
         tables = torch.tensor(padded, dtype=torch.int64).reshape(num_seqs, max_blocks)
         starts = torch.tensor([0, *accumulate(query_lens)], dtype=torch.int64)
         lens = torch.tensor(seq_lens, dtype=torch.int64)
-        query = torch.tensor(query_lens, dtype=torch.int64)
+        first_slot = None
         # Row r of sequence i sits at position (seq_len_i - query_len_i) + (r - start_i).
-        if sum(query_lens) == num_seqs:  # decodes only: one row per sequence
-            seq_of_row, positions = torch.arange(num_seqs), lens - 1
+        if sum(query_lens) == num_seqs:
+            # Decodes only, one row per sequence: a step of batch-1 decode spends more in tensor ops than in
+            # arithmetic, so these few values come from the lists (the same values the general path gives).
+            position_list = [seq_len - 1 for seq_len in seq_lens]
+            slot_list = [table[p // block_size] * block_size + p % block_size
+                         for table, p in zip(block_tables, position_list)]
+            if slot_list and slot_list == list(range(slot_list[0], slot_list[0] + num_seqs)):
+                first_slot = slot_list[0]
+            positions = torch.tensor(position_list, dtype=torch.int64)
+            slots = torch.tensor(slot_list, dtype=torch.int64)
         else:
+            query = torch.tensor(query_lens, dtype=torch.int64)
             seq_of_row = torch.repeat_interleave(torch.arange(num_seqs), query)
             positions = torch.arange(int(starts[-1])) + (lens - query - starts[:-1]).index_select(0, seq_of_row)
-        block_ids = tables[seq_of_row, positions // block_size]
-        slots = block_ids * block_size + positions % block_size
-        first_slot = None
-        if len(slots) and int(slots[-1] - slots[0]) == len(slots) - 1 and bool((slots.diff() == 1).all()):
-            first_slot = int(slots[0])
+            block_ids = tables[seq_of_row, positions // block_size]
+            slots = block_ids * block_size + positions % block_size
+            if len(slots) and int(slots[-1] - slots[0]) == len(slots) - 1 and bool((slots.diff() == 1).all()):
+                first_slot = int(slots[0])
         return cls(
             slot_mapping=slots.to(device),
             query_start_loc=starts.to(device),
