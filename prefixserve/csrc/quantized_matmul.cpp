@@ -266,6 +266,7 @@ void quantized_matmul(const QuantizedWeight& weight, const float* x, int64_t num
     const float* values = in_place ? reinterpret_cast<const float*>(weight.codes) : nullptr;
     const FusedTiles* fused = in_place ? nullptr : &FUSED[format_index(weight)];
     const DecodeRowFn decode_row_of = in_place ? nullptr : DECODE_ROW[format_index(weight)];
+    const int64_t code_row_bytes = cols * weight.bits / 8;
     at::parallel_for(0, num_blocks, grain, [&](int64_t begin, int64_t end) {
         std::vector<float> block(in_place ? 0 : static_cast<size_t>(TILE_COLS * cols));
         for (int64_t first_row = 0; first_row < num_rows; first_row += ROW_CHUNK) {
@@ -288,6 +289,15 @@ void quantized_matmul(const QuantizedWeight& weight, const float* x, int64_t num
                     }
                     continue;
                 } else {
+                    // The next block's codes, into L2 while this one decodes and multiplies: at 32 rows (a step of
+                    // decodes) the tiles take about a microsecond a block, and codes asked for only when decoded
+                    // left decode_row waiting on memory. SmolLM2 Q8_0's 32-row matmuls, interleaved A/B: the 30
+                    // layers 0.95-0.98x the time, lm_head 0.87-0.98x; 2 or 4 blocks ahead no better.
+                    const int64_t next_rows = std::min<int64_t>(TILE_COLS, weight.rows - n0 - TILE_COLS);
+                    for (int64_t byte = 0; byte < next_rows * code_row_bytes; byte += 64) {
+                        __builtin_prefetch(weight.codes + (n0 + TILE_COLS) * code_row_bytes + byte, 0,
+                                           CODE_PREFETCH_LOCALITY);
+                    }
                     for (int64_t c = 0; c < num_cols; ++c) decode_row_of(weight, n0 + c, block.data() + c * cols);
                 }
                 for (int64_t r = first_row; r < chunk_end; r += TILE_ROWS) {
