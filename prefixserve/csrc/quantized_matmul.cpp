@@ -93,21 +93,20 @@ void decode_row(const QuantizedWeight& weight, int64_t n, float* out) {
     const uint8_t* codes = weight.codes + n * (weight.cols * BITS / 8);
     vf values[GROUP / W];
     float scales[VALUE_CHUNK], high_scales[VALUE_CHUNK], offsets[VALUE_CHUNK], high_offsets[VALUE_CHUNK];
-    // a group's last 16 values' scales and offsets
     const bool with_offsets = has_offsets(weight);
-    const float* high = half_group_scales(BITS) ? high_scales : scales;
-    const float* offset = with_offsets ? offsets : NO_OFFSETS;
-    const float* high_offset = BITS == 2 ? high_offsets : offset;
     for (int64_t g0 = 0; g0 < groups; g0 += VALUE_CHUNK) {
         const int64_t count = std::min(VALUE_CHUNK, groups - g0);
         convert_values(weight, Part::scale, n, g0, count, scales);
         if (half_group_scales(BITS)) convert_values(weight, Part::high_scale, n, g0, count, high_scales);
         if (with_offsets) convert_values(weight, Part::offset, n, g0, count, offsets);
         if (BITS == 2) convert_values(weight, Part::high_offset, n, g0, count, high_offsets);
-        for (int64_t g = g0; g < g0 + count; ++g) {
-            decode_codes<BITS, LEVELS>(codes + g * (GROUP * BITS / 8), simd::set1(scales[g - g0]),
-                                       simd::set1(high[g - g0]), simd::set1(offset[g - g0]),
-                                       simd::set1(high_offset[g - g0]), zero_point, levels, values);
+        for (int64_t g = g0; g < g0 + count; ++g) {  // the operands fused_tile gives decode_codes
+            const vf scale = simd::set1(scales[g - g0]);
+            const vf high = half_group_scales(BITS) ? simd::set1(high_scales[g - g0]) : scale;
+            const vf offset = with_offsets ? simd::set1(offsets[g - g0]) : simd::zero();
+            const vf high_offset = BITS == 2 ? simd::set1(high_offsets[g - g0]) : offset;
+            decode_codes<BITS, LEVELS>(codes + g * (GROUP * BITS / 8), scale, high, offset, high_offset, zero_point,
+                                       levels, values);
             for (int64_t v = 0; v < GROUP; v += W) simd::store(out + g * GROUP + v, values[v / W]);
         }
     }

@@ -106,14 +106,13 @@ inline float group_value(const QuantizedWeight& weight, Part part, int64_t n, in
 constexpr int64_t VALUE_CHUNK = 16;  // groups whose scales and offsets fused_tile converts at once
 
 // Whether group_value gives any offset other than 0: Q4_1's and Q5_1's offsets, Q4_K's and Q5_K's minimums,
-// Q2_K's. Where not (Q8_0, Q4_0, Q6_K, IQ4_XS, ...), the decode paths read NO_OFFSETS instead of converting
-// zeros for every row: the same operands, so the same bits.
+// Q2_K's. Where not (Q8_0, Q4_0, Q6_K, IQ4_XS, ...), the decode paths take a zero register instead of
+// converting zeros for every row: the same operands, so the same bits.
 inline bool has_offsets(const QuantizedWeight& weight) {
     if (weight.bits == 2) return true;
     if (weight.int8_scales || half_group_scales(weight.bits)) return false;
     return weight.offsets != nullptr;
 }
-alignas(64) constexpr float NO_OFFSETS[VALUE_CHUNK] = {};
 
 // The vector paths below form small integers times a float16 super-block factor (d, or dmin for an offset,
 // negated); every such product is exact in float32 and a negation flips only the sign, so they give the
@@ -264,27 +263,23 @@ inline void convert_int8_scale_values(const QuantizedWeight& weight, int64_t n, 
 // Q8_0 matmul to 2.8 weights a cycle, inlined 4.2 (one thread, AVX-512 EPYC).
 __attribute__((always_inline)) inline void convert_values(const QuantizedWeight& weight, Part part, int64_t n,
                                                          int64_t g0, int64_t count, float* out) {
+    if (is_offset(part) && !has_offsets(weight)) {
+        std::fill(out, out + count, 0.f);
+        return;
+    }
     if (weight.bits == 2) {
         convert_q2_values(weight, part, n, g0, count, out);
         return;
     }
-    if (weight.int8_scales) {  // IQ4_XS: a scale per group, no offsets
-        if (is_offset(part)) {
-            std::fill(out, out + count, 0.f);
-        } else {
-            convert_int8_scale_values(weight, n, g0, count, out);
-        }
+    if (weight.int8_scales) {  // IQ4_XS: a scale per group (no offsets: above)
+        convert_int8_scale_values(weight, n, g0, count, out);
         return;
     }
-    if (half_group_scales(weight.bits) && !is_offset(part)) {
+    if (half_group_scales(weight.bits)) {  // Q6_K, Q3_K: scales only (above)
         convert_half_group_values(weight, part, n, g0, count, out);
         return;
     }
     const void* values = part == Part::offset ? weight.offsets : weight.scales;
-    if (values == nullptr) {
-        std::fill(out, out + count, 0.f);
-        return;
-    }
     if (weight.k_scales) {
         convert_k_values(weight, part, n, g0, count, out);
         return;
