@@ -5,8 +5,9 @@ Option names follow vLLM's where one exists, so a vLLM user's flags carry over.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, fields
-from typing import Optional
+from typing import Optional, Union
 
 from .cache.keys import HASH_FUNCTIONS
 
@@ -24,6 +25,74 @@ DEFAULT_DISK_CACHE_BYTES = 16 << 30
 
 CHECKPOINT_LAYOUT = ("a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json), a .gguf file "
                      "or a directory holding one, or a model name (smollm2-135m-instruct)")
+
+
+KV_EVENT_PUBLISHERS = ("null", "zmq")
+KV_EVENT_ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """vLLM's KVEventsConfig: the same fields, meanings and defaults, but one. The endpoint defaults to
+    loopback (vLLM's tcp://*:5557 puts every prompt's token ids on every interface; that is the operator's
+    explicit choice here). A loopback, wildcard, ipc:// or inproc:// endpoint is bound (subscribers such as
+    vllm-router and llm-d's indexer connect to it); any other host is connected to, as vLLM does. Port 0
+    binds a free port (the publisher reports which)."""
+
+    enable_kv_cache_events: bool = False
+    publisher: Optional[str] = None  # None: "zmq" when events are enabled, else "null" (vLLM's rule)
+    endpoint: str = "tcp://127.0.0.1:5557"
+    replay_endpoint: Optional[str] = None  # a ROUTER socket answering "every batch from sequence number N on"
+    buffer_steps: int = 10_000  # batches (one per engine step) kept for replay
+    hwm: int = 100_000  # the PUB socket's high-water mark: messages queued per slow subscriber before dropping
+    max_queue_size: int = 100_000  # events held for the publisher before the oldest are dropped
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        if self.publisher is None:
+            object.__setattr__(self, "publisher", "zmq" if self.enable_kv_cache_events else "null")
+        where = "kv_events_config"
+        if not isinstance(self.enable_kv_cache_events, bool):
+            raise ValueError(f"{where}.enable_kv_cache_events must be true or false, got {self.enable_kv_cache_events!r}")
+        if self.publisher not in KV_EVENT_PUBLISHERS:
+            raise ValueError(f"{where}.publisher must be one of {KV_EVENT_PUBLISHERS}, got {self.publisher!r}")
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(self, name)
+            if value is None and name == "replay_endpoint":
+                continue
+            if not isinstance(value, str) or not value.startswith(KV_EVENT_ENDPOINT_SCHEMES):
+                raise ValueError(f"{where}.{name} must be a ZMQ endpoint starting with one of "
+                                 f"{KV_EVENT_ENDPOINT_SCHEMES} (e.g. tcp://127.0.0.1:5557), got {value!r}")
+        for name, least in (("buffer_steps", 1), ("hwm", 0), ("max_queue_size", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{where}.{name} must be an integer of at least {least}, got {value!r}")
+        if not isinstance(self.topic, str):
+            raise ValueError(f"{where}.topic must be a string, got {self.topic!r}")
+
+    @property
+    def publishes(self) -> bool:
+        """Events are kept and sent over ZMQ (enabled, publisher "zmq")."""
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    @classmethod
+    def parse(cls, value: Union[None, str, dict, "KVEventsConfig"]) -> Optional["KVEventsConfig"]:
+        """From what a user gives: JSON text (the --kv-events-config flag), a dict, or the config itself."""
+        if value is None or isinstance(value, KVEventsConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"kv_events_config is not valid JSON ({error.msg} at character {error.pos}); "
+                                 'give e.g. {"enable_kv_cache_events": true}') from None
+        if not isinstance(value, dict):
+            raise ValueError(f"kv_events_config must be a JSON object, got {type(value).__name__}")
+        known = {item.name for item in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"kv_events_config: unknown field(s) {unknown}; the fields are {sorted(known)}")
+        return cls(**value)
 
 
 def option(default, help: str, **flag):
@@ -81,6 +150,13 @@ class EngineConfig:
                                       metavar="SECONDS")
     enable_kv_events: bool = option(False, "keep KV events for GET /v1/kv_events (for a router; needs "
                                            "--admin-api-key)")
+    # vLLM's KV events over ZMQ (engine/kv_event_publisher.py), for vllm-router, llm-d, Dynamo: JSON text,
+    # a dict or a KVEventsConfig, kept as the KVEventsConfig.
+    kv_events_config: Optional[KVEventsConfig] = option(
+        None, 'vLLM\'s KV events over ZMQ, as JSON with vLLM\'s fields, e.g. {"enable_kv_cache_events": true, '
+              '"endpoint": "tcp://127.0.0.1:5557"} (the endpoint defaults to loopback; the messages carry prompts\' '
+              'token ids; needs pyzmq and msgspec: pip install \'prefixserve[kv-events]\')', metavar="JSON",
+        parse=KVEventsConfig.parse)
     # Compute every token the same way whatever else is in the batch, so a cache hit never changes an
     # output: linear layers are called only with row counts measured to round each row alike
     # (model/row_calls.py). False makes every matmul one call of its own rows and, on the pure-PyTorch
@@ -140,6 +216,7 @@ class EngineConfig:
             if not condition:
                 raise ValueError(message)
 
+        object.__setattr__(self, "kv_events_config", KVEventsConfig.parse(self.kv_events_config))
         require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         require(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
         require(self.quantize is None or self.quantize in QUANTIZE, f"quantize must be one of {QUANTIZE}, got "

@@ -1,6 +1,8 @@
 """The names of the metrics prefixserve exposes, in one place.
 
-The server's are under `prefixserve:` (after vLLM's `vllm:`), the router's under `prefixserve_router:`.
+The server's are under `prefixserve:` (after vLLM's `vllm:`), the router's under `prefixserve_router:`; the
+server also exposes the model-server protocol's subset under vLLM's own names (`vllm:`, server/vllm_metrics.py),
+which llm-d's endpoint picker, KServe's autoscaler, gateways and Grafana's vLLM dashboards query.
 Producers (server/metrics.py, server/dashboard/recorder.py, router/fleet.py) and readers (the dashboard's
 snapshot and what-if panels, the router's fleet view, `prefixserve plan price --url`) import them from
 here instead of retyping strings. A counter named N is scraped as the sample N_total; a histogram as
@@ -47,3 +49,23 @@ CACHE_KEY_ROUTES = router_metric("cache_key_routes")  # counter, label outcome: 
 PREFILLS = router_metric("prefills")  # counter, label outcome: done | refused | skipped (no prefill replica answered)
 REPLICA_LOAD_SECONDS = router_metric("replica_load_seconds")  # gauge
 REPLICA_HEALTHY = router_metric("replica_healthy")  # gauge
+
+# vLLM's names, types and labels (labels model_name, engine; cache_config_info: its config fields and engine).
+# Pods without an engine label are read as vLLM by the Gateway API Inference Extension, so these must mean
+# what vLLM's mean.
+VLLM_PREFIX = "vllm:"
+VLLM_LABELS = ("model_name", "engine")
+VLLM_NUM_REQUESTS_RUNNING = "vllm:num_requests_running"  # gauge
+VLLM_NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"  # gauge
+VLLM_KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"  # gauge, 0-1: blocks held by requests
+VLLM_CACHE_CONFIG_INFO = "vllm:cache_config_info"  # gauge 1, labels block_size, num_gpu_blocks, ...
+VLLM_PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries"  # counter, tokens
+VLLM_PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"  # counter, tokens
+VLLM_PROMPT_TOKENS = "vllm:prompt_tokens"  # counter
+VLLM_GENERATION_TOKENS = "vllm:generation_tokens"  # counter
+VLLM_REQUEST_SUCCESS = "vllm:request_success"  # counter, label finished_reason
+VLLM_NUM_PREEMPTIONS = "vllm:num_preemptions"  # counter
+VLLM_TTFT = "vllm:time_to_first_token_seconds"  # histogram
+VLLM_E2E_LATENCY = "vllm:e2e_request_latency_seconds"  # histogram
+VLLM_INTER_TOKEN_LATENCY = "vllm:inter_token_latency_seconds"  # histogram
+VLLM_FINISH_REASONS = ("stop", "length", "abort", "error")  # request_success series present from the start

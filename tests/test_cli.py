@@ -97,6 +97,9 @@ def test_every_engine_config_field_is_a_serve_flag_with_its_default():
         assert flag in rendered and item.metadata["help"].split()[0] in rendered[flag], flag
         if kind is bool:
             assert getattr(parser.parse_args([flag]), item.name) is (not item.default), flag
+        elif "parse" in item.metadata:  # a JSON flag: the field holds what the parser made of it
+            text = '{"enable_kv_cache_events": true}'
+            assert getattr(parser.parse_args([flag, text]), item.name) == item.metadata["parse"](text), flag
         else:
             value = other_value(item, kind)
             assert getattr(parser.parse_args([flag, str(value)]), item.name) == value, flag

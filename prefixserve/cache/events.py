@@ -22,6 +22,9 @@ class BlockStored:
     token_ids: list[int]
     block_size: int
     medium: str = DEVICE_MEDIUM
+    # The scope digest the block's chain hangs from (model, or tenant past a shared prefix): the vLLM-format
+    # publisher folds a digest of it into extra_keys. Not in the JSON form (/v1/kv_events never carried it).
+    scope: Optional[bytes] = None
 
 
 @dataclass(frozen=True)
@@ -39,8 +42,9 @@ KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
 
 
 def event_to_dict(event: KVEvent) -> dict:
-    """JSON-ready form: keys as hex strings, plus the event type name."""
+    """JSON-ready form: keys as hex strings, plus the event type name (a block's scope left out)."""
     body = asdict(event)
+    body.pop("scope", None)
     for name in ("keys",):
         if name in body:
             body[name] = [key.hex() for key in body[name]]

@@ -249,7 +249,7 @@ class RadixCache(RadixRemoval, RadixPins):
             self.on_insert(block)
         if self.events is not None:
             parent_key = parent.key if isinstance(parent, Block) else None
-            self.events.publish(BlockStored([key], parent_key, list(token_ids), self.block_size))
+            self.events.publish(BlockStored([key], parent_key, list(token_ids), self.block_size, scope=block.scope))
         return block
 
     # ------------------------------------------------------------ inspection

@@ -50,7 +50,9 @@ class EngineSnapshot:
     num_waiting: int
     num_preemptions: int
     num_prefill_tokens_computed: int
+    num_prompt_tokens: int
     num_generation_tokens: int
+    num_finished_by_reason: dict  # finish reason -> requests (vllm:request_success_total)
     tiers: dict = field(default_factory=dict)  # tier name -> kv_tiers.TierSnapshot
     reuse_gaps: dict = field(default_factory=dict)  # ReuseGapTracker.snapshot(): read-only
 
@@ -59,8 +61,10 @@ class EngineSnapshot:
         return cls(stats=copy.copy(engine.cache.stats), usage=engine.cache.usage(),
                    num_running=len(engine.scheduler.running), num_waiting=len(engine.scheduler.waiting),
                    num_preemptions=engine.scheduler.num_preemptions,
-                   num_prefill_tokens_computed=engine.num_prefill_tokens_computed,
-                   num_generation_tokens=engine.num_generation_tokens,
+                   num_prefill_tokens_computed=engine.counters.num_prefill_tokens_computed,
+                   num_prompt_tokens=engine.counters.num_prompt_tokens,
+                   num_generation_tokens=engine.counters.num_generation_tokens,
+                   num_finished_by_reason=dict(engine.scheduler.num_finished_by_reason),
                    tiers=engine.tiers.snapshot() if engine.tiers is not None else {},
                    reuse_gaps=engine.reuse_gaps.snapshot())
 

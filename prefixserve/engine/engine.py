@@ -20,6 +20,7 @@ from ..cache.scoping import PromptScoper
 from ..config import EngineConfig
 from .device import check_exact, resolve_device, resolve_dtype
 from .input_processor import InputProcessor, PromptType
+from .kv_event_publisher import kv_event_queue, make_kv_event_publisher
 from .kv_pool_size import size_kv_pool, startup_summary, window_slots_for
 from .kv_tiers import empty_breakdown
 from .limits import RANGES
@@ -33,6 +34,7 @@ from .request import Request
 from .runner import ModelRunner
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
+from .step_counters import StepCounters
 from .tier_setup import tiered_kv
 
 logger = logging.getLogger("prefixserve")
@@ -54,7 +56,7 @@ class LLMEngine:
         self.current = CurrentVersion(loaded_version.within(pool.max_model_len))
         self.num_reloads = 0  # hot reloads so far (reload.py); requests made before one are refused after it
 
-        self.events = EventQueue() if config.enable_kv_events else None
+        self.events = kv_event_queue(config)
         self.cache = RadixCache(num_blocks, config.block_size, max_pinned_blocks=config.max_pinned_blocks,
                                 events=self.events)
         self.window_slots = window_slots_for(self.cache, pool, loaded.config)
@@ -86,8 +88,9 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.current)
         self.pins = PinTable(self.cache, self.keyer, config.block_size, config.kv_disk_cache_dir,
                              self.tokenizer.fingerprint)
-        self.num_prefill_tokens_computed = 0
-        self.num_generation_tokens = 0
+        self.counters = StepCounters()
+        # vLLM-format KV events over ZMQ (a null object unless asked for); last, so a failed start binds nothing
+        self.kv_events = make_kv_event_publisher(config.kv_events_config, self.events)
         self.startup_summary = startup_summary(self, pool)
         if config.log_stats:
             logger.info(self.startup_summary)
@@ -215,6 +218,7 @@ class LLMEngine:
 
     # --------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
+        self.kv_events.step_done()  # what the last step stored and removed goes out (kv_event_publisher.py)
         self._maintain_pins()
         if self.tiers is not None:  # bring back what lower tiers hold for waiting requests
             self.tiers.collect()
@@ -225,9 +229,7 @@ class LLMEngine:
             if self.tiers is not None and self.tiers.has_pending_fetches:
                 self.tiers.wait_for_fetches()  # only requests waiting for a read: do not spin
             return outputs
-        for request, num_new in output.scheduled:
-            if request.num_computed_tokens < request.num_prompt_tokens:
-                self.num_prefill_tokens_computed += min(num_new, request.num_prompt_tokens - request.num_computed_tokens)
+        self.counters.scheduled(output.scheduled)
         began = time.perf_counter()
         try:
             result = self.runner.execute(output.scheduled)
@@ -238,13 +240,8 @@ class LLMEngine:
         updated = self.scheduler.update(output, result.token_ids, result.logprobs)
         if self.tiers is not None:
             self.tiers.write_through()
-        self.num_generation_tokens += len(updated)
-        now = time.monotonic()
-        for request in updated:
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = now
-            outputs.append(self._detokenized_output(request))
-        return outputs
+        self.counters.produced(updated)
+        return outputs + [self._detokenized_output(request) for request in updated]
 
     def _fail_step(self, output: SchedulerOutput, error: Exception) -> list[RequestOutput]:
         """End every request of a step whose model run or sampling raised; their blocks go back."""
@@ -295,6 +292,7 @@ class LLMEngine:
         return swap_model(self, self.load_version(model))
 
     def close(self) -> None:
-        """Flush what the tiers still have to write (a clean shutdown); idempotent."""
+        """Flush what the tiers still have to write, publish the last KV events (a clean shutdown); idempotent."""
         if self.tiers is not None:
             self.tiers.close()
+        self.kv_events.shutdown()

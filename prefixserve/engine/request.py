@@ -32,6 +32,17 @@ class RequestMetrics:
     arrival_time: float
     first_token_time: Optional[float] = None
     finished_time: Optional[float] = None
+    last_token_time: Optional[float] = None
+    # seconds between consecutive output tokens (vllm:inter_token_latency_seconds observes each)
+    inter_token_latencies: list[float] = field(default_factory=list)
+
+    def record_token(self, now: float) -> None:
+        """An output token was produced at `now` (time.monotonic())."""
+        if self.first_token_time is None:
+            self.first_token_time = now
+        else:
+            self.inter_token_latencies.append(now - self.last_token_time)
+        self.last_token_time = now
 
     @property
     def ttft(self) -> Optional[float]:

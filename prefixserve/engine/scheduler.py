@@ -22,7 +22,7 @@ cached match is cut to what it holds (request_windows.py).
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from itertools import islice
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional, Sequence
@@ -85,15 +85,14 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_finished_by_reason: Counter[str] = Counter()  # "stop" | "length" | "abort" | "error" -> requests
 
     # ------------------------------------------------------------ admission
     def add_request(self, request: Request) -> None:
         needed = self._blocks_for(request.num_tokens + 1)
         if needed > self.cache.pool.num_blocks:
-            raise ValueError(
-                f"prompt of {request.num_tokens} tokens needs {needed} KV blocks but the pool has "
-                f"{self.cache.pool.num_blocks}; raise kv_cache_memory_bytes or shorten the prompt"
-            )
+            raise ValueError(f"prompt of {request.num_tokens} tokens needs {needed} KV blocks but the pool has "
+                             f"{self.cache.pool.num_blocks}; raise kv_cache_memory_bytes or shorten the prompt")
         self.waiting.append(request)
 
     def abort_request(self, request_id: str) -> Optional[Request]:
@@ -286,6 +285,9 @@ class Scheduler:
                        error: Optional[str] = None) -> None:
         """The one place a request finishes (tokens, stop strings, errors, aborts): it leaves its queue
         and its blocks are released. A finished request may be finished again to restate why."""
+        if request.is_finished:  # restated: counted under its new reason
+            self.num_finished_by_reason[request.finish_reason] -= 1
+        self.num_finished_by_reason[reason] += 1
         request.finish(reason, stop_reason, error)
         if request in self.running:
             self.running.remove(request)

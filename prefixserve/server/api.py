@@ -31,6 +31,7 @@ from .reload import ReloadGate, reload_routes
 from .routes import routes
 from .tool_calls import PARSERS
 from .tokenize import tokenize_routes
+from .vllm_metrics import cache_config_info
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,8 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     state = ServerState(settings=settings, engine=engine,
                         auth=Authenticator(settings.api_keys, settings.admin_api_key),
                         builder=RequestBuilder(engine, settings.default_max_tokens),
-                        metrics=DashboardMetrics(lambda: engine.snapshot))
+                        metrics=DashboardMetrics(lambda: engine.snapshot, settings.served_model_name,
+                                                 cache_config_info(engine.engine)))
     app.state.server = state
     app.state.engine = engine
     app.state.metrics = state.metrics

@@ -5,6 +5,7 @@ A new config field is a new flag; nothing here restates a default.
     bool, default False   --enable-kv-events          store_true
     bool, default True    --no-prefix-caching         the field's own flag name; given, it turns the field off
     anything else         --block-size N              type from the annotation (Optional[...] may be left out)
+    metadata parse=F      --kv-events-config JSON     F turns the text into the field's value
 """
 
 from __future__ import annotations
@@ -24,7 +25,19 @@ def flag_of(item: Field) -> str:
     return item.metadata.get("flag", "--" + item.name.replace("_", "-"))
 
 
-def _value_type(item: Field) -> type:
+def _parser_of(parse):
+    """argparse shows a ValueError as "invalid value"; the parser's own message names the fix."""
+    def parse_flag(text: str):
+        try:
+            return parse(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+    return parse_flag
+
+
+def _value_type(item: Field):
+    if "parse" in item.metadata:
+        return _parser_of(item.metadata["parse"])
     annotation = typing.get_type_hints(EngineConfig)[item.name]
     candidates = [arg for arg in typing.get_args(annotation) if arg is not type(None)] or [annotation]
     if len(candidates) != 1 or candidates[0] not in (*_TYPES, bool):
@@ -41,8 +54,8 @@ def add_engine_argument(parser: argparse._ActionsContainer, name: str) -> None:
                             help=help_text)
         return
     options = {key: item.metadata[key] for key in ("metavar", "choices") if key in item.metadata}
-    parser.add_argument(flag_of(item), dest=item.name, type=_TYPES[kind], default=item.default, help=help_text,
-                        **options)
+    parser.add_argument(flag_of(item), dest=item.name, type=_TYPES.get(kind, kind), default=item.default,
+                        help=help_text, **options)
 
 
 def add_engine_arguments(parser: argparse._ActionsContainer) -> None:

@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from typing import Callable
 
 from ..engine.async_engine import EngineSnapshot
+from .vllm_metrics import VLLMEngineCollector, VLLMLatencies
 from ..metric_names import (E2E_LATENCY, KV_BLOCKS, KV_TIER_CAPACITY_BYTES, KV_TIER_FETCH_SECONDS, KV_TIER_HIT_TOKENS,
                             KV_TIER_REJECTIONS, KV_TIER_USED_BYTES, PREFIX_REUSE_GAP, TTFT, server_metric)
 
@@ -139,10 +140,14 @@ def tier_families(tiers: dict):
 
 
 class ServerMetrics:
-    def __init__(self, snapshot: Callable[[], EngineSnapshot]) -> None:
+    """Ours under `prefixserve:`, and the model-server protocol's under vLLM's names (vllm_metrics.py)."""
+
+    def __init__(self, snapshot: Callable[[], EngineSnapshot], model_name: str, cache_info: dict[str, str]) -> None:
         self.registry = CollectorRegistry()
         self.num_rejected = [0]  # a cell the collector reads; bumped by the API on each 429
         self.registry.register(EngineCollector(snapshot, self.num_rejected))
+        self.registry.register(VLLMEngineCollector(snapshot, model_name, cache_info))
+        self.vllm_latencies = VLLMLatencies(self.registry, model_name)
         self.ttft = Histogram(TTFT, "Time to first token.",
                               buckets=LATENCY_BUCKETS, registry=self.registry)
         self.e2e_latency = Histogram(E2E_LATENCY, "End-to-end request latency.",
@@ -156,3 +161,4 @@ class ServerMetrics:
             self.ttft.observe(metrics.ttft)
         if metrics.e2e_latency is not None:
             self.e2e_latency.observe(metrics.e2e_latency)
+        self.vllm_latencies.observe(metrics)

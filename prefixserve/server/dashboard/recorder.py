@@ -39,8 +39,8 @@ class TenantCounts:
 class DashboardMetrics(ServerMetrics):
     """ServerMetrics plus TTFT by cache hit/miss (in /metrics) and per-tenant hit counts (dashboard only)."""
 
-    def __init__(self, snapshot: Callable) -> None:
-        super().__init__(snapshot)
+    def __init__(self, snapshot: Callable, model_name: str, cache_info: dict[str, str]) -> None:
+        super().__init__(snapshot, model_name, cache_info)
         self.ttft_by_cache = Histogram(TTFT_BY_CACHE,
                                        "Time to first token, by whether the prompt reused cached blocks.",
                                        ["cache"], buckets=LATENCY_BUCKETS, registry=self.registry)
