@@ -9,12 +9,10 @@ in front, shared-prefix traffic, then a replica killed mid-run.
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -23,25 +21,12 @@ import httpx
 import pytest
 
 from prefixserve.model.default import default_tokenizer_dir, ensure_default_model
+from router_fleet import start_replica, wait_healthy
 from server_helpers import free_port
 
 pytestmark = pytest.mark.platforms
 MODEL = "tiny"
 WORDS = ("alpha", "beta", "gamma", "delta", "omega", "kappa", "sigma", "tau")
-
-
-def wait_until_up(url: str, process: subprocess.Popen, log: Path, timeout: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{url} exited ({process.returncode}): {log.read_text()[-2000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} did not come up within {timeout:.0f} s: {log.read_text()[-2000:]}")
 
 
 class Fleet:
@@ -52,30 +37,21 @@ class Fleet:
         self.processes: list[subprocess.Popen] = []
         self.replicas: list[str] = []
         self.event_endpoints: list[str] = []
-        starting = []
-        for index in range(2):
-            port, events = free_port(), free_port()
-            endpoint = f"tcp://127.0.0.1:{events}"
+        for _ in range(2):
+            port, endpoint = free_port(), f"tcp://127.0.0.1:{free_port()}"
             config = json.dumps({"enable_kv_cache_events": True, "endpoint": endpoint})
-            starting.append(self._spawn(f"replica{index}", [
-                sys.executable, "-m", "prefixserve.cli", "serve", "--port", str(port), "--dtype", "float32",
-                "--kv-cache-memory-bytes", str(32 << 20), "--served-model-name", MODEL,
-                "--kv-events-config", config]) + (f"http://127.0.0.1:{port}",))
+            self.processes.append(start_replica(port, "--served-model-name", MODEL, "--kv-events-config", config))
+            self.replicas.append(f"http://127.0.0.1:{port}")
             self.event_endpoints.append(endpoint)
-        for process, log, url in starting:
-            wait_until_up(url, process, log)
-            self.replicas.append(url)
+        for url in self.replicas:
+            wait_healthy(url)
         self.gateway = None
 
-    def _spawn(self, name: str, command: list[str]):
+    def start_gateway(self, name: str, command: list[str], port: int) -> None:
         log = self.directory / f"{name}.log"
         process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                    cwd=self.directory)
         self.processes.append(process)
-        return process, log
-
-    def start_gateway(self, name: str, command: list[str], port: int) -> None:
-        process, log = self._spawn(name, command)
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:  # a gateway's /health can answer before its workers are in
@@ -156,6 +132,23 @@ def check_streams_pass_through(url: str) -> None:
     assert num_prompt > 100
 
 
+def repeats_that_hit(fleet: Fleet, seeds: range, warm_on_a_replica: bool) -> None:
+    """Each prefix first computed (on a replica of our choosing, behind the gateway's back, or through the
+    gateway), then asked three times more through the gateway: at least 90% must reach the replica holding
+    it, as their usage's cached tokens say."""
+    num_hits = num_repeats = 0
+    for seed in seeds:
+        api, prefix = ("completions", "chat")[seed % 2], document(seed)
+        ask(fleet.replicas[seed % 2] if warm_on_a_replica else fleet.gateway, api, prefix, "first", max_tokens=1)
+        time.sleep(0.3)  # the events reach the gateway
+        for repeat in range(3):
+            num_prompt, num_cached = ask(fleet.gateway, api, prefix, f"question {repeat}?")
+            num_repeats += 1
+            num_hits += num_cached >= 0.5 * num_prompt
+    print(f"{num_hits} of {num_repeats} repeats reached the replica holding their prefix")
+    assert num_hits >= 0.9 * num_repeats, f"{num_hits} of {num_repeats} repeats reached the replica holding them"
+
+
 def load_with_a_replica_killed(fleet: Fleet, num_requests: int = 40, kill_after: int = 15) -> list:
     """Requests a thread each, one replica SIGKILLed mid-run; returns the failures."""
     failures, threads = [], []
@@ -191,20 +184,8 @@ def test_vllm_router_kv_aware_routes_by_our_events(fleet):
                                         "--kv-event-block-size", "16", "--kv-event-model", str(default_tokenizer_dir()),
                                         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
                         port)
-    # Each prefix is computed on a replica of our choosing, behind the gateway's back: only the events can
-    # tell the gateway where it is. Repeats through the gateway must land there (and say so in usage).
-    num_hits = num_repeats = 0
-    for seed, api in enumerate(("completions", "chat") * 4):
-        prefix = document(seed)
-        home = fleet.replicas[seed % 2]
-        ask(home, api, prefix, "warm up", max_tokens=1)
-        time.sleep(0.3)  # the events reach the gateway
-        for repeat in range(3):
-            num_prompt, num_cached = ask(fleet.gateway, api, prefix, f"question {repeat}?")
-            num_repeats += 1
-            num_hits += num_cached >= 0.5 * num_prompt
-    print(f"{num_hits} of {num_repeats} repeats reached the replica holding their prefix")
-    assert num_hits >= 0.9 * num_repeats, f"{num_hits} of {num_repeats} repeats reached the replica holding them"
+    # Only the events can tell the gateway where a prefix computed behind its back is.
+    repeats_that_hit(fleet, range(8), warm_on_a_replica=True)
     check_streams_pass_through(fleet.gateway)
     assert load_with_a_replica_killed(fleet) == []
 
@@ -215,15 +196,6 @@ def test_smg_cache_aware_keeps_repeats_on_their_replica(fleet):
     fleet.start_gateway("smg", ["smg", "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls",
                                 *fleet.replicas, "--policy", "cache_aware", "--prometheus-port", str(free_port())],
                         port)
-    num_hits = num_repeats = 0
-    for seed, api in enumerate(("completions", "chat") * 3):
-        prefix = document(100 + seed)
-        ask(fleet.gateway, api, prefix, "first", max_tokens=1)  # SMG learns the prefix from this request's text
-        for repeat in range(3):
-            num_prompt, num_cached = ask(fleet.gateway, api, prefix, f"question {repeat}?")
-            num_repeats += 1
-            num_hits += num_cached >= 0.5 * num_prompt
-    print(f"{num_hits} of {num_repeats} repeats reached the replica holding their prefix")
-    assert num_hits >= 0.9 * num_repeats, f"{num_hits} of {num_repeats} repeats reached the replica holding them"
+    repeats_that_hit(fleet, range(100, 106), warm_on_a_replica=False)  # SMG learns a prefix from its text
     check_streams_pass_through(fleet.gateway)
     assert load_with_a_replica_killed(fleet) == []
