@@ -1,7 +1,7 @@
 """The engine's KV events published over ZMQ in vLLM's wire format (kv_event_wire.py), so vllm-router's
 kv_aware policy, llm-d's kv-cache indexer and Dynamo's ZMQ relay read a prefixserve replica unchanged.
 
-    engine thread:     cache events -> EventQueue (cache/events.py), then step_done() at the end of a step
+    engine thread:     cache events -> EventQueue (cache/events.py); step_done() as each step begins
     publisher thread:  EventQueue.since(cursor) -> one KVEventBatch -> PUB (topic, seq, payload)
                        a ROUTER socket (replay_endpoint) answers "every batch from seq N on" from a buffer
 
@@ -96,7 +96,6 @@ class ZmqKVEventPublisher:
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._cursor = events.next_seq  # events before the publisher existed were never a subscriber's
         self.num_batches = 0  # the next batch's sequence number
-        self.num_resyncs = 0  # times events were dropped unread and AllBlocksCleared went out instead
         self._context = zmq.Context.instance()
         self._pub = self._context.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, config.hwm)
@@ -133,7 +132,7 @@ class ZmqKVEventPublisher:
 
     # ----------------------------------------------------------- engine side
     def step_done(self) -> None:
-        """Called by the engine at the end of each step: what the step stored and removed goes out now."""
+        """Called by the engine as each step begins: what the previous step stored and removed goes out."""
         self._wake.set()
 
     def flush(self, timeout: float = 1.0) -> bool:
@@ -177,7 +176,6 @@ class ZmqKVEventPublisher:
     def _publish_new(self) -> None:
         events, next_seq, complete = self._events.since(self._cursor)
         if not complete:
-            self.num_resyncs += 1
             logger.warning("KV events were dropped before they were published (max_queue_size %d); "
                            "subscribers are told AllBlocksCleared and relearn this replica from new events",
                            self.config.max_queue_size)
