@@ -47,7 +47,8 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
                              "exit (about a minute); without --kv-remote-url the remote tier keeps its stated cost")
     parser.add_argument("--replicas", type=int, default=8, metavar="N", help="simulated replicas")
     parser.add_argument("--policies", default=",".join(POLICIES), metavar="NAME,...",
-                        help="routing policies to compare, comma-separated")
+                        help="routing policies to compare, comma-separated; the gateways' scorers "
+                             "vllm_router_cache_aware and llm_d_default may be added (router/gateway_policies.py)")
     parser.add_argument("--capacity-blocks", type=int, default=DEFAULT_CAPACITY_BLOCKS,
                         metavar="N", help="KV cache per replica in 512-token trace blocks (default: %(default)s, "
                                           "what an 8B model leaves on an 80 GB GPU)")

@@ -255,8 +255,12 @@ POLICIES: dict[str, Callable[[PolicyOptions], RoutingPolicy]] = {
 
 
 def make_policy(name: str, options: Optional[PolicyOptions] = None) -> RoutingPolicy:
-    try:
-        factory = POLICIES[name]
-    except KeyError:
-        raise ValueError(f"unknown routing policy {name!r}; choose one of {', '.join(POLICIES)}") from None
+    """Ours by name, or a gateway's scorer for the simulator (gateway_policies.py, which builds on this
+    module, hence imported here and not at the top)."""
+    from .gateway_policies import GATEWAY_POLICIES
+
+    factory = POLICIES.get(name) or GATEWAY_POLICIES.get(name)
+    if factory is None:
+        raise ValueError(f"unknown routing policy {name!r}; choose one of {', '.join(POLICIES)}, or for the "
+                         f"simulator one of the gateways' {', '.join(GATEWAY_POLICIES)}")
     return factory(options or PolicyOptions())

@@ -98,6 +98,18 @@ class SimulatedReplica:
         the jobs ahead in its queue will have inserted by the time this request's prefill starts."""
         return self._predict(request)[0]
 
+    @property
+    def num_requests_waiting(self) -> int:  # the vllm: metrics a gateway's scorer reads (gateway_policies.py)
+        return len(self.queue)
+
+    @property
+    def num_requests_running(self) -> int:
+        return self.num_decoding + (self.prefilling is not None)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.cache.usage().usage
+
     def lower_tier_run(self, request: RouteRequest) -> list[tuple[str, int]]:
         """The run after the pool's hit that host, disk and the shared remote hold, read from the tiers themselves."""
         return self._predict(request)[1]
