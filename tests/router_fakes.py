@@ -321,7 +321,7 @@ def fake_fleet(tokenizer, num_replicas=2, names=None, fingerprints=None, **optio
         app = build_router_app(RouterSettings(replicas=tuple(specs), **options))
         router_app = stack.enter_context(LiveApp(app))
         router = app.state.router
-        wait_until(lambda: all(r.healthy and r.model_fingerprint for r in router.replicas) and router.scoper is not None)
+        wait_until(lambda: all(r.healthy and r.model_fingerprint for r in router.replicas) and router.route_keys is not None)
         yield router_app.url, fakes, router
 
 

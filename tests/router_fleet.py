@@ -92,7 +92,7 @@ class Fleet:
         """Until the router sees every replica healthy and has learned the scope."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.app is not None and self.server.started and self.router.scoper is not None \
+            if self.app is not None and self.server.started and self.router.route_keys is not None \
                     and all(r.healthy for r in self.router.replicas):
                 return
             time.sleep(0.05)

@@ -19,8 +19,7 @@ from typing import Optional
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from ..cache import BlockKeyer, CacheScope, max_hit_blocks
-from ..cache.scoping import PromptScoper
+from ..cache import max_hit_blocks
 from ..http_keys import AdminKey, Credentials, KeyTable
 from ..metric_names import (CACHE_KEY_ROUTES, CONTINUED_STREAMS, FAILOVERS, PREDICTED_HIT_TOKENS, PREFILLS,
                             REPLICA_HEALTHY, REPLICA_LOAD_SECONDS, ROUTED_REQUESTS)
@@ -29,6 +28,7 @@ from .costs import policy_options_for
 from .policies import RouteRequest, make_policy
 from .progress import ProgressClock, Stalled
 from .replicas import Replica
+from .route_keys import RouteKeys
 from .settings import RouterSettings
 
 logger = logging.getLogger("prefixserve.router")
@@ -76,9 +76,8 @@ class Router:
         self.admin = AdminKey(settings.admin_api_key, "router")  # who may read the fleet dashboard
         self.metrics = RouterMetrics()
         self.progress = ProgressClock(settings.progress_timeout)  # how long a stream may go without a chunk
-        self.scoper: Optional[PromptScoper] = None  # learned from the first replica that answers
+        self.route_keys: Optional[RouteKeys] = None  # scope and block size, from the first replica that answers
         self._scope_learned_at = float("-inf")
-        self.keyer: Optional[BlockKeyer] = None
         self.remote = None  # a read-only view of the replicas' shared remote tier (tiers.redis.RedisTier)
         self.max_model_len: Optional[int] = None
         self.default_output_tokens = DEFAULT_OUTPUT_TOKENS  # load estimate when a request gives no max_tokens
@@ -108,7 +107,7 @@ class Router:
             await asyncio.gather(*(r.check_health(self.client, self.settings.control_timeout) for r in self.replicas))
             # Learn the scope once, then again now and then (a replica's hot reload changes it), and at once
             # when a replica came (back) up: it may serve another checkpoint now.
-            if self.scoper is None or time.monotonic() - self._scope_learned_at >= SCOPE_REFRESH_SECONDS \
+            if self.route_keys is None or time.monotonic() - self._scope_learned_at >= SCOPE_REFRESH_SECONDS \
                     or any(r.healthy and r.can_mirror and r.model_fingerprint is None for r in self.replicas):
                 await self._learn_scope()
             await asyncio.sleep(self.settings.health_interval)
@@ -166,12 +165,7 @@ class Router:
                     continue
                 if learned is not None:
                     continue  # the scope is the first replica's; this one's version is noted
-                scoper = PromptScoper(CacheScope(info["model_fingerprint"], info["tokenizer_fingerprint"],
-                                                 info["adapter_id"], numerics=info.get("numerics", "")),
-                                      info["block_size"])
-                for prefix in info["shared_prefixes"]:
-                    scoper.declare_shared_prefix(prefix)
-                self.keyer = BlockKeyer(info["block_size"], info["prefix_hash"])
+                route_keys = RouteKeys.of(info)
                 max_model_len = info.get("max_model_len")
                 self.max_model_len = max_model_len if isinstance(max_model_len, int) else None
                 default_max_tokens = info.get("default_max_tokens")
@@ -181,13 +175,13 @@ class Router:
                 self._warn_once(f"info:{replica.name}", "replica %s: unreadable /v1/cache/info (%r)", replica.name,
                                 error)
                 continue
-            if self.scoper is not None and self.scoper.scope != scoper.scope:
+            scope = route_keys.scoper.scope
+            if self.route_keys is not None and self.route_keys.scoper.scope != scope:
                 logger.info("replica %s serves a new model version (%s): routing keys follow it", replica.name,
-                            scoper.scope.model_fingerprint[:12])
-            learned = scoper
-            self.scoper = scoper
+                            scope.model_fingerprint[:12])
+            learned = self.route_keys = route_keys
             self._scope_learned_at = time.monotonic()
-            self._open_remote(scoper.scope.digest)
+            self._open_remote(scope.digest)
 
     # ---------------------------------------------------------------- routing
     @property
@@ -221,12 +215,7 @@ class Router:
         return dataclasses.replace(route, remote_blocks=num_remote)
 
     def route_request(self, token_ids: list[int], salt: Optional[str]) -> Optional[RouteRequest]:
-        if self.scoper is None or self.keyer is None or not token_ids:
-            return None
-        scope_digest, private_from = self.scoper.scope_for(token_ids, salt)
-        keys = self.keyer.keys(scope_digest, token_ids, private_from)
-        size = self.keyer.block_size
-        return RouteRequest(keys, token_ids, scope_digest, -(-len(token_ids) // size), size)
+        return self.route_keys.route_request(token_ids, salt) if self.route_keys is not None else None
 
     def choose(self, route: Optional[RouteRequest], exclude: set[str], model_fingerprint: Optional[str] = None,
                version: Optional[str] = None, cache_key: Optional[str] = None,

@@ -76,7 +76,11 @@ async def cache_stats(request: Request):
 async def cache_info(request: Request):
     """What a router needs to compute the same block keys as this replica. Read without waiting for the
     engine's step: a hot reload replaces the scope in one assignment, and the rest is fixed at start-up."""
-    state = _admin_state(request)
+    return cache_info_body(_admin_state(request))
+
+
+def cache_info_body(state) -> dict:
+    """/v1/cache/info's body for a server's state (a Ray replica hands it to its ingress the same way)."""
     settings = state.settings
     core = state.engine.engine
     scope = core.scope  # one version's: a reload swaps the whole object
