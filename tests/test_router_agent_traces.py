@@ -1,6 +1,7 @@
 """The agent trace generator's knobs: each changes the trace as it says, and bad knobs name the fix."""
 
 import math
+from dataclasses import replace
 import random
 import statistics
 
@@ -130,3 +131,17 @@ def test_simulate_takes_knobs_for_the_agent_trace_only(capsys, tmp_path):
     assert main(["simulate", "--trace", "agent", "--agent", "num_sessions=10,turns=1-2", "--policies", "kv_aware",
                  "--sweep", "load", "--sweep-loads", "0.5,1", "--no-plot", "--no-progress"]) == 0
     assert "agent sessions (num_sessions=10,turns=1-2) across load, seed 0" in capsys.readouterr().out
+
+
+def test_a_session_ends_where_its_next_prompt_would_not_fit_the_context():
+    base = AgentTraceConfig(seed=4, num_sessions=30, turns=(20, 30), tool_result_tokens=(2000, 4000))
+    unlimited, limited = generate_agent_trace(base), generate_agent_trace(replace(base, max_prompt_tokens=20000))
+    assert max(r.input_length for r in unlimited.requests) > 20000 >= max(r.input_length for r in limited.requests)
+    assert 0 < len(limited) < len(unlimited)
+    # Every session keeps its turns up to the limit: the limit cuts sessions short, it reshapes no other session.
+    kept = [r for r in unlimited.requests if r.input_length <= 20000]
+    assert [(r.arrival_time, r.input_length) for r in limited.requests] == \
+           [(r.arrival_time, r.input_length) for r in kept]
+    assert parse_agent_knobs("max_prompt_tokens=32768").max_prompt_tokens == 32768
+    with pytest.raises(ValueError, match="max_prompt_tokens"):
+        AgentTraceConfig(max_prompt_tokens=-1)

@@ -9,9 +9,10 @@ turns that each resend the whole history plus the newest tool result:
 
 Knobs (AgentTraceConfig fields, all settable from the command line as `--agent KNOB=VALUE,...`): how
 many sessions start and how fast (load), turns per session, how many system prompts and how long,
-how skewed their popularity (Zipf), task, tool-result and output lengths, and the distribution of the
+how skewed their popularity (Zipf), task, tool-result and output lengths, the distribution of the
 gaps between session starts and of the think time between turns (exponential, constant, uniform,
-lognormal or Pareto with the same mean). Open loop: arrivals do not wait for the simulator.
+lognormal or Pareto with the same mean), and the model's context (a session ends when its next
+prompt would not fit). Open loop: arrivals do not wait for the simulator.
 """
 
 from __future__ import annotations
@@ -69,13 +70,17 @@ class AgentTraceConfig:
     turn_gap_seconds: float = 4.0  # at least this between turns (the answer must be generated)
     think_time_mean_seconds: float = 8.0  # plus a tool / think time of this mean
     think_times: str = "exponential"  # its distribution
+    # A model's context: a session ends when its next prompt would be longer (agents stop or start afresh
+    # there); 0: no limit (prompts grow with every turn however long the session).
+    max_prompt_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.num_sessions < 0 or self.num_system_prompts < 1:
             raise ValueError("agent trace needs block_size >= 1, num_sessions >= 0, num_system_prompts >= 1")
         if not self.session_rate > 0 or not math.isfinite(self.session_rate):
             raise ValueError(f"session_rate must be a positive number, got {self.session_rate}")
-        for name in ("system_prompt_skew", "tool_schema_tokens", "turn_gap_seconds", "think_time_mean_seconds"):
+        for name in ("system_prompt_skew", "tool_schema_tokens", "turn_gap_seconds", "think_time_mean_seconds",
+                     "max_prompt_tokens"):
             value = getattr(self, name)
             if not 0 <= value < math.inf:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
@@ -200,7 +205,9 @@ def generate_agent_trace(config: AgentTraceConfig = AgentTraceConfig()) -> Trace
         arrival = session_start
         for turn in range(rng.randint(*config.turns)):
             output_length = rng.randint(*config.output_tokens)
-            if transcript.num_tokens:  # an empty prompt is no request
+            # Past the context the session has ended; its draws go on, so other sessions stay as they were.
+            fits = not config.max_prompt_tokens or transcript.num_tokens <= config.max_prompt_tokens
+            if transcript.num_tokens and fits:  # an empty prompt is no request
                 requests.append(TraceRequest(
                     arrival, transcript.num_tokens, output_length,
                     transcript.block_ids(), session))
