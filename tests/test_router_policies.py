@@ -146,6 +146,34 @@ def test_kv_aware_falls_back_to_least_loaded_above_the_threshold():
     assert policy.num_fallbacks == 1
 
 
+@dataclass
+class FakeReplicaWithPool(FakeReplica):
+    kv_cache_usage: float = 0.0  # the share of its pool running requests hold
+
+
+def test_kv_aware_prices_a_miss_higher_where_running_requests_fill_the_pool():
+    options = PolicyOptions(miss_token_seconds=0.1 / 512, balance_slack_seconds=100.0, kv_usage_weight=3.0)
+    request = request_of(list(range(10)))
+    # A new prefix: 10 blocks x 0.1 s x (1 + 3 x usage) = 3.7 s on the full pool, 1.3 s on the emptier one.
+    full, roomy = FakeReplicaWithPool("full", kv_cache_usage=0.9), FakeReplicaWithPool("roomy", kv_cache_usage=0.1)
+    assert KVAware(options).choose(request, [full, roomy]) == 1
+    assert KVAware(options).choose(request, fleet([0.0, 0.0])) == 0  # views without it: a tie, the lower index
+    # A session at home stays there however full its pool: one block missing (0.37 s) against ten (1.0 s).
+    home = FakeReplicaWithPool("home", hits=9, kv_cache_usage=0.9)
+    assert KVAware(options).choose(request, [FakeReplicaWithPool("empty"), home]) == 1
+
+
+@pytest.mark.parametrize("wait, factor, moved", [(1.2, 0.5, False), (1.2, 0.0, True), (1.5, 0.5, True)])
+def test_kv_aware_moves_a_request_only_where_the_wait_saved_pays_for_its_recompute(wait, factor, moved):
+    """Past the guard's limit, the request moves from the replica holding 9 of its 10 blocks (waiting `wait`) to an
+    idle one only if 0 + 1.0 s of prefill there + factor x the 0.9 s it recomputes beyond here < wait + 0.1 s."""
+    options = PolicyOptions(miss_token_seconds=1.0 / 512, balance_slack_seconds=0.0, prefill_seconds_per_token=0.1 / 512,
+                            move_cost_factor=factor)
+    policy = KVAware(options)
+    assert policy.choose(request_of(list(range(10))), fleet([wait, 0.0], [9, 0])) == (1 if moved else 0)
+    assert policy.num_fallbacks == int(moved)
+
+
 def test_kv_aware_spreads_a_hot_prefix_once_its_replica_is_overloaded():
     policy = KVAware(kv_options(block_seconds=1.0, threshold=1.5, slack=0.5))
     replicas = fleet([0.0] * 4, [9, 0, 0, 0])  # only replica 0 holds the hot prefix

@@ -110,10 +110,12 @@ def policy_options_for(cost: CostModel, seed: int = 0) -> PolicyOptions:
 
     A missed prompt token is worth 3x its prefill time (recomputed blocks also
     duplicate KV cached elsewhere, and the session's later turns follow it);
-    the balance slack is 49,152 tokens' worth of prefill. Fetches from the tiers
-    below the pool are priced as the engine's planner prices them.
+    the balance slack is 4,096 tokens' worth of prefill (49,152 until the random
+    sweep widened: a guard that waited that long let hot prefixes queue up to 3 s
+    on short-prompt shapes, where every other policy's p99 was near 1 s). Fetches
+    from the tiers below the pool are priced as the engine's planner prices them.
     """
     per_token = cost.prefill_seconds_per_token
-    return PolicyOptions(seed=seed, miss_token_seconds=3 * per_token, balance_slack_seconds=49152 * per_token,
+    return PolicyOptions(seed=seed, miss_token_seconds=3 * per_token, balance_slack_seconds=4096 * per_token,
                          prefill_seconds_per_token=per_token, kv_bytes_per_token=cost.kv_bytes_per_token,
                          tier_costs=cost.tier_costs())

@@ -166,9 +166,14 @@ class KVAware(RoutingPolicy):
     their next turns there. It steers new sessions (whose only hit is a shared system
     prompt) apart; a session's own history outweighs it, so sessions stay put.
 
+    Pool pressure: where the view has `kv_cache_usage` (the share of its pool running
+    requests hold), a missing token costs 1 + kv_usage_weight x usage times more: a
+    full pool caches a new prefix only by evicting others (or not at all).
+
     Balance guard: when the cheapest replica's queue exceeds the mean queue x
     threshold + slack, the cheapest replica under that limit takes the request, if
-    its prefill there (unweighted) ends sooner than waiting for the over-limit one.
+    its prefill there (unweighted) ends sooner than waiting for the over-limit one
+    by more than move_cost_factor x the extra it recomputes there.
     So a hot prefix cannot pile every request onto the one replica that holds it, a
     session that must move goes where its prefix is cheapest to get back, and no
     request is moved to a replica where it would start later. The guard reads the
@@ -202,8 +207,9 @@ class KVAware(RoutingPolicy):
         limit = sum(waits) / len(waits) * self.options.balance_threshold + self.options.balance_slack_seconds
         if waits[best] > limit:  # the shortest wait is never above the limit, so there is a candidate
             fallback = self._cheapest(replicas, costs, [i for i, wait in enumerate(waits) if wait <= limit])
-            if (waits[fallback] + self.prefill_seconds(request, replicas[fallback])
-                    < waits[best] + self.prefill_seconds(request, replicas[best])):
+            there, here = (self.prefill_seconds(request, replicas[i]) for i in (fallback, best))
+            extra = self.options.move_cost_factor * max(there - here, 0.0)
+            if waits[fallback] + there + extra < waits[best] + here:
                 best = fallback
                 self.num_fallbacks += 1
         recent[replicas[best].name] += self.prefill_seconds(request, replicas[best])
@@ -240,8 +246,9 @@ class KVAware(RoutingPolicy):
                                   options.prefill_seconds_per_token, request.tokens_per_block, options.tier_costs)
                 fetch_seconds = plan.fetch_seconds
                 num_missing -= plan.num_fetch_blocks
-        if token_seconds is None:
-            token_seconds = options.miss_token_seconds
+        if token_seconds is None:  # the weighted price: dearer where running requests fill the pool
+            usage = getattr(replica, "kv_cache_usage", None) or 0.0
+            token_seconds = options.miss_token_seconds * (1.0 + options.kv_usage_weight * usage)
         return fetch_seconds + num_missing * request.tokens_per_block * token_seconds
 
     def prefill_seconds(self, request: RouteRequest, replica: ReplicaView) -> float:
