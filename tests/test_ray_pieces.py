@@ -118,8 +118,9 @@ def test_a_view_predicts_hits_from_the_report_and_from_what_it_routed():
     route = _route(shared + [7, 8, 9])  # 4 full blocks and a tail
     view = ReplicaCacheView("a", CostModel())
     assert view.num_hit_blocks(route) == 0
-    view.take_report({"cache_keys": pack_keys(_route(shared[:32]).keys), "num_requests_waiting": 2})
-    assert view.num_hit_blocks(route) == 2 and view.num_requests_waiting == 2
+    view.take_report({"cache_keys": pack_keys(_route(shared[:32]).keys), "num_requests_waiting": 2,
+                      "kv_cache_usage": 0.25})
+    assert view.num_hit_blocks(route) == 2 and view.num_requests_waiting == 2 and view.kv_cache_usage == 0.25
     view.routed("r1", RouteEstimate(route, max_tokens=10))  # counted as held until a report says otherwise
     assert view.num_hit_blocks(route) == 4 and view.load > 0
     view.completed("r1")
@@ -135,8 +136,8 @@ def test_a_view_predicts_hits_from_the_report_and_from_what_it_routed():
 
 def test_a_report_that_is_not_ours_predicts_nothing():
     view = ReplicaCacheView("a", CostModel())
-    view.take_report({"cache_keys": b"123"})  # not a whole number of prefixes
-    assert view.held == frozenset() and unpack_keys(None) == frozenset()
+    view.take_report({"cache_keys": b"123", "kv_cache_usage": 7})  # not a whole number of prefixes; no share
+    assert view.held == frozenset() and unpack_keys(None) == frozenset() and view.kv_cache_usage == 0.0
     view.take_report("garbage")
     assert view.num_hit_blocks(_route(list(range(32)))) == 0
 

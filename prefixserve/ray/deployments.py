@@ -73,7 +73,7 @@ class EngineReplica:
                 "tier_keys": {medium: pack_keys(keys) for medium, keys in tiers.items()},
                 "num_requests_waiting": self.engine.num_waiting,
                 "num_requests_running": self.engine.snapshot.num_running,
-                "num_blocks": usage.num_blocks, "num_free_blocks": usage.num_free_blocks}
+                "kv_cache_usage": usage.usage}
 
     def check_health(self) -> None:
         if self.engine.is_dead:

@@ -2,7 +2,7 @@
 
 Each engine replica reports, through Ray Serve's routing stats (`record_routing_stats`, polled by
 Serve's controller every `routing_stats_period_s` and broadcast to every router), the keys its
-device pool and its own lower tiers hold, as 8-byte prefixes of our block keys (prefixes are
+device pool and its own lower tiers hold, the share of its pool running requests hold, as 8-byte prefixes of our block keys (prefixes are
 enough to predict a hit; the engine compares the full key and the tokens before it reuses a
 block), and its queue. Between two reports a router counts the keys of the requests it has just
 routed to a replica as held there (as the HTTP router does until the replica's events say so),
@@ -57,6 +57,7 @@ class ReplicaCacheView:
         self.expected: dict[bytes, float] = {}  # key prefix -> time.monotonic() a request that stores it was routed
         self.outstanding: dict[object, float] = {}  # in-flight request id -> estimated seconds of work
         self.num_requests_waiting = 0
+        self.kv_cache_usage = 0.0  # the share of its pool running requests hold (kv_aware prices misses by it)
 
     def take_report(self, stats: Optional[dict]) -> None:
         """Read the replica's latest routing stats (cheap when it is the same report as before)."""
@@ -67,8 +68,9 @@ class ReplicaCacheView:
         tiers = stats.get("tier_keys")
         self.tier_held = ({medium: unpack_keys(blob) for medium, blob in tiers.items()}
                           if isinstance(tiers, dict) else {})
-        waiting = stats.get("num_requests_waiting")
+        waiting, usage = stats.get("num_requests_waiting"), stats.get("kv_cache_usage")
         self.num_requests_waiting = waiting if isinstance(waiting, int) else 0
+        self.kv_cache_usage = float(usage) if isinstance(usage, (int, float)) and 0 <= usage <= 1 else 0.0
         recent = time.monotonic() - EXPECTED_KEY_SECONDS
         self.expected = {key: at for key, at in self.expected.items() if at >= recent}
 
