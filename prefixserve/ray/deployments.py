@@ -48,21 +48,21 @@ class EngineReplica:
     """One engine and its HTTP app, without a socket: Serve's proxy and the ingress stand in front."""
 
     def __init__(self, serve_argv: tuple) -> None:
-        from ..server.admin import cache_info_body
-        from ..server.launch import build_server, check_model_dir
+        from ..server.launch import build_server, check_model_dir  # here: the ingress process needs no engine
 
         args = serve_parser().parse_args(list(serve_argv))
         if args.model is not None:
             check_model_dir(args.model)
         self.engine, self.app = build_server(args)
-        self._cache_info = lambda: cache_info_body(self.app.state.server)
 
     async def handle(self, request: ForwardedRequest):
         async for piece in call_asgi(self.app, request):
             yield piece
 
     def cache_info(self) -> dict:
-        return self._cache_info()
+        from ..server.admin import cache_info_body
+
+        return cache_info_body(self.app.state.server)
 
     def record_routing_stats(self) -> dict:
         """The keys its pool and its own tiers hold (8-byte prefixes) and its queue, for every router."""

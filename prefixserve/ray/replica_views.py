@@ -113,12 +113,11 @@ class ReplicaCacheView:
         route = estimate.route
         hit_tokens = prompt_tokens = 0
         if route is not None:
-            hit_tokens = min(self.num_hit_blocks(route) * route.tokens_per_block, len(route.token_ids))
+            hit_tokens = self.num_hit_blocks(route) * route.tokens_per_block
             prompt_tokens = len(route.token_ids)
             now = time.monotonic()
             self.expected.update((key[:KEY_PREFIX_BYTES], now) for key in route.keys)
-        self.outstanding[request_id] = (self.cost.prefill_seconds(prompt_tokens, hit_tokens)
-                                        + self.cost.decode_work_seconds(estimate.max_tokens))
+        self.outstanding[request_id] = self.cost.request_seconds(prompt_tokens, hit_tokens, estimate.max_tokens)
 
     def completed(self, request_id: object) -> None:
         self.outstanding.pop(request_id, None)

@@ -84,6 +84,11 @@ class CostModel:
     def decode_work_seconds(self, num_output_tokens: int) -> float:
         return num_output_tokens * self.decode_seconds_per_token / self.decode_batch_size
 
+    def request_seconds(self, num_prompt_tokens: int, num_hit_tokens: int, num_output_tokens: int) -> float:
+        """A routed request's estimated work on its replica (a router's load), its hit capped at its prompt."""
+        return (self.prefill_seconds(num_prompt_tokens, min(num_hit_tokens, num_prompt_tokens))
+                + self.decode_work_seconds(num_output_tokens))
+
     @classmethod
     def load(cls, path: str | Path) -> "CostModel":
         path = Path(path)

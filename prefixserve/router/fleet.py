@@ -256,8 +256,8 @@ class Router:
             prompt_tokens = len(route.token_ids)
             replica.expect(route.keys)  # optimistic: the replica is about to cache this prompt's full blocks
         ticket = next(self._tickets)
-        replica.outstanding[ticket] = (cost.prefill_seconds(prompt_tokens, min(hit_tokens, prompt_tokens))
-                                       + cost.decode_work_seconds(max_tokens or self.default_output_tokens))
+        replica.outstanding[ticket] = cost.request_seconds(prompt_tokens, hit_tokens,
+                                                           max_tokens or self.default_output_tokens)
         replica.num_routed += 1
         replica.num_predicted_hit_tokens += hit_tokens
         self.metrics.routed.labels(replica.name).inc()
