@@ -26,10 +26,28 @@ from setuptools import setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CSRC = "prefixserve/csrc"
-HEADERS = [f"{CSRC}/{name}" for name in ("attention_tiles.h", "binding.h", "kernels.h", "peak.h", "quantized.h",
-                                          "quantized_codes.h", "quantized_scales.h", "rowwise.h", "simd.h")]
-COMMON_FLAGS = ["-O3", "-g0", "-ffp-contract=off", "-fopenmp", "-fvisibility=hidden",
-                "-Wno-maybe-uninitialized"]  # gcc 12 warns inside its own intrinsics headers
+HEADERS = [
+    f"{CSRC}/{name}"
+    for name in (
+        "attention_tiles.h",
+        "binding.h",
+        "kernels.h",
+        "peak.h",
+        "quantized.h",
+        "quantized_codes.h",
+        "quantized_scales.h",
+        "rowwise.h",
+        "simd.h",
+    )
+]
+COMMON_FLAGS = [
+    "-O3",
+    "-g0",
+    "-ffp-contract=off",
+    "-fopenmp",
+    "-fvisibility=hidden",
+    "-Wno-maybe-uninitialized",
+]  # gcc 12 warns inside its own intrinsics headers
 
 catalogue = runpy.run_path(os.path.join(ROOT, "prefixserve/model/kernel_variants.py"))
 
@@ -42,8 +60,10 @@ def chosen_variants():
     names = {name.strip() for name in wanted.split(",") if name.strip()}
     unknown = names - {variant.name for variant in variants}
     if unknown:
-        raise SystemExit(f"PREFIXSERVE_KERNEL_VARIANTS names {sorted(unknown)}, not variants of this machine "
-                         f"({', '.join(variant.name for variant in variants)})")
+        raise SystemExit(
+            f"PREFIXSERVE_KERNEL_VARIANTS names {sorted(unknown)}, not variants of this machine "
+            f"({', '.join(variant.name for variant in variants)})"
+        )
     return tuple(variant for variant in variants if variant.name in names)
 
 
@@ -51,22 +71,36 @@ def extensions():
     try:
         from torch.utils.cpp_extension import CppExtension
     except ImportError as error:  # pragma: no cover - torch is a build requirement
-        warnings.warn(f"prefixserve's kernels are not built: {error}")
+        warnings.warn(f"prefixserve's kernels are not built: {error}", stacklevel=2)
         return []
     binding_flags = list(catalogue["BINDING_FLAGS"].get(catalogue["machine"](), ()))
-    modules = [CppExtension("prefixserve._C", [f"{CSRC}/module.cpp", f"{CSRC}/decoder_stack.cpp"], depends=HEADERS,
-                            extra_compile_args=["-O2", "-g0"] + binding_flags)]
-    for variant in chosen_variants():
-        modules.append(CppExtension(
-            catalogue["module_name"](variant.name),
-            [f"{CSRC}/variant.cpp", f"{CSRC}/paged_causal.cpp", f"{CSRC}/rowwise.cpp", f"{CSRC}/peak.cpp",
-             f"{CSRC}/quantized_matmul.cpp"],
+    modules = [
+        CppExtension(
+            "prefixserve._C",
+            [f"{CSRC}/module.cpp", f"{CSRC}/decoder_stack.cpp"],
             depends=HEADERS,
-            # C++17: the kernel sources need nothing newer (the binding follows torch's headers).
-            extra_compile_args=COMMON_FLAGS + ["-std=c++17", f"-DPREFIXSERVE_SIMD_{variant.backend}",
-                                               f"-DPREFIXSERVE_VARIANT={variant.name}"] + list(variant.flags),
-            extra_link_args=["-fopenmp"],
-        ))
+            extra_compile_args=["-O2", "-g0"] + binding_flags,
+        )
+    ]
+    for variant in chosen_variants():
+        modules.append(
+            CppExtension(
+                catalogue["module_name"](variant.name),
+                [
+                    f"{CSRC}/variant.cpp",
+                    f"{CSRC}/paged_causal.cpp",
+                    f"{CSRC}/rowwise.cpp",
+                    f"{CSRC}/peak.cpp",
+                    f"{CSRC}/quantized_matmul.cpp",
+                ],
+                depends=HEADERS,
+                # C++17: the kernel sources need nothing newer (the binding follows torch's headers).
+                extra_compile_args=COMMON_FLAGS
+                + ["-std=c++17", f"-DPREFIXSERVE_SIMD_{variant.backend}", f"-DPREFIXSERVE_VARIANT={variant.name}"]
+                + list(variant.flags),
+                extra_link_args=["-fopenmp"],
+            )
+        )
     return modules
 
 
@@ -83,8 +117,11 @@ def build_command():
             try:
                 super().build_extensions()
             except Exception as error:  # a compiler torch refuses, or none at all
-                warnings.warn(f"prefixserve's compiled kernels were not built ({type(error).__name__}: {error}); "
-                              "the pure-PyTorch paths run instead")
+                warnings.warn(
+                    f"prefixserve's compiled kernels were not built ({type(error).__name__}: {error}); "
+                    "the pure-PyTorch paths run instead",
+                    stacklevel=2,
+                )
                 self.failed = tuple(ext.name for ext in self.extensions)
             # What was not built is no output: the in-place copy (pip install -e .) and the wheel skip it.
             self.extensions = [ext for ext in self.extensions if ext.name not in self.failed]
@@ -95,8 +132,11 @@ def build_command():
             try:
                 super().build_extension(ext)
             except Exception as error:
-                warnings.warn(f"prefixserve: {ext.name} was not built ({type(error).__name__}: {error}); "
-                              "prefixserve runs without it (a slower variant, or the pure-PyTorch path)")
+                warnings.warn(
+                    f"prefixserve: {ext.name} was not built ({type(error).__name__}: {error}); "
+                    "prefixserve runs without it (a slower variant, or the pure-PyTorch path)",
+                    stacklevel=2,
+                )
                 self.failed += (ext.name,)
             finally:
                 self.build_temp = shared_temp

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from prefixserve.model import kernels
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 8, 4, 64, 16
-SCALE = HEAD_DIM ** -0.5
+SCALE = HEAD_DIM**-0.5
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -39,6 +39,7 @@ def median_ms(call, repeats: int) -> float:
 
 def cases(dtype: torch.dtype, generator: torch.Generator) -> dict:
     """name -> (paged_causal arguments, a flash call or None)."""
+
     def pool(num_blocks):
         shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
         return torch.randn(shape, generator=generator).to(dtype), torch.randn(shape, generator=generator).to(dtype)
@@ -54,31 +55,54 @@ def cases(dtype: torch.dtype, generator: torch.Generator) -> dict:
     values = v_cache.view(-1, KV_HEADS, HEAD_DIM)[:length].transpose(0, 1).unsqueeze(0)
     flash_q = q.transpose(0, 1).unsqueeze(0)
     found["prefill 2,020"] = (
-        (q, k_cache, v_cache, torch.arange(k_cache.shape[0]).view(1, -1), torch.tensor([0, length]),
-         torch.tensor([length]), SCALE),
-        lambda: F.scaled_dot_product_attention(flash_q, keys, values, is_causal=True, scale=SCALE, enable_gqa=True))
+        (
+            q,
+            k_cache,
+            v_cache,
+            torch.arange(k_cache.shape[0]).view(1, -1),
+            torch.tensor([0, length]),
+            torch.tensor([length]),
+            SCALE,
+        ),
+        lambda: F.scaled_dot_product_attention(flash_q, keys, values, is_causal=True, scale=SCALE, enable_gqa=True),
+    )
 
     num, length = 32, 1000
     per = -(-length // BLOCK)
     k_cache, v_cache = pool(8 * num * per)
-    tables = torch.randperm(8 * num * per, generator=generator)[:num * per].view(num, per)
-    found["decode 32x1,000"] = ((query(num), k_cache, v_cache, tables, torch.arange(num + 1),
-                                 torch.full((num,), length), SCALE), None)
+    tables = torch.randperm(8 * num * per, generator=generator)[: num * per].view(num, per)
+    found["decode 32x1,000"] = (
+        (query(num), k_cache, v_cache, tables, torch.arange(num + 1), torch.full((num,), length), SCALE),
+        None,
+    )
 
     prefix, own = 1536, 50
     shared, mine = prefix // BLOCK, -(-own // BLOCK)
     k_cache, v_cache = pool(shared + num * mine)
     tables = torch.tensor([list(range(shared)) + [shared + i * mine + j for j in range(mine)] for i in range(num)])
-    found["shared 32x1,586"] = ((query(num), k_cache, v_cache, tables, torch.arange(num + 1),
-                                 torch.full((num,), prefix + own), SCALE), None)
-    found["chunks 31x50"] = ((query(31 * own), k_cache, v_cache, tables[:31], torch.arange(32) * own,
-                              torch.full((31,), prefix + own), SCALE), None)
+    found["shared 32x1,586"] = (
+        (query(num), k_cache, v_cache, tables, torch.arange(num + 1), torch.full((num,), prefix + own), SCALE),
+        None,
+    )
+    found["chunks 31x50"] = (
+        (
+            query(31 * own),
+            k_cache,
+            v_cache,
+            tables[:31],
+            torch.arange(32) * own,
+            torch.full((31,), prefix + own),
+            SCALE,
+        ),
+        None,
+    )
     return found
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args()
     if kernels.compiled is None:
@@ -86,7 +110,7 @@ def main() -> None:
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
         for name, (arguments, flash) in cases(dtype, torch.Generator().manual_seed(0)).items():
-            ours = median_ms(lambda: kernels.compiled.paged_causal(*arguments), args.repeats)
+            ours = median_ms(lambda arguments=arguments: kernels.compiled.paged_causal(*arguments), args.repeats)
             theirs = median_ms(flash, args.repeats) if flash is not None else None
             rows.append((str(dtype).removeprefix("torch."), name, ours, theirs))
     print(f"{'dtype':<9} {'case':<16} {'paged_causal':>13} {'flash':>9}")

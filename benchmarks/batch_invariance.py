@@ -40,14 +40,28 @@ from typing import Callable, Optional
 
 import torch
 
-from prefixserve.model import AttentionMetadata, ensure_default_model, load_model
-from prefixserve.model import attention_plan, llama
+from prefixserve.model import AttentionMetadata, attention_plan, ensure_default_model, llama, load_model
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 160
 DECODE_TOKENS = 8
-OPS = ["embedding", "input_norm", "q_proj", "k_proj", "v_proj", "rotary_q", "rotary_k", "attention",
-       "o_proj", "post_attention_norm", "mlp_gate", "mlp_up", "mlp_down", "final_norm", "logits"]
+OPS = [
+    "embedding",
+    "input_norm",
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "rotary_q",
+    "rotary_k",
+    "attention",
+    "o_proj",
+    "post_attention_norm",
+    "mlp_gate",
+    "mlp_up",
+    "mlp_down",
+    "final_norm",
+    "logits",
+]
 RESULTS = Path(__file__).resolve().parent / "results" / "batch_invariance.json"
 
 
@@ -58,7 +72,7 @@ class Recorder:
     def __init__(self, model, length: int, reference: Optional[dict] = None, isolate: bool = False):
         self.model, self.length, self.reference, self.isolate = model, length, reference, isolate
         self.outputs: dict[tuple[str, int], torch.Tensor] = {}
-        self.rows: Optional[torch.Tensor] = None       # rows of this step that are the target's
+        self.rows: Optional[torch.Tensor] = None  # rows of this step that are the target's
         self.positions: Optional[torch.Tensor] = None  # their positions in the target
         self.layer = -1
 
@@ -100,6 +114,7 @@ def instrumented(model, recorder_of: Callable[[], Recorder]):
         def hook(module, inputs, output):
             recorder_of().observe(names, layer_of(), output, columns)
             return output
+
         return hook
 
     def current_layer():
@@ -108,6 +123,7 @@ def instrumented(model, recorder_of: Callable[[], Recorder]):
     def set_layer(index):
         def pre_hook(module, inputs):
             recorder_of().layer = index
+
         return pre_hook
 
     whole = [slice(None)]
@@ -115,14 +131,26 @@ def instrumented(model, recorder_of: Callable[[], Recorder]):
     for index, layer in enumerate(model.layers):
         handles.append(layer.register_forward_pre_hook(set_layer(index)))
         handles.append(layer.input_layernorm.register_forward_hook(module_hook(["input_norm"], whole, current_layer)))
-        handles.append(layer.self_attn.qkv_proj.register_forward_hook(module_hook(
-            ["q_proj", "k_proj", "v_proj"],
-            [slice(0, q_size), slice(q_size, q_size + kv_size), slice(q_size + kv_size, None)], current_layer)))
+        handles.append(
+            layer.self_attn.qkv_proj.register_forward_hook(
+                module_hook(
+                    ["q_proj", "k_proj", "v_proj"],
+                    [slice(0, q_size), slice(q_size, q_size + kv_size), slice(q_size + kv_size, None)],
+                    current_layer,
+                )
+            )
+        )
         handles.append(layer.self_attn.o_proj.register_forward_hook(module_hook(["o_proj"], whole, current_layer)))
-        handles.append(layer.post_attention_layernorm.register_forward_hook(
-            module_hook(["post_attention_norm"], whole, current_layer)))
-        handles.append(layer.mlp.gate_up_proj.register_forward_hook(module_hook(
-            ["mlp_gate", "mlp_up"], [slice(0, inter), slice(inter, None)], current_layer)))
+        handles.append(
+            layer.post_attention_layernorm.register_forward_hook(
+                module_hook(["post_attention_norm"], whole, current_layer)
+            )
+        )
+        handles.append(
+            layer.mlp.gate_up_proj.register_forward_hook(
+                module_hook(["mlp_gate", "mlp_up"], [slice(0, inter), slice(inter, None)], current_layer)
+            )
+        )
         handles.append(layer.mlp.down_proj.register_forward_hook(module_hook(["mlp_down"], whole, current_layer)))
     handles.append(model.norm.register_forward_hook(module_hook(["final_norm"], whole, lambda: 0)))
     handles.append(model.lm_head.register_forward_hook(module_hook(["logits"], whole, lambda: 0)))
@@ -132,8 +160,9 @@ def instrumented(model, recorder_of: Callable[[], Recorder]):
 
     def rotate(x, cos, sin):
         out = original_rotate(x, cos, sin)  # [T, heads + kv_heads, d]
-        recorder_of().observe(["rotary_q", "rotary_k"], current_layer(), out,
-                              [slice(0, num_heads), slice(num_heads, None)])
+        recorder_of().observe(
+            ["rotary_q", "rotary_k"], current_layer(), out, [slice(0, num_heads), slice(num_heads, None)]
+        )
         return out
 
     def paged_attention(q, *args, **kwargs):
@@ -157,8 +186,9 @@ class Runner:
         config = model.config
         shape = (NUM_BLOCKS, BLOCK_SIZE, config.num_key_value_heads, config.head_dim)
         self.model = model
-        self.caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
-                       for _ in range(config.num_hidden_layers)]
+        self.caches = [
+            (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(config.num_hidden_layers)
+        ]
         self.tables: dict[str, list[int]] = {}
         self.next_block = 0
 
@@ -188,7 +218,7 @@ class Runner:
             hidden = self.model(torch.tensor(input_ids), meta.positions, self.caches, meta)
             # As the runner: one logits call over every sequence's last row. The target's other
             # rows get a second call of their own, so every position has a logits row to compare.
-            ends = [sum(query_lens[:i + 1]) - 1 for i in range(len(work))]
+            ends = [sum(query_lens[: i + 1]) - 1 for i in range(len(work))]
             target_index = [i for i, (name, *_rest) in enumerate(work) if name == target]
             step_rows, step_positions = recorder.rows, recorder.positions
             recorder.rows, recorder.positions = torch.tensor(target_index, dtype=torch.int64), step_positions[-1:]
@@ -222,9 +252,10 @@ def scenarios(target: list[int], rng: random.Random) -> dict[str, list[list[tupl
     prefill_len = length - DECODE_TOKENS
     decodes = [[("T", target, position, position + 1)] for position in range(prefill_len, length)]
     batch_decodes = [[("A", others["A"], 0, 20), ("T", target, 0, prefill_len), ("B", others["B"], 0, 90)]]
-    batch_decodes += [[("A", others["A"], 20 + i, 21 + i), ("T", target, position, position + 1),
-                       ("B", others["B"], 90 + i, 91 + i)]
-                      for i, position in enumerate(range(prefill_len, length))]
+    batch_decodes += [
+        [("A", others["A"], 20 + i, 21 + i), ("T", target, position, position + 1), ("B", others["B"], 90 + i, 91 + i)]
+        for i, position in enumerate(range(prefill_len, length))
+    ]
     inside = [7, 25, 40] + [28] * (length // 28 + 1)
     # chunks+batch: every step 45 tokens of the target after a 30-token chunk of B (while B lasts).
     mixed = []
@@ -233,10 +264,13 @@ def scenarios(target: list[int], rng: random.Random) -> dict[str, list[list[tupl
         mixed.append(b_chunk + [(name, toks, first, end)])
     return {
         "alone": [[("T", target, 0, length)]],
-        "batch": [[("A", others["A"], 0, 37), ("T", target, 0, length), ("B", others["B"], 0, 150),
-                   ("C", others["C"], 0, 5)]],
-        "batch+decodes": [[("A", others["A"], 0, 36), ("B", others["B"], 0, 149)],
-                          [("A", others["A"], 36, 37), ("T", target, 0, length), ("B", others["B"], 149, 150)]],
+        "batch": [
+            [("A", others["A"], 0, 37), ("T", target, 0, length), ("B", others["B"], 0, 150), ("C", others["C"], 0, 5)]
+        ],
+        "batch+decodes": [
+            [("A", others["A"], 0, 36), ("B", others["B"], 0, 149)],
+            [("A", others["A"], 36, 37), ("T", target, 0, length), ("B", others["B"], 149, 150)],
+        ],
         "chunks@16": [[step] for step in chunked("T", target, [16] * (length // 16 + 1))],
         "chunks-inside": [[step] for step in chunked("T", target, inside)],
         "chunks+batch": mixed,
@@ -253,15 +287,22 @@ def run_scenario(model, dtype, steps, recorder: Recorder, target: list[int]) -> 
         # step (T's suffix is a 36-token chunk, the siblings decode-length chunks).
         shared = 64
         prefix = target[:shared]
-        runner.step(recorder, [("P", prefix + target[shared:shared + 1], 0, shared + 1)], "T")
+        runner.step(recorder, [("P", prefix + target[shared : shared + 1], 0, shared + 1)], "T")
         for name in ("T", "S1", "S2"):
             runner.share(name, "P", shared // BLOCK_SIZE)
         siblings = {name: prefix + [7 + i] * 30 for i, name in enumerate(("S1", "S2"))}
         # The prefix rows of T are not recomputed here: take them from the reference (a hit
         # means they were computed by someone else); only T's suffix rows are compared.
         with lowered_thresholds():
-            runner.step(recorder, [("S1", siblings["S1"], shared, shared + 30), ("T", target, shared, len(target)),
-                                   ("S2", siblings["S2"], shared, shared + 5)], "T")
+            runner.step(
+                recorder,
+                [
+                    ("S1", siblings["S1"], shared, shared + 30),
+                    ("T", target, shared, len(target)),
+                    ("S2", siblings["S2"], shared, shared + 5),
+                ],
+                "T",
+            )
         return
     for work in steps:
         runner.step(recorder, work, "T")
@@ -319,6 +360,7 @@ def print_table(title: str, table: dict[str, dict[str, dict]]) -> None:
 
 def first_to_differ(result: dict[str, dict]) -> Optional[str]:
     """The op that differs first in forward order (layer by layer), as 'op@layer'."""
+
     def forward_order(op: str) -> tuple[int, int]:
         layer = result[op]["first_layer"]
         if op == "embedding":
@@ -326,6 +368,7 @@ def first_to_differ(result: dict[str, dict]) -> Optional[str]:
         elif op in ("final_norm", "logits"):
             layer = 1 << 30
         return layer, OPS.index(op)
+
     differing = [op for op in OPS if op in result and not result[op]["identical"]]
     if not differing:
         return None
@@ -369,11 +412,23 @@ def main() -> None:
     for mode, table in tables.items():
         print_table(f"{args.dtype}, {mode}", table)
     seconds = time.perf_counter() - began
-    print(f"\n{args.length}-token target, block size {BLOCK_SIZE}, linear weights "
-          f"{'packed (oneDNN)' if packed else 'unpacked'}, {seconds:.1f} s")
+    print(
+        f"\n{args.length}-token target, block size {BLOCK_SIZE}, linear weights "
+        f"{'packed (oneDNN)' if packed else 'unpacked'}, {seconds:.1f} s"
+    )
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({"dtype": args.dtype, "length": args.length, "packed": packed,
-                                   "torch": torch.__version__, "tables": tables}, indent=1))
+    args.output.write_text(
+        json.dumps(
+            {
+                "dtype": args.dtype,
+                "length": args.length,
+                "packed": packed,
+                "torch": torch.__version__,
+                "tables": tables,
+            },
+            indent=1,
+        )
+    )
     print(f"saved {args.output}")
 
 

@@ -64,16 +64,28 @@ def main() -> None:
     outputs["cache off, again"] = run(make(enable_prefix_caching=False), prompts)
 
     agreement = {}
-    print(f"{args.dtype}: {args.prompts} prompts, {args.prefix_len}-token shared prefix, "
-          f"{args.max_tokens} greedy tokens; identical requests vs caching off")
+    print(
+        f"{args.dtype}: {args.prompts} prompts, {args.prefix_len}-token shared prefix, "
+        f"{args.max_tokens} greedy tokens; identical requests vs caching off"
+    )
     for name, got in outputs.items():
         same = sum(a == b for a, b in zip(got, baseline))
         agreement[name] = same / len(baseline)
         print(f"  {name:<22} {same:3d}/{len(baseline)}  {100 * same / len(baseline):5.1f}%")
     print(f"{time.perf_counter() - began:.1f} s")
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({"dtype": args.dtype, "prompts": args.prompts, "prefix_len": args.prefix_len,
-                                       "max_tokens": args.max_tokens, "agreement": agreement}, indent=1))
+    args.output.write_text(
+        json.dumps(
+            {
+                "dtype": args.dtype,
+                "prompts": args.prompts,
+                "prefix_len": args.prefix_len,
+                "max_tokens": args.max_tokens,
+                "agreement": agreement,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -73,7 +73,7 @@ def main() -> None:
         query_lens = [new for _, new in seqs]
         seq_lens = [past + new for past, new in seqs]
         input_ids = torch.tensor([rng.randrange(10, 8000) for _ in range(sum(query_lens))])
-        last_rows = torch.tensor([sum(query_lens[:i + 1]) - 1 for i in range(len(seqs))])
+        last_rows = torch.tensor([sum(query_lens[: i + 1]) - 1 for i in range(len(seqs))])
         times = []
         with torch.inference_mode():
             for _ in range(args.repeats + 1):

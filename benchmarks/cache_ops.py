@@ -44,8 +44,7 @@ def fill(cache: RadixCache, keyer: BlockKeyer, num_blocks: int, rng: random.Rand
     """Fill the cache with chains of 125 blocks (2,000-token prompts), all released."""
     blocks_per_prompt = PROMPT_LEN // BLOCK_SIZE
     # disable=None: a bar only on a terminal, never redraws into a log file or a pipe
-    with tqdm(total=num_blocks, desc=f"fill {num_blocks:,}", leave=False,
-              disable=None if progress else True) as bar:
+    with tqdm(total=num_blocks, desc=f"fill {num_blocks:,}", leave=False, disable=None if progress else True) as bar:
         while cache.num_cached_blocks + blocks_per_prompt <= num_blocks:
             bar.update(cache_prompt(cache, keyer, random_prompt(rng, PROMPT_LEN)))
 
@@ -112,8 +111,12 @@ def plot(rows: list[dict[str, float]], path: Path) -> None:
 
     sizes = [row["blocks"] for row in rows]
     fig, ax = plt.subplots(figsize=(7, 4))
-    for name, label in [("keys_us", "keys (2,000 tokens)"), ("match_us", "match (125 blocks)"),
-                        ("insert_us", "insert (1 block)"), ("evict_us", "evict (1 block)")]:
+    for name, label in [
+        ("keys_us", "keys (2,000 tokens)"),
+        ("match_us", "match (125 blocks)"),
+        ("insert_us", "insert (1 block)"),
+        ("evict_us", "evict (1 block)"),
+    ]:
         ax.plot(sizes, [row[name] for row in rows], marker="o", label=label)
     ax.set_xscale("log")
     ax.set_xlabel("cached blocks")
@@ -127,19 +130,25 @@ def plot(rows: list[dict[str, float]], path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--sizes", default="10000,100000,1000000", help="cache sizes in blocks")
     parser.add_argument("--hash", default="sha256", choices=["sha256", "xxh3_128"])
     parser.add_argument("--plot", default="benchmarks/results/cache_ops.png")
     args = parser.parse_args()
     rows = [measure(int(size), args.hash, progress=True) for size in args.sizes.split(",")]
-    header = f"{'cached blocks':>14} {'keys µs':>9} {'match µs':>9} {'keys+match':>11} {'insert µs':>10} {'evict µs':>9} {'B/block':>8}"
+    header = (
+        f"{'cached blocks':>14} {'keys µs':>9} {'match µs':>9} {'keys+match':>11} {'insert µs':>10} "
+        f"{'evict µs':>9} {'B/block':>8}"
+    )
     print(f"cache_ops: {PROMPT_LEN}-token prompt, block size {BLOCK_SIZE}, hash {args.hash}")
     print(header)
     for row in rows:
-        print(f"{row['blocks']:>14,} {row['keys_us']:>9.1f} {row['match_us']:>9.1f} {row['keys_plus_match_us']:>11.1f} "
-              f"{row['insert_us']:>10.2f} {row['evict_us']:>9.2f} {row['bytes_per_block']:>8.0f}")
+        print(
+            f"{row['blocks']:>14,} {row['keys_us']:>9.1f} {row['match_us']:>9.1f} {row['keys_plus_match_us']:>11.1f} "
+            f"{row['insert_us']:>10.2f} {row['evict_us']:>9.2f} {row['bytes_per_block']:>8.0f}"
+        )
     plot(rows, Path(args.plot))
     print(f"plot: {args.plot}")
 

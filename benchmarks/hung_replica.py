@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 
 import httpx
-
 from serve_bench import free_port, start_prefixserve, wait_healthy
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -42,8 +41,11 @@ def request(url: str, stream: bool, prompt: str, max_tokens: int) -> tuple[float
     if not stream:
         response = httpx.post(url + "/v1/completions", json=body, timeout=300)
         response.raise_for_status()
-        return time.perf_counter() - began, response.headers["x-prefixserve-replica"], \
-            response.json()["choices"][0]["text"]
+        return (
+            time.perf_counter() - began,
+            response.headers["x-prefixserve-replica"],
+            response.json()["choices"][0]["text"],
+        )
     pieces = []
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as response:
         response.raise_for_status()
@@ -94,39 +96,83 @@ def main() -> int:
     processes, router = {}, None
     try:
         for name, port in ports.items():
-            processes[name] = start_prefixserve(["serve", "--port", str(port), "--admin-api-key", ADMIN, "--dtype", "float32",
-                                     "--enable-kv-events", "--log-level", "warning"], log)
+            processes[name] = start_prefixserve(
+                [
+                    "serve",
+                    "--port",
+                    str(port),
+                    "--admin-api-key",
+                    ADMIN,
+                    "--dtype",
+                    "float32",
+                    "--enable-kv-events",
+                    "--log-level",
+                    "warning",
+                ],
+                log,
+            )
         for name, port in ports.items():
             wait_healthy(f"http://127.0.0.1:{port}", processes[name], 120)
         replicas = [arg for name, port in ports.items() for arg in ("--replica", f"{name}=http://127.0.0.1:{port}")]
-        router = start_prefixserve(["route", *replicas, "--port", str(router_port), "--admin-api-key", ADMIN,
-                        "--progress-timeout", str(args.progress_timeout), "--log-level", "warning"], log)
+        router = start_prefixserve(
+            [
+                "route",
+                *replicas,
+                "--port",
+                str(router_port),
+                "--admin-api-key",
+                ADMIN,
+                "--progress-timeout",
+                str(args.progress_timeout),
+                "--log-level",
+                "warning",
+            ],
+            log,
+        )
         wait_healthy(url, router, 120)
         rows = []
         for round_index in range(args.rounds):
             for stream in (False, True):
                 prompt = f"Round {round_index} asks the fleet about hung hosts, {'streamed' if stream else 'plain'}:"
                 baseline, _, reference = request(url, stream, prompt, args.max_tokens)
-                seconds, home, answered_by, text = hung_round(url, processes, stream, prompt, args.max_tokens,
-                                                              args.stop_after)
-                rows.append({"round": round_index, "stream": stream, "baseline_s": baseline, "hung_s": seconds,
-                             "added_s": seconds - baseline, "bound_s": args.progress_timeout + baseline,
-                             "stopped": home, "answered_by": answered_by, "same_text": text == reference})
+                seconds, home, answered_by, text = hung_round(
+                    url, processes, stream, prompt, args.max_tokens, args.stop_after
+                )
+                rows.append(
+                    {
+                        "round": round_index,
+                        "stream": stream,
+                        "baseline_s": baseline,
+                        "hung_s": seconds,
+                        "added_s": seconds - baseline,
+                        "bound_s": args.progress_timeout + baseline,
+                        "stopped": home,
+                        "answered_by": answered_by,
+                        "same_text": text == reference,
+                    }
+                )
                 for name, port in ports.items():  # both up again before the next round
                     wait_healthy(f"http://127.0.0.1:{port}", processes[name], 120)
                 time.sleep(2.0)
-        print(f"{'round':>5} {'kind':>6} {'baseline s':>10} {'hung s':>8} {'added s':>8} {'bound s':>8} "
-              f"{'stopped':>7} {'answered':>8} {'same text':>9}")
+        print(
+            f"{'round':>5} {'kind':>6} {'baseline s':>10} {'hung s':>8} {'added s':>8} {'bound s':>8} "
+            f"{'stopped':>7} {'answered':>8} {'same text':>9}"
+        )
         for row in rows:
-            print(f"{row['round']:>5} {'stream' if row['stream'] else 'plain':>6} {row['baseline_s']:>10.2f} "
-                  f"{row['hung_s']:>8.2f} {row['added_s']:>8.2f} {row['bound_s']:>8.2f} {row['stopped']:>7} "
-                  f"{row['answered_by']:>8} {str(row['same_text']):>9}")
+            print(
+                f"{row['round']:>5} {'stream' if row['stream'] else 'plain':>6} {row['baseline_s']:>10.2f} "
+                f"{row['hung_s']:>8.2f} {row['added_s']:>8.2f} {row['bound_s']:>8.2f} {row['stopped']:>7} "
+                f"{row['answered_by']:>8} {str(row['same_text']):>9}"
+            )
         added = [row["added_s"] for row in rows]
-        print(f"added latency: median {statistics.median(added):.2f} s, max {max(added):.2f} s "
-              f"(deadline {args.progress_timeout:g} s)")
+        print(
+            f"added latency: median {statistics.median(added):.2f} s, max {max(added):.2f} s "
+            f"(deadline {args.progress_timeout:g} s)"
+        )
         RESULTS.mkdir(exist_ok=True)
-        (RESULTS / "hung_replica.json").write_text(json.dumps({"progress_timeout": args.progress_timeout,
-                                                               "rows": rows}, indent=1))
+        (RESULTS / "hung_replica.json").write_text(
+            json.dumps({"progress_timeout": args.progress_timeout, "rows": rows}, indent=1)
+        )
         print(f"wrote {RESULTS / 'hung_replica.json'}")
         return 0 if all(row["same_text"] for row in rows) else 1
     finally:

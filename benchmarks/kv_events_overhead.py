@@ -28,8 +28,12 @@ def step_seconds(llm, turns) -> float:
 
     engine = llm.engine
     engine.cache.clear()
-    ids = [engine.add_request(turn.prompt_token_ids, SamplingParams(max_tokens=turn.max_tokens, ignore_eos=True,
-                                                                    temperature=0)).request_id for turn in turns]
+    ids = [
+        engine.add_request(
+            turn.prompt_token_ids, SamplingParams(max_tokens=turn.max_tokens, ignore_eos=True, temperature=0)
+        ).request_id
+        for turn in turns
+    ]
     spent = 0.0
     while engine.has_unfinished_requests():
         began = time.perf_counter()
@@ -84,8 +88,10 @@ def main() -> None:
     print(f"{'round':>5} {'events off (s)':>15} {'events on (s)':>14} {'on / off':>9}")
     for index, (a, b, ratio) in enumerate(zip(off, on, ratios)):
         print(f"{index:>5} {a:>15.3f} {b:>14.3f} {ratio:>9.3f}")
-    print(f"median on / off: {statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f}); "
-          f"{counts[0]} events decoded by the subscriber, {loud.engine.kv_events.num_batches} batches")
+    print(
+        f"median on / off: {statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f}); "
+        f"{counts[0]} events decoded by the subscriber, {loud.engine.kv_events.num_batches} batches"
+    )
     import matplotlib
 
     matplotlib.use("Agg")

@@ -21,11 +21,19 @@ import types
 def load_vllm_events(path: str):
     """vLLM's kv_events module, its vLLM-internal imports stood in for (the structs need none of them)."""
     stand_ins = {
-        "vllm": {}, "vllm.config": {}, "vllm.v1": {}, "vllm.v1.core": {}, "vllm.utils": {},
+        "vllm": {},
+        "vllm.config": {},
+        "vllm.v1": {},
+        "vllm.v1.core": {},
+        "vllm.utils": {},
         "vllm.config.kv_events": {"KVEventsConfig": object},
         "vllm.logger": {"init_logger": lambda name: __import__("logging").getLogger(name)},
-        "vllm.utils.network_utils": {"get_ip": None, "get_tcp_uri": None, "is_valid_ipv6_address": None,
-                                     "split_zmq_path": None},
+        "vllm.utils.network_utils": {
+            "get_ip": None,
+            "get_tcp_uri": None,
+            "is_valid_ipv6_address": None,
+            "split_zmq_path": None,
+        },
         "vllm.v1.core.kv_cache_utils": {"ExternalBlockHash": bytes | int},
     }
     for name, attributes in stand_ins.items():
@@ -49,14 +57,20 @@ def main() -> None:
 
     from prefixserve import LLM, SamplingParams
 
-    llm = LLM(kv_events_config={"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:0"},
-              dtype="float32", kv_cache_memory_bytes=4 << 20, log_stats=False)  # a small pool: evictions too
+    llm = LLM(
+        kv_events_config={"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:0"},
+        dtype="float32",
+        kv_cache_memory_bytes=4 << 20,
+        log_stats=False,
+    )  # a small pool: evictions too
     subscriber = zmq.Context.instance().socket(zmq.SUB)
     subscriber.connect(llm.engine.kv_events.endpoint)
     subscriber.setsockopt(zmq.SUBSCRIBE, b"")
     time.sleep(0.5)  # a SUB socket misses what was sent before it joined
-    prompts = [f"request {i}: " + "a shared system prompt for every request " * 6 + "and a tail " * (i % 7)
-               for i in range(args.requests)]
+    prompts = [
+        f"request {i}: " + "a shared system prompt for every request " * 6 + "and a tail " * (i % 7)
+        for i in range(args.requests)
+    ]
     llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
     llm.engine.cache.clear()
     llm.engine.kv_events.step_done()

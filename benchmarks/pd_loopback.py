@@ -30,8 +30,10 @@ from fleet_remote import RESULTS, free_port, start_redis, start_replicas, stop, 
 
 from prefixserve.model.cpu_caps import cpu_name  # noqa: E402
 
-SYSTEM = ("You are a coding agent. Tools: read_file(path), write_file(path, text), run_tests(), search(query). "
-          "Answer with one tool call at a time. ") * 20
+SYSTEM = (
+    "You are a coding agent. Tools: read_file(path), write_file(path, text), run_tests(), search(query). "
+    "Answer with one tool call at a time. "
+) * 20
 
 
 def sessions(count: int, turns: int, seed: int = 0) -> list[list[str]]:
@@ -50,8 +52,15 @@ def sessions(count: int, turns: int, seed: int = 0) -> list[list[str]]:
 def stream(url: str, prompt: str, max_tokens: int) -> dict:
     start = time.perf_counter()
     stamps, usage = [], None
-    body = {"model": "prefixserve-tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": "prefixserve-tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as response:
         response.raise_for_status()
         for line in response.iter_lines():
@@ -76,8 +85,11 @@ def run_fleet(router_url: str, work: list[list[str]], concurrency: int, max_toke
 
 def start_router(args: list[str]) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "prefixserve.cli", "route", "--port", str(port),
-                                "--log-level", "warning", *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "prefixserve.cli", "route", "--port", str(port), "--log-level", "warning", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     wait_until(lambda: httpx.get(url + "/health", timeout=1).json()["healthy_replicas"].__len__() == 3, 120, url)
     return process, url
@@ -91,9 +103,16 @@ def summary(results: list[dict]) -> dict:
             tiers[tier] = tiers.get(tier, 0) + tokens
     ttft = sorted(r["ttft"] for r in results)
     tpot = sorted(r["tpot"] for r in results)
-    return {"requests": len(results), "ttft_p50": ttft[len(ttft) // 2], "ttft_p99": ttft[-1],
-            "tpot_p50": tpot[len(tpot) // 2], "tpot_p99": tpot[-1], "hit_rate": sum(tiers.values()) / prompt,
-            "remote_tokens": tiers.get("remote", 0), "device_tokens": tiers.get("device", 0)}
+    return {
+        "requests": len(results),
+        "ttft_p50": ttft[len(ttft) // 2],
+        "ttft_p99": ttft[-1],
+        "tpot_p50": tpot[len(tpot) // 2],
+        "tpot_p99": tpot[-1],
+        "hit_rate": sum(tiers.values()) / prompt,
+        "remote_tokens": tiers.get("remote", 0),
+        "device_tokens": tiers.get("device", 0),
+    }
 
 
 def main() -> None:
@@ -121,8 +140,11 @@ def main() -> None:
                     prefill, prefill_urls = start_replicas(1, [*tier, "--role", "prefill"])
                     decode, decode_urls = start_replicas(2, [*tier, "--role", "decode"])
                     processes = prefill + decode
-                    routing = ["--prefill-replica", prefill_urls[0],
-                               *[item for u in decode_urls for item in ("--decode-replica", u)]]
+                    routing = [
+                        "--prefill-replica",
+                        prefill_urls[0],
+                        *[item for u in decode_urls for item in ("--decode-replica", u)],
+                    ]
                 router, router_url = start_router([*routing, "--kv-remote-url", url])
                 try:
                     results[name] = summary(run_fleet(router_url, work, args.concurrency, args.max_tokens))
@@ -131,13 +153,17 @@ def main() -> None:
         finally:
             redis.kill()
             redis.wait(timeout=10)
-    print(f"{cpu_name()}, built-in model, float32; {args.sessions} agent sessions x {args.turns} turns, "
-          f"{args.concurrency} at once, {args.max_tokens} tokens each, one redis-server")
+    print(
+        f"{cpu_name()}, built-in model, float32; {args.sessions} agent sessions x {args.turns} turns, "
+        f"{args.concurrency} at once, {args.max_tokens} tokens each, one redis-server"
+    )
     print("| fleet | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 | hit rate | tokens over Redis |")
     print("|---|---|---|---|---|---|---|")
     for name, r in results.items():
-        print(f"| {name} | {r['ttft_p50'] * 1e3:,.0f} ms | {r['ttft_p99'] * 1e3:,.0f} ms | {r['tpot_p50'] * 1e3:,.1f} ms"
-              f" | {r['tpot_p99'] * 1e3:,.1f} ms | {r['hit_rate']:.1%} | {r['remote_tokens']:,} |")
+        print(
+            f"| {name} | {r['ttft_p50'] * 1e3:,.0f} ms | {r['ttft_p99'] * 1e3:,.0f} ms | {r['tpot_p50'] * 1e3:,.1f} ms"
+            f" | {r['tpot_p99'] * 1e3:,.1f} ms | {r['hit_rate']:.1%} | {r['remote_tokens']:,} |"
+        )
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / "pd_loopback.json"
     path.write_text(json.dumps(results, indent=1))

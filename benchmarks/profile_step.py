@@ -48,31 +48,44 @@ class NamedKernels:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--workload", default="system-prompt", choices=list(build_workloads()))
     parser.add_argument("--steps", default="0,1,8", help="steps to profile, counted from 0")
     parser.add_argument("--rows", type=int, default=20)
     parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--model", default=None,
-                        help="a checkpoint directory, .gguf file (served quantized) or model name; default: the built-in one")
-    parser.add_argument("--dequantize", action="store_true",
-                        help="serve a .gguf's weights decoded to --dtype instead of its own quantized blocks")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="a checkpoint directory, .gguf file (served quantized) or model name; default: the built-in one",
+    )
+    parser.add_argument(
+        "--dequantize",
+        action="store_true",
+        help="serve a .gguf's weights decoded to --dtype instead of its own quantized blocks",
+    )
     args = parser.parse_args()
     profiled = {int(step) for step in args.steps.split(",") if step}
     if kernels.compiled is not None:
         kernels.compiled = NamedKernels(kernels.compiled)
 
     model = () if args.model is None else (args.model,)
-    llm = LLM(*model, dtype=args.dtype, enable_prefix_caching=not args.no_prefix_caching, log_stats=False,
-              dequantize=args.dequantize)
+    llm = LLM(
+        *model,
+        dtype=args.dtype,
+        enable_prefix_caching=not args.no_prefix_caching,
+        log_stats=False,
+        dequantize=args.dequantize,
+    )
     llm.generate([[5] * 64], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm up
     llm.engine.cache.clear()
     engine = llm.engine
     for turn in build_workloads()[args.workload].next_round(0, []):
-        engine.add_request(turn.prompt_token_ids, SamplingParams(max_tokens=turn.max_tokens, temperature=0.0,
-                                                                 ignore_eos=True))
+        engine.add_request(
+            turn.prompt_token_ids, SamplingParams(max_tokens=turn.max_tokens, temperature=0.0, ignore_eos=True)
+        )
     tables, walls = {}, []
     step = 0
     total = time.perf_counter()
@@ -87,11 +100,15 @@ def main() -> None:
             engine.step()
         wall = time.perf_counter() - start
         walls.append(wall)
-        print(f"step {step:>3}: {wall * 1e3:8.1f} ms  {engine.num_prefill_tokens_computed - prefilled:>5} prompt tokens, "
-              f"{engine.num_generation_tokens - generated:>3} tokens out" + ("  (profiled)" if step in profiled else ""))
+        print(
+            f"step {step:>3}: {wall * 1e3:8.1f} ms  {engine.num_prefill_tokens_computed - prefilled:>5} prompt tokens, "
+            f"{engine.num_generation_tokens - generated:>3} tokens out" + ("  (profiled)" if step in profiled else "")
+        )
         step += 1
-    print(f"{step} steps, {time.perf_counter() - total:.2f} s"
-          + (f"; steps 1-{step - 1}: {statistics.median(walls[1:]) * 1e3:.1f} ms median" if step > 2 else ""))
+    print(
+        f"{step} steps, {time.perf_counter() - total:.2f} s"
+        + (f"; steps 1-{step - 1}: {statistics.median(walls[1:]) * 1e3:.1f} ms median" if step > 2 else "")
+    )
     for step, table in tables.items():
         print(f"\n== step {step} ({args.workload}, {args.dtype}) ==\n{table}")
 

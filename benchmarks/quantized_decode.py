@@ -32,13 +32,32 @@ FORMATS = {
     "int8": dict(quantize="int8"),
     "int4": dict(quantize="int4"),
 }
-QUESTIONS = ["What is the capital of France?", "Why is the sky blue?", "Write a haiku about autumn.",
-             "How many legs does a spider have?", "What is 12 times 12?", "Give me a synonym for happy.",
-             "Translate 'good morning' into French.", "Who wrote Romeo and Juliet?", "Name a planet with rings.",
-             "Explain recursion in one sentence.", "What language is spoken in Brazil?", "Suggest a name for a cat.",
-             "What do bees make?", "Name a primary color.", "What is photosynthesis?", "List three fruits.",
-             "What is the tallest mountain?", "How do magnets work?", "Describe a rainbow.", "What is an atom?",
-             "Why do we sleep?", "What is gravity?", "Name a famous painter.", "What is the speed of light?"]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Why is the sky blue?",
+    "Write a haiku about autumn.",
+    "How many legs does a spider have?",
+    "What is 12 times 12?",
+    "Give me a synonym for happy.",
+    "Translate 'good morning' into French.",
+    "Who wrote Romeo and Juliet?",
+    "Name a planet with rings.",
+    "Explain recursion in one sentence.",
+    "What language is spoken in Brazil?",
+    "Suggest a name for a cat.",
+    "What do bees make?",
+    "Name a primary color.",
+    "What is photosynthesis?",
+    "List three fruits.",
+    "What is the tallest mountain?",
+    "How do magnets work?",
+    "Describe a rainbow.",
+    "What is an atom?",
+    "Why do we sleep?",
+    "What is gravity?",
+    "Name a famous painter.",
+    "What is the speed of light?",
+]
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -48,8 +67,11 @@ def decode_seconds_per_token(llm: LLM, batch: int, runs: int) -> float:
 
     def elapsed(max_tokens: int) -> float:
         began = time.perf_counter()
-        llm.generate([{"prompt_token_ids": p} for p in prompts],
-                     SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True), use_tqdm=False)
+        llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+            use_tqdm=False,
+        )
         return time.perf_counter() - began
 
     samples = [(elapsed(65) - elapsed(1)) / 64 for _ in range(runs)]
@@ -87,7 +109,8 @@ def main() -> None:
         reference = reference if reference is not None else tokens  # the first format listed: float32
         agreeing = sum(a == b for mine, theirs in zip(tokens, reference) for a, b in zip(mine, theirs))
         rows[name] = {
-            "resident_mib": memory.resident_bytes / 2**20, "decode_mb_per_token": memory.decode_bytes / 1e6,
+            "resident_mib": memory.resident_bytes / 2**20,
+            "decode_mb_per_token": memory.decode_bytes / 1e6,
             "kinds": memory.kinds,
             "tpot_ms_batch1": 1e3 * decode_seconds_per_token(llm, 1, args.runs),
             "tpot_ms_batch8": 1e3 * decode_seconds_per_token(llm, 8, args.runs),
@@ -97,13 +120,17 @@ def main() -> None:
         }
         del llm
         row = rows[name]
-        print(f"{name:<9} {row['resident_mib']:7.1f} MiB  reads {row['decode_mb_per_token']:6.1f} MB/token  "
-              f"TPOT {row['tpot_ms_batch1']:6.2f} ms (b1) {row['tpot_ms_batch8']:6.2f} ms (b8)  "
-              f"prefill {row['prefill_tokens_per_second']:7.0f} tok/s  agrees {100 * row['agreement']:5.1f}% "
-              f"(first tokens {row['first_tokens_agree']}/{len(QUESTIONS)})  [{', '.join(row['kinds'])}]", flush=True)
+        print(
+            f"{name:<9} {row['resident_mib']:7.1f} MiB  reads {row['decode_mb_per_token']:6.1f} MB/token  "
+            f"TPOT {row['tpot_ms_batch1']:6.2f} ms (b1) {row['tpot_ms_batch8']:6.2f} ms (b8)  "
+            f"prefill {row['prefill_tokens_per_second']:7.0f} tok/s  agrees {100 * row['agreement']:5.1f}% "
+            f"(first tokens {row['first_tokens_agree']}/{len(QUESTIONS)})  [{', '.join(row['kinds'])}]",
+            flush=True,
+        )
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "quantized_decode.json").write_text(json.dumps({"cpu": cpu_name(), "kernels": kernels.variant(),
-                                                               "formats": rows}, indent=1) + "\n")
+    (RESULTS / "quantized_decode.json").write_text(
+        json.dumps({"cpu": cpu_name(), "kernels": kernels.variant(), "formats": rows}, indent=1) + "\n"
+    )
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ Per shape and row count, the median time of --repeats timed runs (each a loop of
   ours float32          prefixserve's kernel on the float32 weight in place, as the engine's float32 path runs it
                         where our AVX2 / AVX-512 kernels are (linear.py's use_kernel)
   oneDNN float32        the float32 weight packed for oneDNN (the float path elsewhere, and bf16's)
-Prints the table with each one's time relative to oneDNN float32 and saves benchmarks/results/quantized_matmul.{json,png}.
+Prints the table with each one's time relative to oneDNN float32 and saves
+benchmarks/results/quantized_matmul.{json,png}.
 Which CPU: the first line printed (timings differ 2-3x between machines; compare ratios, not times).
 """
 
@@ -103,12 +104,15 @@ def main() -> None:
             if header is None:
                 header = f"{'shape':<20} {'rows':>5} " + " ".join(f"{name:>22}" for name in seconds)
                 print(header)
-            cells = " ".join(f"{value * 1e3:>9.3f} ms ({value / seconds[BASELINE]:4.2f}x)" for value in seconds.values())
+            cells = " ".join(
+                f"{value * 1e3:>9.3f} ms ({value / seconds[BASELINE]:4.2f}x)" for value in seconds.values()
+            )
             print(f"{shape_name:<20} {rows:>5} {cells}")
             records.append({"shape": shape_name, "rows": rows, "seconds": seconds})
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "quantized_matmul.json").write_text(json.dumps({"cpu": cpu_name(), "kernels": kernels.variant(),
-                                                               "records": records}, indent=1) + "\n")
+    (RESULTS / "quantized_matmul.json").write_text(
+        json.dumps({"cpu": cpu_name(), "kernels": kernels.variant(), "records": records}, indent=1) + "\n"
+    )
     plot(records, rows_list)
 
 
@@ -123,8 +127,12 @@ def plot(records: list[dict], rows_list: list[int]) -> None:
     for ax, shape_name in zip(axes, SHAPES):
         rows = [record for record in records if record["shape"] == shape_name]
         for name in names:
-            ax.plot(rows_list, [record["seconds"][BASELINE] / record["seconds"][name] for record in rows],
-                    marker="o", label=name)
+            ax.plot(
+                rows_list,
+                [record["seconds"][BASELINE] / record["seconds"][name] for record in rows],
+                marker="o",
+                label=name,
+            )
         ax.set_xscale("log", base=2)
         ax.set_title(shape_name)
         ax.set_xlabel("rows per call")

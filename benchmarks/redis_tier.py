@@ -30,9 +30,26 @@ def start_redis(directory: str) -> tuple[subprocess.Popen, str]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    process = subprocess.Popen([shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind", "127.0.0.1",
-                                "--save", "", "--appendonly", "no", "--dir", directory, "--maxmemory", "2gb",
-                                "--maxmemory-policy", "allkeys-lru"], stdout=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [
+            shutil.which("redis-server") or "redis-server",
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            directory,
+            "--maxmemory",
+            "2gb",
+            "--maxmemory-policy",
+            "allkeys-lru",
+        ],
+        stdout=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:
@@ -92,13 +109,19 @@ def run(url: str, args: argparse.Namespace) -> None:
         for batch in sorted({8, 16, 32, 64, args.blocks, redis_module.GET_BATCH_KEYS}):
             redis_module.GET_BATCH_KEYS = batch
             seconds = median_seconds(lambda: tier.get(keys), args.repeats)
-            print(f"get {args.blocks} x {args.block_kib} KiB, {batch:>3} keys per round trip: {seconds * 1e3:.1f} ms, "
-                  f"{num_bytes / seconds / 1e9:.2f} GB/s")
+            print(
+                f"get {args.blocks} x {args.block_kib} KiB, {batch:>3} keys per round trip: {seconds * 1e3:.1f} ms, "
+                f"{num_bytes / seconds / 1e9:.2f} GB/s"
+            )
         redis_module.GET_BATCH_KEYS = 32
         rounds = iter(range(1, 1 << 30))
-        seconds = median_seconds(lambda: tier.put(make_chain(next(rounds), args.blocks, payload)), max(3, args.repeats // 4))
-        print(f"put (synchronous) {args.blocks} x {args.block_kib} KiB: {seconds * 1e3:.1f} ms, "
-              f"{num_bytes / seconds / 1e9:.2f} GB/s")
+        seconds = median_seconds(
+            lambda: tier.put(make_chain(next(rounds), args.blocks, payload)), max(3, args.repeats // 4)
+        )
+        print(
+            f"put (synchronous) {args.blocks} x {args.block_kib} KiB: {seconds * 1e3:.1f} ms, "
+            f"{num_bytes / seconds / 1e9:.2f} GB/s"
+        )
         seconds = median_seconds(lambda: tier.put(chain), args.repeats)
         print(f"put of records already present (EXISTS only): {seconds * 1e3:.2f} ms")
 
@@ -113,8 +136,11 @@ def run(url: str, args: argparse.Namespace) -> None:
             tier.flush()
         total = time.perf_counter() - start
         written = max(3, args.repeats // 4) * num_bytes
-        print(f"put_async: {written / total / 1e9:.2f} GB/s to flush; the caller waits {statistics.median(submit_times) * 1e6:.0f} us "
-              f"per {args.blocks}-record submit; dropped {tier.stats.dropped_puts}, errors {tier.stats.errors}")
+        print(
+            f"put_async: {written / total / 1e9:.2f} GB/s to flush; the caller waits "
+            f"{statistics.median(submit_times) * 1e6:.0f} us "
+            f"per {args.blocks}-record submit; dropped {tier.stats.dropped_puts}, errors {tier.stats.errors}"
+        )
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
 
 Every 2-D weight is decoded by the format's reference reader and quantized again to --type (Q8_0, Q4_0 or
 Q4_1: the types gguf-py writes; or F32, the decoded values themselves, for a float32 comparison); norms and
-other 1-D tensors, and the metadata (tokenizer, chat template, hyperparameters), are copied unchanged. Quantizing SmolLM2's Q4_1 file to Q8_0 loses nothing of its
+other 1-D tensors, and the metadata (tokenizer, chat template, hyperparameters), are copied unchanged.
+Quantizing SmolLM2's Q4_1 file to Q8_0 loses nothing of its
 weights' resolution (Q8_0 is finer than Q4_1), so both engines then serve the same model at 8 bits.
 Benchmarks only: the package reads GGUFs, it never writes them.
 """

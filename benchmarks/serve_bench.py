@@ -33,15 +33,42 @@ import httpx
 
 HERE = Path(__file__).resolve().parent
 DATASETS = {
-    "prefix": ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "1536",
-               "--prefix-repetition-suffix-len", "64", "--prefix-repetition-num-prefixes", "4",
-               "--prefix-repetition-output-len", "32"],
-    "random": ["--dataset-name", "random", "--random-prefix-len", "1024", "--random-input-len", "256",
-               "--random-output-len", "32"],
+    "prefix": [
+        "--dataset-name",
+        "prefix_repetition",
+        "--prefix-repetition-prefix-len",
+        "1536",
+        "--prefix-repetition-suffix-len",
+        "64",
+        "--prefix-repetition-num-prefixes",
+        "4",
+        "--prefix-repetition-output-len",
+        "32",
+    ],
+    "random": [
+        "--dataset-name",
+        "random",
+        "--random-prefix-len",
+        "1024",
+        "--random-input-len",
+        "256",
+        "--random-output-len",
+        "32",
+    ],
 }
 NUM_PROMPTS, CONCURRENCY = 64, 8
-METRICS = ("duration", "completed", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
-           "median_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "output_throughput")
+METRICS = (
+    "duration",
+    "completed",
+    "mean_ttft_ms",
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "mean_tpot_ms",
+    "median_tpot_ms",
+    "p99_tpot_ms",
+    "mean_itl_ms",
+    "output_throughput",
+)
 
 
 def free_port() -> int:
@@ -73,17 +100,52 @@ def wait_healthy(url: str, process: subprocess.Popen, timeout: float) -> None:
 
 def server_command(engine: str, model_dir: Path, name: str, dtype: str, port: int, vllm_python: str) -> list[str]:
     if engine == "prefixserve":
-        return [sys.executable, "-m", "prefixserve.cli", "serve", "--model", str(model_dir), "--served-model-name",
-                name, "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
-    return [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name",
-            name, "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port), "--enable-prefix-caching", "--seed", "0"]
+        return [
+            sys.executable,
+            "-m",
+            "prefixserve.cli",
+            "serve",
+            "--model",
+            str(model_dir),
+            "--served-model-name",
+            name,
+            "--dtype",
+            dtype,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ]
+    return [
+        vllm_python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        name,
+        "--dtype",
+        dtype,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--enable-prefix-caching",
+        "--seed",
+        "0",
+    ]
 
 
 def peer_env(engine: str) -> dict:
     env = dict(os.environ)
     if engine == "vllm":
-        env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0",
-                   VLLM_CPU_KVCACHE_SPACE="2")
+        env.update(
+            VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}",
+            VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+            VLLM_CPU_KVCACHE_SPACE="2",
+        )
         if env.get("PREFIXSERVE_CPU_ISA"):
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE / "vllm_caps"), env.get("PYTHONPATH", "")]))
     return env
@@ -91,23 +153,55 @@ def peer_env(engine: str) -> dict:
 
 def run_client(vllm_python: str, url: str, name: str, model_dir: Path, dataset: str, out_dir: Path, log) -> dict:
     result_file = f"{dataset}.json"
-    command = [vllm_python, str(HERE / "vllm_bench_client.py"), "--backend", "openai", "--endpoint", "/v1/completions",
-               "--base-url", url, "--model", name, "--tokenizer", str(model_dir), *DATASETS[dataset],
-               "--num-prompts", str(NUM_PROMPTS), "--max-concurrency", str(CONCURRENCY), "--ignore-eos",
-               "--temperature", "0", "--seed", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
-               "--save-result", "--result-dir", str(out_dir), "--result-filename", result_file]
+    command = [
+        vllm_python,
+        str(HERE / "vllm_bench_client.py"),
+        "--backend",
+        "openai",
+        "--endpoint",
+        "/v1/completions",
+        "--base-url",
+        url,
+        "--model",
+        name,
+        "--tokenizer",
+        str(model_dir),
+        *DATASETS[dataset],
+        "--num-prompts",
+        str(NUM_PROMPTS),
+        "--max-concurrency",
+        str(CONCURRENCY),
+        "--ignore-eos",
+        "--temperature",
+        "0",
+        "--seed",
+        "0",
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--save-result",
+        "--result-dir",
+        str(out_dir),
+        "--result-filename",
+        result_file,
+    ]
     subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT, env=peer_env("client"), timeout=1800)
     found = json.loads((out_dir / result_file).read_text())
     return {metric: found.get(metric) for metric in METRICS}
 
 
-def bench_engine(engine: str, model_dir: Path, name: str, dtype: str, datasets: list[str], vllm_python: str,
-                 log_dir: Path) -> dict:
+def bench_engine(
+    engine: str, model_dir: Path, name: str, dtype: str, datasets: list[str], vllm_python: str, log_dir: Path
+) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(log_dir / f"{engine}.log", "w")
-    process = subprocess.Popen(server_command(engine, model_dir, name, dtype, port, vllm_python), stdout=log,
-                               stderr=subprocess.STDOUT, env=peer_env(engine), start_new_session=True)
+    process = subprocess.Popen(
+        server_command(engine, model_dir, name, dtype, port, vllm_python),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=peer_env(engine),
+        start_new_session=True,
+    )
     try:
         wait_healthy(url, process, timeout=600)
         httpx.post(url + "/v1/completions", timeout=300, json={"model": name, "prompt": "warm up", "max_tokens": 4})
@@ -126,29 +220,41 @@ def bench_engine(engine: str, model_dir: Path, name: str, dtype: str, datasets: 
 
 
 def table(results: dict, datasets: list[str]) -> list[str]:
-    lines = ["vllm bench serve (vLLM's own client, unmodified): ratio = prefixserve / vLLM",
-             f"{'dataset':<8} {'engine':<12} {'duration s':>10} {'TTFT p50':>10} {'TTFT p99':>10} {'TPOT mean':>10} "
-             f"{'TPOT p99':>10} {'ITL mean':>9} {'out tok/s':>9}"]
+    lines = [
+        "vllm bench serve (vLLM's own client, unmodified): ratio = prefixserve / vLLM",
+        f"{'dataset':<8} {'engine':<12} {'duration s':>10} {'TTFT p50':>10} {'TTFT p99':>10} {'TPOT mean':>10} "
+        f"{'TPOT p99':>10} {'ITL mean':>9} {'out tok/s':>9}",
+    ]
     for dataset in datasets:
         for engine in ("prefixserve", "vllm"):
             row = results.get(engine, {}).get(dataset)
             if row is None:
                 continue
-            lines.append(f"{dataset:<8} {engine:<12} {row['duration']:>10.1f} {row['median_ttft_ms']:>8.0f}ms "
-                         f"{row['p99_ttft_ms']:>8.0f}ms {row['mean_tpot_ms']:>8.1f}ms {row['p99_tpot_ms']:>8.1f}ms "
-                         f"{row['mean_itl_ms']:>7.1f}ms {row['output_throughput']:>9.1f}")
+            lines.append(
+                f"{dataset:<8} {engine:<12} {row['duration']:>10.1f} {row['median_ttft_ms']:>8.0f}ms "
+                f"{row['p99_ttft_ms']:>8.0f}ms {row['mean_tpot_ms']:>8.1f}ms {row['p99_tpot_ms']:>8.1f}ms "
+                f"{row['mean_itl_ms']:>7.1f}ms {row['output_throughput']:>9.1f}"
+            )
         ours, theirs = results.get("prefixserve", {}).get(dataset), results.get("vllm", {}).get(dataset)
         if ours and theirs:
-            lines.append(f"{dataset:<8} {'ratio':<12} {ours['duration'] / theirs['duration']:>9.2f}x "
-                         f"{ours['median_ttft_ms'] / theirs['median_ttft_ms']:>9.2f}x "
-                         f"{ours['p99_ttft_ms'] / theirs['p99_ttft_ms']:>9.2f}x "
-                         f"{ours['mean_tpot_ms'] / theirs['mean_tpot_ms']:>9.2f}x "
-                         f"{ours['p99_tpot_ms'] / theirs['p99_tpot_ms']:>9.2f}x")
+            lines.append(
+                f"{dataset:<8} {'ratio':<12} {ours['duration'] / theirs['duration']:>9.2f}x "
+                f"{ours['median_ttft_ms'] / theirs['median_ttft_ms']:>9.2f}x "
+                f"{ours['p99_ttft_ms'] / theirs['p99_ttft_ms']:>9.2f}x "
+                f"{ours['mean_tpot_ms'] / theirs['mean_tpot_ms']:>9.2f}x "
+                f"{ours['p99_tpot_ms'] / theirs['p99_tpot_ms']:>9.2f}x"
+            )
     return lines
 
 
-def run(model_dir: Path, name: str, dtype: str, datasets: list[str], vllm_python: str,
-        engines: tuple[str, ...] = ("prefixserve", "vllm")) -> tuple[dict, list[str]]:
+def run(
+    model_dir: Path,
+    name: str,
+    dtype: str,
+    datasets: list[str],
+    vllm_python: str,
+    engines: tuple[str, ...] = ("prefixserve", "vllm"),
+) -> tuple[dict, list[str]]:
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for engine in engines:

@@ -26,10 +26,14 @@ SWEEP_CAPACITIES = (250, 500, 1000, 2000, 4000, 8000, 16000)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False,
-                                     formatter_class=HelpFormatter)
-    parser.add_argument("--trace", default="conversation",
-                        help=f"a built-in trace ({', '.join(BUILT_IN_TRACES)}) or a Mooncake .jsonl / .jsonl.gz file")
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], allow_abbrev=False, formatter_class=HelpFormatter
+    )
+    parser.add_argument(
+        "--trace",
+        default="conversation",
+        help=f"a built-in trace ({', '.join(BUILT_IN_TRACES)}) or a Mooncake .jsonl / .jsonl.gz file",
+    )
     parser.add_argument("--replicas", type=int, default=8, help="simulated replicas")
     parser.add_argument("--capacity-blocks", type=int, default=1000, help="KV cache per replica in trace blocks")
     parser.add_argument("--costs", help="cost model JSON (default: the built-in H100 estimate)")
@@ -48,14 +52,21 @@ def main() -> None:
     loaded = time.perf_counter()
     results = compare_policies(trace, list(POLICIES), config, routes)
     replayed = time.perf_counter()
-    print(f"{trace.name}: {len(trace)} requests over {trace.duration:.0f} s; {config.num_replicas} replicas x "
-          f"{config.capacity_blocks} blocks of {trace.block_size} tokens")
+    print(
+        f"{trace.name}: {len(trace)} requests over {trace.duration:.0f} s; {config.num_replicas} replicas x "
+        f"{config.capacity_blocks} blocks of {trace.block_size} tokens"
+    )
     print(format_table(results))
-    print(f"wall time: {loaded - began:.1f} s to load and key the trace, "
-          f"{replayed - loaded:.1f} s to replay {len(POLICIES)} policies")
+    print(
+        f"wall time: {loaded - began:.1f} s to load and key the trace, "
+        f"{replayed - loaded:.1f} s to replay {len(POLICIES)} policies"
+    )
     (out / "fleet_policies.json").write_text(json.dumps(results_to_json(results), indent=2) + "\n")
-    plot_policies(results, out / "fleet_policies.png", f"{trace.name}, {config.num_replicas} replicas, "
-                  f"{config.capacity_blocks} blocks each")
+    plot_policies(
+        results,
+        out / "fleet_policies.png",
+        f"{trace.name}, {config.num_replicas} replicas, {config.capacity_blocks} blocks each",
+    )
     print(f"wrote {out / 'fleet_policies.json'}, {out / 'fleet_policies.png'}")
     if args.no_sweep:
         return
@@ -67,7 +78,8 @@ def main() -> None:
     for capacity, rows in sweep.items():
         print(f"{capacity:>6}  " + "  ".join(f"{r.hit_rate:>20.1%}" for r in rows))
     (out / "fleet_policies_sweep.json").write_text(
-        json.dumps({str(c): results_to_json(rows) for c, rows in sweep.items()}, indent=2) + "\n")
+        json.dumps({str(c): results_to_json(rows) for c, rows in sweep.items()}, indent=2) + "\n"
+    )
     plot_capacity_sweep(sweep, out / "fleet_policies_sweep.png", f"{trace.name}, {config.num_replicas} replicas")
     print(f"wrote {out / 'fleet_policies_sweep.json'}, {out / 'fleet_policies_sweep.png'}")
 

@@ -20,7 +20,6 @@ import argparse
 import json
 import math
 import random
-import shutil
 import statistics
 import tempfile
 from pathlib import Path
@@ -48,8 +47,14 @@ def write_variant(root: Path, name: str, changes: dict) -> Path:
 
 def measure(model_dir: Path, lengths: list[int], repeats: int, dtype: str, seed: int) -> list[dict]:
     max_len = max(lengths) + SUFFIX_LEN
-    llm = LLM(str(model_dir), dtype=dtype, max_model_len=max_len + 16, max_num_batched_tokens=max_len,
-              kv_cache_memory_bytes=1 << 30, log_stats=False)
+    llm = LLM(
+        str(model_dir),
+        dtype=dtype,
+        max_model_len=max_len + 16,
+        max_num_batched_tokens=max_len,
+        kv_cache_memory_bytes=1 << 30,
+        log_stats=False,
+    )
     engine = llm.engine
     rows, rng = [], random.Random(seed)
     for length in lengths:
@@ -72,24 +77,30 @@ def measure(model_dir: Path, lengths: list[int], repeats: int, dtype: str, seed:
 
 def memory(model_dir: Path, context: int, dtype: str, seed: int) -> dict:
     """Slots and blocks one `context`-token request holds (see the module docstring)."""
-    llm = LLM(str(model_dir), dtype=dtype, max_model_len=context + 16, kv_cache_memory_bytes=1 << 30,
-              log_stats=False)
+    llm = LLM(str(model_dir), dtype=dtype, max_model_len=context + 16, kv_cache_memory_bytes=1 << 30, log_stats=False)
     engine, rng = llm.engine, random.Random(seed)
     slots, blocks = engine.window_slots, -(-context // engine.config.block_size)
     most_held = decode_held = blocks  # full attention: every layer holds every block (not run: quadratic prefill)
     if slots is not None:
-        request = engine.add_request({"prompt_token_ids": [rng.randrange(10, 8000) for _ in range(context - 4)]},
-                                     SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        request = engine.add_request(
+            {"prompt_token_ids": [rng.randrange(10, 8000) for _ in range(context - 4)]},
+            SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+        )
         most_held = 0
         while engine.has_unfinished_requests():
             engine.step()
             most_held = max(most_held, slots.num_held)
             if not request.is_finished and request.num_computed_tokens >= request.num_prompt_tokens:
                 decode_held = slots.num_held  # decoding: its window and the block being written
-    row = {"blocks": blocks, "most_held": most_held, "decode_held": decode_held,
-           "idle": slots.num_idle if slots is not None else 0, "pool_blocks": engine.cache.pool.num_blocks,
-           "slots": slots.num_slots if slots is not None else 0,
-           "block_bytes": math.prod(engine.runner.block_shape) * engine.runner.kv_caches[0][0].element_size()}
+    row = {
+        "blocks": blocks,
+        "most_held": most_held,
+        "decode_held": decode_held,
+        "idle": slots.num_idle if slots is not None else 0,
+        "pool_blocks": engine.cache.pool.num_blocks,
+        "slots": slots.num_slots if slots is not None else 0,
+        "block_bytes": math.prod(engine.runner.block_shape) * engine.runner.kv_caches[0][0].element_size(),
+    }
     llm.close()
     return row
 
@@ -105,10 +116,14 @@ def main() -> None:
     lengths = [int(n) for n in args.lengths.split(",")]
     with tempfile.TemporaryDirectory() as scratch:
         root = Path(scratch)
-        models = {"full attention": write_variant(root, "full", {}),
-                  f"window {args.window}": write_variant(root, "window", {
-                      "architectures": ["MistralForCausalLM"], "model_type": "mistral",
-                      "sliding_window": args.window})}
+        models = {
+            "full attention": write_variant(root, "full", {}),
+            f"window {args.window}": write_variant(
+                root,
+                "window",
+                {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": args.window},
+            ),
+        }
         results = {name: measure(path, lengths, args.repeats, args.dtype, seed=0) for name, path in models.items()}
         held = {name: memory(path, args.memory_context, args.dtype, seed=1) for name, path in models.items()}
     full, windowed = results.values()
@@ -116,21 +131,33 @@ def main() -> None:
     print("| history | full miss | full hit | window miss | window hit | hit ratio |")
     print("|---|---|---|---|---|---|")
     for a, b in zip(full, windowed):
-        print(f"| {a['length']:,} | {a['miss'] * 1e3:,.0f} ms | {a['hit'] * 1e3:,.1f} ms | {b['miss'] * 1e3:,.0f} ms | "
-              f"{b['hit'] * 1e3:,.1f} ms | {b['hit'] / a['hit']:.2f}x |")
+        print(
+            f"| {a['length']:,} | {a['miss'] * 1e3:,.0f} ms | {a['hit'] * 1e3:,.1f} ms | {b['miss'] * 1e3:,.0f} ms | "
+            f"{b['hit'] * 1e3:,.1f} ms | {b['hit'] / a['hit']:.2f}x |"
+        )
     whole, slid = held.values()
-    print(f"\none request of {args.memory_context:,} tokens, window {args.window:,}, 1 GiB budget; window layers' K/V "
-          f"in blocks of {whole['block_bytes'] / 2**20:.2f} MiB (all layers of 16 tokens)")
+    print(
+        f"\none request of {args.memory_context:,} tokens, window {args.window:,}, 1 GiB budget; window layers' K/V "
+        f"in blocks of {whole['block_bytes'] / 2**20:.2f} MiB (all layers of 16 tokens)"
+    )
     print("| | full attention | window model | ratio | window / context |")
     print("|---|---|---|---|---|")
-    print(f"| blocks its window layers hold while it decodes | {whole['blocks']:,} | {slid['decode_held']:,} | "
-          f"{slid['decode_held'] / whole['blocks']:.3f} | {args.window / args.memory_context:.3f} |")
-    print(f"| ... at most, during its prefill (window + a 2,048-token chunk) | {whole['blocks']:,} | "
-          f"{slid['most_held']:,} | {slid['most_held'] / whole['blocks']:.3f} | |")
-    print(f"| ... after it finished: held / idle (reclaimable) | {whole['blocks']:,} / 0 | 0 / {slid['idle']:,} | "
-          f"0 / {slid['idle'] / whole['blocks']:.3f} | |")
-    print(f"| the pool from the same budget: blocks (window layers' slots) | {whole['pool_blocks']:,} | "
-          f"{slid['pool_blocks']:,} ({slid['slots']:,}) | {slid['pool_blocks'] / whole['pool_blocks']:.2f}x tokens | |")
+    print(
+        f"| blocks its window layers hold while it decodes | {whole['blocks']:,} | {slid['decode_held']:,} | "
+        f"{slid['decode_held'] / whole['blocks']:.3f} | {args.window / args.memory_context:.3f} |"
+    )
+    print(
+        f"| ... at most, during its prefill (window + a 2,048-token chunk) | {whole['blocks']:,} | "
+        f"{slid['most_held']:,} | {slid['most_held'] / whole['blocks']:.3f} | |"
+    )
+    print(
+        f"| ... after it finished: held / idle (reclaimable) | {whole['blocks']:,} / 0 | 0 / {slid['idle']:,} | "
+        f"0 / {slid['idle'] / whole['blocks']:.3f} | |"
+    )
+    print(
+        f"| the pool from the same budget: blocks (window layers' slots) | {whole['pool_blocks']:,} | "
+        f"{slid['pool_blocks']:,} ({slid['slots']:,}) | {slid['pool_blocks'] / whole['pool_blocks']:.2f}x tokens | |"
+    )
     plot(results, Path(__file__).parent / "results" / "sliding_window.png")
 
 
@@ -144,8 +171,9 @@ def plot(results: dict, path: Path) -> None:
     figure, axis = plt.subplots(figsize=(7, 4))
     for name, rows in results.items():
         for kind, style in (("miss", "--"), ("hit", "-")):
-            axis.plot([r["length"] for r in rows], [r[kind] * 1e3 for r in rows], style, marker="o",
-                      label=f"{name}, {kind}")
+            axis.plot(
+                [r["length"] for r in rows], [r[kind] * 1e3 for r in rows], style, marker="o", label=f"{name}, {kind}"
+            )
     axis.set(xlabel="history (tokens)", ylabel="TTFT (ms)", yscale="log", title="Sliding window vs full attention")
     axis.legend()
     figure.tight_layout()

@@ -28,19 +28,31 @@ from prefixserve.model.cpu_caps import cpu_name
 from prefixserve.model.default import default_tokenizer_dir
 from prefixserve.model.tokenizer import Tokenizer
 
-SCHEMA = {"type": "object", "required": ["name", "age", "tags"],
-          "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
-                         "tags": {"type": "array", "items": {"type": "string"}}}}
-DOCUMENT = json.dumps({"name": "Ada Lovelace, the first programmer", "age": 36,
-                       "tags": ["mathematics", "engines", "poetical science", "notes on the analytical engine"]},
-                      separators=(",", ":"))
+SCHEMA = {
+    "type": "object",
+    "required": ["name", "age", "tags"],
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+    },
+}
+DOCUMENT = json.dumps(
+    {
+        "name": "Ada Lovelace, the first programmer",
+        "age": 36,
+        "tags": ["mathematics", "engines", "poetical science", "notes on the analytical engine"],
+    },
+    separators=(",", ":"),
+)
 
 
 def llguidance_mask(tokenizer: Tokenizer, vocab: int, ids: list[int]) -> list[float]:
     from prefixserve.engine.structured_output import GrammarCompiler
 
     grammar = GrammarCompiler(tokenizer.backend_json(), vocab, tokenizer.eos_token_ids).grammar(
-        StructuredOutputs(json=SCHEMA))
+        StructuredOutputs(json=SCHEMA)
+    )
     times = []
     for token in ids:
         row = torch.zeros(vocab)
@@ -54,10 +66,15 @@ def llguidance_mask(tokenizer: Tokenizer, vocab: int, ids: list[int]) -> list[fl
 def xgrammar_mask(tokenizer: Tokenizer, vocab: int, ids: list[int]) -> list[float]:
     import xgrammar
 
-    info = xgrammar.TokenizerInfo([tokenizer.token_bytes(i) for i in range(vocab)], xgrammar.VocabType.RAW,
-                                  vocab_size=vocab, stop_token_ids=tokenizer.eos_token_ids)
-    compiled = xgrammar.GrammarCompiler(info, max_threads=1).compile_json_schema(json.dumps(SCHEMA),
-                                                                                 any_whitespace=False, separators=(",", ":"))
+    info = xgrammar.TokenizerInfo(
+        [tokenizer.token_bytes(i) for i in range(vocab)],
+        xgrammar.VocabType.RAW,
+        vocab_size=vocab,
+        stop_token_ids=tokenizer.eos_token_ids,
+    )
+    compiled = xgrammar.GrammarCompiler(info, max_threads=1).compile_json_schema(
+        json.dumps(SCHEMA), any_whitespace=False, separators=(",", ":")
+    )
     matcher = xgrammar.GrammarMatcher(compiled)
     bitmask = xgrammar.allocate_token_bitmask(1, vocab)
     times = []
@@ -88,8 +105,11 @@ def mask_costs(tokenizers: dict[str, Tokenizer], runs: int) -> dict:
                 times = measure(tokenizer, tokenizer.vocab_size, ids)
                 medians.append(statistics.median(times))
                 means.append(statistics.fmean(times))
-            results.setdefault(name, {})[engine] = {"vocab": tokenizer.vocab_size, "median_us": medians,
-                                                    "mean_us": means}
+            results.setdefault(name, {})[engine] = {
+                "vocab": tokenizer.vocab_size,
+                "median_us": medians,
+                "mean_us": means,
+            }
             for key in ("median_us", "mean_us"):
                 results[name][engine][key] = [seconds * 1e6 for seconds in results[name][engine][key]]
     return results
@@ -97,8 +117,11 @@ def mask_costs(tokenizers: dict[str, Tokenizer], runs: int) -> dict:
 
 def decode_costs(model, runs: int, tokens: int) -> dict[str, list[float]]:
     llm = LLM(model=model, dtype="float32", log_stats=False)
-    constraints = {"none": None, "json schema": StructuredOutputs(json=SCHEMA),
-                   "regex": StructuredOutputs(regex="[a-z ,.]+")}
+    constraints = {
+        "none": None,
+        "json schema": StructuredOutputs(json=SCHEMA),
+        "regex": StructuredOutputs(regex="[a-z ,.]+"),
+    }
     per_token: dict[str, list[float]] = {name: [] for name in constraints}
     for run in range(runs + 1):  # the first round warms up (and compiles each grammar's tables once)
         for name, spec in constraints.items():
@@ -154,14 +177,19 @@ def main() -> None:
     print(f"\n{'vocabulary':<24}{'engine':<12}{'tokens':>8}{'median us':>11}{'mean us':>10}")
     for vocab_name, engines in mask.items():
         for engine, figures in engines.items():
-            print(f"{vocab_name:<24}{engine:<12}{figures['vocab']:>8}"
-                  f"{statistics.median(figures['median_us']):>11.1f}{statistics.median(figures['mean_us']):>10.1f}")
+            print(
+                f"{vocab_name:<24}{engine:<12}{figures['vocab']:>8}"
+                f"{statistics.median(figures['median_us']):>11.1f}{statistics.median(figures['mean_us']):>10.1f}"
+            )
     decode = decode_costs(None, args.runs, args.tokens)
     base = statistics.median(decode["none"])
     print(f"\ndecode on the built-in model, {args.tokens} tokens, ms per token (runs: each; median; x none)")
     for name, times in decode.items():
-        print(f"{name:<14}" + " ".join(f"{t:.2f}" for t in times)
-              + f"   {statistics.median(times):.2f}   {statistics.median(times) / base:.3f}")
+        print(
+            f"{name:<14}"
+            + " ".join(f"{t:.2f}" for t in times)
+            + f"   {statistics.median(times):.2f}   {statistics.median(times) / base:.3f}"
+        )
     results = {"cpu": cpu, "model": "built-in", "tokens": args.tokens, "mask": mask, "decode_ms_per_token": decode}
     out = Path(args.results_dir)
     out.mkdir(parents=True, exist_ok=True)

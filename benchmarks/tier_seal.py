@@ -53,8 +53,9 @@ def throughput(block_shape: tuple[int, ...], dtype: str, repeats: int) -> dict[s
     keyring = Keyring.from_secret(secrets.token_hex(32))
     sealers = {"unsealed": None, "sealed": Sealer(keyring), "encrypted": Sealer(keyring, encrypt=True)}
     key = os.urandom(32)
-    calls = {mode: (lambda s=sealer: decode_record(encode_record(record, s), expect, s))
-             for mode, sealer in sealers.items()}
+    calls = {
+        mode: (lambda s=sealer: decode_record(encode_record(record, s), expect, s)) for mode, sealer in sealers.items()
+    }
     calls["HMAC-SHA-256 (payload once)"] = lambda: hmac.digest(key, payload, "sha256")
     calls["keyed BLAKE2b (payload once)"] = lambda: hashlib.blake2b(payload, key=key).digest()
     results = {}
@@ -114,8 +115,15 @@ def measure_ttft(args, directory: str, redis_url) -> dict:
                 extra["kv_tier_secret_file"] = str(secret)
             elif "kv_remote_url" in extra:
                 extra["kv_remote_insecure"] = True
-            engines[mode] = LLM(model=args.model, dtype="float32", kv_fetch_policy="always", log_stats=False,
-                                kv_cache_memory_bytes=POOL_BYTES, kv_tier_encrypt=mode == "encrypted", **extra)
+            engines[mode] = LLM(
+                model=args.model,
+                dtype="float32",
+                kv_fetch_policy="always",
+                log_stats=False,
+                kv_cache_memory_bytes=POOL_BYTES,
+                kv_tier_encrypt=mode == "encrypted",
+                **extra,
+            )
         times: dict[str, list[float]] = {mode: [] for mode in MODES}
         for run in range(args.runs):
             for mode in MODES:
@@ -127,8 +135,11 @@ def measure_ttft(args, directory: str, redis_url) -> dict:
             engine.close()
         engines.clear()
         gc.collect()  # three engines per tier: let each tier's go before the next tier's start
-        print(f"  {tier}: " + "; ".join(f"{mode} " + " ".join(f"{x * 1e3:.0f}" for x in t) + " ms"
-                                       for mode, t in times.items()), flush=True)
+        print(
+            f"  {tier}: "
+            + "; ".join(f"{mode} " + " ".join(f"{x * 1e3:.0f}" for x in t) + " ms" for mode, t in times.items()),
+            flush=True,
+        )
     return results
 
 
@@ -189,10 +200,19 @@ def main() -> None:
     print(f"\n{'tier':<8}" + "".join(f"{mode:>12}" for mode in MODES) + f"{'sealed x':>10}{'encrypted x':>13}")
     for tier, modes in ttft.items():
         medians = {mode: statistics.median(times) for mode, times in modes.items()}
-        print(f"{tier:<8}" + "".join(f"{medians[mode] * 1e3:>10.1f}ms" for mode in MODES)
-              + f"{medians['sealed'] / medians['unsealed']:>10.2f}{medians['encrypted'] / medians['unsealed']:>13.2f}")
-    results = {"cpu": cpu, "model": args.model or "built-in", "prefix_len": args.prefix_len, "block_shape": shape,
-               "throughput_gb_per_s": rates, "ttft_seconds": ttft}
+        print(
+            f"{tier:<8}"
+            + "".join(f"{medians[mode] * 1e3:>10.1f}ms" for mode in MODES)
+            + f"{medians['sealed'] / medians['unsealed']:>10.2f}{medians['encrypted'] / medians['unsealed']:>13.2f}"
+        )
+    results = {
+        "cpu": cpu,
+        "model": args.model or "built-in",
+        "prefix_len": args.prefix_len,
+        "block_shape": shape,
+        "throughput_gb_per_s": rates,
+        "ttft_seconds": ttft,
+    }
     out = Path(args.results_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = "tier_seal_quick" if args.quick else "tier_seal"

@@ -38,16 +38,36 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tiers_report import format_disk_ttft, format_ladder, format_working_set, plot  # noqa: E402
-from tiers_setup import (EVERYTHING, Sizes, drop_page_cache, engine, fetch_seconds, kv_bytes_per_token,  # noqa: E402
-                         random_tokens, run_vllm, ttft, warm_up)
+from tiers_setup import (
+    EVERYTHING,
+    Sizes,
+    drop_page_cache,
+    engine,
+    fetch_seconds,
+    kv_bytes_per_token,  # noqa: E402
+    random_tokens,
+    run_vllm,
+    ttft,
+    warm_up,
+)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FULL = Sizes()
-QUICK = Sizes(ladder_prefix=128, repeats=1, num_prefixes=4, working_prefix=96, working_suffix=8, max_tokens=2,
-              pool_prompts=1, host_small_prompts=2, quick=True)
+QUICK = Sizes(
+    ladder_prefix=128,
+    repeats=1,
+    num_prefixes=4,
+    working_prefix=96,
+    working_suffix=8,
+    max_tokens=2,
+    pool_prompts=1,
+    host_small_prompts=2,
+    quick=True,
+)
 
 
 # ---- 1. latency ladder ---------------------------------------------------------------------------
+
 
 def latency_ladder(sizes: Sizes, rng: random.Random, bar) -> dict:
     bytes_per_token = kv_bytes_per_token("float32")
@@ -78,21 +98,37 @@ def latency_ladder(sizes: Sizes, rng: random.Random, bar) -> dict:
         bar.set_postfix_str("ladder: fetch timings")
         num_blocks = sizes.ladder_prefix // host_llm.engine.config.block_size
         for num in (1, num_blocks):
-            for source, llm in (("device", host_llm), ("host", host_llm), ("disk warm", disk_llm),
-                                ("disk cold", disk_llm)):
+            for source, llm in (
+                ("device", host_llm),
+                ("host", host_llm),
+                ("disk warm", disk_llm),
+                ("disk cold", disk_llm),
+            ):
                 fetches.setdefault(source, {})[str(num)] = [
-                    fetch_seconds(llm, source, prefix + new[2], num, Path(directory)) for _ in range(5)]
-        prefill_one_block = [ttft(host_llm, random_tokens(rng, host_llm.engine.config.block_size), {}, "")
-                             for _ in range(max(3, sizes.repeats))]
+                    fetch_seconds(llm, source, prefix + new[2], num, Path(directory)) for _ in range(5)
+                ]
+        prefill_one_block = [
+            ttft(host_llm, random_tokens(rng, host_llm.engine.config.block_size), {}, "")
+            for _ in range(max(3, sizes.repeats))
+        ]
         for llm in (host_llm, disk_llm):
             llm.close()
     bar.update(1)
-    return {"prefix_tokens": sizes.ladder_prefix, "suffix_tokens": sizes.suffix, "block_size": 16,
-            "block_bytes": 16 * bytes_per_token, "ttft_s": samples, "served": served,
-            "fetch_s": fetches, "prefill_one_block_s": prefill_one_block, "num_blocks": num_blocks}
+    return {
+        "prefix_tokens": sizes.ladder_prefix,
+        "suffix_tokens": sizes.suffix,
+        "block_size": 16,
+        "block_bytes": 16 * bytes_per_token,
+        "ttft_s": samples,
+        "served": served,
+        "fetch_s": fetches,
+        "prefill_one_block_s": prefill_one_block,
+        "num_blocks": num_blocks,
+    }
 
 
 # ---- 2. working set larger than the pool ---------------------------------------------------------
+
 
 def working_set_prompts(sizes: Sizes, rng: random.Random) -> list[list[list[int]]]:
     prefixes = [random_tokens(rng, sizes.working_prefix) for _ in range(sizes.num_prefixes)]
@@ -111,9 +147,20 @@ def run_ours(options: dict, passes: list[list[list[int]]], sizes: Sizes, submit:
             outputs = llm.generate(prompts, params, use_tqdm=False)
         else:
             outputs = [llm.generate([prompt], params, use_tqdm=False)[0] for prompt in prompts]
-        result.append({"wall_s": time.perf_counter() - start, "completions": [
-            {"output_token_ids": out.token_ids, "ttft": out.metrics.ttft, "num_cached_tokens": out.num_cached_tokens,
-             "by_tier": out.cached_tokens_by_tier} for out in outputs]})
+        result.append(
+            {
+                "wall_s": time.perf_counter() - start,
+                "completions": [
+                    {
+                        "output_token_ids": out.token_ids,
+                        "ttft": out.metrics.ttft,
+                        "num_cached_tokens": out.num_cached_tokens,
+                        "by_tier": out.cached_tokens_by_tier,
+                    }
+                    for out in outputs
+                ],
+            }
+        )
     llm.close()  # flushes pending disk writes (not timed: a server would keep running)
     del llm
     gc.collect()
@@ -129,10 +176,12 @@ def working_set(sizes: Sizes, rng: random.Random, args, bar) -> dict:
     configs = {
         "tiers off": {},
         f"host only (holds all {sizes.num_prefixes})": {
-            "kv_host_cache_bytes": sizes.num_prefixes * prompt_blocks * record_bytes},
+            "kv_host_cache_bytes": sizes.num_prefixes * prompt_blocks * record_bytes
+        },
         "disk only": {},
         f"host (holds {sizes.host_small_prompts}) + disk": {
-            "kv_host_cache_bytes": sizes.host_small_prompts * prompt_blocks * record_bytes},
+            "kv_host_cache_bytes": sizes.host_small_prompts * prompt_blocks * record_bytes
+        },
     }
     runs, notes = {}, {}
     for name, options in configs.items():
@@ -146,21 +195,35 @@ def working_set(sizes: Sizes, rng: random.Random, args, bar) -> dict:
         bar.set_postfix_str("working set: vLLM (load, compile, run)")
         max_model_len = prompt_blocks * 16
         try:
-            run = run_vllm(args.vllm_python, passes, sizes.max_tokens, args.submit,
-                           {"kv_cache_memory_bytes": pool, "max_model_len": max_model_len})
+            run = run_vllm(
+                args.vllm_python,
+                passes,
+                sizes.max_tokens,
+                args.submit,
+                {"kv_cache_memory_bytes": pool, "max_model_len": max_model_len},
+            )
             runs[f"vLLM {run['version']} CPU (block {run['block_size']})"] = run
         except RuntimeError as error:
             notes["vLLM"] = str(error).splitlines()[0]
             print(error, file=sys.stderr)
         bar.update(1)
-    return {"num_prefixes": sizes.num_prefixes, "prefix_tokens": sizes.working_prefix,
-            "suffix_tokens": sizes.working_suffix, "max_tokens": sizes.max_tokens, "passes": sizes.passes,
-            "pool_bytes": pool, "pool_prompts": sizes.pool_prompts, "submit": args.submit,
-            "prompt_lens": [[len(prompt) for prompt in prompts] for prompts in passes],
-            "runs": runs, "notes": notes}
+    return {
+        "num_prefixes": sizes.num_prefixes,
+        "prefix_tokens": sizes.working_prefix,
+        "suffix_tokens": sizes.working_suffix,
+        "max_tokens": sizes.max_tokens,
+        "passes": sizes.passes,
+        "pool_bytes": pool,
+        "pool_prompts": sizes.pool_prompts,
+        "submit": args.submit,
+        "prompt_lens": [[len(prompt) for prompt in prompts] for prompts in passes],
+        "runs": runs,
+        "notes": notes,
+    }
 
 
 # ---- 3. TTFT from disk after a restart -----------------------------------------------------------
+
 
 def disk_ttft(dtype: str, sizes: Sizes, rng: random.Random, bar) -> dict:
     from prefixserve import SamplingParams
@@ -187,22 +250,33 @@ def disk_ttft(dtype: str, sizes: Sizes, rng: random.Random, bar) -> dict:
         from_disk = [second.generate([prompt], params, use_tqdm=False)[0] for prompt in prompts]
         second.close()
     bar.update(1)
-    return {"dtype": dtype, "prefix_tokens": sizes.ladder_prefix, "suffix_tokens": sizes.suffix,
-            "restart_s": restart_s, "records_indexed": report.num_records, "index_s": report.seconds,
-            "recomputed_ttft_s": [out.metrics.ttft for out in recomputed],
-            "disk_ttft_s": [out.metrics.ttft for out in from_disk],
-            "disk_tokens": [out.cached_tokens_by_tier["disk"] for out in from_disk],
-            "same_tokens": [a.token_ids == b.token_ids for a, b in zip(recomputed, from_disk)]}
+    return {
+        "dtype": dtype,
+        "prefix_tokens": sizes.ladder_prefix,
+        "suffix_tokens": sizes.suffix,
+        "restart_s": restart_s,
+        "records_indexed": report.num_records,
+        "index_s": report.seconds,
+        "recomputed_ttft_s": [out.metrics.ttft for out in recomputed],
+        "disk_ttft_s": [out.metrics.ttft for out in from_disk],
+        "disk_tokens": [out.cached_tokens_by_tier["disk"] for out in from_disk],
+        "same_tokens": [a.token_ids == b.token_ids for a, b in zip(recomputed, from_disk)],
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--quick", action="store_true", help="toy sizes, no vLLM: a smoke run in seconds")
     parser.add_argument("--no-vllm", action="store_true", help="leave vLLM out of the working-set table")
     parser.add_argument("--vllm-python", default="/tmp/vllm-peer/bin/python", help="vLLM's venv python")
-    parser.add_argument("--submit", choices=["sequential", "batch"], default="sequential",
-                        help="working set: one request at a time, or each pass submitted at once")
+    parser.add_argument(
+        "--submit",
+        choices=["sequential", "batch"],
+        default="sequential",
+        help="working set: one request at a time, or each pass submitted at once",
+    )
     parser.add_argument("--results-dir", type=Path, default=RESULTS, help="where the JSON and PNG go")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -227,8 +301,14 @@ def main() -> None:
     args.results_dir.mkdir(parents=True, exist_ok=True)
     stem = args.results_dir / ("tiers_quick" if args.quick else "tiers")
     lines = format_ladder(ladder) + [""] + format_working_set(working) + [""] + format_disk_ttft(restart)
-    data = {"sizes": asdict(sizes), "table": lines, "ladder": ladder, "working_set": working, "disk_ttft": restart,
-            "load_average": load}
+    data = {
+        "sizes": asdict(sizes),
+        "table": lines,
+        "ladder": ladder,
+        "working_set": working,
+        "disk_ttft": restart,
+        "load_average": load,
+    }
     stem.with_suffix(".json").write_text(json.dumps(data, indent=1))
     print(f"wrote {stem.with_suffix('.json')}")
     plot(ladder, working, restart, stem.with_suffix(".png"))

@@ -6,8 +6,12 @@ import statistics
 from pathlib import Path
 from typing import Optional
 
-LADDER_ROWS = (("device", "device pool (hit)"), ("host", "host RAM"), ("disk warm", "disk, page cache warm"),
-               ("disk cold", "disk, cold (page cache dropped)"))
+LADDER_ROWS = (
+    ("device", "device pool (hit)"),
+    ("host", "host RAM"),
+    ("disk warm", "disk, page cache warm"),
+    ("disk cold", "disk, cold (page cache dropped)"),
+)
 GOAL_SPEEDUP = 3.0
 
 
@@ -40,13 +44,19 @@ def format_ladder(ladder: dict) -> list[str]:
     ]
     for source, label in LADDER_ROWS:
         fetch = ladder["fetch_s"][source]
-        lines.append(f"{label:<33} {ms(median(fetch['1'])):>10} {ms(median(fetch[str(num_blocks)])):>13} "
-                     f"{ms(median(ladder['ttft_s'][source])):>22}   {served_from(ladder['served'].get(source))}")
+        lines.append(
+            f"{label:<33} {ms(median(fetch['1'])):>10} {ms(median(fetch[str(num_blocks)])):>13} "
+            f"{ms(median(ladder['ttft_s'][source])):>22}   {served_from(ladder['served'].get(source))}"
+        )
     miss = median(ladder["ttft_s"]["miss"])
-    lines.append(f"{'prefill (miss: computed again)':<33} {ms(median(ladder['prefill_one_block_s'])):>10} "
-                 f"{ms(miss):>13} {ms(miss):>22}   {served_from(ladder['served'].get('miss'))}")
-    lines.append(f"   prefill columns: the TTFT of a {ladder['block_size']}-token prompt, and of the "
-                 f"{prefix + suffix:,}-token prompt on an empty cache")
+    lines.append(
+        f"{'prefill (miss: computed again)':<33} {ms(median(ladder['prefill_one_block_s'])):>10} "
+        f"{ms(miss):>13} {ms(miss):>22}   {served_from(ladder['served'].get('miss'))}"
+    )
+    lines.append(
+        f"   prefill columns: the TTFT of a {ladder['block_size']}-token prompt, and of the "
+        f"{prefix + suffix:,}-token prompt on an empty cache"
+    )
     return lines
 
 
@@ -58,10 +68,13 @@ def pass_summary(passes: list[dict], prompt_lens: list[list[int]]) -> dict:
     for completion in passes[-1]["completions"]:
         for tier, tokens in (completion.get("by_tier") or {}).items():
             by_tier[tier] = by_tier.get(tier, 0) + tokens
-    return {"wall_s": sum(walls), "pass_wall_s": walls,
-            "hit_rate": sum(map(sum, cached)) / sum(map(sum, prompt_lens)) if known else None,
-            "last_hit_rate": sum(cached[-1]) / sum(prompt_lens[-1]) if known else None,
-            "last_by_tier": by_tier}
+    return {
+        "wall_s": sum(walls),
+        "pass_wall_s": walls,
+        "hit_rate": sum(map(sum, cached)) / sum(map(sum, prompt_lens)) if known else None,
+        "last_hit_rate": sum(cached[-1]) / sum(prompt_lens[-1]) if known else None,
+        "last_by_tier": by_tier,
+    }
 
 
 def format_working_set(working: dict) -> list[str]:
@@ -86,9 +99,11 @@ def format_working_set(working: dict) -> list[str]:
         same = same_tokens(runs[name], reference) if reference else None
         hit = "n/a" if row["hit_rate"] is None else f"{row['hit_rate']:.1%}"
         last_hit = "n/a" if row["last_hit_rate"] is None else f"{row['last_hit_rate']:.1%}"
-        lines.append(f"{name:<34} {row['wall_s']:>7.1f} {row['pass_wall_s'][0]:>7.1f} {row['pass_wall_s'][-1]:>7.1f} "
-                     f"{hit:>8} {last_hit:>7} {tier_text:>30} {speedup or 0:>6.2f}x {last_speedup or 0:>6.2f}x "
-                     f"{'n/a' if same is None else f'{same:.0%}':>8}")
+        lines.append(
+            f"{name:<34} {row['wall_s']:>7.1f} {row['pass_wall_s'][0]:>7.1f} {row['pass_wall_s'][-1]:>7.1f} "
+            f"{hit:>8} {last_hit:>7} {tier_text:>30} {speedup or 0:>6.2f}x {last_speedup or 0:>6.2f}x "
+            f"{'n/a' if same is None else f'{same:.0%}':>8}"
+        )
     for name, note in working["notes"].items():
         lines.append(f"{name:<34} {note}")
     return lines + goal_lines(summaries)
@@ -97,14 +112,18 @@ def format_working_set(working: dict) -> list[str]:
 def goal_lines(summaries: dict) -> list[str]:
     off = summaries.get("tiers off")
     vllm = next((row for name, row in summaries.items() if name.startswith("vLLM")), None)
-    lines = [f"goal: >= {GOAL_SPEEDUP:g}x less wall time than tiers off, and ahead of vLLM "
-             "(the first pass is all misses in every configuration, so two passes cap the speed-up near 2x)"]
+    lines = [
+        f"goal: >= {GOAL_SPEEDUP:g}x less wall time than tiers off, and ahead of vLLM "
+        "(the first pass is all misses in every configuration, so two passes cap the speed-up near 2x)"
+    ]
     for name, row in summaries.items():
         if name == "tiers off" or name.startswith("vLLM") or off is None:
             continue
         total, last = off["wall_s"] / row["wall_s"], off["pass_wall_s"][-1] / row["pass_wall_s"][-1]
-        text = (f"  {name}: {total:.2f}x over both passes ({'MET' if total >= GOAL_SPEEDUP else 'MISSED'}), "
-                f"{last:.2f}x on the second pass ({'MET' if last >= GOAL_SPEEDUP else 'MISSED'})")
+        text = (
+            f"  {name}: {total:.2f}x over both passes ({'MET' if total >= GOAL_SPEEDUP else 'MISSED'}), "
+            f"{last:.2f}x on the second pass ({'MET' if last >= GOAL_SPEEDUP else 'MISSED'})"
+        )
         if vllm:
             ratio = row["wall_s"] / vllm["wall_s"]
             text += f"; {ratio:.2f}x vLLM's wall time ({'ahead' if ratio < 1 else 'BEHIND'})"
@@ -113,8 +132,11 @@ def goal_lines(summaries: dict) -> list[str]:
 
 
 def same_tokens(run: dict, reference: dict) -> float:
-    pairs = [(a["output_token_ids"], b["output_token_ids"]) for ours, theirs in zip(run["passes"], reference["passes"])
-             for a, b in zip(ours["completions"], theirs["completions"])]
+    pairs = [
+        (a["output_token_ids"], b["output_token_ids"])
+        for ours, theirs in zip(run["passes"], reference["passes"])
+        for a, b in zip(ours["completions"], theirs["completions"])
+    ]
     return sum(a == b for a, b in pairs) / len(pairs)
 
 
@@ -131,8 +153,10 @@ def format_disk_ttft(results: list[dict]) -> list[str]:
         tokens = sorted(set(result["disk_tokens"]))
         same = f"{sum(result['same_tokens'])}/{len(result['same_tokens'])}"
         restart = f"{result['restart_s']:.2f} s ({result['records_indexed']:,} in {result['index_s'] * 1e3:.0f} ms)"
-        lines.append(f"{result['dtype']:<10} {ms(recomputed):>11} {ms(disk):>10} {recomputed / disk:>8.1f}x "
-                     f"{'/'.join(f'{t:,}' for t in tokens):>12} {same:>12} {restart:>28}")
+        lines.append(
+            f"{result['dtype']:<10} {ms(recomputed):>11} {ms(disk):>10} {recomputed / disk:>8.1f}x "
+            f"{'/'.join(f'{t:,}' for t in tokens):>12} {same:>12} {restart:>28}"
+        )
     return lines
 
 
@@ -165,13 +189,19 @@ def plot(ladder: dict, working: dict, restart: list[dict], path: Path) -> None:
         bottom = [b + w for b, w in zip(bottom, walls)]
     for position, name in enumerate(names):
         hit = summaries[name]["hit_rate"]
-        middle.text(position, bottom[position], "" if hit is None else f"hits {hit:.0%}", ha="center",
-                    va="bottom", fontsize=8)
-    middle.set_xticks(range(len(names)), [name.replace(" (", "\n(").replace(" + ", "\n+ ").replace(" CPU", "\nCPU")
-                                          for name in names], fontsize=7)
+        middle.text(
+            position, bottom[position], "" if hit is None else f"hits {hit:.0%}", ha="center", va="bottom", fontsize=8
+        )
+    middle.set_xticks(
+        range(len(names)),
+        [name.replace(" (", "\n(").replace(" + ", "\n+ ").replace(" CPU", "\nCPU") for name in names],
+        fontsize=7,
+    )
     middle.set_ylabel("wall time (s)")
-    middle.set_title(f"{working['num_prefixes']} prefixes x {working['passes']} passes, pool holds "
-                     f"{working['pool_prompts']}", fontsize=10)
+    middle.set_title(
+        f"{working['num_prefixes']} prefixes x {working['passes']} passes, pool holds {working['pool_prompts']}",
+        fontsize=10,
+    )
     middle.legend(fontsize=8)
 
     width = 0.38

@@ -67,8 +67,9 @@ def engine(dtype: str, kv_cache_memory_bytes: int, warm: bool = True, **options)
 def warm_up(llm) -> None:
     from prefixserve import SamplingParams
 
-    llm.generate([random_tokens(random.Random("warm-up"), 64)], SamplingParams(max_tokens=2, ignore_eos=True),
-                 use_tqdm=False)
+    llm.generate(
+        [random_tokens(random.Random("warm-up"), 64)], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False
+    )
     llm.engine.cache.clear()
 
 
@@ -116,8 +117,9 @@ def fetch_seconds(llm, source: str, prompt: list[int], num_blocks: int, director
     payloads = []
     for index, (key, data) in enumerate(zip(keys, tier.get(keys))):
         assert data is not None, f"block {index} is not in the {source} tier"
-        expect = RecordExpectation(key, tiers.scope_digest, tuple(prompt[index * size:(index + 1) * size]),
-                                   tiers.dtype, tiers.shape)
+        expect = RecordExpectation(
+            key, tiers.scope_digest, tuple(prompt[index * size : (index + 1) * size]), tiers.dtype, tiers.shape
+        )
         payloads.append(decode_record(data, expect).payload)
     blocks = engine_.cache.admit([], num_blocks)
     engine_.runner.write_blocks([block.block_id for block in blocks], payloads)
@@ -132,8 +134,14 @@ def run_vllm(python: str, passes: list[list[list[int]]], max_tokens: int, submit
 
     if not Path(python).exists():
         raise RuntimeError(f"vLLM not installed ({python} missing; see benchmarks/vllm_peer.py)")
-    task = {"model": str(ensure_default_model()), "dtype": "float32", "passes": passes, "max_tokens": max_tokens,
-            "submit": submit, "engine": engine_args}
+    task = {
+        "model": str(ensure_default_model()),
+        "dtype": "float32",
+        "passes": passes,
+        "max_tokens": max_tokens,
+        "submit": submit,
+        "engine": engine_args,
+    }
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes
     with tempfile.TemporaryDirectory(prefix="tiers-vllm-") as tmp:
@@ -141,9 +149,13 @@ def run_vllm(python: str, passes: list[list[list[int]]], max_tokens: int, submit
         task_path.write_text(json.dumps(task))
         code: Optional[int] = None
         with open(log_path, "w") as log:
-            peer = subprocess.Popen([python, str(Path(__file__).with_name("tiers_vllm_peer.py")), str(task_path),
-                                     str(result_path)], stdout=log, stderr=subprocess.STDOUT, env=env,
-                                    start_new_session=True)
+            peer = subprocess.Popen(
+                [python, str(Path(__file__).with_name("tiers_vllm_peer.py")), str(task_path), str(result_path)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
             try:
                 code = peer.wait(timeout=VLLM_TIMEOUT_S)
             except subprocess.TimeoutExpired:

@@ -30,8 +30,14 @@ def main() -> None:
     from vllm import LLM, SamplingParams, __version__
 
     start = time.perf_counter()
-    llm = LLM(model=task["model"], dtype=task["dtype"], enable_prefix_caching=True, seed=0,
-              disable_log_stats=False, **task.get("engine", {}))
+    llm = LLM(
+        model=task["model"],
+        dtype=task["dtype"],
+        enable_prefix_caching=True,
+        seed=0,
+        disable_log_stats=False,
+        **task.get("engine", {}),
+    )
     load_s = time.perf_counter() - start
     generate = make_generate(llm, SamplingParams)
     generate([Turn(random_tokens(random.Random("warm-up"), 64), 4)])
@@ -44,12 +50,14 @@ def main() -> None:
             completions = generate(turns)
         else:
             completions = [generate([turn])[0] for turn in turns]
-        passes.append({"wall_s": time.perf_counter() - start,
-                       "completions": [asdict(completion) for completion in completions]})
+        passes.append(
+            {"wall_s": time.perf_counter() - start, "completions": [asdict(completion) for completion in completions]}
+        )
         print(f"vllm pass {len(passes)}: {passes[-1]['wall_s']:.2f} s", file=sys.stderr, flush=True)
     block_size = llm.llm_engine.vllm_config.cache_config.block_size
-    Path(sys.argv[2]).write_text(json.dumps({"version": __version__, "load_s": load_s, "block_size": block_size,
-                                             "passes": passes}))
+    Path(sys.argv[2]).write_text(
+        json.dumps({"version": __version__, "load_s": load_s, "block_size": block_size, "passes": passes})
+    )
 
 
 if __name__ == "__main__":

@@ -25,11 +25,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from prefixserve.cli import HelpFormatter
-from prefixserve.traces.agents import GAP_DISTRIBUTIONS, AgentTraceConfig, generate_agent_trace
 from prefixserve.router.gateway_policies import GATEWAY_POLICIES
 from prefixserve.router.policies import POLICIES
 from prefixserve.router.report import BOUND_NAME
 from prefixserve.router.simulate import SimulationConfig, compare_policies, uncached_utilization
+from prefixserve.traces.agents import GAP_DISTRIBUTIONS, AgentTraceConfig, generate_agent_trace
 
 ROOT = Path(__file__).resolve().parent
 HIT_RATE_POINTS, TTFT_P99_RATIO = 0.005, 1.05
@@ -53,15 +53,22 @@ def random_shape(seed: int) -> AgentTraceConfig:
     context of 32k, 64k or 128k tokens that ends a session."""
     rng = random.Random(seed)
     return AgentTraceConfig(
-        seed=seed, num_sessions=rng.choice([20, 40, 80, 160, 320, 640]),
+        seed=seed,
+        num_sessions=rng.choice([20, 40, 80, 160, 320, 640]),
         num_system_prompts=rng.choice([1, 2, 4, 8, 16, 64, 256]),
-        system_prompt_tokens=_range(rng, 100, 16000), system_prompt_skew=rng.choice([0, 0, 0.5, 0.8, 1.5, 2.5, 3.5]),
-        tool_schema_tokens=rng.choice([0, 500, 2500, 6000, 12000]), task_tokens=_range(rng, 10, 6000),
-        turns=_range(rng, 1, rng.choice([3, 40, 80])), tool_result_tokens=_range(rng, 0, 10000),
-        output_tokens=_range(rng, 1, 4000), turn_gap_seconds=rng.choice([0.25, 0.5, 2, 4, 8]),
+        system_prompt_tokens=_range(rng, 100, 16000),
+        system_prompt_skew=rng.choice([0, 0, 0.5, 0.8, 1.5, 2.5, 3.5]),
+        tool_schema_tokens=rng.choice([0, 500, 2500, 6000, 12000]),
+        task_tokens=_range(rng, 10, 6000),
+        turns=_range(rng, 1, rng.choice([3, 40, 80])),
+        tool_result_tokens=_range(rng, 0, 10000),
+        output_tokens=_range(rng, 1, 4000),
+        turn_gap_seconds=rng.choice([0.25, 0.5, 2, 4, 8]),
         think_time_mean_seconds=rng.choice([0, 0.5, 3, 8, 30, 120]),
         max_prompt_tokens=rng.choice([32768, 65536, 131072]),
-        think_times=rng.choice(GAP_DISTRIBUTIONS), session_gaps=rng.choice(GAP_DISTRIBUTIONS))
+        think_times=rng.choice(GAP_DISTRIBUTIONS),
+        session_gaps=rng.choice(GAP_DISTRIBUTIONS),
+    )
 
 
 def sized(shape: AgentTraceConfig, config: SimulationConfig, lowest_load: float) -> AgentTraceConfig:
@@ -97,12 +104,20 @@ def run_shape(seed: int, loads: tuple[float, ...], num_replicas: int) -> list[di
         others = [r for name, r in results.items() if name not in ("kv_aware", BOUND_NAME)]
         best_hit = max(others, key=lambda r: r.hit_rate)
         best_p99 = min(others, key=lambda r: r.ttft_p99)
-        points.append({**point, "skipped": False,
-                       "kv_aware_hit_rate": kv_aware.hit_rate, "kv_aware_ttft_p99": kv_aware.ttft_p99,
-                       "best_hit_rate": best_hit.hit_rate, "best_hit_policy": best_hit.policy,
-                       "best_ttft_p99": best_p99.ttft_p99, "best_p99_policy": best_p99.policy,
-                       "hit_miss": kv_aware.hit_rate < best_hit.hit_rate - HIT_RATE_POINTS,
-                       "p99_miss": kv_aware.ttft_p99 > best_p99.ttft_p99 * TTFT_P99_RATIO})
+        points.append(
+            {
+                **point,
+                "skipped": False,
+                "kv_aware_hit_rate": kv_aware.hit_rate,
+                "kv_aware_ttft_p99": kv_aware.ttft_p99,
+                "best_hit_rate": best_hit.hit_rate,
+                "best_hit_policy": best_hit.policy,
+                "best_ttft_p99": best_p99.ttft_p99,
+                "best_p99_policy": best_p99.policy,
+                "hit_miss": kv_aware.hit_rate < best_hit.hit_rate - HIT_RATE_POINTS,
+                "p99_miss": kv_aware.ttft_p99 > best_p99.ttft_p99 * TTFT_P99_RATIO,
+            }
+        )
     return points
 
 
@@ -111,15 +126,18 @@ def _line(point: dict) -> str:
     if point["skipped"]:
         return f"{head}  skipped (outside 50-{MAX_REQUESTS} requests)"
     mark = " ".join(name for name, missed in (("HIT", point["hit_miss"]), ("P99", point["p99_miss"])) if missed)
-    return (f"{head}  kv_aware {point['kv_aware_hit_rate']:6.1%} {point['kv_aware_ttft_p99']:8.3f} s | best "
-            f"{point['best_hit_rate']:6.1%} ({point['best_hit_policy']:23s}) {point['best_ttft_p99']:8.3f} s "
-            f"({point['best_p99_policy']:23s}) p99 ratio {point['kv_aware_ttft_p99'] / point['best_ttft_p99']:5.2f} "
-            f"{mark}")
+    return (
+        f"{head}  kv_aware {point['kv_aware_hit_rate']:6.1%} {point['kv_aware_ttft_p99']:8.3f} s | best "
+        f"{point['best_hit_rate']:6.1%} ({point['best_hit_policy']:23s}) {point['best_ttft_p99']:8.3f} s "
+        f"({point['best_p99_policy']:23s}) p99 ratio {point['kv_aware_ttft_p99'] / point['best_ttft_p99']:5.2f} "
+        f"{mark}"
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False,
-                                     formatter_class=HelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], allow_abbrev=False, formatter_class=HelpFormatter
+    )
     parser.add_argument("--seeds", default="0-199", help="shape seeds, LOW-HIGH inclusive")
     parser.add_argument("--loads", default="0.1,0.4,0.8", help="uncached utilizations, comma-separated")
     parser.add_argument("--replicas", type=int, default=8, help="simulated replicas")
@@ -140,9 +158,11 @@ def main() -> None:
             every.extend(shape_points)
     points = [p for p in every if not p["skipped"]]
     misses = [p for p in points if p["hit_miss"] or p["p99_miss"]]
-    print(f"{len(points)} points ({len(every) - len(points)} skipped), {len(misses)} missed "
-          f"({sum(p['hit_miss'] for p in points)} on hit rate, {sum(p['p99_miss'] for p in points)} on TTFT p99), "
-          f"{time.perf_counter() - began:.0f} s")
+    print(
+        f"{len(points)} points ({len(every) - len(points)} skipped), {len(misses)} missed "
+        f"({sum(p['hit_miss'] for p in points)} on hit rate, {sum(p['p99_miss'] for p in points)} on TTFT p99), "
+        f"{time.perf_counter() - began:.0f} s"
+    )
     for point in misses:
         print(f"  missed: seed {point['seed']} load {point['load']}: {point['shape']}")
     (out / "trace_families.json").write_text(json.dumps(every, indent=2) + "\n")
@@ -161,17 +181,34 @@ def _plot(points: list[dict], path: Path) -> Path:
     figure, (hits, p99s) = plt.subplots(1, 2, figsize=(11, 4.2))
     for load, marker in zip(sorted({p["load"] for p in points}), "os^vD"):
         chosen = [p for p in points if p["load"] == load]
-        hits.scatter([p["best_hit_rate"] * 100 for p in chosen],
-                     [(p["kv_aware_hit_rate"] - p["best_hit_rate"]) * 100 for p in chosen],
-                     marker=marker, label=f"load {load}", alpha=0.7)
-        p99s.scatter([p["best_ttft_p99"] for p in chosen], [p["kv_aware_ttft_p99"] / p["best_ttft_p99"] for p in chosen],
-                     marker=marker, label=f"load {load}", alpha=0.7)
+        hits.scatter(
+            [p["best_hit_rate"] * 100 for p in chosen],
+            [(p["kv_aware_hit_rate"] - p["best_hit_rate"]) * 100 for p in chosen],
+            marker=marker,
+            label=f"load {load}",
+            alpha=0.7,
+        )
+        p99s.scatter(
+            [p["best_ttft_p99"] for p in chosen],
+            [p["kv_aware_ttft_p99"] / p["best_ttft_p99"] for p in chosen],
+            marker=marker,
+            label=f"load {load}",
+            alpha=0.7,
+        )
     hits.axhline(-HIT_RATE_POINTS * 100, color="red", linewidth=0.8, linestyle="--")
-    hits.set(xlabel="best other policy's hit rate (%)", ylabel="kv_aware minus best (points)",
-             title="hit rate (above the line: within 0.5 pt)")
+    hits.set(
+        xlabel="best other policy's hit rate (%)",
+        ylabel="kv_aware minus best (points)",
+        title="hit rate (above the line: within 0.5 pt)",
+    )
     p99s.axhline(TTFT_P99_RATIO, color="red", linewidth=0.8, linestyle="--")
-    p99s.set(xscale="log", yscale="log", xlabel="best other policy's TTFT p99 (s)", ylabel="kv_aware / best",
-             title="TTFT p99 (below the line: within 5%)")
+    p99s.set(
+        xscale="log",
+        yscale="log",
+        xlabel="best other policy's TTFT p99 (s)",
+        ylabel="kv_aware / best",
+        title="TTFT p99 (below the line: within 5%)",
+    )
     hits.legend()
     figure.suptitle(f"kv_aware against the best other policy on {len(points)} random agent-trace shapes x loads")
     figure.tight_layout()

@@ -55,8 +55,7 @@ def measure(dtype: str, lengths: list[int], repeats: int) -> list[dict]:
     torch_dtype = getattr(torch, dtype)
     model_dir = ensure_default_model()
     max_len = max(lengths) + SUFFIX_LEN
-    llm = LLM(dtype=dtype, kv_cache_memory_bytes=(max_len * 4) * 16384, max_num_batched_tokens=max_len,
-              log_stats=False)
+    llm = LLM(dtype=dtype, kv_cache_memory_bytes=(max_len * 4) * 16384, max_num_batched_tokens=max_len, log_stats=False)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval()
     rng = random.Random(0)
     engine_ttft(llm, random_tokens(rng, 64))  # warm-up
@@ -73,8 +72,13 @@ def measure(dtype: str, lengths: list[int], repeats: int) -> list[dict]:
             floor_s, eager_s = hf_times(hf, prefix, hit_prompt[length:])
             floor.append(floor_s)
             eager.append(eager_s)
-        row = {"cached": length, "miss": statistics.median(miss), "hit": statistics.median(hit),
-               "floor": statistics.median(floor), "hf_eager": statistics.median(eager)}
+        row = {
+            "cached": length,
+            "miss": statistics.median(miss),
+            "hit": statistics.median(hit),
+            "floor": statistics.median(floor),
+            "hf_eager": statistics.median(eager),
+        }
         row["hit_over_floor"] = row["hit"] / row["floor"]
         row["miss_over_hf"] = row["miss"] / row["hf_eager"]
         row["miss_over_hit"] = row["miss"] / row["hit"]
@@ -84,10 +88,16 @@ def measure(dtype: str, lengths: list[int], repeats: int) -> list[dict]:
 
 def print_table(rows: list[dict], dtype: str) -> None:
     print(f"TTFT, built-in model, {dtype}, {SUFFIX_LEN} new tokens (milliseconds, median)")
-    print(f"{'cached':>7} {'miss':>8} {'hit':>8} {'floor':>8} {'hf eager':>9} {'hit/floor':>10} {'miss/hf':>8} {'miss/hit':>9}")
+    print(
+        f"{'cached':>7} {'miss':>8} {'hit':>8} {'floor':>8} {'hf eager':>9} {'hit/floor':>10} "
+        f"{'miss/hf':>8} {'miss/hit':>9}"
+    )
     for r in rows:
-        print(f"{r['cached']:>7} {r['miss'] * 1e3:>8.1f} {r['hit'] * 1e3:>8.1f} {r['floor'] * 1e3:>8.1f} "
-              f"{r['hf_eager'] * 1e3:>9.1f} {r['hit_over_floor']:>10.2f} {r['miss_over_hf']:>8.2f} {r['miss_over_hit']:>9.1f}")
+        print(
+            f"{r['cached']:>7} {r['miss'] * 1e3:>8.1f} {r['hit'] * 1e3:>8.1f} {r['floor'] * 1e3:>8.1f} "
+            f"{r['hf_eager'] * 1e3:>9.1f} {r['hit_over_floor']:>10.2f} {r['miss_over_hf']:>8.2f} "
+            f"{r['miss_over_hit']:>9.1f}"
+        )
 
 
 def plot(rows: list[dict], dtype: str, path: Path) -> None:
@@ -98,8 +108,12 @@ def plot(rows: list[dict], dtype: str, path: Path) -> None:
 
     lengths = [r["cached"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4))
-    for key, label in [("miss", "prefixserve miss"), ("hit", "prefixserve hit"),
-                       ("floor", "floor: 20 tokens over filled KV"), ("hf_eager", "transformers eager (all tokens)")]:
+    for key, label in [
+        ("miss", "prefixserve miss"),
+        ("hit", "prefixserve hit"),
+        ("floor", "floor: 20 tokens over filled KV"),
+        ("hf_eager", "transformers eager (all tokens)"),
+    ]:
         ax.plot(lengths, [r[key] * 1e3 for r in rows], marker="o", label=label)
     ax.set_xlabel("cached prefix tokens (+20 new)")
     ax.set_ylabel("TTFT (ms)")
@@ -113,8 +127,9 @@ def plot(rows: list[dict], dtype: str, path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--lengths", default="256,512,1024,2048,3072")
     parser.add_argument("--repeats", type=int, default=3)

@@ -43,11 +43,17 @@ def make_generate(llm, sampling_params_class):
 
     def generate(turns: list[Turn]) -> list[Completion]:
         prompts = [TokensPrompt(prompt_token_ids=turn.prompt_token_ids) for turn in turns]
-        params = [sampling_params_class(max_tokens=turn.max_tokens, temperature=0.0, ignore_eos=True)
-                  for turn in turns]
+        params = [sampling_params_class(max_tokens=turn.max_tokens, temperature=0.0, ignore_eos=True) for turn in turns]
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        return [Completion(list(output.outputs[0].token_ids), first_token_latency(output),
-                           output.num_cached_tokens, decode_seconds(output)) for output in outputs]
+        return [
+            Completion(
+                list(output.outputs[0].token_ids),
+                first_token_latency(output),
+                output.num_cached_tokens,
+                decode_seconds(output),
+            )
+            for output in outputs
+        ]
 
     return generate
 
@@ -64,8 +70,10 @@ def ttft_probe(llm, sampling_params_class, prefix_len: int, suffix_len: int, rep
     for _ in range(repeats):
         prefix = random_tokens(rng, prefix_len)
         llm.reset_prefix_cache()
-        for prompt, times in ((prefix + random_tokens(rng, suffix_len), miss),
-                              (prefix + random_tokens(rng, suffix_len), hit)):
+        for prompt, times in (
+            (prefix + random_tokens(rng, suffix_len), miss),
+            (prefix + random_tokens(rng, suffix_len), hit),
+        ):
             start = time.perf_counter()
             llm.generate([TokensPrompt(prompt_token_ids=prompt)], one, use_tqdm=False)
             times.append(time.perf_counter() - start)
@@ -78,8 +86,14 @@ def main() -> None:
     from vllm import LLM, SamplingParams, __version__
 
     start = time.perf_counter()
-    llm = LLM(model=task["model"], dtype=task["dtype"], enable_prefix_caching=task.get("prefix_caching", True), seed=0,
-              disable_log_stats=False, **task.get("engine", {}))
+    llm = LLM(
+        model=task["model"],
+        dtype=task["dtype"],
+        enable_prefix_caching=task.get("prefix_caching", True),
+        seed=0,
+        disable_log_stats=False,
+        **task.get("engine", {}),
+    )
     load_s = time.perf_counter() - start
     generate = make_generate(llm, SamplingParams)
     workloads = build_workloads(task["seed"])
@@ -93,12 +107,15 @@ def main() -> None:
         wall = time.perf_counter() - start
         llm.reset_prefix_cache()
         print(f"vllm {name}: {wall:.2f} s", file=sys.stderr, flush=True)
-        result["workloads"][name] = {"wall_s": wall, "turns": [
-            {"prompt_len": len(turn.prompt_token_ids), **asdict(completion)} for turn, completion in done]}
+        result["workloads"][name] = {
+            "wall_s": wall,
+            "turns": [{"prompt_len": len(turn.prompt_token_ids), **asdict(completion)} for turn, completion in done],
+        }
     probe = task.get("ttft_probe")
     if probe:
-        result["ttft_probe"] = ttft_probe(llm, SamplingParams, probe["prefix_len"], probe["suffix_len"],
-                                          probe["repeats"], task["seed"])
+        result["ttft_probe"] = ttft_probe(
+            llm, SamplingParams, probe["prefix_len"], probe["suffix_len"], probe["repeats"], task["seed"]
+        )
     Path(sys.argv[2]).write_text(json.dumps(result))
 
 

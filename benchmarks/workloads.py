@@ -46,9 +46,9 @@ class Completion:
     """What an engine reports for one turn (JSON-friendly: the vLLM peer sends these back)."""
 
     output_token_ids: list[int]
-    ttft: Optional[float] = None          # seconds from submission to the first token
+    ttft: Optional[float] = None  # seconds from submission to the first token
     num_cached_tokens: Optional[int] = None  # prompt tokens served from a prefix cache
-    decode_s: Optional[float] = None      # seconds from the first output token to the last (TPOT x (n - 1))
+    decode_s: Optional[float] = None  # seconds from the first output token to the last (TPOT x (n - 1))
 
 
 @dataclass
@@ -64,30 +64,33 @@ def random_tokens(rng: random.Random, length: int) -> list[int]:
     return [rng.randrange(FIRST_ORDINARY_ID, VOCAB_SIZE) for _ in range(length)]
 
 
-def shared_prefix(name: str, seed: int, num_requests: int, prefix_len: int, own_len: int,
-                  max_tokens: int) -> Workload:
+def shared_prefix(name: str, seed: int, num_requests: int, prefix_len: int, own_len: int, max_tokens: int) -> Workload:
     rng = random.Random(f"{name}-{seed}")
     prefix = random_tokens(rng, prefix_len)
     turns = [Turn(prefix + random_tokens(rng, own_len), max_tokens) for _ in range(num_requests)]
     return Workload(name, 1, lambda index, previous: turns)
 
 
-def multi_turn(seed: int, num_sessions: int = 8, num_turns: int = 6, message_len: int = 60,
-               max_tokens: int = 32) -> Workload:
+def multi_turn(
+    seed: int, num_sessions: int = 8, num_turns: int = 6, message_len: int = 60, max_tokens: int = 32
+) -> Workload:
     rng = random.Random(f"multi-turn-{seed}")
     messages = [[random_tokens(rng, message_len) for _ in range(num_turns)] for _ in range(num_sessions)]
 
     def next_round(index: int, previous: list[tuple[Turn, Completion]]) -> list[Turn]:
         if index == 0:
             return [Turn(session[0], max_tokens) for session in messages]
-        return [Turn(turn.prompt_token_ids + done.output_token_ids + session[index], max_tokens)
-                for (turn, done), session in zip(previous, messages)]
+        return [
+            Turn(turn.prompt_token_ids + done.output_token_ids + session[index], max_tokens)
+            for (turn, done), session in zip(previous, messages)
+        ]
 
     return Workload("multi-turn", num_turns, next_round)
 
 
-def agent_loop(seed: int, schema_len: int = 1500, result_len: int = 110, num_calls: int = 20,
-               max_tokens: int = 16) -> Workload:
+def agent_loop(
+    seed: int, schema_len: int = 1500, result_len: int = 110, num_calls: int = 20, max_tokens: int = 16
+) -> Workload:
     rng = random.Random(f"agent-loop-{seed}")
     schema = random_tokens(rng, schema_len)
     results = [random_tokens(rng, result_len) for _ in range(num_calls)]
@@ -95,7 +98,7 @@ def agent_loop(seed: int, schema_len: int = 1500, result_len: int = 110, num_cal
     def next_round(index: int, previous: list[tuple[Turn, Completion]]) -> list[Turn]:
         if index == 0:
             return [Turn(schema + results[0], max_tokens)]
-        (turn, done), = previous
+        ((turn, done),) = previous
         return [Turn(turn.prompt_token_ids + done.output_token_ids + results[index], max_tokens)]
 
     return Workload("agent-loop", num_calls, next_round)
@@ -150,9 +153,11 @@ def _describe() -> None:
     for workload in build_workloads().values():
         turns = [turn for turn, _ in drive(workload, echo)]
         lengths = [len(turn.prompt_token_ids) for turn in turns]
-        print(f"{workload.name:>14}: {workload.num_rounds:>2} rounds, {len(turns):>3} requests, prompt tokens "
-              f"{sum(lengths):>6} (min {min(lengths)}, max {max(lengths)}), output tokens "
-              f"{sum(turn.max_tokens for turn in turns)}")
+        print(
+            f"{workload.name:>14}: {workload.num_rounds:>2} rounds, {len(turns):>3} requests, prompt tokens "
+            f"{sum(lengths):>6} (min {min(lengths)}, max {max(lengths)}), output tokens "
+            f"{sum(turn.max_tokens for turn in turns)}"
+        )
 
 
 if __name__ == "__main__":

@@ -16,9 +16,16 @@ import json
 from typing import Any, Optional
 
 # 422 (a malformed field) is Anthropic's invalid_request_error, which it answers as a 400
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 422: "invalid_request_error", 429: "rate_limit_error",
-               503: "overloaded_error"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
 
 
 def anthropic_error_body(status: int, message: str) -> dict:
@@ -49,9 +56,15 @@ def turns_of(role: str, content: Any) -> list[tuple[dict, Optional[dict]]]:
     blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
     if role == "assistant":
         text = "".join(block["text"] for block in blocks if block["type"] == "text")
-        calls = [{"id": block["id"], "type": "function",
-                  "function": {"name": block["name"], "arguments": json.dumps(block["input"])}}
-                 for block in blocks if block["type"] == "tool_use"]
+        calls = [
+            {
+                "id": block["id"],
+                "type": "function",
+                "function": {"name": block["name"], "arguments": json.dumps(block["input"])},
+            }
+            for block in blocks
+            if block["type"] == "tool_use"
+        ]
         message = {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
         return [(message, blocks[-1] if blocks else None)]
     if role != "user":
@@ -75,10 +88,17 @@ def tools_of(tools: Optional[list[dict]]) -> Optional[list[dict]]:
     """Anthropic's tools as OpenAI's function tools, as the chat endpoint receives them (None for none)."""
     if not tools:
         return None
-    return [{"type": "function", "function": {"name": tool["name"],
-                                              **({"description": tool["description"]}
-                                                 if tool.get("description") is not None else {}),
-                                              "parameters": tool["input_schema"]}} for tool in tools]
+    return [
+        {
+            "type": "function",
+            "function": {
+                "name": tool["name"],
+                **({"description": tool["description"]} if tool.get("description") is not None else {}),
+                "parameters": tool["input_schema"],
+            },
+        }
+        for tool in tools
+    ]
 
 
 def chat_of(body: dict) -> tuple[list[dict], Optional[list[dict]]]:

@@ -14,10 +14,12 @@ import json
 from typing import Any, Optional
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
-TOOLS_SYSTEM = ("# Tools\n\nYou may call one or more functions to help with the user's request. The functions are "
-                "described in JSON within <tools></tools>:\n<tools>\n{tools}\n</tools>\n\nTo call a function, answer "
-                "with a JSON object of its name and arguments within <tool_call></tool_call>, one block per call:\n"
-                "<tool_call>\n{{\"name\": <function-name>, \"arguments\": <arguments-object>}}\n</tool_call>")
+TOOLS_SYSTEM = (
+    "# Tools\n\nYou may call one or more functions to help with the user's request. The functions are "
+    "described in JSON within <tools></tools>:\n<tools>\n{tools}\n</tools>\n\nTo call a function, answer "
+    "with a JSON object of its name and arguments within <tool_call></tool_call>, one block per call:\n"
+    '<tool_call>\n{{"name": <function-name>, "arguments": <arguments-object>}}\n</tool_call>'
+)
 
 
 def template_reads_tools(template: Optional[str]) -> bool:
@@ -30,8 +32,9 @@ def message_text(content: Any) -> str:
         return ""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(part, dict) and isinstance(part.get("text"), str)
-                                         for part in content):
+    if isinstance(content, list) and all(
+        isinstance(part, dict) and isinstance(part.get("text"), str) for part in content
+    ):
         return "".join(part["text"] for part in content)
     raise ValueError("a message's content must be text or a list of text parts")
 
@@ -50,8 +53,9 @@ def hermes_text(calls: list[dict]) -> str:
     """Calls ({"function": {"name", "arguments": object}}) as the hermes format writes them."""
     blocks = []
     for call in calls:
-        body = json.dumps({"name": call["function"]["name"], "arguments": call["function"]["arguments"]},
-                          ensure_ascii=False)
+        body = json.dumps(
+            {"name": call["function"]["name"], "arguments": call["function"]["arguments"]}, ensure_ascii=False
+        )
         blocks.append(f"{HERMES_OPEN}\n{body}\n{HERMES_CLOSE}")
     return "\n".join(blocks)
 
@@ -61,9 +65,17 @@ def _template_message(index: int, message: dict) -> dict[str, Any]:
     if message.get("name") is not None:
         entry["name"] = message["name"]
     if message.get("tool_calls"):
-        entry["tool_calls"] = [{"id": call.get("id"), "type": "function", "function": {
-            "name": call["function"]["name"], "arguments": _arguments(call["function"].get("arguments"), index)}}
-            for call in message["tool_calls"]]
+        entry["tool_calls"] = [
+            {
+                "id": call.get("id"),
+                "type": "function",
+                "function": {
+                    "name": call["function"]["name"],
+                    "arguments": _arguments(call["function"].get("arguments"), index),
+                },
+            }
+            for call in message["tool_calls"]
+        ]
     if message.get("tool_call_id") is not None:
         entry["tool_call_id"] = message["tool_call_id"]
     return entry
@@ -79,8 +91,9 @@ def _taught(entry: dict[str, Any]) -> dict[str, Any]:
     return {"role": entry["role"], "content": entry["content"]}
 
 
-def render_chat(messages: list[dict], tools: Optional[list[dict]], reads_tools: bool
-                ) -> tuple[list[dict[str, Any]], Optional[list[dict]]]:
+def render_chat(
+    messages: list[dict], tools: Optional[list[dict]], reads_tools: bool
+) -> tuple[list[dict[str, Any]], Optional[list[dict]]]:
     """(messages, tools) for the template: `messages` and `tools` as OpenAI's JSON (already validated by the
     server; the router reads them raw: ValueError or KeyError when they are not what they should be)."""
     rendered = [_template_message(index, message) for index, message in enumerate(messages)]

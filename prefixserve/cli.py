@@ -19,6 +19,7 @@ from .commands.simulate import add_simulate_arguments, simulate
 from .router.launch import add_route_arguments, route
 from .server.launch import add_serve_arguments, serve
 
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Appends "(default: X)" to a flag's help, unless the help already names its default or there is
     nothing to show: a switch (its help says what giving it does), or None, whose meaning the help text
@@ -32,22 +33,30 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="prefixserve", allow_abbrev=False,
-                                     description="LLM serving with a token-exact prefix KV cache")
+    parser = argparse.ArgumentParser(
+        prog="prefixserve", allow_abbrev=False, description="LLM serving with a token-exact prefix KV cache"
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(name: str, summary: str) -> argparse.ArgumentParser:
-        subparser = commands.add_parser(name, help=summary, description=summary, formatter_class=HelpFormatter,
-                                        allow_abbrev=False)
+        subparser = commands.add_parser(
+            name, help=summary, description=summary, formatter_class=HelpFormatter, allow_abbrev=False
+        )
         subparser.set_defaults(usage_error=subparser.error)  # a command's mistakes shown with its own usage
         return subparser
 
     add_serve_arguments(command("serve", "OpenAI-compatible server (a small default model is built in)"))
     add_route_arguments(command("route", "cache-aware router in front of 'prefixserve serve' replicas"))
-    add_simulate_arguments(command("simulate", "replay a request trace over simulated replicas and compare "
-                                               "routing policies"))
-    add_plan_arguments(command("plan", "planners on measured or given inputs (tiers: when fetching a prefix's KV "
-                                       "from host RAM or disk beats recomputing it)"))
+    add_simulate_arguments(
+        command("simulate", "replay a request trace over simulated replicas and compare routing policies")
+    )
+    add_plan_arguments(
+        command(
+            "plan",
+            "planners on measured or given inputs (tiers: when fetching a prefix's KV "
+            "from host RAM or disk beats recomputing it)",
+        )
+    )
     add_lint_arguments(command("lint", LINT_SUMMARY))
     return parser
 

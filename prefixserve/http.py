@@ -11,7 +11,6 @@ from typing import Optional
 
 from starlette.responses import JSONResponse
 
-
 # A router asks a replica for progress beats with this header (value "beats"); the replica says it sends them
 # with the same header on its response (server/beats.py; router/progress.py reads them).
 PROGRESS_HEADER = "x-prefixserve-progress"
@@ -31,18 +30,27 @@ def split_model(model: str) -> tuple[str, Optional[str]]:
         return model, None
     digits = version.lower().removeprefix("fp_")
     if len(digits) < MIN_VERSION_DIGITS or not set(digits) <= _HEX:
-        raise ValueError(f"model {model!r}: after '@' give the model version as a response's system_fingerprint "
-                         f"names it, e.g. '{name}@fp_0123456789abcdef' (at least {MIN_VERSION_DIGITS} hex digits)")
+        raise ValueError(
+            f"model {model!r}: after '@' give the model version as a response's system_fingerprint "
+            f"names it, e.g. '{name}@fp_0123456789abcdef' (at least {MIN_VERSION_DIGITS} hex digits)"
+        )
     return name, digits
 
 
-def error_body(message: str, type_: str = "invalid_request_error", param: Optional[str] = None,
-               code: Optional[str] = None) -> dict:
+def error_body(
+    message: str, type_: str = "invalid_request_error", param: Optional[str] = None, code: Optional[str] = None
+) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def error_response(status: int, message: str, type_: str = "invalid_request_error", param: Optional[str] = None,
-                   code: Optional[str] = None, headers: Optional[dict] = None) -> JSONResponse:
+def error_response(
+    status: int,
+    message: str,
+    type_: str = "invalid_request_error",
+    param: Optional[str] = None,
+    code: Optional[str] = None,
+    headers: Optional[dict] = None,
+) -> JSONResponse:
     return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
 
 
@@ -50,8 +58,15 @@ class APIError(Exception):
     """A fault the client caused, raised anywhere under a route of the server or the router and answered
     as its OpenAI body (install_base_error_handlers)."""
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: Optional[str] = None, code: Optional[str] = None, headers: Optional[dict] = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: Optional[str] = None,
+        code: Optional[str] = None,
+        headers: Optional[dict] = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.headers = headers or {}
@@ -81,5 +96,6 @@ def install_base_error_handlers(app, logger, what: str, code: Optional[str] = No
     @app.exception_handler(Exception)
     async def on_unexpected(_, error: Exception):
         logger.exception("unhandled error in the %s", what)
-        return error_response(500, f"internal {what} error; the {what}'s log has the details", "server_error",
-                              code=code)
+        return error_response(
+            500, f"internal {what} error; the {what}'s log has the details", "server_error", code=code
+        )

@@ -30,8 +30,9 @@ class BodySizeLimit:
     Starlette's error middleware, so the overflow raised from `receive` reaches it.
     """
 
-    def __init__(self, app, max_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-                 body_timeout: float = DEFAULT_BODY_TIMEOUT_SECONDS) -> None:
+    def __init__(
+        self, app, max_bytes: int = DEFAULT_MAX_REQUEST_BYTES, body_timeout: float = DEFAULT_BODY_TIMEOUT_SECONDS
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.body_timeout = body_timeout
@@ -84,22 +85,34 @@ class BodySizeLimit:
                 await self._refuse(send, self._too_large(), 413, "request_too_large")
         except _BodyTimeout:
             if not response_started:
-                await self._refuse(send, f"the request body stalled: no bytes for {self.body_timeout:g} s", 408,
-                                   "request_timeout")
+                await self._refuse(
+                    send, f"the request body stalled: no bytes for {self.body_timeout:g} s", 408, "request_timeout"
+                )
         except ClientDisconnect:
-            logging.getLogger("prefixserve").debug("client disconnected before sending its whole body (%s %s)",
-                                                   scope.get("method"), scope.get("path"))
+            logging.getLogger("prefixserve").debug(
+                "client disconnected before sending its whole body (%s %s)", scope.get("method"), scope.get("path")
+            )
 
     def _too_large(self) -> str:
-        return (f"the request body exceeds {self.max_bytes} bytes; send a smaller request "
-                "(the operator sets the limit with --max-request-bytes)")
+        return (
+            f"the request body exceeds {self.max_bytes} bytes; send a smaller request "
+            "(the operator sets the limit with --max-request-bytes)"
+        )
 
     @staticmethod
     async def _refuse(send, message: str, status: int, code: str) -> None:
         body = json.dumps(error_body(message, code=code)).encode()
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"connection", b"close"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
 
@@ -135,8 +148,10 @@ def _refuse_lone_surrogates(value) -> None:
             try:
                 item.encode("utf-8")
             except UnicodeEncodeError:
-                raise ValueError("the request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff), "
-                                 "which is not a character; send the text as UTF-8") from None
+                raise ValueError(
+                    "the request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff), "
+                    "which is not a character; send the text as UTF-8"
+                ) from None
         elif isinstance(item, dict):
             stack.extend(item.keys())
             stack.extend(item.values())

@@ -130,18 +130,34 @@ class AdminKey:
         """None when `authorization` carries the admin key; else why not, as an error to answer: 401 for
         a missing or unknown key, 403 for a tenant's key (one of `tenants`)."""
         if self._digest is None:
-            return AdminRefusal(404, f"this endpoint is off; start the {self.owner} with --admin-api-key to enable it",
-                                "not_found_error", "admin_disabled")
+            return AdminRefusal(
+                404,
+                f"this endpoint is off; start the {self.owner} with --admin-api-key to enable it",
+                "not_found_error",
+                "admin_disabled",
+            )
         key = bearer_token(authorization)
         if not key:
-            return AdminRefusal(401, "this endpoint needs the admin API key; send 'Authorization: Bearer <admin key>'",
-                                "authentication_error", "invalid_api_key")
+            return AdminRefusal(
+                401,
+                "this endpoint needs the admin API key; send 'Authorization: Bearer <admin key>'",
+                "authentication_error",
+                "invalid_api_key",
+            )
         if not hmac.compare_digest(hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest(), self._digest):
             if tenants is not None and tenants.lookup(key) is not None:
-                return AdminRefusal(403, "this endpoint needs the operator's admin API key, not a tenant key",
-                                    "permission_error", "admin_only")
-            return AdminRefusal(401, "this endpoint needs the admin API key; the key sent is not it",
-                                "authentication_error", "invalid_api_key")
+                return AdminRefusal(
+                    403,
+                    "this endpoint needs the operator's admin API key, not a tenant key",
+                    "permission_error",
+                    "admin_only",
+                )
+            return AdminRefusal(
+                401,
+                "this endpoint needs the admin API key; the key sent is not it",
+                "authentication_error",
+                "invalid_api_key",
+            )
         return None
 
 
@@ -166,7 +182,7 @@ def _read_keys_file(api_keys_file: str) -> dict[str, KeyEntry]:
     try:
         loaded = json.loads(path.read_text())
     except (OSError, ValueError) as error:
-        raise SystemExit(f"--api-keys-file {path}: cannot read a JSON object of key -> tenant ({error})")
+        raise SystemExit(f"--api-keys-file {path}: cannot read a JSON object of key -> tenant ({error})") from None
     if not isinstance(loaded, dict):
         raise SystemExit(f"--api-keys-file {path}: expected a JSON object mapping API key strings to tenant names")
     entries: dict[str, KeyEntry] = {}
@@ -177,24 +193,33 @@ def _read_keys_file(api_keys_file: str) -> dict[str, KeyEntry]:
         if isinstance(value, dict):
             unknown = set(value) - set(KeyEntry._fields)
             if unknown or "tenant" not in value:
-                raise SystemExit(f"--api-keys-file {path}: a key's entry is a tenant name or an object with "
-                                 f"'tenant' and optional 'cache_ttl' (seconds) and 'cache_retention' "
-                                 f"({' or '.join(CACHE_RETENTIONS)}); got fields {sorted(value)}")
+                raise SystemExit(
+                    f"--api-keys-file {path}: a key's entry is a tenant name or an object with "
+                    f"'tenant' and optional 'cache_ttl' (seconds) and 'cache_retention' "
+                    f"({' or '.join(CACHE_RETENTIONS)}); got fields {sorted(value)}"
+                )
             tenant, ttl, retention = value["tenant"], value.get("cache_ttl"), value.get("cache_retention")
-            if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float))
-                                    or not math.isfinite(ttl) or ttl <= 0):
-                raise SystemExit(f"--api-keys-file {path}: cache_ttl of tenant {tenant!r} must be a positive number "
-                                 f"of seconds, got {ttl!r}")
+            if ttl is not None and (
+                isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not math.isfinite(ttl) or ttl <= 0
+            ):
+                raise SystemExit(
+                    f"--api-keys-file {path}: cache_ttl of tenant {tenant!r} must be a positive number "
+                    f"of seconds, got {ttl!r}"
+                )
             if retention is not None and retention not in CACHE_RETENTIONS:
-                raise SystemExit(f"--api-keys-file {path}: cache_retention of tenant {tenant!r} must be one of "
-                                 f"{list(CACHE_RETENTIONS)}, got {retention!r}")
+                raise SystemExit(
+                    f"--api-keys-file {path}: cache_retention of tenant {tenant!r} must be one of "
+                    f"{list(CACHE_RETENTIONS)}, got {retention!r}"
+                )
         else:
             tenant = value
         if not isinstance(tenant, str):
             raise SystemExit(f"--api-keys-file {path}: expected a JSON object mapping API key strings to tenant names")
         if not is_valid_tenant_id(tenant):
-            raise SystemExit(f"--api-keys-file {path}: tenant id {tenant!r} must be 1 to 256 printable characters "
-                             "(no control characters such as NUL or newlines)")
+            raise SystemExit(
+                f"--api-keys-file {path}: tenant id {tenant!r} must be 1 to 256 printable characters "
+                "(no control characters such as NUL or newlines)"
+            )
         entries[key] = KeyEntry(tenant, None if ttl is None else float(ttl), retention)
     return entries
 
@@ -220,8 +245,10 @@ def _tenant_settings(api_keys_file: Optional[str], field: str) -> dict:
     for entry in _read_keys_file(api_keys_file).values():
         value = getattr(entry, field)
         if value is not None and settings.setdefault(entry.tenant, value) != value:
-            raise SystemExit(f"--api-keys-file {api_keys_file}: tenant {entry.tenant!r} has two different {field} "
-                             "values; give each tenant one")
+            raise SystemExit(
+                f"--api-keys-file {api_keys_file}: tenant {entry.tenant!r} has two different {field} "
+                "values; give each tenant one"
+            )
     return settings
 
 

@@ -57,10 +57,13 @@ class HeaderDeadlineProtocol(H11Protocol):
         self._header_timer = None
         if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
             return
-        body = json.dumps(error_body(f"the request's headers did not arrive within {self.header_timeout:g} s",
-                                     code="request_timeout")).encode()
-        self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
-                             b"connection: close\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        body = json.dumps(
+            error_body(f"the request's headers did not arrive within {self.header_timeout:g} s", code="request_timeout")
+        ).encode()
+        self.transport.write(
+            b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+            b"connection: close\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        )
         self.transport.close()
 
 
@@ -71,10 +74,8 @@ def header_deadline_protocol(header_timeout: float = HEADER_TIMEOUT_SECONDS) -> 
     return type("HeaderDeadlineProtocol", (HeaderDeadlineProtocol,), {"header_timeout": float(header_timeout)})
 
 
-def uvicorn_config(app, host: str, port: int, log_level: str = "info",
-                   header_timeout: float = HEADER_TIMEOUT_SECONDS):
+def uvicorn_config(app, host: str, port: int, log_level: str = "info", header_timeout: float = HEADER_TIMEOUT_SECONDS):
     """uvicorn's Config for one of our apps: h11 with the header deadline."""
     import uvicorn
 
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                          http=header_deadline_protocol(header_timeout))
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=header_deadline_protocol(header_timeout))

@@ -76,7 +76,9 @@ class LLM:
         prompt_list = split_prompts(prompts)
         if isinstance(params, (list, tuple)):
             if len(params) != len(prompt_list):
-                raise ValueError(f"got {len(params)} SamplingParams for {len(prompt_list)} prompts; give one or one each")
+                raise ValueError(
+                    f"got {len(params)} SamplingParams for {len(prompt_list)} prompts; give one or one each"
+                )
             param_list = list(params)
         else:
             param_list = [params or SamplingParams()] * len(prompt_list)

@@ -11,8 +11,11 @@ from typing import Any
 
 def is_token_ids(value: Any) -> bool:
     """A non-empty list or tuple of ints (booleans are not token ids)."""
-    return (isinstance(value, (list, tuple)) and bool(value)
-            and all(isinstance(item, int) and not isinstance(item, bool) for item in value))
+    return (
+        isinstance(value, (list, tuple))
+        and bool(value)
+        and all(isinstance(item, int) and not isinstance(item, bool) for item in value)
+    )
 
 
 def split_prompts(prompts: Any) -> list:

@@ -18,8 +18,9 @@ class FakeRequest:
     num_cached_tokens: int = 0
 
 
-def admit(cache: RadixCache, keyer: BlockKeyer, request: FakeRequest, num_output_slots: int = 0,
-          ttl: Optional[float] = None) -> FakeRequest:
+def admit(
+    cache: RadixCache, keyer: BlockKeyer, request: FakeRequest, num_output_slots: int = 0, ttl: Optional[float] = None
+) -> FakeRequest:
     """Match, acquire the hit, allocate blocks for the rest of the prompt plus output slots."""
     keyer.extend(request.keys, request.scope_digest, request.token_ids)
     hit = cache.match(request.scope_digest, request.keys, request.token_ids)
@@ -38,8 +39,9 @@ def insert_full_blocks(cache: RadixCache, request: FakeRequest, ttl: Optional[fl
     size = cache.block_size
     for i, key in enumerate(request.keys):
         parent = request.blocks[i - 1] if i else request.scope_digest
-        request.blocks[i] = cache.insert(request.blocks[i], key, request.token_ids[i * size : (i + 1) * size],
-                                         parent, ttl)
+        request.blocks[i] = cache.insert(
+            request.blocks[i], key, request.token_ids[i * size : (i + 1) * size], parent, ttl
+        )
 
 
 def finish(cache: RadixCache, request: FakeRequest) -> None:

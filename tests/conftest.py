@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from redis_helpers import redis_server, shared_redis  # noqa: F401 (fixtures: each test its own redis-server or cluster)
 
 

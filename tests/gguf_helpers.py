@@ -18,7 +18,8 @@ Q = GGMLQuantizationType
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
-    "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 CONTROL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 USER_DEFINED_TOKENS = ["<think>"]
 
@@ -32,9 +33,14 @@ TRAINING_TEXT = [
 
 # Where the float16 scale fields of each K-quant and IQ block sit (ggml's block_q*_K and block_iq* structs),
 # so random test blocks get finite scales (IQ1_M packs its scale in its sub-block scales' top nibbles).
-K_QUANT_HALF_OFFSETS = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
-                        **{kind: (0,) for kind in (Q.IQ4_NL, Q.IQ4_XS, Q.IQ3_S, Q.IQ3_XXS, Q.IQ2_S, Q.IQ2_XS,
-                                                   Q.IQ2_XXS, Q.IQ1_S)}}
+K_QUANT_HALF_OFFSETS = {
+    Q.Q2_K: (80, 82),
+    Q.Q3_K: (108,),
+    Q.Q4_K: (0, 2),
+    Q.Q5_K: (0, 2),
+    Q.Q6_K: (208,),
+    **{kind: (0,) for kind in (Q.IQ4_NL, Q.IQ4_XS, Q.IQ3_S, Q.IQ3_XXS, Q.IQ2_S, Q.IQ2_XS, Q.IQ2_XXS, Q.IQ1_S)},
+}
 
 
 def smollm2_gguf() -> Path | None:
@@ -50,8 +56,11 @@ def llama_cpp_permute(weights: np.ndarray, n_head: int, n_head_kv: int | None = 
     """llama.cpp's LlamaModel.permute (convert_hf_to_gguf.py), as it is applied to Q and K."""
     if n_head_kv is not None and n_head != n_head_kv:
         n_head = n_head_kv
-    return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
-            .swapaxes(1, 2).reshape(weights.shape))
+    return (
+        weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
 
 
 def train_tokenizer(vocab_size: int = 360) -> tuple[list[str], list[str], list[int]]:
@@ -59,8 +68,12 @@ def train_tokenizer(vocab_size: int = 360) -> tuple[list[str], list[str], list[i
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=CONTROL_TOKENS + USER_DEFINED_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=CONTROL_TOKENS + USER_DEFINED_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     backend.train_from_iterator(TRAINING_TEXT, trainer)
     state = json.loads(backend.to_str())["model"]
     vocab = state["vocab"]
@@ -73,12 +86,25 @@ def train_tokenizer(vocab_size: int = 360) -> tuple[list[str], list[str], list[i
 
 def tiny_llama_config(vocab_size: int, tie: bool = False, model_type: str = "llama") -> dict:
     return {
-        "architectures": [{"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(model_type, "LlamaForCausalLM")],
-        "model_type": model_type, "vocab_size": vocab_size, "hidden_size": 64,
-        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 256,
-        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": tie, "hidden_act": "silu",
-        "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
+        "architectures": [
+            {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(model_type, "LlamaForCausalLM")
+        ],
+        "model_type": model_type,
+        "vocab_size": vocab_size,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": tie,
+        "hidden_act": "silu",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "float32",
     }
 
 
@@ -92,8 +118,10 @@ def random_hf_weights(config: dict, seed: int = 0) -> dict[str, np.ndarray]:
     def normal(*shape: int, std: float, mean: float = 0.0) -> np.ndarray:
         return (mean + std * rng.standard_normal(shape)).astype(np.float32)
 
-    weights = {"model.embed_tokens.weight": normal(config["vocab_size"], hidden, std=1.0),
-               "model.norm.weight": normal(hidden, std=0.1, mean=1.0)}
+    weights = {
+        "model.embed_tokens.weight": normal(config["vocab_size"], hidden, std=1.0),
+        "model.norm.weight": normal(hidden, std=0.1, mean=1.0),
+    }
     if not config["tie_word_embeddings"]:
         weights["lm_head.weight"] = normal(config["vocab_size"], hidden, std=0.3)
     for index in range(config["num_hidden_layers"]):
@@ -117,16 +145,26 @@ def random_hf_weights(config: dict, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 _GGUF_LAYER_NAMES = {
-    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
-    "self_attn.v_proj.bias": "attn_v.bias", "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
-    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
 }
-_GGUF_GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                      "lm_head.weight": "output.weight"}
+_GGUF_GLOBAL_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
 
 
 def gguf_tensors(config: dict, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -163,15 +201,20 @@ def random_blocks(kind: GGMLQuantizationType, num_rows: int, row_len: int, seed:
     blocks = rng.integers(0, 256, size=(num_rows * row_len // block_len, block_bytes), dtype=np.uint8)
     for offset in K_QUANT_HALF_OFFSETS.get(kind, ()):
         scales = rng.uniform(0.001, 0.05, size=len(blocks)).astype(np.float16)
-        blocks[:, offset:offset + 2] = scales.view(np.uint8).reshape(-1, 2)
+        blocks[:, offset : offset + 2] = scales.view(np.uint8).reshape(-1, 2)
     return blocks.reshape(num_rows, row_len // block_len * block_bytes)
 
 
-def write_gguf(path: Path, config: dict, tensors: dict[str, np.ndarray],
-               tensor_types: dict[str, GGMLQuantizationType] | None = None,
-               tokenizer: tuple[list[str], list[str], list[int]] | None = None,
-               pre: str | None = "smollm", chat_template: str | None = CHATML_TEMPLATE,
-               extra: dict | None = None) -> Path:
+def write_gguf(
+    path: Path,
+    config: dict,
+    tensors: dict[str, np.ndarray],
+    tensor_types: dict[str, GGMLQuantizationType] | None = None,
+    tokenizer: tuple[list[str], list[str], list[int]] | None = None,
+    pre: str | None = "smollm",
+    chat_template: str | None = CHATML_TEMPLATE,
+    extra: dict | None = None,
+) -> Path:
     """A GGUF holding ``tensors`` (GGUF names, float values or ready-made bytes), with the
     metadata llama.cpp writes for ``config``. ``tensor_types`` picks a type per tensor (F32 else);
     ``extra`` adds or replaces metadata: {key: (value, GGUFValueType)}."""

@@ -19,8 +19,9 @@ def _divide(values: np.ndarray, by: np.ndarray) -> np.ndarray:
     return values / np.where(by == 0, 1, by)
 
 
-def _symmetric_sub_blocks(values: np.ndarray, bits: int, scale_bits: int,
-                          reach: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _symmetric_sub_blocks(
+    values: np.ndarray, bits: int, scale_bits: int, reach: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Q6_K's and Q3_K's quantization of values [.., 256 * n]: per sub-block of 16 a signed scale of scale_bits
     bits times the super-block's float16 d, such that the sub-block's largest magnitude is `reach` steps;
     codes of `bits` bits less 2^(bits - 1). (d float16 [super-blocks], scales int16 [super-blocks, 16], codes
@@ -40,11 +41,13 @@ def encode_q6_k(values: np.ndarray) -> np.ndarray:
     rows, cols = values.shape
     d, sub_scales, q = _symmetric_sub_blocks(values, bits=6, scale_bits=8, reach=31)
     scales = sub_scales.astype(np.int8)
-    low = np.concatenate([q[:, :, 0] & 0xF | (q[:, :, 2] & 0xF) << 4, q[:, :, 1] & 0xF | (q[:, :, 3] & 0xF) << 4],
-                         axis=-1)
+    low = np.concatenate(
+        [q[:, :, 0] & 0xF | (q[:, :, 2] & 0xF) << 4, q[:, :, 1] & 0xF | (q[:, :, 3] & 0xF) << 4], axis=-1
+    )
     high = q[:, :, 0] >> 4 | (q[:, :, 1] >> 4) << 2 | (q[:, :, 2] >> 4) << 4 | (q[:, :, 3] >> 4) << 6
-    blocks = np.concatenate([low.reshape(-1, 128), high.reshape(-1, 64), scales.view(np.uint8),
-                             d.view(np.uint8).reshape(-1, 2)], axis=1)
+    blocks = np.concatenate(
+        [low.reshape(-1, 128), high.reshape(-1, 64), scales.view(np.uint8), d.view(np.uint8).reshape(-1, 2)], axis=1
+    )
     return blocks.reshape(rows, cols // SUPER_BLOCK * 210)
 
 
@@ -61,8 +64,14 @@ def encode_q4_k(values: np.ndarray, bits: int = 4) -> np.ndarray:
     step = (d.astype(np.float32)[:, None] * scales)[..., None]
     offset = (dmin.astype(np.float32)[:, None] * mins)[..., None]
     q = np.clip(np.round(_divide(x + offset, step)), 0, levels).astype(np.uint8)
-    packed = np.stack([scales[:, :4] | (scales[:, 4:] >> 4) << 6, mins[:, :4] | (mins[:, 4:] >> 4) << 6,
-                       scales[:, 4:] & 0xF | (mins[:, 4:] & 0xF) << 4], axis=1).reshape(-1, 12)
+    packed = np.stack(
+        [
+            scales[:, :4] | (scales[:, 4:] >> 4) << 6,
+            mins[:, :4] | (mins[:, 4:] >> 4) << 6,
+            scales[:, 4:] & 0xF | (mins[:, 4:] & 0xF) << 4,
+        ],
+        axis=1,
+    ).reshape(-1, 12)
     codes = (q[:, 0::2] & 0xF | (q[:, 1::2] & 0xF) << 4).reshape(-1, 128)  # 32 bytes per pair of sub-blocks
     parts = [d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), packed]
     if bits == 5:  # bit s of byte l: the fifth bit of value l of sub-block s
@@ -79,9 +88,13 @@ def encode_q3_k(values: np.ndarray) -> np.ndarray:
     high_bits = (q >> 2).reshape(-1, 8, 32)  # bit 4 h + j of byte l: value 128 h + 32 j + l
     high = np.bitwise_or.reduce(high_bits << np.arange(8, dtype=np.uint8)[:, None], axis=1)
     six = (scales + 32).astype(np.uint8)  # sixteen 6-bit scales in twelve bytes
-    packed = np.concatenate([six[:, :8] & 0xF | (six[:, 8:] & 0xF) << 4,
-                             six[:, 0:4] >> 4 | (six[:, 4:8] >> 4) << 2 | (six[:, 8:12] >> 4) << 4 |
-                             (six[:, 12:16] >> 4) << 6], axis=1)
+    packed = np.concatenate(
+        [
+            six[:, :8] & 0xF | (six[:, 8:] & 0xF) << 4,
+            six[:, 0:4] >> 4 | (six[:, 4:8] >> 4) << 2 | (six[:, 8:12] >> 4) << 4 | (six[:, 12:16] >> 4) << 6,
+        ],
+        axis=1,
+    )
     blocks = np.concatenate([high, low.reshape(-1, 64), packed, d.view(np.uint8).reshape(-1, 2)], axis=1)
     return blocks.reshape(rows, cols // SUPER_BLOCK * 110)
 
@@ -98,8 +111,15 @@ def encode_q2_k(values: np.ndarray) -> np.ndarray:
     offset = (dmin.astype(np.float32)[:, None] * mins)[..., None]
     q = np.clip(np.round(_divide(x + offset, step)), 0, 3).astype(np.uint8).reshape(-1, 2, 4, 32)  # [.., half, quarter]
     pairs = q[:, :, 0] | q[:, :, 1] << 2 | q[:, :, 2] << 4 | q[:, :, 3] << 6  # bits 2 j of byte 32 h + l
-    blocks = np.concatenate([scales | mins << 4, pairs.reshape(-1, 64), d.view(np.uint8).reshape(-1, 2),
-                             dmin.view(np.uint8).reshape(-1, 2)], axis=1)
+    blocks = np.concatenate(
+        [
+            scales | mins << 4,
+            pairs.reshape(-1, 64),
+            d.view(np.uint8).reshape(-1, 2),
+            dmin.view(np.uint8).reshape(-1, 2),
+        ],
+        axis=1,
+    )
     return blocks.reshape(rows, cols // SUPER_BLOCK * 84)
 
 

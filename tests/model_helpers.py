@@ -17,6 +17,7 @@ BLOCK_SIZE = 16
 
 # ---- small random checkpoints ------------------------------------------------------------------
 
+
 def write_random_checkpoint(directory: Path, config: dict, seed: int = 0) -> Path:
     """config.json + model.safetensors with names and shapes taken from transformers' own model.
 
@@ -71,11 +72,22 @@ def write_servable_checkpoint(directory: Path, config: dict, seed: int) -> Path:
 def qwen2_config(vocab_size: int = 8192) -> dict:
     """Qwen2 style: q/k/v bias, tied embeddings, GQA 6/2, explicit head_dim (6 * 32 != hidden)."""
     return {
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": vocab_size,
-        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
-        "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 32,
-        "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-        "tie_word_embeddings": True, "hidden_act": "silu", "bos_token_id": 0, "eos_token_id": 1,
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": vocab_size,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+        "hidden_act": "silu",
+        "bos_token_id": 0,
+        "eos_token_id": 1,
         "torch_dtype": "float32",
     }
 
@@ -84,12 +96,25 @@ def qwen3_config(vocab_size: int = 8192) -> dict:
     """Qwen3 style: RMSNorm on each q and k head, no biases, untied, head_dim 64 apart from hidden / heads; the
     second layer slides over 24 keys (use_sliding_window from max_window_layers on)."""
     return {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": vocab_size,
-        "use_sliding_window": True, "sliding_window": 24, "max_window_layers": 1,
-        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
-        "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-        "tie_word_embeddings": False, "hidden_act": "silu", "bos_token_id": 0, "eos_token_id": 1,
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": vocab_size,
+        "use_sliding_window": True,
+        "sliding_window": 24,
+        "max_window_layers": 1,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "bos_token_id": 0,
+        "eos_token_id": 1,
         "torch_dtype": "float32",
     }
 
@@ -97,34 +122,71 @@ def qwen3_config(vocab_size: int = 8192) -> dict:
 def smollm3_config(vocab_size: int = 8192) -> dict:
     """SmolLM3 style: every third layer without rotary (NoPE), tied embeddings, GQA 4/1."""
     return {
-        "architectures": ["SmolLM3ForCausalLM"], "model_type": "smollm3", "vocab_size": vocab_size,
-        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 3, "no_rope_layer_interval": 3,
-        "num_attention_heads": 4, "num_key_value_heads": 1, "max_position_embeddings": 512,
-        "rms_norm_eps": 1e-6, "rope_theta": 5000000.0, "tie_word_embeddings": True, "hidden_act": "silu",
-        "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2, "torch_dtype": "float32",
+        "architectures": ["SmolLM3ForCausalLM"],
+        "model_type": "smollm3",
+        "vocab_size": vocab_size,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 3,
+        "no_rope_layer_interval": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 5000000.0,
+        "tie_word_embeddings": True,
+        "hidden_act": "silu",
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "pad_token_id": 2,
+        "torch_dtype": "float32",
     }
 
 
 def mistral_config(vocab_size: int = 8192) -> dict:
     """Mistral: every layer slides over 18 keys, so the ~40-token test prompts outrun it."""
     return {
-        "architectures": ["MistralForCausalLM"], "model_type": "mistral", "vocab_size": vocab_size,
-        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "max_position_embeddings": 512, "sliding_window": 18, "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0, "tie_word_embeddings": False, "hidden_act": "silu", "bos_token_id": 0,
-        "eos_token_id": 1, "torch_dtype": "float32",
+        "architectures": ["MistralForCausalLM"],
+        "model_type": "mistral",
+        "vocab_size": vocab_size,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "sliding_window": 18,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "torch_dtype": "float32",
     }
 
 
 def phi3_config(vocab_size: int = 8192) -> dict:
     """Phi-3 style: q/k/v and gate/up stored fused, untied, 4 heads of 32."""
     return {
-        "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "vocab_size": vocab_size,
-        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 512,
-        "original_max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-        "tie_word_embeddings": False, "hidden_act": "silu", "bos_token_id": 0, "eos_token_id": 1,
-        "pad_token_id": 2, "torch_dtype": "float32",
+        "architectures": ["Phi3ForCausalLM"],
+        "model_type": "phi3",
+        "vocab_size": vocab_size,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 512,
+        "original_max_position_embeddings": 512,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "pad_token_id": 2,
+        "torch_dtype": "float32",
     }
 
 
@@ -132,17 +194,31 @@ def phi3_longrope_config(vocab_size: int = 8192) -> dict:
     """Phi-3 128k style LongRoPE with a pre-training length of 24 tokens: the test prompts of 5-12 tokens grow
     past it while generating (recomputed with the long factors, as transformers does) and the longer one starts
     past it. The two factor sets differ enough that a row rotated with the wrong one changes the tokens."""
-    return {**phi3_config(vocab_size), "original_max_position_embeddings": 24,
-            "rope_scaling": {"type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(16)],
-                             "long_factor": [1.0 + 0.9 * i for i in range(16)]}}
+    return {
+        **phi3_config(vocab_size),
+        "original_max_position_embeddings": 24,
+        "rope_scaling": {
+            "type": "longrope",
+            "short_factor": [1.0 + 0.05 * i for i in range(16)],
+            "long_factor": [1.0 + 0.9 * i for i in range(16)],
+        },
+    }
 
 
 def phi4_mini_config(vocab_size: int = 8192) -> dict:
     """Phi-4-mini style: LongRoPE on the first 3/4 of each head (partial_rotary_factor), 2 KV heads, tied."""
-    return {**phi3_config(vocab_size), "num_key_value_heads": 2, "partial_rotary_factor": 0.75,
-            "original_max_position_embeddings": 24, "tie_word_embeddings": True,
-            "rope_scaling": {"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(12)],
-                             "long_factor": [2.0 + 1.5 * i for i in range(12)]}}
+    return {
+        **phi3_config(vocab_size),
+        "num_key_value_heads": 2,
+        "partial_rotary_factor": 0.75,
+        "original_max_position_embeddings": 24,
+        "tie_word_embeddings": True,
+        "rope_scaling": {
+            "type": "longrope",
+            "short_factor": [1.0 + 0.1 * i for i in range(12)],
+            "long_factor": [2.0 + 1.5 * i for i in range(12)],
+        },
+    }
 
 
 def gemma3_config(vocab_size: int = 8192) -> dict:
@@ -150,14 +226,30 @@ def gemma3_config(vocab_size: int = 8192) -> dict:
     (linear rope scaling) between two local ones (their own rope base), a final logit cap. Untied: tied random
     weights times Gemma's sqrt(hidden) embedding scale make a model that repeats its last token."""
     return {
-        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": vocab_size,
-        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 3, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 32, "query_pre_attn_scalar": 24, "max_position_embeddings": 512,
-        "sliding_window": 20, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
-        "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
-                            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
-        "final_logit_softcapping": 30.0, "rms_norm_eps": 1e-6, "hidden_activation": "gelu_pytorch_tanh",
-        "tie_word_embeddings": False, "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0,
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "vocab_size": vocab_size,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "query_pre_attn_scalar": 24,
+        "max_position_embeddings": 512,
+        "sliding_window": 20,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        "final_logit_softcapping": 30.0,
+        "rms_norm_eps": 1e-6,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "tie_word_embeddings": False,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+        "pad_token_id": 0,
         "torch_dtype": "float32",
     }
 
@@ -167,13 +259,29 @@ def gemma2_config(vocab_size: int = 8192) -> dict:
     global ones, one rope base, and caps low enough to bend these small random scores (3) and logits (8). Untied
     (see gemma3_config)."""
     return {
-        "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "vocab_size": vocab_size,
-        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 3, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 64, "query_pre_attn_scalar": 48, "max_position_embeddings": 512,
-        "sliding_window": 18, "layer_types": ["full_attention", "sliding_attention", "full_attention"],
-        "rope_theta": 10000.0, "attn_logit_softcapping": 3.0, "final_logit_softcapping": 8.0,
-        "rms_norm_eps": 1e-6, "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": False,
-        "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0, "torch_dtype": "float32",
+        "architectures": ["Gemma2ForCausalLM"],
+        "model_type": "gemma2",
+        "vocab_size": vocab_size,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "query_pre_attn_scalar": 48,
+        "max_position_embeddings": 512,
+        "sliding_window": 18,
+        "layer_types": ["full_attention", "sliding_attention", "full_attention"],
+        "rope_theta": 10000.0,
+        "attn_logit_softcapping": 3.0,
+        "final_logit_softcapping": 8.0,
+        "rms_norm_eps": 1e-6,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "tie_word_embeddings": False,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+        "pad_token_id": 0,
+        "torch_dtype": "float32",
     }
 
 
@@ -181,18 +289,34 @@ def llama3_config(vocab_size: int = 8192) -> dict:
     """Llama 3.1 style rope scaling; original_max_position_embeddings is small so that the
     ~40-token test prompts exercise all three frequency bands of the llama3 formula."""
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab_size,
-        "hidden_size": 128, "intermediate_size": 320, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 1, "max_position_embeddings": 512,
-        "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
-        "tie_word_embeddings": False, "hidden_act": "silu", "bos_token_id": 0, "eos_token_id": 1,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab_size,
+        "hidden_size": 128,
+        "intermediate_size": 320,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "bos_token_id": 0,
+        "eos_token_id": 1,
         "torch_dtype": "float32",
     }
 
 
 # ---- running our model over a paged cache --------------------------------------------------------
+
 
 class PagedSequences:
     """Owns per-layer KV caches and runs steps for several sequences with given block tables."""
@@ -203,12 +327,19 @@ class PagedSequences:
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         self.model = model
         self.block_size = block_size
-        self.kv_caches = [(torch.zeros(shape, dtype=param.dtype), torch.zeros(shape, dtype=param.dtype))
-                          for _ in range(config.num_hidden_layers)]
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=param.dtype), torch.zeros(shape, dtype=param.dtype))
+            for _ in range(config.num_hidden_layers)
+        ]
 
     @torch.inference_mode()
-    def step(self, chunks: list[list[int]], contexts_before: list[int],
-             tables: list[list[int]], output_rows: Optional[list[int]] = None) -> torch.Tensor:
+    def step(
+        self,
+        chunks: list[list[int]],
+        contexts_before: list[int],
+        tables: list[list[int]],
+        output_rows: Optional[list[int]] = None,
+    ) -> torch.Tensor:
         """Run one step; chunk i continues a sequence that already has contexts_before[i] tokens
         cached. Returns float32 logits for every input token, flat [sum(len(chunk)), vocab], or
         for `output_rows` only (the model's last layer then computes those rows alone)."""
@@ -216,8 +347,9 @@ class PagedSequences:
         seq_lens = [before + query_len for before, query_len in zip(contexts_before, query_lens)]
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size)
         input_ids = torch.tensor([token for chunk in chunks for token in chunk])
-        positions = torch.tensor([p for before, n in zip(contexts_before, query_lens)
-                                  for p in range(before, before + n)])
+        positions = torch.tensor(
+            [p for before, n in zip(contexts_before, query_lens) for p in range(before, before + n)]
+        )
         hidden = self.model(input_ids, positions, self.kv_caches, meta, output_rows=output_rows)
         return self.model.compute_logits(hidden)
 

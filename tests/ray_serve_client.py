@@ -31,10 +31,14 @@ def replica_nodes() -> dict:
     nodes = {node["NodeID"]: node["Resources"] for node in ray.nodes() if node["Alive"]}
     alive = [actor for actor in state.actors().values() if actor["State"] == "ALIVE"]
     engines = [actor["Address"]["NodeID"] for actor in alive if actor["ActorClassName"].endswith(":PrefixserveEngine")]
-    prefills = [actor["Address"]["NodeID"] for actor in alive
-                if actor["ActorClassName"].endswith(":PrefixservePrefill")]
-    return {"engine_nodes": engines, "prefill_nodes": prefills, "doomed_nodes": [node for node, resources in nodes.items()
-                                                       if DOOMED_RESOURCE in resources]}
+    prefills = [
+        actor["Address"]["NodeID"] for actor in alive if actor["ActorClassName"].endswith(":PrefixservePrefill")
+    ]
+    return {
+        "engine_nodes": engines,
+        "prefill_nodes": prefills,
+        "doomed_nodes": [node for node, resources in nodes.items() if DOOMED_RESOURCE in resources],
+    }
 
 
 def wait_until_running(limit_seconds: float = 240.0) -> None:
@@ -82,20 +86,29 @@ def repeats(client: httpx.Client) -> list:
 
 def pass_through(client: httpx.Client) -> dict:
     chunks = []
-    with client.stream("POST", URL + "/v1/chat/completions",
-                       json={"messages": [{"role": "user", "content": "hello"}], "max_tokens": 3,
-                             "stream": True}) as answer:
+    with client.stream(
+        "POST",
+        URL + "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hello"}], "max_tokens": 3, "stream": True},
+    ) as answer:
         status = answer.status_code
         for line in answer.iter_lines():
             if line.startswith("data: "):
                 chunks.append(line[6:])
-    messages = client.post(URL + "/v1/messages", json={"model": "prefixserve-tiny", "max_tokens": 3,
-                                                         "messages": [{"role": "user", "content": "hello"}]})
+    messages = client.post(
+        URL + "/v1/messages",
+        json={"model": "prefixserve-tiny", "max_tokens": 3, "messages": [{"role": "user", "content": "hello"}]},
+    )
     bad = client.post(URL + "/v1/completions", json={"prompt": "x", "max_tokens": -1})
-    return {"stream_status": status, "stream_done": bool(chunks) and chunks[-1] == "[DONE]",
-            "stream_chunks": len(chunks), "messages_status": messages.status_code,
-            "messages_type": messages.json().get("type"), "bad_status": bad.status_code,
-            "bad_param": bad.json().get("error", {}).get("param")}
+    return {
+        "stream_status": status,
+        "stream_done": bool(chunks) and chunks[-1] == "[DONE]",
+        "stream_chunks": len(chunks),
+        "messages_status": messages.status_code,
+        "messages_type": messages.json().get("type"),
+        "bad_status": bad.status_code,
+        "bad_param": bad.json().get("error", {}).get("param"),
+    }
 
 
 def raylet_pid() -> int:
@@ -131,12 +144,14 @@ async def node_loss(kill_after: int = 8, after_death: int = 16, limit_seconds: f
         return state["dead_at"] is None or len(statuses) < state["answered_at_death"] + after_death
 
     async with httpx.AsyncClient(timeout=180) as client:
+
         async def worker(first: int) -> None:
             i = first
             while more():
                 try:
-                    answer = await client.post(URL + "/v1/completions",
-                                               json={"prompt": prompt(i % 6, 10 + i), "max_tokens": 16})
+                    answer = await client.post(
+                        URL + "/v1/completions", json={"prompt": prompt(i % 6, 10 + i), "max_tokens": 16}
+                    )
                     statuses.append(answer.status_code)
                 except httpx.HTTPError as error:
                     statuses.append(repr(error))
@@ -147,9 +162,12 @@ async def node_loss(kill_after: int = 8, after_death: int = 16, limit_seconds: f
 
         await asyncio.gather(watch(), *(worker(i) for i in range(4)))
     killed = state["killed_at"]
-    return {"statuses": statuses, "node_declared_dead": state["dead_at"] is not None,
-            "seconds_to_declared_dead": round(state["dead_at"] - killed, 1) if state["dead_at"] else None,
-            "answered_after_kill": len(statuses) - kill_after}
+    return {
+        "statuses": statuses,
+        "node_declared_dead": state["dead_at"] is not None,
+        "seconds_to_declared_dead": round(state["dead_at"] - killed, 1) if state["dead_at"] else None,
+        "answered_after_kill": len(statuses) - kill_after,
+    }
 
 
 def disaggregated(client: httpx.Client) -> list:
@@ -157,13 +175,15 @@ def disaggregated(client: httpx.Client) -> list:
     rows = []
     for turn in range(2):
         for session in range(3):
-            answer = client.post(URL + "/v1/completions", json={"prompt": prompt(10 + session, 0), "max_tokens": 6,
-                                                                "temperature": 0})
+            answer = client.post(
+                URL + "/v1/completions", json={"prompt": prompt(10 + session, 0), "max_tokens": 6, "temperature": 0}
+            )
             answer.raise_for_status()
             body = answer.json()
             details = body["usage"]["prompt_tokens_details"]
-            rows.append((turn, body["usage"]["prompt_tokens"], details["cached_tokens_by_tier"],
-                         body["choices"][0]["text"]))
+            rows.append(
+                (turn, body["usage"]["prompt_tokens"], details["cached_tokens_by_tier"], body["choices"][0]["text"])
+            )
     return rows
 
 

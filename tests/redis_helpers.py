@@ -19,16 +19,17 @@ from pathlib import Path
 from typing import Optional
 
 import pytest
-
-from prefixserve.tiers import BlockRecord
-
 from tier_helpers import BLOCK_SIZE, OTHER_SCOPE, SCOPE, expect  # noqa: F401 (re-exported to the redis tests)
 from tier_helpers import make_chain as make_token_chain
+
+from prefixserve.tiers import BlockRecord
 
 START_SECONDS = 10.0  # bounded wait for "Ready to accept connections"
 
 
-def make_chain(num_blocks: int, payload_bytes: int = 64, scope: bytes = SCOPE, first_token: int = 0) -> list[BlockRecord]:
+def make_chain(
+    num_blocks: int, payload_bytes: int = 64, scope: bytes = SCOPE, first_token: int = 0
+) -> list[BlockRecord]:
     """Records for a prefix of `num_blocks` blocks, keyed exactly as the engine keys them."""
     return make_token_chain(list(range(first_token, first_token + num_blocks * BLOCK_SIZE)), payload_bytes, scope)
 
@@ -63,8 +64,9 @@ class PortTakenError(RuntimeError):
 class RedisServer:
     """One redis-server process; `args` are extra options, e.g. ("--maxmemory", "2mb")."""
 
-    def __init__(self, directory: Path, *args: str, password: Optional[str] = None, tls: bool = False,
-                 port: Optional[int] = None) -> None:
+    def __init__(
+        self, directory: Path, *args: str, password: Optional[str] = None, tls: bool = False, port: Optional[int] = None
+    ) -> None:
         self.binary = require_redis()
         self.directory = directory
         self.args = list(args)
@@ -110,14 +112,38 @@ class RedisServer:
         assert self.process is None, "already running"
         log = self.directory / f"redis-{self.port}.log"
         log.unlink(missing_ok=True)
-        command = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                   "--dir", str(self.directory), "--logfile", str(log), "--enable-debug-command", "local", *self.args]
+        command = [
+            self.binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(self.directory),
+            "--logfile",
+            str(log),
+            "--enable-debug-command",
+            "local",
+            *self.args,
+        ]
         if self.password:
             command += ["--requirepass", self.password]
         if self.tls:
             command[2] = "0"  # no plain port: the TLS one takes its place
-            command += ["--tls-port", str(self.port), "--tls-cert-file", str(self.directory / "cert.pem"),
-                        "--tls-key-file", str(self.directory / "key.pem"), "--tls-auth-clients", "no"]
+            command += [
+                "--tls-port",
+                str(self.port),
+                "--tls-cert-file",
+                str(self.directory / "cert.pem"),
+                "--tls-key-file",
+                str(self.directory / "key.pem"),
+                "--tls-auth-clients",
+                "no",
+            ]
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + START_SECONDS
         while time.monotonic() < deadline:
@@ -144,9 +170,27 @@ class RedisServer:
     def _make_certificate(self) -> None:
         if shutil.which("openssl") is None:
             pytest.skip("openssl is not installed: it makes the test's TLS certificate")
-        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-                        "-keyout", str(self.directory / "key.pem"), "-out", str(self.directory / "cert.pem")],
-                       check=True, capture_output=True, timeout=30)
+        subprocess.run(
+            [
+                "openssl",
+                "req",
+                "-x509",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-days",
+                "1",
+                "-subj",
+                "/CN=localhost",
+                "-keyout",
+                str(self.directory / "key.pem"),
+                "-out",
+                str(self.directory / "cert.pem"),
+            ],
+            check=True,
+            capture_output=True,
+            timeout=30,
+        )
 
 
 @pytest.fixture
@@ -184,17 +228,32 @@ class RedisCluster:
         require_redis()
         if shutil.which("redis-cli") is None:
             pytest.skip("redis-cli is not installed: apt-get install redis-server (it ships redis-cli)")
-        self.servers = [RedisServer(directory, "--cluster-enabled", "yes", "--cluster-node-timeout", "1000",
-                                    "--cluster-config-file", f"nodes-{index}.conf", "--repl-diskless-sync-delay", "0",
-                                    port=free_cluster_port())
-                        for index in range(2 * num_masters)]
+        self.servers = [
+            RedisServer(
+                directory,
+                "--cluster-enabled",
+                "yes",
+                "--cluster-node-timeout",
+                "1000",
+                "--cluster-config-file",
+                f"nodes-{index}.conf",
+                "--repl-diskless-sync-delay",
+                "0",
+                port=free_cluster_port(),
+            )
+            for index in range(2 * num_masters)
+        ]
 
     def start(self) -> "RedisCluster":
         for server in self.servers:
             server.start()
         addresses = [f"127.0.0.1:{server.port}" for server in self.servers]
-        subprocess.run(["redis-cli", "--cluster", "create", *addresses, "--cluster-replicas", "1", "--cluster-yes"],
-                       check=True, capture_output=True, timeout=60)
+        subprocess.run(
+            ["redis-cli", "--cluster", "create", *addresses, "--cluster-replicas", "1", "--cluster-yes"],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
         self.wait(lambda: all(self.info(server)["cluster_state"] == "ok" for server in self.servers))
         self.wait(self.replicas_in_sync)  # a replica that never synced would not take over its master
         return self
@@ -213,8 +272,11 @@ class RedisCluster:
 
     def masters(self) -> list[RedisServer]:
         """The live servers that are masters now."""
-        return [server for server in self.servers if server.process is not None
-                and server.client().info("replication")["role"] == "master"]
+        return [
+            server
+            for server in self.servers
+            if server.process is not None and server.client().info("replication")["role"] == "master"
+        ]
 
     def owner_of(self, name: bytes) -> RedisServer:
         """The live master serving `name`'s slot now (CLUSTER SLOTS as a live master sees it)."""
@@ -240,8 +302,12 @@ class RedisCluster:
         """SIGKILL a master, then wait until a replica serves its slots (the cluster is whole again)."""
         server.kill()
         live = [other for other in self.servers if other.process is not None]
-        self.wait(lambda: all(self.info(other)["cluster_state"] == "ok" for other in live)
-                  and len(self.masters()) == len(self.servers) // 2)
+        self.wait(
+            lambda: (
+                all(self.info(other)["cluster_state"] == "ok" for other in live)
+                and len(self.masters()) == len(self.servers) // 2
+            )
+        )
 
     def client(self):
         """A cluster-aware redis-py client for the test's own checks and mischief (any live node's URL)."""

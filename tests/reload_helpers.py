@@ -5,11 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from conftest import make_llm
+
 from prefixserve.model.versions import write_model_version
 
 
-def two_versions(default_model_dir: Path, directory: Path, seed: int, prompts: list[str],
-                 greedy: dict) -> tuple[Path, dict]:
+def two_versions(
+    default_model_dir: Path, directory: Path, seed: int, prompts: list[str], greedy: dict
+) -> tuple[Path, dict]:
     """(the perturbed copy's path, {path: cold greedy token ids per prompt} for both versions)."""
     from prefixserve import SamplingParams
 

@@ -22,13 +22,12 @@ import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from server_helpers import free_port
 
 from prefixserve.http import BEATS, PROGRESS_HEADER
 from prefixserve.http_protocol import HEADER_TIMEOUT_SECONDS, uvicorn_config
 from prefixserve.model.tokenizer import IncrementalDecoder
 from prefixserve.router.app import RouterSettings, build_router_app
-
-from server_helpers import free_port
 
 ADMIN_KEY = "admin-key"
 WORDS_TEXT = " alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau"
@@ -101,8 +100,17 @@ class FakeReplica:
         def control(request: Request) -> Optional[JSONResponse]:
             self.control_auth.append((request.url.path, request.headers.get("authorization")))
             if request.headers.get("authorization") != f"Bearer {ADMIN_KEY}":
-                return JSONResponse({"error": {"message": "admin key needed", "type": "permission_error",
-                                               "param": None, "code": "forbidden"}}, status_code=403)
+                return JSONResponse(
+                    {
+                        "error": {
+                            "message": "admin key needed",
+                            "type": "permission_error",
+                            "param": None,
+                            "code": "forbidden",
+                        }
+                    },
+                    status_code=403,
+                )
             return None
 
         @app.get("/health")
@@ -115,9 +123,15 @@ class FakeReplica:
         @app.get("/v1/cache/info")
         async def info(request: Request):
             return control(request) or {
-                "model_fingerprint": self.model_fingerprint, "tokenizer_fingerprint": self.tokenizer.fingerprint,
-                "adapter_id": "", "block_size": 16, "prefix_hash": "sha256", "shared_prefixes": [],
-                "max_model_len": 4096, "served_model_name": "fake"}
+                "model_fingerprint": self.model_fingerprint,
+                "tokenizer_fingerprint": self.tokenizer.fingerprint,
+                "adapter_id": "",
+                "block_size": 16,
+                "prefix_hash": "sha256",
+                "shared_prefixes": [],
+                "max_model_len": 4096,
+                "served_model_name": "fake",
+            }
 
         @app.get("/v1/kv_events")
         async def kv_events(request: Request, since: int = 0):
@@ -132,21 +146,37 @@ class FakeReplica:
             self.requests.append((path, body, request.headers.get("authorization")))
             max_tokens = body.get("max_tokens", 16)
             if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= 4096:
-                return JSONResponse({"error": {"message": "max_tokens: must be an integer from 1 to 4096", "type":
-                                               "invalid_request_error", "param": "max_tokens",
-                                               "code": "invalid_value"}}, status_code=422)
+                return JSONResponse(
+                    {
+                        "error": {
+                            "message": "max_tokens: must be an integer from 1 to 4096",
+                            "type": "invalid_request_error",
+                            "param": "max_tokens",
+                            "code": "invalid_value",
+                        }
+                    },
+                    status_code=422,
+                )
             if self.failure is not None and self.failure.how == "status_500":
-                return JSONResponse({"error": {"message": "boom", "type": "server_error", "param": None,
-                                               "code": None}}, status_code=500)
+                return JSONResponse(
+                    {"error": {"message": "boom", "type": "server_error", "param": None, "code": None}}, status_code=500
+                )
             prompt_ids = self.prompt_ids(path, body)
-            if self.failure is not None and self.failure.how == "beats_then_stall" \
-                    and request.headers.get(PROGRESS_HEADER) == BEATS:
+            if (
+                self.failure is not None
+                and self.failure.how == "beats_then_stall"
+                and request.headers.get(PROGRESS_HEADER) == BEATS
+            ):
                 beat = ": beat\n\n" if body.get("stream") is True else " "
-                return StreamingResponse(self._beats_then_stall(beat), headers={PROGRESS_HEADER: BEATS},
-                                         media_type="text/event-stream" if body.get("stream") else "application/json")
+                return StreamingResponse(
+                    self._beats_then_stall(beat),
+                    headers={PROGRESS_HEADER: BEATS},
+                    media_type="text/event-stream" if body.get("stream") else "application/json",
+                )
             if body.get("stream") is True:
-                return StreamingResponse(self._stream(path, body, prompt_ids, max_tokens),
-                                         media_type="text/event-stream")
+                return StreamingResponse(
+                    self._stream(path, body, prompt_ids, max_tokens), media_type="text/event-stream"
+                )
             if self.failure is not None and self.failure.how == "reset":
                 return StreamingResponse(self._reset_now(), media_type="application/json")
             if self.failure is not None and self.failure.how == "stall_plain":
@@ -155,8 +185,14 @@ class FakeReplica:
             choice = {"index": 0, "finish_reason": "length", "text": text}
             if path.endswith("chat/completions"):
                 choice = {"index": 0, "finish_reason": "length", "message": {"role": "assistant", "content": text}}
-            return {"id": "cmpl-fake", "object": "text_completion", "created": 1, "model": "fake",
-                    "choices": [choice], "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids)}}
+            return {
+                "id": "cmpl-fake",
+                "object": "text_completion",
+                "created": 1,
+                "model": "fake",
+                "choices": [choice],
+                "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids)},
+            }
 
         @app.post("/v1/completions")
         async def completions(request: Request):
@@ -173,10 +209,16 @@ class FakeReplica:
             self.api_keys.append(request.headers.get("x-api-key"))
             prompt_ids = self.tokenizer.encode(body["messages"][-1]["content"])
             ids, text = self.reference(prompt_ids, body["max_tokens"])
-            if self.failure is not None and self.failure.how == "beats_then_stall" \
-                    and request.headers.get(PROGRESS_HEADER) == BEATS:
-                return StreamingResponse(self._beats_then_stall(": beat\n\n"), headers={PROGRESS_HEADER: BEATS},
-                                         media_type="text/event-stream")
+            if (
+                self.failure is not None
+                and self.failure.how == "beats_then_stall"
+                and request.headers.get(PROGRESS_HEADER) == BEATS
+            ):
+                return StreamingResponse(
+                    self._beats_then_stall(": beat\n\n"),
+                    headers={PROGRESS_HEADER: BEATS},
+                    media_type="text/event-stream",
+                )
             if body.get("stream") is True:
                 return StreamingResponse(self._message_events(prompt_ids, ids), media_type="text/event-stream")
             if self.failure is not None and self.failure.how == "reset":
@@ -212,8 +254,13 @@ class FakeReplica:
 
     async def _stream(self, path: str, body: dict, prompt_ids: list[int], max_tokens: int):
         chat = path.endswith("chat/completions")
-        envelope = {"id": f"cmpl-{len(self.requests)}", "object": "chat.completion.chunk" if chat else "text_completion",
-                    "created": 1000 + len(self.requests), "model": "fake", "system_fingerprint": self.model_fingerprint}
+        envelope = {
+            "id": f"cmpl-{len(self.requests)}",
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": 1000 + len(self.requests),
+            "model": "fake",
+            "system_fingerprint": self.model_fingerprint,
+        }
         seed = body.get("seed") or 0
         n = body.get("n", 1)
         stop = body.get("stop") or []
@@ -225,9 +272,21 @@ class FakeReplica:
 
         if chat:
             for i in range(n):
-                yield sse({**envelope, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                    "prompt_token_ids": prompt_ids, "token_ids": [],
-                                                    "logprobs": None, "finish_reason": None}]})
+                yield sse(
+                    {
+                        **envelope,
+                        "choices": [
+                            {
+                                "index": i,
+                                "delta": {"role": "assistant", "content": ""},
+                                "prompt_token_ids": prompt_ids,
+                                "token_ids": [],
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                        ],
+                    }
+                )
         decoders = [IncrementalDecoder(self.tokenizer, prompt_ids) for _ in range(n)]
         emitted = [0] * n
         for step in range(max_tokens):
@@ -242,10 +301,10 @@ class FakeReplica:
                 full = decoders[i].text
                 hits = [full.find(s) for s in stop if s in full]
                 if hits:
-                    full, finish = full[:min(hits)], "stop"
+                    full, finish = full[: min(hits)], "stop"
                 # Like the real server: hold back what could be the start of a stop string.
                 visible = len(full) if finish or not stop else max(emitted[i], len(full) - max(map(len, stop)) + 1)
-                text, emitted[i] = full[emitted[i]:visible], max(emitted[i], visible)
+                text, emitted[i] = full[emitted[i] : visible], max(emitted[i], visible)
                 choice = {"index": i, "token_ids": [token], "logprobs": None, "finish_reason": finish}
                 choice.update({"delta": {"content": text} if text else {}} if chat else {"text": text})
                 if step == 0 and not chat:
@@ -259,9 +318,18 @@ class FakeReplica:
             break
         options = body.get("stream_options") or {}
         if options.get("include_usage"):
-            yield sse({**envelope, "choices": [], "usage": {
-                "prompt_tokens": len(prompt_ids), "completion_tokens": n * (step + 1),
-                "total_tokens": len(prompt_ids) + n * (step + 1), "prompt_tokens_details": {"cached_tokens": 3}}})
+            yield sse(
+                {
+                    **envelope,
+                    "choices": [],
+                    "usage": {
+                        "prompt_tokens": len(prompt_ids),
+                        "completion_tokens": n * (step + 1),
+                        "total_tokens": len(prompt_ids) + n * (step + 1),
+                        "prompt_tokens_details": {"cached_tokens": 3},
+                    },
+                }
+            )
         yield "data: [DONE]\n\n"
 
     async def _fail(self, failure: Failure, sse):
@@ -269,12 +337,21 @@ class FakeReplica:
             raise ConnectionResetError("fake replica dies mid-stream")
         if failure.how == "engine_dead":
             self.engine_dead = True
-            yield sse({"error": {"message": "the engine died", "type": "server_error", "param": None,
-                                 "code": "engine_dead"}})
+            yield sse(
+                {"error": {"message": "the engine died", "type": "server_error", "param": None, "code": "engine_dead"}}
+            )
             yield "data: [DONE]\n\n"
         elif failure.how == "request_failed":
-            yield sse({"error": {"message": "this request failed", "type": "server_error", "param": None,
-                                 "code": "request_failed"}})
+            yield sse(
+                {
+                    "error": {
+                        "message": "this request failed",
+                        "type": "server_error",
+                        "param": None,
+                        "code": "request_failed",
+                    }
+                }
+            )
             yield "data: [DONE]\n\n"
         elif failure.how == "stall":  # a hung replica: the connection stays open, nothing more comes
             await asyncio.Event().wait()
@@ -283,26 +360,41 @@ class FakeReplica:
 
 
 def message_of(text: str, input_tokens: int, output_tokens: int) -> dict:
-    return {"id": "msg_fake", "type": "message", "role": "assistant", "model": "fake",
-            "content": [{"type": "text", "text": text}], "stop_reason": "max_tokens", "stop_sequence": None,
-            "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens}}
+    return {
+        "id": "msg_fake",
+        "type": "message",
+        "role": "assistant",
+        "model": "fake",
+        "content": [{"type": "text", "text": text}],
+        "stop_reason": "max_tokens",
+        "stop_sequence": None,
+        "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens},
+    }
 
 
 def message_events(tokenizer, ids: list[int], input_tokens: int) -> list[str]:
     """A Messages stream as a replica writes it: message_start, a text block of one delta per token, the end."""
+
     def event(name: str, data: dict) -> str:
         return f"event: {name}\ndata: {json.dumps({'type': name, **data})}\n\n"
 
     start = message_of("", input_tokens, 0)
-    events = [event("message_start", {"message": {**start, "content": [], "stop_reason": None}}),
-              event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})]
-    events += [event("content_block_delta", {"index": 0, "delta": {"type": "text_delta",
-                                                                   "text": tokenizer.decode([token])}})
-               for token in ids]
-    events += [event("content_block_stop", {"index": 0}),
-               event("message_delta", {"delta": {"stop_reason": "max_tokens", "stop_sequence": None},
-                                       "usage": {"output_tokens": len(ids)}}),
-               event("message_stop", {})]
+    events = [
+        event("message_start", {"message": {**start, "content": [], "stop_reason": None}}),
+        event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}),
+    ]
+    events += [
+        event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": tokenizer.decode([token])}})
+        for token in ids
+    ]
+    events += [
+        event("content_block_stop", {"index": 0}),
+        event(
+            "message_delta",
+            {"delta": {"stop_reason": "max_tokens", "stop_sequence": None}, "usage": {"output_tokens": len(ids)}},
+        ),
+        event("message_stop", {}),
+    ]
     return events
 
 
@@ -310,8 +402,14 @@ def message_events(tokenizer, ids: list[int], input_tokens: int) -> list[str]:
 def fake_fleet(tokenizer, num_replicas=2, names=None, fingerprints=None, **options):
     """Fake replicas behind a real router (least_loaded: the first request goes to replica-0, a retry to replica-1),
     each serving the model version `fingerprints` gives it (default: all "fake-model")."""
-    options = {"policy": "least_loaded", "admin_api_key": ADMIN_KEY, "health_interval": 0.1, "sync_interval": 0.1,
-               "control_timeout": 5.0, **options}
+    options = {
+        "policy": "least_loaded",
+        "admin_api_key": ADMIN_KEY,
+        "health_interval": 0.1,
+        "sync_interval": 0.1,
+        "control_timeout": 5.0,
+        **options,
+    }
     with ExitStack() as stack:
         fakes = [FakeReplica(tokenizer) for _ in range(num_replicas)]
         for fake, fingerprint in zip(fakes, fingerprints or ()):
@@ -321,7 +419,9 @@ def fake_fleet(tokenizer, num_replicas=2, names=None, fingerprints=None, **optio
         app = build_router_app(RouterSettings(replicas=tuple(specs), **options))
         router_app = stack.enter_context(LiveApp(app))
         router = app.state.router
-        wait_until(lambda: all(r.healthy and r.model_fingerprint for r in router.replicas) and router.route_keys is not None)
+        wait_until(
+            lambda: all(r.healthy and r.model_fingerprint for r in router.replicas) and router.route_keys is not None
+        )
         yield router_app.url, fakes, router
 
 
@@ -348,7 +448,7 @@ def read_stream(response: httpx.Response) -> tuple[list[dict], bool]:
     for block in response.text.split("\n\n"):
         if not block.startswith("data: "):
             continue
-        payload = block[len("data: "):]
+        payload = block[len("data: ") :]
         if payload == "[DONE]":
             done = True
         else:

@@ -12,19 +12,33 @@ from typing import Optional
 
 import httpx
 import uvicorn
+from server_helpers import free_port
 
 from prefixserve.http_protocol import uvicorn_config
 from prefixserve.router.app import RouterSettings, build_router_app
-
-from server_helpers import free_port
 
 ADMIN_KEY = "fleet-admin-key"
 
 
 def start_replica(port: int, *extra: str) -> subprocess.Popen:
-    command = [sys.executable, "-m", "prefixserve.cli", "serve", "--port", str(port), "--dtype", "float32",
-               "--kv-cache-memory-bytes", str(32 << 20), "--enable-kv-events", "--admin-api-key", ADMIN_KEY,
-               "--log-level", "warning", *extra]
+    command = [
+        sys.executable,
+        "-m",
+        "prefixserve.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--kv-cache-memory-bytes",
+        str(32 << 20),
+        "--enable-kv-events",
+        "--admin-api-key",
+        ADMIN_KEY,
+        "--log-level",
+        "warning",
+        *extra,
+    ]
     return subprocess.Popen(command, env=dict(os.environ), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -43,8 +57,9 @@ def wait_healthy(url: str, timeout: float = 90.0) -> None:
 class Fleet:
     """Replicas replica-0..N-1 and a router over them; `kill` and `restart` a replica by index."""
 
-    def __init__(self, num_replicas: int = 3, replica_args: tuple = (), roles: Optional[list[str]] = None,
-                 **router_options) -> None:
+    def __init__(
+        self, num_replicas: int = 3, replica_args: tuple = (), roles: Optional[list[str]] = None, **router_options
+    ) -> None:
         """`roles`, one per replica ("both", "prefill", "decode"): each started with its --role and given to the
         router as --replica, --prefill-replica or --decode-replica."""
         self.ports = [free_port() for _ in range(num_replicas)]
@@ -52,12 +67,21 @@ class Fleet:
         self.roles = roles or ["both"] * num_replicas
         self.replica_args = replica_args
         self.processes: list[Optional[subprocess.Popen]] = [None] * num_replicas
-        options = {"admin_api_key": ADMIN_KEY, "health_interval": 0.3, "sync_interval": 0.1, "control_timeout": 5.0,
-                   "request_timeout": 120.0, **router_options}
-        by_role = {role: tuple(url for url, kind in zip(self.urls, self.roles) if kind == role)
-                   for role in ("both", "prefill", "decode")}
-        self.settings = RouterSettings(replicas=by_role["both"], prefill_replicas=by_role["prefill"],
-                                       decode_replicas=by_role["decode"], **options)
+        options = {
+            "admin_api_key": ADMIN_KEY,
+            "health_interval": 0.3,
+            "sync_interval": 0.1,
+            "control_timeout": 5.0,
+            "request_timeout": 120.0,
+            **router_options,
+        }
+        by_role = {
+            role: tuple(url for url, kind in zip(self.urls, self.roles) if kind == role)
+            for role in ("both", "prefill", "decode")
+        }
+        self.settings = RouterSettings(
+            replicas=by_role["both"], prefill_replicas=by_role["prefill"], decode_replicas=by_role["decode"], **options
+        )
         self.app = None
         self.server: Optional[uvicorn.Server] = None
         self.thread: Optional[threading.Thread] = None
@@ -92,8 +116,12 @@ class Fleet:
         """Until the router sees every replica healthy and has learned the scope."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.app is not None and self.server.started and self.router.route_keys is not None \
-                    and all(r.healthy for r in self.router.replicas):
+            if (
+                self.app is not None
+                and self.server.started
+                and self.router.route_keys is not None
+                and all(r.healthy for r in self.router.replicas)
+            ):
                 return
             time.sleep(0.05)
         raise RuntimeError("the router did not see every replica healthy in time")

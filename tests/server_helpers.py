@@ -28,8 +28,9 @@ class LiveServer:
         parser = argparse.ArgumentParser()
         add_serve_arguments(parser)
         self.port = free_port()
-        args = parser.parse_args(["--port", str(self.port), "--dtype", "float32",
-                                  "--kv-cache-memory-bytes", str(32 << 20), *cli_args])
+        args = parser.parse_args(
+            ["--port", str(self.port), "--dtype", "float32", "--kv-cache-memory-bytes", str(32 << 20), *cli_args]
+        )
         self.engine, self.app = build_server(args)
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn_config(self.app, "127.0.0.1", self.port, "warning", header_timeout)

@@ -16,8 +16,12 @@ LADDER_PREFIX = 128  # QUICK.ladder_prefix
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory, default_model_dir):
     results = tmp_path_factory.mktemp("tiers-results")
-    done = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--results-dir", str(results)],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--results-dir", str(results)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout, results
 

@@ -4,30 +4,41 @@ After every step: the cache's own invariants, the policy's accounting, and what 
 (a pinned block is never evicted or expired, until unpinned, cooled or reloaded away).
 """
 
+from cache_helpers import FakeRequest, admit, finish, insert_full_blocks
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prefixserve.cache import BlockKeyer, CacheScope, RadixCache
 from prefixserve.cache.hot_prefixes import HotPrefixPolicy
 
-from cache_helpers import FakeRequest, admit, finish, insert_full_blocks
-
 BS = 4
 SCOPES = [CacheScope("m1", "t1"), CacheScope("m1", "t1", cache_salt="tenant")]
 STEMS = [[1] * 8, [1] * 4 + [2] * 5, [3] * 6]  # short: their paths fit the policy's budget
 MAX_PINNED = 12
 
-request = st.tuples(st.just("request"), st.integers(0, len(STEMS) - 1), st.integers(0, 2), st.integers(0, 1),
-                    st.sampled_from([None, 1.0, 5.0]), st.integers(1, 3))  # the last: how many times it is sent
+request = st.tuples(
+    st.just("request"),
+    st.integers(0, len(STEMS) - 1),
+    st.integers(0, 2),
+    st.integers(0, 1),
+    st.sampled_from([None, 1.0, 5.0]),
+    st.integers(1, 3),
+)  # the last: how many times it is sent
 # Nested one_of weights the branches: requests (reuse is what turns a prefix hot) a third of the time,
 # the operations that wipe state (evict, reload) rarely.
 operation = st.one_of(
     request,
     st.one_of(st.tuples(st.just("tick"), st.floats(0.0, 3.0)), st.tuples(st.just("policy"))),
-    st.one_of(st.tuples(st.just("pin"), st.integers(0, len(STEMS) - 1), st.integers(0, 1)),
-              st.tuples(st.just("unpin"), st.integers(0, 99))),
-    st.one_of(st.tuples(st.just("expire")), st.tuples(st.just("evict"), st.integers(1, 8)),
-              st.tuples(st.just("reload")), st.tuples(st.just("give_way"))),
+    st.one_of(
+        st.tuples(st.just("pin"), st.integers(0, len(STEMS) - 1), st.integers(0, 1)),
+        st.tuples(st.just("unpin"), st.integers(0, 99)),
+    ),
+    st.one_of(
+        st.tuples(st.just("expire")),
+        st.tuples(st.just("evict"), st.integers(1, 8)),
+        st.tuples(st.just("reload")),
+        st.tuples(st.just("give_way")),
+    ),
 )
 
 
@@ -51,7 +62,7 @@ def test_pins_ttls_and_the_hot_policy_keep_their_promises(operations, num_blocks
                 needed = -(-len(tokens) // BS) - len(hit.blocks)
                 if cache.can_allocate(needed):
                     admit(cache, keyer, request, 0, ttl)
-                    policy.observe(request.keys[:request.num_cached_tokens // BS])
+                    policy.observe(request.keys[: request.num_cached_tokens // BS])
                     insert_full_blocks(cache, request, ttl)
                     finish(cache, request)
         elif kind == "pin":
@@ -69,8 +80,11 @@ def test_pins_ttls_and_the_hot_policy_keep_their_promises(operations, num_blocks
         elif kind == "policy":
             policy.tick(cache, force=True)
             horizon = now[0] - policy.window_seconds  # after a tick, only what is still hot stays pinned
-            assert all(sum(hit >= horizon for hit in tracked.hits) >= policy.min_requests
-                       for tracked in policy._tracked.values() if tracked.pinned_path)
+            assert all(
+                sum(hit >= horizon for hit in tracked.hits) >= policy.min_requests
+                for tracked in policy._tracked.values()
+                if tracked.pinned_path
+            )
         elif kind == "expire":
             cache.expire()
         elif kind == "evict":

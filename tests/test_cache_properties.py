@@ -2,12 +2,11 @@
 
 import random
 
+from cache_helpers import FakeRequest, admit, finish, insert_full_blocks
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prefixserve.cache import BlockKeyer, CacheScope, OutOfBlocksError, RadixCache
-
-from cache_helpers import FakeRequest, admit, finish, insert_full_blocks
 
 BS = 4
 SCOPES = [CacheScope("m1", "t1"), CacheScope("m1", "t1", cache_salt="tenant"), CacheScope("m2", "t1")]
@@ -15,8 +14,14 @@ SCOPES = [CacheScope("m1", "t1"), CacheScope("m1", "t1", cache_salt="tenant"), C
 STEMS = [[1] * 12, [1] * 8 + [2] * 4, [3] * 6, [1] * 4 + [5] * 9]
 
 operation = st.one_of(
-    st.tuples(st.just("admit"), st.integers(0, len(STEMS) - 1), st.integers(0, 9), st.integers(0, 2),
-              st.integers(0, 6), st.sampled_from([None, 1.0, 5.0])),
+    st.tuples(
+        st.just("admit"),
+        st.integers(0, len(STEMS) - 1),
+        st.integers(0, 9),
+        st.integers(0, 2),
+        st.integers(0, 6),
+        st.sampled_from([None, 1.0, 5.0]),
+    ),
     st.tuples(st.just("insert"), st.integers(0, 99)),
     st.tuples(st.just("finish"), st.integers(0, 99)),
     st.tuples(st.just("evict"), st.integers(1, 6)),
@@ -94,8 +99,9 @@ def test_hits_always_carry_the_same_tokens():
         tokens = [rng.randrange(3) for _ in range(rng.randrange(2, 30))]
         request = admit(cache, keyer, FakeRequest(tokens, scope))
         for i, block in enumerate(request.blocks[: request.num_cached_tokens // BS]):
-            assert block.token_bytes == bytes(bytearray(
-                b for t in tokens[i * BS:(i + 1) * BS] for b in t.to_bytes(4, "little")))
+            assert block.token_bytes == bytes(
+                bytearray(b for t in tokens[i * BS : (i + 1) * BS] for b in t.to_bytes(4, "little"))
+            )
         insert_full_blocks(cache, request)
         finish(cache, request)
         cache.check_integrity()

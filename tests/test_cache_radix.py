@@ -1,11 +1,10 @@
 """Exact expectations for the radix cache: block ids, ref counts, eviction order."""
 
 import pytest
+from cache_helpers import FakeRequest, admit, finish, insert_full_blocks
 
 from prefixserve.cache import BlockKeyer, CacheScope, EventQueue, OutOfBlocksError, RadixCache
 from prefixserve.cache.events import AllBlocksCleared, BlockRemoved, BlockStored
-
-from cache_helpers import FakeRequest, admit, finish, insert_full_blocks
 
 SCOPE = CacheScope("model", "tokenizer")
 BS = 4
@@ -168,8 +167,12 @@ def test_isolation_across_scopes():
     cache, keyer = make(num_blocks=40)  # room for all five scopes: no eviction
     tokens = list(range(17))
     finish(cache, run(cache, keyer, tokens))
-    for scope in (CacheScope("model-2", "tokenizer"), CacheScope("model", "tokenizer-2"),
-                  CacheScope("model", "tokenizer", adapter_id="a"), CacheScope("model", "tokenizer", cache_salt="t")):
+    for scope in (
+        CacheScope("model-2", "tokenizer"),
+        CacheScope("model", "tokenizer-2"),
+        CacheScope("model", "tokenizer", adapter_id="a"),
+        CacheScope("model", "tokenizer", cache_salt="t"),
+    ):
         request = run(cache, keyer, tokens, scope)
         assert request.num_cached_tokens == 0
         finish(cache, request)

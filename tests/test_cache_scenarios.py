@@ -2,9 +2,9 @@
 
 import random
 
-from prefixserve.cache import BlockKeyer, CacheScope, RadixCache
-
 from cache_helpers import FakeRequest, admit, finish, insert_full_blocks
+
+from prefixserve.cache import BlockKeyer, CacheScope, RadixCache
 
 SCOPE = CacheScope("model", "tokenizer")
 

@@ -3,11 +3,10 @@
 import random
 
 import pytest
+from cache_helpers import FakeRequest, admit, finish, insert_full_blocks
 
 from prefixserve.cache import BlockKeyer, RadixCache
 from prefixserve.cache.tree_view import TierCount, build_tree_view
-
-from cache_helpers import FakeRequest, admit, finish, insert_full_blocks
 
 SIZE = 4
 SCOPE = b"s" * 32
@@ -95,8 +94,9 @@ def test_flags_pinned_in_use_expiring_and_named_scopes():
 def test_tier_counts_name_blocks_only_a_lower_tier_holds():
     cache, keyer = RadixCache(16, SIZE), BlockKeyer(SIZE)
     request = serve(cache, keyer, [1, 2, 3, 4, 5, 6, 7, 8, 0])
-    view = build_tree_view(blocks_of(cache), SIZE, tier_keys={"host": [request.keys[0], b"k" * 32],
-                                                             "disk": [b"k" * 32, b"j" * 32]})
+    view = build_tree_view(
+        blocks_of(cache), SIZE, tier_keys={"host": [request.keys[0], b"k" * 32], "disk": [b"k" * 32, b"j" * 32]}
+    )
     assert view.tiers == [TierCount("device", 2, 1), TierCount("host", 2, 1), TierCount("disk", 2, 2)]
     assert {n.tier for n in view.nodes} == {"device"}
     segment = next(n for n in view.nodes if n.kind == "prefix")

@@ -103,8 +103,15 @@ def test_every_engine_config_field_is_a_serve_flag_with_its_default():
         else:
             value = other_value(item, kind)
             assert getattr(parser.parse_args([flag, str(value)]), item.name) == value, flag
-    assert {"--no-prefix-caching", "--no-batch-invariant", "--prefix-hash", "--gpu-memory-utilization",
-            "--max-pinned-blocks", "--seed", "--disable-log-stats"} <= set(rendered)
+    assert {
+        "--no-prefix-caching",
+        "--no-batch-invariant",
+        "--prefix-hash",
+        "--gpu-memory-utilization",
+        "--max-pinned-blocks",
+        "--seed",
+        "--disable-log-stats",
+    } <= set(rendered)
 
 
 def test_no_parser_accepts_abbreviated_flags(capsys):
@@ -135,8 +142,10 @@ def test_port_must_be_a_port_number(capsys):
 @pytest.fixture
 def no_model_load(monkeypatch):
     """Fail the test if serve gets as far as building the engine."""
+
     def build_server(args):
         raise AssertionError("the model was loaded before the options were checked")
+
     monkeypatch.setattr(launch, "build_server", build_server)
 
 
@@ -153,18 +162,22 @@ def test_busy_port_is_named_before_the_model_loads(no_model_load):
         busy.listen()
         port = busy.getsockname()[1]
         message = serve_error("--port", str(port))
-    assert message == (f"prefixserve serve: --port {port}: already in use on 127.0.0.1 (another server listens "
-                       "there); stop it or choose another --port")
+    assert message == (
+        f"prefixserve serve: --port {port}: already in use on 127.0.0.1 (another server listens "
+        "there); stop it or choose another --port"
+    )
 
 
 def test_model_directory_problems_are_named_by_flag(tmp_path, no_model_load):
     assert serve_error("--model", "/no/such") == (
         "prefixserve serve: --model /no/such: no such directory, file or model name; pass a Hugging Face "
         "checkpoint directory (config.json, *.safetensors, tokenizer.json), a .gguf file or a directory holding "
-        "one, or a model name (smollm2-135m-instruct), or leave --model out for the built-in prefixserve-tiny")
+        "one, or a model name (smollm2-135m-instruct), or leave --model out for the built-in prefixserve-tiny"
+    )
     (tmp_path / "file").write_text("x")
     assert "--model " + str(tmp_path / "file") + ": is a file but not a .gguf file" in serve_error(
-        "--model", str(tmp_path / "file"))
+        "--model", str(tmp_path / "file")
+    )
     assert f"--model {tmp_path}: has no config.json (and no .gguf file)" in serve_error("--model", str(tmp_path))
     (tmp_path / "config.json").write_text("{}")
     assert f"--model {tmp_path}: has no *.safetensors weights" in serve_error("--model", str(tmp_path))
@@ -173,15 +186,18 @@ def test_model_directory_problems_are_named_by_flag(tmp_path, no_model_load):
 def test_engine_option_errors_speak_in_flags(no_model_load):
     assert serve_error("--block-size", "3") == "prefixserve serve: --block-size must be a power of two up to 128, got 3"
     assert serve_error("--max-num-batched-tokens", "8") == (
-        "prefixserve serve: --max-num-batched-tokens (8) must be at least --block-size (16)")
+        "prefixserve serve: --max-num-batched-tokens (8) must be at least --block-size (16)"
+    )
 
 
 def test_unreadable_shared_prefix_and_keys_files_fail_first(tmp_path, no_model_load):
     assert "--shared-prefix /no/such.txt: cannot read it (No such file or directory)" in serve_error(
-        "--shared-prefix", "/no/such.txt")
+        "--shared-prefix", "/no/such.txt"
+    )
     (tmp_path / "empty.txt").write_text("\n")
     assert "--shared-prefix " + str(tmp_path / "empty.txt") + ": the file is empty" in serve_error(
-        "--shared-prefix", str(tmp_path / "empty.txt"))
+        "--shared-prefix", str(tmp_path / "empty.txt")
+    )
     (tmp_path / "keys.json").write_text("[1, 2]")
     assert "--api-keys-file" in serve_error("--api-keys-file", str(tmp_path / "keys.json"))
 
@@ -199,13 +215,16 @@ def test_bound_port_refuses_clients_until_uvicorn_listens():
 
 
 # ------------------------------------------------------------------------- shared prefix
-@pytest.mark.parametrize("content, text", [
-    ("Be brief.\n", "Be brief."),
-    ("Be brief.\r\n", "Be brief."),
-    ("Be brief.", "Be brief."),
-    ("Be brief.\n\n", "Be brief.\n"),  # one newline goes, a deliberate blank line stays
-    ("  Be brief. \n", "  Be brief. "),
-])
+@pytest.mark.parametrize(
+    "content, text",
+    [
+        ("Be brief.\n", "Be brief."),
+        ("Be brief.\r\n", "Be brief."),
+        ("Be brief.", "Be brief."),
+        ("Be brief.\n\n", "Be brief.\n"),  # one newline goes, a deliberate blank line stays
+        ("  Be brief. \n", "  Be brief. "),
+    ],
+)
 def test_shared_prefix_is_the_text_less_one_trailing_newline(tmp_path, content, text):
     path = tmp_path / "system.txt"
     path.write_bytes(content.encode())
@@ -226,8 +245,9 @@ def test_shared_prefix_logs_tokens_and_blocks_of_both_forms(default_model_dir, c
 
     tokenizer = Tokenizer.from_dir(default_model_dir)
     scoper = PromptScoper(CacheScope("model", "tokenizer"), 16)
-    core = SimpleNamespace(tokenizer=tokenizer, config=SimpleNamespace(block_size=16),
-                           declare_shared_prefix=scoper.declare_shared_prefix)
+    core = SimpleNamespace(
+        tokenizer=tokenizer, config=SimpleNamespace(block_size=16), declare_shared_prefix=scoper.declare_shared_prefix
+    )
     text = "Company policy: be helpful, be brief, cite sources, never guess. " * 3
     chat = tokenizer.encode_chat([{"role": "system", "content": text}], add_generation_prompt=False)
     plain = tokenizer.encode(text)
@@ -253,6 +273,7 @@ def test_generating_the_built_in_model_says_so(tmp_path, monkeypatch, caplog):
     def write_stub(directory):  # the real weights take seconds; the log lines are what is tested
         directory.mkdir(parents=True, exist_ok=True)
         (directory / "config.json").write_text("{}")
+
     monkeypatch.setattr(default, "write_default_model", write_stub)
     caplog.set_level(logging.INFO, logger="prefixserve.model")
     target = default.ensure_default_model(tmp_path)
@@ -286,15 +307,34 @@ def test_serve_logs_each_start_up_stage_and_shares_the_prefix_file(tmp_path, def
     prefix_text = "Company policy: be helpful, be brief, cite sources, never guess. " * 6
     (tmp_path / "system.txt").write_text(prefix_text + "\n")  # as an editor saves it
     (tmp_path / "keys.json").write_text(json.dumps({"key-a": "tenant-a", "key-b": "tenant-b"}))
-    command = [sys.executable, "-m", "prefixserve.cli", "serve", "--port", "0", "--dtype", "float32",
-               "--kv-cache-memory-bytes", str(32 << 20), "--shared-prefix", str(tmp_path / "system.txt"),
-               "--api-keys-file", str(tmp_path / "keys.json")]
-    process = subprocess.Popen(command, env=dict(os.environ), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                               text=True)
+    command = [
+        sys.executable,
+        "-m",
+        "prefixserve.cli",
+        "serve",
+        "--port",
+        "0",
+        "--dtype",
+        "float32",
+        "--kv-cache-memory-bytes",
+        str(32 << 20),
+        "--shared-prefix",
+        str(tmp_path / "system.txt"),
+        "--api-keys-file",
+        str(tmp_path / "keys.json"),
+    ]
+    process = subprocess.Popen(
+        command, env=dict(os.environ), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     try:
         log = read_until(process, r"ready in \d", timeout=180)
-        stages = ["prefixserve.server: holding 127.0.0.1 port", "prefixserve.model: loading",
-                  "prefixserve.model: loaded", "shared prefix", "prefixserve.server: ready in"]
+        stages = [
+            "prefixserve.server: holding 127.0.0.1 port",
+            "prefixserve.model: loading",
+            "prefixserve.model: loaded",
+            "shared prefix",
+            "prefixserve.server: ready in",
+        ]
         positions = [log.find(stage) for stage in stages]
         assert -1 not in positions and positions == sorted(positions), log
         chat_line = re.search(r"as a chat system message: (\d+) tokens, (\d+) full blocks of 16", log)
@@ -303,9 +343,12 @@ def test_serve_logs_each_start_up_stage_and_shares_the_prefix_file(tmp_path, def
 
         def cached_tokens(key: str, question: str) -> int:
             messages = [{"role": "system", "content": prefix_text}, {"role": "user", "content": question}]
-            response = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=120,
-                                  headers={"Authorization": f"Bearer {key}"},
-                                  json={"messages": messages, "max_tokens": 1, "temperature": 0})
+            response = httpx.post(
+                f"http://127.0.0.1:{port}/v1/chat/completions",
+                timeout=120,
+                headers={"Authorization": f"Bearer {key}"},
+                json={"messages": messages, "max_tokens": 1, "temperature": 0},
+            )
             assert response.status_code == 200, response.text
             return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
@@ -327,16 +370,28 @@ def test_serve_with_a_busy_port_exits_with_one_line_and_no_traceback():
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        result = subprocess.run([sys.executable, "-m", "prefixserve.cli", "serve", "--port", str(port)],
-                                capture_output=True, text=True, timeout=120, env=dict(os.environ))
+        result = subprocess.run(
+            [sys.executable, "-m", "prefixserve.cli", "serve", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=dict(os.environ),
+        )
     assert result.returncode == 1
-    assert result.stderr.strip() == (f"prefixserve serve: --port {port}: already in use on 127.0.0.1 (another "
-                                     "server listens there); stop it or choose another --port")
+    assert result.stderr.strip() == (
+        f"prefixserve serve: --port {port}: already in use on 127.0.0.1 (another "
+        "server listens there); stop it or choose another --port"
+    )
 
 
 def test_model_that_does_not_exist_is_named_on_the_command_line():
-    result = subprocess.run([sys.executable, "-m", "prefixserve.cli", "serve", "--model", "/no/such"],
-                            capture_output=True, text=True, timeout=120, env=dict(os.environ))
+    result = subprocess.run(
+        [sys.executable, "-m", "prefixserve.cli", "serve", "--model", "/no/such"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ),
+    )
     assert result.returncode == 1
     assert result.stderr.startswith("prefixserve serve: --model /no/such: no such directory, file or model name; ")
     assert "model=None" not in result.stderr and "Traceback" not in result.stderr
@@ -348,8 +403,15 @@ def test_successful_polls_stay_out_of_the_access_log_at_info():
     from prefixserve.server.launch import QuietPolls
 
     def record(path, status):
-        return logging.LogRecord("uvicorn.access", logging.INFO, __file__, 1, '%s - "%s %s HTTP/%s" %d',
-                                 ("127.0.0.1:5", "GET", path, "1.1", status), None)
+        return logging.LogRecord(
+            "uvicorn.access",
+            logging.INFO,
+            __file__,
+            1,
+            '%s - "%s %s HTTP/%s" %d',
+            ("127.0.0.1:5", "GET", path, "1.1", status),
+            None,
+        )
 
     access = logging.getLogger("uvicorn.access")
     previous = access.level
@@ -364,16 +426,22 @@ def test_successful_polls_stay_out_of_the_access_log_at_info():
         access.setLevel(previous)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--max-cache-ttl", "-1"], "max_cache_ttl (--max-cache-ttl) must be a positive number"),
-    (["--max-cache-ttl", "nan"], "max_cache_ttl (--max-cache-ttl) must be a positive number"),
-    (["--hot-prefix-min-requests", "1"], "--hot-prefix-min-requests must be 0 (off) or at least 2"),
-    (["--hot-prefix-window", "0"], "--hot-prefix-window must be positive"),
-    (["--max-waiting", "-1"], "max_waiting (--max-waiting) must be an integer >= 0, got -1"),
-    (["--max-request-bytes", "0"], "max_request_bytes (--max-request-bytes) must be an integer >= 1, got 0"),
-    (["--served-model-name", "a@b"], "served_model_name (--served-model-name) must be a non-empty name without '@'"),
-    (["--served-model-name", " "], "served_model_name (--served-model-name) must be a non-empty name"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--max-cache-ttl", "-1"], "max_cache_ttl (--max-cache-ttl) must be a positive number"),
+        (["--max-cache-ttl", "nan"], "max_cache_ttl (--max-cache-ttl) must be a positive number"),
+        (["--hot-prefix-min-requests", "1"], "--hot-prefix-min-requests must be 0 (off) or at least 2"),
+        (["--hot-prefix-window", "0"], "--hot-prefix-window must be positive"),
+        (["--max-waiting", "-1"], "max_waiting (--max-waiting) must be an integer >= 0, got -1"),
+        (["--max-request-bytes", "0"], "max_request_bytes (--max-request-bytes) must be an integer >= 1, got 0"),
+        (
+            ["--served-model-name", "a@b"],
+            "served_model_name (--served-model-name) must be a non-empty name without '@'",
+        ),
+        (["--served-model-name", " "], "served_model_name (--served-model-name) must be a non-empty name"),
+    ],
+)
 def test_lifecycle_options_are_checked_before_the_model_loads(no_model_load, argv, message):
     assert message in serve_error("--port", "0", *argv)
 

@@ -4,12 +4,11 @@ import json
 
 import httpx
 import pytest
+from browser_helpers import metrics_samples
+from server_helpers import LiveServer, assert_openai_error
 
 from prefixserve.cache.scoping import compose_salt
 from prefixserve.server.dashboard.snapshot import histogram_quantile
-
-from browser_helpers import metrics_samples
-from server_helpers import LiveServer, assert_openai_error
 
 ADMIN = {"Authorization": "Bearer dash-admin"}
 SHARED = list(range(300, 300 + 64))  # 4 full blocks every prompt starts with
@@ -18,8 +17,12 @@ SECRET_WORD = "zebracornflakes"
 
 def complete(url: str, prompt, key: str = "") -> dict:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    response = httpx.post(url + "/v1/completions", json={"model": "prefixserve-tiny", "prompt": prompt,
-                                                         "max_tokens": 2}, headers=headers, timeout=120)
+    response = httpx.post(
+        url + "/v1/completions",
+        json={"model": "prefixserve-tiny", "prompt": prompt, "max_tokens": 2},
+        headers=headers,
+        timeout=120,
+    )
     assert response.status_code == 200, response.text
     return response.json()["usage"]
 
@@ -36,8 +39,11 @@ def test_the_page_and_its_files_need_no_key_and_other_names_are_404(server):
     page = httpx.get(server.url + "/dashboard")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert 'data-mode="server"' in page.text and "https://" not in page.text.split("<body")[0]  # no CDN
-    for name, media in (("dashboard.js", "text/javascript"), ("tree.js", "text/javascript"),
-                        ("dashboard.css", "text/css")):
+    for name, media in (
+        ("dashboard.js", "text/javascript"),
+        ("tree.js", "text/javascript"),
+        ("dashboard.css", "text/css"),
+    ):
         response = httpx.get(server.url + "/dashboard/static/" + name)
         assert response.status_code == 200 and response.headers["content-type"].startswith(media), name
     for name in ("index.html", "..%2Frecorder.py", "nope.js"):
@@ -46,8 +52,11 @@ def test_the_page_and_its_files_need_no_key_and_other_names_are_404(server):
 
 def test_the_snapshot_answers_the_admin_key_only(server):
     assert_openai_error(httpx.get(server.url + "/dashboard/api/snapshot"), 401, code="invalid_api_key")
-    assert_openai_error(httpx.get(server.url + "/dashboard/api/snapshot", headers={"Authorization": "Bearer key-a"}),
-                        403, code="admin_only")
+    assert_openai_error(
+        httpx.get(server.url + "/dashboard/api/snapshot", headers={"Authorization": "Bearer key-a"}),
+        403,
+        code="admin_only",
+    )
     assert httpx.get(server.url + "/dashboard/api/snapshot", headers=ADMIN).status_code == 200
 
 
@@ -78,8 +87,11 @@ def test_counters_equal_metrics_and_tenants_and_ttft_split_add_up(server):
     assert tenants["tenant-b"]["cached_tokens"] == 0  # tenants never share a private prefix
     assert tenants["tenant-a"]["cached_tokens"] > 0
     ttft = snapshot["ttft"]
-    assert ttft["hit"]["count"] + ttft["miss"]["count"] == ttft["all"]["count"] == \
-        metrics["prefixserve:time_to_first_token_seconds_count"]
+    assert (
+        ttft["hit"]["count"] + ttft["miss"]["count"]
+        == ttft["all"]["count"]
+        == metrics["prefixserve:time_to_first_token_seconds_count"]
+    )
     assert ttft["hit"]["count"] == metrics['prefixserve:time_to_first_token_by_cache_seconds_count{cache="hit"}'] >= 2
     assert ttft["hit"]["p50"] is not None and ttft["hit"]["p50"] <= ttft["hit"]["p99"]
     pool = snapshot["pool"]
@@ -93,9 +105,13 @@ def test_a_streamed_request_counts_for_the_tenant_of_its_key(server):
         return next((row["num_requests"] for row in snapshot["tenants"] if row["tenant"] == "tenant-b"), 0)
 
     before = tenant_b_requests()
-    with httpx.stream("POST", server.url + "/v1/completions", headers={"Authorization": "Bearer key-b"}, timeout=120,
-                      json={"model": "prefixserve-tiny", "prompt": [5, 6, 7] * 10, "max_tokens": 3,
-                            "stream": True}) as response:
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/completions",
+        headers={"Authorization": "Bearer key-b"},
+        timeout=120,
+        json={"model": "prefixserve-tiny", "prompt": [5, 6, 7] * 10, "max_tokens": 3, "stream": True},
+    ) as response:
         assert response.status_code == 200
         assert "[DONE]" in "".join(response.iter_text())
     server.wait_idle()
@@ -122,8 +138,9 @@ def test_the_tree_shows_a_shared_prefix_and_never_tokens_or_text(server):
     assert len(tree["nodes"]) <= tree["max_nodes"]
     small = httpx.get(server.url + "/dashboard/api/snapshot?max_nodes=2", headers=ADMIN).json()["tree"]
     assert len(small["nodes"]) <= 2
-    assert_openai_error(httpx.get(server.url + "/dashboard/api/snapshot?max_nodes=1", headers=ADMIN), 422,
-                        param="max_nodes")
+    assert_openai_error(
+        httpx.get(server.url + "/dashboard/api/snapshot?max_nodes=1", headers=ADMIN), 422, param="max_nodes"
+    )
     assert httpx.get(server.url + "/dashboard/api/snapshot?tree=false", headers=ADMIN).json()["tree"] is None
 
 

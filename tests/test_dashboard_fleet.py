@@ -4,7 +4,6 @@ import time
 
 import httpx
 import pytest
-
 from browser_helpers import LiveRouter
 from server_helpers import LiveServer, assert_openai_error
 
@@ -28,8 +27,11 @@ def test_fleet_rows_and_totals_follow_the_replicas(fleet):
     router, replicas = fleet
     prompts = [list(range(1, 49)) + [900 + i] * 20 for i in range(4)] + [list(range(500, 560))]
     for prompt in prompts:
-        response = httpx.post(router.url + "/v1/completions", timeout=120,
-                              json={"model": "prefixserve-tiny", "prompt": prompt, "max_tokens": 2})
+        response = httpx.post(
+            router.url + "/v1/completions",
+            timeout=120,
+            json={"model": "prefixserve-tiny", "prompt": prompt, "max_tokens": 2},
+        )
         assert response.status_code == 200, response.text
     for replica in replicas:
         replica.wait_idle()
@@ -61,8 +63,11 @@ def test_the_fleet_page_needs_no_key_and_its_data_needs_the_router_admin_key(fle
     assert httpx.get(router.url + "/dashboard/static/fleet.js").status_code == 200
     assert httpx.get(router.url + "/dashboard/static/index.html").status_code == 404
     assert_openai_error(httpx.get(router.url + "/dashboard/api/fleet"), 401, code="invalid_api_key")
-    assert_openai_error(httpx.get(router.url + "/dashboard/api/fleet", headers={"Authorization": "Bearer nope"}),
-                        401, code="invalid_api_key")  # an unknown key; a tenant's key would be 403 admin_only
+    assert_openai_error(
+        httpx.get(router.url + "/dashboard/api/fleet", headers={"Authorization": "Bearer nope"}),
+        401,
+        code="invalid_api_key",
+    )  # an unknown key; a tenant's key would be 403 admin_only
 
 
 def test_a_router_without_an_admin_key_has_its_fleet_data_off(fleet):

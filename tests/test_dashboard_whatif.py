@@ -9,18 +9,17 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry, Histogram
+from server_helpers import LiveServer, assert_openai_error
+from test_plan_capacity import chain
 
 from prefixserve.cache import RadixCache
 from prefixserve.cache.reuse_gaps import ReuseGapTracker
 from prefixserve.engine.request_log import RequestLog, RequestLogEntry
 from prefixserve.plan.price import VENDOR_PRICES
-from prefixserve.server.auth import Authenticator
 from prefixserve.server.api import admin_router
+from prefixserve.server.auth import Authenticator
 from prefixserve.server.errors import install_error_handlers
 from prefixserve.tiers import TierCost
-
-from server_helpers import LiveServer, assert_openai_error
-from test_plan_capacity import chain
 
 ADMIN = {"Authorization": "Bearer admin-key"}
 BLOCK_SIZE = 4
@@ -38,10 +37,14 @@ class FakeEngine:
 
 
 def make_core(tiers=None):
-    return SimpleNamespace(config=SimpleNamespace(block_size=BLOCK_SIZE), cache=RadixCache(6, BLOCK_SIZE),
-                           runner=SimpleNamespace(block_shape=(2, 2, BLOCK_SIZE, 1, 8), dtype_name="float32"),
-                           tiers=tiers, reuse_gaps=ReuseGapTracker(BLOCK_SIZE),
-                           outputs=SimpleNamespace(request_log=RequestLog()))
+    return SimpleNamespace(
+        config=SimpleNamespace(block_size=BLOCK_SIZE),
+        cache=RadixCache(6, BLOCK_SIZE),
+        runner=SimpleNamespace(block_shape=(2, 2, BLOCK_SIZE, 1, 8), dtype_name="float32"),
+        tiers=tiers,
+        reuse_gaps=ReuseGapTracker(BLOCK_SIZE),
+        outputs=SimpleNamespace(request_log=RequestLog()),
+    )
 
 
 def make_client(core, admin_api_key="admin-key"):
@@ -49,8 +52,11 @@ def make_client(core, admin_api_key="admin-key"):
     ttft = Histogram("prefixserve:time_to_first_token_seconds", "TTFT", registry=registry)
     app = FastAPI()
     install_error_handlers(app)
-    app.state.server = SimpleNamespace(auth=Authenticator({"tenant-key": "acme"}, admin_api_key),
-                                       engine=FakeEngine(core), metrics=SimpleNamespace(registry=registry, ttft=ttft))
+    app.state.server = SimpleNamespace(
+        auth=Authenticator({"tenant-key": "acme"}, admin_api_key),
+        engine=FakeEngine(core),
+        metrics=SimpleNamespace(registry=registry, ttft=ttft),
+    )
     app.include_router(admin_router())  # the one way admin routes are mounted: under the guard
     return TestClient(app), ttft
 
@@ -69,20 +75,23 @@ def test_every_endpoint_answers_the_admin_key_only():
         assert_openai_error(off.get(path, headers=ADMIN), 404, code="admin_disabled")
 
 
-@pytest.mark.parametrize("path, query, param", [
-    ("/dashboard/api/price", "hit_rate=1.5", "hit_rate"),
-    ("/dashboard/api/price", "hit_rate=abc", "hit_rate"),
-    ("/dashboard/api/price", "prompt_tokens=0", "prompt_tokens"),
-    ("/dashboard/api/price", "prompt_tokens=inf", "prompt_tokens"),
-    ("/dashboard/api/tiers", "max_tokens=-3", "max_tokens"),
-    ("/dashboard/api/ttl", "ttls=10,-1", "ttls"),
-    ("/dashboard/api/ttl", "tenant=nobody", "tenant"),
-    ("/dashboard/api/capacity", "sizes=4,x", "sizes"),
-    ("/dashboard/api/capacity", "sizes=0", "sizes"),
-    ("/dashboard/api/capacity", "sizes=" + ",".join(["4"] * 17), "sizes"),
-    ("/dashboard/api/capacity", "trace=/etc/passwd", "trace"),
-    ("/dashboard/api/capacity", "trace=agent&limit=0", "limit"),
-])
+@pytest.mark.parametrize(
+    "path, query, param",
+    [
+        ("/dashboard/api/price", "hit_rate=1.5", "hit_rate"),
+        ("/dashboard/api/price", "hit_rate=abc", "hit_rate"),
+        ("/dashboard/api/price", "prompt_tokens=0", "prompt_tokens"),
+        ("/dashboard/api/price", "prompt_tokens=inf", "prompt_tokens"),
+        ("/dashboard/api/tiers", "max_tokens=-3", "max_tokens"),
+        ("/dashboard/api/ttl", "ttls=10,-1", "ttls"),
+        ("/dashboard/api/ttl", "tenant=nobody", "tenant"),
+        ("/dashboard/api/capacity", "sizes=4,x", "sizes"),
+        ("/dashboard/api/capacity", "sizes=0", "sizes"),
+        ("/dashboard/api/capacity", "sizes=" + ",".join(["4"] * 17), "sizes"),
+        ("/dashboard/api/capacity", "trace=/etc/passwd", "trace"),
+        ("/dashboard/api/capacity", "trace=agent&limit=0", "limit"),
+    ],
+)
 def test_bad_query_values_are_400s_naming_the_parameter(path, query, param):
     client, _ = make_client(make_core())
     response = client.get(f"{path}?{query}", headers=ADMIN)
@@ -117,8 +126,10 @@ def test_price_defaults_to_the_measured_hit_rate_and_prompt_length():
 def test_tiers_curves_and_crossover_from_the_engines_costs():
     prefill = 2.0**-9
     host, disk = TierCost(0.0, 2.0**20), TierCost(1e-3, 2.0**16)
-    fake_tiers = SimpleNamespace(prefill_seconds_per_token=prefill, tiers={
-        "host": SimpleNamespace(read_cost=host), "disk": SimpleNamespace(read_cost=disk)})
+    fake_tiers = SimpleNamespace(
+        prefill_seconds_per_token=prefill,
+        tiers={"host": SimpleNamespace(read_cost=host), "disk": SimpleNamespace(read_cost=disk)},
+    )
     client, _ = make_client(make_core(fake_tiers))
     body = client.get("/dashboard/api/tiers?max_tokens=64", headers=ADMIN).json()
     assert body["bytes_per_token"] == 128 and body["prefill_seconds_per_token"] == prefill
@@ -150,11 +161,17 @@ def test_ttl_from_the_measured_reuse_gaps():
         return {"counts": counts, "count": count, "sum": 20.0 * count, "num_releases": count}
 
     def snapshot():
-        return {"bucket_upper_bounds": bounds, "overall": histogram(3),
-                "by_tenant": {"acme": histogram(2), "beta": histogram(1)}}
+        return {
+            "bucket_upper_bounds": bounds,
+            "overall": histogram(3),
+            "by_tenant": {"acme": histogram(2), "beta": histogram(1)},
+        }
 
-    core.reuse_gaps = SimpleNamespace(mean_reused_prefix_tokens=640.0, snapshot=snapshot,
-                                      stats_body=lambda: {"reuse_gaps": snapshot(), "mean_reused_prefix_tokens": 640.0})
+    core.reuse_gaps = SimpleNamespace(
+        mean_reused_prefix_tokens=640.0,
+        snapshot=snapshot,
+        stats_body=lambda: {"reuse_gaps": snapshot(), "mean_reused_prefix_tokens": 640.0},
+    )
     body = client.get("/dashboard/api/ttl?ttls=10,30,60&prefix_tokens=1000", headers=ADMIN).json()
     assert body["available"] is True and body["num_releases"] == 3 and body["return_fraction"] == 1.0
     rows = {row["ttl_seconds"]: row for row in body["rows"]}
@@ -201,8 +218,11 @@ def test_the_endpoints_on_a_real_server():
     with LiveServer("--admin-api-key", "admin-key", "--block-size", "16") as server:
         prompt = list(range(1, 70))  # 4 full blocks and a tail
         for _ in range(3):
-            response = httpx.post(server.url + "/v1/completions", json={
-                "model": "prefixserve-tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0}, timeout=60)
+            response = httpx.post(
+                server.url + "/v1/completions",
+                json={"model": "prefixserve-tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0},
+                timeout=60,
+            )
             assert response.status_code == 200, response.text
         server.wait_idle()
         capacity = httpx.get(server.url + "/dashboard/api/capacity?sizes=2,64", headers=ADMIN, timeout=60).json()

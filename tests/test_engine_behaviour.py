@@ -3,10 +3,9 @@
 import random
 
 import pytest
+from conftest import make_llm
 
 from prefixserve import LLM, SamplingParams
-
-from conftest import make_llm
 
 
 @pytest.fixture(scope="module")
@@ -16,11 +15,12 @@ def llm():
 
 def test_second_chat_turn_reuses_first_turn_and_its_answer(llm):
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    turn1 = [{"role": "system", "content": "You are a terse assistant. " * 6},
-             {"role": "user", "content": "Name three prime numbers."}]
+    turn1 = [
+        {"role": "system", "content": "You are a terse assistant. " * 6},
+        {"role": "user", "content": "Name three prime numbers."},
+    ]
     first = llm.chat(turn1, params, use_tqdm=False)[0]
-    turn2 = turn1 + [{"role": "assistant", "content": first.text},
-                     {"role": "user", "content": "And three more?"}]
+    turn2 = turn1 + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And three more?"}]
     second = llm.chat(turn2, params, use_tqdm=False)[0]
     # The rendered turn-1 prompt is a prefix of turn 2; the answer re-tokenizes the same way
     # up to the first token where byte-level BPE merges differ, so count the shared tokens.
@@ -56,26 +56,32 @@ def test_seeded_sampling_is_reproducible_and_top_k_1_is_greedy(llm):
     sampled = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=1234, ignore_eos=True)
     a, b = llm.generate([prompt, prompt], sampled, use_tqdm=False)
     assert a.token_ids == b.token_ids
-    other = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.9, seed=99, ignore_eos=True),
-                         use_tqdm=False)[0]
+    other = llm.generate(
+        [prompt], SamplingParams(max_tokens=16, temperature=0.9, seed=99, ignore_eos=True), use_tqdm=False
+    )[0]
     assert other.token_ids != a.token_ids
     greedy = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
-    top1 = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=1.5, top_k=1, seed=3, ignore_eos=True),
-                        use_tqdm=False)[0]
+    top1 = llm.generate(
+        [prompt], SamplingParams(max_tokens=16, temperature=1.5, top_k=1, seed=3, ignore_eos=True), use_tqdm=False
+    )[0]
     assert top1.token_ids == greedy.token_ids
 
 
 def test_stop_strings_and_stop_token_ids(llm):
     greedy = llm.generate(["Hello"], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
     stop_token = greedy.token_ids[5]
-    by_token = llm.generate(["Hello"], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
-                                                      stop_token_ids=[stop_token]), use_tqdm=False)[0]
+    by_token = llm.generate(
+        ["Hello"],
+        SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_token]),
+        use_tqdm=False,
+    )[0]
     first = greedy.token_ids.index(stop_token)
     assert by_token.token_ids == greedy.token_ids[: first + 1]
     assert by_token.finish_reason == "stop" and by_token.stop_reason == stop_token
     stop_text = greedy.text[len(greedy.text) // 2 : len(greedy.text) // 2 + 3]
-    by_text = llm.generate(["Hello"], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop=[stop_text]),
-                           use_tqdm=False)[0]
+    by_text = llm.generate(
+        ["Hello"], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop=[stop_text]), use_tqdm=False
+    )[0]
     assert by_text.finish_reason == "stop" and by_text.stop_reason == stop_text
     assert by_text.text == greedy.text[: greedy.text.index(stop_text)]
 

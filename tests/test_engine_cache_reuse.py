@@ -3,10 +3,9 @@
 import random
 
 import pytest
+from conftest import make_llm
 
 from prefixserve import SamplingParams
-
-from conftest import make_llm
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -98,8 +97,10 @@ def skip_unmeasured(attention_path: str) -> None:
     from prefixserve.model import invariant_attention
 
     if attention_path == "reference" and not invariant_attention.measured_here():
-        pytest.skip("bf16's pure-PyTorch path is exact only where it was measured (AVX-512 libraries); "
-                    "the engine refuses it elsewhere (test_bfloat16_without_kernels_is_refused_where_unmeasured)")
+        pytest.skip(
+            "bf16's pure-PyTorch path is exact only where it was measured (AVX-512 libraries); "
+            "the engine refuses it elsewhere (test_bfloat16_without_kernels_is_refused_where_unmeasured)"
+        )
 
 
 # attention_path: the compiled kernel (csrc/paged_causal.cpp) and invariant_attention.py
@@ -160,8 +161,9 @@ def test_batch_invariant_false_takes_the_faster_bfloat16_path(monkeypatch):
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     prompt = list(range(10, 90))
     fast = make_llm(dtype="bfloat16", batch_invariant=False)
-    assert all(not module.batch_invariant for module in fast.engine.runner.model.modules()
-               if isinstance(module, Linear))
+    assert all(
+        not module.batch_invariant for module in fast.engine.runner.model.modules() if isinstance(module, Linear)
+    )
     fast.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
     assert calls and not any(calls)
     exact = make_llm(dtype="bfloat16")
@@ -170,5 +172,6 @@ def test_batch_invariant_false_takes_the_faster_bfloat16_path(monkeypatch):
     exact.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
     assert calls and all(calls)
     fast.reload(None)  # a reloaded model keeps the engine's choice
-    assert all(not module.batch_invariant for module in fast.engine.runner.model.modules()
-               if isinstance(module, Linear))
+    assert all(
+        not module.batch_invariant for module in fast.engine.runner.model.modules() if isinstance(module, Linear)
+    )

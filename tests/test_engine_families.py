@@ -6,17 +6,31 @@ answers alike."""
 
 import httpx
 import pytest
-
-from prefixserve import SamplingParams
-
 from conftest import make_llm
-from model_helpers import (gemma2_config, gemma3_config, phi3_config, phi3_longrope_config, phi4_mini_config,
-                           qwen3_config, smollm3_config, write_servable_checkpoint)
+from model_helpers import (
+    gemma2_config,
+    gemma3_config,
+    phi3_config,
+    phi3_longrope_config,
+    phi4_mini_config,
+    qwen3_config,
+    smollm3_config,
+    write_servable_checkpoint,
+)
 from server_helpers import LiveServer
 from test_engine_reference import NUM_TOKENS, PROMPTS, transformers_greedy
 
-FAMILIES = {"qwen3": qwen3_config, "smollm3": smollm3_config, "phi3": phi3_config, "gemma2": gemma2_config,
-            "gemma3": gemma3_config, "phi3_longrope": phi3_longrope_config, "phi4_mini": phi4_mini_config}
+from prefixserve import SamplingParams
+
+FAMILIES = {
+    "qwen3": qwen3_config,
+    "smollm3": smollm3_config,
+    "phi3": phi3_config,
+    "gemma2": gemma2_config,
+    "gemma3": gemma3_config,
+    "phi3_longrope": phi3_longrope_config,
+    "phi4_mini": phi4_mini_config,
+}
 LONG_PROMPT = "A cached prefix of several blocks, read back on the second request: " * 3
 
 
@@ -50,8 +64,13 @@ def test_bfloat16_cache_hits_change_no_token(family_dir):
 
 def test_the_server_serves_the_family(family_dir):
     with LiveServer("--model", str(family_dir)) as live:
-        body = {"model": family_dir.name, "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0,
-                "return_token_ids": True}
+        body = {
+            "model": family_dir.name,
+            "prompt": PROMPTS[0],
+            "max_tokens": 8,
+            "temperature": 0,
+            "return_token_ids": True,
+        }
         answer = httpx.post(live.url + "/v1/completions", json=body, timeout=60).json()
     choice = answer["choices"][0]
     assert choice["token_ids"] == transformers_greedy(family_dir, [choice["prompt_token_ids"]], 8)[0]

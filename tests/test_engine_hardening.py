@@ -4,11 +4,10 @@ a failing step or detokenizer fails only its own requests, and streamed deltas a
 import random
 
 import pytest
+from conftest import make_llm
 
 from prefixserve import SamplingParams
 from prefixserve.engine.limits import ContextLengthError
-
-from conftest import make_llm
 
 POOL_16_MIB = 16 << 20  # 64 blocks x 16 tokens of the built-in fp32 model (16 KiB a token)
 
@@ -101,8 +100,9 @@ def test_a_failing_detokenizer_fails_only_its_request(llm):
 
 def test_deltas_add_up_to_the_whole_output(llm):
     engine = llm.engine
-    engine.add_request("Counting: one, two,", SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True,
-                                                              logprobs=2), "r")
+    engine.add_request(
+        "Counting: one, two,", SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2), "r"
+    )
     outputs = []
     while engine.has_unfinished_requests():
         outputs += engine.step()

@@ -6,12 +6,11 @@ import random
 
 import pytest
 import torch
+from conftest import make_llm
 
 from prefixserve import SamplingParams
 from prefixserve.engine.logits_processors import process_logits
 from prefixserve.engine.request import Request
-
-from conftest import make_llm
 
 SYSTEM = "You are a careful assistant. Answer in one sentence and repeat nothing. " * 4
 PROMPTS = [SYSTEM + f"Question {index}: name a colour." for index in range(3)]
@@ -25,8 +24,11 @@ def request_of(prompt, output, **params):
 
 
 def test_repetition_penalty_min_tokens_and_bad_words_match_transformers():
-    from transformers import (MinNewTokensLengthLogitsProcessor, NoBadWordsLogitsProcessor,
-                              RepetitionPenaltyLogitsProcessor)
+    from transformers import (
+        MinNewTokensLengthLogitsProcessor,
+        NoBadWordsLogitsProcessor,
+        RepetitionPenaltyLogitsProcessor,
+    )
 
     rng = random.Random(0)
     vocab = 50
@@ -39,8 +41,9 @@ def test_repetition_penalty_min_tokens_and_bad_words_match_transformers():
         ours = process_logits(logits, [request_of(prompt, output, repetition_penalty=penalty)])
         assert torch.equal(ours, RepetitionPenaltyLogitsProcessor(penalty)(ids, logits.clone()))
         min_tokens = rng.randrange(0, 8)
-        ours = process_logits(logits, [request_of(prompt, output, min_tokens=min_tokens, max_tokens=16,
-                                                  stop_token_ids=[7])])
+        ours = process_logits(
+            logits, [request_of(prompt, output, min_tokens=min_tokens, max_tokens=16, stop_token_ids=[7])]
+        )
         theirs = MinNewTokensLengthLogitsProcessor(len(prompt), min_tokens, [2, 7])(ids, logits.clone())
         assert torch.equal(ours, theirs)
         words = [tuple(rng.randrange(3, vocab) for _ in range(rng.randrange(1, 3))) for _ in range(3)]
@@ -51,7 +54,8 @@ def test_repetition_penalty_min_tokens_and_bad_words_match_transformers():
         ours = process_logits(logits, [request])
         # transformers looks at the whole sequence; ours at the output: give it the output alone
         theirs = NoBadWordsLogitsProcessor([list(word) for word in words], eos_token_id=2)(
-            torch.tensor([output or [0]]), logits.clone())
+            torch.tensor([output or [0]]), logits.clone()
+        )
         assert torch.equal(ours, theirs)
 
 
@@ -83,8 +87,10 @@ def test_logit_bias_forces_and_bans_tokens(llms):
     assert all(out.token_ids == [42] * 12 for out in forced)
 
 
-@pytest.mark.parametrize("fields", [dict(frequency_penalty=1.5), dict(presence_penalty=2.0),
-                                    dict(frequency_penalty=0.7, presence_penalty=-0.5)])
+@pytest.mark.parametrize(
+    "fields",
+    [dict(frequency_penalty=1.5), dict(presence_penalty=2.0), dict(frequency_penalty=0.7, presence_penalty=-0.5)],
+)
 def test_openai_penalties_pick_the_best_penalized_raw_logprob(llms, fields):
     llm, _ = llms
     bias = {42: 20.0}  # makes token 42 repeat (about 7 of 12 on the built-in model), so penalties act on it
@@ -98,10 +104,14 @@ def test_openai_penalties_pick_the_best_penalized_raw_logprob(llms, fields):
     for out in outputs:
         counts: dict[int, int] = {}
 
-        def penalized(candidate, value):
+        def penalized(candidate, value, counts=counts):
             count = counts.get(candidate, 0)
-            return (value + bias.get(candidate, 0.0) - fields.get("frequency_penalty", 0) * count
-                    - fields.get("presence_penalty", 0) * (count > 0))
+            return (
+                value
+                + bias.get(candidate, 0.0)
+                - fields.get("frequency_penalty", 0) * count
+                - fields.get("presence_penalty", 0) * (count > 0)
+            )
 
         for token, logprob in zip(out.token_ids, out.logprobs):
             best = max(penalized(candidate, value) for candidate, value in logprob.top)
@@ -123,16 +133,24 @@ def test_min_tokens_holds_back_stop_tokens_and_bad_words_never_appear(llms):
     spellings = {tuple(llm.tokenizer.encode(text, add_special_tokens=False)) for text in (word, " " + word)}
     for out in cleaned:
         ids = out.token_ids
-        assert not any(tuple(ids[i:i + len(s)]) == s for s in spellings for i in range(len(ids)))
+        assert not any(tuple(ids[i : i + len(s)]) == s for s in spellings for i in range(len(ids)))
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(max_tokens=4, min_tokens=5)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         llm.generate(["x"], SamplingParams(logit_bias={10**6: 1.0}))
 
 
-@pytest.mark.parametrize("fields", [dict(logit_bias={11: 3.0, 12: -3.0}), dict(frequency_penalty=1.0),
-                                    dict(repetition_penalty=1.8), dict(min_tokens=8, ignore_eos=False),
-                                    dict(temperature=0.9, seed=3, min_p=0.2), dict(bad_words=["the", "a"])])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(logit_bias={11: 3.0, 12: -3.0}),
+        dict(frequency_penalty=1.0),
+        dict(repetition_penalty=1.8),
+        dict(min_tokens=8, ignore_eos=False),
+        dict(temperature=0.9, seed=3, min_p=0.2),
+        dict(bad_words=["the", "a"]),
+    ],
+)
 def test_a_cache_hit_changes_no_output_with_these_fields(llms, fields):
     cached, uncached = llms
     reference = [out.token_ids for out in generate(uncached, **fields)]
@@ -145,14 +163,22 @@ def test_min_p_keeps_only_tokens_near_the_likeliest():
     from prefixserve.engine.sampling import sample_row
 
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
-    draws = {sample_row(logits, SamplingParams(temperature=1.0, min_p=0.5), torch.Generator().manual_seed(seed))
-             for seed in range(200)}
+    draws = {
+        sample_row(logits, SamplingParams(temperature=1.0, min_p=0.5), torch.Generator().manual_seed(seed))
+        for seed in range(200)
+    }
     assert draws == {0, 1}  # 0.15 < 0.5 x 0.5: dropped
 
 
-@pytest.mark.parametrize("fields", [dict(frequency_penalty=1.5, logit_bias={42: 20.0}), dict(presence_penalty=2.0),
-                                    dict(min_tokens=9, stop_token_ids=[42], logit_bias={42: 20.0},
-                                         ignore_eos=False), dict(bad_words=["the"], repetition_penalty=1.5)])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(frequency_penalty=1.5, logit_bias={42: 20.0}),
+        dict(presence_penalty=2.0),
+        dict(min_tokens=9, stop_token_ids=[42], logit_bias={42: 20.0}, ignore_eos=False),
+        dict(bad_words=["the"], repetition_penalty=1.5),
+    ],
+)
 def test_a_continued_stream_chooses_what_the_uninterrupted_one_would(llms, fields):
     """A router continues a stream elsewhere with prompt + the k tokens so far and continued_output_tokens=k
     (router/continuation.py): the penalties, min_tokens and bad_words count those k as output."""
@@ -166,9 +192,20 @@ def test_a_continued_stream_chooses_what_the_uninterrupted_one_would(llms, field
     for k in (3, 7):
         head = whole.token_ids[:k]
         progress = ChoiceProgress(prompt_token_ids=list(prompt), output_token_ids=list(head))
-        sent = {**GREEDY, **fields, "logit_bias": {str(token): bias for token, bias in fields.get("logit_bias", {}).items()}}
-        client = ClientRequest(path="/v1/completions", body=sent, streaming=True, n=1, num_choices=1,
-                               max_tokens=GREEDY["max_tokens"], wants_token_ids=False)
+        sent = {
+            **GREEDY,
+            **fields,
+            "logit_bias": {str(token): bias for token, bias in fields.get("logit_bias", {}).items()},
+        }
+        client = ClientRequest(
+            path="/v1/completions",
+            body=sent,
+            streaming=True,
+            n=1,
+            num_choices=1,
+            max_tokens=GREEDY["max_tokens"],
+            wants_token_ids=False,
+        )
         body = continuation_body(client, progress, include_usage=False)
         assert body["continued_output_tokens"] == k and body["prompt"] == prompt + head
         rest = SamplingParams(**{**GREEDY, **fields, "max_tokens": body["max_tokens"], "continued_output_tokens": k})

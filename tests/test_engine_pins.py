@@ -1,11 +1,12 @@
 """Pinning in the engine: the hot-prefix policy, operator pins with a TTL, pins across restarts and reloads."""
 
 import pytest
-
 from conftest import make_llm
 
 SYSTEM = "You are the assistant of the pinning tests; keep every answer short and polite. " * 4
-POOL = 48 * 16 * 16384  # 48 blocks of 16 tokens (16 KiB a token in fp32 for the built-in model): a flood evicts everything unpinned
+POOL = (
+    48 * 16 * 16384
+)  # 48 blocks of 16 tokens (16 KiB a token in fp32 for the built-in model): a flood evicts everything unpinned
 GREEDY = dict(temperature=0.0, max_tokens=2, ignore_eos=True)
 
 
@@ -105,8 +106,9 @@ def test_pins_are_listed_and_removed_and_bad_pins_name_the_fix():
 
 
 def test_pins_survive_a_restart_with_a_disk_tier(tmp_path):
-    options = dict(kv_cache_memory_bytes=POOL, hot_prefix_min_requests=0, kv_disk_cache_dir=str(tmp_path),
-                   kv_fetch_policy="always")  # warmed from disk whatever this machine's read and prefill times
+    options = dict(
+        kv_cache_memory_bytes=POOL, hot_prefix_min_requests=0, kv_disk_cache_dir=str(tmp_path), kv_fetch_policy="always"
+    )  # warmed from disk whatever this machine's read and prefill times
     first = make_llm(**options)
     pin = first.pin(SYSTEM)
     first.close()

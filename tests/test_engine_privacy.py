@@ -8,8 +8,8 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from conftest import make_llm
+
 from prefixserve import SamplingParams
 from prefixserve.cache.events import BlockStored
 from prefixserve.engine.input_processor import stricter_retention
@@ -25,7 +25,7 @@ def prompt(seed: int) -> list[int]:
 
 
 def blocks_of(tokens: list[int]) -> set[tuple[int, ...]]:
-    return {tuple(tokens[i:i + 16]) for i in range(0, len(tokens) - 15, 16)}
+    return {tuple(tokens[i : i + 16]) for i in range(0, len(tokens) - 15, 16)}
 
 
 def tier_token_blocks(llm, redis_client) -> dict[str, set]:
@@ -44,14 +44,28 @@ def test_device_and_none_requests_leave_nothing_in_any_tier_or_event(tmp_path, r
     reference = make_llm(enable_prefix_caching=False)
     private, ephemeral, normal = prompt(1), prompt(2), prompt(3)
     expected = [out.token_ids for out in reference.generate([private, ephemeral, normal], GREEDY, use_tqdm=False)]
-    llm = make_llm(kv_cache_memory_bytes=12 << 20,  # 48 blocks: each prompt (21) evicts the one before
-                   kv_host_cache_bytes=64 << 20, kv_disk_cache_dir=str(tmp_path), kv_remote_url=redis_server.url,
-                   kv_tier_secret_file=tier_secret_file, enable_kv_events=True, kv_fetch_policy="always")
-    outs = llm.generate([{"prompt_token_ids": private, "cache_retention": "device"},
-                         {"prompt_token_ids": ephemeral, "cache_retention": "none"}, normal], GREEDY, use_tqdm=False)
+    llm = make_llm(
+        kv_cache_memory_bytes=12 << 20,  # 48 blocks: each prompt (21) evicts the one before
+        kv_host_cache_bytes=64 << 20,
+        kv_disk_cache_dir=str(tmp_path),
+        kv_remote_url=redis_server.url,
+        kv_tier_secret_file=tier_secret_file,
+        enable_kv_events=True,
+        kv_fetch_policy="always",
+    )
+    outs = llm.generate(
+        [
+            {"prompt_token_ids": private, "cache_retention": "device"},
+            {"prompt_token_ids": ephemeral, "cache_retention": "none"},
+            normal,
+        ],
+        GREEDY,
+        use_tqdm=False,
+    )
     assert [out.token_ids for out in outs] == expected
-    again = llm.generate([{"prompt_token_ids": private, "cache_retention": "device"}, normal, normal],
-                         GREEDY, use_tqdm=False)  # evicts the private prompt's blocks past the host tier
+    again = llm.generate(
+        [{"prompt_token_ids": private, "cache_retention": "device"}, normal, normal], GREEDY, use_tqdm=False
+    )  # evicts the private prompt's blocks past the host tier
     assert [out.token_ids for out in again] == [expected[0], expected[2], expected[2]]
     held = tier_token_blocks(llm, redis_server.client())
     for name, blocks in held.items():
@@ -61,8 +75,12 @@ def test_device_and_none_requests_leave_nothing_in_any_tier_or_event(tmp_path, r
     events, _, _ = llm.engine.events.since(0)
     stored = [event for event in events if isinstance(event, BlockStored)]
     assert not [e for e in stored if blocks_of(e.token_ids) & blocks_of(ephemeral)]  # never stored anywhere
-    private_keys = {key for e in stored if e.medium in (None, "GPU") and blocks_of(e.token_ids) & blocks_of(private)
-                    for key in e.keys}
+    private_keys = {
+        key
+        for e in stored
+        if e.medium in (None, "GPU") and blocks_of(e.token_ids) & blocks_of(private)
+        for key in e.keys
+    }
     assert private_keys  # it was cached on the device (and its second run hit it there or recomputed)
     assert not [e for e in stored if e.medium in ("CPU", "DISK") and set(e.keys) & private_keys]
 

@@ -2,12 +2,11 @@
 
 import pytest
 import torch
+from conftest import make_llm
+from model_helpers import write_qwen2_checkpoint
 
 from prefixserve import SamplingParams
 from prefixserve.model import ensure_default_model
-
-from conftest import make_llm
-from model_helpers import write_qwen2_checkpoint
 
 PROMPTS = [
     "The quick brown fox",
@@ -26,9 +25,15 @@ def transformers_greedy(model_dir, prompt_ids, num_tokens):
         for ids in prompt_ids:
             # An explicit mask: the BOS id may equal the pad id, which generate() would mask out.
             input_ids = torch.tensor([ids])
-            generated = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                                       max_new_tokens=num_tokens, min_new_tokens=num_tokens, pad_token_id=0)
-            outputs.append(generated[0, len(ids):].tolist())
+            generated = model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                do_sample=False,
+                max_new_tokens=num_tokens,
+                min_new_tokens=num_tokens,
+                pad_token_id=0,
+            )
+            outputs.append(generated[0, len(ids) :].tolist())
     return outputs
 
 

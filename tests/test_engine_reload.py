@@ -1,7 +1,6 @@
 """Hot reload in the engine (LLM.reload): a new version never reuses the old one's KV, in the pool or a tier."""
 
 import pytest
-
 from conftest import make_llm
 from reload_helpers import two_versions
 
@@ -38,7 +37,10 @@ def test_after_a_reload_nothing_of_the_old_version_matches_and_outputs_are_the_n
     report = llm.reload(str(path_b))
     assert report.num_reclaimed_blocks == num_cached  # every old block freed at once, not aged out
     assert report.num_reclaimed_records["disk"] == num_disk
-    assert llm.engine.cache.num_cached_blocks == 0 and llm.engine.cache.pool.num_free_blocks == llm.engine.cache.pool.num_blocks
+    assert (
+        llm.engine.cache.num_cached_blocks == 0
+        and llm.engine.cache.pool.num_free_blocks == llm.engine.cache.pool.num_blocks
+    )
     assert tiers["disk"].keys() == [] and tiers["host"].keys() == []
     assert llm.engine.cache.stats.num_evicted_blocks == evicted_before  # reclaimed, not evicted
     assert report.model_fingerprint != report.previous_fingerprint
@@ -68,6 +70,7 @@ def test_reloading_back_serves_the_first_version_again_from_a_cold_cache(version
 
 def test_a_reload_that_cannot_work_changes_nothing(versions, tmp_path):
     from model_helpers import qwen2_config, write_random_checkpoint
+
     from prefixserve.engine.reload import IncompatibleModelError
 
     path_a, _, cold_a, _ = versions
@@ -99,7 +102,8 @@ def test_a_request_made_before_a_reload_is_refused_after_it(versions):
 
 
 def test_the_old_versions_remote_records_stay_for_other_replicas_until_the_operator_purges_them(
-        versions, redis_server, tier_secret_file):
+    versions, redis_server, tier_secret_file
+):
     import redis
 
     path_a, path_b, _, cold_b = versions

@@ -4,6 +4,7 @@ with identical greedy tokens; a damaged value or a dead Redis means recompute, n
 import random
 
 from conftest import make_llm
+
 from prefixserve import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)

@@ -6,15 +6,21 @@ import types
 
 import pytest
 import torch
+from conftest import make_llm
 
 from prefixserve import SamplingParams
-from prefixserve.engine.sampling import Sampler, position_seed, sample_row
 from prefixserve.engine.limits import (
-    MAX_LOGPROBS, MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, SEED_MAX,
-    SEED_MIN)
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TEMPERATURE,
+    SEED_MAX,
+    SEED_MIN,
+)
+from prefixserve.engine.sampling import Sampler, position_seed, sample_row
 from prefixserve.engine.sampling_params import SAMPLING_EPS
-
-from conftest import make_llm
 
 TEMPERATURES = [1e-300, 5e-324, 1e-38, 1e-6, 1e-5, 2.0]
 VOCAB = 50
@@ -126,9 +132,14 @@ def test_limits_name_the_field_and_the_limit(fields, message):
 
 
 def test_limits_themselves_are_accepted():
-    params = SamplingParams(temperature=MAX_TEMPERATURE, n=MAX_N, logprobs=MAX_LOGPROBS, seed=SEED_MAX,
-                            stop=["s" * MAX_STOP_STRING_CHARS] * MAX_STOP_STRINGS,
-                            stop_token_ids=range(MAX_STOP_TOKEN_IDS))
+    params = SamplingParams(
+        temperature=MAX_TEMPERATURE,
+        n=MAX_N,
+        logprobs=MAX_LOGPROBS,
+        seed=SEED_MAX,
+        stop=["s" * MAX_STOP_STRING_CHARS] * MAX_STOP_STRINGS,
+        stop_token_ids=range(MAX_STOP_TOKEN_IDS),
+    )
     assert isinstance(params.stop_token_ids, frozenset) and 255 in params.stop_token_ids
     assert SamplingParams(seed=SEED_MIN, logprobs=0, temperature=0).seed == SEED_MIN
     assert params.for_sample(1).seed == 0  # 2**64 wraps to 0 within 64 bits instead of failing
@@ -137,6 +148,7 @@ def test_limits_themselves_are_accepted():
 
 # ---- through the engine -------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def llm():
     return make_llm()
@@ -144,8 +156,7 @@ def llm():
 
 @pytest.mark.parametrize("temperature", TEMPERATURES)
 def test_any_accepted_temperature_completes(llm, temperature):
-    out = llm.generate("hi", SamplingParams(max_tokens=3, temperature=temperature, ignore_eos=True),
-                       use_tqdm=False)[0]
+    out = llm.generate("hi", SamplingParams(max_tokens=3, temperature=temperature, ignore_eos=True), use_tqdm=False)[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 3
 
 

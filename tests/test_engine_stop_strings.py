@@ -2,14 +2,13 @@
 and through the engine (cut text, stop_reason, nothing past the stop ever streamed)."""
 
 import pytest
+from conftest import make_llm
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixserve import SamplingParams
 from prefixserve.engine.sampling_params import MAX_STOP_STRINGS
 from prefixserve.engine.stop_strings import StopMatch, StopMatcher
-
-from conftest import make_llm
 
 
 def reference_match(text: str, stops: list[str]):
@@ -35,8 +34,11 @@ ALPHABET = "abc "  # small, so stop strings overlap, nest and repeat
 
 
 @settings(max_examples=400, deadline=None)
-@given(stops=st.lists(st.text(ALPHABET, min_size=1, max_size=5), min_size=1, max_size=8),
-       text=st.text(ALPHABET, max_size=40), cuts=st.lists(st.integers(0, 40), max_size=8))
+@given(
+    stops=st.lists(st.text(ALPHABET, min_size=1, max_size=5), min_size=1, max_size=8),
+    text=st.text(ALPHABET, max_size=40),
+    cuts=st.lists(st.integers(0, 40), max_size=8),
+)
 def test_matcher_agrees_with_brute_force_in_any_chunking(stops, text, cuts):
     assert feed_in_chunks(StopMatcher(stops), text, cuts) == reference_match(text, stops)
 
@@ -80,7 +82,7 @@ def llm():
 def test_stop_strings_cut_the_text_and_are_never_streamed(llm):
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     greedy = llm.generate(["Hello"], params, use_tqdm=False)[0]
-    stop_text = greedy.text[len(greedy.text) // 2: len(greedy.text) // 2 + 4]
+    stop_text = greedy.text[len(greedy.text) // 2 : len(greedy.text) // 2 + 4]
     stops = [f"never-{i}" for i in range(MAX_STOP_STRINGS - 1)] + [stop_text]
     engine = llm.engine
     request = engine.add_request("Hello", SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=stops))

@@ -3,10 +3,10 @@ recomputed gives the same greedy tokens; exact per-tier counts; damaged records 
 
 import random
 
-import pytest
-
 import conftest
+import pytest
 from model_helpers import write_qwen2_checkpoint
+
 from prefixserve import SamplingParams
 from prefixserve.tiers.disk_files import record_path
 from prefixserve.tiers.record import BlockRecord, RecordExpectation, decode_record, encode_record, read_header
@@ -74,8 +74,11 @@ def test_a_burst_larger_than_the_pool_is_still_served_from_host(reference):
 
 def test_host_and_disk_together_reach_the_disk_past_an_empty_host_run(reference, tmp_path):
     prompts, expected = reference
-    llm = make_llm(kv_cache_memory_bytes=POOL, kv_host_cache_bytes=3 * 34 * (256 << 10),  # 3 prompts' worth
-                   kv_disk_cache_dir=str(tmp_path))
+    llm = make_llm(
+        kv_cache_memory_bytes=POOL,
+        kv_host_cache_bytes=3 * 34 * (256 << 10),  # 3 prompts' worth
+        kv_disk_cache_dir=str(tmp_path),
+    )
     run(llm, prompts)
     second = run(llm, prompts)
     assert [out.token_ids for out in second] == expected
@@ -122,8 +125,12 @@ def test_a_second_checkpoint_gives_the_same_tokens_from_every_tier(second_checkp
     prompts = make_prompts(seed=1, prefix_len=SECOND_PREFIX_LEN)[:5]
     plain = make_llm(model=str(second_checkpoint), kv_cache_memory_bytes=64 << 20, enable_prefix_caching=False)
     expected = [out.token_ids for out in run(plain, prompts)]
-    tiered = make_llm(model=str(second_checkpoint), kv_cache_memory_bytes=POOL, kv_host_cache_bytes=256 << 20,
-                      kv_disk_cache_dir=str(tmp_path))
+    tiered = make_llm(
+        model=str(second_checkpoint),
+        kv_cache_memory_bytes=POOL,
+        kv_host_cache_bytes=256 << 20,
+        kv_disk_cache_dir=str(tmp_path),
+    )
     assert [out.token_ids for out in run(tiered, prompts)] == expected
     again = run(tiered, prompts)
     assert [out.token_ids for out in again] == expected
@@ -159,8 +166,19 @@ def test_damaged_and_foreign_records_are_recomputed_and_counted(reference, tmp_p
     data = foreign.read_bytes()
     header = read_header(data)
     record = decode_record(data, RecordExpectation(header.key, None, None, header.dtype, header.shape))
-    foreign.write_bytes(encode_record(BlockRecord(record.key, record.parent_key, b"another model's scope".ljust(32, b"!"),
-                                                  record.token_ids, record.dtype, record.shape, record.payload)))
+    foreign.write_bytes(
+        encode_record(
+            BlockRecord(
+                record.key,
+                record.parent_key,
+                b"another model's scope".ljust(32, b"!"),
+                record.token_ids,
+                record.dtype,
+                record.shape,
+                record.payload,
+            )
+        )
+    )
     restarted = make_llm(kv_cache_memory_bytes=POOL, kv_disk_cache_dir=str(tmp_path))
     outputs = run(restarted, prompts[:3])
     assert [out.token_ids for out in outputs] == expected[:3]
@@ -206,8 +224,9 @@ def test_a_process_killed_mid_write_leaves_a_directory_the_next_one_serves(refer
 
     prompts, expected = reference
     script = WRITER.format(pool=POOL, prefix_len=PREFIX_LEN)
-    writer = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True,
-                              env=dict(os.environ))
+    writer = subprocess.Popen(
+        [sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=dict(os.environ)
+    )
     try:
         for _ in range(4):  # a few prompts done, their writes (and the next ones') in flight
             assert writer.stdout.readline(), "the writer died before it wrote anything"
@@ -227,14 +246,23 @@ def test_kv_events_carry_each_tiers_medium(reference, tmp_path):
     from prefixserve.cache import BlockRemoved, BlockStored
 
     prompts, _ = reference
-    llm = make_llm(kv_cache_memory_bytes=POOL, kv_host_cache_bytes=2 * 34 * (256 << 10),  # 2 prompts' worth
-                   kv_disk_cache_dir=str(tmp_path), enable_kv_events=True)
+    llm = make_llm(
+        kv_cache_memory_bytes=POOL,
+        kv_host_cache_bytes=2 * 34 * (256 << 10),  # 2 prompts' worth
+        kv_disk_cache_dir=str(tmp_path),
+        enable_kv_events=True,
+    )
     run(llm, prompts[:6])
     llm.engine.tiers["disk"].flush()  # the background writes are on disk (and their events published)
     events, _, _ = llm.engine.events.since(0)
     media = {(type(event).__name__, event.medium) for event in events if isinstance(event, (BlockStored, BlockRemoved))}
-    assert {("BlockStored", "GPU"), ("BlockRemoved", "GPU"), ("BlockStored", "CPU"), ("BlockRemoved", "CPU"),
-            ("BlockStored", "DISK")} <= media
+    assert {
+        ("BlockStored", "GPU"),
+        ("BlockRemoved", "GPU"),
+        ("BlockStored", "CPU"),
+        ("BlockRemoved", "CPU"),
+        ("BlockStored", "DISK"),
+    } <= media
     held = {medium: set(keys) for medium, keys in llm.engine.tiers.tier_keys().items()}
     mirrored = {"CPU": set(), "DISK": set()}
     for event in events:

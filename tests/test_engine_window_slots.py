@@ -6,19 +6,20 @@ the window slots, and through a disk tier that brings them back."""
 from __future__ import annotations
 
 import pytest
+from conftest import make_llm
+from model_helpers import gemma3_config, mistral_config, write_servable_checkpoint
+from test_engine_reference import transformers_greedy
 
 from prefixserve import SamplingParams
 from prefixserve.cache import Block
 from prefixserve.cache.window_slots import WindowSlots
 
-from conftest import make_llm
-from model_helpers import gemma3_config, mistral_config, write_servable_checkpoint
-from test_engine_reference import transformers_greedy
-
 NUM_TOKENS = 12
 PARAMS = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
-STORY = ("Each window layer reads the last twenty keys of its row, so the blocks below them are released on "
-         "those layers while the global layer keeps every one of them for the whole sequence. ")
+STORY = (
+    "Each window layer reads the last twenty keys of its row, so the blocks below them are released on "
+    "those layers while the global layer keeps every one of them for the whole sequence. "
+)
 OPTIONS = {"max_num_batched_tokens": 32, "kv_cache_memory_bytes": 1 << 20}
 
 
@@ -59,13 +60,13 @@ def test_a_match_is_cut_where_its_window_is_not_held():
 
 def test_a_merged_duplicate_hands_its_slot_and_users_to_the_kept_copy():
     slots = WindowSlots(num_blocks=4, num_slots=4, window=20, block_size=16)
-    slots.attach([1])      # the duplicate, attached by the request that computed it
-    slots.merge(1, 2)      # the cached copy 2 had no slot
+    slots.attach([1])  # the duplicate, attached by the request that computed it
+    slots.merge(1, 2)  # the cached copy 2 had no slot
     assert slots.slot_of[1] == -1 and slots.slot_of[2] >= 0 and slots.users[2] == 1
     slots.attach([3])
-    slots.detach([3])      # 3 idle, with a slot
+    slots.detach([3])  # 3 idle, with a slot
     slots.attach([0])
-    slots.merge(0, 3)      # the copy has its own slot: the duplicate's is freed
+    slots.merge(0, 3)  # the copy has its own slot: the duplicate's is freed
     assert slots.slot_of[0] == -1 and slots.users[3] == 1 and slots.num_held == 2 and slots.num_idle == 0
 
 
@@ -90,7 +91,7 @@ def run_tracking_held(llm, prompt: str) -> tuple[list[int], list[int], int]:
         assert all(engine.window_slots.users[block.block_id] == 0 for block in request.blocks[:start])
         assert all(engine.window_slots.slot_of[block.block_id] >= 0 for block in request.blocks[start:])
     assert moved > 10  # the window went along the sequence
-    return request.token_ids[:request.num_prompt_tokens], list(request.output_token_ids), most
+    return request.token_ids[: request.num_prompt_tokens], list(request.output_token_ids), most
 
 
 def test_a_long_request_holds_only_its_window_and_gives_the_reference_tokens(window_model, attention_path):
@@ -135,8 +136,12 @@ def test_the_same_budget_holds_more_blocks(window_model):
 def test_a_tier_brings_back_the_window_layers_a_match_lacks(window_model, tmp_path):
     """The first prompt's window slots are reused by others while its blocks stay in the pool: the disk tier
     (written when each block was computed, every layer) restores them, the cached copies take the slots."""
-    llm = make_llm(model=str(window_model), kv_disk_cache_dir=str(tmp_path), max_num_batched_tokens=32,
-                   kv_cache_memory_bytes=600 << 10)
+    llm = make_llm(
+        model=str(window_model),
+        kv_disk_cache_dir=str(tmp_path),
+        max_num_batched_tokens=32,
+        kv_cache_memory_bytes=600 << 10,
+    )
     prompts = [STORY * 6] + [f"Unrelated prompt {i} takes the window slots of the first. " * 10 for i in range(5)]
     cold = [llm.generate([prompt], PARAMS, use_tqdm=False)[0] for prompt in prompts]
     assert llm.engine.window_slots.num_reused > 0

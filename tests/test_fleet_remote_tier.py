@@ -1,20 +1,27 @@
-"""Two replicas sharing one redis-server (then a Redis Cluster), the router in front: a prefix computed on one replica is
-served to a request routed to the other from the remote tier, with identical greedy text."""
+"""Two replicas sharing one redis-server (then a Redis Cluster), the router in front: a prefix computed on one
+replica is served to a request routed to the other from the remote tier, with identical greedy text."""
 
 import time
 
 import httpx
 import pytest
-
 from router_fleet import Fleet
 
 SYSTEM = "You are the fleet's shared assistant; this long instruction block is computed once. " * 12
 
 
 def chat(url, question):
-    response = httpx.post(url + "/v1/chat/completions", timeout=120, json={
-        "model": "prefixserve-tiny", "max_tokens": 8, "temperature": 0, "ignore_eos": True,
-        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]})
+    response = httpx.post(
+        url + "/v1/chat/completions",
+        timeout=120,
+        json={
+            "model": "prefixserve-tiny",
+            "max_tokens": 8,
+            "temperature": 0,
+            "ignore_eos": True,
+            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+        },
+    )
     assert response.status_code == 200, response.text
     return response
 
@@ -31,11 +38,20 @@ def wait_for_records(shared, at_least: int, timeout: float = 60.0) -> int:
 
 
 def test_a_prefix_computed_on_one_replica_is_served_to_another(shared_redis, tier_secret_file):
-    redis = pytest.importorskip("redis")
+    pytest.importorskip("redis")
     # every remote hit fetched: the default planner may recompute a short run on a machine that reads slowly
-    with Fleet(2, replica_args=("--kv-remote-url", shared_redis.url, "--kv-tier-secret-file", tier_secret_file,
-                                          "--kv-fetch-policy", "always"),
-               policy="round_robin") as fleet:
+    with Fleet(
+        2,
+        replica_args=(
+            "--kv-remote-url",
+            shared_redis.url,
+            "--kv-tier-secret-file",
+            tier_secret_file,
+            "--kv-fetch-policy",
+            "always",
+        ),
+        policy="round_robin",
+    ) as fleet:
         first = chat(fleet.url, "Which replica computed this?")
         usage = first.json()["usage"]
         full_blocks = (usage["prompt_tokens"] - 1) // 16

@@ -7,11 +7,10 @@ import socket
 import time
 
 import pytest
-
-from prefixserve.router.app import RouterSettings, build_router_app
-
 from router_fakes import LiveApp
 from server_helpers import LiveServer
+
+from prefixserve.router.app import RouterSettings, build_router_app
 
 DEADLINE = 0.5
 BOUND = 20.0  # seconds any one exchange may take before the test fails (never a timing assertion)
@@ -78,8 +77,10 @@ def test_trickled_headers_do_not_buy_time(app, request):
 
 def test_a_request_whose_headers_arrived_has_all_the_time_its_body_needs(server):
     body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 1}).encode()
-    head = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n")
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: " + str(len(body)).encode() + b"\r\n\r\n"
+    )
     with socket.create_connection(("127.0.0.1", server), timeout=BOUND) as sock:
         for _ in range(2):  # two requests on one kept-alive connection, each body sent after the deadline
             sock.sendall(head)

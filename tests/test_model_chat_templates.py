@@ -28,14 +28,16 @@ TEMPLATES = {
         "{% if tools %}\n\nTools:\n{% for tool in tools %}{{ tool | tojson(indent=4) }}\n{% endfor %}{% endif %}"
         "<|eot_id|>{% for message in messages %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
         "{{ message['content'] | trim }}<|eot_id|>{% endfor %}"
-        "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"),
+        "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+    ),
     "mistral": (
         "{{ bos_token }}{% for message in messages %}"
         "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
         "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
         "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
         "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}"
-        "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}"),
+        "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}"
+    ),
     "qwen3": (
         "{%- if tools %}<|im_start|>system\n{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n"
         "{% endif %}# Tools\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools><|im_end|>\n"
@@ -49,7 +51,8 @@ TEMPLATES = {
         "<|im_start|>{{ message.role }}\n{{ content }}<|im_end|>\n{%- endfor %}"
         "{%- if add_generation_prompt %}<|im_start|>assistant\n"
         "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
-        "{%- endif %}"),
+        "{%- endif %}"
+    ),
     "gemma": (
         "{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
         "{% set first_user_prefix = messages[0]['content'] + '\n\n' %}{% set loop_messages = messages[1:] %}"
@@ -59,13 +62,15 @@ TEMPLATES = {
         "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
         "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
         "{{ message['content'] | trim }}<end_of_turn>\n{% endfor %}"
-        "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"),
+        "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+    ),
     "phi3": (
         "{% for message in messages %}{% if message['role'] == 'system' and message['content'] %}"
         "{{ '<|system|>\n' + message['content'] + '<|end|>\n' }}{% elif message['role'] == 'user' %}"
         "{{ '<|user|>\n' + message['content'] + '<|end|>\n' }}{% elif message['role'] == 'assistant' %}"
         "{{ '<|assistant|>\n' + message['content'] + '<|end|>\n' }}{% endif %}{% endfor %}"
-        "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}"),
+        "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}"
+    ),
     "smollm3": (
         "{%- set reasoning = '/no_think' if (enable_thinking is defined and not enable_thinking) else '/think' %}"
         "<|im_start|>system\n## Metadata\n\nReasoning Mode: {{ reasoning }}\n\n## Custom Instructions\n\n"
@@ -74,18 +79,30 @@ TEMPLATES = {
         "{%- if tools %}\n\n### Tools\n\n<tools>\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
         "</tools>{% endif %}<|im_end|>\n{%- for message in messages %}{% if message.role != 'system' %}"
         "<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}{%- endfor %}"
-        "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"),
+        "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    ),
 }
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city, today.",
-                                           "parameters": {"type": "object", "required": ["city"],
-                                                          "properties": {"city": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather in a city, today.",
+            "parameters": {"type": "object", "required": ["city"], "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
 CHATS = {
     "one turn": [{"role": "user", "content": "Hello there. "}],
-    "system": [{"role": "system", "content": "Answer in French /think"},
-               {"role": "user", "content": "What is a prefix cache?"}],
-    "turns": [{"role": "user", "content": "Name a colour."},
-              {"role": "assistant", "content": "<think>\nblue is common\n</think>\n\nBlue."},
-              {"role": "user", "content": "Another, with \"quotes\" and <tags> & ünïcode."}],
+    "system": [
+        {"role": "system", "content": "Answer in French /think"},
+        {"role": "user", "content": "What is a prefix cache?"},
+    ],
+    "turns": [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "<think>\nblue is common\n</think>\n\nBlue."},
+        {"role": "user", "content": 'Another, with "quotes" and <tags> & ünïcode.'},
+    ],
     "out of turn": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
 }
 
@@ -104,8 +121,10 @@ def family_tokenizers(request, tmp_path_factory):
 def render_both(ours, reference, messages, **options):
     """Each renderer's text, or the exception it raised (type and message)."""
     results = []
-    for render in (lambda: ours.apply_chat_template(messages, **options),
-                   lambda: reference.apply_chat_template(messages, tokenize=False, **options)):
+    for render in (
+        lambda: ours.apply_chat_template(messages, **options),
+        lambda: reference.apply_chat_template(messages, tokenize=False, **options),
+    ):
         try:
             results.append(render())
         except Exception as error:  # both must refuse alike
@@ -121,8 +140,9 @@ def test_the_family_template_renders_as_transformers(family_tokenizers, chat, ge
     assert plain[0] == plain[1]
     with_tools = render_both(ours, reference, CHATS[chat], add_generation_prompt=generation_prompt, tools=TOOLS)
     assert with_tools[0] == with_tools[1]
-    no_thinking = render_both(ours, reference, CHATS[chat], add_generation_prompt=generation_prompt,
-                              enable_thinking=False)
+    no_thinking = render_both(
+        ours, reference, CHATS[chat], add_generation_prompt=generation_prompt, enable_thinking=False
+    )
     assert no_thinking[0] == no_thinking[1]
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from gguf_helpers import Q, gguf_tensors, random_hf_weights, tiny_llama_config, train_tokenizer, write_gguf
+
 from prefixserve import LLM, SamplingParams
 from prefixserve.model import decoder_stack, kernels
 from prefixserve.model.attention_metadata import AttentionMetadata
@@ -23,8 +23,11 @@ def mixed_gguf(tmp_path_factory):
     config = dict(tiny_llama_config(vocab_size=len(tokenizer[0])), hidden_size=128, head_dim=32, intermediate_size=256)
     stored = gguf_tensors(config, random_hf_weights(config, seed=5))
     layouts = {"attn_q": Q.Q4_1, "attn_k": Q.Q4_0, "attn_v": Q.Q8_0, "ffn_gate": Q.Q4_1, "ffn_up": Q.Q8_0}
-    kinds = {name: next((kind for part, kind in layouts.items() if f".{part}." in name), Q.Q4_0)
-             for name, value in stored.items() if value.ndim == 2}
+    kinds = {
+        name: next((kind for part, kind in layouts.items() if f".{part}." in name), Q.Q4_0)
+        for name, value in stored.items()
+        if value.ndim == 2
+    }
     return write_gguf(tmp_path_factory.mktemp("stack") / "mixed.gguf", config, stored, kinds, tokenizer=tokenizer)
 
 
@@ -43,8 +46,10 @@ def step(model, seed: int = 0):
     config = model.config
     generator = torch.Generator().manual_seed(seed)
     shape = (12, BLOCK_SIZE, config.num_key_value_heads, config.head_dim)
-    caches = [(torch.randn(shape, generator=generator), torch.randn(shape, generator=generator))
-              for _ in range(config.num_hidden_layers)]
+    caches = [
+        (torch.randn(shape, generator=generator), torch.randn(shape, generator=generator))
+        for _ in range(config.num_hidden_layers)
+    ]
     meta = AttentionMetadata.build([5, 1, 3], [5, 20, 12], [[3], [7, 1], [10]], BLOCK_SIZE)
     input_ids = torch.randint(0, config.vocab_size, (9,), generator=generator)
     return input_ids, meta, caches
@@ -59,8 +64,9 @@ def forward(model, input_ids, meta, caches, stacked: bool, monkeypatch):
 
 
 @pytest.mark.parametrize("source", ["int4", "gguf"])
-def test_the_stack_gives_the_layers_bits_on_every_variant(kernel_variant, source, default_model_dir, mixed_gguf,
-                                                         monkeypatch):
+def test_the_stack_gives_the_layers_bits_on_every_variant(
+    kernel_variant, source, default_model_dir, mixed_gguf, monkeypatch
+):
     if not kernel_variant.has_rowwise:
         pytest.skip(f"the {kernel_variant.variant} kernels have no row-wise kernels: llama.py's path runs alone")
     model = quantized_model("int4" if source == "int4" else mixed_gguf, default_model_dir)
@@ -97,14 +103,24 @@ def test_the_stack_runs_only_where_the_layers_take_its_kernels(default_model, de
     tokenizer = train_tokenizer()
     config = tiny_llama_config(vocab_size=len(tokenizer[0]))  # head_dim 16: rotary stays in PyTorch
     stored = gguf_tensors(config, random_hf_weights(config, seed=6))
-    path = write_gguf(tmp_path / "narrow.gguf", config, stored,
-                      {name: Q.Q8_0 for name, value in stored.items() if value.ndim == 2}, tokenizer=tokenizer)
+    path = write_gguf(
+        tmp_path / "narrow.gguf",
+        config,
+        stored,
+        {name: Q.Q8_0 for name, value in stored.items() if value.ndim == 2},
+        tokenizer=tokenizer,
+    )
     assert decoder_stack.build(quantized_model(path, default_model_dir)) is None
     qwen3 = tiny_llama_config(vocab_size=len(tokenizer[0]), model_type="qwen3")  # per-head q/k norms
     qwen3.update(hidden_size=128, head_dim=32, intermediate_size=256)
     stored = gguf_tensors(qwen3, random_hf_weights(qwen3, seed=7))
-    path = write_gguf(tmp_path / "qwen3.gguf", qwen3, stored,
-                      {name: Q.Q8_0 for name, value in stored.items() if value.ndim == 2}, tokenizer=tokenizer)
+    path = write_gguf(
+        tmp_path / "qwen3.gguf",
+        qwen3,
+        stored,
+        {name: Q.Q8_0 for name, value in stored.items() if value.ndim == 2},
+        tokenizer=tokenizer,
+    )
     assert decoder_stack.build(quantized_model(path, default_model_dir)) is None
 
 

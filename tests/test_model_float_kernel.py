@@ -26,8 +26,8 @@ def test_a_float32_weight_multiplies_as_float64_does_and_each_rows_bits_are_its_
     torch.testing.assert_close(whole, expected, rtol=1e-5, atol=1e-4)
     for count in (1, 2, 3, 4, 5, 16, 64, 65):  # decode steps (streamed), tiles, chunks of 64 and more
         for first in range(0, 75, count):
-            part = kernel_variant.quantized_matmul(x[first:first + count], *float32_kernel_arguments(weight), bias)
-            assert torch.equal(part, whole[first:first + count]), (count, first)
+            part = kernel_variant.quantized_matmul(x[first : first + count], *float32_kernel_arguments(weight), bias)
+            assert torch.equal(part, whole[first : first + count]), (count, first)
     strided = torch.zeros(75, 128)
     strided[:, :96] = x
     assert torch.equal(kernel_variant.quantized_matmul(strided[:, :96], *float32_kernel_arguments(weight), bias), whole)
@@ -71,8 +71,9 @@ def test_a_linear_layer_reads_its_float32_weight_in_place_where_the_kernel_runs(
     assert layer.row_calls.run(layer.matmul, x[:1]).shape == (1, 40)
     biased = Linear(96, 40, bias=True)
     biased.use_kernel()
-    torch.testing.assert_close(biased(x), F.linear(x, biased.weight.detach(), biased.bias.detach()),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        biased(x), F.linear(x, biased.weight.detach(), biased.bias.detach()), rtol=1e-5, atol=1e-5
+    )
     for other in (Linear(48, 8), Linear(96, 8).to(torch.bfloat16)):  # rows not whole groups; not float32
         assert not other.can_use_kernel()
         with pytest.raises(ValueError, match="call pack"):

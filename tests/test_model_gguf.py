@@ -13,11 +13,20 @@ import pytest
 import torch
 from gguf import GGUFReader, GGUFValueType
 from gguf.quants import dequantize, quantize
+from gguf_helpers import (
+    Q,
+    gguf_tensors,
+    random_blocks,
+    random_hf_weights,
+    tiny_llama_config,
+    train_tokenizer,
+    transformers_gguf_model,
+    write_gguf,
+    write_tiny_llama_gguf,
+)
+from model_helpers import PagedSequences
 from safetensors.numpy import load_file
 
-from gguf_helpers import (Q, gguf_tensors, random_blocks, random_hf_weights, tiny_llama_config,
-                          train_tokenizer, transformers_gguf_model, write_gguf, write_tiny_llama_gguf)
-from model_helpers import PagedSequences
 from prefixserve.model import Tokenizer, load_model
 from prefixserve.model import gguf as gguf_module
 from prefixserve.model.gguf import SOURCE_FILE, convert_gguf, gguf_fingerprint, read_gguf_source
@@ -45,6 +54,7 @@ def cache(tmp_path) -> Path:
 
 
 # ---- tensor types --------------------------------------------------------------------------------
+
 
 def _decode_one(tmp_path: Path, data: np.ndarray, kind) -> tuple[np.ndarray, np.ndarray]:
     """Write one (rows, cols) tensor of ``kind``, read it back through the converter: (ours, raw bytes)."""
@@ -121,12 +131,27 @@ def test_float_types_decode_exactly(tmp_path, kind):
 
 
 def test_every_supported_type_is_tested():
-    tested = {Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
-              Q.F32, Q.F16, Q.BF16, *IQ_TYPES}
+    tested = {
+        Q.Q8_0,
+        Q.Q4_0,
+        Q.Q4_1,
+        Q.Q5_0,
+        Q.Q5_1,
+        Q.Q2_K,
+        Q.Q3_K,
+        Q.Q4_K,
+        Q.Q5_K,
+        Q.Q6_K,
+        Q.F32,
+        Q.F16,
+        Q.BF16,
+        *IQ_TYPES,
+    }
     assert set(SUPPORTED_TENSOR_TYPES) == tested
 
 
 # ---- a whole model -------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
 def test_float32_file_converts_back_to_the_exact_weights(tmp_path, tokenizer, tie):
@@ -165,8 +190,11 @@ def test_quantized_model_matches_transformers_gguf_load(tmp_path, tokenizer):
     # Quantized Q/K rows go through the same un-permutation as float ones.
     config = tiny_llama_config(vocab_size=len(tokenizer[0]))
     stored = gguf_tensors(config, random_hf_weights(config, seed=4))
-    kinds = {name: (Q.Q8_0 if name == "token_embd.weight" else Q.Q4_1 if ".attn_" in name else Q.Q4_0)
-             for name, value in stored.items() if value.ndim == 2}
+    kinds = {
+        name: (Q.Q8_0 if name == "token_embd.weight" else Q.Q4_1 if ".attn_" in name else Q.Q4_0)
+        for name, value in stored.items()
+        if value.ndim == 2
+    }
     path = write_gguf(tmp_path / "q.gguf", config, stored, kinds, tokenizer=tokenizer)
     converted = convert_gguf(path, tmp_path / "cache")
     reference = transformers_gguf_model(path).state_dict()
@@ -180,8 +208,9 @@ def converted_exactly(tmp_path, tokenizer, model_type: str, seed: int, tie: bool
     conversion gave back exactly the weights written and the Hugging Face architecture."""
     config = tiny_llama_config(vocab_size=len(tokenizer[0]), tie=tie, model_type=model_type)
     weights = random_hf_weights(config, seed=seed)
-    path = write_gguf(tmp_path / f"{model_type}.gguf", config, gguf_tensors(config, weights), tokenizer=tokenizer,
-                      pre="qwen2")
+    path = write_gguf(
+        tmp_path / f"{model_type}.gguf", config, gguf_tensors(config, weights), tokenizer=tokenizer, pre="qwen2"
+    )
     converted = convert_gguf(path, tmp_path / "cache")
     loaded = load_file(converted / "model.safetensors")
     assert sorted(loaded) == sorted(weights)
@@ -197,8 +226,9 @@ def test_qwen2_file_keeps_its_row_order_and_biases(tmp_path, tokenizer):
 
 
 def test_qwen3_file_keeps_its_head_norms_and_matches_transformers(tmp_path, tokenizer):
-    config, weights, path, converted = converted_exactly(tmp_path, tokenizer, "qwen3", seed=6, tie=False,
-                                                         architecture="Qwen3ForCausalLM")
+    config, weights, path, converted = converted_exactly(
+        tmp_path, tokenizer, "qwen3", seed=6, tie=False, architecture="Qwen3ForCausalLM"
+    )
     ours = load_model(converted, torch.float32, CPU)
     prompt = [5, 80, 17, 200, 33, 9, 150, 77, 3, 41, 250, 12, 99, 8, 60, 61, 62, 300, 7]
     logits = PagedSequences(ours.model).step([prompt], [0], [[0, 1]])
@@ -210,21 +240,28 @@ def test_qwen3_file_keeps_its_head_norms_and_matches_transformers(tmp_path, toke
     with torch.no_grad():
         expected = reference(torch.tensor([prompt])).logits[0]
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
-    broken = {name: value for name, value in gguf_tensors(config, weights).items() if name != "blk.1.attn_k_norm.weight"}
+    broken = {
+        name: value for name, value in gguf_tensors(config, weights).items() if name != "blk.1.attn_k_norm.weight"
+    }
     with pytest.raises(ValueError, match="missing 1 tensors .*model.layers.1.self_attn.k_norm.weight"):
-        convert_gguf(write_gguf(tmp_path / "broken.gguf", config, broken, tokenizer=tokenizer, pre="qwen2"),
-                     tmp_path / "cache")
+        convert_gguf(
+            write_gguf(tmp_path / "broken.gguf", config, broken, tokenizer=tokenizer, pre="qwen2"), tmp_path / "cache"
+        )
 
 
 # ---- errors --------------------------------------------------------------------------------------
+
 
 def test_unsupported_tensor_type_names_it_and_the_supported_ones(tmp_path, tokenizer):
     config = tiny_llama_config(vocab_size=len(tokenizer[0]))
     stored = gguf_tensors(config, random_hf_weights(config))
     stored["blk.1.ffn_up.weight"] = random_blocks(Q.Q8_1, 128, 64)  # llama.cpp's activation blocks
     path = write_gguf(tmp_path / "q8_1.gguf", config, stored, {"blk.1.ffn_up.weight": Q.Q8_1}, tokenizer=tokenizer)
-    with pytest.raises(ValueError, match=r"'blk.1.ffn_up.weight' has type Q8_1.*supported: F32, F16, BF16, "
-                                         r"Q8_0, Q4_0, Q4_1.*Q6_K, IQ4_NL"):
+    with pytest.raises(
+        ValueError,
+        match=r"'blk.1.ffn_up.weight' has type Q8_1.*supported: F32, F16, BF16, "
+        r"Q8_0, Q4_0, Q4_1.*Q6_K, IQ4_NL",
+    ):
         convert_gguf(path, tmp_path / "cache")
     assert not [entry for entry in (tmp_path / "cache" / "gguf").iterdir() if entry.is_dir()]  # no debris
 
@@ -252,13 +289,17 @@ def test_unsupported_architecture(tmp_path, tiny):
         convert_gguf(path, tmp_path / "cache")
 
 
-@pytest.mark.parametrize("extra, tensor, message", [
-    ({"split.count": (2, GGUFValueType.UINT16)}, None, "one part of a split GGUF; merge the parts first"),
-    ({"llama.rope.scaling.type": ("yarn", GGUFValueType.STRING)}, None, "rope scaling 'yarn' is not supported"),
-    ({}, "rope_freqs.weight", r"rope factors \(rope_freqs.weight, Llama 3.1 style"),
-    ({"llama.rope.dimension_count": (8, GGUFValueType.UINT32)}, None, "partial rotary embeddings"),
-    ({}, "blk.0.attn_sinks.weight", "tensor 'blk.0.attn_sinks.weight' has no Hugging Face counterpart"),
-], ids=["split", "yarn", "rope-freqs", "partial-rotary", "unknown-tensor"])
+@pytest.mark.parametrize(
+    "extra, tensor, message",
+    [
+        ({"split.count": (2, GGUFValueType.UINT16)}, None, "one part of a split GGUF; merge the parts first"),
+        ({"llama.rope.scaling.type": ("yarn", GGUFValueType.STRING)}, None, "rope scaling 'yarn' is not supported"),
+        ({}, "rope_freqs.weight", r"rope factors \(rope_freqs.weight, Llama 3.1 style"),
+        ({"llama.rope.dimension_count": (8, GGUFValueType.UINT32)}, None, "partial rotary embeddings"),
+        ({}, "blk.0.attn_sinks.weight", "tensor 'blk.0.attn_sinks.weight' has no Hugging Face counterpart"),
+    ],
+    ids=["split", "yarn", "rope-freqs", "partial-rotary", "unknown-tensor"],
+)
 def test_unsupported_model_features_are_named(tmp_path, tiny, tokenizer, extra, tensor, message):
     config = tiny[1]
     stored = gguf_tensors(config, tiny[2])
@@ -270,10 +311,13 @@ def test_unsupported_model_features_are_named(tmp_path, tiny, tokenizer, extra, 
 
 
 def test_linear_rope_scaling_is_carried_over(tmp_path, tiny, tokenizer):
-    extra = {"llama.rope.scaling.type": ("linear", GGUFValueType.STRING),
-             "llama.rope.scaling.factor": (4.0, GGUFValueType.FLOAT32)}
-    path = write_gguf(tmp_path / "linear.gguf", tiny[1], gguf_tensors(tiny[1], tiny[2]), tokenizer=tokenizer,
-                      extra=extra)
+    extra = {
+        "llama.rope.scaling.type": ("linear", GGUFValueType.STRING),
+        "llama.rope.scaling.factor": (4.0, GGUFValueType.FLOAT32),
+    }
+    path = write_gguf(
+        tmp_path / "linear.gguf", tiny[1], gguf_tensors(tiny[1], tiny[2]), tokenizer=tokenizer, extra=extra
+    )
     config = json.loads((convert_gguf(path, tmp_path / "cache") / "config.json").read_text())
     assert config["rope_scaling"] == {"rope_type": "linear", "factor": 4.0}
 
@@ -289,6 +333,7 @@ def test_directory_must_hold_exactly_one_gguf(tmp_path, tiny):
 
 
 # ---- the conversion cache ------------------------------------------------------------------------
+
 
 def test_second_call_reuses_the_conversion_and_the_hash(tmp_path, tiny, monkeypatch):
     path = Path(shutil.copy(tiny[0], tmp_path / "model.gguf"))

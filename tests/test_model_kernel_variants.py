@@ -19,8 +19,9 @@ from prefixserve.model import kernel_variants, kernels
 
 ROOT = Path(__file__).resolve().parents[1]
 # A build does not depend on the caps: CI's capped runs (as an AVX2 machine, ...) leave it to the uncapped one.
-builds = pytest.mark.skipif(bool(os.environ.get("PREFIXSERVE_CPU_ISA")),
-                            reason="the build is the same under any cap; the uncapped run tests it")
+builds = pytest.mark.skipif(
+    bool(os.environ.get("PREFIXSERVE_CPU_ISA")), reason="the build is the same under any cap; the uncapped run tests it"
+)
 
 
 @pytest.fixture
@@ -50,7 +51,9 @@ def test_the_cpu_features_come_from_cpuinfo_when_torch_does_not_report_them(monk
     monkeypatch.delattr(kernels.torch._C._cpu, "_get_cpu_capability")
     fake = tmp_path / "cpuinfo"
     real_open = open
-    monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(fake if path == "/proc/cpuinfo" else path, *a, **k))
+    monkeypatch.setattr(
+        "builtins.open", lambda path, *a, **k: real_open(fake if path == "/proc/cpuinfo" else path, *a, **k)
+    )
     fake.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 fma f16c avx512f avx512bw avx512dq avx512vl amx_bf16\n")
     expected = {"avx2", "fma3", "f16c", "avx512_f", "avx512_bw", "avx512_dq", "avx512_vl", "amx_bf16"}
     assert expected <= kernels.cpu_features()
@@ -62,15 +65,33 @@ def test_the_cpu_features_come_from_cpuinfo_when_torch_does_not_report_them(monk
 
 
 def test_the_cap_keeps_the_choice_at_or_below_it_and_an_unknown_cap_names_the_choices(monkeypatch):
-    monkeypatch.setattr(kernels, "cpu_features", lambda: frozenset({"avx2", "fma3", "f16c", "avx512_f", "avx512_bw",
-                                                                     "avx512_dq", "avx512_vl", "avx512_bf16"}))
+    monkeypatch.setattr(
+        kernels,
+        "cpu_features",
+        lambda: frozenset({"avx2", "fma3", "f16c", "avx512_f", "avx512_bw", "avx512_dq", "avx512_vl", "avx512_bf16"}),
+    )
     monkeypatch.setattr(kernels, "variants_for", lambda: kernel_variants.variants_for("x86_64"))
     monkeypatch.delenv(kernels.CAP_VARIABLE, raising=False)
     assert [variant.name for variant in kernels.allowed()] == ["portable", "avx2", "avx512", "avx512_bf16"]
     monkeypatch.setattr(kernels, "amx_permitted", lambda: True)  # the OS grants the tile state
-    monkeypatch.setattr(kernels, "cpu_features", lambda: frozenset({"avx2", "fma3", "f16c", "avx512_f", "avx512_bw",
-                                                                     "avx512_dq", "avx512_vl", "avx512_bf16",
-                                                                     "amx_tile", "amx_bf16"}))
+    monkeypatch.setattr(
+        kernels,
+        "cpu_features",
+        lambda: frozenset(
+            {
+                "avx2",
+                "fma3",
+                "f16c",
+                "avx512_f",
+                "avx512_bw",
+                "avx512_dq",
+                "avx512_vl",
+                "avx512_bf16",
+                "amx_tile",
+                "amx_bf16",
+            }
+        ),
+    )
     assert kernels.allowed()[-1].name == "amx"
     monkeypatch.setattr(kernels, "amx_permitted", lambda: False)  # it refuses: never loaded (SIGILL)
     assert kernels.allowed()[-1].name == "avx512_bf16"
@@ -132,8 +153,14 @@ def _copy_build_tree(destination: Path) -> Path:
 def test_a_build_without_a_working_compiler_succeeds_without_kernels(tmp_path):
     """`pip install -e .` must never fail because of the kernels: no compiler is a warning."""
     tree = _copy_build_tree(tmp_path)
-    result = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=tree, capture_output=True,
-                            text=True, timeout=300, env={**os.environ, "CXX": "false", "CC": "false"})
+    result = subprocess.run(
+        [sys.executable, "setup.py", "build_ext", "--inplace"],
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "CXX": "false", "CC": "false"},
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "compiled kernels were not built" in result.stderr
     assert not list((tree / "prefixserve").glob("*.so"))
@@ -145,15 +172,21 @@ def test_a_variant_the_compiler_cannot_build_is_left_out_and_the_rest_are_built(
     """An older compiler without -mavx512bf16, say: that variant is a warning, the others install."""
     tree = _copy_build_tree(tmp_path)
     compiler = tree / "fussy-c++"
-    compiler.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = "-mavx512bf16" ] && '
-                        '{ echo "unrecognized option $a" >&2; exit 1; }; done\nexec c++ "$@"\n')
+    compiler.write_text(
+        '#!/bin/sh\nfor a in "$@"; do [ "$a" = "-mavx512bf16" ] && '
+        '{ echo "unrecognized option $a" >&2; exit 1; }; done\nexec c++ "$@"\n'
+    )
     compiler.chmod(0o755)
     machine_variants = [variant.name for variant in kernel_variants.variants_for()]
     wanted = ",".join(name for name in ("portable", "avx512_bf16") if name in machine_variants)
-    result = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=tree, capture_output=True,
-                            text=True, timeout=600,
-                            env={**os.environ, "CXX": str(compiler), "CC": str(compiler),
-                                 "PREFIXSERVE_KERNEL_VARIANTS": wanted})
+    result = subprocess.run(
+        [sys.executable, "setup.py", "build_ext", "--inplace"],
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "CXX": str(compiler), "CC": str(compiler), "PREFIXSERVE_KERNEL_VARIANTS": wanted},
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     built = sorted(path.name.split(".")[0] for path in (tree / "prefixserve").glob("*.so"))
     expected = ["_C", "_kernels_portable"]
@@ -163,12 +196,15 @@ def test_a_variant_the_compiler_cannot_build_is_left_out_and_the_rest_are_built(
 
 
 def _objdump(path: Path) -> str:
-    return subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(path)], capture_output=True, text=True,
-                          timeout=120).stdout
+    return subprocess.run(
+        ["objdump", "-d", "--no-show-raw-insn", str(path)], capture_output=True, text=True, timeout=120
+    ).stdout
 
 
-@pytest.mark.skipif(shutil.which("objdump") is None or kernel_variants.machine() != "x86_64",
-                    reason="objdump on x86-64 reads the built instructions")
+@pytest.mark.skipif(
+    shutil.which("objdump") is None or kernel_variants.machine() != "x86_64",
+    reason="objdump on x86-64 reads the built instructions",
+)
 @pytest.mark.parametrize("name, forbidden", [("portable", ("%ymm", "%zmm")), ("avx2", ("%zmm",))])
 def test_a_built_variant_uses_no_instruction_set_above_its_own(name, forbidden):
     """The portable build is baseline x86-64 (no AVX), the avx2 build has no AVX-512: they run on any
@@ -189,8 +225,10 @@ QEMU_CHECKED_SOURCES = ["paged_causal.cpp", "rowwise.cpp", "quantized_matmul.cpp
 
 
 @builds
-@pytest.mark.skipif(shutil.which(CROSS_COMPILER) is None,
-                    reason=f"no {CROSS_COMPILER} (Debian's g++-aarch64-linux-gnu; .ci/run installs it)")
+@pytest.mark.skipif(
+    shutil.which(CROSS_COMPILER) is None,
+    reason=f"no {CROSS_COMPILER} (Debian's g++-aarch64-linux-gnu; .ci/run installs it)",
+)
 @pytest.mark.parametrize("backend", ["PORTABLE", "NEON"])
 def test_the_kernels_compile_for_aarch64(backend, tmp_path):
     """Compile only (no aarch64 machine here): the kernel sources against torch's headers, C++17. Where qemu can
@@ -200,20 +238,43 @@ def test_the_kernels_compile_for_aarch64(backend, tmp_path):
 
     from torch.utils.cpp_extension import include_paths
 
-    flags = ["-std=c++17", "-O2", "-march=armv8-a", "-ffp-contract=off", "-fopenmp", "-fPIC", "-Werror=return-type",
-             f"-DPREFIXSERVE_SIMD_{backend}", "-DPREFIXSERVE_VARIANT=cross", "-DTORCH_EXTENSION_NAME=_kernels_cross",
-             f"-I{sysconfig.get_paths()['include']}"] + [f"-I{path}" for path in include_paths()]
+    flags = [
+        "-std=c++17",
+        "-O2",
+        "-march=armv8-a",
+        "-ffp-contract=off",
+        "-fopenmp",
+        "-fPIC",
+        "-Werror=return-type",
+        f"-DPREFIXSERVE_SIMD_{backend}",
+        "-DPREFIXSERVE_VARIANT=cross",
+        "-DTORCH_EXTENSION_NAME=_kernels_cross",
+        f"-I{sysconfig.get_paths()['include']}",
+    ] + [f"-I{path}" for path in include_paths()]
     sources = ["variant.cpp", "peak.cpp"] + ([] if shutil.which("qemu-aarch64") else QEMU_CHECKED_SOURCES)
     for source in sources:
-        result = subprocess.run([CROSS_COMPILER, *flags, "-c", str(ROOT / "prefixserve" / "csrc" / source),
-                                 "-o", str(tmp_path / f"{source}.o")], capture_output=True, text=True, timeout=300)
+        result = subprocess.run(
+            [
+                CROSS_COMPILER,
+                *flags,
+                "-c",
+                str(ROOT / "prefixserve" / "csrc" / source),
+                "-o",
+                str(tmp_path / f"{source}.o"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert result.returncode == 0, result.stderr[-3000:]
         assert (tmp_path / f"{source}.o").stat().st_size > 0
 
 
 @builds
-@pytest.mark.skipif(shutil.which(CROSS_COMPILER) is None or shutil.which("qemu-aarch64") is None,
-                    reason=f"needs {CROSS_COMPILER} and qemu-aarch64 (Debian's qemu-user; .ci/run installs both)")
+@pytest.mark.skipif(
+    shutil.which(CROSS_COMPILER) is None or shutil.which("qemu-aarch64") is None,
+    reason=f"needs {CROSS_COMPILER} and qemu-aarch64 (Debian's qemu-user; .ci/run installs both)",
+)
 @pytest.mark.parametrize("backend", ["NEON", "PORTABLE"])
 def test_the_aarch64_kernels_compute_attention_under_qemu(backend, tmp_path):
     """The kernels built for aarch64, run: tests/aarch64/check_kernels.cpp links them statically with a
@@ -223,16 +284,29 @@ def test_the_aarch64_kernels_compute_attention_under_qemu(backend, tmp_path):
 
     program = tmp_path / f"check_{backend.lower()}"
     here = ROOT / "tests" / "aarch64"
-    build = [CROSS_COMPILER, "-std=c++17", "-O2", "-march=armv8-a", "-ffp-contract=off", "-static",
-             f"-DPREFIXSERVE_SIMD_{backend}", f"-I{here}", f"-I{ROOT / 'prefixserve' / 'csrc'}",
-             *[f"-I{path}" for path in include_paths()],
-             *[str(ROOT / "prefixserve" / "csrc" / source) for source in QEMU_CHECKED_SOURCES],
-             str(here / "check_kernels.cpp"), "-o", str(program)]
+    build = [
+        CROSS_COMPILER,
+        "-std=c++17",
+        "-O2",
+        "-march=armv8-a",
+        "-ffp-contract=off",
+        "-static",
+        f"-DPREFIXSERVE_SIMD_{backend}",
+        f"-I{here}",
+        f"-I{ROOT / 'prefixserve' / 'csrc'}",
+        *[f"-I{path}" for path in include_paths()],
+        *[str(ROOT / "prefixserve" / "csrc" / source) for source in QEMU_CHECKED_SOURCES],
+        str(here / "check_kernels.cpp"),
+        "-o",
+        str(program),
+    ]
     built = subprocess.run(build, capture_output=True, text=True, timeout=600)
     assert built.returncode == 0, built.stderr[-3000:]
     ran = subprocess.run(["qemu-aarch64", str(program)], capture_output=True, text=True, timeout=300)
     assert ran.returncode == 0, ran.stdout + ran.stderr
     assert f"{backend.lower()} float32" in ran.stdout and "alone as in the batch: yes" in ran.stdout
     assert all(f"quantized int{bits}: worst" in ran.stdout for bits in (8, 5, 4))
-    assert all(f"quantized {kind}: decoded as its layout says and rows alone as in the batch: yes" in ran.stdout
-               for kind in ("Q6_K", "Q3_K", "Q2_K", "IQ4_NL"))
+    assert all(
+        f"quantized {kind}: decoded as its layout says and rows alone as in the batch: yes" in ran.stdout
+        for kind in ("Q6_K", "Q3_K", "Q2_K", "IQ4_NL")
+    )

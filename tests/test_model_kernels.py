@@ -16,7 +16,6 @@ import torch
 from prefixserve.model import kernels
 
 
-
 def test_ci_builds_the_compiled_kernels():
     """`pip install -e .` compiles every variant of this machine; CI must run the best one the CPU (and
     the cap) allows, not fall back in silence."""
@@ -61,7 +60,7 @@ def test_paged_causal_rows_are_alike_in_any_chunking_batch_or_decode(dtype, head
     num_blocks = 40
     k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
     v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
-    table = torch.randperm(num_blocks, generator=generator)[:-(-length // block_size)]
+    table = torch.randperm(num_blocks, generator=generator)[: -(-length // block_size)]
     q = torch.randn(length, num_heads, head_dim, generator=generator).to(dtype)
 
     def causal(splits, neighbours=0):
@@ -75,13 +74,17 @@ def test_paged_causal_rows_are_alike_in_any_chunking_batch_or_decode(dtype, head
             seq_lens = torch.tensor([b for _, b in seqs])
             tables = table.expand(len(seqs), -1).contiguous()
             out = kernel_variant.paged_causal(chunk_q, k_cache, v_cache, tables, query_start, seq_lens, 0.125)
-            rows.append(out[:stop - start])
+            rows.append(out[: stop - start])
             start = stop
         return torch.cat(rows)
 
     whole = causal([length])
-    for splits, neighbours in [([64, 65, 130, length], 0), ([1, 17, 40, 41, 149, length], 2),
-                               (list(range(1, length + 1)), 0), ([length], 3)]:
+    for splits, neighbours in [
+        ([64, 65, 130, length], 0),
+        ([1, 17, 40, 41, 149, length], 2),
+        (list(range(1, length + 1)), 0),
+        ([length], 3),
+    ]:
         assert torch.equal(causal(splits, neighbours), whole), (splits, neighbours)
     if dtype == torch.float32:
         keys = k_cache[table].reshape(-1, num_kv_heads, head_dim)[:length].double().repeat_interleave(2, 1)
@@ -92,17 +95,19 @@ def test_paged_causal_rows_are_alike_in_any_chunking_batch_or_decode(dtype, head
         torch.testing.assert_close(whole, expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [
-    (8, 4, 64, 16),   # the built-in model's shape
-    (9, 3, 64, 32),   # 3:1 groups
-    (4, 4, 16, 1),    # no grouping, one-token blocks
-    (6, 2, 24, 4),    # head_dim not a multiple of 16 (AVX-512: the scalar loop)
-    (4, 2, 20, 16),   # not a multiple of 8 or 4: the scalar loop everywhere
-    (4, 2, 48, 8),    # three registers of values per vector
-    (8, 1, 128, 8),   # one KV head, wide heads
-])
-def test_paged_causal_matches_dense_attention_in_float32(num_heads, num_kv_heads, head_dim, block_size,
-                                                        kernel_variant):
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim,block_size",
+    [
+        (8, 4, 64, 16),  # the built-in model's shape
+        (9, 3, 64, 32),  # 3:1 groups
+        (4, 4, 16, 1),  # no grouping, one-token blocks
+        (6, 2, 24, 4),  # head_dim not a multiple of 16 (AVX-512: the scalar loop)
+        (4, 2, 20, 16),  # not a multiple of 8 or 4: the scalar loop everywhere
+        (4, 2, 48, 8),  # three registers of values per vector
+        (8, 1, 128, 8),  # one KV head, wide heads
+    ],
+)
+def test_paged_causal_matches_dense_attention_in_float32(num_heads, num_kv_heads, head_dim, block_size, kernel_variant):
     """Prefill chunks with and without a past, and decodes, in one call, over scattered blocks whose
     every unowned slot is NaN: each row matches dense causal attention in float64."""
     generator = torch.Generator().manual_seed(num_heads * 1000 + head_dim * 10 + block_size)
@@ -121,7 +126,7 @@ def test_paged_causal_matches_dense_attention_in_float32(num_heads, num_kv_heads
             v_cache[table[p // block_size], p % block_size] = torch.randn(num_kv_heads, head_dim, generator=generator)
     q = torch.randn(sum(new for _, new in specs), num_heads, head_dim, generator=generator)
     query_start = torch.tensor([0] + [new for _, new in specs]).cumsum(0)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     out = kernel_variant.paged_causal(q, k_cache, v_cache, padded, query_start, torch.tensor(lengths), scale)
     group = num_heads // num_kv_heads
     for i, ((past, new), table) in enumerate(zip(specs, tables)):
@@ -147,8 +152,15 @@ def test_paged_causal_decodes_sharing_a_prefix_are_each_as_alone(dtype, block_si
     shared = torch.arange(1, 1 + 96 // block_size).tolist()  # a 96-token prefix, blocks 1, 2, ...
     spare = iter(range(len(shared) + 1, 400))
     # (blocks kept from the shared prefix, length): diverging after 96, 40, 50 (mid-step), 64, 0 tokens
-    specs = [(len(shared), 130), (len(shared), 97), (40 // block_size, 75), (48 // block_size, 51),
-             (64 // block_size, 200), (0, 33), (len(shared), 96)]
+    specs = [
+        (len(shared), 130),
+        (len(shared), 97),
+        (40 // block_size, 75),
+        (48 // block_size, 51),
+        (64 // block_size, 200),
+        (0, 33),
+        (len(shared), 96),
+    ]
     tables, lengths = [], []
     for kept, length in specs:
         table = shared[:kept]
@@ -160,11 +172,13 @@ def test_paged_causal_decodes_sharing_a_prefix_are_each_as_alone(dtype, block_si
     k_cache = torch.randn(400, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
     v_cache = torch.randn(400, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
     q = torch.randn(len(specs), num_heads, head_dim, generator=generator).to(dtype)
-    together = kernel_variant.paged_causal(q, k_cache, v_cache, padded, torch.arange(len(specs) + 1),
-                                             torch.tensor(lengths), 0.125)
+    together = kernel_variant.paged_causal(
+        q, k_cache, v_cache, padded, torch.arange(len(specs) + 1), torch.tensor(lengths), 0.125
+    )
     for i, length in enumerate(lengths):
-        alone = kernel_variant.paged_causal(q[i:i + 1], k_cache, v_cache, padded[i:i + 1], torch.tensor([0, 1]),
-                                              torch.tensor([length]), 0.125)
+        alone = kernel_variant.paged_causal(
+            q[i : i + 1], k_cache, v_cache, padded[i : i + 1], torch.tensor([0, 1]), torch.tensor([length]), 0.125
+        )
         assert torch.equal(alone[0], together[i]), i
         if dtype == torch.float32:
             positions = torch.arange(length)
@@ -199,8 +213,15 @@ def test_decodes_sharing_a_prefix_split_over_threads_are_each_as_alone(num_decod
     finally:
         torch.set_num_threads(threads)
     for i, length in enumerate(lengths):
-        alone = kernel_variant.paged_causal(q[i:i + 1], k_cache, v_cache, torch.tensor(tables[i:i + 1]),
-                                            torch.tensor([0, 1]), torch.tensor([length]), 0.125)
+        alone = kernel_variant.paged_causal(
+            q[i : i + 1],
+            k_cache,
+            v_cache,
+            torch.tensor(tables[i : i + 1]),
+            torch.tensor([0, 1]),
+            torch.tensor([length]),
+            0.125,
+        )
         for together in results:
             assert torch.equal(alone[0], together[i]), i
 

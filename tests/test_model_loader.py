@@ -10,12 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from model_helpers import gemma2_config, phi3_config, phi4_mini_config, qwen2_config, write_random_checkpoint
 from safetensors.torch import load_file, save_file
 
-from model_helpers import gemma2_config, phi3_config, phi4_mini_config, qwen2_config, write_random_checkpoint
-from prefixserve.model import ModelConfig, ensure_default_model, load_generation_eos, load_model
-from prefixserve.model import loader
-
+from prefixserve.model import ModelConfig, ensure_default_model, load_generation_eos, load_model, loader
 
 CPU = torch.device("cpu")
 
@@ -37,6 +35,7 @@ def _edit_config(path: Path, **changes) -> None:
 
 
 # ---- errors --------------------------------------------------------------------------------------
+
 
 def test_missing_directory(tmp_path):
     missing = tmp_path / "nope"
@@ -64,8 +63,11 @@ def test_unsupported_architecture(checkpoint_copy):
 
 def test_shape_mismatch_names_tensor_and_shapes(checkpoint_copy):
     _edit_config(checkpoint_copy, intermediate_size=128)  # the weights were made for 256
-    with pytest.raises(ValueError, match=r"shape mismatch for 'model.layers.0.mlp.down_proj.weight': "
-                                         r"expected \(128, 128\).*has \(128, 256\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"shape mismatch for 'model.layers.0.mlp.down_proj.weight': "
+        r"expected \(128, 128\).*has \(128, 256\)",
+    ):
         load_model(checkpoint_copy, torch.float32, CPU)
 
 
@@ -92,9 +94,19 @@ def test_config_validation_names_field():
 
 
 def test_config_reads_transformers5_rope_parameters():
-    config = ModelConfig.from_hf_dict({**qwen2_config(), "rope_theta": None, "rope_parameters": {
-        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0}})
+    config = ModelConfig.from_hf_dict(
+        {
+            **qwen2_config(),
+            "rope_theta": None,
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+            },
+        }
+    )
     assert config.rope_theta == 500000.0
     assert config.rope_scaling["original_max_position_embeddings"] == 512  # defaults like transformers
     assert config.attention_bias and not config.o_proj_bias  # Qwen2: bias on q/k/v only
@@ -105,8 +117,12 @@ def test_longrope_and_partial_rotary_configs_are_read_and_checked():
     assert config.rotary_dim == 24 and config.long_rope_after == 24
     assert config.rope_scaling["rope_type"] == "longrope"
     with pytest.raises(ValueError, match="long_factor must be 12 positive numbers"):
-        ModelConfig.from_hf_dict({**phi4_mini_config(), "rope_scaling": {
-            "type": "longrope", "short_factor": [1.0] * 12, "long_factor": [1.0] * 16}})
+        ModelConfig.from_hf_dict(
+            {
+                **phi4_mini_config(),
+                "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 12, "long_factor": [1.0] * 16},
+            }
+        )
     with pytest.raises(ValueError, match="partial_rotary_factor=0.8 gives 25 rotary dims"):
         ModelConfig.from_hf_dict({**phi4_mini_config(), "partial_rotary_factor": 0.8})
     with pytest.raises(ValueError, match="attn_logit_softcapping=0.0"):
@@ -116,13 +132,16 @@ def test_longrope_and_partial_rotary_configs_are_read_and_checked():
 
 # ---- loading and fingerprints ---------------------------------------------------------------------
 
+
 def test_sharded_checkpoint_loads_like_single_file(small_checkpoint, tmp_path):
     sharded = Path(shutil.copytree(small_checkpoint, tmp_path / "sharded"))
     weights = load_file(sharded / "model.safetensors")
     (sharded / "model.safetensors").unlink()
     names = sorted(weights)
-    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
-              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    shards = {
+        "model-00001-of-00002.safetensors": names[: len(names) // 2],
+        "model-00002-of-00002.safetensors": names[len(names) // 2 :],
+    }
     for file, shard_names in shards.items():
         save_file({name: weights[name] for name in shard_names}, sharded / file)
     weight_map = {name: file for file, shard_names in shards.items() for name in shard_names}
@@ -166,16 +185,22 @@ def test_large_files_are_fingerprinted_by_header_and_samples(small_checkpoint, c
 
 def test_generation_eos(default_model_dir, checkpoint_copy):
     assert load_generation_eos(default_model_dir) == [1, 3]  # <|end_of_text|>, <|im_end|>
-    assert load_generation_eos(checkpoint_copy) == [1]       # no generation_config.json: config.json
+    assert load_generation_eos(checkpoint_copy) == [1]  # no generation_config.json: config.json
 
 
 # ---- the default model ----------------------------------------------------------------------------
 
+
 def test_default_model_is_reproducible_bytes(default_model_dir, tmp_path):
     fresh = ensure_default_model(tmp_path / "cache")
     assert fresh == tmp_path / "cache" / "prefixserve-tiny-v1"
-    for name in ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json",
-                 "generation_config.json"):
+    for name in (
+        "model.safetensors",
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ):
         assert (fresh / name).read_bytes() == (default_model_dir / name).read_bytes(), name
 
 
@@ -199,8 +224,15 @@ def test_default_model_generation_is_race_safe(tmp_path):
 
 def test_default_model_config(default_model):
     config = default_model.config
-    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
-            config.num_key_value_heads, config.head_dim, config.intermediate_size, config.vocab_size,
-            config.max_position_embeddings) == (512, 8, 8, 4, 64, 1344, 8192, 4096)
+    assert (
+        config.hidden_size,
+        config.num_hidden_layers,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.head_dim,
+        config.intermediate_size,
+        config.vocab_size,
+        config.max_position_embeddings,
+    ) == (512, 8, 8, 4, 64, 1344, 8192, 4096)
     num_params = sum(p.numel() for p in default_model.model.parameters())
     assert 30e6 < num_params < 32e6

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from model_helpers import PagedSequences
+
 from prefixserve.model import attention as attention_module
 from prefixserve.model import kernels, load_model
 from prefixserve.model.attention_metadata import AttentionMetadata, OutputRows
@@ -28,14 +28,18 @@ def _primed(model) -> PagedSequences:
     runner = PagedSequences(model)
     prompts = _prompts()
     for name in ORDER:
-        runner.step([prompts[name][:CACHED[name]]], [0], [TABLES[name]])
+        runner.step([prompts[name][: CACHED[name]]], [0], [TABLES[name]])
     return runner
 
 
 def _mixed_step(runner: PagedSequences, output_rows=None) -> torch.Tensor:
     prompts = _prompts()
-    return runner.step([prompts[name][CACHED[name]:] for name in ORDER], [CACHED[name] for name in ORDER],
-                       [TABLES[name] for name in ORDER], output_rows=output_rows)
+    return runner.step(
+        [prompts[name][CACHED[name] :] for name in ORDER],
+        [CACHED[name] for name in ORDER],
+        [TABLES[name] for name in ORDER],
+        output_rows=output_rows,
+    )
 
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])

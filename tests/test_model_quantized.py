@@ -11,10 +11,17 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
-
+from gguf_helpers import (
+    encode_tensor,
+    gguf_tensors,
+    random_blocks,
+    random_hf_weights,
+    tiny_llama_config,
+    train_tokenizer,
+    write_gguf,
+)
 from k_quants import encode_iq4_xs, encode_q2_k, encode_q3_k, encode_q4_k, encode_q6_k
-from gguf_helpers import (encode_tensor, gguf_tensors, random_blocks, random_hf_weights, tiny_llama_config,
-                          train_tokenizer, write_gguf)
+
 from prefixserve import LLM, SamplingParams
 from prefixserve.engine.model_version import weight_format
 from prefixserve.model import kernels
@@ -74,7 +81,7 @@ def test_every_variant_multiplies_each_row_alone(kernel_variant, kind):
     exact = (x.double() @ decoded.double().T).float()
     assert torch.all((whole - exact).abs() <= 1e-5 * (x.abs() @ decoded.abs().T))  # float32 sums, any order
     for size in (1, 2, 3, 5, 8, 64, 75):  # tile tails and row chunks: every row computes as it does alone
-        assert torch.equal(torch.cat([multiply(x[i:i + size]) for i in range(0, 75, size)]), whole), size
+        assert torch.equal(torch.cat([multiply(x[i : i + size]) for i in range(0, 75, size)]), whole), size
     strided = torch.randn(75, cols + 32)[:, :cols]
     strided.copy_(x)
     assert torch.equal(multiply(strided), whole)
@@ -86,16 +93,23 @@ def test_q4_k_scales_formed_from_the_file_bytes_are_the_float32_scales_bit_for_b
     as_floats = QuantizedWeight("Q4_K", weight.codes, scales.contiguous(), offsets.contiguous(), 4)
     x = torch.randn(9, 768, generator=torch.Generator().manual_seed(4))
     for rows in (x[:1], x[:3], x):  # the fused decode path and the buffered one
-        assert torch.equal(kernel_variant.quantized_matmul(rows, *weight.kernel_arguments(), None),
-                           kernel_variant.quantized_matmul(rows, *as_floats.kernel_arguments(), None))
+        assert torch.equal(
+            kernel_variant.quantized_matmul(rows, *weight.kernel_arguments(), None),
+            kernel_variant.quantized_matmul(rows, *as_floats.kernel_arguments(), None),
+        )
     assert torch.equal(decoded_by_kernel(kernel_variant, weight), decoded_by_kernel(kernel_variant, as_floats))
     bad = QuantizedWeight("Q4_K", weight.codes, weight.scales[:, :-2].contiguous(), weight.offsets, 4)
     with pytest.raises(RuntimeError, match=r"Q4_K \(Q5_K\) scales must be uint8"):
         kernel_variant.quantized_matmul(x, *bad.kernel_arguments(), None)
 
 
-BAD_SCALES = {"Q6_K": "Q6_K scales must be uint8", "Q3_K": "Q3_K scales must be uint8", "Q2_K": "Q2_K scales must be "
-              "uint8", "IQ4_NL": "scales and offsets must be contiguous", "IQ4_XS": "IQ4_XS scales must be uint8"}
+BAD_SCALES = {
+    "Q6_K": "Q6_K scales must be uint8",
+    "Q3_K": "Q3_K scales must be uint8",
+    "Q2_K": "Q2_K scales must be uint8",
+    "IQ4_NL": "scales and offsets must be contiguous",
+    "IQ4_XS": "IQ4_XS scales must be uint8",
+}
 
 
 @pytest.mark.parametrize("kind", list(BAD_SCALES))
@@ -110,8 +124,10 @@ def test_kinds_of_exact_products_decode_to_the_format_readers_values_bit_for_bit
     assert torch.equal(weight.dequantize(), expected)
     x = torch.randn(9, cols, generator=torch.Generator().manual_seed(4))
     for size in (1, 3, 9):  # the fused decode path and the buffered one
-        assert torch.equal(kernel_variant.quantized_matmul(x[:size], *weight.kernel_arguments(), None),
-                           kernel_variant.quantized_matmul(x, *weight.kernel_arguments(), None)[:size])
+        assert torch.equal(
+            kernel_variant.quantized_matmul(x[:size], *weight.kernel_arguments(), None),
+            kernel_variant.quantized_matmul(x, *weight.kernel_arguments(), None)[:size],
+        )
     bad = replace(weight, scales=weight.scales[:, :-2].contiguous())
     with pytest.raises(RuntimeError, match=BAD_SCALES[kind]):
         kernel_variant.quantized_matmul(x, *bad.kernel_arguments(), None)
@@ -128,8 +144,10 @@ def test_a_zero_point_decodes_exactly_and_only_a_power_of_two_without_offsets_is
         weight = replace(q4_0, zero_point=zero_point)
         assert torch.equal(decoded_by_kernel(kernel_variant, weight), weight.dequantize()), zero_point
         for size in (1, 5):  # the fused decode path and the buffered one
-            assert torch.equal(kernel_variant.quantized_matmul(x[:size], *weight.kernel_arguments(), None),
-                               kernel_variant.quantized_matmul(x, *weight.kernel_arguments(), None)[:size])
+            assert torch.equal(
+                kernel_variant.quantized_matmul(x[:size], *weight.kernel_arguments(), None),
+                kernel_variant.quantized_matmul(x, *weight.kernel_arguments(), None)[:size],
+            )
     q4_1 = from_gguf_blocks("Q4_1", gguf_blocks("Q4_1", 10, 96, seed=6), 10, 96)
     for bad in (replace(q4_0, zero_point=6), replace(q4_0, zero_point=-8), replace(q4_1, zero_point=8)):
         with pytest.raises(RuntimeError, match="zero_point must be 0, or a power of two for a weight without offsets"):
@@ -159,13 +177,15 @@ def test_the_pure_pytorch_path_keeps_rows_independent(monkeypatch):
     layer.plan_rows(batch_invariant=True, max_rows=64)
     whole = layer(x)
     torch.testing.assert_close(whole, expected, rtol=1e-5, atol=1e-5)
-    assert torch.equal(torch.cat([layer(x[i:i + 1]) for i in range(33)]), whole)
+    assert torch.equal(torch.cat([layer(x[i : i + 1]) for i in range(33)]), whole)
 
 
 def test_mixed_layouts_of_one_projection_stay_apart_and_in_order():
-    parts = [from_gguf_blocks("Q4_K", gguf_blocks("Q4_K", 8, 256), 8, 256),
-             from_gguf_blocks("Q4_1", gguf_blocks("Q4_1", 8, 256, seed=1), 8, 256),
-             from_gguf_blocks("Q4_1", gguf_blocks("Q4_1", 4, 256, seed=2), 4, 256)]
+    parts = [
+        from_gguf_blocks("Q4_K", gguf_blocks("Q4_K", 8, 256), 8, 256),
+        from_gguf_blocks("Q4_1", gguf_blocks("Q4_1", 8, 256, seed=1), 8, 256),
+        from_gguf_blocks("Q4_1", gguf_blocks("Q4_1", 4, 256, seed=2), 4, 256),
+    ]
     layer = QuantizedLinear(parts)
     assert layer.kinds == ["Q4_K", "Q4_1"] and layer.out_features == 20
     x = torch.randn(3, 256)
@@ -181,8 +201,11 @@ def quantized_gguf(tmp_path_factory):
     tokenizer = train_tokenizer()
     config = tiny_llama_config(vocab_size=len(tokenizer[0]))
     stored = gguf_tensors(config, random_hf_weights(config, seed=4))
-    kinds = {name: (Q.Q8_0 if name in ("token_embd.weight", "output.weight") else Q.Q4_1 if ".attn_" in name
-                    else Q.Q4_0) for name, value in stored.items() if value.ndim == 2}
+    kinds = {
+        name: (Q.Q8_0 if name in ("token_embd.weight", "output.weight") else Q.Q4_1 if ".attn_" in name else Q.Q4_0)
+        for name, value in stored.items()
+        if value.ndim == 2
+    }
     return write_gguf(tmp_path_factory.mktemp("quantized") / "mixed.gguf", config, stored, kinds, tokenizer=tokenizer)
 
 
@@ -192,24 +215,38 @@ def k_quant_gguf(request, tmp_path_factory):
     Q3_K, Q2_K, IQ4_XS) projections, Q6_K for attn_v, ffn_down, the embedding and the output (rows of 256
     values: K-quants' super-blocks)."""
     tokenizer = train_tokenizer()
-    config = tiny_llama_config(vocab_size=len(tokenizer[0])) | {"hidden_size": 256, "intermediate_size": 512,
-                                                                "head_dim": 64}
+    config = tiny_llama_config(vocab_size=len(tokenizer[0])) | {
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "head_dim": 64,
+    }
     stored = gguf_tensors(config, random_hf_weights(config, seed=5))
     six = ("token_embd.weight", "output.weight", "attn_v.weight", "ffn_down.weight")
     kinds, tensors = {}, {}
     for name, value in stored.items():
         if value.ndim == 2:
             kinds[name] = Q.Q6_K if name.endswith(six) else Q[request.param]
-            encode = {"Q4_K": encode_q4_k, "Q5_K": lambda value: encode_q4_k(value, bits=5), "Q3_K": encode_q3_k,
-                      "Q2_K": encode_q2_k, "IQ4_XS": encode_iq4_xs}[request.param]
+            encode = {
+                "Q4_K": encode_q4_k,
+                "Q5_K": lambda value: encode_q4_k(value, bits=5),
+                "Q3_K": encode_q3_k,
+                "Q2_K": encode_q2_k,
+                "IQ4_XS": encode_iq4_xs,
+            }[request.param]
             value = encode_q6_k(value) if kinds[name] == Q.Q6_K else encode(value)
         tensors[name] = value
     path = tmp_path_factory.mktemp("k_quants") / f"{request.param}_M.gguf"
     return write_gguf(path, config, tensors, kinds, tokenizer=tokenizer)
 
 
-PROMPTS = ["The capital of France is", "Hello world! Hello there", "def main():\n    return",
-           "In 2024 there were 365 days", "naïve café Zürich", "3.14159 is close to"]
+PROMPTS = [
+    "The capital of France is",
+    "Hello world! Hello there",
+    "def main():\n    return",
+    "In 2024 there were 365 days",
+    "naïve café Zürich",
+    "3.14159 is close to",
+]
 
 
 def generate(llm: LLM, prompts: list[str], max_tokens: int = 24) -> list[list[int]]:
@@ -219,8 +256,9 @@ def generate(llm: LLM, prompts: list[str], max_tokens: int = 24) -> list[list[in
 
 def test_a_gguf_is_served_quantized_and_agrees_with_its_float_reference(quantized_gguf):
     quantized = LLM(str(quantized_gguf), kv_cache_memory_bytes=16 << 20, log_stats=False)
-    reference = LLM(str(quantized_gguf), dequantize=True, dtype="float32", kv_cache_memory_bytes=16 << 20,
-                    log_stats=False)
+    reference = LLM(
+        str(quantized_gguf), dequantize=True, dtype="float32", kv_cache_memory_bytes=16 << 20, log_stats=False
+    )
     engine, float_engine = quantized.engine, reference.engine
     assert engine.weights == "gguf" and float_engine.weights == "float" and engine.dtype == torch.float32
     assert engine.scope.model_fingerprint != float_engine.scope.model_fingerprint  # their KV is not shared
@@ -235,8 +273,9 @@ def test_a_gguf_is_served_quantized_and_agrees_with_its_float_reference(quantize
 
 def test_a_k_quant_gguf_keeps_its_blocks_at_the_files_size_and_agrees_with_its_float_reference(k_quant_gguf):
     quantized = LLM(str(k_quant_gguf), kv_cache_memory_bytes=16 << 20, log_stats=False)
-    reference = LLM(str(k_quant_gguf), dequantize=True, dtype="float32", kv_cache_memory_bytes=16 << 20,
-                    log_stats=False)
+    reference = LLM(
+        str(k_quant_gguf), dequantize=True, dtype="float32", kv_cache_memory_bytes=16 << 20, log_stats=False
+    )
     memory = weight_memory(quantized.engine.version.model)
     assert memory.kinds == (k_quant_gguf.stem.removesuffix("_M"), "Q6_K")  # nothing requantized to int8
     assert memory.resident_bytes <= 1.1 * k_quant_gguf.stat().st_size
@@ -291,8 +330,9 @@ def test_a_gguf_of_float_weights_only_is_served_as_floats(tmp_path, quantized_gg
     stored = gguf_tensors(config, random_hf_weights(config, seed=5))
     float_file = write_gguf(tmp_path / "f32.gguf", config, stored, tokenizer=tokenizer)
     assert weight_format(str(float_file), device=torch.device("cpu")) == "float"
-    one_quantized = write_gguf(tmp_path / "one.gguf", config, stored, {"blk.0.ffn_down.weight": GGMLQuantizationType.Q8_0},
-                               tokenizer=tokenizer)
+    one_quantized = write_gguf(
+        tmp_path / "one.gguf", config, stored, {"blk.0.ffn_down.weight": GGMLQuantizationType.Q8_0}, tokenizer=tokenizer
+    )
     assert weight_format(str(one_quantized), device=torch.device("cpu")) == "gguf"
     served = LLM(str(float_file), kv_cache_memory_bytes=16 << 20, log_stats=False)
     assert not any(isinstance(module, QuantizedLinear) for module in served.engine.version.model.modules())

@@ -13,16 +13,29 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_helpers import (
+    BLOCK_SIZE,
+    PagedSequences,
+    gemma2_config,
+    gemma3_config,
+    greedy_paged,
+    llama3_config,
+    mistral_config,
+    phi3_config,
+    qwen2_config,
+    qwen3_config,
+    smollm3_config,
+    write_random_checkpoint,
+)
 
-from model_helpers import (BLOCK_SIZE, PagedSequences, gemma2_config, gemma3_config, greedy_paged, llama3_config, mistral_config,
-                           phi3_config, qwen2_config, qwen3_config, smollm3_config, write_random_checkpoint)
 from prefixserve.model import Tokenizer, load_model
-
 
 transformers = pytest.importorskip("transformers")
 
-PROMPT = ("The paged cache keeps every block of sixteen tokens apart, and a sequence's blocks "
-          "need not be adjacent: here they are scattered on purpose.")
+PROMPT = (
+    "The paged cache keeps every block of sixteen tokens apart, and a sequence's blocks "
+    "need not be adjacent: here they are scattered on purpose."
+)
 # Non-contiguous, out-of-order block ids: a bug that assumes adjacency shows up as wrong logits.
 TABLE = [11, 3, 7, 0, 9, 14, 5]
 MODEL_KINDS = ["default", "qwen2", "llama3", "qwen3", "smollm3", "phi3", "gemma2", "gemma3", "mistral"]
@@ -53,14 +66,15 @@ def prompt_ids(default_model_dir):
 
 @pytest.fixture(scope="module")
 def ours(checkpoints):
-    return {kind: load_model(path, torch.float32, torch.device("cpu")).model
-            for kind, path in checkpoints.items()}
+    return {kind: load_model(path, torch.float32, torch.device("cpu")).model for kind, path in checkpoints.items()}
 
 
 @pytest.fixture(scope="module")
 def reference(checkpoints):
-    return {kind: transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-            for kind, path in checkpoints.items()}
+    return {
+        kind: transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        for kind, path in checkpoints.items()
+    }
 
 
 @pytest.mark.parametrize("kind", MODEL_KINDS)
@@ -79,9 +93,14 @@ def test_greedy_decode_matches_transformers_generate(kind, ours, reference, prom
     tokens = greedy_paged(ours[kind], prompt_ids, num_tokens, TABLE)
     with torch.inference_mode():
         generated = reference[kind].generate(
-            torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-            max_new_tokens=num_tokens, min_new_tokens=num_tokens, do_sample=False, pad_token_id=0)
-    assert tokens == generated[0, len(prompt_ids):].tolist()
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            max_new_tokens=num_tokens,
+            min_new_tokens=num_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    assert tokens == generated[0, len(prompt_ids) :].tolist()
     assert len(set(tokens)) > 5  # a model stuck on one token would make this test vacuous
 
 
@@ -106,17 +125,20 @@ def test_mixed_batch_equals_separate_steps(ours, prompt_ids):
 
     def run_alone(name):
         runner = PagedSequences(model)
-        runner.step([prompts[name][:cached[name]]], [0], [tables[name]])
-        return runner.step([prompts[name][cached[name]:]], [cached[name]], [tables[name]])
+        runner.step([prompts[name][: cached[name]]], [0], [tables[name]])
+        return runner.step([prompts[name][cached[name] :]], [cached[name]], [tables[name]])
 
     alone = {name: run_alone(name) for name in tables}
 
     runner = PagedSequences(model)  # one shared pool: the tables above are disjoint
     for name in tables:
-        runner.step([prompts[name][:cached[name]]], [0], [tables[name]])
+        runner.step([prompts[name][: cached[name]]], [0], [tables[name]])
     order = ["B", "A", "C"]  # a decode before and after the prefill chunk
-    batched = runner.step([prompts[name][cached[name]:] for name in order], [cached[name] for name in order],
-                          [tables[name] for name in order])
+    batched = runner.step(
+        [prompts[name][cached[name] :] for name in order],
+        [cached[name] for name in order],
+        [tables[name] for name in order],
+    )
     rows = torch.split(batched, [len(prompts[name]) - cached[name] for name in order])
     for name, logits in zip(order, rows):
         torch.testing.assert_close(logits, alone[name], atol=1e-4, rtol=1e-4)
@@ -139,5 +161,5 @@ def test_default_model_logits_are_well_separated(ours, prompt_ids):
     logits = PagedSequences(ours["default"]).step([prompt_ids], [0], [TABLE])
     top2 = logits.topk(2, dim=-1).values
     gaps = (top2[:, 0] - top2[:, 1]).sort().values
-    assert gaps[len(gaps) // 2] > 0.1   # typical gap
-    assert gaps[0] > 1e-3               # even the closest call in this prompt
+    assert gaps[len(gaps) // 2] > 0.1  # typical gap
+    assert gaps[0] > 1e-3  # even the closest call in this prompt

@@ -60,7 +60,7 @@ def _rounding_differently_at(size: int, every: int):
             calls["n"] += 1
             if calls["n"] % every == 0:
                 sums[0, 0] = torch.nextafter(sums[0, 0], torch.tensor(float("inf")))
-                sums[0, 0] = sums[0, 0] + sums[0, 0].abs() * 2 ** -8  # past the bf16 rounding boundary
+                sums[0, 0] = sums[0, 0] + sums[0, 0].abs() * 2**-8  # past the bf16 rounding boundary
         return sums.bfloat16()
 
     return matmul
@@ -127,6 +127,6 @@ def test_every_linear_of_the_model_is_invariant_through_its_plan(default_model_d
     with torch.inference_mode():
         for module in shapes.values():
             x = torch.randn(96, module.in_features, generator=generator).to(dtype)
-            reference = torch.cat([module.matmul(x[i:i + 16]) for i in range(0, 96, 16)])
+            reference = torch.cat([module.matmul(x[i : i + 16]) for i in range(0, 96, 16)])
             for rows in range(1, 81):
                 assert torch.equal(module(x[:rows]), reference[:rows]), (module.in_features, module.out_features, rows)

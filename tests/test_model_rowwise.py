@@ -18,7 +18,6 @@ from prefixserve.model import llama as llama_module
 from prefixserve.model.llama import RMSNorm, rotate
 
 
-
 @pytest.fixture
 def compiled(kernel_variant):
     """Each variant this CPU runs that has the row-wise kernels (every one with a fused multiply-add)."""
@@ -33,11 +32,11 @@ def _generator() -> torch.Generator:
 
 def _each_row_alone(function, *row_tensors) -> torch.Tensor:
     rows = range(row_tensors[0].shape[0])
-    return torch.cat([function(*(tensor[r:r + 1].clone() for tensor in row_tensors)) for r in rows])
+    return torch.cat([function(*(tensor[r : r + 1].clone() for tensor in row_tensors)) for r in rows])
 
 
 # bf16: two roundings (the normed value, then its product), each may land a bf16 ulp off the reference.
-TOLERANCE = {torch.float32: {"rtol": 2e-6, "atol": 1e-6}, torch.bfloat16: {"rtol": 2 ** -6, "atol": 1e-5}}
+TOLERANCE = {torch.float32: {"rtol": 2e-6, "atol": 1e-6}, torch.bfloat16: {"rtol": 2**-6, "atol": 1e-5}}
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 
 
@@ -61,8 +60,10 @@ def test_rms_norm_matches_the_reference_and_each_row_is_its_own(rows, width, dty
 @pytest.mark.parametrize("rows", [1, 9, 2020])
 def test_add_rms_norm_adds_in_place_and_normalises_the_sum(rows, dtype, compiled):
     generator = _generator()
-    x, delta = (torch.randn(rows, 512, generator=generator).to(dtype),
-                torch.randn(rows, 512, generator=generator).to(dtype))
+    x, delta = (
+        torch.randn(rows, 512, generator=generator).to(dtype),
+        torch.randn(rows, 512, generator=generator).to(dtype),
+    )
     weight = torch.randn(512, generator=generator).to(dtype)
     residual = x.clone()
     normed = compiled.add_rms_norm_(residual, delta, weight, 1e-6)
@@ -72,8 +73,7 @@ def test_add_rms_norm_adds_in_place_and_normalises_the_sum(rows, dtype, compiled
 
 @DTYPES
 @pytest.mark.parametrize("rows, heads, head_dim", [(1, 12, 64), (33, 3, 128), (2020, 12, 64)])
-def test_rotate_heads_is_llama_rotate_bit_for_bit_and_leaves_the_other_columns(rows, heads, head_dim, dtype,
-                                                                                compiled):
+def test_rotate_heads_is_llama_rotate_bit_for_bit_and_leaves_the_other_columns(rows, heads, head_dim, dtype, compiled):
     generator = _generator()
     columns = heads * head_dim + 2 * head_dim  # the v columns after q and k are not rotated
     qkv = torch.randn(rows, columns, generator=generator).to(dtype)
@@ -81,18 +81,22 @@ def test_rotate_heads_is_llama_rotate_bit_for_bit_and_leaves_the_other_columns(r
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     rotated = qkv.clone()
     compiled.rotate_heads_(rotated, heads, head_dim, cos, sin)
-    qk = qkv[:, :heads * head_dim].view(rows, heads, head_dim)
+    qk = qkv[:, : heads * head_dim].view(rows, heads, head_dim)
     # The definition: x1 cos - x2 sin and x2 cos + x1 sin, a product rounded to the dtype, then one
     # fused multiply-add rounded to float32 and then to the dtype (float64 holds these products exactly).
     x1, x2 = (part.double() for part in qk.chunk(2, dim=-1))
     c, s = cos.double()[:, None, :], sin.double()[:, None, :]
     first = ((x1 * c).float().to(dtype).double() - x2 * s).float().to(dtype)
     second = ((x2 * c).float().to(dtype).double() + x1 * s).float().to(dtype)
-    assert torch.equal(rotated[:, :heads * head_dim].view(rows, heads, head_dim), torch.cat([first, second], dim=-1))
+    assert torch.equal(rotated[:, : heads * head_dim].view(rows, heads, head_dim), torch.cat([first, second], dim=-1))
     reference = rotate(qk, cos[:, None, :], sin[:, None, :])
-    torch.testing.assert_close(rotated[:, :heads * head_dim].view(rows, heads, head_dim).float(), reference.float(),
-                               rtol=0 if dtype == torch.float32 else 2 ** -7, atol=1e-6)
-    assert torch.equal(rotated[:, heads * head_dim:], qkv[:, heads * head_dim:])
+    torch.testing.assert_close(
+        rotated[:, : heads * head_dim].view(rows, heads, head_dim).float(),
+        reference.float(),
+        rtol=0 if dtype == torch.float32 else 2**-7,
+        atol=1e-6,
+    )
+    assert torch.equal(rotated[:, heads * head_dim :], qkv[:, heads * head_dim :])
 
 
 @DTYPES

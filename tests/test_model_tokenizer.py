@@ -15,7 +15,6 @@ from hypothesis import strategies as st
 
 from prefixserve.model import IncrementalDecoder, Tokenizer
 
-
 TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",
     "  leading spaces, tabs\tand\nnew lines  ",
@@ -50,8 +49,10 @@ def test_round_trip(tokenizer, text):
 
 def test_chat_template(tokenizer):
     text = tokenizer.apply_chat_template(CHAT)
-    assert text == ("<|begin_of_text|><|im_start|>system\nBe brief.<|im_end|>\n"
-                    "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n")
+    assert text == (
+        "<|begin_of_text|><|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert tokenizer.apply_chat_template(CHAT, add_generation_prompt=False).endswith("Hi there<|im_end|>\n")
     ids = tokenizer.encode_chat(CHAT)
     assert ids.count(tokenizer.bos_token_id) == 1 and ids[0] == tokenizer.bos_token_id
@@ -84,12 +85,12 @@ def test_transformers_tokenizer_agrees(tokenizer, default_model_dir):
         plain = reference.encode(text, add_special_tokens=False)
         assert tokenizer.encode(text, add_special_tokens=False) == plain
     assert tokenizer.apply_chat_template(CHAT) == reference.apply_chat_template(
-        CHAT, tokenize=False, add_generation_prompt=True)
+        CHAT, tokenize=False, add_generation_prompt=True
+    )
 
 
 def _copy(default_model_dir: Path, tmp_path: Path) -> Path:
-    return Path(shutil.copytree(default_model_dir, tmp_path / "tok",
-                                ignore=shutil.ignore_patterns("*.safetensors")))
+    return Path(shutil.copytree(default_model_dir, tmp_path / "tok", ignore=shutil.ignore_patterns("*.safetensors")))
 
 
 def test_fingerprint_follows_template(tokenizer, default_model_dir, tmp_path):
@@ -99,8 +100,11 @@ def test_fingerprint_follows_template(tokenizer, default_model_dir, tmp_path):
     # Named templates, and the helpers transformers gives templates.
     config["chat_template"] = [
         {"name": "tool_use", "template": "unused"},
-        {"name": "default", "template": "{% if messages|length == 0 %}{{ raise_exception('no messages') }}"
-                                        "{% endif %}{{ messages[0]['content']|tojson }}"},
+        {
+            "name": "default",
+            "template": "{% if messages|length == 0 %}{{ raise_exception('no messages') }}"
+            "{% endif %}{{ messages[0]['content']|tojson }}",
+        },
     ]
     (copy / "tokenizer_config.json").write_text(json.dumps(config))
     changed = Tokenizer.from_dir(copy)
@@ -137,7 +141,8 @@ def test_token_bytes_concatenate_to_the_utf8_text(tokenizer, text):
 
 def test_token_bytes_of_special_and_byte_fallback_tokens(tokenizer):
     assert tokenizer.token_bytes(tokenizer.token_to_id("<|im_end|>")) == b"<|im_end|>"
-    from tokenizers import Tokenizer as BackendTokenizer, decoders, models
+    from tokenizers import Tokenizer as BackendTokenizer
+    from tokenizers import decoders, models
 
     vocab = {"<unk>": 0, "<0x0A>": 1, "\u2581hi": 2, "a": 3}
     backend = BackendTokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))

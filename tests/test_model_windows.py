@@ -66,7 +66,7 @@ def test_the_kernel_reads_each_rows_window_and_nothing_below_it(window, head_dim
     k_cache, v_cache, tables = scattered_cache(SPECS, window, block_size, num_kv_heads, head_dim, generator)
     q = torch.randn(sum(new for _, new in SPECS), num_heads, head_dim, generator=generator)
     padded, query_start, seq_lens = call_args(SPECS, tables, q)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     out = kernel_variant.paged_causal(q, k_cache, v_cache, padded, query_start, seq_lens, scale, window)
     for i, ((past, new), table) in enumerate(zip(SPECS, tables)):
         rows = slice(int(query_start[i]), int(query_start[i + 1]))
@@ -81,12 +81,13 @@ def test_the_pure_path_reads_each_rows_window(window):
     k_cache, v_cache, tables = scattered_cache(SPECS, window, block_size, num_kv_heads, head_dim, generator)
     q = torch.randn(sum(new for _, new in SPECS), num_heads, head_dim, generator=generator)
     meta = AttentionMetadata.build([new for _, new in SPECS], [past + new for past, new in SPECS], tables, block_size)
-    out = windowed_attention(q, k_cache, v_cache, meta, head_dim ** -0.5, window)
+    out = windowed_attention(q, k_cache, v_cache, meta, head_dim**-0.5, window)
     starts = meta.query_start_loc.tolist()
     for i, ((past, new), table) in enumerate(zip(SPECS, tables)):
-        expected = dense_windowed(q[starts[i]:starts[i + 1]], k_cache, v_cache, table, past, new, window,
-                                  head_dim ** -0.5)
-        torch.testing.assert_close(out[starts[i]:starts[i + 1]], expected, atol=1e-5, rtol=1e-5)
+        expected = dense_windowed(
+            q[starts[i] : starts[i + 1]], k_cache, v_cache, table, past, new, window, head_dim**-0.5
+        )
+        torch.testing.assert_close(out[starts[i] : starts[i + 1]], expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -96,15 +97,24 @@ def test_a_windowed_rows_bits_are_its_own_in_any_chunking_or_decode(dtype, kerne
     block_size, num_kv_heads, num_heads, head_dim, length, window = 16, 2, 4, 64, 150, 40
     k_cache = torch.randn(20, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
     v_cache = torch.randn(20, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
-    table = torch.randperm(20, generator=generator)[:-(-length // block_size)][None]
+    table = torch.randperm(20, generator=generator)[: -(-length // block_size)][None]
     q = torch.randn(length, num_heads, head_dim, generator=generator).to(dtype)
 
     def rows(splits):
         pieces, start = [], 0
         for stop in splits:
-            pieces.append(kernel_variant.paged_causal(q[start:stop], k_cache, v_cache, table,
-                                                      torch.tensor([0, stop - start]), torch.tensor([stop]), 0.125,
-                                                      window))
+            pieces.append(
+                kernel_variant.paged_causal(
+                    q[start:stop],
+                    k_cache,
+                    v_cache,
+                    table,
+                    torch.tensor([0, stop - start]),
+                    torch.tensor([stop]),
+                    0.125,
+                    window,
+                )
+            )
             start = stop
         return torch.cat(pieces)
 
@@ -123,7 +133,7 @@ def test_capped_scores_on_the_kernel_and_the_pure_path(window, head_dim, block_s
     k_cache, v_cache, tables = scattered_cache(SPECS, reach, block_size, num_kv_heads, head_dim, generator)
     q = torch.randn(sum(new for _, new in SPECS), num_heads, head_dim, generator=generator) * 2
     padded, query_start, seq_lens = call_args(SPECS, tables, q)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     out = kernel_variant.paged_causal(q, k_cache, v_cache, padded, query_start, seq_lens, scale, window, softcap)
     meta = AttentionMetadata.build([new for _, new in SPECS], [past + new for past, new in SPECS], tables, block_size)
     pure = windowed_attention(q, k_cache, v_cache, meta, scale, window or None, softcap)

@@ -10,13 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefixserve.model import AttentionMetadata, paged_attention, write_kv
+from prefixserve.model import AttentionMetadata, attention_plan, paged_attention, write_kv
 from prefixserve.model import attention as attention_module
-from prefixserve.model import attention_plan
 from prefixserve.model.attention import plan_step
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 8, 2, 16, 4, 200
-SCALE = HEAD_DIM ** -0.5
+SCALE = HEAD_DIM**-0.5
 
 
 @pytest.fixture(autouse=True)
@@ -70,8 +69,12 @@ class Scenario:
         self.q = torch.randn(sum(new for _, _, new in specs), NUM_HEADS, HEAD_DIM, generator=generator)
 
     def run(self, pass_new_kv=True):
-        meta = AttentionMetadata.build([new for _, _, new in self.specs], [c + n for _, c, n in self.specs],
-                                       [table for table, _, _ in self.specs], BLOCK_SIZE)
+        meta = AttentionMetadata.build(
+            [new for _, _, new in self.specs],
+            [c + n for _, c, n in self.specs],
+            [table for table, _, _ in self.specs],
+            BLOCK_SIZE,
+        )
         k_cache, v_cache = self.k_cache.clone(), self.v_cache.clone()
         new_k = torch.cat([k[cached:] for (_, cached, _), (k, _) in zip(self.specs, self.contexts)])
         new_v = torch.cat([v[cached:] for (_, cached, _), (_, v) in zip(self.specs, self.contexts)])
@@ -163,6 +166,8 @@ def test_positions_from_metadata():
 
 
 def test_thresholds_measured_on_a_cpu_apply_to_cpus_only():
-    assert attention_plan.thresholds("cpu", 4) == (attention_plan.MIN_SHARED_SAVED_TOKENS[4],
-                                                   attention_plan.MIN_VIEW_TOKENS[4])
+    assert attention_plan.thresholds("cpu", 4) == (
+        attention_plan.MIN_SHARED_SAVED_TOKENS[4],
+        attention_plan.MIN_VIEW_TOKENS[4],
+    )
     assert attention_plan.thresholds("cuda", 2) == (attention_plan.UNMEASURED_DEVICE, attention_plan.UNMEASURED_DEVICE)

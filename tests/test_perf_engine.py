@@ -7,16 +7,14 @@ import random
 
 import pytest
 import torch
+from conftest import make_llm
+from model_helpers import PagedSequences
 
 from prefixserve import SamplingParams
-from prefixserve.engine import device as device_module
 from prefixserve.engine import engine as engine_module
 from prefixserve.engine.engine import resolve_dtype
 from prefixserve.model import attention as attention_module
 from prefixserve.model.linear import Linear, float_kernel, native_bfloat16_matmul
-
-from conftest import make_llm
-from model_helpers import PagedSequences
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
@@ -45,8 +43,9 @@ def test_shared_prefix_batch_reads_the_prefix_once_and_keeps_outputs(monkeypatch
     cached.generate([prompts[0][:300] + [7]], GREEDY, use_tqdm=False)  # caches the prefix
     outputs = cached.generate(prompts, GREEDY, use_tqdm=False)
     assert all(out.num_cached_tokens == 288 for out in outputs)  # 18 full blocks of 16
-    shared = [part for plan in plans for part in plan.parts
-              if not isinstance(part.rows, slice) and part.keys.length == 288]
+    shared = [
+        part for plan in plans for part in plan.parts if not isinstance(part.rows, slice) and part.keys.length == 288
+    ]
     assert shared, "no step read the shared prefix once for several sequences"
 
     plain = make_llm(enable_prefix_caching=False)
@@ -64,8 +63,11 @@ def test_packed_linear_weights_match_plain(default_model_dir, dtype):
     plain = PagedSequences(model).step([prompt], [0], [[0, 1, 2]])
     assert model.pack_linear_weights(batch_size_hint=64)
     ours = dtype == torch.float32 and float_kernel() is not None  # float32 weights read in place by our kernel
-    assert all((module.kernel_weight is not None) if ours else (module.packed is not None)
-               for module in model.modules() if isinstance(module, Linear))
+    assert all(
+        (module.kernel_weight is not None) if ours else (module.packed is not None)
+        for module in model.modules()
+        if isinstance(module, Linear)
+    )
     packed = PagedSequences(model).step([prompt], [0], [[0, 1, 2]])
     if dtype == torch.bfloat16 and not native_bfloat16_matmul():
         # No bf16 matmul on this CPU: each packed layer is the bf16 matmul's arithmetic in float32, rounded
@@ -75,7 +77,7 @@ def test_packed_linear_weights_match_plain(default_model_dir, dtype):
         for module in (model.layers[0].self_attn.qkv_proj, model.layers[0].mlp.gate_up_proj):
             assert module.emulated
             exact = (x.double() @ module.weight.double().T).float()
-            torch.testing.assert_close(module(x).float(), exact, rtol=2 ** -8, atol=1e-6)
+            torch.testing.assert_close(module(x).float(), exact, rtol=2**-8, atol=1e-6)
         return
     if dtype == torch.bfloat16:  # the same oneDNN kernels, without the per-call weight reorder
         torch.testing.assert_close(packed, plain, atol=0, rtol=0)

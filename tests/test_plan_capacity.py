@@ -23,8 +23,7 @@ def chain(*names: str) -> tuple[bytes, ...]:
 
 def cycling_log(num_rounds: int = 3) -> list[ReplayRequest]:
     """Prefixes A, B, C in turn: each prompt one full block and a tail of 1 (5 tokens), so each holds 2 blocks."""
-    return [ReplayRequest(float(i), None, chain(name), 5)
-            for i, name in enumerate(["A", "B", "C"] * num_rounds)]
+    return [ReplayRequest(float(i), None, chain(name), 5) for i, name in enumerate(["A", "B", "C"] * num_rounds)]
 
 
 def test_three_prefixes_cycling_hit_exactly_when_the_pool_holds_them_all_and_never_below():
@@ -82,8 +81,10 @@ def test_sweep_and_working_set_and_bad_inputs():
 def test_a_trace_replays_to_the_same_hits_as_the_simulator_one_request_at_a_time():
     trace = load_trace("conversation", limit=300)
     # Far apart and without outputs, so the simulator's one replica runs them one at a time as the replay does.
-    spaced = Trace([TraceRequest(1000.0 * i, r.input_length, 0, r.hash_ids) for i, r in enumerate(trace.requests)],
-                   trace.block_size)
+    spaced = Trace(
+        [TraceRequest(1000.0 * i, r.input_length, 0, r.hash_ids) for i, r in enumerate(trace.requests)],
+        trace.block_size,
+    )
     requests = requests_from_trace(spaced)
     for size in (40, 200, 5000):
         ours = replay(requests, size, spaced.block_size, check_integrity=True)

@@ -8,8 +8,16 @@ import pytest
 
 from prefixserve.cli import main
 from prefixserve.commands.plan_price import fetch_measured, parse_metrics
-from prefixserve.plan.price import (VENDOR_PRICES, VendorPrice, blended_price, estimated_ttft,
-                                    fixed_seconds_from_measured, price_json, price_table, vendor)
+from prefixserve.plan.price import (
+    VENDOR_PRICES,
+    VendorPrice,
+    blended_price,
+    estimated_ttft,
+    fixed_seconds_from_measured,
+    price_json,
+    price_table,
+    vendor,
+)
 
 
 def test_every_vendor_row_names_its_source_and_date_and_the_issue_ratios_hold():
@@ -111,8 +119,23 @@ def test_measured_inputs_from_a_servers_metrics():
 
 def test_command_prints_the_table_and_writes_json(tmp_path, capsys):
     out = tmp_path / "price.json"
-    assert main(["plan", "price", "--hit-rate", "0.5", "--prompt-tokens", "1000",
-                 "--prefill-seconds-per-token", "0.001", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "price",
+                "--hit-rate",
+                "0.5",
+                "--prompt-tokens",
+                "1000",
+                "--prefill-seconds-per-token",
+                "0.001",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "deepseek-v3" in printed and "https://api-docs.deepseek.com" in printed and "as published on" in printed
     assert "TTFT: 500.0 ms at this hit rate, 1000.0 ms with nothing cached" in printed
@@ -123,7 +146,8 @@ def test_command_prints_the_table_and_writes_json(tmp_path, capsys):
 
 def test_command_rejects_bad_input_with_one_line(capsys):
     assert main(["plan", "price", "--hit-rate", "2"]) == 2
-    assert capsys.readouterr().err.strip() == ("prefixserve plan price: error: hit_rate must be a fraction in [0, 1], "
-                                               "got 2.0")
+    assert capsys.readouterr().err.strip() == (
+        "prefixserve plan price: error: hit_rate must be a fraction in [0, 1], got 2.0"
+    )
     assert main(["plan", "price", "--url", "http://127.0.0.1:9"]) == 2
     assert "could not fetch http://127.0.0.1:9/metrics" in capsys.readouterr().err

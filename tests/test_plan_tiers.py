@@ -8,9 +8,19 @@ import math
 import pytest
 
 from prefixserve.cli import build_parser, main
-from prefixserve.plan.tiers import (GPU_PROFILE_NAME, LITERATURE_SOURCE, Profile, crossovers, fit_read_cost,
-                                    format_report, gpu_profile, kv_bytes_per_token, report_json, smallest_fetched_run,
-                                    to_reach)
+from prefixserve.plan.tiers import (
+    GPU_PROFILE_NAME,
+    LITERATURE_SOURCE,
+    Profile,
+    crossovers,
+    fit_read_cost,
+    format_report,
+    gpu_profile,
+    kv_bytes_per_token,
+    report_json,
+    smallest_fetched_run,
+    to_reach,
+)
 from prefixserve.tiers import TierCost, plan_fetch
 
 # Dyadic numbers, so every sum below is exact in floating point:
@@ -52,9 +62,10 @@ def test_smallest_fetched_run_agrees_with_the_engine_planner():
         given = profile(latency)
         smallest = smallest_fetched_run(given, "disk")
 
-        def fetched(num_blocks):
-            return plan_fetch([("disk", num_blocks)], given.block_bytes, PREFILL, BLOCK_SIZE,
-                              given.read_costs).num_fetch_blocks
+        def fetched(num_blocks, given=given):
+            return plan_fetch(
+                [("disk", num_blocks)], given.block_bytes, PREFILL, BLOCK_SIZE, given.read_costs
+            ).num_fetch_blocks
 
         assert fetched(smallest) == smallest
         assert smallest == 1 or fetched(smallest - 1) == 0
@@ -139,8 +150,20 @@ def test_every_plan_tiers_flag_has_help_and_a_stated_default():
 
 def test_plan_tiers_prints_and_writes_the_report(tmp_path, capsys):
     path = tmp_path / "plan.json"
-    code = main(["plan", "tiers", "--dtype", "float32", "--prefill-seconds-per-token", "0.001", "--disk-dir", str(tmp_path),
-                 "--json", str(path)])
+    code = main(
+        [
+            "plan",
+            "tiers",
+            "--dtype",
+            "float32",
+            "--prefill-seconds-per-token",
+            "0.001",
+            "--disk-dir",
+            str(tmp_path),
+            "--json",
+            str(path),
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
     assert "this machine: prefixserve-tiny, float32 (measured)" in out
@@ -158,12 +181,15 @@ def test_plan_tiers_prints_and_writes_the_report(tmp_path, capsys):
     assert gpu["crossovers"][1]["crossover_tokens"] == pytest.approx(crossovers(gpu_profile())[1].crossover_tokens)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--prefill-seconds-per-token", "0"], "must be positive seconds"),
-    (["--prefill-seconds-per-token", "1", "--disk-dir", "/no/such/folder"], "not a folder"),
-    (["--prefill-seconds-per-token", "1", "--block-size", "3"], "block_size must be a power of two"),
-    (["--prefill-seconds-per-token", "1", "--model", "/no/such/model"], "does not exist"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--prefill-seconds-per-token", "0"], "must be positive seconds"),
+        (["--prefill-seconds-per-token", "1", "--disk-dir", "/no/such/folder"], "not a folder"),
+        (["--prefill-seconds-per-token", "1", "--block-size", "3"], "block_size must be a power of two"),
+        (["--prefill-seconds-per-token", "1", "--model", "/no/such/model"], "does not exist"),
+    ],
+)
 def test_plan_tiers_names_what_is_wrong(argv, message, capsys):
     assert main(["plan", "tiers", *argv]) == 2
     assert message in capsys.readouterr().err
@@ -185,12 +211,28 @@ def short_timing(monkeypatch):
     monkeypatch.setattr(tier_reads, "READ_REPEATS", 2)
 
 
-def test_plan_tiers_times_a_redis_with_sealed_records_and_leaves_nothing_there(tmp_path, capsys, redis_server,
-                                                                                tier_secret_file, short_timing):
+def test_plan_tiers_times_a_redis_with_sealed_records_and_leaves_nothing_there(
+    tmp_path, capsys, redis_server, tier_secret_file, short_timing
+):
     path = tmp_path / "plan.json"
-    code = main(["plan", "tiers", "--dtype", "float32", "--prefill-seconds-per-token", "0.001", "--disk-dir",
-                 str(tmp_path), "--kv-remote-url", redis_server.url, "--kv-tier-secret-file", tier_secret_file,
-                 "--json", str(path)])
+    code = main(
+        [
+            "plan",
+            "tiers",
+            "--dtype",
+            "float32",
+            "--prefill-seconds-per-token",
+            "0.001",
+            "--disk-dir",
+            str(tmp_path),
+            "--kv-remote-url",
+            redis_server.url,
+            "--kv-tier-secret-file",
+            tier_secret_file,
+            "--json",
+            str(path),
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     assert "records sealed and verified" in out
@@ -210,14 +252,23 @@ def test_calibrate_writes_the_remote_tier_it_timed(redis_server, short_timing):
     assert redis_server.num_keys() == 0
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["plan", "tiers", "--prefill-seconds-per-token", "1", "--kv-remote-url", "redis://127.0.0.1:{port}"],
-     "the timed records could not be written (is Redis up"),
-    (["plan", "tiers", "--prefill-seconds-per-token", "1", "--kv-tier-secret-file", "{secret}"],
-     "give --kv-remote-url too"),
-    (["simulate", "--trace", "agent", "--kv-remote-url", "redis://127.0.0.1:{port}"],
-     "time a Redis for --calibrate; a replay takes the remote tier's cost from --costs"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["plan", "tiers", "--prefill-seconds-per-token", "1", "--kv-remote-url", "redis://127.0.0.1:{port}"],
+            "the timed records could not be written (is Redis up",
+        ),
+        (
+            ["plan", "tiers", "--prefill-seconds-per-token", "1", "--kv-tier-secret-file", "{secret}"],
+            "give --kv-remote-url too",
+        ),
+        (
+            ["simulate", "--trace", "agent", "--kv-remote-url", "redis://127.0.0.1:{port}"],
+            "time a Redis for --calibrate; a replay takes the remote tier's cost from --costs",
+        ),
+    ],
+)
 def test_a_remote_tier_that_cannot_be_timed_is_named(argv, message, capsys, tier_secret_file):
     from redis_helpers import free_port
 

@@ -33,9 +33,16 @@ def stats_body(counts, num_releases, tenants=None) -> dict:
     def histogram(counts, num_releases):
         return {"counts": counts, "count": sum(counts), "sum": 0.0, "num_releases": num_releases}
 
-    return {"object": "cache.stats", "mean_reused_prefix_tokens": 812.5, "other": {"ignored": True},
-            "reuse_gaps": {"bucket_upper_bounds": SERVER_BOUNDS, "overall": histogram(counts, num_releases),
-                           "by_tenant": {name: histogram(*value) for name, value in (tenants or {}).items()}}}
+    return {
+        "object": "cache.stats",
+        "mean_reused_prefix_tokens": 812.5,
+        "other": {"ignored": True},
+        "reuse_gaps": {
+            "bucket_upper_bounds": SERVER_BOUNDS,
+            "overall": histogram(counts, num_releases),
+            "by_tenant": {name: histogram(*value) for name, value in (tenants or {}).items()},
+        },
+    }
 
 
 # --------------------------------------------------------------------------- the distribution
@@ -91,8 +98,9 @@ def test_histogram_and_samples_agree_at_the_bucket_bounds():
     from_histogram = GapDistribution.from_histogram(bounds, counts, num_never_returned=7)
     for ttl in bounds:
         assert from_histogram.survival(ttl) == pytest.approx(from_samples.survival(ttl), rel=1e-12)
-        assert from_histogram.expected_held_seconds(ttl) == pytest.approx(from_samples.expected_held_seconds(ttl),
-                                                                          rel=1e-12)
+        assert from_histogram.expected_held_seconds(ttl) == pytest.approx(
+            from_samples.expected_held_seconds(ttl), rel=1e-12
+        )
 
 
 def test_a_trace_binned_into_the_server_histogram_survives_alike_at_every_bound():
@@ -109,20 +117,23 @@ def test_a_trace_binned_into_the_server_histogram_survives_alike_at_every_bound(
         assert binned.survival(bound) == pytest.approx(found.distribution.survival(bound), abs=1e-12)
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda: GapDistribution.from_samples([5, -1]), "drop negative"),
-    (lambda: GapDistribution.from_samples([5, math.nan]), "finite seconds"),
-    (lambda: GapDistribution.from_samples([]), "no releases to plan from"),
-    (lambda: GapDistribution.from_histogram([1, 2], [1, 1]), "len(bounds) + 1 counts"),
-    (lambda: GapDistribution.from_histogram([2, 1], [1, 1, 1]), "increasing"),
-    (lambda: GapDistribution.from_histogram([], [1]), "at least one bucket"),
-    (lambda: GapDistribution.from_histogram([1, 2], [1, -1, 0]), "counts must be finite numbers >= 0"),
-    (lambda: GapDistribution.from_samples([1], num_never_returned=-1), "never-returned"),
-    (lambda: GapDistribution([GapBucket(0, 10, 1), GapBucket(5, 15, 1)]), "overlap"),
-    (lambda: GapDistribution.from_samples([1]).survival(0), "positive, finite number of seconds"),
-    (lambda: GapDistribution.from_samples([1]).expected_held_seconds(-5), "positive, finite number of seconds"),
-    (lambda: GapDistribution.from_samples([1]).survival(math.inf), "positive, finite number of seconds"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: GapDistribution.from_samples([5, -1]), "drop negative"),
+        (lambda: GapDistribution.from_samples([5, math.nan]), "finite seconds"),
+        (lambda: GapDistribution.from_samples([]), "no releases to plan from"),
+        (lambda: GapDistribution.from_histogram([1, 2], [1, 1]), "len(bounds) + 1 counts"),
+        (lambda: GapDistribution.from_histogram([2, 1], [1, 1, 1]), "increasing"),
+        (lambda: GapDistribution.from_histogram([], [1]), "at least one bucket"),
+        (lambda: GapDistribution.from_histogram([1, 2], [1, -1, 0]), "counts must be finite numbers >= 0"),
+        (lambda: GapDistribution.from_samples([1], num_never_returned=-1), "never-returned"),
+        (lambda: GapDistribution([GapBucket(0, 10, 1), GapBucket(5, 15, 1)]), "overlap"),
+        (lambda: GapDistribution.from_samples([1]).survival(0), "positive, finite number of seconds"),
+        (lambda: GapDistribution.from_samples([1]).expected_held_seconds(-5), "positive, finite number of seconds"),
+        (lambda: GapDistribution.from_samples([1]).survival(math.inf), "positive, finite number of seconds"),
+    ],
+)
 def test_bad_gaps_name_the_fix(make, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         make()
@@ -131,8 +142,9 @@ def test_bad_gaps_name_the_fix(make, message):
 # --------------------------------------------------------------------------- the plan
 # A prefix of 1,000 tokens whose KV weighs exactly 1 GiB; a miss re-prefills for 1 GPU second, and a GPU second
 # costs $1; one release an hour, so a row's USD an hour is the cost of one release.
-UNIT = dict(prefix_tokens=1000, prefill_seconds_per_token=1e-3, kv_bytes_per_token=GIB / 1000,
-            releases_per_second=1 / 3600)
+UNIT = dict(
+    prefix_tokens=1000, prefill_seconds_per_token=1e-3, kv_bytes_per_token=GIB / 1000, releases_per_second=1 / 3600
+)
 BIMODAL = GapDistribution.from_samples([10] * 8 + [1000] * 2)  # 80% come back after 10 s, 20% after 1,000 s
 
 
@@ -172,28 +184,39 @@ def test_the_release_rate_scales_dollars_and_memory_not_the_choice():
 
 
 def test_a_tie_goes_to_the_shorter_ttl():
-    plan = plan_ttl(GapDistribution.from_samples([10] * 4), [20, 10, 40], **UNIT,
-                    cost=CostModel(gpu_usd_per_hour=1, memory_usd_per_gib_hour=0))
+    plan = plan_ttl(
+        GapDistribution.from_samples([10] * 4),
+        [20, 10, 40],
+        **UNIT,
+        cost=CostModel(gpu_usd_per_hour=1, memory_usd_per_gib_hour=0),
+    )
     assert [row.cost_usd_per_hour for row in plan.rows] == [0, 0, 0]
     assert plan.recommended.ttl_seconds == 10
 
 
 def test_prefixes_that_never_come_back_only_cost_memory():
-    plan = plan_ttl(GapDistribution.from_samples([], num_never_returned=3), [10, 100], **UNIT,
-                    cost=CostModel(3600, memory_usd_per_gib_hour=36))
+    plan = plan_ttl(
+        GapDistribution.from_samples([], num_never_returned=3),
+        [10, 100],
+        **UNIT,
+        cost=CostModel(3600, memory_usd_per_gib_hour=36),
+    )
     for row in plan.rows:
         assert (row.hit_rate, row.miss_tokens_per_turn, row.recompute_usd_per_hour) == (0, 0, 0)
     assert [row.cost_usd_per_hour for row in plan.rows] == pytest.approx([0.1, 1.0])
     assert plan.recommended.ttl_seconds == 10 and plan.return_fraction == 0
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"ttls_seconds": []}, "no candidate TTLs"),
-    ({"ttls_seconds": [10, 0]}, "positive, finite number of seconds"),
-    ({"prefix_tokens": 0}, "prefix_tokens must be a positive"),
-    ({"releases_per_second": -1}, "releases_per_second must be a positive"),
-    ({"kv_bytes_per_token": math.nan}, "kv_bytes_per_token must be a positive"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"ttls_seconds": []}, "no candidate TTLs"),
+        ({"ttls_seconds": [10, 0]}, "positive, finite number of seconds"),
+        ({"prefix_tokens": 0}, "prefix_tokens must be a positive"),
+        ({"releases_per_second": -1}, "releases_per_second must be a positive"),
+        ({"kv_bytes_per_token": math.nan}, "kv_bytes_per_token must be a positive"),
+    ],
+)
 def test_bad_plan_inputs_name_the_fix(change, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         plan_ttl(BIMODAL, **{"ttls_seconds": [10], **UNIT, **change})
@@ -215,15 +238,25 @@ def test_stats_body_overall_and_by_tenant():
         distribution_from_stats(stats, tenant="other")
 
 
-@pytest.mark.parametrize("stats, message", [
-    ({"object": "cache.stats"}, "no reuse_gaps.bucket_upper_bounds"),
-    ([1, 2], "no reuse_gaps.bucket_upper_bounds"),
-    (stats_body([1] * 16, 20), "len(bounds) + 1 counts"),
-    (stats_body([1] * 17, 5), "num_releases must be a number >= its count of gaps (17)"),
-    ({**stats_body([1] * 17, 20), "reuse_gaps": {**stats_body([1] * 17, 20)["reuse_gaps"],
-                                                 "overall": {"counts": [1] * 17, "count": 3, "num_releases": 20}}},
-     "count 3 is not the sum of its counts (17)"),
-])
+@pytest.mark.parametrize(
+    "stats, message",
+    [
+        ({"object": "cache.stats"}, "no reuse_gaps.bucket_upper_bounds"),
+        ([1, 2], "no reuse_gaps.bucket_upper_bounds"),
+        (stats_body([1] * 16, 20), "len(bounds) + 1 counts"),
+        (stats_body([1] * 17, 5), "num_releases must be a number >= its count of gaps (17)"),
+        (
+            {
+                **stats_body([1] * 17, 20),
+                "reuse_gaps": {
+                    **stats_body([1] * 17, 20)["reuse_gaps"],
+                    "overall": {"counts": [1] * 17, "count": 3, "num_releases": 20},
+                },
+            },
+            "count 3 is not the sum of its counts (17)",
+        ),
+    ],
+)
 def test_a_malformed_stats_body_names_the_fix(stats, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         distribution_from_stats(stats)
@@ -282,9 +315,25 @@ def test_plan_ttl_on_the_conversation_trace_prints_plots_and_writes_json(tmp_pat
 def test_plan_ttl_from_a_list_of_gaps(tmp_path, capsys):
     gaps = tmp_path / "gaps.txt"
     gaps.write_text("10, 10\n10 10 10 10 10 10\n1000\n1000\n")  # BIMODAL, as text
-    argv = ["plan", "ttl", "--gaps", str(gaps), "--ttls", "5,10s,100,1000", "--prefix-tokens", "1000",
-            "--prefill-seconds-per-token", "0.001", "--kv-bytes-per-token", str(GIB / 1000),
-            "--releases-per-second", str(1 / 3600), "--gpu-usd-per-hour", "3600", "--memory-usd-per-gib-hour"]
+    argv = [
+        "plan",
+        "ttl",
+        "--gaps",
+        str(gaps),
+        "--ttls",
+        "5,10s,100,1000",
+        "--prefix-tokens",
+        "1000",
+        "--prefill-seconds-per-token",
+        "0.001",
+        "--kv-bytes-per-token",
+        str(GIB / 1000),
+        "--releases-per-second",
+        str(1 / 3600),
+        "--gpu-usd-per-hour",
+        "3600",
+        "--memory-usd-per-gib-hour",
+    ]
     json_path = tmp_path / "plan.json"
     assert main([*argv, "36", "--json", str(json_path)]) == 0
     out = capsys.readouterr().out
@@ -320,8 +369,9 @@ def stats_server():
         def do_GET(self):
             seen.append((self.path, self.headers.get("Authorization")))
             authorized = self.headers.get("Authorization") == "Bearer admin-key"
-            body = stats_body(counts, 8) if authorized else {"error": {"message": "this endpoint needs the admin "
-                                                                                  "API key"}}
+            body = (
+                stats_body(counts, 8) if authorized else {"error": {"message": "this endpoint needs the admin API key"}}
+            )
             payload = json.dumps(body).encode()
             self.send_response(200 if authorized else 401)
             self.send_header("Content-Type", "application/json")
@@ -358,27 +408,30 @@ def closed_port_url() -> str:
         return f"http://127.0.0.1:{probe.getsockname()[1]}"
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--gaps", "/no/such/gaps.json"], "no such file"),
-    (["--gaps", "{garbage"], "neither JSON nor numbers"),
-    (["--gaps", '{"object": "cache.stats"}'], "no reuse_gaps.bucket_upper_bounds"),
-    (["--gaps", '"sixty"'], "JSON str, not a list of gap seconds"),
-    (["--gaps", "[10, -3]"], "drop negative"),
-    (["--gaps", "[]"], "no releases to plan from"),
-    (["--gaps", "[10]", "--tenant", "acme"], "--tenant needs cache stats"),
-    (["--trace", "conversation", "--tenant", "acme"], "a trace has no tenants"),
-    (["--trace", "conversation", "--num-never-returned", "3"], "stats and traces count their own"),
-    (["--gaps", '{"reuse_gaps": {}}', "--num-never-returned", "3"], "count their own (num_releases minus count)"),
-    (["--gaps", "[10]", "--ttls", "10,soon"], "'soon' is not a positive duration"),
-    (["--gaps", "[10]", "--ttls", "0"], "'0' is not a positive duration"),
-    (["--gaps", "[10]", "--prefix-tokens", "-5"], "prefix_tokens must be a positive"),
-    (["--gaps", "[10]", "--prefix-tokens", "0"], "prefix_tokens must be a positive"),
-    (["--gaps", "[10]", "--releases-per-second", "0"], "releases_per_second must be a positive"),
-    (["--gaps", "[10]", "--memory-usd-per-gib-hour", "-1"], "memory_usd_per_gib_hour must be a finite price"),
-    (["--gaps", "[10]", "--plot", "/no/such/folder/ttl.png"], "does not exist"),
-    (["--trace", "/no/such/trace.jsonl"], "does not exist"),
-    (["--url", "CLOSED"], "could not fetch"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--gaps", "/no/such/gaps.json"], "no such file"),
+        (["--gaps", "{garbage"], "neither JSON nor numbers"),
+        (["--gaps", '{"object": "cache.stats"}'], "no reuse_gaps.bucket_upper_bounds"),
+        (["--gaps", '"sixty"'], "JSON str, not a list of gap seconds"),
+        (["--gaps", "[10, -3]"], "drop negative"),
+        (["--gaps", "[]"], "no releases to plan from"),
+        (["--gaps", "[10]", "--tenant", "acme"], "--tenant needs cache stats"),
+        (["--trace", "conversation", "--tenant", "acme"], "a trace has no tenants"),
+        (["--trace", "conversation", "--num-never-returned", "3"], "stats and traces count their own"),
+        (["--gaps", '{"reuse_gaps": {}}', "--num-never-returned", "3"], "count their own (num_releases minus count)"),
+        (["--gaps", "[10]", "--ttls", "10,soon"], "'soon' is not a positive duration"),
+        (["--gaps", "[10]", "--ttls", "0"], "'0' is not a positive duration"),
+        (["--gaps", "[10]", "--prefix-tokens", "-5"], "prefix_tokens must be a positive"),
+        (["--gaps", "[10]", "--prefix-tokens", "0"], "prefix_tokens must be a positive"),
+        (["--gaps", "[10]", "--releases-per-second", "0"], "releases_per_second must be a positive"),
+        (["--gaps", "[10]", "--memory-usd-per-gib-hour", "-1"], "memory_usd_per_gib_hour must be a finite price"),
+        (["--gaps", "[10]", "--plot", "/no/such/folder/ttl.png"], "does not exist"),
+        (["--trace", "/no/such/trace.jsonl"], "does not exist"),
+        (["--url", "CLOSED"], "could not fetch"),
+    ],
+)
 def test_plan_ttl_bad_input_exits_2_with_one_line(argv, message, tmp_path, capsys):
     if argv[0] == "--gaps" and not argv[1].startswith("/"):  # the file's text: write it and pass the file
         path = tmp_path / "gaps.json"

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-from prefixserve.model.default import default_tokenizer_dir, ensure_default_model
 from router_fleet import start_replica, wait_healthy
 from server_helpers import free_port
+
+from prefixserve.model.default import default_tokenizer_dir, ensure_default_model
 
 pytestmark = pytest.mark.platforms
 MODEL = "tiny"
@@ -49,8 +49,9 @@ class Fleet:
 
     def start_gateway(self, name: str, command: list[str], port: int) -> None:
         log = self.directory / f"{name}.log"
-        process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   cwd=self.directory)
+        process = subprocess.Popen(
+            command, stdout=log.open("w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self.directory
+        )
         self.processes.append(process)
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
@@ -58,8 +59,12 @@ class Fleet:
             if process.poll() is not None:
                 raise RuntimeError(f"{name} exited: {log.read_text()[-2000:]}")
             try:
-                if httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "ping", "max_tokens": 1},
-                              timeout=5).status_code == 200:
+                if (
+                    httpx.post(
+                        url + "/v1/completions", json={"model": MODEL, "prompt": "ping", "max_tokens": 1}, timeout=5
+                    ).status_code
+                    == 200
+                ):
                     self.gateway = url
                     return
             except httpx.HTTPError:
@@ -102,12 +107,19 @@ def ask(url: str, api: str, prefix: str, question: str, max_tokens: int = 4) -> 
         usage = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["usage"]
         return usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]
     if api == "chat":
-        body = {"model": MODEL, "max_tokens": max_tokens,
-                "messages": [{"role": "system", "content": prefix}, {"role": "user", "content": question}]}
+        body = {
+            "model": MODEL,
+            "max_tokens": max_tokens,
+            "messages": [{"role": "system", "content": prefix}, {"role": "user", "content": question}],
+        }
         usage = httpx.post(url + "/v1/chat/completions", json=body, timeout=60).json()["usage"]
         return usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]
-    body = {"model": MODEL, "max_tokens": max_tokens, "system": prefix,
-            "messages": [{"role": "user", "content": question}]}
+    body = {
+        "model": MODEL,
+        "max_tokens": max_tokens,
+        "system": prefix,
+        "messages": [{"role": "user", "content": question}],
+    }
     usage = httpx.post(url + "/v1/messages", json=body, timeout=60).json()["usage"]
     prompt = usage["input_tokens"] + usage["cache_read_input_tokens"] + usage["cache_creation_input_tokens"]
     return prompt, usage["cache_read_input_tokens"]
@@ -122,11 +134,15 @@ def streamed(url: str, path: str, body: dict) -> str:
 def check_streams_pass_through(url: str) -> None:
     text = streamed(url, "/v1/completions", {"model": MODEL, "prompt": document(99), "max_tokens": 5})
     assert text.rstrip().endswith("data: [DONE]") and text.count("data: ") >= 5
-    text = streamed(url, "/v1/chat/completions",
-                    {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": document(98)}]})
+    text = streamed(
+        url,
+        "/v1/chat/completions",
+        {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": document(98)}]},
+    )
     assert '"finish_reason":"length"' in text.replace(" ", "") and text.rstrip().endswith("data: [DONE]")
-    text = streamed(url, "/v1/messages",
-                    {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": document(97)}]})
+    text = streamed(
+        url, "/v1/messages", {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": document(97)}]}
+    )
     assert "event: message_stop" in text
     num_prompt, _ = ask(url, "messages", document(96), "and the Anthropic API, not streamed")
     assert num_prompt > 100
@@ -177,13 +193,33 @@ def load_with_a_replica_killed(fleet: Fleet, num_requests: int = 40, kill_after:
 @pytest.mark.skipif(shutil.which("vllm-router") is None, reason="vllm-router is not installed: pip install vllm-router")
 def test_vllm_router_kv_aware_routes_by_our_events(fleet):
     port = free_port()
-    sources = [f"--kv-event-source={replica}={endpoint}"
-               for replica, endpoint in zip(fleet.replicas, fleet.event_endpoints)]
-    fleet.start_gateway("vllm-router", ["vllm-router", "--host", "127.0.0.1", "--port", str(port), "--worker-urls",
-                                        *fleet.replicas, "--policy", "kv_aware", *sources,
-                                        "--kv-event-block-size", "16", "--kv-event-model", str(default_tokenizer_dir()),
-                                        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
-                        port)
+    sources = [
+        f"--kv-event-source={replica}={endpoint}" for replica, endpoint in zip(fleet.replicas, fleet.event_endpoints)
+    ]
+    fleet.start_gateway(
+        "vllm-router",
+        [
+            "vllm-router",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--worker-urls",
+            *fleet.replicas,
+            "--policy",
+            "kv_aware",
+            *sources,
+            "--kv-event-block-size",
+            "16",
+            "--kv-event-model",
+            str(default_tokenizer_dir()),
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(free_port()),
+        ],
+        port,
+    )
     # Only the events can tell the gateway where a prefix computed behind its back is.
     repeats_that_hit(fleet, range(8), warm_on_a_replica=True)
     check_streams_pass_through(fleet.gateway)
@@ -193,9 +229,24 @@ def test_vllm_router_kv_aware_routes_by_our_events(fleet):
 @pytest.mark.skipif(shutil.which("smg") is None, reason="smg is not installed: pip install smg")
 def test_smg_cache_aware_keeps_repeats_on_their_replica(fleet):
     port = free_port()
-    fleet.start_gateway("smg", ["smg", "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls",
-                                *fleet.replicas, "--policy", "cache_aware", "--prometheus-port", str(free_port())],
-                        port)
+    fleet.start_gateway(
+        "smg",
+        [
+            "smg",
+            "launch",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--worker-urls",
+            *fleet.replicas,
+            "--policy",
+            "cache_aware",
+            "--prometheus-port",
+            str(free_port()),
+        ],
+        port,
+    )
     repeats_that_hit(fleet, range(100, 106), warm_on_a_replica=False)  # SMG learns a prefix from its text
     check_streams_pass_through(fleet.gateway)
     assert load_with_a_replica_killed(fleet) == []

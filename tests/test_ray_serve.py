@@ -46,16 +46,26 @@ class LoopbackNamespace:
         subprocess.run(["ip", "netns", "exec", self.name, "ip", "link", "set", "lo", "up"], check=True)
 
     def run(self, command: list[str], env: dict, timeout: float, check: bool = True) -> subprocess.CompletedProcess:
-        done = subprocess.run(["ip", "netns", "exec", self.name, *command], env=env, capture_output=True, text=True, check=False,
-                              timeout=timeout, stdin=subprocess.DEVNULL)
+        done = subprocess.run(
+            ["ip", "netns", "exec", self.name, *command],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=timeout,
+            stdin=subprocess.DEVNULL,
+        )
         if check and done.returncode != 0:
-            raise AssertionError(f"{' '.join(command[:3])} failed ({done.returncode}):\n{done.stdout[-3000:]}\n"
-                                 f"{done.stderr[-3000:]}")
+            raise AssertionError(
+                f"{' '.join(command[:3])} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+            )
         return done
 
     def delete(self) -> None:
         # Whatever still runs in the namespace (a raylet, workers) goes with it.
-        pids = subprocess.run(["ip", "netns", "pids", self.name], capture_output=True, text=True, check=False).stdout.split()
+        pids = subprocess.run(
+            ["ip", "netns", "pids", self.name], capture_output=True, text=True, check=False
+        ).stdout.split()
         for pid in pids:
             try:
                 os.kill(int(pid), 9)
@@ -68,15 +78,47 @@ class LoopbackNamespace:
 def cluster():
     namespace = LoopbackNamespace()
     temp = tempfile.mkdtemp(prefix="psray", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": os.pathsep.join(
-        [str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    env = {
+        **os.environ,
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    }
     ray = _ray_tool("ray")
     try:
-        namespace.run([ray, "start", "--head", "--port", str(GCS_PORT), "--num-cpus", "1", "--temp-dir", temp,
-                       "--resources", json.dumps({"prefixserve_ingress": 1}), "--include-dashboard", "false",
-                       "--disable-usage-stats"], env, 120)
-        namespace.run([ray, "start", "--address", f"127.0.0.1:{GCS_PORT}", "--num-cpus", "1",
-                       "--resources", json.dumps({DOOMED: 1})], env, 120)
+        namespace.run(
+            [
+                ray,
+                "start",
+                "--head",
+                "--port",
+                str(GCS_PORT),
+                "--num-cpus",
+                "1",
+                "--temp-dir",
+                temp,
+                "--resources",
+                json.dumps({"prefixserve_ingress": 1}),
+                "--include-dashboard",
+                "false",
+                "--disable-usage-stats",
+            ],
+            env,
+            120,
+        )
+        namespace.run(
+            [
+                ray,
+                "start",
+                "--address",
+                f"127.0.0.1:{GCS_PORT}",
+                "--num-cpus",
+                "1",
+                "--resources",
+                json.dumps({DOOMED: 1}),
+            ],
+            env,
+            120,
+        )
         yield namespace, env
     finally:
         namespace.run([ray, "stop", "--force"], env, 60, check=False)
@@ -88,13 +130,50 @@ def _serve(namespace: LoopbackNamespace, env: dict, *app_args: str) -> dict:
     """`serve run prefixserve.ray:build_app` with these arguments, then the client's report (ray_serve_client.py)."""
     address = f"127.0.0.1:{GCS_PORT}"
     serve = _ray_tool("serve")
-    namespace.run([serve, "start", "--address", address, "--proxy-location", "HeadOnly", "--http-host", "127.0.0.1",
-                   "--http-port", str(HTTP_PORT)], env, 120)
-    namespace.run([serve, "run", "--address", address, "--non-blocking", "prefixserve.ray:build_app",
-                   "num_cpus=1", "ingress_resources={\"prefixserve_ingress\": 0.01}", *app_args], env, 300)
+    namespace.run(
+        [
+            serve,
+            "start",
+            "--address",
+            address,
+            "--proxy-location",
+            "HeadOnly",
+            "--http-host",
+            "127.0.0.1",
+            "--http-port",
+            str(HTTP_PORT),
+        ],
+        env,
+        120,
+    )
+    namespace.run(
+        [
+            serve,
+            "run",
+            "--address",
+            address,
+            "--non-blocking",
+            "prefixserve.ray:build_app",
+            "num_cpus=1",
+            'ingress_resources={"prefixserve_ingress": 0.01}',
+            *app_args,
+        ],
+        env,
+        300,
+    )
     mode = ["pd"] if any(arg.startswith("prefill_replicas=") for arg in app_args) else []
-    done = namespace.run([sys.executable, str(REPO / "tests" / "ray_serve_client.py"), address,
-                          f"http://127.0.0.1:{HTTP_PORT}", DOOMED, *mode], env, 400)
+    done = namespace.run(
+        [
+            sys.executable,
+            str(REPO / "tests" / "ray_serve_client.py"),
+            address,
+            f"http://127.0.0.1:{HTTP_PORT}",
+            DOOMED,
+            *mode,
+        ],
+        env,
+        400,
+    )
     report = json.loads(done.stdout.strip().splitlines()[-1])
     print(json.dumps(report))  # shown when an assertion fails
     return report
@@ -135,12 +214,35 @@ def test_prefill_replicas_hand_prompts_over_the_shared_tier(cluster, tmp_path):
     secret = tmp_path / "fleet.secret"
     secret.write_text("9f8e7d6c5b4a39281706f5e4d3c2b1a09f8e7d6c5b4a39281706f5e4d3c2b1a0\n")
     secret.chmod(0o600)
-    redis = subprocess.Popen(["ip", "netns", "exec", namespace.name, "redis-server", "--port", "6380", "--save", "",
-                              "--appendonly", "no", "--dir", str(tmp_path)], stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+    redis = subprocess.Popen(
+        [
+            "ip",
+            "netns",
+            "exec",
+            namespace.name,
+            "redis-server",
+            "--port",
+            "6380",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(tmp_path),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL,
+    )
     try:
-        report = _serve(namespace, env, "num_replicas=1", "prefill_replicas=1", "kv_remote_url=redis://127.0.0.1:6380",
-                        f"kv_tier_secret_file={secret}")
+        report = _serve(
+            namespace,
+            env,
+            "num_replicas=1",
+            "prefill_replicas=1",
+            "kv_remote_url=redis://127.0.0.1:6380",
+            f"kv_tier_secret_file={secret}",
+        )
     finally:
         redis.kill()
         redis.wait(timeout=30)

@@ -73,7 +73,8 @@ def test_concurrent_recording_and_reading_keep_the_bound():
 
 
 def test_the_engine_logs_each_request_it_serves():
-    from prefixserve import LLM, SamplingParams as Params
+    from prefixserve import LLM
+    from prefixserve import SamplingParams as Params
 
     llm = LLM(dtype="float32", kv_cache_memory_bytes=8 << 20, block_size=16)
     prompt = list(range(1, 50))  # 3 full blocks and a tail of 1

@@ -6,10 +6,10 @@ import threading
 import time
 
 import httpx
+from router_fleet import Fleet, down_counts, down_reasons_since
 
 from prefixserve.model.tokenizer import Tokenizer
 from prefixserve.router.settings import RouterSettings
-from router_fleet import Fleet, down_counts, down_reasons_since
 
 BUSY_SECONDS = 60.0
 MAX_LONG = 200  # bounds on what the loops send
@@ -28,8 +28,12 @@ def long_prompt(tokenizer: Tokenizer, index: int) -> str:
 def test_a_fleet_busy_with_long_prompts_for_a_minute_fails_no_small_request(default_model_dir):
     tokenizer = Tokenizer.from_dir(default_model_dir)
     defaults = RouterSettings(replicas=("http://unused",))
-    with Fleet(2, health_interval=defaults.health_interval, control_timeout=defaults.control_timeout,
-               health_failure_threshold=defaults.health_failure_threshold) as fleet:
+    with Fleet(
+        2,
+        health_interval=defaults.health_interval,
+        control_timeout=defaults.control_timeout,
+        health_failure_threshold=defaults.health_failure_threshold,
+    ) as fleet:
         before = down_counts(fleet)
         deadline = time.monotonic() + BUSY_SECONDS
         long_answers: list[int] = []
@@ -50,8 +54,9 @@ def test_a_fleet_busy_with_long_prompts_for_a_minute_fails_no_small_request(defa
             for index in range(MAX_SMALL):
                 if time.monotonic() > deadline:
                     break
-                answer = client.post(fleet.url + "/v1/completions",
-                                     json={"prompt": f"small {index}", "max_tokens": 2, "temperature": 0})
+                answer = client.post(
+                    fleet.url + "/v1/completions", json={"prompt": f"small {index}", "max_tokens": 2, "temperature": 0}
+                )
                 small.append((answer.status_code, answer.text[:200]))
                 health.append(client.get(fleet.url + "/health").status_code)
                 time.sleep(0.25)

@@ -5,11 +5,10 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+from router_fakes import fake_fleet, post
 
 from prefixserve.router.cache_key import keyed_replica
 from prefixserve.router.settings import RouterSettings
-
-from router_fakes import fake_fleet, post
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +32,11 @@ def test_requests_sharing_a_key_stay_on_one_replica_and_keys_spread(tokenizer):
         for round_ in range(3):
             for key in [f"session-{i}" for i in range(12)]:
                 before = [len(fake.requests) for fake in fakes]
-                body = {"prompt": f"turn {round_} of {key}: a prompt of its own", "max_tokens": 2,
-                        "prompt_cache_key": key}
+                body = {
+                    "prompt": f"turn {round_} of {key}: a prompt of its own",
+                    "max_tokens": 2,
+                    "prompt_cache_key": key,
+                }
                 assert post(url, "/v1/completions", body).status_code == 200
                 homes.setdefault(key, set()).add(served_by(fakes, before))
         assert all(len(home) == 1 for home in homes.values())  # never moved: nothing was overloaded

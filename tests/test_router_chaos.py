@@ -8,7 +8,6 @@ import json
 
 import httpx
 import pytest
-
 from router_fleet import Fleet, down_counts, down_reasons_since, index_of
 
 SHARED = "A preamble that several of the good requests share, so routing has prefixes to follow. " * 3
@@ -31,12 +30,23 @@ def good_requests() -> list[tuple[str, dict]]:
 
 
 HOSTILE = [
-    ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}],
-                                         "max_tokens": 2}).encode(), "application/json"),
-    ("/v1/completions", json.dumps({"prompt": "hi", "temperature": 1e-300, "max_tokens": 2}).encode(),
-     "application/json"),
-    ("/v1/completions", json.dumps({"prompt": "hi", "temperature": 5e-324, "max_tokens": 2, "stream": True}).encode(),
-     "application/json"),
+    (
+        "/v1/chat/completions",
+        json.dumps(
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}], "max_tokens": 2}
+        ).encode(),
+        "application/json",
+    ),
+    (
+        "/v1/completions",
+        json.dumps({"prompt": "hi", "temperature": 1e-300, "max_tokens": 2}).encode(),
+        "application/json",
+    ),
+    (
+        "/v1/completions",
+        json.dumps({"prompt": "hi", "temperature": 5e-324, "max_tokens": 2, "stream": True}).encode(),
+        "application/json",
+    ),
     ("/v1/completions", b"[" * 1001 + b"]" * 1001, "application/json"),
     ("/v1/completions", b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}", "application/json"),
     ("/v1/chat/completions", b'{"messages": "x", "max_tokens": "abc"}', "application/json"),
@@ -82,8 +92,9 @@ async def run_good(client, url, path, body, under_way: asyncio.Queue) -> str:
 def test_good_requests_survive_a_killed_replica_and_hostile_traffic(fleet):
     goods = good_requests()
     with httpx.Client(timeout=RUN_TIMEOUT) as client:
-        reference = [text_of(path, client.post(fleet.url + path, json={**body, "stream": False}).json())
-                     for path, body in goods]
+        reference = [
+            text_of(path, client.post(fleet.url + path, json={**body, "stream": False}).json()) for path, body in goods
+        ]
     before = down_counts(fleet)
 
     async def run():
@@ -97,8 +108,7 @@ def test_good_requests_survive_a_killed_replica_and_hostile_traffic(fleet):
                 for path, raw, content_type in itertools.islice(itertools.cycle(HOSTILE), MAX_HOSTILE):
                     if stop.is_set():
                         return
-                    response = await client.post(fleet.url + path, content=raw,
-                                                 headers={"content-type": content_type})
+                    response = await client.post(fleet.url + path, content=raw, headers={"content-type": content_type})
                     hostile_statuses.append((path, raw[:80], response.status_code))
                     await asyncio.sleep(0.01)
 
@@ -117,8 +127,10 @@ def test_good_requests_survive_a_killed_replica_and_hostile_traffic(fleet):
 
             noise = asyncio.create_task(hostile())
             killer = asyncio.create_task(chaos())
-            texts = await asyncio.wait_for(asyncio.gather(
-                *(run_good(client, fleet.url, path, body, under_way) for path, body in goods)), RUN_TIMEOUT)
+            texts = await asyncio.wait_for(
+                asyncio.gather(*(run_good(client, fleet.url, path, body, under_way) for path, body in goods)),
+                RUN_TIMEOUT,
+            )
             stop.set()
             await noise
             return texts, await killer, hostile_statuses, busy_at_kill[0]
@@ -127,10 +139,16 @@ def test_good_requests_survive_a_killed_replica_and_hostile_traffic(fleet):
     assert texts == reference
     assert busy_at_kill >= 1  # its requests moved: retried whole, or streams continued from their tokens
     metrics = fleet.router.metrics
-    assert sum(metrics.failovers.labels(r.name)._value.get() + metrics.continued.labels(r.name)._value.get()
-               for r in fleet.router.replicas) >= 1
-    assert hostile_statuses and all(status < 500 for _, _, status in hostile_statuses), \
-        [h for h in hostile_statuses if h[2] >= 500][:5]
+    assert (
+        sum(
+            metrics.failovers.labels(r.name)._value.get() + metrics.continued.labels(r.name)._value.get()
+            for r in fleet.router.replicas
+        )
+        >= 1
+    )
+    assert hostile_statuses and all(status < 500 for _, _, status in hostile_statuses), [
+        h for h in hostile_statuses if h[2] >= 500
+    ][:5]
     fleet.wait_all_healthy()  # the restarted replica is back
     reasons = down_reasons_since(fleet, before)
     assert reasons[victim], "the killed replica was never marked down"

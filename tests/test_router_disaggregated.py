@@ -12,13 +12,12 @@ import time
 
 import httpx
 import pytest
-
-from prefixserve import SamplingParams
-from prefixserve.cache.scoping import compose_salt
-
 from conftest import make_llm
 from redis_helpers import redis_cluster  # noqa: F401 (the fixture)
 from router_fleet import Fleet
+
+from prefixserve import SamplingParams
+from prefixserve.cache.scoping import compose_salt
 
 pytest.importorskip("redis", reason="redis-py is not installed: pip install 'redis>=5' to test the remote tier")
 
@@ -27,16 +26,21 @@ GREEDY = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
 
 
 def complete(url: str, prompt: str, **extra) -> httpx.Response:
-    response = httpx.post(url + "/v1/completions", timeout=120,
-                          json={"model": "prefixserve-tiny", "prompt": prompt, **GREEDY, **extra})
+    response = httpx.post(
+        url + "/v1/completions", timeout=120, json={"model": "prefixserve-tiny", "prompt": prompt, **GREEDY, **extra}
+    )
     assert response.status_code == 200, response.text
     return response
 
 
 def streamed_text(url: str, prompt: str) -> str:
     text = ""
-    with httpx.stream("POST", url + "/v1/completions", timeout=120,
-                      json={"model": "prefixserve-tiny", "prompt": prompt, "stream": True, **GREEDY}) as response:
+    with httpx.stream(
+        "POST",
+        url + "/v1/completions",
+        timeout=120,
+        json={"model": "prefixserve-tiny", "prompt": prompt, "stream": True, **GREEDY},
+    ) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -50,16 +54,28 @@ def prefills(fleet: Fleet, outcome: str) -> float:
 
 def record_ttls(cluster) -> list[int]:
     """The TTL in seconds of every KV record on every master of a cluster (-1: none)."""
-    return [client.ttl(name) for server in cluster.masters() for client in [server.client()]
-            for name in client.scan_iter(match=b"pskv:*")]
+    return [
+        client.ttl(name)
+        for server in cluster.masters()
+        for client in [server.client()]
+        for name in client.scan_iter(match=b"pskv:*")
+    ]
 
 
 def test_prefill_then_decode_moves_only_missing_blocks_and_keeps_the_text(redis_cluster, tier_secret_file):
     prompts = [SHARED + "First question: what is cached?", SHARED + "Second question: what moves?"]
     whole = make_llm()
     expected = [whole.generate([prompt], SamplingParams(**GREEDY), use_tqdm=False)[0] for prompt in prompts]
-    args = ("--kv-remote-url", redis_cluster.url, "--kv-tier-secret-file", tier_secret_file, "--kv-fetch-policy",
-            "always", "--kv-remote-ttl", "600")
+    args = (
+        "--kv-remote-url",
+        redis_cluster.url,
+        "--kv-tier-secret-file",
+        tier_secret_file,
+        "--kv-fetch-policy",
+        "always",
+        "--kv-remote-ttl",
+        "600",
+    )
     with Fleet(3, replica_args=args, roles=["prefill", "decode", "decode"], kv_remote_url=redis_cluster.url) as fleet:
         answered = complete(fleet.url, prompts[0])
         first = answered.json()
@@ -79,13 +95,18 @@ def test_prefill_then_decode_moves_only_missing_blocks_and_keeps_the_text(redis_
         moved = second.json()["usage"]["prompt_tokens_details"]["cached_tokens_by_tier"]["remote"] // 16
         new_blocks = (second.json()["usage"]["prompt_tokens"] - 1) // 16 - shared_blocks
         assert moved <= new_blocks + 1, (moved, new_blocks)
-        assert streamed_text(fleet.url, prompts[0] + " Again.") == whole.generate(
-            [prompts[0] + " Again."], SamplingParams(**GREEDY), use_tqdm=False)[0].text
+        assert (
+            streamed_text(fleet.url, prompts[0] + " Again.")
+            == whole.generate([prompts[0] + " Again."], SamplingParams(**GREEDY), use_tqdm=False)[0].text
+        )
         fleet.kill(0)  # the prefill replica: the decode replicas compute the prompts themselves
         third = complete(fleet.url, SHARED + "Third question, with no prefill replica left.")
-        assert third.json()["choices"][0]["text"] == whole.generate(
-            [SHARED + "Third question, with no prefill replica left."], SamplingParams(**GREEDY),
-            use_tqdm=False)[0].text
+        assert (
+            third.json()["choices"][0]["text"]
+            == whole.generate(
+                [SHARED + "Third question, with no prefill replica left."], SamplingParams(**GREEDY), use_tqdm=False
+            )[0].text
+        )
         assert prefills(fleet, "skipped") >= 1
 
 
@@ -116,13 +137,32 @@ def test_short_misses_prefill_on_the_decode_replica_and_tenants_stay_apart(redis
     whole = make_llm()
     prompts = [SHARED + "First question: what is cached?", SHARED + "Second question: what moves?"]
     expected = {p: whole.generate([p], SamplingParams(**GREEDY), use_tqdm=False)[0].text for p in prompts}
-    args = ("--kv-remote-url", redis_server.url, "--kv-tier-secret-file", tier_secret_file, "--kv-fetch-policy",
-            "always", "--api-keys-file", str(keys_file))
-    with Fleet(2, replica_args=args, roles=["prefill", "decode"], kv_remote_url=redis_server.url, api_keys=keys,
-               local_prefill_tokens=48) as fleet:
+    args = (
+        "--kv-remote-url",
+        redis_server.url,
+        "--kv-tier-secret-file",
+        tier_secret_file,
+        "--kv-fetch-policy",
+        "always",
+        "--api-keys-file",
+        str(keys_file),
+    )
+    with Fleet(
+        2,
+        replica_args=args,
+        roles=["prefill", "decode"],
+        kv_remote_url=redis_server.url,
+        api_keys=keys,
+        local_prefill_tokens=48,
+    ) as fleet:
+
         def ask(prompt: str, key: str) -> httpx.Response:
-            return httpx.post(fleet.url + "/v1/completions", timeout=120, headers={"Authorization": f"Bearer {key}"},
-                json={"model": "prefixserve-tiny", "prompt": prompt, **GREEDY})
+            return httpx.post(
+                fleet.url + "/v1/completions",
+                timeout=120,
+                headers={"Authorization": f"Bearer {key}"},
+                json={"model": "prefixserve-tiny", "prompt": prompt, **GREEDY},
+            )
 
         first = ask(prompts[0], "key-acme")
         assert first.status_code == 200 and first.json()["choices"][0]["text"] == expected[prompts[0]]

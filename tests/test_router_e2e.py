@@ -6,11 +6,10 @@ import re
 
 import httpx
 import pytest
-
-from prefixserve.cache.scoping import compose_salt
-
 from router_fakes import read_stream
 from router_fleet import ADMIN_KEY, Fleet, down_counts, down_reasons_since, index_of
+
+from prefixserve.cache.scoping import compose_salt
 
 SYSTEM = "You are the fleet's test assistant; the fleet shares this long instruction block. " * 8
 KEYS = {"key-acme": "acme", "key-beta": "beta"}
@@ -26,9 +25,18 @@ def fleet(default_model_dir, tmp_path_factory):
 
 
 def chat(url, question, max_tokens=4):
-    response = httpx.post(url + "/v1/chat/completions", timeout=120, headers=ACME, json={
-        "model": "prefixserve-tiny", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]})
+    response = httpx.post(
+        url + "/v1/chat/completions",
+        timeout=120,
+        headers=ACME,
+        json={
+            "model": "prefixserve-tiny",
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+        },
+    )
     assert response.status_code == 200, response.text
     return response
 
@@ -41,8 +49,12 @@ def test_requests_sharing_a_prefix_land_where_it_is_cached(fleet):
         response = chat(fleet.url, f"Question {i}?")
         assert response.headers["x-prefixserve-replica"] == home
         assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 128
-    streamed = httpx.post(fleet.url + "/v1/completions", timeout=60, headers=ACME, json={
-        "prompt": "stream through the router", "max_tokens": 4, "stream": True})
+    streamed = httpx.post(
+        fleet.url + "/v1/completions",
+        timeout=60,
+        headers=ACME,
+        json={"prompt": "stream through the router", "max_tokens": 4, "stream": True},
+    )
     events, done = read_stream(streamed)
     assert streamed.status_code == 200 and done
     assert all("token_ids" not in c and "prompt_token_ids" not in c for e in events for c in e["choices"])
@@ -53,12 +65,19 @@ def test_requests_sharing_a_prefix_land_where_it_is_cached(fleet):
 
 def test_router_keys_a_tenants_prompt_exactly_as_the_replica_does(fleet):
     prompt = "Tenant acme's private preamble, long enough to fill several blocks of sixteen tokens. " * 4
-    response = httpx.post(fleet.url + "/v1/completions", timeout=60, headers=ACME,
-                          json={"prompt": prompt, "max_tokens": 2, "temperature": 0})
+    response = httpx.post(
+        fleet.url + "/v1/completions",
+        timeout=60,
+        headers=ACME,
+        json={"prompt": prompt, "max_tokens": 2, "temperature": 0},
+    )
     assert response.status_code == 200
     replica = fleet.router.replicas[index_of(fleet, response.headers["x-prefixserve-replica"])]
-    stored = set(httpx.get(replica.url + "/v1/cache/keys", timeout=10,
-                           headers={"authorization": f"Bearer {ADMIN_KEY}"}).json()["keys"])
+    stored = set(
+        httpx.get(replica.url + "/v1/cache/keys", timeout=10, headers={"authorization": f"Bearer {ADMIN_KEY}"}).json()[
+            "keys"
+        ]
+    )
     token_ids = fleet.router.tokenizer.encode(prompt)
     expected = fleet.router.route_request(token_ids, compose_salt("acme", None)).keys
     assert len(expected) >= 4 and {key.hex() for key in expected} <= stored
@@ -76,9 +95,12 @@ def test_killing_a_replica_mid_run_loses_no_request(fleet):
 
     async def run():
         async with httpx.AsyncClient(timeout=180, headers=ACME) as client:
+
             async def one(prompt):
-                return await client.post(fleet.url + "/v1/completions", json={
-                    "prompt": prompt, "max_tokens": 48, "temperature": 0, "ignore_eos": True})
+                return await client.post(
+                    fleet.url + "/v1/completions",
+                    json={"prompt": prompt, "max_tokens": 48, "temperature": 0, "ignore_eos": True},
+                )
 
             tasks = [asyncio.create_task(one(p)) for p in prompts]
             for _ in range(200):  # until requests are under way (bounded: 10 s)
@@ -97,8 +119,9 @@ def test_killing_a_replica_mid_run_loses_no_request(fleet):
         assert all(r.json()["choices"][0]["finish_reason"] == "length" for r in responses)
         assert not router.replicas[busiest].healthy
         reasons = down_reasons_since(fleet, before)
-        assert reasons[busiest] and all(r.startswith(("transport failure", "health check failed"))
-                                        for r in reasons[busiest])
+        assert reasons[busiest] and all(
+            r.startswith(("transport failure", "health check failed")) for r in reasons[busiest]
+        )
         assert [r for i, r in enumerate(reasons) if i != busiest] == [[], []]
     finally:
         fleet.restart(busiest)
@@ -150,14 +173,14 @@ def test_a_stream_on_a_replica_that_hangs_finishes_elsewhere_before_it_wakes(fle
     import os
     import signal
 
-    router = fleet.router
     body = {"prompt": "Tell a long tale of a hung replica", "max_tokens": 120, "temperature": 0, "ignore_eos": True}
     expected = httpx.post(fleet.url + "/v1/completions", json=body, headers=ACME, timeout=120).json()
     expected = expected["choices"][0]["text"]
     chunks, victim = [], None
     try:
-        with httpx.stream("POST", fleet.url + "/v1/completions", json={**body, "stream": True}, headers=ACME,
-                          timeout=120) as response:
+        with httpx.stream(
+            "POST", fleet.url + "/v1/completions", json={**body, "stream": True}, headers=ACME, timeout=120
+        ) as response:
             for line in response.iter_lines():
                 if not line.startswith("data: "):
                     continue

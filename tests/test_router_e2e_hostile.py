@@ -9,7 +9,6 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from router_fakes import read_stream
 from router_fleet import Fleet, down_counts, down_reasons_since
 
@@ -33,16 +32,19 @@ def assert_client_error(response):
 
 
 def legit(fleet):
-    response = httpx.post(fleet.url + "/v1/completions", timeout=60,
-                          json={"prompt": "a fine request", "max_tokens": 2, "temperature": 0})
+    response = httpx.post(
+        fleet.url + "/v1/completions", timeout=60, json={"prompt": "a fine request", "max_tokens": 2, "temperature": 0}
+    )
     assert response.status_code == 200, response.text
 
 
 HOSTILE_BODIES = {
     "text-part-int": {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}], "max_tokens": 2},
     "text-part-null": {"messages": [{"role": "user", "content": [{"type": "text", "text": None}]}], "max_tokens": 2},
-    "text-part-object": {"messages": [{"role": "user", "content": [{"type": "text", "text": {"a": 1}}]}],
-                         "max_tokens": 2},
+    "text-part-object": {
+        "messages": [{"role": "user", "content": [{"type": "text", "text": {"a": 1}}]}],
+        "max_tokens": 2,
+    },
     "max-tokens-string": {"prompt": "hi", "max_tokens": "abc"},
     "max-tokens-list": {"prompt": "hi", "max_tokens": [1]},
     "max-tokens-bool": {"prompt": "hi", "max_tokens": True},
@@ -65,13 +67,17 @@ def test_a_bad_body_is_a_4xx_answered_once_and_never_held_against_a_replica(flee
     assert down_reasons_since(fleet, before) == [[], [], []]
 
 
-@pytest.mark.parametrize("raw, content_type", [
-    (b"[" * 1001 + b"]" * 1001, "application/json"),
-    (b'{"prompt": "hi", "max_tokens": ' + b"7" * 5000 + b"}", "application/json"),
-    (b'{"prompt": "hi", "max_tokens": 1e400}', "application/json"),
-    (b'{"prompt": "hi"', "application/json"),
-    (b'{"prompt": "hi", "max_tokens": 2}', "text/plain"),
-], ids=["nested-1001", "int-5000-digits", "max-tokens-1e400", "truncated", "text-plain"])
+@pytest.mark.parametrize(
+    "raw, content_type",
+    [
+        (b"[" * 1001 + b"]" * 1001, "application/json"),
+        (b'{"prompt": "hi", "max_tokens": ' + b"7" * 5000 + b"}", "application/json"),
+        (b'{"prompt": "hi", "max_tokens": 1e400}', "application/json"),
+        (b'{"prompt": "hi"', "application/json"),
+        (b'{"prompt": "hi", "max_tokens": 2}', "text/plain"),
+    ],
+    ids=["nested-1001", "int-5000-digits", "max-tokens-1e400", "truncated", "text-plain"],
+)
 def test_unreadable_bodies_are_a_4xx_from_the_router_or_the_replica(fleet, raw, content_type):
     before = down_counts(fleet)
     for path in ENDPOINTS:
@@ -83,8 +89,11 @@ def test_a_numerically_hostile_temperature_neither_fails_nor_spreads(fleet):
     before = down_counts(fleet)
     for temperature in (1e-300, 5e-324, 1e-38):
         for stream in (False, True):
-            response = httpx.post(fleet.url + "/v1/completions", timeout=60, json={
-                "prompt": "hi", "temperature": temperature, "max_tokens": 2, "stream": stream})
+            response = httpx.post(
+                fleet.url + "/v1/completions",
+                timeout=60,
+                json={"prompt": "hi", "temperature": temperature, "max_tokens": 2, "stream": stream},
+            )
             assert response.status_code < 500, response.text
             if stream and response.status_code == 200:
                 events, done = read_stream(response)
@@ -113,22 +122,42 @@ def test_a_big_body_is_refused_before_reading_and_a_big_prompt_stalls_nothing(fl
 
 
 JSON_LEAVES = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=12)
-JSON_VALUES = st.recursive(JSON_LEAVES, lambda children: st.lists(children, max_size=3)
-                           | st.dictionaries(st.text(max_size=6), children, max_size=3), max_leaves=8)
-MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "x"]) | JSON_VALUES,
-                                           "content": st.text(max_size=20) | JSON_VALUES}), max_size=3)
-BODIES = st.fixed_dictionaries({}, optional={
-    "prompt": st.text(max_size=30) | st.lists(st.integers(-5, 9000), max_size=6) | JSON_VALUES,
-    "messages": MESSAGES | JSON_VALUES,
-    "max_tokens": st.integers(-2, 3) | JSON_VALUES,
-    "temperature": st.floats(0, 2) | JSON_VALUES,
-    "top_p": st.floats(0, 1) | JSON_VALUES, "top_k": st.integers(-2, 50) | JSON_VALUES,
-    "n": st.integers(0, 3) | JSON_VALUES, "seed": st.integers() | JSON_VALUES,
-    "stream": st.booleans() | JSON_VALUES, "stop": st.text(max_size=3) | JSON_VALUES,
-    "logprobs": st.booleans() | st.integers(-1, 3) | JSON_VALUES, "top_logprobs": st.integers(-1, 3) | JSON_VALUES,
-    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}) | JSON_VALUES,
-    "return_token_ids": st.booleans() | JSON_VALUES, "cache_salt": st.text(max_size=5) | JSON_VALUES,
-    "ignore_eos": st.booleans() | JSON_VALUES, "extra": JSON_VALUES})
+JSON_VALUES = st.recursive(
+    JSON_LEAVES,
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=6), children, max_size=3),
+    max_leaves=8,
+)
+MESSAGES = st.lists(
+    st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["user", "system", "assistant", "tool", "x"]) | JSON_VALUES,
+            "content": st.text(max_size=20) | JSON_VALUES,
+        }
+    ),
+    max_size=3,
+)
+BODIES = st.fixed_dictionaries(
+    {},
+    optional={
+        "prompt": st.text(max_size=30) | st.lists(st.integers(-5, 9000), max_size=6) | JSON_VALUES,
+        "messages": MESSAGES | JSON_VALUES,
+        "max_tokens": st.integers(-2, 3) | JSON_VALUES,
+        "temperature": st.floats(0, 2) | JSON_VALUES,
+        "top_p": st.floats(0, 1) | JSON_VALUES,
+        "top_k": st.integers(-2, 50) | JSON_VALUES,
+        "n": st.integers(0, 3) | JSON_VALUES,
+        "seed": st.integers() | JSON_VALUES,
+        "stream": st.booleans() | JSON_VALUES,
+        "stop": st.text(max_size=3) | JSON_VALUES,
+        "logprobs": st.booleans() | st.integers(-1, 3) | JSON_VALUES,
+        "top_logprobs": st.integers(-1, 3) | JSON_VALUES,
+        "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}) | JSON_VALUES,
+        "return_token_ids": st.booleans() | JSON_VALUES,
+        "cache_salt": st.text(max_size=5) | JSON_VALUES,
+        "ignore_eos": st.booleans() | JSON_VALUES,
+        "extra": JSON_VALUES,
+    },
+)
 FUZZ_SECONDS = 40.0
 
 
@@ -145,8 +174,10 @@ def test_fuzzed_bodies_get_no_5xx_no_hang_and_leave_every_replica_healthy(fleet)
     before, deadline = down_counts(fleet), time.monotonic() + FUZZ_SECONDS
 
     @settings(max_examples=150, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-    @given(path=st.sampled_from(ENDPOINTS),
-           payload=BODIES.map(lambda b: json.dumps(bounded(b)).encode()) | st.binary(max_size=64))
+    @given(
+        path=st.sampled_from(ENDPOINTS),
+        payload=BODIES.map(lambda b: json.dumps(bounded(b)).encode()) | st.binary(max_size=64),
+    )
     def throw(path, payload):
         if time.monotonic() > deadline:
             return

@@ -13,12 +13,11 @@ import logging
 
 import httpx
 import pytest
+from router_fakes import ADMIN_KEY, Failure, assert_only_down_for, fake_fleet, post, wait_until
 
 from prefixserve.model import Tokenizer
 from prefixserve.router.inbound import read_request
 from prefixserve.router.launch import add_route_arguments, configure_logging, settings_from_args
-
-from router_fakes import ADMIN_KEY, Failure, assert_only_down_for, fake_fleet, post, wait_until
 
 OPENAI_ERROR_KEYS = {"message", "type", "param", "code"}
 
@@ -67,15 +66,19 @@ def test_retries_stop_after_max_attempts_distinct_replicas(tokenizer):
         assert sorted(len(fake.requests) for fake in fakes) == [0, 1, 1, 1]
 
 
-@pytest.mark.parametrize("raw, content_type, status", [
-    (b'{"prompt": "hi", "max_tokens": ', "application/json", 400),
-    (b"[" * 1001 + b"]" * 1001, "application/json", 400),
-    (b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}", "application/json", 400),
-    (b'["a list"]', "application/json", 400),
-    (b"\xff\xfe not utf-8", "application/json", 400),
-    (b'{"prompt": "hi"}', "text/plain", 415),
-    (b'{"prompt": "' + b"x" * 9000 + b'"}', "application/json", 413),
-], ids=["truncated", "nested-1001", "int-5000-digits", "not-an-object", "not-utf8", "text-plain", "too-large"])
+@pytest.mark.parametrize(
+    "raw, content_type, status",
+    [
+        (b'{"prompt": "hi", "max_tokens": ', "application/json", 400),
+        (b"[" * 1001 + b"]" * 1001, "application/json", 400),
+        (b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}", "application/json", 400),
+        (b'["a list"]', "application/json", 400),
+        (b"\xff\xfe not utf-8", "application/json", 400),
+        (b'{"prompt": "hi"}', "text/plain", 415),
+        (b'{"prompt": "' + b"x" * 9000 + b'"}', "application/json", 413),
+    ],
+    ids=["truncated", "nested-1001", "int-5000-digits", "not-an-object", "not-utf8", "text-plain", "too-large"],
+)
 def test_bodies_the_router_cannot_forward_get_an_openai_4xx(tokenizer, raw, content_type, status):
     with fake_fleet(tokenizer, 1, max_request_bytes=8192) as (url, fakes, router):
         for path in ("/v1/completions", "/v1/chat/completions"):
@@ -84,20 +87,22 @@ def test_bodies_the_router_cannot_forward_get_an_openai_4xx(tokenizer, raw, cont
         assert fakes[0].requests == []
 
 
-@pytest.mark.parametrize("max_tokens", ["abc", [1], 1e400, True, None, -3, 10 ** 30, {"a": 1}])
+@pytest.mark.parametrize("max_tokens", ["abc", [1], 1e400, True, None, -3, 10**30, {"a": 1}])
 def test_odd_max_tokens_are_forwarded_for_the_replica_to_judge(tokenizer, max_tokens):
     with fake_fleet(tokenizer, 1) as (url, fakes, router):
         for stream in (False, True):
             literal = "1e400" if max_tokens == 1e400 else json.dumps(max_tokens)  # 1e400 reads back as inf
             raw = '{"prompt": "hi", "stream": %s, "max_tokens": %s}' % (json.dumps(stream), literal)
-            response = httpx.post(url + "/v1/completions", content=raw.encode(),
-                                  headers={"content-type": "application/json"}, timeout=30)
+            response = httpx.post(
+                url + "/v1/completions", content=raw.encode(), headers={"content-type": "application/json"}, timeout=30
+            )
             assert response.status_code in (200, 422), response.text
         assert len(fakes[0].requests) == 2
 
 
 def test_an_unexpected_router_error_is_an_openai_500_body(tokenizer, monkeypatch):
     with fake_fleet(tokenizer, 1) as (url, fakes, router):
+
         def broken(*args):
             raise RuntimeError("a router bug")
 
@@ -109,10 +114,16 @@ def test_an_unexpected_router_error_is_an_openai_500_body(tokenizer, monkeypatch
 
 def test_control_calls_carry_the_admin_key_and_client_calls_the_tenants(tokenizer, tmp_path):
     with fake_fleet(tokenizer, 1, api_keys={"tenant-key": "acme"}) as (url, fakes, router):
-        wait_until(lambda: {"/v1/cache/info", "/v1/kv_events"} <= {path for path, _ in fakes[0].control_auth}
-                   and router.replicas[0].can_mirror, timeout=30)  # the first polls have run
-        response = post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 2},
-                        headers={"authorization": "Bearer tenant-key"})
+        wait_until(
+            lambda: (
+                {"/v1/cache/info", "/v1/kv_events"} <= {path for path, _ in fakes[0].control_auth}
+                and router.replicas[0].can_mirror
+            ),
+            timeout=30,
+        )  # the first polls have run
+        response = post(
+            url, "/v1/completions", {"prompt": "hi", "max_tokens": 2}, headers={"authorization": "Bearer tenant-key"}
+        )
         assert response.status_code == 200
         paths = {path for path, _ in fakes[0].control_auth}
         assert {"/v1/cache/info", "/v1/kv_events"} <= paths
@@ -139,13 +150,25 @@ def test_replica_flags_take_optional_names_and_bad_ones_say_how_to_fix_them(tmp_
     def settings(*argv):
         return settings_from_args(parser.parse_args(list(argv)))
 
-    named = settings("--replica", "gpu-a=http://10.0.0.5:8000", "--replica", "http://10.0.0.6:8000/",
-                     "--admin-api-key", "k", "--max-request-bytes", "1000", "--max-attempts", "2")
+    named = settings(
+        "--replica",
+        "gpu-a=http://10.0.0.5:8000",
+        "--replica",
+        "http://10.0.0.6:8000/",
+        "--admin-api-key",
+        "k",
+        "--max-request-bytes",
+        "1000",
+        "--max-attempts",
+        "2",
+    )
     assert named.named_replicas() == [("gpu-a", "http://10.0.0.5:8000"), ("replica-1", "http://10.0.0.6:8000")]
     assert (named.admin_api_key, named.max_request_bytes, named.max_attempts) == ("k", 1000, 2)
-    for argv, hint in [(["--replica", "bad name=http://x:1"], "use letters"),
-                       (["--replica", "a=http://x:1", "--replica", "a=http://y:1"], "appears twice"),
-                       (["--replica", "10.0.0.5:8000"], "base URL")]:
+    for argv, hint in [
+        (["--replica", "bad name=http://x:1"], "use letters"),
+        (["--replica", "a=http://x:1", "--replica", "a=http://y:1"], "appears twice"),
+        (["--replica", "10.0.0.5:8000"], "base URL"),
+    ]:
         with pytest.raises(SystemExit, match=hint):
             settings(*argv)
     keys = tmp_path / "keys.json"
@@ -169,8 +192,10 @@ def test_routing_tokenizes_off_the_event_loop_and_skips_absurd_prompts(tokenizer
 
         router.tokenizer.encode = recording_encode
         assert post(url, "/v1/completions", {"prompt": "a short prompt", "max_tokens": 2}).status_code == 200
-        assert post(url, "/v1/completions", {"prompt": "x" * (router.max_prompt_chars + 1),
-                                             "max_tokens": 2}).status_code == 200
+        assert (
+            post(url, "/v1/completions", {"prompt": "x" * (router.max_prompt_chars + 1), "max_tokens": 2}).status_code
+            == 200
+        )
         assert [length for _, length in threads] == [len("a short prompt")]  # the long one was never tokenized
         assert threads[0][0] is False  # a to_thread worker, not the event loop's thread
     request = read_request(b'{"prompt": "' + b"y" * 1000 + b'"}', "/v1/completions", tokenizer, 100, 999)
@@ -251,7 +276,9 @@ def test_the_health_failure_threshold_is_a_route_flag():
 
     parser = argparse.ArgumentParser()
     add_route_arguments(parser)
-    settings = settings_from_args(parser.parse_args(["--replica", "http://127.0.0.1:1", "--health-failure-threshold", "5"]))
+    settings = settings_from_args(
+        parser.parse_args(["--replica", "http://127.0.0.1:1", "--health-failure-threshold", "5"])
+    )
     assert settings.health_failure_threshold == 5
     with pytest.raises(SystemExit, match="at least 1"):
         settings_from_args(parser.parse_args(["--replica", "http://127.0.0.1:1", "--health-failure-threshold", "0"]))
@@ -259,22 +286,35 @@ def test_the_health_failure_threshold_is_a_route_flag():
 
 def test_hostile_headers_and_surrogates_are_answered_by_the_router_with_a_4xx(tokenizer):
     with fake_fleet(tokenizer) as (url, fakes, router):
-        surrogate = httpx.post(url + "/v1/completions", content=b'{"prompt": "hi", "cache_salt": "\\ud800"}',
-                               headers={"content-type": "application/json"}, timeout=30)
+        surrogate = httpx.post(
+            url + "/v1/completions",
+            content=b'{"prompt": "hi", "cache_salt": "\\ud800"}',
+            headers={"content-type": "application/json"},
+            timeout=30,
+        )
         assert_openai_error(surrogate, 400)
         assert surrogate.json()["error"]["code"] == "invalid_json"
-        two = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30,
-                         headers=[("authorization", "Bearer zz"), ("authorization", "Bearer ka")])
+        two = httpx.post(
+            url + "/v1/completions",
+            json={"prompt": "hi", "max_tokens": 2},
+            timeout=30,
+            headers=[("authorization", "Bearer zz"), ("authorization", "Bearer ka")],
+        )
         assert_openai_error(two, 400)
         assert two.json()["error"]["code"] == "ambiguous_authorization"
         assert fakes[0].requests == [] and fakes[1].requests == []  # neither reached a replica
-        raw = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30,
-                         headers=[(b"authorization", b"Bearer \xed\xa0\x80")])
+        raw = httpx.post(
+            url + "/v1/completions",
+            json={"prompt": "hi", "max_tokens": 2},
+            timeout=30,
+            headers=[(b"authorization", b"Bearer \xed\xa0\x80")],
+        )
         assert raw.status_code < 500, raw.text
         forwarded = fakes[0].requests[-1][2]
         assert forwarded.encode("latin-1") == b"Bearer \xed\xa0\x80"  # byte for byte
-        not_object = httpx.post(url + "/v1/completions", content=b'"hi"',
-                                headers={"content-type": "application/json"}, timeout=30)
+        not_object = httpx.post(
+            url + "/v1/completions", content=b'"hi"', headers={"content-type": "application/json"}, timeout=30
+        )
         assert not_object.status_code == 400 and not_object.json()["error"]["code"] == "invalid_json"
         assert_only_down_for(router, set())
 

@@ -28,9 +28,14 @@ class View:
 
 def prompt(*blocks: str) -> RouteRequest:
     """A prompt of these blocks; the chained key of block i names blocks 0..i."""
-    keys = ["/".join(blocks[:i + 1]).encode() for i in range(len(blocks))]
-    return RouteRequest(keys=keys, token_ids=list(range(16 * len(blocks))), scope_digest=b"scope",
-                        num_blocks=len(blocks), tokens_per_block=16)
+    keys = ["/".join(blocks[: i + 1]).encode() for i in range(len(blocks))]
+    return RouteRequest(
+        keys=keys,
+        token_ids=list(range(16 * len(blocks))),
+        scope_digest=b"scope",
+        num_blocks=len(blocks),
+        tokens_per_block=16,
+    )
 
 
 def test_vllm_router_follows_its_tree_while_balanced_and_the_least_loaded_when_not():
@@ -70,6 +75,7 @@ def test_the_simulator_replays_the_gateways_scorers_by_name():
     names = ["kv_aware", "vllm_router_cache_aware", "llm_d_default"]
     first = compare_policies(trace, names, config)
     again = compare_policies(trace, names, config)
-    assert [(result.policy, result.hit_rate, result.ttft_p99) for result in first] == \
-        [(result.policy, result.hit_rate, result.ttft_p99) for result in again]
+    assert [(result.policy, result.hit_rate, result.ttft_p99) for result in first] == [
+        (result.policy, result.hit_rate, result.ttft_p99) for result in again
+    ]
     assert [result.policy for result in first[:3]] == names and all(result.hit_rate > 0.5 for result in first[:3])

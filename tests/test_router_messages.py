@@ -9,12 +9,11 @@ import json
 
 import httpx
 import pytest
+from router_fakes import Failure, assert_only_down_for, fake_fleet, message_events, post, wait_until
 
 from prefixserve.http_keys import Credentials
 from prefixserve.model import Tokenizer
 from prefixserve.router.inbound import read_request
-
-from router_fakes import Failure, assert_only_down_for, fake_fleet, message_events, post, wait_until
 
 BODY = {"model": "fake", "max_tokens": 6, "messages": [{"role": "user", "content": "tell me the greek letters"}]}
 
@@ -59,8 +58,10 @@ def test_beats_are_dropped_and_a_plain_message_moves_when_its_replica_resets(tok
         fakes[0].failure = Failure("reset")
         response = post(url, "/v1/messages", BODY)
         assert response.status_code == 200 and response.headers["x-prefixserve-replica"] == "replica-1"
-        assert response.json()["content"][0]["text"] == fakes[1].reference(
-            tokenizer.encode(BODY["messages"][-1]["content"]), 6)[1]
+        assert (
+            response.json()["content"][0]["text"]
+            == fakes[1].reference(tokenizer.encode(BODY["messages"][-1]["content"]), 6)[1]
+        )
         assert_only_down_for(router, {"replica-0"})
 
 
@@ -85,8 +86,12 @@ def test_x_api_key_reaches_the_replica_as_sent_and_picks_the_tenant(tokenizer):
         assert post(url, "/v1/messages", BODY, headers={"x-api-key": "key-a"}).status_code == 200
         assert fakes[0].api_keys == ["key-a"]
         # the same prompt under two keys: two scopes, so two sets of block keys
-        routes = [router.route_request(tokenizer.encode("a prompt of a few blocks " * 8),
-                                       router.tenant_of(Credentials(None, key))) for key in ("key-a", "key-b")]
+        routes = [
+            router.route_request(
+                tokenizer.encode("a prompt of a few blocks " * 8), router.tenant_of(Credentials(None, key))
+            )
+            for key in ("key-a", "key-b")
+        ]
         assert routes[0].keys[0] != routes[1].keys[0]
         assert router.tenant_of(Credentials("Bearer key-b", None)) == "tenant-b"
 
@@ -95,17 +100,35 @@ def test_the_router_renders_a_messages_body_to_the_replicas_tokens(real_fleet):
     """System blocks, text, tool_use and tool_result, tools: the router's token ids equal the replica's count,
     so a Messages request is placed by the blocks the replica will compute."""
     url, router = real_fleet
-    body = {"model": "prefixserve-tiny", "max_tokens": 4,
-            "system": [{"type": "text", "text": "You are terse."}, {"type": "text", "text": "Use tools."}],
-            "tools": [{"name": "get_weather", "description": "the weather",
-                       "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}],
-            "messages": [{"role": "user", "content": [{"type": "text", "text": "Weather in Oslo?"}]},
-                         {"role": "assistant", "content": [{"type": "text", "text": "Checking."},
-                                                           {"type": "tool_use", "id": "t1", "name": "get_weather",
-                                                            "input": {"city": "Oslo"}}]},
-                         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
-                                                       "content": [{"type": "text", "text": "3 C"}]},
-                                                      {"type": "text", "text": "And Paris?"}]}]}
+    body = {
+        "model": "prefixserve-tiny",
+        "max_tokens": 4,
+        "system": [{"type": "text", "text": "You are terse."}, {"type": "text", "text": "Use tools."}],
+        "tools": [
+            {
+                "name": "get_weather",
+                "description": "the weather",
+                "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}},
+            }
+        ],
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "Weather in Oslo?"}]},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "text", "text": "Checking."},
+                    {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "Oslo"}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "3 C"}]},
+                    {"type": "text", "text": "And Paris?"},
+                ],
+            },
+        ],
+    }
     counted = httpx.post(url + "/v1/messages/count_tokens", json=body, timeout=30)
     assert counted.status_code == 200
     request = read_request(json.dumps(body).encode(), "/v1/messages", router.tokenizer, 4096, 1 << 20)
@@ -117,22 +140,35 @@ def test_the_anthropic_client_through_the_router_reads_its_prefix_back(real_flee
     url, router = real_fleet
     client = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
     system = [{"type": "text", "text": "You are a careful agent. " * 40, "cache_control": {"type": "ephemeral"}}]
-    first = client.messages.create(model="prefixserve-tiny", max_tokens=4, system=system,
-                                   messages=[{"role": "user", "content": "What is a KV cache?"}])
-    with client.messages.stream(model="prefixserve-tiny", max_tokens=4, system=system,
-                                messages=[{"role": "user", "content": "And a radix tree?"}]) as stream:
+    first = client.messages.create(
+        model="prefixserve-tiny",
+        max_tokens=4,
+        system=system,
+        messages=[{"role": "user", "content": "What is a KV cache?"}],
+    )
+    with client.messages.stream(
+        model="prefixserve-tiny",
+        max_tokens=4,
+        system=system,
+        messages=[{"role": "user", "content": "And a radix tree?"}],
+    ) as stream:
         second = stream.get_final_message()
     # the system prompt's full blocks are read back
     assert first.usage.cache_read_input_tokens == 0
     assert second.usage.cache_read_input_tokens >= 16 * ((first.usage.cache_creation_input_tokens - 15) // 16)
     assert second.usage.cache_read_input_tokens > 0
-    counted = client.messages.count_tokens(model="prefixserve-tiny", system=system,
-                                           messages=[{"role": "user", "content": "And a radix tree?"}])
+    counted = client.messages.count_tokens(
+        model="prefixserve-tiny", system=system, messages=[{"role": "user", "content": "And a radix tree?"}]
+    )
     usage = second.usage
-    assert counted.input_tokens == usage.input_tokens + usage.cache_creation_input_tokens + usage.cache_read_input_tokens
+    assert (
+        counted.input_tokens == usage.input_tokens + usage.cache_creation_input_tokens + usage.cache_read_input_tokens
+    )
     tokens = httpx.post(url + "/tokenize", json={"prompt": "hello there"}, timeout=30).json()["tokens"]
-    assert httpx.post(url + "/detokenize", json={"tokens": tokens}, timeout=30).json()["prompt"] == \
-        "<|begin_of_text|>hello there"  # the BOS /tokenize adds, as the replica answers it
+    assert (
+        httpx.post(url + "/detokenize", json={"tokens": tokens}, timeout=30).json()["prompt"]
+        == "<|begin_of_text|>hello there"
+    )  # the BOS /tokenize adds, as the replica answers it
 
 
 @pytest.fixture(scope="module")
@@ -140,5 +176,6 @@ def real_fleet():
     """One real replica behind the router: what the SDK sees and what the replica counts (placement among
     several is the policies' tests' and rests on the token ids checked above)."""
     from router_fleet import Fleet
+
     with Fleet(1) as fleet:
         yield fleet.url, fleet.router

@@ -40,8 +40,11 @@ ANY = request_of([1, 2, 3])
 
 def test_registry_names_and_unknown_policy():
     assert list(POLICIES) == ["round_robin", "least_loaded", "power_of_two", "consistent_hash", "kv_aware"]
-    with pytest.raises(ValueError, match="unknown routing policy 'fastest'; choose one of round_robin, "
-                                         "least_loaded, power_of_two, consistent_hash, kv_aware"):
+    with pytest.raises(
+        ValueError,
+        match="unknown routing policy 'fastest'; choose one of round_robin, "
+        "least_loaded, power_of_two, consistent_hash, kv_aware",
+    ):
         make_policy("fastest")
 
 
@@ -111,8 +114,9 @@ def test_consistent_hash_spreads_prompts_shorter_than_a_block_by_their_tokens():
 
 
 def kv_options(block_seconds=0.1, threshold=1.5, slack=0.5):
-    return PolicyOptions(miss_token_seconds=block_seconds / 512, balance_threshold=threshold,
-                         balance_slack_seconds=slack)
+    return PolicyOptions(
+        miss_token_seconds=block_seconds / 512, balance_threshold=threshold, balance_slack_seconds=slack
+    )
 
 
 def test_kv_aware_minimises_missed_blocks_times_weight_plus_load():
@@ -167,8 +171,12 @@ def test_kv_aware_prices_a_miss_higher_where_running_requests_fill_the_pool():
 def test_kv_aware_moves_a_request_only_where_the_wait_saved_pays_for_its_recompute(wait, factor, moved):
     """Past the guard's limit, the request moves from the replica holding 9 of its 10 blocks (waiting `wait`) to an
     idle one only if 0 + 1.0 s of prefill there + factor x the 0.9 s it recomputes beyond here < wait + 0.1 s."""
-    options = PolicyOptions(miss_token_seconds=1.0 / 512, balance_slack_seconds=0.0, prefill_seconds_per_token=0.1 / 512,
-                            move_cost_factor=factor)
+    options = PolicyOptions(
+        miss_token_seconds=1.0 / 512,
+        balance_slack_seconds=0.0,
+        prefill_seconds_per_token=0.1 / 512,
+        move_cost_factor=factor,
+    )
     policy = KVAware(options)
     assert policy.choose(request_of(list(range(10))), fleet([wait, 0.0], [9, 0])) == (1 if moved else 0)
     assert policy.num_fallbacks == int(moved)
@@ -240,10 +248,16 @@ class QueuedReplica(FakeReplica):
 
 def tier_options(remote_seconds_per_block=0.001, remote_latency=0.01):
     """Blocks of 512 tokens: recompute 0.0512 s a block (1e-4 s a token), weighted 0.1 s; 512,000 bytes a block."""
-    return PolicyOptions(miss_token_seconds=0.1 / 512, balance_slack_seconds=100.0, prefill_seconds_per_token=1e-4,
-                         kv_bytes_per_token=1000,
-                         tier_costs={"host": TierCost(0.001, 512e6),
-                                     "remote": TierCost(remote_latency, 512_000 / remote_seconds_per_block)})
+    return PolicyOptions(
+        miss_token_seconds=0.1 / 512,
+        balance_slack_seconds=100.0,
+        prefill_seconds_per_token=1e-4,
+        kv_bytes_per_token=1000,
+        tier_costs={
+            "host": TierCost(0.001, 512e6),
+            "remote": TierCost(remote_latency, 512_000 / remote_seconds_per_block),
+        },
+    )
 
 
 def test_kv_aware_moves_a_request_to_an_idle_replica_that_can_fetch_its_prefix():

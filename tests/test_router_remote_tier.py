@@ -41,8 +41,12 @@ def test_the_router_learns_the_remote_run_from_redis(shared_redis):
     keys = BlockKeyer(16).keys(SCOPE.digest, tokens)
     writer = RedisTier(shared_redis.url, scope_digest=SCOPE.digest)
     parents = [None, *keys[:-1]]
-    writer.put([BlockRecord(key, parent, SCOPE.digest, tuple(tokens[i * 16:(i + 1) * 16]), "float32", (16,),
-                            bytes(64)) for i, (key, parent) in enumerate(zip(keys[:3], parents))])
+    writer.put(
+        [
+            BlockRecord(key, parent, SCOPE.digest, tuple(tokens[i * 16 : (i + 1) * 16]), "float32", (16,), bytes(64))
+            for i, (key, parent) in enumerate(zip(keys[:3], parents))
+        ]
+    )
     router = Router(RouterSettings(replicas=("http://127.0.0.1:9",), kv_remote_url=shared_redis.url))
     router._open_remote(SCOPE.digest)
     route = asyncio.run(router.with_remote_run(route_for(tokens)))
@@ -58,9 +62,12 @@ def test_the_router_mirrors_a_replicas_own_tiers_from_kv_events():
     keys = route_for(tokens).keys
     replica = Replica("http://a", "a")
     replica.healthy = True
-    for event in (BlockStored(keys[:2], None, [], 16),  # device pool ("GPU")
-                  BlockStored(keys[2:5], None, [], 16, "CPU"), BlockStored(keys[2:8], None, [], 16, "DISK"),
-                  BlockRemoved(keys[4:5], "CPU")):
+    for event in (
+        BlockStored(keys[:2], None, [], 16),  # device pool ("GPU")
+        BlockStored(keys[2:5], None, [], 16, "CPU"),
+        BlockStored(keys[2:8], None, [], 16, "DISK"),
+        BlockRemoved(keys[4:5], "CPU"),
+    ):
         replica.mirror.apply(event)
     request = route_for(tokens, remote_blocks=9)
     assert replica.num_hit_blocks(request) == 2

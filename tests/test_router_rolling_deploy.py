@@ -9,9 +9,9 @@ import threading
 import time
 
 import httpx
+from router_fleet import Fleet, wait_healthy
 
 from prefixserve.model.versions import write_model_version
-from router_fleet import Fleet, wait_healthy
 
 PROMPTS = [f"Rolling deploy request {i} asks about" for i in range(4)]
 MAX_REQUESTS = 200  # bound on the requests sent while the deploy runs

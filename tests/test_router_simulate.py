@@ -10,15 +10,25 @@ import pytest
 from prefixserve.cli import main
 from prefixserve.router.report import BOUND_NAME, format_table, results_to_json
 from prefixserve.router.simulate import (
-    CostModel, SimulationConfig, compare_policies, infinite_cache_bound, prepare_routes, simulate,
+    CostModel,
+    SimulationConfig,
+    compare_policies,
+    infinite_cache_bound,
+    prepare_routes,
+    simulate,
 )
 from prefixserve.traces.agents import AgentTraceConfig, generate_agent_trace
 from prefixserve.traces.mooncake import TRACE_DIR, Trace, TraceFormatError, TraceRequest, load_mooncake, load_trace
 
 CONVERSATION = TRACE_DIR / "conversation.jsonl.gz"  # shipped in the package: no test reads outside the clone
 # 1 ms a prompt token, 10 ms an output token, no attention term or overhead, no decode batching.
-SIMPLE_COST = CostModel(prefill_seconds_per_token=0.001, attention_seconds_per_token_pair=0.0,
-                        decode_seconds_per_token=0.01, decode_batch_size=1.0, overhead_seconds=0.0)
+SIMPLE_COST = CostModel(
+    prefill_seconds_per_token=0.001,
+    attention_seconds_per_token_pair=0.0,
+    decode_seconds_per_token=0.01,
+    decode_batch_size=1.0,
+    overhead_seconds=0.0,
+)
 
 
 def one_replica(capacity_blocks=100):
@@ -27,10 +37,13 @@ def one_replica(capacity_blocks=100):
 
 # ---------------------------------------------------------------- exact replays
 def test_queued_request_waits_and_then_hits_the_prefix_the_first_one_inserted():
-    trace = Trace([
-        TraceRequest(0.0, 1800, 100, [1, 2, 3, 4]),  # 3 full blocks + a partial one
-        TraceRequest(1.0, 1300, 100, [1, 2, 5]),  # 2 full blocks: both hit (the last block 5 is partial)
-    ], block_size=512)
+    trace = Trace(
+        [
+            TraceRequest(0.0, 1800, 100, [1, 2, 3, 4]),  # 3 full blocks + a partial one
+            TraceRequest(1.0, 1300, 100, [1, 2, 5]),  # 2 full blocks: both hit (the last block 5 is partial)
+        ],
+        block_size=512,
+    )
     result = simulate(trace, "round_robin", one_replica())
     assert result.num_hit_tokens == 1024
     assert result.num_prefill_tokens == 1800 + 1300 - 1024
@@ -168,13 +181,16 @@ def test_plain_and_gzip_files_read_alike_whatever_their_name(tmp_path):
     assert traces[0].requests == traces[1].requests == traces[2].requests and len(traces[0]) == 2
 
 
-@pytest.mark.parametrize("line, message", [
-    ('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]', "not valid JSON"),
-    ('{"timestamp": 0, "input_length": 10, "hash_ids": [1]}', "missing field(s) output_length"),
-    ('{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1]}', "expected ceil(600/512) = 2"),
-    ('{"timestamp": -1, "input_length": 10, "output_length": 1, "hash_ids": [1]}', "timestamp must be"),
-    ('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [-1]}', "hash_ids must be"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]', "not valid JSON"),
+        ('{"timestamp": 0, "input_length": 10, "hash_ids": [1]}', "missing field(s) output_length"),
+        ('{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1]}', "expected ceil(600/512) = 2"),
+        ('{"timestamp": -1, "input_length": 10, "output_length": 1, "hash_ids": [1]}', "timestamp must be"),
+        ('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [-1]}', "hash_ids must be"),
+    ],
+)
 def test_mooncake_loader_names_file_and_line_of_a_bad_row(tmp_path, line, message):
     path = tmp_path / "trace.jsonl"
     path.write_text(ROW + line + "\n")
@@ -183,8 +199,9 @@ def test_mooncake_loader_names_file_and_line_of_a_bad_row(tmp_path, line, messag
 
 
 def test_missing_trace_file_names_the_built_in_traces(tmp_path):
-    with pytest.raises(FileNotFoundError, match="nope.jsonl does not exist; pass a Mooncake trace .* "
-                                                "conversation, synthetic, agent"):
+    with pytest.raises(
+        FileNotFoundError, match="nope.jsonl does not exist; pass a Mooncake trace .* conversation, synthetic, agent"
+    ):
         load_trace(str(tmp_path / "nope.jsonl"))
 
 
@@ -222,8 +239,9 @@ def test_cost_model_round_trips_and_rejects_unknown_fields(tmp_path):
     path.write_text('{"prefill_seconds_per_token": 1e-4, "seconds_per_token": 2}')
     with pytest.raises(ValueError, match=r"unknown cost model field\(s\) \['seconds_per_token'\]"):
         CostModel.load(path)
-    assert CostModel(prefill_seconds_per_token=0.001, attention_seconds_per_token_pair=1e-6,
-                     overhead_seconds=0.5).prefill_seconds(1000, 400) == pytest.approx(0.5 + 0.6 + 1e-6 * 420_300)
+    assert CostModel(
+        prefill_seconds_per_token=0.001, attention_seconds_per_token_pair=1e-6, overhead_seconds=0.5
+    ).prefill_seconds(1000, 400) == pytest.approx(0.5 + 0.6 + 1e-6 * 420_300)
     with pytest.raises(FileNotFoundError, match="calibrate"):
         CostModel.load(tmp_path / "missing.json")
 
@@ -240,9 +258,28 @@ def test_table_columns_line_up(agent_run):
 
 def test_cli_writes_json_and_plots_and_prints_every_path(tmp_path, capsys):
     out_json, out_png = tmp_path / "out.json", tmp_path / "out.png"
-    code = main(["simulate", "--trace", "agent", "--limit", "300", "--replicas", "4",
-                 "--policies", "kv_aware,round_robin", "--json", str(out_json), "--plot", str(out_png),
-                 "--sweep", "capacity", "--sweep-capacities", "50,400", "--no-progress"])
+    code = main(
+        [
+            "simulate",
+            "--trace",
+            "agent",
+            "--limit",
+            "300",
+            "--replicas",
+            "4",
+            "--policies",
+            "kv_aware,round_robin",
+            "--json",
+            str(out_json),
+            "--plot",
+            str(out_png),
+            "--sweep",
+            "capacity",
+            "--sweep-capacities",
+            "50,400",
+            "--no-progress",
+        ]
+    )
     assert code == 0
     body = json.loads(out_json.read_text())
     assert list(body) == ["kv_aware", "round_robin", BOUND_NAME]
@@ -273,8 +310,24 @@ def test_cli_default_plot_lands_in_the_working_directory_and_says_so(tmp_path, m
 
 
 def test_cli_replays_a_built_in_trace_by_name(capsys):
-    assert main(["simulate", "--trace", "conversation", "--limit", "100", "--replicas", "2",
-                 "--policies", "kv_aware", "--no-plot", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "--trace",
+                "conversation",
+                "--limit",
+                "100",
+                "--replicas",
+                "2",
+                "--policies",
+                "kv_aware",
+                "--no-plot",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out.startswith("conversation: 100 requests")
 
 
@@ -300,8 +353,10 @@ def test_cli_reports_user_errors(tmp_path, monkeypatch, capsys):
 
 def test_cli_needs_a_trace_unless_calibrating(capsys):
     assert main(["simulate"]) == 2
-    assert "--trace NAME|FILE is required unless --calibrate is given (built-in traces: conversation" in \
-        capsys.readouterr().err
+    assert (
+        "--trace NAME|FILE is required unless --calibrate is given (built-in traces: conversation"
+        in capsys.readouterr().err
+    )
 
 
 def test_calibrate_writes_a_cost_model_the_simulator_loads(tmp_path, default_model_dir, capsys, caplog):
@@ -314,8 +369,10 @@ def test_calibrate_writes_a_cost_model_the_simulator_loads(tmp_path, default_mod
     assert cost.description.endswith("; host and disk reads measured, remote stated")
     # the tiers were timed on this machine with the built-in model's records, the remote keeps its stated cost
     assert 0 < cost.kv_bytes_per_token < CostModel().kv_bytes_per_token
-    assert (cost.host_bytes_per_second, cost.disk_bytes_per_second) != (CostModel().host_bytes_per_second,
-                                                                       CostModel().disk_bytes_per_second)
+    assert (cost.host_bytes_per_second, cost.disk_bytes_per_second) != (
+        CostModel().host_bytes_per_second,
+        CostModel().disk_bytes_per_second,
+    )
     assert cost.remote_bytes_per_second == CostModel().remote_bytes_per_second
     assert capsys.readouterr().out.startswith(f"wrote {path}: ")
     steps = [record.getMessage() for record in caplog.records if record.name == "prefixserve.calibrate"]

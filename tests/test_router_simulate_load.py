@@ -9,9 +9,9 @@ win on both hit rate and TTFT p99, and keep the fleet's work balanced.
 
 import pytest
 
+from prefixserve.cli import main
 from prefixserve.router.policies import POLICIES
 from prefixserve.router.report import BOUND_NAME, format_load_sweep
-from prefixserve.cli import main
 from prefixserve.router.simulate import SimulationConfig, load_sweep
 
 LOADS = (0.5, 1.0, 2.0, 4.0)  # x the default agent trace's sessions (160) and their start rate (0.25/s)
@@ -19,8 +19,10 @@ LOADS = (0.5, 1.0, 2.0, 4.0)  # x the default agent trace's sessions (160) and t
 
 @pytest.fixture(scope="module")
 def sweep():
-    return {load: {r.policy: r for r in results}
-            for load, results in load_sweep(list(POLICIES), LOADS, SimulationConfig(num_replicas=8)).items()}
+    return {
+        load: {r.policy: r for r in results}
+        for load, results in load_sweep(list(POLICIES), LOADS, SimulationConfig(num_replicas=8)).items()
+    }
 
 
 @pytest.mark.parametrize("load", LOADS)
@@ -50,13 +52,33 @@ def test_load_sweep_table_and_cli(sweep, tmp_path, capsys):
     assert table[0].split() == ["load", "requests", "policy", "hit", "rate", "TTFT", "p50", "TTFT", "p99", "imbalance"]
     assert table[2].startswith("x0.5") and len({len(line) for line in table}) == 1
     plot = tmp_path / "out.png"
-    assert main(["simulate", "--trace", "agent", "--limit", "20", "--policies", "kv_aware,consistent_hash",
-                 "--sweep", "load", "--sweep-loads", "0.1,0.2", "--plot", str(plot), "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "--trace",
+                "agent",
+                "--limit",
+                "20",
+                "--policies",
+                "kv_aware,consistent_hash",
+                "--sweep",
+                "load",
+                "--sweep-loads",
+                "0.1,0.2",
+                "--plot",
+                str(plot),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "agent sessions across load, seed 0, 8 replicas" in out and "x0.2" in out
     assert (tmp_path / "out_sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["simulate", "--trace", "conversation", "--sweep", "load", "--no-plot"]) == 2
-    assert "--sweep load replays the generated agent trace at several loads; give --trace agent" in \
-        capsys.readouterr().err
+    assert (
+        "--sweep load replays the generated agent trace at several loads; give --trace agent" in capsys.readouterr().err
+    )
     assert main(["simulate", "--trace", "agent", "--sweep", "load", "--sweep-loads", "1,0", "--no-plot"]) == 2
     assert "--sweep-loads must list positive numbers" in capsys.readouterr().err

@@ -8,23 +8,30 @@ import pytest
 
 from prefixserve.cli import main
 from prefixserve.router.costs import CostModel
+from prefixserve.router.sim_steps import last_block_tokens
 from prefixserve.router.simulate import SimulationConfig, prepare_routes
 from prefixserve.router.simulate_pd import fleet_roles, parse_pd, simulate_steps
-from prefixserve.router.sim_steps import last_block_tokens
 from prefixserve.traces.mooncake import Trace, TraceRequest, load_trace
 
 # 1 ms a prompt token, no attention term or overhead; a 10 ms decode step plus nothing for KV reads;
 # chunks of 512 tokens (0.512 s); 1,000 KV bytes a token and a shared tier at 512 MB/s (1 ms a 512-token block).
-COST = CostModel(prefill_seconds_per_token=0.001, attention_seconds_per_token_pair=0.0, decode_seconds_per_token=0.01,
-                 decode_batch_size=1.0, overhead_seconds=0.0, kv_bytes_per_token=1000.0,
-                 decode_bytes_per_second=1e30, prefill_chunk_tokens=512.0,
-                 remote_latency_seconds=0.0, remote_bytes_per_second=512e6)
+COST = CostModel(
+    prefill_seconds_per_token=0.001,
+    attention_seconds_per_token_pair=0.0,
+    decode_seconds_per_token=0.01,
+    decode_batch_size=1.0,
+    overhead_seconds=0.0,
+    kv_bytes_per_token=1000.0,
+    decode_bytes_per_second=1e30,
+    prefill_chunk_tokens=512.0,
+    remote_latency_seconds=0.0,
+    remote_bytes_per_second=512e6,
+)
 
 
 def replay(requests, roles, cost=COST, **options):
     trace = Trace(requests, 512)
-    config = SimulationConfig(len(roles), 100, cost, remote_blocks=1000, fetch_policy="always",
-                              check_integrity=True)
+    config = SimulationConfig(len(roles), 100, cost, remote_blocks=1000, fetch_policy="always", check_integrity=True)
     return simulate_steps(trace, "kv_aware", config, roles, **options)
 
 
@@ -65,14 +72,15 @@ def test_the_decode_replica_reads_only_what_it_lacks():
     # and the prefill replica computed only what the shared prefix did not cover
     assert trails[1].prefill_hit_blocks == len(shared)
     # (the last trace block is never a hit, as in the policy replay): its blocks and the decode side's last
-    assert trails[1].computed_tokens == second.input_length - len(shared) * 512 + last_block_tokens(
-        second.input_length)
+    assert trails[1].computed_tokens == second.input_length - len(shared) * 512 + last_block_tokens(second.input_length)
 
 
 def test_conditional_disaggregation_prefills_short_misses_on_the_decode_replica():
     shared = list(range(8))
-    requests = [TraceRequest(0.0, 8 * 512 + 100, 4, shared + [100]),
-                TraceRequest(30.0, 8 * 512 + 100, 4, shared + [200])]
+    requests = [
+        TraceRequest(0.0, 8 * 512 + 100, 4, shared + [100]),
+        TraceRequest(30.0, 8 * 512 + 100, 4, shared + [200]),
+    ]
     handed = by_arrival(replay(requests, fleet_roles(1, 1)))
     local = by_arrival(replay(requests, fleet_roles(1, 1), local_prefill_tokens=1024))
     assert handed[1].prefill_replica.startswith("prefill")
@@ -84,8 +92,11 @@ def test_conditional_disaggregation_prefills_short_misses_on_the_decode_replica(
 
 
 def test_a_backed_up_prefill_pool_is_not_waited_for():
-    requests = [TraceRequest(0.0, 4096, 4, list(range(8))), TraceRequest(0.5, 4096, 4, list(range(10, 18))),
-                TraceRequest(9.0, 4096, 4, list(range(20, 28)))]
+    requests = [
+        TraceRequest(0.0, 4096, 4, list(range(8))),
+        TraceRequest(0.5, 4096, 4, list(range(10, 18))),
+        TraceRequest(9.0, 4096, 4, list(range(20, 28))),
+    ]
     trails = by_arrival(replay(requests, fleet_roles(1, 1), max_prefill_queue=1.0))
     assert trails[0].prefill_replica.startswith("prefill")
     # 3.6 s of the first prompt still to compute: the second is prefilled on the decode replica
@@ -117,20 +128,37 @@ def test_roles_and_splits_are_checked():
         with pytest.raises(ValueError, match="--pd"):
             parse_pd(bad)
     with pytest.raises(ValueError, match="shared tier"):
-        simulate_steps(Trace([TraceRequest(0.0, 512, 1, [1])], 512), "kv_aware", SimulationConfig(2), ["prefill",
-                                                                                                       "decode"])
+        simulate_steps(
+            Trace([TraceRequest(0.0, 512, 1, [1])], 512), "kv_aware", SimulationConfig(2), ["prefill", "decode"]
+        )
 
 
 def test_simulate_pd_command(tmp_path, capsys):
     trails, metrics = tmp_path / "trails.jsonl", tmp_path / "pd.json"
-    code = main(["simulate", "--trace", "conversation", "--limit", "200", "--replicas", "4", "--pd", "1:3,2:2",
-                 "--pd-trails", str(trails), "--json", str(metrics), "--no-plot", "--no-progress"])
+    code = main(
+        [
+            "simulate",
+            "--trace",
+            "conversation",
+            "--limit",
+            "200",
+            "--replicas",
+            "4",
+            "--pd",
+            "1:3,2:2",
+            "--pd-trails",
+            str(trails),
+            "--json",
+            str(metrics),
+            "--no-plot",
+            "--no-progress",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
     assert "both x4" in out and "pd 1:3 against both x4: TPOT p99" in out and "pd 2:2" in out
     rows = [json.loads(line) for line in trails.read_text().splitlines()]
     assert len(rows) == 3 * 200 and {row["fleet"] for row in rows} == {"both x4", "pd 1:3", "pd 2:2"}
     assert set(json.loads(metrics.read_text())) == {"both x4", "pd 1:3", "pd 2:2"}
-    code = main(["simulate", "--trace", "conversation", "--limit", "20", "--replicas", "4", "--pd", "3:3",
-                 "--no-plot"])
+    code = main(["simulate", "--trace", "conversation", "--limit", "20", "--replicas", "4", "--pd", "3:3", "--no-plot"])
     assert code == 2 and "equal hardware" in capsys.readouterr().err

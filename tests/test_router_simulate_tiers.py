@@ -11,23 +11,36 @@ from prefixserve.router.report import BOUND_NAME
 from prefixserve.router.sim_replica import SimulatedReplica, SimulationClock
 from prefixserve.router.sim_tiers import ReplicaTiers, SimulatedTier
 from prefixserve.router.simulate import (
-    SimulationConfig, infinite_cache_bound, prepare_routes, simulate, working_set_blocks,
+    SimulationConfig,
+    infinite_cache_bound,
+    prepare_routes,
+    simulate,
+    working_set_blocks,
 )
 from prefixserve.traces.mooncake import Trace, TraceRequest, load_trace
 
 # 1 ms a prompt token (0.512 s a 512-token block), no attention or overhead. 1,000 KV bytes a token,
 # 512,000 a block: host 1 ms a block, disk 10 ms, remote 100 ms, plus a latency of one block's read.
-TIER_COST = CostModel(prefill_seconds_per_token=0.001, attention_seconds_per_token_pair=0.0,
-                      decode_seconds_per_token=0.01, decode_batch_size=1.0, overhead_seconds=0.0,
-                      kv_bytes_per_token=1000.0,
-                      host_latency_seconds=0.001, host_bytes_per_second=512e6,
-                      disk_latency_seconds=0.01, disk_bytes_per_second=51.2e6,
-                      remote_latency_seconds=0.1, remote_bytes_per_second=5.12e6)
+TIER_COST = CostModel(
+    prefill_seconds_per_token=0.001,
+    attention_seconds_per_token_pair=0.0,
+    decode_seconds_per_token=0.01,
+    decode_batch_size=1.0,
+    overhead_seconds=0.0,
+    kv_bytes_per_token=1000.0,
+    host_latency_seconds=0.001,
+    host_bytes_per_second=512e6,
+    disk_latency_seconds=0.01,
+    disk_bytes_per_second=51.2e6,
+    remote_latency_seconds=0.1,
+    remote_bytes_per_second=5.12e6,
+)
 
 
 def make_replica(index=0, capacity_blocks=3, host=0, disk=0, remote=None, cost=TIER_COST, clock=None):
-    tiers = ReplicaTiers(SimulatedTier("host", host) if host else None,
-                         SimulatedTier("disk", disk) if disk else None, remote)
+    tiers = ReplicaTiers(
+        SimulatedTier("host", host) if host else None, SimulatedTier("disk", disk) if disk else None, remote
+    )
     return SimulatedReplica(index, capacity_blocks, cost, 512, clock or SimulationClock(), tiers)
 
 
@@ -132,13 +145,17 @@ def test_a_tier_evicts_its_least_recently_used_leaf_first():
 
 
 def test_kv_aware_fetches_on_an_idle_replica_rather_than_queue_behind_the_holder():
-    trace = Trace([
-        TraceRequest(0.0, 5120, 0, list(range(1, 11))),  # X on replica 0 (a tie on an idle fleet)
-        TraceRequest(6.0, 10240, 0, list(range(1, 11)) + list(range(30, 40))),  # Y extends X: replica 0, 5.12 s
-        TraceRequest(7.0, 5220, 0, list(range(1, 11)) + [40]),  # X again, while replica 0 computes Y
-    ], 512)
-    config = SimulationConfig(num_replicas=2, capacity_blocks=100, cost=TIER_COST, remote_blocks=1000,
-                              check_integrity=True)
+    trace = Trace(
+        [
+            TraceRequest(0.0, 5120, 0, list(range(1, 11))),  # X on replica 0 (a tie on an idle fleet)
+            TraceRequest(6.0, 10240, 0, list(range(1, 11)) + list(range(30, 40))),  # Y extends X: replica 0, 5.12 s
+            TraceRequest(7.0, 5220, 0, list(range(1, 11)) + [40]),  # X again, while replica 0 computes Y
+        ],
+        512,
+    )
+    config = SimulationConfig(
+        num_replicas=2, capacity_blocks=100, cost=TIER_COST, remote_blocks=1000, check_integrity=True
+    )
     with_remote = simulate(trace, "kv_aware", config)
     # replica 0 has 4.12 s of Y left; replica 1 fetches X's 10 blocks from the remote tier in 1.1 s
     assert with_remote.num_hit_tokens_by_tier == {"device": 5120, "remote": 5120}
@@ -157,8 +174,11 @@ def test_config_rejects_negative_tier_sizes():
 def test_cost_model_describes_each_tier_and_rejects_a_zero_bandwidth(tmp_path):
     costs = CostModel().tier_costs()
     assert list(costs) == ["host", "disk", "remote"]
-    assert (costs["host"].bytes_per_second, costs["disk"].bytes_per_second, costs["remote"].bytes_per_second) == \
-        (20e9, 3e9, 5e9)
+    assert (costs["host"].bytes_per_second, costs["disk"].bytes_per_second, costs["remote"].bytes_per_second) == (
+        20e9,
+        3e9,
+        5e9,
+    )
     with pytest.raises(ValueError, match="CostModel.remote_bytes_per_second must be positive"):
         CostModel(remote_bytes_per_second=0.0)
     path = tmp_path / "costs.json"
@@ -176,8 +196,9 @@ def test_a_remote_tier_holding_the_working_set_brings_kv_aware_to_the_bound_and_
     trace, routes = conversation
     bound = infinite_cache_bound(trace, routes)
     local = simulate(trace, "kv_aware", SimulationConfig(num_replicas=8), routes)
-    shared = simulate(trace, "kv_aware", SimulationConfig(num_replicas=8, remote_blocks=working_set_blocks(routes)),
-                      routes)
+    shared = simulate(
+        trace, "kv_aware", SimulationConfig(num_replicas=8, remote_blocks=working_set_blocks(routes)), routes
+    )
     assert local.hit_rate < 0.5 * bound.hit_rate  # the pools alone: under half of what is reachable
     assert shared.hit_rate >= 0.9 * bound.hit_rate
     assert shared.ttft_p50 < local.ttft_p50 and shared.ttft_p99 < local.ttft_p99
@@ -186,9 +207,31 @@ def test_a_remote_tier_holding_the_working_set_brings_kv_aware_to_the_bound_and_
 
 def test_cli_reports_the_lift_of_a_remote_tier(tmp_path, capsys):
     out_json, out_png = tmp_path / "out.json", tmp_path / "out.png"
-    assert main(["simulate", "--trace", "agent", "--limit", "300", "--replicas", "4", "--host-blocks", "50",
-                 "--remote-blocks", "5000", "--policies", "kv_aware,round_robin", "--json", str(out_json),
-                 "--plot", str(out_png), "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "--trace",
+                "agent",
+                "--limit",
+                "300",
+                "--replicas",
+                "4",
+                "--host-blocks",
+                "50",
+                "--remote-blocks",
+                "5000",
+                "--policies",
+                "kv_aware,round_robin",
+                "--json",
+                str(out_json),
+                "--plot",
+                str(out_png),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "tiers below the pool: host 50, remote 5,000 (working set" in out
     local, shared = out.split("with a remote tier of 5,000 blocks shared by the fleet:")

@@ -6,10 +6,9 @@ every break happens at an exact token and every expectation is exact.
 
 import httpx
 import pytest
+from router_fakes import Failure, assert_only_down_for, fake_fleet, post, read_stream, texts_of, wait_until
 
 from prefixserve.model import Tokenizer
-
-from router_fakes import Failure, assert_only_down_for, fake_fleet, post, read_stream, texts_of, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -23,9 +22,19 @@ def test_a_completion_stream_continues_on_another_replica_with_the_same_text(tok
         fakes[0].failure = Failure(how, after_tokens=5)
         prompt_ids = tokenizer.encode("tell me the greek letters")
         reference_ids, reference_text = fakes[1].reference(prompt_ids, 12, seed=7)
-        response = post(url, "/v1/completions", {"prompt": "tell me the greek letters", "max_tokens": 12, "seed": 7,
-                                                 "temperature": 0.8, "top_k": 5, "stream": True,
-                                                 "stream_options": {"include_usage": True}})
+        response = post(
+            url,
+            "/v1/completions",
+            {
+                "prompt": "tell me the greek letters",
+                "max_tokens": 12,
+                "seed": 7,
+                "temperature": 0.8,
+                "top_k": 5,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        )
         assert response.status_code == 200
         assert response.headers["x-prefixserve-replica"] == "replica-0"
         events, done = read_stream(response)
@@ -34,8 +43,12 @@ def test_a_completion_stream_continues_on_another_replica_with_the_same_text(tok
         assert {e["id"] for e in events} == {events[0]["id"]} and {e["created"] for e in events} == {1001}
         assert all("token_ids" not in c and "prompt_token_ids" not in c for e in events for c in e["choices"])
         assert events[-2]["choices"][0]["finish_reason"] == "length"
-        assert events[-1]["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": 12, "total_tokens":
-                                       len(prompt_ids) + 12, "prompt_tokens_details": {"cached_tokens": 3}}
+        assert events[-1]["usage"] == {
+            "prompt_tokens": len(prompt_ids),
+            "completion_tokens": 12,
+            "total_tokens": len(prompt_ids) + 12,
+            "prompt_tokens_details": {"cached_tokens": 3},
+        }
         # The continuation: original prompt + the 5 ids already sent, 7 tokens to go, same sampling fields.
         [(path, body, _)] = fakes[1].requests
         assert path == "/v1/completions"
@@ -56,8 +69,11 @@ def test_a_chat_stream_continues_as_chat_chunks_and_keeps_token_ids_the_client_a
         messages = [{"role": "user", "content": "and the letters?"}]
         prompt_ids = tokenizer.encode_chat(messages)
         reference_ids, reference_text = fakes[1].reference(prompt_ids, 9)
-        response = post(url, "/v1/chat/completions", {"messages": messages, "max_tokens": 9, "stream": True,
-                                                      "return_token_ids": True})
+        response = post(
+            url,
+            "/v1/chat/completions",
+            {"messages": messages, "max_tokens": 9, "stream": True, "return_token_ids": True},
+        )
         events, done = read_stream(response)
         assert done and texts_of(events, chat=True) == reference_text
         assert {e["object"] for e in events} == {"chat.completion.chunk"}
@@ -74,9 +90,8 @@ def test_a_stop_string_across_the_break_ends_the_stream_where_an_unbroken_one_wo
         _, full_text = fakes[1].reference(prompt_ids, 20)
         fakes[0].failure = Failure("reset", after_tokens=4)
         sent_before_break = tokenizer.decode(fakes[1].reference(prompt_ids, 4)[0])
-        stop = full_text[len(sent_before_break) - 2: len(sent_before_break) + 3]  # straddles the break
-        response = post(url, "/v1/completions", {"prompt": "letters", "max_tokens": 20, "stop": [stop],
-                                                 "stream": True})
+        stop = full_text[len(sent_before_break) - 2 : len(sent_before_break) + 3]  # straddles the break
+        response = post(url, "/v1/completions", {"prompt": "letters", "max_tokens": 20, "stop": [stop], "stream": True})
         events, done = read_stream(response)
         assert done and texts_of(events) == full_text[: full_text.index(stop)]
         assert events[-1]["choices"][0]["finish_reason"] == "stop"
@@ -107,8 +122,11 @@ def test_a_stream_that_cannot_continue_ends_with_an_error_event(tokenizer, case)
     options = {"max_attempts": 1} if case == "attempts_exhausted" else {}
     with fake_fleet(tokenizer, num_replicas, **options) as (url, fakes, router):
         fakes[0].failure = Failure("reset", after_tokens=2)
-        response = post(url, "/v1/completions", {"prompt": "letters", "max_tokens": 6, "stream": True,
-                                                 "n": 2 if case == "n_2" else 1})
+        response = post(
+            url,
+            "/v1/completions",
+            {"prompt": "letters", "max_tokens": 6, "stream": True, "n": 2 if case == "n_2" else 1},
+        )
         events, done = read_stream(response)
         assert done and set(events[-1]["error"]) == {"message", "type", "param", "code"}
         assert events[-1]["error"]["code"] == {"n_2": "stream_interrupted"}.get(case, "no_replica")
@@ -121,6 +139,7 @@ def test_a_stream_is_continued_only_on_a_replica_of_the_same_model_version(token
     """A rolling deploy: replica-1 restarts on another checkpoint under the same name. A stream broken on
     replica-0 is not stitched onto it: it ends with an error event; /health reports the mixed fleet.
     Once replica-1 serves replica-0's version again, the same break is continued there."""
+
     def restart_on(fake, replica, fingerprint):
         """Down (its /health answers 503, as while it restarts), then up on `fingerprint`: the router reads
         the version of a replica that came back up before it trusts it."""
@@ -188,8 +207,9 @@ def test_a_replica_marked_down_releases_the_plain_requests_waiting_on_it(tokeniz
     with fake_fleet(tokenizer) as (url, fakes, router):
         fakes[0].failure = Failure("stall_plain")
         result = []
-        thread = threading.Thread(target=lambda: result.append(post(url, "/v1/completions",
-                                                                    {"prompt": "hi", "max_tokens": 3})))
+        thread = threading.Thread(
+            target=lambda: result.append(post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 3}))
+        )
         thread.start()
         wait_until(lambda: len(fakes[0].requests) == 1)
         fakes[0].engine_dead = True  # its /health fails: the router marks it down, on its own loop
@@ -204,10 +224,17 @@ def test_a_continued_streams_usage_keeps_the_cached_tokens_by_tier():
     progress = ChoiceProgress()
     progress.prompt_token_ids = list(range(100))
     progress.output_token_ids = list(range(7))
-    reported = {"prompt_tokens_details": {"cached_tokens": 104, "cached_tokens_by_tier": {
-        "device": 64, "host": 0, "disk": 40, "remote": 0}}}  # the continuation's longer prompt
+    reported = {
+        "prompt_tokens_details": {
+            "cached_tokens": 104,
+            "cached_tokens_by_tier": {"device": 64, "host": 0, "disk": 40, "remote": 0},
+        }
+    }  # the continuation's longer prompt
     details = usage_of([progress], 1, reported)["prompt_tokens_details"]
-    assert details == {"cached_tokens": 100,
-                       "cached_tokens_by_tier": {"device": 64, "host": 0, "disk": 36, "remote": 0}}
+    assert details == {
+        "cached_tokens": 100,
+        "cached_tokens_by_tier": {"device": 64, "host": 0, "disk": 36, "remote": 0},
+    }
     assert usage_of([progress], 1, {"prompt_tokens_details": {"cached_tokens": 3}})["prompt_tokens_details"] == {
-        "cached_tokens": 3}
+        "cached_tokens": 3
+    }

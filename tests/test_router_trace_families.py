@@ -13,28 +13,28 @@ from dataclasses import replace
 
 import pytest
 
-from prefixserve.traces.agents import generate_agent_trace, parse_agent_knobs
 from prefixserve.router.policies import POLICIES
 from prefixserve.router.report import BOUND_NAME
 from prefixserve.router.simulate import SimulationConfig, compare_policies, uncached_utilization
+from prefixserve.traces.agents import generate_agent_trace, parse_agent_knobs
 
 FAMILIES = {
     "short_sessions": "num_sessions=36,session_rate=0.5,turns=2-6,num_system_prompts=32,"
-                      "system_prompt_tokens=500-1500,tool_result_tokens=50-300,task_tokens=100-400",
+    "system_prompt_tokens=500-1500,tool_result_tokens=50-300,task_tokens=100-400",
     "long_tool_results": "num_sessions=60,session_rate=0.1,turns=4-10,tool_result_tokens=2000-6000",
     "long_answers": "output_tokens=1000-4000,turns=4-10,num_sessions=100,session_rate=0.15",
     "hot_system_prompt": "num_sessions=80,num_system_prompts=2,system_prompt_skew=1.5,system_prompt_tokens=400-5200,"
-                         "tool_schema_tokens=500,task_tokens=500-2900,turns=6-23,tool_result_tokens=1900-2200,"
-                         "output_tokens=200-1300,think_time_mean_seconds=3,think_times=pareto,session_gaps=lognormal",
+    "tool_schema_tokens=500,task_tokens=500-2900,turns=6-23,tool_result_tokens=1900-2200,"
+    "output_tokens=200-1300,think_time_mean_seconds=3,think_times=pareto,session_gaps=lognormal",
     "bursty": "session_gaps=pareto,think_times=pareto,turns=6-20,num_sessions=12",
     "chat": "num_sessions=30,session_rate=1.0,turns=1-3,tool_schema_tokens=0,num_system_prompts=16,"
-            "think_time_mean_seconds=30",
+    "think_time_mean_seconds=30",
     "few_long_sessions": "num_sessions=400,session_gaps=constant,system_prompt_tokens=4500-5600,system_prompt_skew=0.8,"
-                         "tool_schema_tokens=500,turns=24-31,tool_result_tokens=2200-3800,output_tokens=2400-2800,"
-                         "turn_gap_seconds=0.5,think_time_mean_seconds=0.5",
+    "tool_schema_tokens=500,turns=24-31,tool_result_tokens=2200-3800,output_tokens=2400-2800,"
+    "turn_gap_seconds=0.5,think_time_mean_seconds=0.5",
     "steady_tight_turns": "session_gaps=constant,think_times=uniform,num_sessions=400,turns=12-30,"
-                          "turn_gap_seconds=0.5,think_time_mean_seconds=1,tool_result_tokens=3800-4900,"
-                          "output_tokens=300-1400,num_system_prompts=16",
+    "turn_gap_seconds=0.5,think_time_mean_seconds=1,tool_result_tokens=3800-4900,"
+    "output_tokens=300-1400,num_system_prompts=16",
 }
 LOADS = {"light": 0.1, "medium": 0.3, "heavy": 0.6}  # uncached utilization
 SEEDS = (0, 1)
@@ -62,9 +62,12 @@ def family_results(request):
     for load in LOADS:
         runs = [compare_policies(trace_at(request.param, load, seed), list(POLICIES), CONFIG) for seed in SEEDS]
         by_load[load] = {
-            row.policy: (statistics.fmean(run[i].hit_rate for run in runs),
-                         statistics.fmean(run[i].ttft_p99 for run in runs))
-            for i, row in enumerate(runs[0])}
+            row.policy: (
+                statistics.fmean(run[i].hit_rate for run in runs),
+                statistics.fmean(run[i].ttft_p99 for run in runs),
+            )
+            for i, row in enumerate(runs[0])
+        }
     return request.param, by_load
 
 
@@ -80,9 +83,11 @@ def test_kv_aware_is_within_half_a_point_and_five_percent_of_the_best_policy_at_
         best_hit = max(others, key=lambda name: others[name][0])
         best_p99 = min(others, key=lambda name: others[name][1])
         assert kv_hit >= others[best_hit][0] - HIT_RATE_POINTS, (
-            f"{family} at {load} load: kv_aware hits {kv_hit:.2%}, {best_hit} {others[best_hit][0]:.2%}")
+            f"{family} at {load} load: kv_aware hits {kv_hit:.2%}, {best_hit} {others[best_hit][0]:.2%}"
+        )
         assert kv_p99 <= others[best_p99][1] * TTFT_P99_RATIO, (
-            f"{family} at {load} load: kv_aware TTFT p99 {kv_p99:.3f} s, {best_p99} {others[best_p99][1]:.3f} s")
+            f"{family} at {load} load: kv_aware TTFT p99 {kv_p99:.3f} s, {best_p99} {others[best_p99][1]:.3f} s"
+        )
         assert kv_hit <= results[BOUND_NAME][0]
 
 

@@ -11,8 +11,14 @@ BS = 4
 
 def make(num_blocks=32, budget=16, max_num_seqs=8, caching=True, policy="fcfs"):
     cache = RadixCache(num_blocks, BS)
-    return Scheduler(cache, BlockKeyer(BS), max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                     enable_prefix_caching=caching, policy=policy)
+    return Scheduler(
+        cache,
+        BlockKeyer(BS),
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        enable_prefix_caching=caching,
+        policy=policy,
+    )
 
 
 def request(name, tokens, max_tokens=4):
@@ -23,8 +29,10 @@ def step(scheduler, token=7):
     """One step with a fake model that samples `token` wherever logits exist."""
     out = scheduler.schedule()
     plan = [(item.request.request_id, item.num_new_tokens) for item in out.scheduled]
-    sampled = [token if item.request.num_computed_tokens + item.num_new_tokens == item.request.num_tokens else None
-               for item in out.scheduled]
+    sampled = [
+        token if item.request.num_computed_tokens + item.num_new_tokens == item.request.num_tokens else None
+        for item in out.scheduled
+    ]
     scheduler.update(out, sampled)
     scheduler.cache.check_integrity()
     return plan, out

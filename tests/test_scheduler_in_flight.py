@@ -1,11 +1,11 @@
 """A waiting request whose prefix a running request is computing lets others pass, then hits (in_flight.py)."""
 
+from test_scheduler import BS, make, request, run, step
+
 from prefixserve.cache import CacheScope
 from prefixserve.engine.in_flight import IN_FLIGHT_MIN_TOKENS
 from prefixserve.engine.request import Request
 from prefixserve.engine.sampling_params import SamplingParams
-
-from test_scheduler import BS, make, request, run, step
 
 SHARED = list(range(1000, 1000 + 10 * BS + 2))  # 10 full blocks and 2 tokens: well over IN_FLIGHT_MIN_TOKENS
 assert len(SHARED) >= IN_FLIGHT_MIN_TOKENS + BS
@@ -73,8 +73,9 @@ def test_nobody_waits_for_a_request_whose_blocks_are_never_cached():
 def test_another_tenants_identical_prompt_is_not_waited_for():
     s = make(num_blocks=64, budget=256)
     other_scope = CacheScope("model", "tokenizer", cache_salt="tenant-b").digest
-    theirs = Request("theirs", SHARED + [1], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
-                     other_scope)
+    theirs = Request(
+        "theirs", SHARED + [1], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), other_scope
+    )
     s.add_request(request("ours", SHARED + [1]))
     s.add_request(theirs)
     plan, _ = step(s)

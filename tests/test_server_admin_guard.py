@@ -5,10 +5,10 @@ the guarded ones) and behavioural (no key, a tenant's key, a wrong key: refused 
 import httpx
 import pytest
 from fastapi.routing import APIRoute
+from server_helpers import LiveServer
 
 from prefixserve.server.api import ADMIN_ROUTE_GROUPS, OPEN_ROUTE_GROUPS, admin_router
 from prefixserve.server.auth import admin_only
-from server_helpers import LiveServer
 
 ADMIN = "guard-admin-key"
 ADMIN_PATHS = ("/v1/kv_events", "/v1/cache", "/v1/admin", "/dashboard/api/")
@@ -41,16 +41,24 @@ def test_the_app_serves_nothing_outside_those_groups(server):
     assert served <= known, served - known  # a router included some other way would show here
 
 
-@pytest.mark.parametrize("key, status, code", [(None, 401, "invalid_api_key"), ("tenant-key", 403, "admin_only"),
-                                               ("wrong", 401, "invalid_api_key")])
+@pytest.mark.parametrize(
+    "key, status, code",
+    [(None, 401, "invalid_api_key"), ("tenant-key", 403, "admin_only"), ("wrong", 401, "invalid_api_key")],
+)
 def test_each_admin_route_refuses_anyone_but_the_operator_before_reading_its_input(server, key, status, code):
     headers = {"content-type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
     for route in routes_of(ADMIN_ROUTE_GROUPS):
         path = route.path.replace("{pin_id}", "no-such-pin")
         for method in sorted(route.methods):
             # a malformed query and body too: the guard answers before any validation would
-            response = httpx.request(method, server.url + path, params={"since": "abc", "max_nodes": "x"},
-                                     content=b"{not json", headers=headers, timeout=30)
+            response = httpx.request(
+                method,
+                server.url + path,
+                params={"since": "abc", "max_nodes": "x"},
+                content=b"{not json",
+                headers=headers,
+                timeout=30,
+            )
             assert response.status_code == status, (method, path, response.status_code, response.text)
             error = response.json()["error"]
             assert set(error) == {"message", "type", "param", "code"} and error["code"] == code, (method, path)

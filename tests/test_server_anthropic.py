@@ -9,13 +9,19 @@ import anthropic
 import httpx
 import jsonschema
 import pytest
-
 from server_helpers import LiveServer
 
 KEY, ADMIN = "tenant-key", "admin-key"
-WEATHER = {"name": "get_weather", "description": "The weather in a city.",
-           "input_schema": {"type": "object", "additionalProperties": False, "required": ["city"],
-                            "properties": {"city": {"enum": ["Paris", "Oslo"]}}}}
+WEATHER = {
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "input_schema": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["city"],
+        "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+    },
+}
 SYSTEM_TEXT = "You are an agent with tools; be brief. " * 30
 
 
@@ -70,8 +76,13 @@ def test_a_breakpoint_pins_its_prefix_for_its_ttl_and_a_hit_extends_it(server, c
 
 
 def test_forced_tool_use_whole_and_streamed(client):
-    fields = dict(system=system(), tools=[WEATHER], tool_choice={"type": "any"}, max_tokens=40,
-                  messages=[{"role": "user", "content": "Weather in Paris?"}])
+    fields = dict(
+        system=system(),
+        tools=[WEATHER],
+        tool_choice={"type": "any"},
+        max_tokens=40,
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+    )
     whole = create(client, **fields)
     assert whole.stop_reason == "tool_use"
     use = whole.content[-1]
@@ -80,20 +91,31 @@ def test_forced_tool_use_whole_and_streamed(client):
     with client.messages.stream(model="prefixserve-tiny", extra_body={"temperature": 0.0}, **fields) as stream:
         streamed = stream.get_final_message()
     assert streamed.stop_reason == "tool_use"
-    assert [(b.type, getattr(b, "name", None), getattr(b, "input", None)) for b in streamed.content] == \
-        [(b.type, getattr(b, "name", None), getattr(b, "input", None)) for b in whole.content]
+    assert [(b.type, getattr(b, "name", None), getattr(b, "input", None)) for b in streamed.content] == [
+        (b.type, getattr(b, "name", None), getattr(b, "input", None)) for b in whole.content
+    ]
     assert streamed.usage.output_tokens == whole.usage.output_tokens
 
 
 def test_a_tool_result_continues_from_the_cache(client):
     question = [{"role": "user", "content": "Weather in Oslo?"}]
-    first = create(client, system=system(), tools=[WEATHER], tool_choice={"type": "tool", "name": "get_weather"},
-                   max_tokens=40, messages=question)
+    first = create(
+        client,
+        system=system(),
+        tools=[WEATHER],
+        tool_choice={"type": "tool", "name": "get_weather"},
+        max_tokens=40,
+        messages=question,
+    )
     use = first.content[-1]
-    turn = question + [{"role": "assistant", "content": [block.model_dump(exclude_none=True) for block in first.content]},
-                       {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "-3 C"}]}]
+    turn = question + [
+        {"role": "assistant", "content": [block.model_dump(exclude_none=True) for block in first.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "-3 C"}]},
+    ]
     second = create(client, system=system(), tools=[WEATHER], messages=turn)
-    first_prompt = first.usage.input_tokens + first.usage.cache_creation_input_tokens + first.usage.cache_read_input_tokens
+    first_prompt = (
+        first.usage.input_tokens + first.usage.cache_creation_input_tokens + first.usage.cache_read_input_tokens
+    )
     assert second.usage.cache_read_input_tokens >= first_prompt // 16 * 16
 
 
@@ -104,10 +126,13 @@ def test_a_stop_sequence_is_reported(client):
     assert reply.stop_reason == "stop_sequence" and reply.stop_sequence == stop
 
 
-@pytest.mark.parametrize("content", [
-    [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}],
-    [{"type": "text", "text": f"part {i}", "cache_control": {"type": "ephemeral"}} for i in range(5)],
-])
+@pytest.mark.parametrize(
+    "content",
+    [
+        [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}],
+        [{"type": "text", "text": f"part {i}", "cache_control": {"type": "ephemeral"}} for i in range(5)],
+    ],
+)
 def test_what_cannot_be_served_is_an_anthropic_400(client, content):
     with pytest.raises(anthropic.BadRequestError) as caught:
         create(client, messages=[{"role": "user", "content": content}])
@@ -119,20 +144,32 @@ def test_x_api_key_maps_to_a_tenant_and_a_wrong_key_is_refused(server):
     with pytest.raises(anthropic.AuthenticationError) as caught:
         wrong.messages.create(model="prefixserve-tiny", max_tokens=2, messages=[{"role": "user", "content": "x"}])
     assert caught.value.body["error"]["type"] == "authentication_error"
-    both = httpx.post(server.url + "/v1/messages", timeout=30,
-                      headers={"x-api-key": KEY, "Authorization": "Bearer other"},
-                      json={"model": "prefixserve-tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]})
+    both = httpx.post(
+        server.url + "/v1/messages",
+        timeout=30,
+        headers={"x-api-key": KEY, "Authorization": "Bearer other"},
+        json={"model": "prefixserve-tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]},
+    )
     assert both.status_code == 400 and json.loads(both.text)["type"] == "error"
-    openai_style = httpx.post(server.url + "/v1/completions", headers={"x-api-key": KEY}, timeout=30,
-                              json={"prompt": "x", "max_tokens": 2})
+    openai_style = httpx.post(
+        server.url + "/v1/completions", headers={"x-api-key": KEY}, timeout=30, json={"prompt": "x", "max_tokens": 2}
+    )
     assert openai_style.status_code == 200
 
 
 def test_output_config_format_gives_json_that_follows_the_schema(client):
-    schema = {"type": "object", "additionalProperties": False, "required": ["ok"],
-              "properties": {"ok": {"type": "boolean"}}}
-    reply = create(client, max_tokens=20, messages=[{"role": "user", "content": "Reply in JSON"}],
-                   output_config={"format": {"type": "json_schema", "schema": schema}})
+    schema = {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["ok"],
+        "properties": {"ok": {"type": "boolean"}},
+    }
+    reply = create(
+        client,
+        max_tokens=20,
+        messages=[{"role": "user", "content": "Reply in JSON"}],
+        output_config={"format": {"type": "json_schema", "schema": schema}},
+    )
     assert reply.stop_reason == "end_turn"
     jsonschema.validate(json.loads(reply.content[0].text), schema)
 
@@ -145,8 +182,9 @@ def test_top_level_cache_control_marks_the_last_block(server, client):
     assert len([pin for pin in pins(server) if pin["id"] not in before]) == 1
 
 
-@pytest.mark.parametrize("fields", [{"thinking": {"type": "enabled", "budget_tokens": 1024}},
-                                    {"output_config": {"effort": "high"}}])
+@pytest.mark.parametrize(
+    "fields", [{"thinking": {"type": "enabled", "budget_tokens": 1024}}, {"output_config": {"effort": "high"}}]
+)
 def test_features_not_served_are_refused_not_ignored(client, fields):
     with pytest.raises(anthropic.BadRequestError):
         create(client, messages=[{"role": "user", "content": "x"}], **fields)

@@ -9,12 +9,11 @@ import time
 
 import httpx
 import pytest
+from server_helpers import LiveServer, assert_openai_error
 
 from prefixserve.http import BEATS, PROGRESS_HEADER
 from prefixserve.server import beats
 from prefixserve.server.beats import BODY_BEAT, beating
-
-from server_helpers import LiveServer, assert_openai_error
 
 BEATING = {PROGRESS_HEADER: BEATS}
 
@@ -145,8 +144,10 @@ def test_a_beating_stream_is_the_plain_stream_with_comments(server, monkeypatch)
     assert beat_headers[PROGRESS_HEADER] == BEATS and PROGRESS_HEADER not in headers
     comments = [line for line in raw if line.startswith(":")]
     assert comments and set(comments) == {": beat"}
-    texts = [[json.loads(line[6:])["choices"] for line in lines if line != "data: [DONE]"]
-             for lines in (plain, beating_lines)]
+    texts = [
+        [json.loads(line[6:])["choices"] for line in lines if line != "data: [DONE]"]
+        for lines in (plain, beating_lines)
+    ]
     assert texts[0] == texts[1] and beating_lines[-1] == "data: [DONE]"
 
 
@@ -165,8 +166,9 @@ def test_a_request_pinned_to_a_model_version(server):
     assert served.json()["system_fingerprint"] == f"fp_{fingerprint[:16]}"
     assert answer(server, {**body, "model": f"{name}@{fingerprint[:8].upper()}"}).status_code == 200
     other = "0" * 16 if not fingerprint.startswith("0" * 16) else "f" * 16
-    assert_openai_error(answer(server, {**body, "model": f"{name}@fp_{other}"}), 404, param="model",
-                        code="model_not_found")
+    assert_openai_error(
+        answer(server, {**body, "model": f"{name}@fp_{other}"}), 404, param="model", code="model_not_found"
+    )
     for malformed in (f"{name}@", f"{name}@fp_12", f"{name}@xyz123"):
         assert_openai_error(answer(server, {**body, "model": malformed}), 400, param="model", code="invalid_value")
     assert_openai_error(answer(server, {**body, "model": f"other@fp_{fingerprint[:16]}"}), 404, code="model_not_found")

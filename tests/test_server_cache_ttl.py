@@ -4,7 +4,6 @@ import json
 
 import httpx
 import pytest
-
 from server_helpers import LiveServer, assert_openai_error
 
 ADMIN = "admin-secret"
@@ -21,8 +20,12 @@ def server(tmp_path_factory):
 
 
 def complete(server, key, **body):
-    return httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {key}"},
-                      json={"prompt": PROMPT, "max_tokens": 2, "temperature": 0, **body}, timeout=60)
+    return httpx.post(
+        server.url + "/v1/completions",
+        headers={"Authorization": f"Bearer {key}"},
+        json={"prompt": PROMPT, "max_tokens": 2, "temperature": 0, **body},
+        timeout=60,
+    )
 
 
 def ttls_of_cached_blocks(server) -> set:
@@ -52,8 +55,11 @@ def test_prompt_cache_retention_24h_needs_a_server_that_keeps_a_day(server, tmp_
     assert complete(server, "key-beta", prompt_cache_retention="in_memory", prompt_cache_key="s1").status_code == 200
     assert_openai_error(complete(server, "key-beta", prompt_cache_retention="1h"), 422, "prompt_cache_retention")
     with LiveServer("--max-cache-ttl", "86400") as day:
-        response = httpx.post(day.url + "/v1/completions", timeout=60,
-                              json={"prompt": PROMPT, "max_tokens": 2, "prompt_cache_retention": "24h"})
+        response = httpx.post(
+            day.url + "/v1/completions",
+            timeout=60,
+            json={"prompt": PROMPT, "max_tokens": 2, "prompt_cache_retention": "24h"},
+        )
         assert response.status_code == 200, response.text
         day.wait_idle()
         assert ttls_of_cached_blocks(day) == {86400.0}
@@ -62,8 +68,12 @@ def test_prompt_cache_retention_24h_needs_a_server_that_keeps_a_day(server, tmp_
 @pytest.mark.parametrize("value", [0, -1, "60", True, None])
 def test_bad_cache_ttl_values_are_422_naming_the_field(server, value):
     if value is None:
-        response = httpx.post(server.url + "/v1/completions", headers={"Authorization": "Bearer key-beta"},
-                              content=b'{"prompt": "x", "max_tokens": 1, "cache_ttl": NaN}', timeout=30)
+        response = httpx.post(
+            server.url + "/v1/completions",
+            headers={"Authorization": "Bearer key-beta"},
+            content=b'{"prompt": "x", "max_tokens": 1, "cache_ttl": NaN}',
+            timeout=30,
+        )
         assert response.status_code in (400, 422), response.text
         assert "Traceback" not in response.text
         return
@@ -89,8 +99,11 @@ def test_reuse_gaps_are_measured_per_tenant_and_exposed_to_the_operator_only(ser
 
 def test_cache_stats_refuses_tenants_and_missing_keys(server):
     assert_openai_error(httpx.get(server.url + "/v1/cache/stats", timeout=30), 401)
-    assert_openai_error(httpx.get(server.url + "/v1/cache/stats", headers={"Authorization": "Bearer key-acme"},
-                                  timeout=30), 403, code="admin_only")
+    assert_openai_error(
+        httpx.get(server.url + "/v1/cache/stats", headers={"Authorization": "Bearer key-acme"}, timeout=30),
+        403,
+        code="admin_only",
+    )
 
 
 def test_cache_stats_is_off_without_an_admin_key():
@@ -98,11 +111,14 @@ def test_cache_stats_is_off_without_an_admin_key():
         assert_openai_error(httpx.get(live.url + "/v1/cache/stats", timeout=30), 404, code="admin_disabled")
 
 
-@pytest.mark.parametrize("entry, message", [
-    ({"tenant": "a", "cache_ttl": -5}, "cache_ttl"),
-    ({"tenant": "a", "ttl": 5}, "fields"),
-    ({"cache_ttl": 5}, "tenant"),
-])
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        ({"tenant": "a", "cache_ttl": -5}, "cache_ttl"),
+        ({"tenant": "a", "ttl": 5}, "fields"),
+        ({"cache_ttl": 5}, "tenant"),
+    ],
+)
 def test_a_bad_keys_file_entry_is_refused_at_start_up_naming_the_fix(tmp_path, entry, message):
     from prefixserve.http_keys import load_tenant_cache_ttls
 

@@ -9,7 +9,6 @@ import time
 
 import httpx
 import pytest
-
 from server_helpers import LiveServer, assert_openai_error
 
 ADMIN = "admin-secret"
@@ -19,8 +18,17 @@ ADMIN = "admin-secret"
 def server(tmp_path_factory):
     keys = tmp_path_factory.mktemp("hardening") / "keys.json"
     keys.write_text(json.dumps({"key-a": "tenant-a", "key-b": "tenant-b"}))
-    with LiveServer("--api-keys-file", str(keys), "--admin-api-key", ADMIN, "--enable-kv-events",
-                    "--max-request-bytes", "1000000", "--max-waiting", "32") as live:
+    with LiveServer(
+        "--api-keys-file",
+        str(keys),
+        "--admin-api-key",
+        ADMIN,
+        "--enable-kv-events",
+        "--max-request-bytes",
+        "1000000",
+        "--max-waiting",
+        "32",
+    ) as live:
         yield live
 
 
@@ -59,7 +67,9 @@ def test_a_failing_step_fails_its_requests_alone(server):
 
     runner.execute = broken
     try:
-        assert_openai_error(post(server, "/v1/completions", {"prompt": "boom", "max_tokens": 2}), 500, code="request_failed")
+        assert_openai_error(
+            post(server, "/v1/completions", {"prompt": "boom", "max_tokens": 2}), 500, code="request_failed"
+        )
     finally:
         runner.execute = original
     assert calls == [1]
@@ -77,8 +87,9 @@ def test_a_failing_step_fails_its_requests_alone(server):
 # ----------------------------------------------------------------------------- admin-only endpoints
 @pytest.mark.parametrize("path", ["/v1/kv_events", "/v1/cache/keys", "/v1/cache/info"])
 def test_cache_endpoints_answer_the_admin_key_only(server, path):
-    assert_openai_error(httpx.get(server.url + path, headers={"Authorization": "Bearer key-a"}, timeout=10), 403,
-                 code="admin_only")
+    assert_openai_error(
+        httpx.get(server.url + path, headers={"Authorization": "Bearer key-a"}, timeout=10), 403, code="admin_only"
+    )
     assert_openai_error(httpx.get(server.url + path, timeout=10), 401)
     assert httpx.get(server.url + path, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=10).status_code == 200
 
@@ -98,8 +109,9 @@ def test_admin_endpoints_are_off_without_an_admin_key():
 
 
 def test_kv_events_bad_cursor_is_an_openai_error(server):
-    response = httpx.get(server.url + "/v1/kv_events?since=abc", headers={"Authorization": f"Bearer {ADMIN}"},
-                         timeout=10)
+    response = httpx.get(
+        server.url + "/v1/kv_events?since=abc", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=10
+    )
     assert_openai_error(response, 422, param="since")
 
 
@@ -108,29 +120,50 @@ DEEP = b'{"prompt": "x", "extra": ' + b"[" * 5000 + b"]" * 5000 + b"}"
 HUGE_INT = b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}"
 
 
-@pytest.mark.parametrize("path, body, status, param", [
-    ("/v1/completions", DEEP, 400, None),
-    ("/v1/completions", HUGE_INT, 400, None),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, 422, None),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]}, 422, None),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": {"a": 1}}]}]}, 422,
-     None),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
-     422, None),
-    ("/v1/completions", {"prompt": "x", "max_tokens": True}, 422, "max_tokens"),
-    ("/v1/completions", {"prompt": "x", "stream": "yes"}, 422, "stream"),
-    ("/v1/completions", {"prompt": [True, False]}, 422, None),
-    ("/v1/completions", {"prompt": "x", "temperature": 2.5}, 422, "temperature"),
-    ("/v1/completions", {"prompt": "x", "seed": 2 ** 64}, 422, "seed"),
-    ("/v1/completions", {"prompt": "x", "seed": -(2 ** 63) - 1}, 422, "seed"),
-    ("/v1/completions", {"prompt": "x", "stop": ["s"] * 100_000}, 422, "stop"),
-    ("/v1/completions", {"prompt": "x", "stop": ["s"] * 33}, 422, "stop"),
-    ("/v1/completions", {"prompt": "x", "stop": "s" * 257}, 422, "stop"),
-    ("/v1/completions", {"prompt": "x", "logprobs": 21}, 422, "logprobs"),
-    ("/v1/completions", {"prompt": "x", "logprobs": 1, "echo": True}, 400, "echo"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs"),
-    ("/v1/completions", {"prompt": "x", "n": 4, "max_tokens": 1, "extra": "y" * 10}, 200, None),
-])
+@pytest.mark.parametrize(
+    "path, body, status, param",
+    [
+        ("/v1/completions", DEEP, 400, None),
+        ("/v1/completions", HUGE_INT, 400, None),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, 422, None),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]},
+            422,
+            None,
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": {"a": 1}}]}]},
+            422,
+            None,
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
+            422,
+            None,
+        ),
+        ("/v1/completions", {"prompt": "x", "max_tokens": True}, 422, "max_tokens"),
+        ("/v1/completions", {"prompt": "x", "stream": "yes"}, 422, "stream"),
+        ("/v1/completions", {"prompt": [True, False]}, 422, None),
+        ("/v1/completions", {"prompt": "x", "temperature": 2.5}, 422, "temperature"),
+        ("/v1/completions", {"prompt": "x", "seed": 2**64}, 422, "seed"),
+        ("/v1/completions", {"prompt": "x", "seed": -(2**63) - 1}, 422, "seed"),
+        ("/v1/completions", {"prompt": "x", "stop": ["s"] * 100_000}, 422, "stop"),
+        ("/v1/completions", {"prompt": "x", "stop": ["s"] * 33}, 422, "stop"),
+        ("/v1/completions", {"prompt": "x", "stop": "s" * 257}, 422, "stop"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 21}, 422, "logprobs"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 1, "echo": True}, 400, "echo"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+            400,
+            "top_logprobs",
+        ),
+        ("/v1/completions", {"prompt": "x", "n": 4, "max_tokens": 1, "extra": "y" * 10}, 200, None),
+    ],
+)
 def test_hostile_bodies_get_4xx_openai_errors(server, path, body, status, param):
     response = post(server, path, body)
     if status == 200:
@@ -153,8 +186,12 @@ def test_body_over_the_limit_is_413_before_it_is_read(server):
         for _ in range(120):
             yield b" " * 10_000
 
-    response = httpx.post(server.url + "/v1/completions", content=chunks(), timeout=30,
-                          headers={"Authorization": "Bearer key-a", "Content-Type": "application/json"})
+    response = httpx.post(
+        server.url + "/v1/completions",
+        content=chunks(),
+        timeout=30,
+        headers={"Authorization": "Bearer key-a", "Content-Type": "application/json"},
+    )
     assert_openai_error(response, 413, code="request_too_large")
     assert_healthy(server)
 
@@ -192,8 +229,10 @@ def test_client_disconnect_leaves_no_unretrieved_future(server, caplog):
     body = json.dumps({"prompt": "long", "max_tokens": max_tokens, "ignore_eos": True}).encode()
     generated = server.engine.snapshot.num_generation_tokens
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                     b"Authorization: Bearer key-a\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer key-a\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+        )
         deadline = time.monotonic() + 30
         while server.engine.snapshot.num_generation_tokens == generated and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -207,8 +246,12 @@ def test_client_disconnect_leaves_no_unretrieved_future(server, caplog):
 def test_metrics_are_a_consistent_snapshot_under_load(server):
     async def run():
         async with httpx.AsyncClient(timeout=120, headers={"Authorization": "Bearer key-b"}) as client:
-            work = [client.post(server.url + "/v1/completions", json={"prompt": f"load {i}", "max_tokens": 24,
-                                                                       "ignore_eos": True}) for i in range(8)]
+            work = [
+                client.post(
+                    server.url + "/v1/completions", json={"prompt": f"load {i}", "max_tokens": 24, "ignore_eos": True}
+                )
+                for i in range(8)
+            ]
             scrapes = []
 
             async def scrape():
@@ -222,17 +265,27 @@ def test_metrics_are_a_consistent_snapshot_under_load(server):
     from prometheus_client.parser import text_string_to_metric_families
 
     for text in asyncio.run(run()):
-        values = {(s.name, s.labels.get("state")): s.value for f in text_string_to_metric_families(text)
-                  for s in f.samples}
+        values = {
+            (s.name, s.labels.get("state")): s.value for f in text_string_to_metric_families(text) for s in f.samples
+        }
         states = sum(values[("prefixserve:kv_blocks", state)] for state in ("free", "cached", "in_use"))
         assert states == values[("prefixserve:kv_blocks_total", None)]
 
 
 # ----------------------------------------------------------------------------- logprobs
 def test_chat_logprobs_have_openai_shape(server):
-    response = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
-                                                      "max_tokens": 4, "temperature": 0, "ignore_eos": True,
-                                                      "logprobs": True, "top_logprobs": 3})
+    response = post(
+        server,
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 4,
+            "temperature": 0,
+            "ignore_eos": True,
+            "logprobs": True,
+            "top_logprobs": 3,
+        },
+    )
     assert response.status_code == 200, response.text
     content = response.json()["choices"][0]["logprobs"]["content"]
     assert len(content) == 4
@@ -259,8 +312,13 @@ def test_completion_logprobs_streamed_equal_whole(server):
 
 
 def test_return_token_ids_streamed_and_whole(server):
-    body = {"prompt": "Token ids please", "max_tokens": 6, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True}
+    body = {
+        "prompt": "Token ids please",
+        "max_tokens": 6,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     whole = post(server, "/v1/completions", body).json()["choices"][0]
     assert len(whole["token_ids"]) == 6 and whole["prompt_token_ids"]
     streamed = post(server, "/v1/completions", {**body, "stream": True})
@@ -270,40 +328,72 @@ def test_return_token_ids_streamed_and_whole(server):
 
 
 # ------------------------------------------------------------ finite but hostile inputs (issue 24, items 4-6)
-@pytest.mark.parametrize("query", ["/dashboard/api/price?prompt_tokens=1e308", "/dashboard/api/ttl?ttls=1e308",
-                                   "/dashboard/api/ttl?prefix_tokens=1e308", "/dashboard/api/capacity?sizes=" + "9" * 40])
+@pytest.mark.parametrize(
+    "query",
+    [
+        "/dashboard/api/price?prompt_tokens=1e308",
+        "/dashboard/api/ttl?ttls=1e308",
+        "/dashboard/api/ttl?prefix_tokens=1e308",
+        "/dashboard/api/capacity?sizes=" + "9" * 40,
+    ],
+)
 def test_finite_inputs_that_would_overflow_are_a_400(server, query):
     response = httpx.get(server.url + query, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30)
     assert_openai_error(response, 400, code="invalid_value")
 
 
 def test_a_lone_surrogate_anywhere_in_a_body_is_invalid_json(server):
-    for path, raw in (("/v1/admin/reload", b'{"model": "\\ud800"}'),
-                      ("/v1/completions", b'{"prompt": "hi", "max_tokens": 1, "cache_salt": "\\udfff"}'),
-                      ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x\\uD800y"}]}')):
+    for path, raw in (
+        ("/v1/admin/reload", b'{"model": "\\ud800"}'),
+        ("/v1/completions", b'{"prompt": "hi", "max_tokens": 1, "cache_salt": "\\udfff"}'),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x\\uD800y"}]}'),
+    ):
         key = ADMIN if "admin" in path else "key-a"
-        response = httpx.post(server.url + path, content=raw, timeout=30,
-                              headers={"Authorization": f"Bearer {key}", "content-type": "application/json"})
+        response = httpx.post(
+            server.url + path,
+            content=raw,
+            timeout=30,
+            headers={"Authorization": f"Bearer {key}", "content-type": "application/json"},
+        )
         assert_openai_error(response, 400, code="invalid_json")
-    paired = httpx.post(server.url + "/v1/completions", content=b'{"prompt": "\\ud83d\\ude00", "max_tokens": 1}',
-                        headers={"Authorization": "Bearer key-a", "content-type": "application/json"}, timeout=60)
+    paired = httpx.post(
+        server.url + "/v1/completions",
+        content=b'{"prompt": "\\ud83d\\ude00", "max_tokens": 1}',
+        headers={"Authorization": "Bearer key-a", "content-type": "application/json"},
+        timeout=60,
+    )
     assert paired.status_code == 200  # a surrogate pair is a character
 
 
 def test_two_authorization_headers_are_refused_and_raw_bytes_are_just_a_wrong_key(server):
-    two = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=30,
-                     headers=[("authorization", "Bearer zz"), ("authorization", "Bearer key-a")])
+    two = httpx.post(
+        server.url + "/v1/completions",
+        json={"prompt": "hi", "max_tokens": 1},
+        timeout=30,
+        headers=[("authorization", "Bearer zz"), ("authorization", "Bearer key-a")],
+    )
     assert_openai_error(two, 400, code="ambiguous_authorization")
-    raw = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=30,
-                     headers=[(b"authorization", b"Bearer \xed\xa0\x80")])
+    raw = httpx.post(
+        server.url + "/v1/completions",
+        json={"prompt": "hi", "max_tokens": 1},
+        timeout=30,
+        headers=[(b"authorization", b"Bearer \xed\xa0\x80")],
+    )
     assert_openai_error(raw, 401, code="invalid_api_key")
-    assert_openai_error(httpx.get(server.url + "/v1/cache/keys", headers={"Authorization": "Bearer unknown"},
-                                  timeout=10), 401, code="invalid_api_key")  # neither a tenant's nor the admin's
+    assert_openai_error(
+        httpx.get(server.url + "/v1/cache/keys", headers={"Authorization": "Bearer unknown"}, timeout=10),
+        401,
+        code="invalid_api_key",
+    )  # neither a tenant's nor the admin's
 
 
 def test_error_codes_are_the_readmes(server):
-    not_object = httpx.post(server.url + "/v1/completions", content=b"[1, 2]", timeout=30,
-                            headers={"Authorization": "Bearer key-a", "content-type": "application/json"})
+    not_object = httpx.post(
+        server.url + "/v1/completions",
+        content=b"[1, 2]",
+        timeout=30,
+        headers={"Authorization": "Bearer key-a", "content-type": "application/json"},
+    )
     assert_openai_error(not_object, 400, code="invalid_json")
     assert_openai_error(httpx.get(server.url + "/v1/nothing-here", timeout=10), 404, code="not_found")
     assert_openai_error(httpx.get(server.url + "/v1/completions", timeout=10), 405, code="method_not_allowed")

@@ -6,11 +6,10 @@ import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from server_helpers import LiveServer
 
 from prefixserve.cache.scoping import compose_salt
 from prefixserve.http_keys import KeyTable, load_api_keys
-
-from server_helpers import LiveServer
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +24,9 @@ def test_max_model_len_is_capped_to_the_pool(small_pool):
 
 
 def test_prompt_and_max_tokens_that_can_never_fit_are_400(small_pool):
-    response = httpx.post(small_pool.url + "/v1/completions", timeout=30,
-                          json={"prompt": [7] * 900, "max_tokens": 2000})
+    response = httpx.post(
+        small_pool.url + "/v1/completions", timeout=30, json={"prompt": [7] * 900, "max_tokens": 2000}
+    )
     assert response.status_code == 400, response.text
     assert response.json()["error"]["code"] == "context_length_exceeded"
     too_long = httpx.post(small_pool.url + "/v1/completions", timeout=30, json={"prompt": [7] * 2000})
@@ -40,24 +40,40 @@ def test_offline_and_http_refuse_a_prompt_that_does_not_fit_alike(small_pool):
     from prefixserve.engine.limits import ContextLengthError, PromptTooLongError
 
     engine = small_pool.engine.engine  # the same engine, called as LLM.generate calls it
-    for prompt, max_tokens, status, error in (([7] * 900, 2000, 400, ContextLengthError),
-                                              ([7] * 2000, 4, 413, PromptTooLongError)):
-        response = httpx.post(small_pool.url + "/v1/completions", timeout=30,
-                              json={"prompt": prompt, "max_tokens": max_tokens})
+    for prompt, max_tokens, status, error in (
+        ([7] * 900, 2000, 400, ContextLengthError),
+        ([7] * 2000, 4, 413, PromptTooLongError),
+    ):
+        response = httpx.post(
+            small_pool.url + "/v1/completions", timeout=30, json={"prompt": prompt, "max_tokens": max_tokens}
+        )
         assert response.status_code == status, response.text
         with pytest.raises(error) as offline:
             engine.make_request(prompt, SamplingParams(max_tokens=max_tokens))
         assert response.json()["error"]["message"] == str(offline.value)
 
 
-@pytest.mark.parametrize("field, value", [("temperature", 2.5), ("top_p", 0.0), ("top_k", -2), ("n", 17),
-                                          ("seed", 2**64), ("max_tokens", 0), ("logprobs", 21),
-                                          ("cache_ttl", 0.0), ("cache_salt", "s" * 257), ("cache_salt", "")])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", 2.5),
+        ("top_p", 0.0),
+        ("top_k", -2),
+        ("n", 17),
+        ("seed", 2**64),
+        ("max_tokens", 0),
+        ("logprobs", 21),
+        ("cache_ttl", 0.0),
+        ("cache_salt", "s" * 257),
+        ("cache_salt", ""),
+    ],
+)
 def test_one_table_of_limits_refuses_the_same_values_offline_and_over_http(small_pool, field, value):
     from prefixserve import SamplingParams
 
-    response = httpx.post(small_pool.url + "/v1/completions", timeout=30,
-                          json={"prompt": [1, 2, 3], "max_tokens": 2, field: value})
+    response = httpx.post(
+        small_pool.url + "/v1/completions", timeout=30, json={"prompt": [1, 2, 3], "max_tokens": 2, field: value}
+    )
     assert response.status_code in (400, 422), response.text
     engine = small_pool.engine.engine
     with pytest.raises(ValueError, match="cache_salt|ttl|" + field):
@@ -70,8 +86,11 @@ def test_one_table_of_limits_refuses_the_same_values_offline_and_over_http(small
 
 
 def test_without_max_tokens_the_answer_fits_the_room_left(small_pool):
-    response = httpx.post(small_pool.url + "/v1/completions", timeout=120,
-                          json={"prompt": [7] * 1000, "ignore_eos": True, "temperature": 0})
+    response = httpx.post(
+        small_pool.url + "/v1/completions",
+        timeout=120,
+        json={"prompt": [7] * 1000, "ignore_eos": True, "temperature": 0},
+    )
     assert response.status_code == 200, response.text
     usage = response.json()["usage"]
     assert usage["prompt_tokens"] + usage["completion_tokens"] == 1024
@@ -92,8 +111,10 @@ def test_tenant_and_salt_never_compose_to_another_pair():
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.tuples(st.none() | st.text(max_size=6), st.none() | st.text(max_size=6)),
-       st.tuples(st.none() | st.text(max_size=6), st.none() | st.text(max_size=6)))
+@given(
+    st.tuples(st.none() | st.text(max_size=6), st.none() | st.text(max_size=6)),
+    st.tuples(st.none() | st.text(max_size=6), st.none() | st.text(max_size=6)),
+)
 def test_compose_salt_is_injective(first, second):
     def normal(pair):  # an empty cache_salt means none
         return pair[0], pair[1] or None
@@ -138,8 +159,16 @@ def _call(middleware, messages):
         async def send(message):
             sent.append(message)
 
-        scope = {"type": "http", "method": "POST", "path": "/", "headers": [(b"content-length", b"100")],
-                 "query_string": b"", "root_path": "", "scheme": "http", "server": ("127.0.0.1", 1)}
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": "/",
+            "headers": [(b"content-length", b"100")],
+            "query_string": b"",
+            "root_path": "",
+            "scheme": "http",
+            "server": ("127.0.0.1", 1),
+        }
         await asyncio.wait_for(middleware(scope, receive, send), 10)
 
     asyncio.run(run())
@@ -154,10 +183,16 @@ def test_a_stalled_body_is_a_408_and_a_client_gone_mid_upload_logs_nothing(caplo
     stalled = _call(middleware, [{"type": "http.request", "body": b"x" * 10, "more_body": True}, None])
     assert stalled[0]["status"] == 408 and b"request_timeout" in stalled[1]["body"]
     with caplog.at_level("DEBUG"):
-        gone = _call(middleware, [{"type": "http.request", "body": b"x" * 10, "more_body": True},
-                                  {"type": "http.disconnect"}])
+        gone = _call(
+            middleware, [{"type": "http.request", "body": b"x" * 10, "more_body": True}, {"type": "http.disconnect"}]
+        )
     assert gone == []  # nobody to answer
     assert not [r for r in caplog.records if r.levelno >= 30], [r.getMessage() for r in caplog.records]
-    whole = _call(middleware, [{"type": "http.request", "body": b"x" * 10, "more_body": True},
-                               {"type": "http.request", "body": b"y" * 5, "more_body": False}])
+    whole = _call(
+        middleware,
+        [
+            {"type": "http.request", "body": b"x" * 10, "more_body": True},
+            {"type": "http.request", "body": b"y" * 5, "more_body": False},
+        ],
+    )
     assert whole[0]["status"] == 200 and b'"bytes":15' in whole[1]["body"]

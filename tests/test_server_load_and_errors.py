@@ -7,7 +7,6 @@ import time
 
 import httpx
 import pytest
-
 from server_helpers import LiveServer, assert_openai_error
 
 
@@ -18,8 +17,14 @@ def server():
 
 
 async def stream_text(client, url, prompt, max_tokens=8):
-    body = {"model": "prefixserve-tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "ignore_eos": True}
+    body = {
+        "model": "prefixserve-tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     text, done = "", False
     async with client.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
         assert response.status_code == 200
@@ -36,9 +41,14 @@ async def stream_text(client, url, prompt, max_tokens=8):
 
 def test_32_concurrent_streams_all_complete_correctly(server):
     prompts = [f"Request number {i} asks about caching" for i in range(32)]
-    expected = {p: httpx.post(server.url + "/v1/completions", json={"prompt": p, "max_tokens": 8, "temperature": 0,
-                                                                      "ignore_eos": True}, timeout=60).json()
-                ["choices"][0]["text"] for p in prompts[:4]}
+    expected = {
+        p: httpx.post(
+            server.url + "/v1/completions",
+            json={"prompt": p, "max_tokens": 8, "temperature": 0, "ignore_eos": True},
+            timeout=60,
+        ).json()["choices"][0]["text"]
+        for p in prompts[:4]
+    }
 
     async def run():
         async with httpx.AsyncClient() as client:
@@ -145,6 +155,9 @@ def test_bad_input_gets_status_and_openai_error_body(server, path, body, status,
 
 
 def test_extra_fields_are_ignored(server):
-    response = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2,
-                                                                 "frequency_penalty": 0, "whatever": {"a": 1}}, timeout=30)
+    response = httpx.post(
+        server.url + "/v1/completions",
+        json={"prompt": "x", "max_tokens": 2, "frequency_penalty": 0, "whatever": {"a": 1}},
+        timeout=30,
+    )
     assert response.status_code == 200

@@ -1,7 +1,6 @@
 """The live server through the official openai client: chat, completions, streaming, cached_tokens."""
 
 import pytest
-
 from server_helpers import LiveServer, openai_client
 
 SYSTEM = "You are prefixserve's test assistant. Answer briefly and precisely. " * 8
@@ -20,8 +19,12 @@ def client(server):
 
 def chat(client, question, **kwargs):
     return client.chat.completions.create(
-        model="prefixserve-tiny", max_tokens=12, temperature=0,
-        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}], **kwargs)
+        model="prefixserve-tiny",
+        max_tokens=12,
+        temperature=0,
+        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+        **kwargs,
+    )
 
 
 def test_models_lists_the_served_model(client):
@@ -56,26 +59,39 @@ def test_streaming_chat_matches_non_streaming(client):
 
 
 def test_completions_plain_streamed_batched_and_token_ids(client):
-    plain = client.completions.create(model="prefixserve-tiny", prompt="Paged attention is", max_tokens=8,
-                                      temperature=0)
+    plain = client.completions.create(
+        model="prefixserve-tiny", prompt="Paged attention is", max_tokens=8, temperature=0
+    )
     assert plain.choices[0].finish_reason == "length" and plain.usage.completion_tokens == 8
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model="prefixserve-tiny", prompt="Paged attention is", max_tokens=8, temperature=0, stream=True) if c.choices)
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model="prefixserve-tiny", prompt="Paged attention is", max_tokens=8, temperature=0, stream=True
+        )
+        if c.choices
+    )
     assert streamed == plain.choices[0].text
-    batch = client.completions.create(model="prefixserve-tiny", prompt=["Paged attention is", "Radix trees are"],
-                                      max_tokens=4, temperature=0)
+    batch = client.completions.create(
+        model="prefixserve-tiny", prompt=["Paged attention is", "Radix trees are"], max_tokens=4, temperature=0
+    )
     assert [c.index for c in batch.choices] == [0, 1]
-    assert batch.choices[0].text == client.completions.create(
-        model="prefixserve-tiny", prompt="Paged attention is", max_tokens=4, temperature=0).choices[0].text
+    assert (
+        batch.choices[0].text
+        == client.completions.create(model="prefixserve-tiny", prompt="Paged attention is", max_tokens=4, temperature=0)
+        .choices[0]
+        .text
+    )
     ids = client.completions.create(model="prefixserve-tiny", prompt=[1, 500, 600, 700], max_tokens=3, temperature=0)
     assert ids.usage.prompt_tokens == 4
 
 
 def test_n_samples_and_seed(client):
-    result = client.completions.create(model="prefixserve-tiny", prompt="Sample me", max_tokens=6, temperature=1.0,
-                                       n=3, seed=11)
+    result = client.completions.create(
+        model="prefixserve-tiny", prompt="Sample me", max_tokens=6, temperature=1.0, n=3, seed=11
+    )
     assert len(result.choices) == 3
-    again = client.completions.create(model="prefixserve-tiny", prompt="Sample me", max_tokens=6, temperature=1.0,
-                                      n=3, seed=11)
+    again = client.completions.create(
+        model="prefixserve-tiny", prompt="Sample me", max_tokens=6, temperature=1.0, n=3, seed=11
+    )
     assert [c.text for c in result.choices] == [c.text for c in again.choices]
     assert result.usage.completion_tokens == 18

@@ -6,7 +6,6 @@ import threading
 
 import httpx
 import pytest
-
 from reload_helpers import two_versions
 from server_helpers import LiveServer, assert_openai_error
 
@@ -28,8 +27,9 @@ def versions(default_model_dir, tmp_path_factory):
 
 
 def complete(client, url, index):
-    return client.post(url + "/v1/completions", json={"prompt": PROMPTS[index], "return_token_ids": True, **GREEDY},
-                       timeout=120)
+    return client.post(
+        url + "/v1/completions", json={"prompt": PROMPTS[index], "return_token_ids": True, **GREEDY}, timeout=120
+    )
 
 
 def engine_call(server, function):
@@ -61,8 +61,12 @@ def test_a_reload_under_load_never_mixes_versions_and_fails_nothing(versions):
         with concurrent.futures.ThreadPoolExecutor(NUM_CLIENTS) as pool:
             clients = [pool.submit(client_loop, index) for index in range(NUM_CLIENTS)]
             assert reload_started.wait(timeout=120)
-            reload = httpx.post(server.url + "/v1/admin/reload", json={"model": str(path_b)},
-                                headers={"Authorization": f"Bearer {ADMIN}"}, timeout=300)
+            reload = httpx.post(
+                server.url + "/v1/admin/reload",
+                json={"model": str(path_b)},
+                headers={"Authorization": f"Bearer {ADMIN}"},
+                timeout=300,
+            )
             reload_done.set()
             for future in clients:
                 future.result(timeout=300)
@@ -101,19 +105,30 @@ def test_reload_is_for_the_operator_only_and_names_bad_input(versions, tmp_path)
         url = server.url + "/v1/admin/reload"
         admin = {"Authorization": f"Bearer {ADMIN}"}
         assert_openai_error(httpx.post(url, timeout=30), 401)
-        assert_openai_error(httpx.post(url, headers={"Authorization": "Bearer tenant-key"}, timeout=30), 403,
-                            code="admin_only")
-        assert_openai_error(httpx.post(url, headers=admin, json={"model": str(tmp_path / "nope")}, timeout=60), 400,
-                            param="model", code="invalid_model")
+        assert_openai_error(
+            httpx.post(url, headers={"Authorization": "Bearer tenant-key"}, timeout=30), 403, code="admin_only"
+        )
+        assert_openai_error(
+            httpx.post(url, headers=admin, json={"model": str(tmp_path / "nope")}, timeout=60),
+            400,
+            param="model",
+            code="invalid_model",
+        )
         assert_openai_error(httpx.post(url, headers=admin, json={"model": 3}, timeout=30), 400, param="model")
         assert_openai_error(httpx.post(url, headers=admin, json={"weights": "x"}, timeout=30), 400)
-        assert_openai_error(httpx.post(url, headers=admin, json={"purge_remote": "yes"}, timeout=30), 400,
-                            param="purge_remote")
-        assert_openai_error(httpx.post(url, headers=admin, json={"purge_remote": True}, timeout=30), 400,
-                            param="purge_remote")  # no remote tier here
+        assert_openai_error(
+            httpx.post(url, headers=admin, json={"purge_remote": "yes"}, timeout=30), 400, param="purge_remote"
+        )
+        assert_openai_error(
+            httpx.post(url, headers=admin, json={"purge_remote": True}, timeout=30), 400, param="purge_remote"
+        )  # no remote tier here
         assert_openai_error(httpx.post(url, headers=admin, content=b"{not json", timeout=30), 400, code="invalid_json")
-        ok = httpx.post(server.url + "/v1/completions", headers={"Authorization": "Bearer tenant-key"},
-                        json={"prompt": "still serving", "max_tokens": 2}, timeout=60)
+        ok = httpx.post(
+            server.url + "/v1/completions",
+            headers={"Authorization": "Bearer tenant-key"},
+            json={"prompt": "still serving", "max_tokens": 2},
+            timeout=60,
+        )
         assert ok.status_code == 200  # a failed reload changed nothing
 
 

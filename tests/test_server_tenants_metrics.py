@@ -5,7 +5,6 @@ import json
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-
 from server_helpers import LiveServer
 
 PUBLIC = "Company policy: be helpful, be brief, cite sources, never guess. " * 6
@@ -24,9 +23,12 @@ def server(tmp_path_factory):
 
 
 def ask(server, key, messages, **extra):
-    response = httpx.post(server.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
-                          json={"model": "prefixserve-tiny", "messages": messages, "max_tokens": 4,
-                                "temperature": 0, **extra}, timeout=60)
+    response = httpx.post(
+        server.url + "/v1/chat/completions",
+        headers={"Authorization": f"Bearer {key}"},
+        json={"model": "prefixserve-tiny", "messages": messages, "max_tokens": 4, "temperature": 0, **extra},
+        timeout=60,
+    )
     return response
 
 
@@ -79,10 +81,14 @@ def test_metrics_parse_and_hit_counters_move(server):
     after = scrape(server)
     hits = ("prefixserve:prefix_cache_hits_total", ())
     assert after[hits] > before[hits]
-    assert after[("prefixserve:prefix_cache_queries_total", ())] > before[("prefixserve:prefix_cache_queries_total", ())]
+    assert (
+        after[("prefixserve:prefix_cache_queries_total", ())] > before[("prefixserve:prefix_cache_queries_total", ())]
+    )
     assert after[("prefixserve:prefill_tokens_saved_total", ())] == after[hits]
-    assert after[("prefixserve:time_to_first_token_seconds_count", ())] >= before.get(
-        ("prefixserve:time_to_first_token_seconds_count", ()), 0) + 2
+    assert (
+        after[("prefixserve:time_to_first_token_seconds_count", ())]
+        >= before.get(("prefixserve:time_to_first_token_seconds_count", ()), 0) + 2
+    )
     for state in ("free", "cached", "in_use", "pinned"):
         assert ("prefixserve:kv_blocks", (("state", state),)) in after
     assert 0.0 <= after[("prefixserve:kv_cache_usage_perc", ())] <= 1.0

@@ -2,7 +2,6 @@
 
 import httpx
 import pytest
-
 from server_helpers import LiveServer
 
 
@@ -21,8 +20,9 @@ def test_tokenize_gives_the_tokens_a_completion_is_computed_on(server):
     assert answer["max_model_len"] == server.engine.engine.max_model_len
     completion = httpx.post(server.url + "/v1/completions", json={"prompt": text, "max_tokens": 1}).json()
     assert completion["usage"]["prompt_tokens"] == answer["count"]
-    bare = httpx.post(server.url + "/tokenize", json={"prompt": text, "add_special_tokens": False,
-                                                      "return_token_strs": True}).json()
+    bare = httpx.post(
+        server.url + "/tokenize", json={"prompt": text, "add_special_tokens": False, "return_token_strs": True}
+    ).json()
     assert bare["tokens"] == tokenizer.encode(text, add_special_tokens=False)
     assert "".join(bare["token_strs"]) == text
 
@@ -43,14 +43,17 @@ def test_detokenize_inverts_tokenize(server):
     assert httpx.post(server.url + "/detokenize", json={"tokens": tokens}).json() == {"prompt": text}
 
 
-@pytest.mark.parametrize("path, body, status, code", [
-    ("/tokenize", {}, 422, "invalid_value"),
-    ("/tokenize", {"prompt": 5}, 422, "invalid_value"),
-    ("/tokenize", {"prompt": "x", "model": "another"}, 404, "model_not_found"),
-    ("/detokenize", {"tokens": [-1]}, 400, "invalid_tokens"),
-    ("/detokenize", {"tokens": [10 ** 9]}, 400, "invalid_tokens"),
-    ("/detokenize", {"tokens": ["a"]}, 422, "invalid_value"),
-])
+@pytest.mark.parametrize(
+    "path, body, status, code",
+    [
+        ("/tokenize", {}, 422, "invalid_value"),
+        ("/tokenize", {"prompt": 5}, 422, "invalid_value"),
+        ("/tokenize", {"prompt": "x", "model": "another"}, 404, "model_not_found"),
+        ("/detokenize", {"tokens": [-1]}, 400, "invalid_tokens"),
+        ("/detokenize", {"tokens": [10**9]}, 400, "invalid_tokens"),
+        ("/detokenize", {"tokens": ["a"]}, 422, "invalid_value"),
+    ],
+)
 def test_bad_bodies_are_4xx_with_an_openai_error(server, path, body, status, code):
     answer = httpx.post(server.url + path, json=body)
     assert answer.status_code == status

@@ -8,7 +8,6 @@ import json
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-
 from server_helpers import LiveServer
 
 MODEL = "tiny-replica"
@@ -25,26 +24,40 @@ def server():
 def scrape(server) -> dict[str, tuple[str, list]]:
     """vllm:* family name -> (type, samples)."""
     text = httpx.get(server.url + "/metrics", timeout=10).text
-    return {family.name: (family.type, family.samples) for family in text_string_to_metric_families(text)
-            if family.name.startswith("vllm:")}
+    return {
+        family.name: (family.type, family.samples)
+        for family in text_string_to_metric_families(text)
+        if family.name.startswith("vllm:")
+    }
 
 
 def value(families, family: str, sample: str = None, **labels) -> float:
     _, samples = families[family]
-    matches = [s.value for s in samples if s.name == (sample or family) and all(s.labels.get(k) == v
-                                                                                 for k, v in labels.items())]
+    matches = [
+        s.value
+        for s in samples
+        if s.name == (sample or family) and all(s.labels.get(k) == v for k, v in labels.items())
+    ]
     assert len(matches) == 1, (family, sample, labels, samples)
     return matches[0]
 
 
 def test_vllm_names_types_and_labels(server):
     families = scrape(server)
-    expected = {"vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",
-                "vllm:kv_cache_usage_perc": "gauge", "vllm:cache_config_info": "gauge",
-                "vllm:prefix_cache_queries": "counter", "vllm:prefix_cache_hits": "counter",
-                "vllm:prompt_tokens": "counter", "vllm:generation_tokens": "counter",
-                "vllm:request_success": "counter", "vllm:time_to_first_token_seconds": "histogram",
-                "vllm:e2e_request_latency_seconds": "histogram", "vllm:inter_token_latency_seconds": "histogram"}
+    expected = {
+        "vllm:num_requests_running": "gauge",
+        "vllm:num_requests_waiting": "gauge",
+        "vllm:kv_cache_usage_perc": "gauge",
+        "vllm:cache_config_info": "gauge",
+        "vllm:prefix_cache_queries": "counter",
+        "vllm:prefix_cache_hits": "counter",
+        "vllm:prompt_tokens": "counter",
+        "vllm:generation_tokens": "counter",
+        "vllm:request_success": "counter",
+        "vllm:time_to_first_token_seconds": "histogram",
+        "vllm:e2e_request_latency_seconds": "histogram",
+        "vllm:inter_token_latency_seconds": "histogram",
+    }
     assert {name: families[name][0] for name in expected} == expected
     for name in expected:
         if name != "vllm:cache_config_info":
@@ -66,8 +79,9 @@ def test_counters_and_histograms_read_what_the_responses_said(server):
     after = scrape(server)
 
     def moved(family, sample=None, **labels):
-        return value(after, family, sample, **{**LABELS, **labels}) - value(before, family, sample,
-                                                                             **{**LABELS, **labels})
+        return value(after, family, sample, **{**LABELS, **labels}) - value(
+            before, family, sample, **{**LABELS, **labels}
+        )
 
     num_prompt = sum(usage["prompt_tokens"] for usage in usages)
     num_output = sum(usage["completion_tokens"] for usage in usages)
@@ -99,5 +113,7 @@ def test_a_running_request_shows_as_running_and_a_dropped_stream_as_aborted(serv
     assert value(during, "vllm:num_requests_running", **LABELS) == 1
     assert value(during, "vllm:kv_cache_usage_perc", **LABELS) > 0
     aborted = {**LABELS, "finished_reason": "abort"}
-    assert (value(after, "vllm:request_success", "vllm:request_success_total", **aborted)
-            - value(before, "vllm:request_success", "vllm:request_success_total", **aborted)) == 1
+    assert (
+        value(after, "vllm:request_success", "vllm:request_success_total", **aborted)
+        - value(before, "vllm:request_success", "vllm:request_success_total", **aborted)
+    ) == 1

@@ -8,16 +8,21 @@ import re
 
 import jsonschema
 import pytest
+from conftest import make_llm
 
 from prefixserve import SamplingParams, StructuredOutputs
 
-from conftest import make_llm
-
-PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "colour", "tags"],
-          "properties": {"name": {"type": "string", "maxLength": 10},
-                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                         "colour": {"enum": ["red", "green", "blue"]},
-                         "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3}}}
+PERSON = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name", "age", "colour", "tags"],
+    "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "colour": {"enum": ["red", "green", "blue"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
+    },
+}
 PROMPTS = ["Describe a person as JSON: ", "Sky, sea and grass. A person: ", "The weather today is"]
 SPECS = {
     "json": StructuredOutputs(json=PERSON),
@@ -64,18 +69,29 @@ def test_every_kind_of_output_parses_and_validates(llms, kind, sampling):
 def test_json_object_is_an_object_and_the_mask_wins_over_logit_bias(llms):
     llm, _ = llms
     opening = llm.engine.tokenizer.encode("[", add_special_tokens=False)[0]
-    params = SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=StructuredOutputs(json_object=True),
-                            logit_bias={opening: 100.0})
+    params = SamplingParams(
+        max_tokens=40,
+        temperature=0.0,
+        structured_outputs=StructuredOutputs(json_object=True),
+        logit_bias={opening: 100.0},
+    )
     text = llm.generate(PROMPTS[:1], params)[0].text
     assert text.startswith("{") and opening not in llm.engine.tokenizer.encode(text[:1], add_special_tokens=False)
 
 
-@pytest.mark.parametrize("fields, phrase", [
-    (dict(json={"type": "nope"}), "Invalid type"), (dict(json="{"), "does not parse"),
-    (dict(regex="(("), "unclosed group"), (dict(grammar="start: nope"), "unknown name"),
-    (dict(), "exactly one of"), (dict(regex="a", choice=["b"]), "exactly one of"),
-    (dict(choice=[]), "choice must be"), (dict(choice="yes"), "choice must be"),
-])
+@pytest.mark.parametrize(
+    "fields, phrase",
+    [
+        (dict(json={"type": "nope"}), "Invalid type"),
+        (dict(json="{"), "does not parse"),
+        (dict(regex="(("), "unclosed group"),
+        (dict(grammar="start: nope"), "unknown name"),
+        (dict(), "exactly one of"),
+        (dict(regex="a", choice=["b"]), "exactly one of"),
+        (dict(choice=[]), "choice must be"),
+        (dict(choice="yes"), "choice must be"),
+    ],
+)
 def test_a_constraint_that_does_not_compile_is_refused_with_the_reason(fields, phrase):
     with pytest.raises(ValueError, match=phrase):
         StructuredOutputs(**fields)
@@ -111,9 +127,10 @@ def test_a_continued_stream_follows_the_grammar_from_where_it_stopped(llms):
         assert head + tail.token_ids == whole.token_ids
     with pytest.raises(ValueError, match="continued output does not follow"):
         bad_head = llm.engine.tokenizer.encode("nope", add_special_tokens=False)
-        llm.generate([{"prompt_token_ids": whole.prompt_token_ids + bad_head}],
-                     SamplingParams(**PARAMS, structured_outputs=SPECS["json"],
-                                    continued_output_tokens=len(bad_head)))
+        llm.generate(
+            [{"prompt_token_ids": whole.prompt_token_ids + bad_head}],
+            SamplingParams(**PARAMS, structured_outputs=SPECS["json"], continued_output_tokens=len(bad_head)),
+        )
 
 
 def test_a_router_continuing_a_stream_carries_the_constraint():
@@ -121,8 +138,9 @@ def test_a_router_continuing_a_stream_carries_the_constraint():
     from prefixserve.router.inbound import ClientRequest
 
     sent = {"prompt": "x", "max_tokens": 20, "response_format": {"type": "json_object"}, "guided_choice": ["a"]}
-    client = ClientRequest(path="/v1/completions", body=sent, streaming=True, n=1, num_choices=1, max_tokens=20,
-                           wants_token_ids=False)
+    client = ClientRequest(
+        path="/v1/completions", body=sent, streaming=True, n=1, num_choices=1, max_tokens=20, wants_token_ids=False
+    )
     body = continuation_body(client, ChoiceProgress(prompt_token_ids=[5, 6], output_token_ids=[7]), False)
     assert body["response_format"] == sent["response_format"] and body["guided_choice"] == ["a"]
     assert body["continued_output_tokens"] == 1

@@ -2,14 +2,13 @@
 inserts, finishes, evictions that spill into the tier, and fetches that promote records back keep
 every invariant of the pool and of the tier, and a promoted block always holds its own tokens."""
 
+from cache_helpers import FakeRequest, finish, insert_full_blocks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixserve.cache import BlockKeyer, CacheScope, RadixCache
 from prefixserve.cache.keys import pack_tokens, unpack_tokens
 from prefixserve.tiers import BlockRecord, HostTier, RecordExpectation, decode_record
-
-from cache_helpers import FakeRequest, finish, insert_full_blocks
 
 BS = 4
 SCOPE = CacheScope("model", "tokenizer")
@@ -29,9 +28,19 @@ class Pool:
 
     def spill(self, block) -> None:
         parent = block.parent
-        self.host.put([BlockRecord(block.key, getattr(parent, "key", None), SCOPE.digest,
-                                   tuple(unpack_tokens(block.token_bytes)), "float32", SHAPE,
-                                   self.slots[block.block_id])])
+        self.host.put(
+            [
+                BlockRecord(
+                    block.key,
+                    getattr(parent, "key", None),
+                    SCOPE.digest,
+                    tuple(unpack_tokens(block.token_bytes)),
+                    "float32",
+                    SHAPE,
+                    self.slots[block.block_id],
+                )
+            ]
+        )
 
     def admit(self, tokens: list[int], num_output_slots: int):
         """Match on the device, promote what the host holds next, then admit; None when it cannot fit."""
@@ -39,7 +48,7 @@ class Pool:
         keys = self.keyer.extend(request.keys, request.scope_digest, tokens)
         limit = (len(tokens) - 1) // BS
         hit = self.cache.match(SCOPE.digest, keys[:limit], tokens, record_stats=False).blocks
-        self.promote(request, hit, keys[len(hit):limit])
+        self.promote(request, hit, keys[len(hit) : limit])
         hit = self.cache.match(SCOPE.digest, keys[:limit], tokens, record_stats=False).blocks
         needed = -(-(len(tokens) + num_output_slots) // BS) - len(hit)
         blocks = self.cache.admit(hit, needed)
@@ -48,7 +57,7 @@ class Pool:
         request.blocks = blocks
         for index, block in enumerate(blocks):
             if index >= len(hit):  # "compute" the new blocks' KV
-                self.slots[block.block_id] = pack_tokens(tokens[index * BS:(index + 1) * BS] + [0] * BS)[:4 * BS]
+                self.slots[block.block_id] = pack_tokens(tokens[index * BS : (index + 1) * BS] + [0] * BS)[: 4 * BS]
         return request
 
     def promote(self, request, hit, keys) -> None:
@@ -58,7 +67,7 @@ class Pool:
         payloads = []
         for index, (key, data) in enumerate(zip(keys[:run], self.host.get(keys[:run]))):
             position = len(hit) + index
-            tokens = tuple(request.token_ids[position * BS:(position + 1) * BS])
+            tokens = tuple(request.token_ids[position * BS : (position + 1) * BS])
             payloads.append(decode_record(data, RecordExpectation(key, SCOPE.digest, tokens, "float32", SHAPE)).payload)
         blocks = self.cache.admit(hit, len(payloads))
         if blocks is None:
@@ -68,8 +77,9 @@ class Pool:
             position = len(hit) + index
             block = blocks[position]
             self.slots[block.block_id] = payload
-            blocks[position] = parent = self.cache.insert(block, keys[index],
-                                                          request.token_ids[position * BS:(position + 1) * BS], parent)
+            blocks[position] = parent = self.cache.insert(
+                block, keys[index], request.token_ids[position * BS : (position + 1) * BS], parent
+            )
         self.cache.release(blocks)
 
     def check(self, running) -> None:
@@ -78,16 +88,20 @@ class Pool:
         for request in running:  # every cached block a request holds carries its own tokens' "KV"
             for index, block in enumerate(request.blocks[: len(request.token_ids) // BS]):
                 if block.key is not None:
-                    expected = pack_tokens(request.token_ids[index * BS:(index + 1) * BS])
+                    expected = pack_tokens(request.token_ids[index * BS : (index + 1) * BS])
                     assert self.slots[block.block_id] == expected, f"block {index} holds another block's KV"
 
 
-OPS = st.lists(st.one_of(
-    st.tuples(st.just("admit"), st.integers(0, 2), st.integers(0, 1), st.integers(0, 5)),
-    st.tuples(st.just("insert"), st.integers(0, 10)),
-    st.tuples(st.just("finish"), st.integers(0, 10)),
-    st.tuples(st.just("evict"), st.integers(1, 14)),
-), min_size=10, max_size=80)
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("admit"), st.integers(0, 2), st.integers(0, 1), st.integers(0, 5)),
+        st.tuples(st.just("insert"), st.integers(0, 10)),
+        st.tuples(st.just("finish"), st.integers(0, 10)),
+        st.tuples(st.just("evict"), st.integers(1, 14)),
+    ),
+    min_size=10,
+    max_size=80,
+)
 
 
 @settings(max_examples=300, deadline=None)

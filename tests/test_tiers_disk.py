@@ -12,12 +12,11 @@ import threading
 from pathlib import Path
 
 import pytest
+from tier_helpers import OTHER_SCOPE, SCOPE, expect, make_chain, run_in_threads, size
 
 from prefixserve.tiers import DiskTier, RecordError, decode_record, encode_record
 from prefixserve.tiers.disk_files import record_path
 from prefixserve.tiers.record import header_length
-
-from tier_helpers import OTHER_SCOPE, SCOPE, expect, make_chain, run_in_threads, size
 
 BIG = 1 << 30
 
@@ -266,9 +265,22 @@ def rerun_without_root_override(basetemp: Path) -> None:
     if subprocess.run(["unshare", "-U", "true"], capture_output=True).returncode != 0:
         pytest.skip("chmod 0o555 does not stop this root process and user namespaces are not allowed")
     result = subprocess.run(
-        ["unshare", "-U", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--basetemp={basetemp}",
-         f"{__file__}::test_read_only_directory"],
-        capture_output=True, text=True, cwd=Path(__file__).parents[1], env={**os.environ, "PREFIXSERVE_TIERS_RERUN": "1"},
+        [
+            "unshare",
+            "-U",
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            f"--basetemp={basetemp}",
+            f"{__file__}::test_read_only_directory",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parents[1],
+        env={**os.environ, "PREFIXSERVE_TIERS_RERUN": "1"},
     )
     assert result.returncode == 0 and "1 passed" in result.stdout, result.stdout + result.stderr
 
@@ -295,7 +307,9 @@ def test_a_directory_that_cannot_exist_never_raises(tmp_path, chain):
         tier.put_async(chain)
         tier.flush()
         assert tier.get([chain[0].key]) == [None] and tier.contains([chain[0].key]) == 0
-        assert tier.stats.dropped_puts == 8 and tier.stats.errors == 3  # the open, then the first record of each put (its children follow it out)
+        assert (
+            tier.stats.dropped_puts == 8 and tier.stats.errors == 3
+        )  # the open, then the first record of each put (its children follow it out)
         tier.check_integrity()
 
 

@@ -6,10 +6,10 @@ import logging
 import threading
 
 import pytest
+from tier_helpers import expect, make_chain, run_in_threads, size
 
 from prefixserve.tiers import BlockRecord, HostTier, decode_record, encode_record
 
-from tier_helpers import expect, make_chain, run_in_threads, size
 
 def names(tier, named: dict[str, BlockRecord]) -> set[str]:
     present = set(tier.keys())
@@ -121,7 +121,11 @@ def test_delete_and_reject(caplog):
 
 def test_concurrent_puts_and_gets_from_several_threads():
     num_threads, num_chains = 4, 12
-    chains = [make_chain([thread * 10_000 + c * 100 + t for t in range(16)]) for thread in range(num_threads) for c in range(num_chains)]
+    chains = [
+        make_chain([thread * 10_000 + c * 100 + t for t in range(16)])
+        for thread in range(num_threads)
+        for c in range(num_chains)
+    ]
     shared = make_chain(list(range(16)))  # every thread puts and reads this one too
     tier = HostTier(capacity_bytes=20 * size(shared[1]))  # far less than the ~200 records put
     barrier = threading.Barrier(num_threads)

@@ -77,7 +77,9 @@ def test_crossover_tokens():
     cost = TierCost(5e-3, 1e9)
     assert crossover_tokens(cost, BLOCK_BYTES, BLOCK_SIZE, PREFILL) == pytest.approx(5e-3 / (1e-3 - 62.5e-6))
     assert crossover_tokens(TierCost(0.0, 1e9), BLOCK_BYTES, BLOCK_SIZE, PREFILL) == 0.0
-    assert crossover_tokens(TierCost(5e-3, 1.6e7), BLOCK_BYTES, BLOCK_SIZE, PREFILL) == math.inf  # reading is slower than computing
+    assert (
+        crossover_tokens(TierCost(5e-3, 1.6e7), BLOCK_BYTES, BLOCK_SIZE, PREFILL) == math.inf
+    )  # reading is slower than computing
     # the plan and the crossover agree: 100 ms of latency pays back after 106.7 tokens, so a run of
     # 6 blocks (96 tokens) is recomputed and one of 7 blocks (112 tokens) is fetched
     slow = TierCost(0.1, 1e9)

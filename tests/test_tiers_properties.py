@@ -14,10 +14,9 @@ from typing import Optional
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tier_helpers import SCOPE, make_chain
 
 from prefixserve.tiers import BlockRecord, DiskTier, HostTier, RecordExpectation, decode_record, encode_record
-
-from tier_helpers import SCOPE, make_chain
 
 # Few stems so chains share prefixes and branch: 0 and 1 share two blocks, 2 and 3 share one.
 STEMS = [list(range(20)), list(range(8)) + [50] * 12, [7] * 16, [7] * 4 + [9] * 8]
@@ -92,7 +91,10 @@ def run_and_check(tier, operations, capacity: int) -> None:
         elif kind == "get":
             for record, data in zip(records, tier.get(keys)):
                 if data is not None:
-                    assert decode_record(data, RecordExpectation(record.key, SCOPE, record.token_ids, "float32", (8,))) == record
+                    assert (
+                        decode_record(data, RecordExpectation(record.key, SCOPE, record.token_ids, "float32", (8,)))
+                        == record
+                    )
             model.get(keys)
         elif kind == "delete":
             tier.delete(keys)
@@ -133,7 +135,14 @@ def test_disk_tier_matches_the_model(operations, num_records):
 def test_model_agrees_on_a_fixed_sequence(capacity_records):
     """A hand-written sequence through both tiers, so a model bug cannot hide behind random draws."""
     capacity = capacity_records * max(SIZE.values())
-    operations = [("put", (0, 0, 5)), ("put", (1, 0, 5)), ("get", (0, 0, 2)), ("put", (2, 0, 4)), ("delete", (1, 2, 1)), ("put", (3, 0, 3))]
+    operations = [
+        ("put", (0, 0, 5)),
+        ("put", (1, 0, 5)),
+        ("get", (0, 0, 2)),
+        ("put", (2, 0, 4)),
+        ("delete", (1, 2, 1)),
+        ("put", (3, 0, 3)),
+    ]
     run_and_check(HostTier(capacity), operations, capacity)
     with tempfile.TemporaryDirectory() as directory:
         with DiskTier(directory, capacity) as tier:

@@ -9,7 +9,6 @@ import pytest
 
 from prefixserve.cache import BlockKeyer
 from prefixserve.engine.tier_reads import payload_is_finite
-from prefixserve.tiers.seal import Keyring, Sealer
 from prefixserve.tiers.record import (
     FIXED_HEADER_SIZE,
     REASONS,
@@ -21,6 +20,7 @@ from prefixserve.tiers.record import (
     header_length,
     read_header,
 )
+from prefixserve.tiers.seal import Keyring, Sealer
 
 SCOPE = bytes(range(32))
 SHAPE = (2, 2, 4, 1, 8)  # layers, K/V, block size, kv heads, head dim
@@ -31,15 +31,26 @@ TOKENS = (7, 8, 9, 4_000_000_000)  # the last id needs all 32 bits
 def make_record(**changes) -> BlockRecord:
     keyer = BlockKeyer(block_size=4)
     fields = dict(
-        key=keyer.block_key(SCOPE, TOKENS), parent_key=None, scope_digest=SCOPE, token_ids=TOKENS,
-        dtype="float32", shape=SHAPE, payload=PAYLOAD,
+        key=keyer.block_key(SCOPE, TOKENS),
+        parent_key=None,
+        scope_digest=SCOPE,
+        token_ids=TOKENS,
+        dtype="float32",
+        shape=SHAPE,
+        payload=PAYLOAD,
     )
     fields.update(changes)
     return BlockRecord(**fields)
 
 
 def expectation(record: BlockRecord, **changes) -> RecordExpectation:
-    fields = dict(key=record.key, scope_digest=record.scope_digest, token_ids=record.token_ids, dtype=record.dtype, shape=record.shape)
+    fields = dict(
+        key=record.key,
+        scope_digest=record.scope_digest,
+        token_ids=record.token_ids,
+        dtype=record.dtype,
+        shape=record.shape,
+    )
     fields.update(changes)
     return RecordExpectation(**fields)
 
@@ -52,7 +63,9 @@ def reason_of(data: bytes, expect: RecordExpectation, sealer=None) -> str:
 
 
 @pytest.mark.parametrize("parent_key", [None, b"\x01" * 32])
-@pytest.mark.parametrize("dtype,shape", [("float32", SHAPE), ("bfloat16", (2, 2, 4, 2, 8)), ("float16", (4, 2, 4, 1, 8))])
+@pytest.mark.parametrize(
+    "dtype,shape", [("float32", SHAPE), ("bfloat16", (2, 2, 4, 2, 8)), ("float16", (4, 2, 4, 1, 8))]
+)
 def test_round_trip(parent_key, dtype, shape):
     record = make_record(parent_key=parent_key, dtype=dtype, shape=list(shape), token_ids=list(TOKENS))
     assert record.shape == shape and record.token_ids == TOKENS  # lists are frozen into tuples
@@ -69,8 +82,18 @@ def test_header_is_read_from_header_bytes_alone():
     length = header_length(data[:FIXED_HEADER_SIZE])
     assert len(data) == length + len(PAYLOAD)
     header = read_header(data[:length])  # no payload byte present
-    assert (header.key, header.parent_key, header.scope_digest, header.token_ids) == (record.key, record.parent_key, SCOPE, TOKENS)
-    assert (header.dtype, header.shape, header.payload_length, header.header_length) == ("float32", SHAPE, len(PAYLOAD), length)
+    assert (header.key, header.parent_key, header.scope_digest, header.token_ids) == (
+        record.key,
+        record.parent_key,
+        SCOPE,
+        TOKENS,
+    )
+    assert (header.dtype, header.shape, header.payload_length, header.header_length) == (
+        "float32",
+        SHAPE,
+        len(PAYLOAD),
+        length,
+    )
     assert header.record_length == len(data)
     with pytest.raises(RecordError) as caught:
         read_header(data[: length - 1])
@@ -105,7 +128,19 @@ def test_truncated_at_every_kind_of_point():
     record = make_record()
     data = encode_record(record)
     length = header_length(data)
-    for end in (0, 2, 4, 6, 12, FIXED_HEADER_SIZE - 1, FIXED_HEADER_SIZE, length - 1, length, length + 1, len(data) - 1):
+    for end in (
+        0,
+        2,
+        4,
+        6,
+        12,
+        FIXED_HEADER_SIZE - 1,
+        FIXED_HEADER_SIZE,
+        length - 1,
+        length,
+        length + 1,
+        len(data) - 1,
+    ):
         assert reason_of(data[:end], expectation(record)) == "truncated", end
     assert reason_of(data + b"\x00", expectation(record)) == "truncated"  # trailing bytes: the length is wrong too
 
@@ -174,9 +209,10 @@ def test_header_describing_an_impossible_payload_is_refused():
             forged[body_start : body_start + 7] = patch
         else:
             forged[body_start + 7 : body_start + 15] = struct.pack("<Q", 99)
-        body = bytes(forged[FIXED_HEADER_SIZE:header_length(bytes(forged))])
-        forged[20:24] = struct.pack("<I", zlib.crc32(body, zlib.crc32(bytes(forged[28:FIXED_HEADER_SIZE]),
-                                                                     zlib.crc32(bytes(forged[:20])))))
+        body = bytes(forged[FIXED_HEADER_SIZE : header_length(bytes(forged))])
+        forged[20:24] = struct.pack(
+            "<I", zlib.crc32(body, zlib.crc32(bytes(forged[28:FIXED_HEADER_SIZE]), zlib.crc32(bytes(forged[:20]))))
+        )
         with pytest.raises(RecordError) as caught:
             read_header(bytes(forged))
         assert caught.value.reason == reason

@@ -13,13 +13,13 @@ import pytest
 
 pytest.importorskip("redis", reason="redis-py is not installed: pip install 'redis>=5' to test the remote tier")
 
+from conftest import make_llm  # noqa: E402
+from redis_helpers import SCOPE, expect, keys_of, make_chain, redis_cluster, redis_name  # noqa: E402,F401
+
 from prefixserve import SamplingParams  # noqa: E402
 from prefixserve.tiers import decode_record  # noqa: E402
 from prefixserve.tiers.redis import RedisTier  # noqa: E402
 from prefixserve.tiers.redis_nodes import SingleNode  # noqa: E402
-
-from conftest import make_llm  # noqa: E402
-from redis_helpers import SCOPE, expect, keys_of, make_chain, redis_cluster, redis_name  # noqa: E402,F401
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
@@ -27,7 +27,9 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 def stored_on(cluster, scope=SCOPE) -> dict[int, int]:
     """Records of `scope` per live master (port -> count)."""
     pattern = b"pskv:" + scope.hex().encode() + b":*"
-    return {server.port: len(list(server.client().scan_iter(match=pattern, count=1000))) for server in cluster.masters()}
+    return {
+        server.port: len(list(server.client().scan_iter(match=pattern, count=1000))) for server in cluster.masters()
+    }
 
 
 def test_the_tier_finds_the_cluster_and_spreads_a_models_records_over_every_master(redis_cluster):
@@ -62,8 +64,12 @@ def test_a_killed_master_costs_only_its_own_keys_until_its_replica_takes_over(re
             found = tier.get(keys_of(chain))  # never raises; the victim's keys miss, the others' hit
         assert {record.key for record, data in zip(chain, found) if data is None} == lost
         assert tier.stats.errors >= 1 and "failed during get" in caplog.text
-        redis_cluster.wait(lambda: len(redis_cluster.masters()) == 3 and all(
-            redis_cluster.info(server)["cluster_state"] == "ok" for server in redis_cluster.masters()))
+        redis_cluster.wait(
+            lambda: (
+                len(redis_cluster.masters()) == 3
+                and all(redis_cluster.info(server)["cluster_state"] == "ok" for server in redis_cluster.masters())
+            )
+        )
         # the replica holds what its master had (replicated before the kill): hits resume once the tier's
         # back-off passes and its slot map is refreshed
         redis_cluster.wait(lambda: all(data is not None for data in tier.get(keys_of(chain))), seconds=15)
@@ -77,8 +83,11 @@ def test_a_killed_master_costs_only_its_own_keys_until_its_replica_takes_over(re
 def test_a_client_that_took_the_cluster_for_one_server_switches_at_the_first_moved(redis_cluster, monkeypatch):
     import prefixserve.tiers.redis as redis_tier_module
 
-    monkeypatch.setattr(redis_tier_module, "connect_nodes",
-                        lambda client, url, ct, rt, backoff, where, clock: SingleNode(client, where, backoff))
+    monkeypatch.setattr(
+        redis_tier_module,
+        "connect_nodes",
+        lambda client, url, ct, rt, backoff, where, clock: SingleNode(client, where, backoff),
+    )
     tier = RedisTier(redis_cluster.url, scope_digest=SCOPE)
     try:
         assert not tier._nodes.is_cluster
@@ -108,8 +117,12 @@ def test_two_engines_share_the_cluster_and_live_through_a_failover(redis_cluster
     during = [reader.generate([prompt], GREEDY, use_tqdm=False)[0] for prompt in batch[1:]]
     assert [out.token_ids for out in during] == expected[1:]  # recomputed where a master was gone: no error
     assert all(out.finish_reason == "length" for out in during)
-    redis_cluster.wait(lambda: len(redis_cluster.masters()) == 3 and all(
-        redis_cluster.info(server)["cluster_state"] == "ok" for server in redis_cluster.masters()))
+    redis_cluster.wait(
+        lambda: (
+            len(redis_cluster.masters()) == 3
+            and all(redis_cluster.info(server)["cluster_state"] == "ok" for server in redis_cluster.masters())
+        )
+    )
     redis_cluster.wait(lambda: sum(stored_on(redis_cluster, scope).values()) >= stored)  # the replica had it all
     late = make_llm(kv_fetch_policy="always", **{**options, "kv_remote_url": redis_cluster.masters()[0].url})
     out = late.generate([batch[2]], GREEDY, use_tqdm=False)[0]

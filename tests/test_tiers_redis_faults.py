@@ -10,10 +10,17 @@ import time
 from typing import Callable
 
 import pytest
+from redis_helpers import (
+    SCOPE,
+    RedisServer,
+    expect,
+    keys_of,
+    make_chain,
+    redis_name,
+    redis_server,  # noqa: F401  (a fixture)
+)
 
 from prefixserve.tiers import RecordError, decode_record, encode_record
-from redis_helpers import SCOPE, RedisServer, expect, keys_of, make_chain, redis_name
-from redis_helpers import redis_server  # noqa: F401  (a fixture)
 
 pytest.importorskip("redis", reason="redis-py is not installed: pip install 'redis>=5' to test the remote tier")
 from prefixserve.tiers.redis import BACKOFF_SECONDS, RedisTier  # noqa: E402
@@ -93,8 +100,9 @@ def test_redis_killed_mid_run_then_restarted_on_the_same_port(redis_server, capl
     def step_past_backoff():
         now[0] += BACKOFF_SECONDS + 0.01
 
-    with RedisTier(redis_server.url, scope_digest=SCOPE, connect_timeout=0.3, read_timeout=0.3,
-                   clock=lambda: now[0]) as tier:
+    with RedisTier(
+        redis_server.url, scope_digest=SCOPE, connect_timeout=0.3, read_timeout=0.3, clock=lambda: now[0]
+    ) as tier:
         tier.put(chain)
         assert tier.contains(keys_of(chain)) == 4
         redis_server.kill()
@@ -181,11 +189,14 @@ def test_settings_that_make_redis_a_poor_cache_are_named_at_start(tmp_path, capl
         server.kill()
 
 
-@pytest.mark.parametrize("damage, reason", [
-    (lambda data: data[:-1] + bytes([data[-1] ^ 1]), "checksum"),
-    (lambda data: data[: len(data) // 2], "truncated"),
-    (lambda data: b"not a record", "magic"),
-])
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        (lambda data: data[:-1] + bytes([data[-1] ^ 1]), "checksum"),
+        (lambda data: data[: len(data) // 2], "truncated"),
+        (lambda data: b"not a record", "magic"),
+    ],
+)
 def test_a_damaged_value_is_rejected_and_deleted(redis_server, damage, reason):
     chain = make_chain(2)
     name = redis_name(SCOPE, chain[1].key)

@@ -18,12 +18,12 @@ import struct
 import threading
 
 import pytest
-
 from conftest import TIER_SECRET, make_llm
+from tier_helpers import BLOCK_SIZE, SCOPE, make_chain
+
 from prefixserve import SamplingParams
 from prefixserve.tiers import BlockRecord, DiskTier, HostTier, Keyring, RecordExpectation, Sealer, read_header
 from prefixserve.tiers.record import RecordError, decode_record, encode_record
-from tier_helpers import BLOCK_SIZE, SCOPE, make_chain
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 PREFIX_LEN = 160  # 10 blocks of 16
@@ -50,20 +50,25 @@ def reference():
 
 def payload_of(data: bytes) -> bytes:
     header = read_header(data)
-    return data[header.header_length:header.header_length + header.payload_length]
+    return data[header.header_length : header.header_length + header.payload_length]
 
 
 def forged(data: bytes, payload: bytes, sealer) -> bytes:
     """The record's key, parent, scope and token ids with another payload, re-encoded (as an attacker can)."""
     header = read_header(data)
-    return encode_record(BlockRecord(header.key, header.parent_key, header.scope_digest, header.token_ids,
-                                     header.dtype, header.shape, payload), sealer)
+    return encode_record(
+        BlockRecord(
+            header.key, header.parent_key, header.scope_digest, header.token_ids, header.dtype, header.shape, payload
+        ),
+        sealer,
+    )
 
 
 # ------------------------------------------------------------------ Redis, across replicas
 @pytest.mark.parametrize("attacker_seal", [None, ATTACKER], ids=["crc-only", "attackers-secret"])
-def test_forged_records_in_redis_are_refused_and_the_answer_is_unchanged(reference, redis_server, tier_secret_file,
-                                                                         attacker_seal):
+def test_forged_records_in_redis_are_refused_and_the_answer_is_unchanged(
+    reference, redis_server, tier_secret_file, attacker_seal
+):
     (q, x, _), (expected_q, expected_x, _) = reference
     options = dict(kv_remote_url=redis_server.url, kv_tier_secret_file=tier_secret_file, kv_fetch_policy="always")
     writer = make_llm(**options)
@@ -72,8 +77,8 @@ def test_forged_records_in_redis_are_refused_and_the_answer_is_unchanged(referen
     client = redis_server.client()
     records = {name: client.get(name) for name in client.keys("pskv:*")}
     by_tokens = {read_header(data).token_ids: data for data in records.values()}
-    q_blocks = [tuple(q[i:i + 16]) for i in range(0, PREFIX_LEN, 16)]
-    x_blocks = [tuple(x[i:i + 16]) for i in range(0, PREFIX_LEN, 16)]
+    q_blocks = [tuple(q[i : i + 16]) for i in range(0, PREFIX_LEN, 16)]
+    x_blocks = [tuple(x[i : i + 16]) for i in range(0, PREFIX_LEN, 16)]
     for name, data in records.items():
         tokens = read_header(data).token_ids
         if tokens in q_blocks:  # Q's block i now carries X's block i
@@ -102,10 +107,17 @@ def test_records_planted_for_a_prompt_nobody_sent_are_refused(reference, redis_s
     keys = engine.keyer.keys(scope, p)
     prefix = b"pskv:" + engine.scope.digest.hex().encode() + b":"
     parent = None
-    for index, key in enumerate(keys[:PREFIX_LEN // 16]):
+    for index, key in enumerate(keys[: PREFIX_LEN // 16]):
         template = read_header(x_records[index])
-        record = BlockRecord(key, parent, template.scope_digest, tuple(p[index * 16:(index + 1) * 16]),
-                             template.dtype, template.shape, payload_of(x_records[index]))
+        record = BlockRecord(
+            key,
+            parent,
+            template.scope_digest,
+            tuple(p[index * 16 : (index + 1) * 16]),
+            template.dtype,
+            template.shape,
+            payload_of(x_records[index]),
+        )
         client.set(prefix + key.hex().encode(), encode_record(record))
         parent = key
     reader = make_llm(**options)
@@ -160,11 +172,14 @@ def test_the_remote_tier_needs_a_secret_or_an_explicit_insecure(redis_server, ca
 
 
 # ------------------------------------------------------------------ encryption per tenant
-def test_encrypted_records_reveal_no_tokens_or_kv_and_open_for_no_other_tenant(reference, tmp_path,
-                                                                                 tier_secret_file):
+def test_encrypted_records_reveal_no_tokens_or_kv_and_open_for_no_other_tenant(reference, tmp_path, tier_secret_file):
     (q, _, _), (expected_q, _, _) = reference
-    options = dict(kv_disk_cache_dir=str(tmp_path), kv_tier_secret_file=tier_secret_file, kv_tier_encrypt=True,
-                   kv_fetch_policy="always")
+    options = dict(
+        kv_disk_cache_dir=str(tmp_path),
+        kv_tier_secret_file=tier_secret_file,
+        kv_tier_encrypt=True,
+        kv_fetch_policy="always",
+    )
     writer = make_llm(**options)
     assert tokens_of(writer, [q], salt="tenant-a") == [expected_q]
     writer.engine.tiers["disk"].flush()
@@ -328,14 +343,17 @@ def test_a_secret_is_rolled_in_while_the_old_ones_records_are_accepted_for_the_s
     decode_record(sealed_new, expect, expired)
 
 
-@pytest.mark.parametrize("text,message", [
-    ("short\n", "at least 32 characters"),
-    ("", "holds no secret"),
-    (f"{'a' * 40} until=2999-01-01T00:00:00Z\n", "takes no until="),
-    (f"{'a' * 40}\n{'b' * 40}\n", "add until="),
-    (f"{'a' * 40}\n{'b' * 40} until=tomorrow\n", "ISO 8601"),
-    (f"{'a' * 40}\n{'a' * 40} until=2999-01-01T00:00:00Z\n", "appears twice"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("short\n", "at least 32 characters"),
+        ("", "holds no secret"),
+        (f"{'a' * 40} until=2999-01-01T00:00:00Z\n", "takes no until="),
+        (f"{'a' * 40}\n{'b' * 40}\n", "add until="),
+        (f"{'a' * 40}\n{'b' * 40} until=tomorrow\n", "ISO 8601"),
+        (f"{'a' * 40}\n{'a' * 40} until=2999-01-01T00:00:00Z\n", "appears twice"),
+    ],
+)
 def test_a_bad_secret_file_is_refused_naming_the_fix(tmp_path, text, message):
     path = tmp_path / "secret"
     path.write_text(text)
@@ -353,8 +371,9 @@ def test_every_tier_seals_what_it_stores(tmp_path):
         stored = tier.get([records[0].key])[0]
         assert read_header(stored).seal == sealer.seal
         with pytest.raises(RecordError, match="auth"):
-            decode_record(stored, RecordExpectation(records[0].key, SCOPE, records[0].token_ids, "float32",
-                                                    records[0].shape))  # a reader without the secret
+            decode_record(
+                stored, RecordExpectation(records[0].key, SCOPE, records[0].token_ids, "float32", records[0].shape)
+            )  # a reader without the secret
         tier.close()
 
 

@@ -9,8 +9,10 @@ import pytest
 
 from prefixserve.server.tool_calls import ToolCallStream, parse
 
-HERMES = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
-          '<tool_call>\n[{"name": "a", "arguments": {}}, {"name": "b", "arguments": {"x": [1, 2]}}]\n</tool_call>')
+HERMES = (
+    'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+    '<tool_call>\n[{"name": "a", "arguments": {}}, {"name": "b", "arguments": {"x": [1, 2]}}]\n</tool_call>'
+)
 LLAMA3 = '<|python_tag|>{"name": "f", "parameters": {"x": 1}}; {"name": "g", "parameters": {}}'
 
 
@@ -25,27 +27,42 @@ def test_hermes_blocks_and_a_list_in_one_block():
 
 
 def test_llama3_json_calls_separated_by_semicolons():
-    assert parse("llama3_json", LLAMA3) == (None, parse("llama3_json", LLAMA3[len("<|python_tag|>"):])[1])
+    assert parse("llama3_json", LLAMA3) == (None, parse("llama3_json", LLAMA3[len("<|python_tag|>") :])[1])
     assert names(parse("llama3_json", LLAMA3)[1]) == [("f", {"x": 1}), ("g", {})]
 
 
-@pytest.mark.parametrize("parser, text", [
-    ("hermes", "no call <tool_call> {broken"), ("hermes", '<tool_call>{"arguments": {}}</tool_call>'),
-    ("hermes", '<tool_call>{"name": "f", "arguments": "x"}</tool_call>'), ("llama3_json", 'text {"name": "f"}'),
-    ("llama3_json", '{"name": "f", "parameters": {}} trailing'), ("llama3_json", '{"no": "name"}')])
+@pytest.mark.parametrize(
+    "parser, text",
+    [
+        ("hermes", "no call <tool_call> {broken"),
+        ("hermes", '<tool_call>{"arguments": {}}</tool_call>'),
+        ("hermes", '<tool_call>{"name": "f", "arguments": "x"}</tool_call>'),
+        ("llama3_json", 'text {"name": "f"}'),
+        ("llama3_json", '{"name": "f", "parameters": {}} trailing'),
+        ("llama3_json", '{"no": "name"}'),
+    ],
+)
 def test_what_does_not_parse_stays_content(parser, text):
     assert parse(parser, text) == (text, [])
 
 
-@pytest.mark.parametrize("parser, text", [("hermes", HERMES), ("llama3_json", LLAMA3), ("hermes", "plain text < and <t"),
-                                          ("llama3_json", "plain text"), ("hermes", "a <tool_call>{oops")])
+@pytest.mark.parametrize(
+    "parser, text",
+    [
+        ("hermes", HERMES),
+        ("llama3_json", LLAMA3),
+        ("hermes", "plain text < and <t"),
+        ("llama3_json", "plain text"),
+        ("hermes", "a <tool_call>{oops"),
+    ],
+)
 def test_a_stream_in_any_pieces_gives_the_whole_outputs_calls(parser, text):
     rng = random.Random(len(text))
     for _ in range(20):
         stream, content, calls, position = ToolCallStream(parser), "", [], 0
         while position < len(text):
             size = rng.randint(1, 7)
-            piece, more = stream.push(text[position:position + size])
+            piece, more = stream.push(text[position : position + size])
             content, calls, position = content + piece, calls + more, position + size
         piece, more = stream.finish()
         content, calls = content + piece, calls + more
@@ -56,6 +73,7 @@ def test_a_stream_in_any_pieces_gives_the_whole_outputs_calls(parser, text):
 
 def test_offline_chat_takes_tools_as_the_server_renders_them(default_model_dir):
     from conftest import make_llm
+
     from prefixserve.chat_tools import render_chat
 
     llm = make_llm()

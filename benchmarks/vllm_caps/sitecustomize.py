@@ -10,12 +10,25 @@ prefixserve is imported: this runs in vLLM's own virtualenv.
 import os
 
 _CAP = os.environ.get("PREFIXSERVE_CPU_ISA", "").strip().lower()
-_ABSENT = {"portable": ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_avx512_vnni_supported",
-                        "_is_amx_tile_supported", "_is_amx_fp16_supported", "_is_avx2_supported"),
-           "avx2": ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_avx512_vnni_supported",
-                    "_is_amx_tile_supported", "_is_amx_fp16_supported"),
-           "avx512": ("_is_avx512_bf16_supported", "_is_amx_tile_supported", "_is_amx_fp16_supported"),
-           "avx512_bf16": ("_is_amx_tile_supported", "_is_amx_fp16_supported")}.get(_CAP, ())
+_ABSENT = {
+    "portable": (
+        "_is_avx512_supported",
+        "_is_avx512_bf16_supported",
+        "_is_avx512_vnni_supported",
+        "_is_amx_tile_supported",
+        "_is_amx_fp16_supported",
+        "_is_avx2_supported",
+    ),
+    "avx2": (
+        "_is_avx512_supported",
+        "_is_avx512_bf16_supported",
+        "_is_avx512_vnni_supported",
+        "_is_amx_tile_supported",
+        "_is_amx_fp16_supported",
+    ),
+    "avx512": ("_is_avx512_bf16_supported", "_is_amx_tile_supported", "_is_amx_fp16_supported"),
+    "avx512_bf16": ("_is_amx_tile_supported", "_is_amx_fp16_supported"),
+}.get(_CAP, ())
 
 if _ABSENT:
     import torch

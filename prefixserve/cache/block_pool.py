@@ -112,9 +112,7 @@ class BlockPool:
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
-            raise ValueError(
-                f"the KV pool needs at least 1 block, got {num_blocks}; raise the KV memory budget"
-            )
+            raise ValueError(f"the KV pool needs at least 1 block, got {num_blocks}; raise the KV memory budget")
         self.blocks = [Block(block_id) for block_id in range(num_blocks)]
         self.free_list = FreeBlockList(self.blocks)
         # Called with each block freed: the window layers' slots (window_slots.py) follow the block.

@@ -43,14 +43,22 @@ class HotPrefixChange:
 
 
 class HotPrefixPolicy:
-    def __init__(self, min_requests: int, window_seconds: float, max_blocks: int,
-                 clock: Callable[[], float] = time.monotonic, tick_seconds: float = DEFAULT_TICK_SECONDS,
-                 max_tracked: int = DEFAULT_MAX_TRACKED) -> None:
+    def __init__(
+        self,
+        min_requests: int,
+        window_seconds: float,
+        max_blocks: int,
+        clock: Callable[[], float] = time.monotonic,
+        tick_seconds: float = DEFAULT_TICK_SECONDS,
+        max_tracked: int = DEFAULT_MAX_TRACKED,
+    ) -> None:
         if min_requests < 2:
             raise ValueError(f"min_requests must be at least 2 (one request is not sharing), got {min_requests}")
         if window_seconds <= 0 or max_blocks < 0 or max_tracked < 1:
-            raise ValueError("window_seconds must be positive, max_blocks non-negative, max_tracked at least 1; got "
-                             f"{window_seconds}, {max_blocks}, {max_tracked}")
+            raise ValueError(
+                "window_seconds must be positive, max_blocks non-negative, max_tracked at least 1; got "
+                f"{window_seconds}, {max_blocks}, {max_tracked}"
+            )
         self.min_requests = min_requests
         self.window_seconds = window_seconds
         self.max_blocks = max_blocks
@@ -75,7 +83,7 @@ class HotPrefixPolicy:
             tracked.hits.append(now)
             parent = key
         excess = len(self._tracked) - self.max_tracked
-        for key in list(self._tracked)[:max(excess, 0)]:  # least recently reused first; never a pinned one
+        for key in list(self._tracked)[: max(excess, 0)]:  # least recently reused first; never a pinned one
             if not self._tracked[key].pinned_path:
                 del self._tracked[key]
 
@@ -99,8 +107,11 @@ class HotPrefixPolicy:
         hot = {key for key, tracked in self._tracked.items() if len(tracked.hits) >= self.min_requests}
         below_hot = {self._tracked[key].parent for key in hot}
         # The deepest hot blocks: pinning one pins its whole path, the hottest first.
-        deepest = sorted((key for key in hot - below_hot if not self._tracked[key].pinned_path),
-                         key=lambda key: len(self._tracked[key].hits), reverse=True)
+        deepest = sorted(
+            (key for key in hot - below_hot if not self._tracked[key].pinned_path),
+            key=lambda key: len(self._tracked[key].hits),
+            reverse=True,
+        )
         num_pinned = sum(1 for key in deepest if self._pin(cache, self._tracked[key], self._path_to(key)))
         return HotPrefixChange(num_pinned, num_unpinned)
 

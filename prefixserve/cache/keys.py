@@ -101,16 +101,22 @@ class CacheScope:
     def digest(self) -> bytes:
         """SHA-256 of the length-prefixed fields: the parent key of block 0."""
         hasher = hashlib.sha256(_SCOPE_DOMAIN)
-        for field in (self.model_fingerprint, self.tokenizer_fingerprint, self.adapter_id, self.cache_salt,
-                      self.numerics):
+        for field in (
+            self.model_fingerprint,
+            self.tokenizer_fingerprint,
+            self.adapter_id,
+            self.cache_salt,
+            self.numerics,
+        ):
             encoded = field.encode("utf-8")
             hasher.update(len(encoded).to_bytes(4, "little"))
             hasher.update(encoded)
         return hasher.digest()
 
     def with_salt(self, cache_salt: str) -> "CacheScope":
-        return CacheScope(self.model_fingerprint, self.tokenizer_fingerprint, self.adapter_id, cache_salt,
-                          self.numerics)
+        return CacheScope(
+            self.model_fingerprint, self.tokenizer_fingerprint, self.adapter_id, cache_salt, self.numerics
+        )
 
 
 class BlockKeyer:
@@ -125,7 +131,9 @@ class BlockKeyer:
     def block_key(self, parent_key: bytes, block_token_ids: Sequence[int]) -> bytes:
         return self.hash_function(parent_key + pack_tokens(block_token_ids))
 
-    def keys(self, scope_digest: bytes, token_ids: Sequence[int], private_from: Optional[PrivateFrom] = None) -> list[bytes]:
+    def keys(
+        self, scope_digest: bytes, token_ids: Sequence[int], private_from: Optional[PrivateFrom] = None
+    ) -> list[bytes]:
         """Keys of every full block of `token_ids`, in one pass."""
         return self.extend([], scope_digest, token_ids, private_from)
 

@@ -25,8 +25,8 @@ import time
 from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 from .block_pool import Block, BlockPool
-from .eviction import EvictionOrder
 from .events import BlockStored, EventQueue
+from .eviction import EvictionOrder
 from .integrity import check_integrity
 from .keys import max_hit_blocks, pack_tokens
 from .radix_pins import RadixPins

@@ -58,8 +58,9 @@ class _Release:
 
 
 class ReuseGapTracker:
-    def __init__(self, block_size: int, clock: Callable[[], float] = time.monotonic,
-                 max_prefixes: int = DEFAULT_MAX_PREFIXES) -> None:
+    def __init__(
+        self, block_size: int, clock: Callable[[], float] = time.monotonic, max_prefixes: int = DEFAULT_MAX_PREFIXES
+    ) -> None:
         if max_prefixes < 1:
             raise ValueError(f"max_prefixes must be at least 1, got {max_prefixes}")
         self.block_size = block_size
@@ -120,9 +121,11 @@ class ReuseGapTracker:
         object until something changes, so treat it as read-only."""
         if self._snapshot is None:
             self._snapshot = {
-                "bucket_upper_bounds": list(GAP_BUCKETS), "overall": self.overall.to_dict(),
+                "bucket_upper_bounds": list(GAP_BUCKETS),
+                "overall": self.overall.to_dict(),
                 "by_tenant": {tenant: histogram.to_dict() for tenant, histogram in sorted(self.by_tenant.items())},
-                "mean_reused_prefix_tokens": self.mean_reused_prefix_tokens}
+                "mean_reused_prefix_tokens": self.mean_reused_prefix_tokens,
+            }
         return self._snapshot
 
     def stats_body(self) -> dict:

@@ -71,8 +71,19 @@ class TreeView:
 class _Group:
     """A segment (or the root, or a scope) with what its subtree aggregates."""
 
-    __slots__ = ("id", "kind", "label", "blocks", "children", "subtree_blocks", "last_access",
-                 "ref_count", "pinned", "expire_at", "order")
+    __slots__ = (
+        "id",
+        "kind",
+        "label",
+        "blocks",
+        "children",
+        "subtree_blocks",
+        "last_access",
+        "ref_count",
+        "pinned",
+        "expire_at",
+        "order",
+    )
 
     def __init__(self, id_: str, kind: str, label: str, blocks: list[Block], order: int) -> None:
         self.id, self.kind, self.label, self.blocks, self.order = id_, kind, label, blocks, order
@@ -121,23 +132,39 @@ def build_tree_view(
     def node(group: _Group, parent: Optional[str], kind: str, label: str, num_blocks: int, num_folded: int = 0):
         span = newest - oldest
         return TreeNode(
-            id=group.id if kind != "more" else f"m{parent}", parent=parent, kind=kind, label=label,
-            num_blocks=num_blocks, num_tokens=num_blocks * block_size,
+            id=group.id if kind != "more" else f"m{parent}",
+            parent=parent,
+            kind=kind,
+            label=label,
+            num_blocks=num_blocks,
+            num_tokens=num_blocks * block_size,
             subtree_blocks=group.subtree_blocks if kind != "more" else num_blocks,
             ticks_since_use=newest - group.last_access if group.subtree_blocks else 0,
             recency=(group.last_access - oldest) / span if span and group.subtree_blocks else 1.0,
-            ref_count=group.ref_count, pinned=group.pinned, expiring=group.expire_at is not None,
+            ref_count=group.ref_count,
+            pinned=group.pinned,
+            expiring=group.expire_at is not None,
             expires_in=None if group.expire_at is None or now is None else group.expire_at - now,
-            tier="device", num_folded=num_folded,
-            copies=tuple(tier for tier, keys in lower.items() if group.blocks and all(b.key in keys for b in group.blocks)))
+            tier="device",
+            num_folded=num_folded,
+            copies=tuple(
+                tier for tier, keys in lower.items() if group.blocks and all(b.key in keys for b in group.blocks)
+            ),
+        )
 
     nodes, num_folded_blocks = _expand(root, max_nodes, counter, node)
     by_scope: dict[str, int] = {}
     for scope in root.children:
         by_scope[scope.label] = by_scope.get(scope.label, 0) + scope.subtree_blocks
-    return TreeView(nodes=nodes, block_size=block_size, num_blocks=len(blocks), num_segments=segments,
-                    num_folded_blocks=num_folded_blocks, tiers=_tier_counts(blocks, lower),
-                    blocks_by_scope=by_scope)
+    return TreeView(
+        nodes=nodes,
+        block_size=block_size,
+        num_blocks=len(blocks),
+        num_segments=segments,
+        num_folded_blocks=num_folded_blocks,
+        tiers=_tier_counts(blocks, lower),
+        blocks_by_scope=by_scope,
+    )
 
 
 def _expand(root: _Group, max_nodes: int, counter, node) -> tuple[list[TreeNode], int]:

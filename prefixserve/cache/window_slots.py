@@ -33,7 +33,7 @@ class WindowSlots:
             raise ValueError(f"the window layers' pool needs at least 1 slot, got {num_slots}")
         self.window, self.block_size, self.num_slots = window, block_size, num_slots
         self.slot_of = [-1] * num_blocks  # block id -> slot, -1: none
-        self.users = [0] * num_blocks     # running requests whose window covers the block
+        self.users = [0] * num_blocks  # running requests whose window covers the block
         self._free = list(range(num_slots - 1, -1, -1))
         self._idle: OrderedDict[int, None] = OrderedDict()  # block ids with a slot and no user, oldest first
         self.num_reused = 0  # idle slots taken for another block (their K/V gone)
@@ -99,7 +99,7 @@ class WindowSlots:
         batch = set(block_ids)
         wanted = [block_id for block_id in block_ids if self.slot_of[block_id] < 0]
         room = len(self._free) + sum(1 for block_id in self._idle if block_id not in batch)
-        for block_id in wanted[max(0, len(wanted) - room):]:
+        for block_id in wanted[max(0, len(wanted) - room) :]:
             self.slot_of[block_id] = self._take()
         for block_id in block_ids:  # idle in their order: the earliest are taken first
             if self.slot_of[block_id] >= 0 and self.users[block_id] == 0:
@@ -135,8 +135,9 @@ class WindowSlots:
         if self._free:
             return self._free.pop()
         if not self._idle:
-            raise RuntimeError("no free or idle slot in the window layers' pool; the scheduler checks "
-                               "can_attach before attaching")
+            raise RuntimeError(
+                "no free or idle slot in the window layers' pool; the scheduler checks can_attach before attaching"
+            )
         block_id, _ = self._idle.popitem(last=False)
         slot, self.slot_of[block_id] = self.slot_of[block_id], -1
         self.num_reused += 1

@@ -10,18 +10,26 @@ from pathlib import Path
 from ..server.engine_flags import add_engine_argument
 from .paths import output_path
 
-LINT_SUMMARY = ("prompt cacheability lint: per prompt family in a JSONL of OpenAI request bodies, the stable prefix, "
-                "what varies early (timestamps, ids, user names, tool or key order) and the hit rate today and "
-                "with it moved to the end")
+LINT_SUMMARY = (
+    "prompt cacheability lint: per prompt family in a JSONL of OpenAI request bodies, the stable prefix, "
+    "what varies early (timestamps, ids, user names, tool or key order) and the hit rate today and "
+    "with it moved to the end"
+)
 
 
 def add_lint_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("file", metavar="FILE.jsonl",
-                        help="one OpenAI request body per line (chat completions or completions; a Batch API line "
-                             "with a 'body' works too), in the order they were sent; '-' reads stdin")
+    parser.add_argument(
+        "file",
+        metavar="FILE.jsonl",
+        help="one OpenAI request body per line (chat completions or completions; a Batch API line "
+        "with a 'body' works too), in the order they were sent; '-' reads stdin",
+    )
     parser.add_argument("--json", metavar="FILE", help="also write the report here as JSON (default: no JSON)")
-    parser.add_argument("--no-tokenizer", action="store_true",
-                        help="count characters instead of the built-in model's tokens (loads nothing)")
+    parser.add_argument(
+        "--no-tokenizer",
+        action="store_true",
+        help="count characters instead of the built-in model's tokens (loads nothing)",
+    )
     add_engine_argument(parser, "block_size")  # as 'prefixserve serve' takes it
 
 
@@ -62,8 +70,9 @@ def _read_lines(file: str) -> list[str]:
     try:
         return path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError as error:
-        raise ValueError(f"{file} is not UTF-8 text (byte {error.start}); give a JSONL file of request "
-                         f"bodies") from None
+        raise ValueError(
+            f"{file} is not UTF-8 text (byte {error.start}); give a JSONL file of request bodies"
+        ) from None
 
 
 def _builtin_tokenizer():

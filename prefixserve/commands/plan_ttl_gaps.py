@@ -30,16 +30,21 @@ def read_gaps(args: argparse.Namespace) -> GapSource:
 
         trace = load_trace(args.trace)
         found = gaps_from_trace(trace.requests, trace.block_size)
-        return GapSource(found.distribution, f"trace {trace.name} ({len(trace):,} requests over "
-                                             f"{_duration(trace.duration)})",
-                         found.mean_reused_prefix_tokens or None, found.releases_per_second)
+        return GapSource(
+            found.distribution,
+            f"trace {trace.name} ({len(trace):,} requests over {_duration(trace.duration)})",
+            found.mean_reused_prefix_tokens or None,
+            found.releases_per_second,
+        )
     if args.url:
-        return _from_stats(fetch_stats(args.url, args.admin_api_key), f"{args.url.rstrip('/')}{STATS_PATH}",
-                           args.tenant)
+        return _from_stats(
+            fetch_stats(args.url, args.admin_api_key), f"{args.url.rstrip('/')}{STATS_PATH}", args.tenant
+        )
     path = Path(args.gaps)
     if not path.is_file():
-        raise FileNotFoundError(f"--gaps {args.gaps}: no such file; pass a list of gap seconds or a saved "
-                                f"{STATS_PATH} body")
+        raise FileNotFoundError(
+            f"--gaps {args.gaps}: no such file; pass a list of gap seconds or a saved {STATS_PATH} body"
+        )
     text = path.read_text(encoding="utf-8", errors="replace")
     try:
         data = json.loads(text)
@@ -47,12 +52,15 @@ def read_gaps(args: argparse.Namespace) -> GapSource:
         data = _numbers(text, args.gaps)
     if isinstance(data, dict):
         if args.num_never_returned is not None:
-            raise ValueError(f"--num-never-returned goes with a list of gaps; the stats in --gaps {args.gaps} "
-                             f"count their own (num_releases minus count)")
+            raise ValueError(
+                f"--num-never-returned goes with a list of gaps; the stats in --gaps {args.gaps} "
+                f"count their own (num_releases minus count)"
+            )
         return _from_stats(data, f"--gaps {args.gaps}", args.tenant)
     if not isinstance(data, list):
-        raise ValueError(f"--gaps {args.gaps}: JSON {type(data).__name__}, not a list of gap seconds or a "
-                         f"{STATS_PATH} object")
+        raise ValueError(
+            f"--gaps {args.gaps}: JSON {type(data).__name__}, not a list of gap seconds or a {STATS_PATH} object"
+        )
     if args.tenant is not None:
         raise ValueError(f"--tenant needs cache stats; --gaps {args.gaps} is a plain list of gaps")
     try:
@@ -67,8 +75,10 @@ def _numbers(text: str, name: str) -> list[float]:
     try:
         return [float(part) for part in parts]
     except ValueError:
-        raise ValueError(f"--gaps {name}: neither JSON nor numbers separated by spaces, commas or lines; "
-                         f"pass gap seconds or a saved {STATS_PATH} body") from None
+        raise ValueError(
+            f"--gaps {name}: neither JSON nor numbers separated by spaces, commas or lines; "
+            f"pass gap seconds or a saved {STATS_PATH} body"
+        ) from None
 
 
 def _from_stats(stats, description: str, tenant: Optional[str]) -> GapSource:

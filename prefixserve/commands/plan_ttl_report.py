@@ -37,18 +37,24 @@ def format_plan(plan: TTLPlan, description: str, inputs: dict[str, str]) -> list
             f"{_duration(row.ttl_seconds):>7}{mark} {row.hit_rate:>9.1%} {row.miss_tokens_per_turn:>12,.0f} "
             f"{_seconds(row.extra_ttft_seconds_per_turn):>11} {_gib(row.memory_bytes):>12} "
             f"{row.memory_usd_per_hour:>11,.4g} {row.recompute_usd_per_hour:>14,.4g} "
-            f"{row.waiting_usd_per_hour:>12,.4g} {row.cost_usd_per_hour:>10,.4g}{chosen}")
+            f"{row.waiting_usd_per_hour:>12,.4g} {row.cost_usd_per_hour:>10,.4g}{chosen}"
+        )
     best = plan.recommended
     in_seconds = "" if _duration(best.ttl_seconds).endswith(" s") else f" ({best.ttl_seconds:g} s)"
-    lines += ["", f"recommended TTL: {_duration(best.ttl_seconds)}{in_seconds}: {best.hit_rate:.1%} of returning "
-                  f"turns hit, {_gib(best.memory_bytes)} held, {best.cost_usd_per_hour:,.4g} USD an hour"]
+    lines += [
+        "",
+        f"recommended TTL: {_duration(best.ttl_seconds)}{in_seconds}: {best.hit_rate:.1%} of returning "
+        f"turns hit, {_gib(best.memory_bytes)} held, {best.cost_usd_per_hour:,.4g} USD an hour",
+    ]
     if len(plan.rows) > 1 and best is plan.rows[0]:
         lines.append("  the shortest candidate: a shorter TTL (or none) may be cheaper still; add shorter --ttls")
     if len(plan.rows) > 1 and best is plan.rows[-1]:
         lines.append("  the longest candidate: a longer TTL may be cheaper still; add longer --ttls")
     if any(row.ttl_seconds > plan.range_end for row in plan.rows):
-        lines.append(f"  * beyond the histogram's last bound ({_duration(plan.range_end)}): its overflow gaps count "
-                     f"as misses, so the hit rate there is a lower bound")
+        lines.append(
+            f"  * beyond the histogram's last bound ({_duration(plan.range_end)}): its overflow gaps count "
+            f"as misses, so the hit rate there is a lower bound"
+        )
     return lines
 
 
@@ -77,15 +83,18 @@ def plot_plan(plan: TTLPlan, path: Path, title: str) -> None:
     figure = Figure(figsize=(9, 7), layout="constrained")
     hits, costs = figure.subplots(2, 1, sharex=True)
     hits.plot(ttls, [row.hit_rate * 100 for row in plan.rows], marker="o", label="returning turns that hit")
-    hits.plot(ttls, [row.survival * 100 for row in plan.rows], marker=".", linestyle=":",
-              label="survival (all releases)")
+    hits.plot(
+        ttls, [row.survival * 100 for row in plan.rows], marker=".", linestyle=":", label="survival (all releases)"
+    )
     hits.set_ylabel("%")
     hits.set_ylim(0, 100)
     hits.legend()
-    for label, values in (("memory", [row.memory_usd_per_hour for row in plan.rows]),
-                          ("recompute", [row.recompute_usd_per_hour for row in plan.rows]),
-                          ("waiting", [row.waiting_usd_per_hour for row in plan.rows]),
-                          ("total", [row.cost_usd_per_hour for row in plan.rows])):
+    for label, values in (
+        ("memory", [row.memory_usd_per_hour for row in plan.rows]),
+        ("recompute", [row.recompute_usd_per_hour for row in plan.rows]),
+        ("waiting", [row.waiting_usd_per_hour for row in plan.rows]),
+        ("total", [row.cost_usd_per_hour for row in plan.rows]),
+    ):
         if any(values):
             values = [value if value > 0 or not log_costs else math.nan for value in values]  # a log axis has no 0
             costs.plot(ttls, values, marker="o", label=label, **({"color": "black"} if label == "total" else {}))
@@ -95,8 +104,12 @@ def plot_plan(plan: TTLPlan, path: Path, title: str) -> None:
     if log_costs:
         costs.set_yscale("log")
     for axis in (hits, costs):
-        axis.axvline(plan.recommended.ttl_seconds, color="tab:red", linestyle="--",
-                     label=f"recommended: {_duration(plan.recommended.ttl_seconds)}" if axis is costs else None)
+        axis.axvline(
+            plan.recommended.ttl_seconds,
+            color="tab:red",
+            linestyle="--",
+            label=f"recommended: {_duration(plan.recommended.ttl_seconds)}" if axis is costs else None,
+        )
     costs.legend()
     figure.suptitle(f"TTL plan: {title}")
     figure.savefig(path, dpi=110)

@@ -17,5 +17,7 @@ def get_from_server(url: str, path: str, admin_api_key: Optional[str], transport
         with httpx.Client(transport=transport, timeout=10.0) as client:
             return address, client.get(address, headers=headers)
     except httpx.HTTPError as error:
-        raise ValueError(f"--url: could not fetch {address} ({error or type(error).__name__}); check the address "
-                         "and that the server is running") from None
+        raise ValueError(
+            f"--url: could not fetch {address} ({error or type(error).__name__}); check the address "
+            "and that the server is running"
+        ) from None

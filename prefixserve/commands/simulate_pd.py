@@ -19,23 +19,43 @@ if TYPE_CHECKING:
 
 
 def add_pd_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--pd", metavar="P:D,...",
-                        help="replay step by step (chunked prefill slows decode on a replica that does both) and "
-                             "compare --replicas whole replicas with these prefill:decode splits of them, which "
-                             "hand prompts over through the shared tier (--remote-blocks; default: the trace's "
-                             "working set), e.g. --replicas 8 --pd 5:3,6:2 (default: no P/D replay)")
-    parser.add_argument("--pd-policy", default="kv_aware", metavar="NAME",
-                        help="the policy that picks the prefill and then the decode replica (default: %(default)s)")
-    parser.add_argument("--pd-local-prefill", type=int, default=0, metavar="TOKENS",
-                        help="with --pd, prefill a prompt on its decode replica when that replica lacks at most "
-                             "this many of its tokens (conditional disaggregation: short prefills are not worth "
-                             "a hand-off) (default: 0, hand every prompt over)")
-    parser.add_argument("--pd-max-prefill-queue", type=float, default=None, metavar="SECONDS",
-                        help="with --pd, prefill every prompt on its decode replica while the least queued prefill "
-                             "replica has more than this many seconds of prefill queued (default: no limit)")
-    parser.add_argument("--pd-trails", metavar="JSONL",
-                        help="with --pd, write one JSON line per request and fleet: which replicas had the prefix, "
-                             "bytes moved, prefill seconds reuse saved, waits, TTFT, TPOT (default: none)")
+    parser.add_argument(
+        "--pd",
+        metavar="P:D,...",
+        help="replay step by step (chunked prefill slows decode on a replica that does both) and "
+        "compare --replicas whole replicas with these prefill:decode splits of them, which "
+        "hand prompts over through the shared tier (--remote-blocks; default: the trace's "
+        "working set), e.g. --replicas 8 --pd 5:3,6:2 (default: no P/D replay)",
+    )
+    parser.add_argument(
+        "--pd-policy",
+        default="kv_aware",
+        metavar="NAME",
+        help="the policy that picks the prefill and then the decode replica (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--pd-local-prefill",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="with --pd, prefill a prompt on its decode replica when that replica lacks at most "
+        "this many of its tokens (conditional disaggregation: short prefills are not worth "
+        "a hand-off) (default: 0, hand every prompt over)",
+    )
+    parser.add_argument(
+        "--pd-max-prefill-queue",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="with --pd, prefill every prompt on its decode replica while the least queued prefill "
+        "replica has more than this many seconds of prefill queued (default: no limit)",
+    )
+    parser.add_argument(
+        "--pd-trails",
+        metavar="JSONL",
+        help="with --pd, write one JSON line per request and fleet: which replicas had the prefix, "
+        "bytes moved, prefill seconds reuse saved, waits, TTFT, TPOT (default: none)",
+    )
 
 
 def parse_splits(text: str, num_replicas: int) -> list[tuple[int, int]]:
@@ -46,13 +66,20 @@ def parse_splits(text: str, num_replicas: int) -> list[tuple[int, int]]:
         raise ValueError(f"--pd names no split ({text!r}); give PREFILL:DECODE counts, e.g. 5:3")
     for prefill, decode in splits:
         if prefill + decode != num_replicas:
-            raise ValueError(f"--pd {prefill}:{decode} has {prefill + decode} replicas but --replicas is "
-                             f"{num_replicas}: the comparison is at equal hardware, give splits of {num_replicas}")
+            raise ValueError(
+                f"--pd {prefill}:{decode} has {prefill + decode} replicas but --replicas is "
+                f"{num_replicas}: the comparison is at equal hardware, give splits of {num_replicas}"
+            )
     return splits
 
 
-def run_pd(args: argparse.Namespace, trace: Trace, routes: Sequence[RouteRequest], config: SimulationConfig,
-           plot_path: Optional[Path]) -> list[Path]:
+def run_pd(
+    args: argparse.Namespace,
+    trace: Trace,
+    routes: Sequence[RouteRequest],
+    config: SimulationConfig,
+    plot_path: Optional[Path],
+) -> list[Path]:
     """Replay the whole fleet and each split; print the table and the comparisons; return the files written."""
     from ..router.policies import make_policy
     from ..router.report_pd import compare_line, format_pd_table, plot_pd
@@ -68,18 +95,28 @@ def run_pd(args: argparse.Namespace, trace: Trace, routes: Sequence[RouteRequest
         config = replace(config, remote_blocks=working_set)
     began = time.perf_counter()
     results = [simulate_steps(trace, args.pd_policy, config, fleet_roles(config.num_replicas, 0), routes)]
-    results += [simulate_steps(trace, args.pd_policy, config, fleet_roles(p, d), routes,
-                               local_prefill_tokens=args.pd_local_prefill,
-                               max_prefill_queue=math.inf if args.pd_max_prefill_queue is None
-                               else args.pd_max_prefill_queue) for p, d in splits]
+    results += [
+        simulate_steps(
+            trace,
+            args.pd_policy,
+            config,
+            fleet_roles(p, d),
+            routes,
+            local_prefill_tokens=args.pd_local_prefill,
+            max_prefill_queue=math.inf if args.pd_max_prefill_queue is None else args.pd_max_prefill_queue,
+        )
+        for p, d in splits
+    ]
     cost = config.cost
-    print(f"{trace.name}: {len(trace)} requests over {trace.duration:.0f} s, {config.num_replicas} replicas x "
-          f"{config.capacity_blocks} blocks of {trace.block_size} tokens, shared tier {config.remote_blocks:,} blocks "
-          f"(working set {working_set:,}) at {cost.remote_bytes_per_second / 1e9:g} GB/s, {args.pd_policy}, "
-          f"prefill chunks of {cost.prefill_chunk_tokens:g} tokens"
-          + (f", local prefill up to {args.pd_local_prefill:,} tokens" if args.pd_local_prefill else "")
-          + (f" or past {args.pd_max_prefill_queue:g} s of prefill queue" if args.pd_max_prefill_queue else "")
-          + f" ({time.perf_counter() - began:.1f} s)")
+    print(
+        f"{trace.name}: {len(trace)} requests over {trace.duration:.0f} s, {config.num_replicas} replicas x "
+        f"{config.capacity_blocks} blocks of {trace.block_size} tokens, shared tier {config.remote_blocks:,} blocks "
+        f"(working set {working_set:,}) at {cost.remote_bytes_per_second / 1e9:g} GB/s, {args.pd_policy}, "
+        f"prefill chunks of {cost.prefill_chunk_tokens:g} tokens"
+        + (f", local prefill up to {args.pd_local_prefill:,} tokens" if args.pd_local_prefill else "")
+        + (f" or past {args.pd_max_prefill_queue:g} s of prefill queue" if args.pd_max_prefill_queue else "")
+        + f" ({time.perf_counter() - began:.1f} s)"
+    )
     print(format_pd_table(results))
     for split in results[1:]:
         print(compare_line(results[0], split))

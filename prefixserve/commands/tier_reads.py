@@ -28,13 +28,19 @@ SCOPE = hashlib.sha256(b"prefixserve plan tiers").digest()  # the records' scope
 
 def add_remote_arguments(parser: argparse.ArgumentParser) -> None:
     """--kv-remote-url and --kv-tier-secret-file, as `prefixserve serve` takes them, for timing the remote tier."""
-    parser.add_argument("--kv-remote-url", metavar="URL",
-                        help="also time reads from this Redis (redis:// or rediss://, one server or a cluster), as "
-                             "'serve --kv-remote-url' reads it; the timed records are deleted afterwards (default: "
-                             "none, the remote tier keeps its stated cost)")
-    parser.add_argument("--kv-tier-secret-file", metavar="FILE",
-                        help="with --kv-remote-url: seal the timed records with this secret and verify each read, "
-                             "as a fleet with this file does (default: none, unsealed records)")
+    parser.add_argument(
+        "--kv-remote-url",
+        metavar="URL",
+        help="also time reads from this Redis (redis:// or rediss://, one server or a cluster), as "
+        "'serve --kv-remote-url' reads it; the timed records are deleted afterwards (default: "
+        "none, the remote tier keeps its stated cost)",
+    )
+    parser.add_argument(
+        "--kv-tier-secret-file",
+        metavar="FILE",
+        help="with --kv-remote-url: seal the timed records with this secret and verify each read, "
+        "as a fleet with this file does (default: none, unsealed records)",
+    )
 
 
 def remote_assumption(url: Optional[str], secret_file: Optional[str]) -> str:
@@ -42,12 +48,19 @@ def remote_assumption(url: Optional[str], secret_file: Optional[str]) -> str:
         return "remote: not timed (give --kv-remote-url)"
     from ..tiers.redis_client import redacted
 
-    return (f"remote: {redacted(url)}, records {'sealed and verified' if secret_file else 'unsealed'}; latency and "
-            f"bandwidth of this client and network, not of another machine's")
+    return (
+        f"remote: {redacted(url)}, records {'sealed and verified' if secret_file else 'unsealed'}; latency and "
+        f"bandwidth of this client and network, not of another machine's"
+    )
 
 
-def measure_tier_reads(block_shape: tuple[int, ...], dtype: str, disk_dir: Optional[str],
-                       remote_url: Optional[str] = None, secret_file: Optional[str] = None) -> dict:
+def measure_tier_reads(
+    block_shape: tuple[int, ...],
+    dtype: str,
+    disk_dir: Optional[str],
+    remote_url: Optional[str] = None,
+    secret_file: Optional[str] = None,
+) -> dict:
     """Tier name -> TierCost for host, cold disk and (given a URL) the remote tier; ValueError when the remote
     tier cannot be written or read (Redis down, a wrong URL or password)."""
     from ..plan.tiers import fit_read_cost
@@ -62,8 +75,17 @@ def measure_tier_reads(block_shape: tuple[int, ...], dtype: str, disk_dir: Optio
     records, parent = [], None
     for index in range(max(READ_SIZES_BLOCKS)):
         key = hashlib.sha256(SCOPE + index.to_bytes(4, "little")).digest()
-        records.append(BlockRecord(key, parent, SCOPE, tuple(range(index * block_size, (index + 1) * block_size)),
-                                   dtype, block_shape, os.urandom(block_bytes)))
+        records.append(
+            BlockRecord(
+                key,
+                parent,
+                SCOPE,
+                tuple(range(index * block_size, (index + 1) * block_size)),
+                dtype,
+                block_shape,
+                os.urandom(block_bytes),
+            )
+        )
         parent = key
     capacity = 2 * len(records) * (block_bytes + 4096)
 
@@ -75,12 +97,15 @@ def measure_tier_reads(block_shape: tuple[int, ...], dtype: str, disk_dir: Optio
             for record, data in zip(chosen, tier.get([record.key for record in chosen])):
                 if data is None:
                     raise ValueError(f"the {tier.name} tier lost a record it had just stored; time it again")
-                decode_record(data, RecordExpectation(record.key, SCOPE, record.token_ids, dtype, block_shape),
-                              tier_sealer)
+                decode_record(
+                    data, RecordExpectation(record.key, SCOPE, record.token_ids, dtype, block_shape), tier_sealer
+                )
             return time.perf_counter() - start
 
-        samples = [(size * block_bytes, statistics.median(once(records[:size]) for _ in range(READ_REPEATS)))
-                   for size in READ_SIZES_BLOCKS]
+        samples = [
+            (size * block_bytes, statistics.median(once(records[:size]) for _ in range(READ_REPEATS)))
+            for size in READ_SIZES_BLOCKS
+        ]
         return fit_read_cost(samples)
 
     costs = {}
@@ -88,6 +113,7 @@ def measure_tier_reads(block_shape: tuple[int, ...], dtype: str, disk_dir: Optio
         host.put(records)
         costs["host"] = time_reads(host)
     with tempfile.TemporaryDirectory(prefix="prefixserve-plan-", dir=disk_dir) as directory:
+
         def drop_page_cache(chosen: list[BlockRecord]) -> None:
             if not hasattr(os, "posix_fadvise"):
                 return
@@ -114,8 +140,10 @@ def _time_remote(url: str, sealer, records: list, time_reads: Callable[..., Tier
         try:
             remote.put(records)
             if remote.contains([record.key for record in records]) != len(records):
-                raise ValueError(f"--kv-remote-url {redacted(url)}: the timed records could not be written (is "
-                                 f"Redis up, the URL and password right, maxmemory large enough?)")
+                raise ValueError(
+                    f"--kv-remote-url {redacted(url)}: the timed records could not be written (is "
+                    f"Redis up, the URL and password right, maxmemory large enough?)"
+                )
             return time_reads(remote, tier_sealer=sealer)
         finally:
             remote.delete([record.key for record in records])

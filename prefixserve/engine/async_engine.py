@@ -27,8 +27,8 @@ from ..cache.stats import CacheStats, CacheUsage
 from ..config import EngineConfig
 from .engine import LLMEngine, PromptType
 from .model_version import ModelVersion
-from .reload import swap_model
 from .outputs import RequestOutput
+from .reload import swap_model
 from .request import Request
 from .sampling_params import SamplingParams
 
@@ -58,15 +58,19 @@ class EngineSnapshot:
 
     @classmethod
     def of(cls, engine: LLMEngine) -> "EngineSnapshot":
-        return cls(stats=copy.copy(engine.cache.stats), usage=engine.cache.usage(),
-                   num_running=len(engine.scheduler.running), num_waiting=len(engine.scheduler.waiting),
-                   num_preemptions=engine.scheduler.num_preemptions,
-                   num_prefill_tokens_computed=engine.counters.num_prefill_tokens_computed,
-                   num_prompt_tokens=engine.counters.num_prompt_tokens,
-                   num_generation_tokens=engine.counters.num_generation_tokens,
-                   num_finished_by_reason=dict(engine.scheduler.num_finished_by_reason),
-                   tiers=engine.tiers.snapshot() if engine.tiers is not None else {},
-                   reuse_gaps=engine.reuse_gaps.snapshot())
+        return cls(
+            stats=copy.copy(engine.cache.stats),
+            usage=engine.cache.usage(),
+            num_running=len(engine.scheduler.running),
+            num_waiting=len(engine.scheduler.waiting),
+            num_preemptions=engine.scheduler.num_preemptions,
+            num_prefill_tokens_computed=engine.counters.num_prefill_tokens_computed,
+            num_prompt_tokens=engine.counters.num_prompt_tokens,
+            num_generation_tokens=engine.counters.num_generation_tokens,
+            num_finished_by_reason=dict(engine.scheduler.num_finished_by_reason),
+            tiers=engine.tiers.snapshot() if engine.tiers is not None else {},
+            reuse_gaps=engine.reuse_gaps.snapshot(),
+        )
 
 
 class AsyncLLMEngine:
@@ -99,13 +103,27 @@ class AsyncLLMEngine:
         with self._pending_lock:
             return self.snapshot.num_waiting + self._num_pending_adds
 
-    def make_request(self, prompt: PromptType, params: SamplingParams, request_id: Optional[str] = None,
-                     cache_salt: Optional[str] = None, prefix_ttl: Optional[float] = None,
-                     tenant: Optional[str] = None, cache_retention: Optional[str] = None) -> Request:
+    def make_request(
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        request_id: Optional[str] = None,
+        cache_salt: Optional[str] = None,
+        prefix_ttl: Optional[float] = None,
+        tenant: Optional[str] = None,
+        cache_retention: Optional[str] = None,
+    ) -> Request:
         """Tokenize and validate in the caller (thread-safe: reads only what is fixed at start-up);
         raises ValueError / TypeError on bad input."""
-        return self.engine.make_request(prompt, params, request_id, cache_salt, prefix_ttl=prefix_ttl, tenant=tenant,
-                                        cache_retention=cache_retention)
+        return self.engine.make_request(
+            prompt,
+            params,
+            request_id,
+            cache_salt,
+            prefix_ttl=prefix_ttl,
+            tenant=tenant,
+            cache_retention=cache_retention,
+        )
 
     def add(self, request: Request) -> AsyncIterator[RequestOutput]:
         """Queue a request now (it counts as waiting at once) and return the stream of its outputs.

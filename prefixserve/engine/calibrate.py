@@ -110,5 +110,5 @@ def measure_costs(progress: bool = False, **engine_options: Any) -> dict[str, fl
         "decode_batch_size": float(DECODE_BATCH),
         "overhead_seconds": overhead,
         "description": f"calibrated: {engine.version.name}, {engine.dtype} on {engine.device}, "
-                       f"{time.strftime('%Y-%m-%d')}",
+        f"{time.strftime('%Y-%m-%d')}",
     }

@@ -18,8 +18,9 @@ class RequestDetokenizer:
     stop string later cuts off is never streamed.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt: Optional[str], prompt_token_ids: Sequence[int],
-                 stop: Sequence[str]) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, prompt: Optional[str], prompt_token_ids: Sequence[int], stop: Sequence[str]
+    ) -> None:
         self.prompt = prompt
         self.num_prompt_tokens = len(prompt_token_ids)
         self.decoder = IncrementalDecoder(tokenizer, prompt_token_ids)
@@ -33,7 +34,7 @@ class RequestDetokenizer:
         """Decode the output ids new since the last call (`token_ids`: prompt and output;
         `drop_last`: the last is an EOS / stop token, not text); returns the stop string that
         completed, the text then cut where it starts."""
-        new_ids = list(token_ids[self.num_prompt_tokens + self.num_decoded_tokens:])
+        new_ids = list(token_ids[self.num_prompt_tokens + self.num_decoded_tokens :])
         self.num_decoded_tokens += len(new_ids)
         if drop_last and new_ids:
             new_ids.pop()
@@ -44,7 +45,7 @@ class RequestDetokenizer:
         if self.matcher is not None and delta:
             match = self.matcher.feed(delta)
             if match is not None:
-                self.text = self.text[:match.start]
+                self.text = self.text[: match.start]
                 return match.stop
         return None
 
@@ -53,13 +54,13 @@ class RequestDetokenizer:
         visible = len(self.text)
         if self.matcher is not None and not finished:
             visible = max(self.num_emitted_chars, visible - self.matcher.max_stop_len + 1)
-        delta = self.text[self.num_emitted_chars:visible]
+        delta = self.text[self.num_emitted_chars : visible]
         self.num_emitted_chars = max(self.num_emitted_chars, visible)
         return delta
 
     @property
     def emitted_text(self) -> str:
-        return self.text[:self.num_emitted_chars]
+        return self.text[: self.num_emitted_chars]
 
     def take_delta_range(self, num_output_tokens: int) -> tuple[int, int]:
         """[start, end) of the output ids new since the previous output."""

@@ -69,11 +69,13 @@ def check_exact(dtype: torch.dtype, device: torch.device, batch_invariant: bool)
         f"attention is exact only on AVX-512 CPUs; this one runs PyTorch at {invariant_attention.aten_capability()}"
         f" and its kernels are {kernels.variant()!r}: {kernels.describe_build()}). Use --dtype float32 (dtype="
         "'float32'), reinstall with a C++ compiler (`pip install -e .`), or pass --no-batch-invariant to accept "
-        "outputs that depend on batching")
+        "outputs that depend on batching"
+    )
 
 
-def measure_cuda_kv_budget(loaded, config: EngineConfig, device: torch.device, dtype: torch.dtype,
-                           max_model_len: int) -> int:
+def measure_cuda_kv_budget(
+    loaded, config: EngineConfig, device: torch.device, dtype: torch.dtype, max_model_len: int
+) -> int:
     """Free device memory after weights and a measured activation peak, times the utilisation."""
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
@@ -82,13 +84,15 @@ def measure_cuda_kv_budget(loaded, config: EngineConfig, device: torch.device, d
     cfg = loaded.config
     num_probe_blocks = -(-num_tokens // size)
     shape = (num_probe_blocks, size, cfg.num_key_value_heads, cfg.head_dim)
-    probe_caches = [(torch.zeros(shape, dtype=dtype, device=device),
-                     torch.zeros(shape, dtype=dtype, device=device)) for _ in range(cfg.num_hidden_layers)]
+    probe_caches = [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(cfg.num_hidden_layers)
+    ]
     meta = AttentionMetadata.build([num_tokens], [num_tokens], [list(range(num_probe_blocks))], size, device)
     with torch.inference_mode():
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
         hidden = loaded.model(ids, torch.arange(num_tokens, device=device), probe_caches, meta)
-        loaded.model.compute_logits(hidden[-min(num_tokens, config.max_num_seqs):])
+        loaded.model.compute_logits(hidden[-min(num_tokens, config.max_num_seqs) :])
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
     del probe_caches, hidden

@@ -13,7 +13,7 @@ import logging
 import time
 from typing import Callable, Optional
 
-from ..cache import BlockKeyer, EventQueue, RadixCache
+from ..cache import BlockKeyer, RadixCache
 from ..cache.hot_prefixes import HotPrefixPolicy
 from ..cache.reuse_gaps import ReuseGapTracker
 from ..cache.scoping import PromptScoper
@@ -48,8 +48,9 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device, quantized=self.weights != "float")
         check_exact(self.dtype, self.device, config.batch_invariant)
         self.numerics = numerics_fingerprint(self.dtype, self.device, config.batch_invariant)
-        loaded_version = load_version(config.model, self.dtype, self.device, self.numerics, config.block_size,
-                                      weights=self.weights)
+        loaded_version = load_version(
+            config.model, self.dtype, self.device, self.numerics, config.block_size, weights=self.weights
+        )
         loaded = loaded_version.loaded
         pool = size_kv_pool(config, loaded, self.device, self.dtype)
         num_blocks = pool.num_blocks
@@ -57,37 +58,54 @@ class LLMEngine:
         self.num_reloads = 0  # hot reloads so far (reload.py); requests made before one are refused after it
 
         self.events = kv_event_queue(config)
-        self.cache = RadixCache(num_blocks, config.block_size, max_pinned_blocks=config.max_pinned_blocks,
-                                events=self.events)
+        self.cache = RadixCache(
+            num_blocks, config.block_size, max_pinned_blocks=config.max_pinned_blocks, events=self.events
+        )
         self.window_slots = window_slots_for(self.cache, pool, loaded.config)
         self.keyer = BlockKeyer(config.block_size, config.prefix_hash)
         self.reuse_gaps = ReuseGapTracker(config.block_size)
-        self.hot_prefixes = (HotPrefixPolicy(config.hot_prefix_min_requests, config.hot_prefix_window,
-                                             max_blocks=self.cache.max_pinned_blocks // 2)
-                             if config.hot_prefix_min_requests and config.enable_prefix_caching else None)
+        self.hot_prefixes = (
+            HotPrefixPolicy(
+                config.hot_prefix_min_requests, config.hot_prefix_window, max_blocks=self.cache.max_pinned_blocks // 2
+            )
+            if config.hot_prefix_min_requests and config.enable_prefix_caching
+            else None
+        )
         self.scheduler = Scheduler(
-            self.cache, self.keyer,
+            self.cache,
+            self.keyer,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_prefix_caching=config.enable_prefix_caching,
             policy=config.scheduling_policy,
             reuse_gaps=self.reuse_gaps,
             hot_prefixes=self.hot_prefixes,
-            window_slots=self.window_slots, long_rope_after=loaded.config.long_rope_after,
+            window_slots=self.window_slots,
+            long_rope_after=loaded.config.long_rope_after,
         )
         # float32 weights to our kernel, the others laid out for oneDNN once, sized for a full step's token
         # budget (CPU only).
         self._log_progress("packing weights for this CPU ...")
         loaded.model.pack_linear_weights(batch_size_hint=config.max_num_batched_tokens)
         self._log_progress(f"allocating the KV pool: {num_blocks} blocks ({pool.num_bytes / 2**20:.0f} MiB) ...")
-        self.runner = ModelRunner(self.current, num_blocks, config.block_size, self.dtype,
-                                  self.device, config.max_num_batched_tokens, config.max_num_seqs, config.seed,
-                                  batch_invariant=config.batch_invariant, window_slots=self.window_slots)
+        self.runner = ModelRunner(
+            self.current,
+            num_blocks,
+            config.block_size,
+            self.dtype,
+            self.device,
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            config.seed,
+            batch_invariant=config.batch_invariant,
+            window_slots=self.window_slots,
+        )
         self.tiers = tiered_kv(self)
         self.inputs = InputProcessor(self.current, config.prefix_ttl)
         self.outputs = OutputProcessor(self.current)
-        self.pins = PinTable(self.cache, self.keyer, config.block_size, config.kv_disk_cache_dir,
-                             self.tokenizer.fingerprint)
+        self.pins = PinTable(
+            self.cache, self.keyer, config.block_size, config.kv_disk_cache_dir, self.tokenizer.fingerprint
+        )
         self.counters = StepCounters()
         # vLLM-format KV events over ZMQ (a null object unless asked for); last, so a failed start binds nothing
         self.kv_events = make_kv_event_publisher(config.kv_events_config, self.events)
@@ -136,19 +154,28 @@ class LLMEngine:
         tenant: Optional[str] = None,
         cache_retention: Optional[str] = None,
     ) -> Request:
-        request = self.make_request(prompt, params, request_id, cache_salt, arrival_time, prefix_ttl, tenant,
-                                    cache_retention)
+        request = self.make_request(
+            prompt, params, request_id, cache_salt, arrival_time, prefix_ttl, tenant, cache_retention
+        )
         self.submit(request)
         return request
 
-    def make_request(self, prompt: PromptType, params: Optional[SamplingParams] = None,
-                     request_id: Optional[str] = None, cache_salt: Optional[str] = None,
-                     arrival_time: Optional[float] = None, prefix_ttl: Optional[float] = None,
-                     tenant: Optional[str] = None, cache_retention: Optional[str] = None) -> Request:
+    def make_request(
+        self,
+        prompt: PromptType,
+        params: Optional[SamplingParams] = None,
+        request_id: Optional[str] = None,
+        cache_salt: Optional[str] = None,
+        arrival_time: Optional[float] = None,
+        prefix_ttl: Optional[float] = None,
+        tenant: Optional[str] = None,
+        cache_retention: Optional[str] = None,
+    ) -> Request:
         """Tokenize and validate (raises ValueError with the fix); does not touch engine state."""
         version = self.num_reloads
-        request = self.inputs.make_request(prompt, params, request_id, cache_salt, arrival_time, prefix_ttl, tenant,
-                                           cache_retention)
+        request = self.inputs.make_request(
+            prompt, params, request_id, cache_salt, arrival_time, prefix_ttl, tenant, cache_retention
+        )
         request.model_version = version
         return request
 
@@ -174,8 +201,9 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
-    def run_until_finished(self, request_ids: list[str],
-                           on_finish: Optional[Callable[[RequestOutput], None]] = None) -> list[RequestOutput]:
+    def run_until_finished(
+        self, request_ids: list[str], on_finish: Optional[Callable[[RequestOutput], None]] = None
+    ) -> list[RequestOutput]:
         """Step until nothing is left; the final outputs of `request_ids`, in that order."""
         finished: dict[str, RequestOutput] = {}
         while self.has_unfinished_requests():
@@ -187,8 +215,13 @@ class LLMEngine:
         return [finished[request_id] for request_id in request_ids]
 
     # --------------------------------------------------------------- pins
-    def pin_prefix(self, token_ids: list[int], tenant: Optional[str] = None, salt: Optional[str] = None,
-                   ttl: Optional[float] = None) -> Pin:
+    def pin_prefix(
+        self,
+        token_ids: list[int],
+        tenant: Optional[str] = None,
+        salt: Optional[str] = None,
+        ttl: Optional[float] = None,
+    ) -> Pin:
         """Pin the cached full blocks of `token_ids` (run it through the engine first: see LLM.pin);
         raises ValueError naming the fix."""
         if not self.config.enable_prefix_caching:
@@ -259,8 +292,9 @@ class LLMEngine:
             stop = self.outputs.detokenize(request)
         except Exception as error:  # this request's text alone is broken
             logger.exception("detokenizing request %s failed; it finishes with 'error'", request.request_id)
-            self.scheduler.finish_request(request, "error",
-                                          error=f"the engine failed to detokenize this request ({type(error).__name__})")
+            self.scheduler.finish_request(
+                request, "error", error=f"the engine failed to detokenize this request ({type(error).__name__})"
+            )
         else:
             if stop is not None:  # also at its length limit: the stop string wins, as in vLLM
                 self.scheduler.finish_request(request, "stop", stop)
@@ -280,9 +314,15 @@ class LLMEngine:
         """Load `model` (None: the served source again) for a reload, packed for this engine's steps, in any thread
         (fixed settings only); raises FileNotFoundError / ValueError (IncompatibleModelError) naming the fix."""
         model = str(self.version.source) if model is None else model
-        version = load_version(model, self.dtype, self.device, self.numerics, self.config.block_size,
-                               self.config.max_num_batched_tokens,
-                               weight_format(model, self.config.quantize, self.config.dequantize, self.device))
+        version = load_version(
+            model,
+            self.dtype,
+            self.device,
+            self.numerics,
+            self.config.block_size,
+            self.config.max_num_batched_tokens,
+            weight_format(model, self.config.quantize, self.config.dequantize, self.device),
+        )
         check_swappable(self, version)
         return version
 

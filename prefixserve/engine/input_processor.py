@@ -48,7 +48,7 @@ def request_grammar(version: ModelVersion, token_ids: list[int], params: Samplin
     if params.structured_outputs is None:
         return None
     compiler = compiler_for(version.tokenizer, version.config.vocab_size, version.eos_token_ids)
-    prior = token_ids[len(token_ids) - params.continued_output_tokens:] if params.continued_output_tokens else ()
+    prior = token_ids[len(token_ids) - params.continued_output_tokens :] if params.continued_output_tokens else ()
     return compiler.grammar(params.structured_outputs, prior)
 
 
@@ -64,8 +64,10 @@ class InputProcessor:
         if isinstance(prompt, dict):
             unknown = set(prompt) - PROMPT_DICT_FIELDS
             if unknown:
-                raise ValueError(f"unknown prompt field(s) {sorted(unknown)}; use 'prompt' or 'prompt_token_ids' "
-                                 "and optional 'cache_salt' and 'cache_retention'")
+                raise ValueError(
+                    f"unknown prompt field(s) {sorted(unknown)}; use 'prompt' or 'prompt_token_ids' "
+                    "and optional 'cache_salt' and 'cache_retention'"
+                )
             cache_salt = prompt.get("cache_salt")
             if "prompt_token_ids" in prompt:
                 prompt = prompt["prompt_token_ids"]
@@ -90,35 +92,47 @@ class InputProcessor:
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size}); check the tokenizer")
         if params.logit_bias and max(params.logit_bias) >= vocab_size:
-            raise ValueError(f"logit_bias names token id {max(params.logit_bias)}, outside the vocabulary "
-                             f"[0, {vocab_size})")
+            raise ValueError(
+                f"logit_bias names token id {max(params.logit_bias)}, outside the vocabulary [0, {vocab_size})"
+            )
         max_tokens = fit_max_tokens(len(token_ids), params.max_tokens, version.max_model_len)
         return params if max_tokens == params.max_tokens else replace(params, max_tokens=max_tokens)
 
     @staticmethod
     def check_salt(salt: object) -> None:
         if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= MAX_NAME_CHARS):
-            raise ValueError(f"cache_salt must be a string of 1 to {MAX_NAME_CHARS} characters (or None), got "
-                             f"{salt!r:.80}")
+            raise ValueError(
+                f"cache_salt must be a string of 1 to {MAX_NAME_CHARS} characters (or None), got {salt!r:.80}"
+            )
 
-    def make_request(self, prompt: PromptType, params: Optional[SamplingParams] = None,
-                     request_id: Optional[str] = None, cache_salt: Optional[str] = None,
-                     arrival_time: Optional[float] = None, prefix_ttl: Optional[float] = None,
-                     tenant: Optional[str] = None, cache_retention: Optional[str] = None) -> Request:
+    def make_request(
+        self,
+        prompt: PromptType,
+        params: Optional[SamplingParams] = None,
+        request_id: Optional[str] = None,
+        cache_salt: Optional[str] = None,
+        arrival_time: Optional[float] = None,
+        prefix_ttl: Optional[float] = None,
+        tenant: Optional[str] = None,
+        cache_retention: Optional[str] = None,
+    ) -> Request:
         """Tokenize and validate (raises ValueError / TypeError with the fix).
 
         `prefix_ttl` overrides the engine's default lifetime of this request's cached blocks
         (seconds after their last use); `tenant` only labels the request's statistics;
         `cache_retention` "device" keeps its KV out of every tier, "none" keeps nothing of it
         (the stricter of it and the prompt dict's wins)."""
-        retention = stricter_retention(cache_retention,
-                                       prompt.get("cache_retention") if isinstance(prompt, dict) else None)
+        retention = stricter_retention(
+            cache_retention, prompt.get("cache_retention") if isinstance(prompt, dict) else None
+        )
         version = self.current.version  # one read: the whole request is of one version
         text, token_ids, prompt_salt = self.tokenize(version, prompt)
         params = self.validate(version, token_ids, params or SamplingParams())
         if params.continued_output_tokens >= len(token_ids):
-            raise ValueError(f"continued_output_tokens ({params.continued_output_tokens}) must be fewer than the "
-                             f"prompt's {len(token_ids)} tokens")
+            raise ValueError(
+                f"continued_output_tokens ({params.continued_output_tokens}) must be fewer than the "
+                f"prompt's {len(token_ids)} tokens"
+            )
         salt = cache_salt if cache_salt is not None else prompt_salt
         self.check_salt(salt)
         if prefix_ttl is not None and not RANGES["ttl"].admits(prefix_ttl):

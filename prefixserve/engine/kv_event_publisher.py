@@ -31,8 +31,10 @@ logger = logging.getLogger("prefixserve")
 
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 IDLE_WAKE_SECONDS = 0.05
-MISSING_DEPENDENCIES = ("kv_events_config with publisher 'zmq' needs pyzmq and msgspec, which are optional: "
-                        "pip install 'prefixserve[kv-events]' (or set publisher to 'null')")
+MISSING_DEPENDENCIES = (
+    "kv_events_config with publisher 'zmq' needs pyzmq and msgspec, which are optional: "
+    "pip install 'prefixserve[kv-events]' (or set publisher to 'null')"
+)
 
 
 def endpoint_host(endpoint: str) -> Optional[str]:
@@ -110,8 +112,10 @@ class ZmqKVEventPublisher:
                 self.replay_endpoint = self._open(self._replay, config.replay_endpoint)
         except zmq.ZMQError as error:
             self._close_sockets()
-            raise ValueError(f"kv_events_config: cannot open {config.endpoint!r} ({error}); choose a free port "
-                             "(port 0 picks one) or another endpoint") from None
+            raise ValueError(
+                f"kv_events_config: cannot open {config.endpoint!r} ({error}); choose a free port "
+                "(port 0 picks one) or another endpoint"
+            ) from None
         self._wake = threading.Event()
         self._stopped = threading.Event()
         self._idle = threading.Condition()
@@ -176,9 +180,11 @@ class ZmqKVEventPublisher:
     def _publish_new(self) -> None:
         events, next_seq, complete = self._events.since(self._cursor)
         if not complete:
-            logger.warning("KV events were dropped before they were published (max_queue_size %d); "
-                           "subscribers are told AllBlocksCleared and relearn this replica from new events",
-                           self.config.max_queue_size)
+            logger.warning(
+                "KV events were dropped before they were published (max_queue_size %d); "
+                "subscribers are told AllBlocksCleared and relearn this replica from new events",
+                self.config.max_queue_size,
+            )
             events = [AllBlocksCleared(), *events]
         if events:
             payload = self._encoder.encode(self._translator.batch(events))
@@ -221,6 +227,9 @@ def make_kv_event_publisher(config: Optional[KVEventsConfig], events: Optional[E
     if is_loopback(publisher.endpoint):
         logger.info("KV events (vLLM format) published at %s", publisher.endpoint)
     else:
-        logger.warning("KV events (vLLM format) published at %s: the token ids of every cached prompt leave the "
-                       "process there; keep that port on the operator's network", publisher.endpoint)
+        logger.warning(
+            "KV events (vLLM format) published at %s: the token ids of every cached prompt leave the "
+            "process there; keep that port on the operator's network",
+            publisher.endpoint,
+        )
     return publisher

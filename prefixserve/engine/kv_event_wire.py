@@ -112,19 +112,30 @@ class WireTranslator:
             return BlockStored(
                 block_hashes=[external_hash(key) for key in event.keys],
                 parent_block_hash=None if event.parent_key is None else external_hash(event.parent_key),
-                token_ids=list(event.token_ids), block_size=event.block_size, lora_id=None,
-                medium=MEDIA.get(event.medium, event.medium), lora_name=None, extra_keys=self._extra_keys(event),
-                locality=LOCAL)
+                token_ids=list(event.token_ids),
+                block_size=event.block_size,
+                lora_id=None,
+                medium=MEDIA.get(event.medium, event.medium),
+                lora_name=None,
+                extra_keys=self._extra_keys(event),
+                locality=LOCAL,
+            )
         if isinstance(event, CacheBlockRemoved):
-            return BlockRemoved(block_hashes=[external_hash(key) for key in event.keys],
-                                medium=MEDIA.get(event.medium, event.medium), locality=LOCAL)
+            return BlockRemoved(
+                block_hashes=[external_hash(key) for key in event.keys],
+                medium=MEDIA.get(event.medium, event.medium),
+                locality=LOCAL,
+            )
         if isinstance(event, CacheAllBlocksCleared):
             return AllBlocksCleared()
         raise TypeError(f"not a KV cache event: {event!r}")
 
     def batch(self, events: list[KVEvent], ts: Optional[float] = None) -> KVEventBatch:
-        return KVEventBatch(ts=time.time() if ts is None else ts, events=[self.event(event) for event in events],
-                            data_parallel_rank=self.data_parallel_rank)
+        return KVEventBatch(
+            ts=time.time() if ts is None else ts,
+            events=[self.event(event) for event in events],
+            data_parallel_rank=self.data_parallel_rank,
+        )
 
 
 def encoder() -> msgspec.msgpack.Encoder:

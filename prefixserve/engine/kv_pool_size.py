@@ -65,8 +65,9 @@ def size_kv_pool(config: EngineConfig, loaded, device: torch.device, dtype: torc
             f"(kv_cache_memory_bytes) holds {pool_tokens} tokens; raise kv_cache_memory_bytes to at "
             f"least {needed} or use max_model_len <= {pool_tokens}"
         )
-    return sized._replace(max_model_len=pool_tokens,
-                          note=f" (capped from the model's {max_model_len} to what the KV pool holds)")
+    return sized._replace(
+        max_model_len=pool_tokens, note=f" (capped from the model's {max_model_len} to what the KV pool holds)"
+    )
 
 
 def window_slot_need(window: int, config: EngineConfig) -> int:
@@ -150,5 +151,6 @@ def startup_summary(engine, pool: PoolSize) -> str:
     if engine.dtype == torch.float32 and engine.device.type == "cpu" and cpu_has_fast_bfloat16() and not quantized:
         summary += (
             "; this CPU has bf16 instructions: dtype bfloat16 runs the workload suite 1.25-1.6x faster, and cache "
-            "hits never change its greedy outputs either (batch-invariant; the default on such CPUs)")
+            "hits never change its greedy outputs either (batch-invariant; the default on such CPUs)"
+        )
     return summary

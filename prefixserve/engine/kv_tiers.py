@@ -35,8 +35,6 @@ DEFAULT_PREFILL_SECONDS_PER_TOKEN = 2e-4  # until the engine has measured its ow
 DEFAULT_TIER_DEADLINE = 0.5  # EngineConfig.kv_tier_deadline
 
 
-
-
 @dataclass(frozen=True)
 class TierSnapshot:
     stats: TierStats
@@ -51,9 +49,17 @@ class TierSnapshot:
 class TieredKV(TierReads):
     """The tiers below one engine's pool: what is written down (here) and read back (TierReads, tier_reads.py)."""
 
-    def __init__(self, tiers: Sequence[KVTier], runner: ModelRunner, cache: RadixCache, keyer: BlockKeyer,
-                 scope_digest: bytes, fetch_policy: str = "cost", deadline: float = DEFAULT_TIER_DEADLINE,
-                 shared_writes_wait: bool = False) -> None:
+    def __init__(
+        self,
+        tiers: Sequence[KVTier],
+        runner: ModelRunner,
+        cache: RadixCache,
+        keyer: BlockKeyer,
+        scope_digest: bytes,
+        fetch_policy: str = "cost",
+        deadline: float = DEFAULT_TIER_DEADLINE,
+        shared_writes_wait: bool = False,
+    ) -> None:
         self.tiers = {tier.name: tier for tier in tiers}
         self.deadline = deadline  # seconds a request waits for a tier read before it recomputes
         self.stalled: dict[str, concurrent.futures.Future] = {}  # tier -> a read given up on, still running
@@ -88,9 +94,16 @@ class TieredKV(TierReads):
     # ------------------------------------------------------------------ writing down
     def _record(self, block: Block, payload: bytes) -> BlockRecord:
         parent = block.parent
-        return BlockRecord(key=block.key, parent_key=parent.key if isinstance(parent, Block) else None,
-                           scope_digest=self.scope_digest, token_ids=tuple(unpack_tokens(block.token_bytes)),
-                           dtype=self.dtype, shape=self.shape, payload=payload, tenant_scope=block.scope or b"")
+        return BlockRecord(
+            key=block.key,
+            parent_key=parent.key if isinstance(parent, Block) else None,
+            scope_digest=self.scope_digest,
+            token_ids=tuple(unpack_tokens(block.token_bytes)),
+            dtype=self.dtype,
+            shape=self.shape,
+            payload=payload,
+            tenant_scope=block.scope or b"",
+        )
 
     def _spill(self, block: Block) -> None:
         """A cold block leaves the pool: keep its KV in host RAM (its slot is still intact), unless its
@@ -104,8 +117,10 @@ class TieredKV(TierReads):
 
     def _publish_tier_events(self, tier: KVTier, medium: str, events) -> None:
         block_size = self.block_size
-        tier.watch(lambda key: events.publish(BlockStored([key], None, [], block_size, medium)),
-                   lambda key: events.publish(BlockRemoved([key], medium)))
+        tier.watch(
+            lambda key: events.publish(BlockStored([key], None, [], block_size, medium)),
+            lambda key: events.publish(BlockRemoved([key], medium)),
+        )
 
     def __getitem__(self, name: str) -> KVTier:
         return self.tiers[name]
@@ -133,8 +148,11 @@ class TieredKV(TierReads):
 
     def tier_keys(self) -> dict[str, list[bytes]]:
         """Every key each published tier holds, by KV-event medium (for a router's snapshot)."""
-        return {tier.traits.event_medium: tier.keys() for tier in self.tiers.values()
-                if tier.traits.event_medium is not None}
+        return {
+            tier.traits.event_medium: tier.keys()
+            for tier in self.tiers.values()
+            if tier.traits.event_medium is not None
+        }
 
     def _note_written(self, block: Block) -> None:
         if not block.device_only:
@@ -151,9 +169,14 @@ class TieredKV(TierReads):
         written, self._written = self._written, []
         payloads: dict[int, bytes] = {}
         for tier in self.write_tiers:
-            blocks = [block for block, source in written if block.key is not None and source != tier.name
-                      and not (source is not None and tier.traits.shared)
-                      and self.runner.holds_every_layer(block.block_id)]
+            blocks = [
+                block
+                for block, source in written
+                if block.key is not None
+                and source != tier.name
+                and not (source is not None and tier.traits.shared)
+                and self.runner.holds_every_layer(block.block_id)
+            ]
             if not tier.traits.shared:  # already there: a look-up in this replica's own index
                 blocks = [block for block in blocks if not tier.contains([block.key])]
             missing = [block.block_id for block in blocks if block.block_id not in payloads]
@@ -189,11 +212,18 @@ class TieredKV(TierReads):
 
     def snapshot(self) -> dict[str, "TierSnapshot"]:
         """Per tier: counters, usage, hit tokens and fetch latencies, for metrics (engine thread)."""
-        return {name: TierSnapshot(stats=tier.stats, used_bytes=tier.used_bytes, capacity_bytes=tier.capacity_bytes,
-                                   hit_tokens=self.hit_tokens[name],
-                                   fetch_buckets=self.fetch_latency[name].cumulative(),
-                                   fetch_seconds_sum=self.fetch_latency[name].total, rejections=tier.rejections)
-                for name, tier in self.tiers.items()}
+        return {
+            name: TierSnapshot(
+                stats=tier.stats,
+                used_bytes=tier.used_bytes,
+                capacity_bytes=tier.capacity_bytes,
+                hit_tokens=self.hit_tokens[name],
+                fetch_buckets=self.fetch_latency[name].cumulative(),
+                fetch_seconds_sum=self.fetch_latency[name].total,
+                rejections=tier.rejections,
+            )
+            for name, tier in self.tiers.items()
+        }
 
     def forget(self, request_id: str) -> None:
         fetch = self.fetches.pop(request_id, None)

@@ -87,20 +87,24 @@ class ContextLengthError(ValueError):
     """The prompt fits, but not with the max_tokens asked for (HTTP: 400)."""
 
 
-def fit_max_tokens(num_prompt_tokens: int, requested: Optional[int], max_model_len: int,
-                   default: Optional[int] = None) -> int:
+def fit_max_tokens(
+    num_prompt_tokens: int, requested: Optional[int], max_model_len: int, default: Optional[int] = None
+) -> int:
     """The max_tokens a request runs with: `requested` when prompt and output fit max_model_len (else
     ContextLengthError naming the room), or, when none was asked for, `default` cut to the room (no
     default: the whole room, vLLM's max_tokens=None). PromptTooLongError when no room is left."""
     room = max_model_len - num_prompt_tokens
     if room < 1:
-        raise PromptTooLongError(f"the prompt has {num_prompt_tokens} tokens but max_model_len is {max_model_len}, "
-                                 "which leaves no room to generate; shorten the prompt")
+        raise PromptTooLongError(
+            f"the prompt has {num_prompt_tokens} tokens but max_model_len is {max_model_len}, "
+            "which leaves no room to generate; shorten the prompt"
+        )
     if requested is None:
         return room if default is None else min(default, room)
     if requested > room:
         raise ContextLengthError(
             f"this model's maximum context length is {max_model_len} tokens, but {num_prompt_tokens + requested} "
             f"were requested ({num_prompt_tokens} in the prompt, {requested} in the completion); reduce the "
-            f"prompt or max_tokens to at most {room}")
+            f"prompt or max_tokens to at most {room}"
+        )
     return requested

@@ -28,7 +28,7 @@ BANNED = float("-inf")
 
 def output_so_far(request: Request) -> list[int]:
     """The tokens this generation produced: its own, after those a continued stream's prompt carries."""
-    return request.token_ids[request.num_prompt_tokens - request.sampling_params.continued_output_tokens:]
+    return request.token_ids[request.num_prompt_tokens - request.sampling_params.continued_output_tokens :]
 
 
 def num_generated(request: Request) -> int:
@@ -38,9 +38,15 @@ def num_generated(request: Request) -> int:
 
 def wants_processing(request: Request) -> bool:
     params = request.sampling_params
-    return bool(request.grammar is not None or params.logit_bias or params.presence_penalty or params.frequency_penalty
-                or params.repetition_penalty != 1.0 or request.bad_words_token_ids
-                or num_generated(request) < params.min_tokens)
+    return bool(
+        request.grammar is not None
+        or params.logit_bias
+        or params.presence_penalty
+        or params.frequency_penalty
+        or params.repetition_penalty != 1.0
+        or request.bad_words_token_ids
+        or num_generated(request) < params.min_tokens
+    )
 
 
 def process_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
@@ -76,7 +82,7 @@ def _process_row(row: torch.Tensor, request: Request) -> torch.Tensor:
             row[torch.tensor(banned, dtype=torch.int64)] = BANNED
     for word in request.bad_words_token_ids:  # the output so far must end with all but the word's last token
         head = len(word) - 1
-        if head == 0 or (len(output) >= head and tuple(output[len(output) - head:]) == word[:-1]):
+        if head == 0 or (len(output) >= head and tuple(output[len(output) - head :]) == word[:-1]):
             row[word[-1]] = BANNED
     if request.grammar is not None:
         request.grammar.mask_row(row)

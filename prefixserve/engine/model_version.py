@@ -53,8 +53,9 @@ class ModelVersion:
     def within(self, max_model_len: int) -> "ModelVersion":
         """This version serving at most `max_model_len` tokens (what the KV pool holds, or the operator set)."""
         if not 0 < max_model_len <= self.config.max_context_len:
-            raise ValueError(f"max_model_len must be in [1, {self.config.max_context_len}] for {self.name}, "
-                             f"got {max_model_len}")
+            raise ValueError(
+                f"max_model_len must be in [1, {self.config.max_context_len}] for {self.name}, got {max_model_len}"
+            )
         return replace(self, max_model_len=max_model_len)
 
     def succeeding(self, previous: "ModelVersion") -> "ModelVersion":
@@ -66,8 +67,11 @@ class ModelVersion:
             for prefix in previous.scoper.shared_prefixes:
                 successor.scoper.declare_shared_prefix(prefix)
         elif previous.scoper.shared_prefixes:
-            logger.warning("reload: the tokenizer changed, so %d declared shared prefixes (token ids) were dropped; "
-                           "declare them again", len(previous.scoper.shared_prefixes))
+            logger.warning(
+                "reload: the tokenizer changed, so %d declared shared prefixes (token ids) were dropped; "
+                "declare them again",
+                len(previous.scoper.shared_prefixes),
+            )
         return successor
 
 
@@ -96,14 +100,20 @@ def resolve_model_path(model: Optional[str]) -> Path:
 
     path = resolve_model(model)
     if not path.is_dir():
-        raise FileNotFoundError(f"model directory {path} does not exist; pass a Hugging Face checkpoint "
-                                "directory (config.json, *.safetensors, tokenizer.json), a .gguf file, "
-                                "a model name, or model=None for the built-in default")
+        raise FileNotFoundError(
+            f"model directory {path} does not exist; pass a Hugging Face checkpoint "
+            "directory (config.json, *.safetensors, tokenizer.json), a .gguf file, "
+            "a model name, or model=None for the built-in default"
+        )
     return path
 
 
-def weight_format(model: Optional[str], quantize: Optional[str] = None, dequantize: bool = False,
-                  device: Optional[torch.device] = None) -> str:
+def weight_format(
+    model: Optional[str],
+    quantize: Optional[str] = None,
+    dequantize: bool = False,
+    device: Optional[torch.device] = None,
+) -> str:
     """How `model`'s weights are held: quantized to `quantize`, as a GGUF file holds them ("gguf", unless
     `dequantize`, off the CPU (the quantized kernels are CPU kernels) or a file of float weights only), or as
     floats."""
@@ -118,8 +128,15 @@ def weight_format(model: Optional[str], quantize: Optional[str] = None, dequanti
     return "gguf" if source is not None and holds_quantized_weights(source) else "float"
 
 
-def load_version(model: Optional[str], dtype: torch.dtype, device: torch.device, numerics: str, block_size: int,
-                 batch_size_hint: Optional[int] = None, weights: str = "float") -> ModelVersion:
+def load_version(
+    model: Optional[str],
+    dtype: torch.dtype,
+    device: torch.device,
+    numerics: str,
+    block_size: int,
+    batch_size_hint: Optional[int] = None,
+    weights: str = "float",
+) -> ModelVersion:
     """Load weights and tokenizer, serving the model's whole context; with `batch_size_hint`, also lay
     the linear weights out for oneDNN (CPU) sized for a step of that many tokens. `numerics`:
     numerics_fingerprint()'s; `weights`: weight_format()'s."""
@@ -139,6 +156,14 @@ def load_version(model: Optional[str], dtype: torch.dtype, device: torch.device,
     if batch_size_hint is not None:
         loaded.model.pack_linear_weights(batch_size_hint=batch_size_hint)
     scope = CacheScope(loaded.model_fingerprint, tokenizer.fingerprint, numerics=numerics)
-    return ModelVersion(path=path, name=str(model) if model else DEFAULT_MODEL_NAME, loaded=loaded,
-                        tokenizer=tokenizer, eos_token_ids=eos, scoper=PromptScoper(scope, block_size),
-                        max_model_len=loaded.config.max_context_len, source=gguf or path, weights=weights)
+    return ModelVersion(
+        path=path,
+        name=str(model) if model else DEFAULT_MODEL_NAME,
+        loaded=loaded,
+        tokenizer=tokenizer,
+        eos_token_ids=eos,
+        scoper=PromptScoper(scope, block_size),
+        max_model_len=loaded.config.max_context_len,
+        source=gguf or path,
+        weights=weights,
+    )

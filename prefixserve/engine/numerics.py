@@ -22,30 +22,49 @@ from ..model.cpu_caps import cpu_features
 from ..model.linear import float_kernel
 
 # The CPU features that change which kernels PyTorch, oneDNN and MKL run (torch's cpuinfo names).
-_GEMM_FEATURES = ("avx2", "fma3", "avx512_f", "avx512_bw", "avx512_dq", "avx512_vl", "avx512_vnni", "avx512_bf16",
-                  "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "avx_vnni", "avx_ne_convert")
-_LIBRARY_CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS",
-                 "MKL_CBWR")
+_GEMM_FEATURES = (
+    "avx2",
+    "fma3",
+    "avx512_f",
+    "avx512_bw",
+    "avx512_dq",
+    "avx512_vl",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+    "avx_vnni",
+    "avx_ne_convert",
+)
+_LIBRARY_CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR")
 
 
 def numerics_description(dtype: torch.dtype, device: torch.device, batch_invariant: bool) -> dict:
     """Everything the fingerprint covers, readable (the start-up log and /v1/cache/info show it)."""
-    described = {"dtype": str(dtype).removeprefix("torch."), "device": device.type, "torch": torch.__version__,
-                 "batch_invariant": batch_invariant}
+    described = {
+        "dtype": str(dtype).removeprefix("torch."),
+        "device": device.type,
+        "torch": torch.__version__,
+        "batch_invariant": batch_invariant,
+    }
     if device.type == "cuda":
         described["gpu"] = torch.cuda.get_device_name(device)
         described["capability"] = list(torch.cuda.get_device_capability(device))
         return described
     features = cpu_features()
-    described.update({
-        "kernels": kernels.variant(),
-        "cpu_features": [name for name in _GEMM_FEATURES if name in features],
-        "library_caps": {name: os.environ[name] for name in _LIBRARY_CAPS if name in os.environ},
-        "threads": torch.get_num_threads(),
-        "onednn": torch.backends.mkldnn.is_available(),
-        # float32 weights: our kernel's tiles or oneDNN's (linear.py), which sum in other orders
-        "float32_matmul": "kernels" if float_kernel() is not None else "onednn",
-    })
+    described.update(
+        {
+            "kernels": kernels.variant(),
+            "cpu_features": [name for name in _GEMM_FEATURES if name in features],
+            "library_caps": {name: os.environ[name] for name in _LIBRARY_CAPS if name in os.environ},
+            "threads": torch.get_num_threads(),
+            "onednn": torch.backends.mkldnn.is_available(),
+            # float32 weights: our kernel's tiles or oneDNN's (linear.py), which sum in other orders
+            "float32_matmul": "kernels" if float_kernel() is not None else "onednn",
+        }
+    )
     return described
 
 

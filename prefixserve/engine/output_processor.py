@@ -24,8 +24,9 @@ class OutputProcessor:
     def add(self, request: Request) -> None:
         if request.request_id in self._texts:
             raise ValueError(f"request id {request.request_id!r} is already in use; give each request its own id")
-        self._texts[request.request_id] = RequestDetokenizer(self.current.version.tokenizer, request.prompt,
-                                                             request.prompt_token_ids, request.sampling_params.stop)
+        self._texts[request.request_id] = RequestDetokenizer(
+            self.current.version.tokenizer, request.prompt, request.prompt_token_ids, request.sampling_params.stop
+        )
 
     def forget(self, request_id: str) -> None:
         self._texts.pop(request_id, None)

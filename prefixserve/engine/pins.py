@@ -39,13 +39,27 @@ class Pin:
 
     def public(self) -> dict:
         """What an operator sees: never the token ids."""
-        return {"id": self.pin_id, "object": "cache.pin", "tenant": self.tenant, "num_tokens": len(self.token_ids),
-                "num_blocks": self.num_blocks, "created_at": self.created_at, "expires_at": self.expires_at}
+        return {
+            "id": self.pin_id,
+            "object": "cache.pin",
+            "tenant": self.tenant,
+            "num_tokens": len(self.token_ids),
+            "num_blocks": self.num_blocks,
+            "created_at": self.created_at,
+            "expires_at": self.expires_at,
+        }
 
 
 class PinTable:
-    def __init__(self, cache, keyer, block_size: int, directory: Optional[str] = None,
-                 tokenizer_fingerprint: str = "", wall_clock=time.time) -> None:
+    def __init__(
+        self,
+        cache,
+        keyer,
+        block_size: int,
+        directory: Optional[str] = None,
+        tokenizer_fingerprint: str = "",
+        wall_clock=time.time,
+    ) -> None:
         self.cache = cache
         self.keyer = keyer
         self.block_size = block_size
@@ -56,21 +70,39 @@ class PinTable:
         self.to_restore: list[Pin] = self._load()  # saved pins not yet warmed again
 
     # ------------------------------------------------------------ pinning
-    def pin(self, scoper, token_ids: list[int], tenant: Optional[str], salt: Optional[str],
-            ttl: Optional[float], pin_id: Optional[str] = None, created_at: Optional[float] = None) -> Pin:
+    def pin(
+        self,
+        scoper,
+        token_ids: list[int],
+        tenant: Optional[str],
+        salt: Optional[str],
+        ttl: Optional[float],
+        pin_id: Optional[str] = None,
+        created_at: Optional[float] = None,
+    ) -> Pin:
         """Pin the cached full blocks of `token_ids` in its scope; raises ValueError naming the fix."""
         keys = self._keys(scoper, token_ids, salt)
         if not keys:
-            raise ValueError(f"the prompt has {len(token_ids)} tokens, less than one block of {self.block_size}; "
-                             "pin a longer prefix")
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens, less than one block of {self.block_size}; pin a longer prefix"
+            )
         num_blocks = self.cache.pin(keys)  # raises ValueError past max_pinned_blocks
         if num_blocks < len(keys):
             self.cache.unpin(keys[:num_blocks])
-            raise ValueError(f"only {num_blocks} of the prompt's {len(keys)} blocks are cached (the pool is too "
-                             "busy to keep it); retry, or raise kv_cache_memory_bytes")
+            raise ValueError(
+                f"only {num_blocks} of the prompt's {len(keys)} blocks are cached (the pool is too "
+                "busy to keep it); retry, or raise kv_cache_memory_bytes"
+            )
         now = self.wall_clock()
-        pin = Pin(pin_id or "pin-" + uuid.uuid4().hex[:24], tenant, salt, list(token_ids), num_blocks,
-                  now if created_at is None else created_at, None if ttl is None else now + ttl)
+        pin = Pin(
+            pin_id or "pin-" + uuid.uuid4().hex[:24],
+            tenant,
+            salt,
+            list(token_ids),
+            num_blocks,
+            now if created_at is None else created_at,
+            None if ttl is None else now + ttl,
+        )
         self.pins[pin.pin_id] = pin
         self._save()
         return pin
@@ -107,7 +139,7 @@ class PinTable:
 
     def _release(self, pin: Pin, scoper) -> None:
         if pin.num_blocks:
-            self.cache.unpin(self._keys(scoper, pin.token_ids, pin.salt)[:pin.num_blocks])
+            self.cache.unpin(self._keys(scoper, pin.token_ids, pin.salt)[: pin.num_blocks])
 
     def _keys(self, scoper, token_ids: list[int], salt: Optional[str]) -> list[bytes]:
         """The block keys of `token_ids` in the scope a request with this salt gets."""
@@ -137,8 +169,10 @@ class PinTable:
     def _save(self) -> None:
         if self.path is None:
             return
-        body = {"tokenizer_fingerprint": self.tokenizer_fingerprint,
-                "pins": [asdict(pin) for pin in [*self.pins.values(), *self.to_restore]]}
+        body = {
+            "tokenizer_fingerprint": self.tokenizer_fingerprint,
+            "pins": [asdict(pin) for pin in [*self.pins.values(), *self.to_restore]],
+        }
         temporary = self.path.with_name(self.path.name + ".tmp")
         try:
             temporary.write_text(json.dumps(body))
@@ -170,8 +204,7 @@ def restore_pins(engine) -> int:
 
     table = engine.pins
     waiting, table.to_restore = table.to_restore, []
-    warmers = [engine.add_request(pin.token_ids, SamplingParams(max_tokens=1), cache_salt=pin.salt)
-               for pin in waiting]
+    warmers = [engine.add_request(pin.token_ids, SamplingParams(max_tokens=1), cache_salt=pin.salt) for pin in waiting]
     engine.run_until_finished([request.request_id for request in warmers])
     num_restored = 0
     now = table.wall_clock()

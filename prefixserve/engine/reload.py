@@ -44,10 +44,15 @@ class ReloadReport:
     previous_scope_digest: bytes = b""
 
     def to_dict(self) -> dict:
-        return {"model": self.model, "previous_fingerprint": self.previous_fingerprint,
-                "model_fingerprint": self.model_fingerprint, "reclaimed_blocks": self.num_reclaimed_blocks,
-                "reclaimed_records": dict(self.num_reclaimed_records), "restored_pins": self.num_restored_pins,
-                "swap_seconds": self.swap_seconds}
+        return {
+            "model": self.model,
+            "previous_fingerprint": self.previous_fingerprint,
+            "model_fingerprint": self.model_fingerprint,
+            "reclaimed_blocks": self.num_reclaimed_blocks,
+            "reclaimed_records": dict(self.num_reclaimed_records),
+            "restored_pins": self.num_restored_pins,
+            "swap_seconds": self.swap_seconds,
+        }
 
 
 def kv_layout(config) -> tuple[int, int, int]:
@@ -65,8 +70,10 @@ def check_swappable(engine, version: ModelVersion) -> None:
         old, new = (*old, _windows(engine.version.config)), (*new, _windows(version.loaded.config))
     if old != new:
         raise IncompatibleModelError(
-            f"{version.name} has a different KV layout (layers, KV heads, head size, sliding windows) {new} from the served "
-            f"model's {old}; a hot reload keeps the KV pool, so restart the server with the new model instead")
+            f"{version.name} has a different KV layout (layers, KV heads, head size, sliding windows) "
+            f"{new} from the served "
+            f"model's {old}; a hot reload keeps the KV pool, so restart the server with the new model instead"
+        )
 
 
 def purge_previous_remote(engine, report: ReloadReport) -> int:
@@ -95,11 +102,22 @@ def swap_model(engine, version: ModelVersion) -> ReloadReport:
         engine.hot_prefixes.reset()  # the clear dropped its pins with the blocks
     engine.pins.on_cleared(version.tokenizer.fingerprint)
     num_pins = engine.restore_pins()  # operator pins are warmed again on the new version
-    report = ReloadReport(model=version.name, previous_fingerprint=previous.model_fingerprint,
-                          model_fingerprint=engine.scope.model_fingerprint, num_reclaimed_blocks=num_blocks,
-                          num_reclaimed_records=records, num_restored_pins=num_pins,
-                          swap_seconds=time.perf_counter() - began, previous_scope_digest=previous.digest)
-    logger.info("reloaded %s (model %s, was %s): %d pooled blocks and %s tier records of the old scope reclaimed",
-                version.name, report.model_fingerprint[:12], report.previous_fingerprint[:12], num_blocks,
-                records or "no")
+    report = ReloadReport(
+        model=version.name,
+        previous_fingerprint=previous.model_fingerprint,
+        model_fingerprint=engine.scope.model_fingerprint,
+        num_reclaimed_blocks=num_blocks,
+        num_reclaimed_records=records,
+        num_restored_pins=num_pins,
+        swap_seconds=time.perf_counter() - began,
+        previous_scope_digest=previous.digest,
+    )
+    logger.info(
+        "reloaded %s (model %s, was %s): %d pooled blocks and %s tier records of the old scope reclaimed",
+        version.name,
+        report.model_fingerprint[:12],
+        report.previous_fingerprint[:12],
+        num_blocks,
+        records or "no",
+    )
     return report

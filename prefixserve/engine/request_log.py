@@ -56,14 +56,16 @@ class RequestLog:
             if entry is None or entry.finished:  # first output; a finished id seen again is a new request
                 if entry is not None:
                     del self._entries[request.request_id]
-                entry = RequestLogEntry(request.metrics.arrival_time, request.tenant, tuple(request.block_keys),
-                                        request.num_prompt_tokens)
+                entry = RequestLogEntry(
+                    request.metrics.arrival_time, request.tenant, tuple(request.block_keys), request.num_prompt_tokens
+                )
                 self._entries[request.request_id] = entry
                 while len(self._entries) > self.max_entries:
                     self._entries.popitem(last=False)
             if request.is_finished:
                 self._entries[request.request_id] = replace(
-                    entry, output_keys=tuple(request.block_keys[len(entry.prompt_keys):]), finished=True)
+                    entry, output_keys=tuple(request.block_keys[len(entry.prompt_keys) :]), finished=True
+                )
 
     def snapshot(self) -> list[RequestLogEntry]:
         """The entries, oldest first (a copy: safe to replay while the engine records)."""

@@ -22,7 +22,7 @@ class RequestWindows:
 
     def usable(self, hit: list[Block]) -> list[Block]:
         """The part of a cached match the window layers can serve."""
-        return hit if self.slots is None else hit[:self.slots.usable_hit(hit)]
+        return hit if self.slots is None else hit[: self.slots.usable_hit(hit)]
 
     def start_of(self, num_cached: int) -> int:
         """The first block a request computing from `num_cached` attaches."""
@@ -49,10 +49,10 @@ class RequestWindows:
             return
         first = self.slots.first_block(request.num_computed_tokens)
         if first > request.window_start:
-            self.slots.detach(_ids(request.blocks[request.window_start:first]))
+            self.slots.detach(_ids(request.blocks[request.window_start : first]))
             request.window_start = first
 
     def released(self, request: Request) -> None:
         if self.slots is not None:
-            self.slots.detach(_ids(request.blocks[request.window_start:]))
+            self.slots.detach(_ids(request.blocks[request.window_start :]))
             request.window_start = 0

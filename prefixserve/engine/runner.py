@@ -60,15 +60,22 @@ class ModelRunner:
         # With window slots, the sliding-window layers keep their K/V in a pool of window_slots.num_slots
         # blocks, reached through window_slots.slot_of (cache/window_slots.py); the others hold every block.
         self.window_slots = window_slots
-        self.window_layers = ([config.window_of(i) is not None for i in range(config.num_hidden_layers)]
-                              if window_slots is not None else [False] * config.num_hidden_layers)
+        self.window_layers = (
+            [config.window_of(i) is not None for i in range(config.num_hidden_layers)]
+            if window_slots is not None
+            else [False] * config.num_hidden_layers
+        )
         # Zeroed, not empty, as a defence only: the attention plan never reads an unwritten slot (decode
         # padding reads the sequence's own newest slot; tests fill unwritten slots with NaN to prove it).
         # On Linux CPUs in huge pages (kv_memory.py): decodes read blocks scattered over the pool.
         self.kv_caches = []
         for windowed in self.window_layers:
-            shape = (window_slots.num_slots if windowed else num_blocks, block_size, config.num_key_value_heads,
-                     config.head_dim)
+            shape = (
+                window_slots.num_slots if windowed else num_blocks,
+                block_size,
+                config.num_key_value_heads,
+                config.head_dim,
+            )
             self.kv_caches.append((zeroed_pool(shape, dtype, device), zeroed_pool(shape, dtype, device)))
         self.sampler = Sampler(seed)
 
@@ -110,8 +117,9 @@ class ModelRunner:
         """The KV of these pool blocks as bytes, one payload per block (see block_shape); every layer's must
         be held (holds_every_layer)."""
         rows = self._rows_of(block_ids)
-        stacked = torch.stack([torch.stack([k.index_select(0, ids), v.index_select(0, ids)])
-                               for (k, v), ids in zip(self.kv_caches, rows)])
+        stacked = torch.stack(
+            [torch.stack([k.index_select(0, ids), v.index_select(0, ids)]) for (k, v), ids in zip(self.kv_caches, rows)]
+        )
         per_block = stacked.permute(2, 0, 1, 3, 4, 5).contiguous().cpu()  # [blocks, layers, 2, size, heads, d]
         raw = per_block.view(-1).view(torch.uint8).view(len(block_ids), -1)
         return [raw[i].numpy().tobytes() for i in range(len(block_ids))]
@@ -170,9 +178,13 @@ class ModelRunner:
         window_meta = None
         if self.window_slots is not None:  # the same step over the window layers' slots (-1: released below a window)
             slot_of = self.window_slots.slot_of
-            window_meta = AttentionMetadata.build(query_lens, seq_lens, [[slot_of[b] for b in table]
-                                                                         for table in block_tables],
-                                                  self.block_size, self.device)
+            window_meta = AttentionMetadata.build(
+                query_lens,
+                seq_lens,
+                [[slot_of[b] for b in table] for table in block_tables],
+                self.block_size,
+                self.device,
+            )
             window_meta.batch_invariant = self.batch_invariant
         # Only the sampled rows' outputs are used: the last layer computes those alone (every row's
         # K/V is still written). A step of decodes samples every row.
@@ -196,5 +208,7 @@ class ModelRunner:
         )
         by_request = {id(request): i for i, request in enumerate(sampled_requests)}
         rows_of = [by_request.get(id(request)) for request, _ in scheduled]
-        return StepResult([None if i is None else sampled.token_ids[i] for i in rows_of],
-                          [None if i is None else sampled.logprobs[i] for i in rows_of])
+        return StepResult(
+            [None if i is None else sampled.token_ids[i] for i in rows_of],
+            [None if i is None else sampled.logprobs[i] for i in rows_of],
+        )

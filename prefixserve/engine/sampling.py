@@ -38,8 +38,13 @@ class Sampler:
         self._generator = torch.Generator().manual_seed(seed)
         self._seeded = torch.Generator()
 
-    def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-               positions: Sequence[int], raw_logits: Optional[torch.Tensor] = None) -> SamplerOutput:
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        positions: Sequence[int],
+        raw_logits: Optional[torch.Tensor] = None,
+    ) -> SamplerOutput:
         """`positions[row]`: the index in its request's token_ids where the new token will land; logprobs
         come from `raw_logits` when given (the model's, before logits_processors.py), else `logits`."""
         logits = logits.float()
@@ -77,8 +82,9 @@ def sample_row(logits: torch.Tensor, param: SamplingParams, generator: torch.Gen
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
-def compute_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams],
-                     tokens: Sequence[int]) -> list[Optional[TokenLogprob]]:
+def compute_logprobs(
+    logits: torch.Tensor, params: Sequence[SamplingParams], tokens: Sequence[int]
+) -> list[Optional[TokenLogprob]]:
     """Logprobs from the raw logits (log_softmax in float32), batched over the rows that asked."""
     result: list[Optional[TokenLogprob]] = [None] * len(params)
     rows = [row for row, param in enumerate(params) if param.logprobs is not None]

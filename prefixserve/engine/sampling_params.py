@@ -7,15 +7,35 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Optional, Union
 
-from .limits import (MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
-                     RANGES, SEED_MAX)
+from .limits import (
+    MAX_BAD_WORDS,
+    MAX_LOGIT_BIAS,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    RANGES,
+    SEED_MAX,
+)
 from .structured_output import StructuredOutputs
 
 # Temperatures below this are greedy (vLLM's convention): dividing logits by a smaller number
 # only sharpens the distribution onto its argmax, and in float32 can overflow to inf / NaN.
 SAMPLING_EPS = 1e-5
-NUMERIC_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "n", "logprobs", "min_p", "presence_penalty",
-                  "frequency_penalty", "repetition_penalty", "min_tokens", "continued_output_tokens")
+NUMERIC_FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "n",
+    "logprobs",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "continued_output_tokens",
+)
 OPTIONAL_FIELDS = ("max_tokens", "seed", "logprobs")  # None: as many as fit, unseeded, no logprobs
 
 
@@ -73,10 +93,16 @@ class SamplingParams:
     def _check_lists(self) -> list[str]:
         problems = []
         prior = self.continued_output_tokens if _is_int(self.continued_output_tokens) else 0
-        if self.max_tokens is not None and _is_int(self.min_tokens) and _is_int(self.max_tokens) \
-                and self.min_tokens > self.max_tokens + prior:
-            problems.append(f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})"
-                            + (f" plus continued_output_tokens ({prior})" if prior else ""))
+        if (
+            self.max_tokens is not None
+            and _is_int(self.min_tokens)
+            and _is_int(self.max_tokens)
+            and self.min_tokens > self.max_tokens + prior
+        ):
+            problems.append(
+                f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})"
+                + (f" plus continued_output_tokens ({prior})" if prior else "")
+            )
         bias = self.logit_bias
         if bias is not None:
             if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
@@ -88,10 +114,15 @@ class SamplingParams:
             else:
                 self.logit_bias = {token: float(value) for token, value in bias.items()} or None
         words = self.bad_words
-        if not isinstance(words, list) or len(words) > MAX_BAD_WORDS or any(
-                not isinstance(word, str) or not word.strip() or len(word) > MAX_STOP_STRING_CHARS for word in words):
-            problems.append(f"bad_words must be a list of at most {MAX_BAD_WORDS} non-blank strings of at most "
-                            f"{MAX_STOP_STRING_CHARS} characters")
+        if (
+            not isinstance(words, list)
+            or len(words) > MAX_BAD_WORDS
+            or any(not isinstance(word, str) or not word.strip() or len(word) > MAX_STOP_STRING_CHARS for word in words)
+        ):
+            problems.append(
+                f"bad_words must be a list of at most {MAX_BAD_WORDS} non-blank strings of at most "
+                f"{MAX_STOP_STRING_CHARS} characters"
+            )
         return problems
 
     def _check_stops(self) -> list[str]:

@@ -23,8 +23,8 @@ cached match is cut to what it holds (request_windows.py).
 from __future__ import annotations
 
 from collections import Counter, deque
-from itertools import islice
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import NamedTuple, Optional, Sequence
 
 from ..cache import Block, BlockKeyer, RadixCache
@@ -32,8 +32,8 @@ from ..cache.hot_prefixes import HotPrefixPolicy
 from ..cache.reuse_gaps import ReuseGapTracker
 from ..cache.window_slots import WindowSlots
 from .in_flight import waits_for_in_flight
-from .request_windows import RequestWindows
 from .request import Request, RequestStatus
+from .request_windows import RequestWindows
 from .stopping import check_stop
 
 LPM_WINDOW = 64  # waiting requests ranked by cached prefix per step under "lpm"
@@ -91,8 +91,10 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         needed = self._blocks_for(request.num_tokens + 1)
         if needed > self.cache.pool.num_blocks:
-            raise ValueError(f"prompt of {request.num_tokens} tokens needs {needed} KV blocks but the pool has "
-                             f"{self.cache.pool.num_blocks}; raise kv_cache_memory_bytes or shorten the prompt")
+            raise ValueError(
+                f"prompt of {request.num_tokens} tokens needs {needed} KV blocks but the pool has "
+                f"{self.cache.pool.num_blocks}; raise kv_cache_memory_bytes or shorten the prompt"
+            )
         self.waiting.append(request)
 
     def abort_request(self, request_id: str) -> Optional[Request]:
@@ -115,8 +117,11 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if (self.long_rope_after is not None and not request.long_rope
-                    and request.num_computed_tokens + num_new > self.long_rope_after):
+            if (
+                self.long_rope_after is not None
+                and not request.long_rope
+                and request.num_computed_tokens + num_new > self.long_rope_after
+            ):
                 # transformers recomputes the whole sequence with the long factors here: so do we
                 request.rotate_long()
                 output.preempted.append(self._preempt(request))
@@ -172,7 +177,7 @@ class Scheduler:
                 if self.reuse_gaps is not None and self.enable_prefix_caching:
                     self.reuse_gaps.admitted(request.tenant, request.block_keys)
                 if self.hot_prefixes is not None and hit:
-                    self.hot_prefixes.observe(request.block_keys[:len(hit)])
+                    self.hot_prefixes.observe(request.block_keys[: len(hit)])
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             output.scheduled.append(ScheduledRequest(request, num_new))
@@ -201,17 +206,23 @@ class Scheduler:
             return []
         self.keyer.extend(request.block_keys, request.scope_digest, request.token_ids, request.private_from)
         return self.windows.usable(
-            self.cache.match(request.scope_digest, request.block_keys, request.token_ids, record_stats=False).blocks)
+            self.cache.match(request.scope_digest, request.block_keys, request.token_ids, record_stats=False).blocks
+        )
 
     def _finish_unfittable(self, request: Request, num_needed: int, output: SchedulerOutput) -> None:
         if request.num_output_tokens > 0:
             self.finish_request(request, "length")
         else:
             usage = self.cache.usage()
-            self.finish_request(request, "error", error=(
-                f"the request needs {num_needed} more KV blocks but pinned prefixes hold "
-                f"{usage.num_pinned_blocks} of the pool's {self.cache.pool.num_blocks}; unpin prefixes, "
-                "raise kv_cache_memory_bytes or send a shorter prompt"))
+            self.finish_request(
+                request,
+                "error",
+                error=(
+                    f"the request needs {num_needed} more KV blocks but pinned prefixes hold "
+                    f"{usage.num_pinned_blocks} of the pool's {self.cache.pool.num_blocks}; unpin prefixes, "
+                    "raise kv_cache_memory_bytes or send a shorter prompt"
+                ),
+            )
         output.finished.append(request)
 
     def _preempt(self, request: Request) -> Request:
@@ -238,8 +249,12 @@ class Scheduler:
         return -(-num_tokens // self.block_size)
 
     # --------------------------------------------------------------- update
-    def update(self, output: SchedulerOutput, sampled_token_ids: Sequence[Optional[int]],
-               logprobs: Optional[Sequence[Optional[object]]] = None) -> list[Request]:
+    def update(
+        self,
+        output: SchedulerOutput,
+        sampled_token_ids: Sequence[Optional[int]],
+        logprobs: Optional[Sequence[Optional[object]]] = None,
+    ) -> list[Request]:
         """Advance each scheduled request; `sampled_token_ids[i]` is None for a mid-prompt chunk,
         `logprobs[i]` its TokenLogprob when the request asked for them.
 
@@ -276,13 +291,20 @@ class Scheduler:
         blocks = request.blocks
         for i in range(request.num_inserted_blocks, num_full):
             parent = blocks[i - 1] if i else request.scope_digest
-            blocks[i] = self.cache.insert(blocks[i], keys[i], request.token_ids[i * size : (i + 1) * size], parent,
-                                          request.prefix_ttl, request.block_scope(i),
-                                          device_only=request.cache_retention == "device")
+            blocks[i] = self.cache.insert(
+                blocks[i],
+                keys[i],
+                request.token_ids[i * size : (i + 1) * size],
+                parent,
+                request.prefix_ttl,
+                request.block_scope(i),
+                device_only=request.cache_retention == "device",
+            )
         request.num_inserted_blocks = num_full
 
-    def finish_request(self, request: Request, reason: str, stop_reason: Optional[object] = None,
-                       error: Optional[str] = None) -> None:
+    def finish_request(
+        self, request: Request, reason: str, stop_reason: Optional[object] = None, error: Optional[str] = None
+    ) -> None:
         """The one place a request finishes (tokens, stop strings, errors, aborts): it leaves its queue
         and its blocks are released. A finished request may be finished again to restate why."""
         if request.is_finished:  # restated: counted under its new reason
@@ -294,6 +316,9 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         if self.reuse_gaps is not None and request.num_inserted_blocks:
-            self.reuse_gaps.released(request.tenant, request.block_keys[:request.num_inserted_blocks],
-                                     request.num_prompt_tokens // self.block_size)
+            self.reuse_gaps.released(
+                request.tenant,
+                request.block_keys[: request.num_inserted_blocks],
+                request.num_prompt_tokens // self.block_size,
+            )
         self._release(request)

@@ -21,7 +21,9 @@ class StepCounters:
         """A step is about to compute these (request, new tokens)."""
         for request, num_new in scheduled:
             if request.num_computed_tokens < request.num_prompt_tokens:
-                self.num_prefill_tokens_computed += min(num_new, request.num_prompt_tokens - request.num_computed_tokens)
+                self.num_prefill_tokens_computed += min(
+                    num_new, request.num_prompt_tokens - request.num_computed_tokens
+                )
 
     def produced(self, updated: list[Request]) -> None:
         """Each of these requests got one output token in the step just run."""

@@ -51,8 +51,11 @@ class StructuredOutputs:
         if self.json_object is not False and self.json_object is not True:
             raise ValueError(f"json_object must be true or false, got {self.json_object!r}")
         if self.choice is not None:
-            if (isinstance(self.choice, (str, bytes)) or not 0 < len(self.choice) <= MAX_CHOICES
-                    or any(not isinstance(option, str) or not option for option in self.choice)):
+            if (
+                isinstance(self.choice, (str, bytes))
+                or not 0 < len(self.choice) <= MAX_CHOICES
+                or any(not isinstance(option, str) or not option for option in self.choice)
+            ):
                 raise ValueError(f"choice must be a list of 1 to {MAX_CHOICES} non-empty strings")
             object.__setattr__(self, "choice", tuple(self.choice))
         for kind in ("regex", "grammar"):
@@ -62,7 +65,8 @@ class StructuredOutputs:
         if self.json is not None and not isinstance(self.json, (dict, str)):
             raise ValueError("json must be a JSON schema: an object or its JSON text")
         size = len(self.json if isinstance(self.json, str) else json.dumps(self.json or "")) + sum(
-            len(text) for text in (self.regex or "", self.grammar or "", *(self.choice or ())))
+            len(text) for text in (self.regex or "", self.grammar or "", *(self.choice or ()))
+        )
         if size > MAX_GRAMMAR_CHARS:
             raise ValueError(f"the structured output's grammar may be at most {MAX_GRAMMAR_CHARS} characters")
         object.__setattr__(self, "_grammar", self._compile())
@@ -134,8 +138,9 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
         self.vocab_size = vocab_size
-        self._tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
-                                                 eos_token=list(eos_token_ids) or None)
+        self._tokenizer = llguidance.LLTokenizer(
+            tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids) or None
+        )
         # The first mask of a vocabulary builds llguidance's token slices (seconds for 50k tokens): once, here.
         Grammar(self._matcher(StructuredOutputs(json_object=True)), vocab_size).mask_row(torch.zeros(vocab_size))
 

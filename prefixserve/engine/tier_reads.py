@@ -70,13 +70,12 @@ class TierReads:
                 return  # it would not be admitted this step: look it up when its turn comes
             if request.request_id in self.fetches or request.num_cached_tokens >= 0:
                 continue  # looked up already, or admitted before (a preempted request)
-            keys = self.keyer.extend(request.block_keys, request.scope_digest, request.token_ids,
-                                     request.private_from)
+            keys = self.keyer.extend(request.block_keys, request.scope_digest, request.token_ids, request.private_from)
             limit = max_hit_blocks(request.num_prompt_tokens, self.block_size, len(keys))
             hit = self.cache.match(request.scope_digest, keys, request.token_ids, record_stats=False).blocks
             slots = self.runner.window_slots
             if slots is not None:  # past where the window layers still hold the last window, a tier's record
-                hit = hit[:slots.usable_hit(hit)]  # brings their K/V back (the cached copy takes its slot)
+                hit = hit[: slots.usable_hit(hit)]  # brings their K/V back (the cached copy takes its slot)
             fetch = self.fetches[request.request_id] = TierFetch(request, start=len(hit))
             self._plan_and_fetch(fetch, keys[:limit])
 
@@ -90,21 +89,28 @@ class TierReads:
         runs = find_run(available, keys, fetch.start)
         if not runs:
             return
-        num_fetch = choose_fetch(self.fetch_policy, runs, self.block_bytes, self.prefill_seconds_per_token,
-                                 self.block_size, {tier.name: tier.read_cost for tier in available}
-                                 ).num_fetch_blocks_by_tier
+        num_fetch = choose_fetch(
+            self.fetch_policy,
+            runs,
+            self.block_bytes,
+            self.prefill_seconds_per_token,
+            self.block_size,
+            {tier.name: tier.read_cost for tier in available},
+        ).num_fetch_blocks_by_tier
         start = fetch.start
         for name, _ in runs:
             count = num_fetch.get(name, 0)
             if not count:
                 return  # the planner stops here: what follows is recomputed
-            chunk = keys[start:start + count]
+            chunk = keys[start : start + count]
             if not self.tiers[name].traits.synchronous:
                 fetch.pending, fetch.pending_keys, fetch.pending_start = self.tiers[name].fetch(chunk), chunk, start
                 fetch.pending_tier, fetch.pending_since = name, time.perf_counter()
                 fetch.request.is_fetching = True
                 return
-            promoted = self._promote(fetch.request, name, start, chunk, self.tiers[name].get(chunk), time.perf_counter())
+            promoted = self._promote(
+                fetch.request, name, start, chunk, self.tiers[name].get(chunk), time.perf_counter()
+            )
             start += promoted
             if promoted < count:
                 return
@@ -135,8 +141,14 @@ class TierReads:
                 logger.exception("reading from the %s tier failed; recomputing", fetch.pending_tier)
                 continue
             if not fetch.request.is_finished:
-                self._promote(fetch.request, fetch.pending_tier, fetch.pending_start, fetch.pending_keys, encoded,
-                              fetch.pending_since)
+                self._promote(
+                    fetch.request,
+                    fetch.pending_tier,
+                    fetch.pending_start,
+                    fetch.pending_keys,
+                    encoded,
+                    fetch.pending_since,
+                )
 
     def _give_up(self, fetch: TierFetch) -> None:
         tier = self.tiers[fetch.pending_tier]
@@ -156,16 +168,24 @@ class TierReads:
     def has_pending_fetches(self) -> bool:
         return any(fetch.pending is not None for fetch in self.fetches.values())
 
-    def _promote(self, request: Request, tier_name: str, start: int, keys: list[bytes],
-                 encoded: Sequence[Optional[bytes]], began: float) -> int:
+    def _promote(
+        self,
+        request: Request,
+        tier_name: str,
+        start: int,
+        keys: list[bytes],
+        encoded: Sequence[Optional[bytes]],
+        began: float,
+    ) -> int:
         """Verify records for blocks start.. and cache their KV in fresh pool blocks; returns how many.
 
         Nothing happens (0) unless the request's first `start` blocks are cached on the device now: a
         promoted block must hang from its parent.
         """
         tier, size = self.tiers[tier_name], self.block_size
-        prefix = self.cache.match(request.scope_digest, request.block_keys[:start], request.token_ids,
-                                  record_stats=False).blocks
+        prefix = self.cache.match(
+            request.scope_digest, request.block_keys[:start], request.token_ids, record_stats=False
+        ).blocks
         if len(prefix) != start:
             return 0
         payloads = []
@@ -173,9 +193,14 @@ class TierReads:
             if data is None:
                 break
             index = start + offset
-            expect = RecordExpectation(key=key, scope_digest=self.scope_digest,
-                                       token_ids=tuple(request.token_ids[index * size:(index + 1) * size]),
-                                       dtype=self.dtype, shape=self.shape, tenant_scope=request.block_scope(index))
+            expect = RecordExpectation(
+                key=key,
+                scope_digest=self.scope_digest,
+                token_ids=tuple(request.token_ids[index * size : (index + 1) * size]),
+                dtype=self.dtype,
+                shape=self.shape,
+                tenant_scope=request.block_scope(index),
+            )
             try:
                 payload = decode_record(data, expect, tier.sealer).payload
                 if not payload_is_finite(payload, self.dtype):
@@ -197,8 +222,13 @@ class TierReads:
         try:
             for offset, block in enumerate(fresh):
                 index = start + offset
-                cached = self.cache.insert(block, keys[offset], request.token_ids[index * size:(index + 1) * size],
-                                           parent, scope=request.block_scope(index))
+                cached = self.cache.insert(
+                    block,
+                    keys[offset],
+                    request.token_ids[index * size : (index + 1) * size],
+                    parent,
+                    scope=request.block_scope(index),
+                )
                 blocks[start + offset] = cached
                 parent = cached
         finally:

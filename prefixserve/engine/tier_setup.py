@@ -20,10 +20,20 @@ def tiered_kv(engine) -> Optional[TieredKV]:
     if not tiers:
         return None
     if config.log_stats:
-        logger.info("KV tiers below the pool: " + ", ".join(
-            f"{tier.name} {tier.capacity_bytes / 2**20:.0f} MiB" for tier in tiers))
-    return TieredKV(tiers, engine.runner, engine.cache, engine.keyer, engine.scope.digest, config.kv_fetch_policy,
-                    config.kv_tier_deadline, shared_writes_wait=config.role == "prefill")
+        logger.info(
+            "KV tiers below the pool: "
+            + ", ".join(f"{tier.name} {tier.capacity_bytes / 2**20:.0f} MiB" for tier in tiers)
+        )
+    return TieredKV(
+        tiers,
+        engine.runner,
+        engine.cache,
+        engine.keyer,
+        engine.scope.digest,
+        config.kv_fetch_policy,
+        config.kv_tier_deadline,
+        shared_writes_wait=config.role == "prefill",
+    )
 
 
 def tier_sealer(config) -> Optional[Sealer]:
@@ -47,10 +57,19 @@ def build_tiers(config, scope_digest: bytes) -> list[KVTier]:
         from ..tiers.redis import RedisTier  # imports redis only when a remote tier is configured
 
         if sealer is None:
-            logger.warning("remote tier: no --kv-tier-secret-file (--kv-remote-insecure): records are not sealed, "
-                           "so anyone who can write %s can change this replica's answers", config.kv_remote_url
-                           .rsplit("@", 1)[-1])
-        tiers.append(RedisTier(config.kv_remote_url, scope_digest=scope_digest, ttl_seconds=config.kv_remote_ttl,
-                               max_write_bytes_per_second=config.kv_remote_write_bytes_per_second,
-                               read_timeout=config.kv_remote_timeout, sealer=sealer))
+            logger.warning(
+                "remote tier: no --kv-tier-secret-file (--kv-remote-insecure): records are not sealed, "
+                "so anyone who can write %s can change this replica's answers",
+                config.kv_remote_url.rsplit("@", 1)[-1],
+            )
+        tiers.append(
+            RedisTier(
+                config.kv_remote_url,
+                scope_digest=scope_digest,
+                ttl_seconds=config.kv_remote_ttl,
+                max_write_bytes_per_second=config.kv_remote_write_bytes_per_second,
+                read_timeout=config.kv_remote_timeout,
+                sealer=sealer,
+            )
+        )
     return tiers

@@ -11,18 +11,35 @@ import importlib
 from typing import TYPE_CHECKING
 
 _EXPORTS = {  # name -> submodule that defines it
-    "AttentionMetadata": "attention_metadata", "paged_attention": "attention", "write_kv": "attention",
-    "DEFAULT_MODEL_NAME": "default", "ensure_default_model": "default",
+    "AttentionMetadata": "attention_metadata",
+    "paged_attention": "attention",
+    "write_kv": "attention",
+    "DEFAULT_MODEL_NAME": "default",
+    "ensure_default_model": "default",
     "LlamaForCausalLM": "llama",
-    "LoadedModel": "loader", "load_generation_eos": "loader", "load_model": "loader",
-    "SUPPORTED_ARCHITECTURES": "model_config", "ModelConfig": "model_config",
-    "IncrementalDecoder": "tokenizer", "Tokenizer": "tokenizer",
+    "LoadedModel": "loader",
+    "load_generation_eos": "loader",
+    "load_model": "loader",
+    "SUPPORTED_ARCHITECTURES": "model_config",
+    "ModelConfig": "model_config",
+    "IncrementalDecoder": "tokenizer",
+    "Tokenizer": "tokenizer",
 }
 
 __all__ = [  # = sorted(_EXPORTS); a literal so linters see the re-exports below
-    "AttentionMetadata", "DEFAULT_MODEL_NAME", "IncrementalDecoder", "LlamaForCausalLM", "LoadedModel", "ModelConfig",
-    "SUPPORTED_ARCHITECTURES", "Tokenizer", "ensure_default_model", "load_generation_eos", "load_model",
-    "paged_attention", "write_kv",
+    "AttentionMetadata",
+    "DEFAULT_MODEL_NAME",
+    "IncrementalDecoder",
+    "LlamaForCausalLM",
+    "LoadedModel",
+    "ModelConfig",
+    "SUPPORTED_ARCHITECTURES",
+    "Tokenizer",
+    "ensure_default_model",
+    "load_generation_eos",
+    "load_model",
+    "paged_attention",
+    "write_kv",
 ]
 
 if TYPE_CHECKING:

@@ -56,8 +56,14 @@ _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 BATCH_INVARIANT_DTYPES = {torch.bfloat16}
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, is_causal: bool = False,
-            mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    is_causal: bool = False,
+    mask: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, H, Q, d], float32 log-sum-exp [B, H, Q]) of q [B, H, Q, d] over k, v [B, KH, K, d].
 
     KH may divide H (grouped-query); `mask` is additive, in q's dtype, broadcastable to [B, 1, Q, K].
@@ -77,8 +83,9 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, is_
     return out, lse
 
 
-def _attend_rows(q_rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
-                 mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _attend_rows(
+    q_rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, mask: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Unmasked (or `mask`ed per sequence) attention of q_rows [R, H, d] over [L, KH, d] keys.
 
     The query heads of a KV group are folded into the query axis, [KH, R * group, d], so every
@@ -89,15 +96,20 @@ def _attend_rows(q_rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     group = num_heads // num_kv_heads
     folded = q_rows.view(num_rows, num_kv_heads, group, head_dim).transpose(0, 1)
     folded = folded.reshape(1, num_kv_heads, num_rows * group, head_dim)
-    out, lse = _attend(folded, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0), scale,
-                       mask=mask)
+    out, lse = _attend(folded, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0), scale, mask=mask)
     out = out.view(num_kv_heads, num_rows, group, head_dim).transpose(0, 1).reshape(num_rows, num_heads, head_dim)
     lse = lse.view(num_kv_heads, num_rows, group).transpose(0, 1).reshape(num_rows, num_heads)
     return out, lse
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, first_slot: Optional[int] = None) -> None:
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    first_slot: Optional[int] = None,
+) -> None:
     """Write k, v [num_tokens, num_kv_heads, head_dim] into their slots of the paged cache.
 
     `first_slot`, when the slots are consecutive from it, turns the scatter into a slice copy.
@@ -105,8 +117,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     flat_k, flat_v = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
     if first_slot is not None:
-        flat_k[first_slot:first_slot + len(k)] = k
-        flat_v[first_slot:first_slot + len(v)] = v
+        flat_k[first_slot : first_slot + len(k)] = k
+        flat_v[first_slot : first_slot + len(v)] = v
         return
     flat_k.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     flat_v.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
@@ -126,10 +138,18 @@ def plan_step(meta: AttentionMetadata, k_cache: torch.Tensor) -> StepPlan:
     return build_plan(meta, k_cache.shape[1], k_cache.element_size())
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, k: Optional[torch.Tensor] = None,
-                    v: Optional[torch.Tensor] = None, plan: Optional[StepPlan] = None,
-                    window: Optional[int] = None, softcap: Optional[float] = None) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    k: Optional[torch.Tensor] = None,
+    v: Optional[torch.Tensor] = None,
+    plan: Optional[StepPlan] = None,
+    window: Optional[int] = None,
+    softcap: Optional[float] = None,
+) -> torch.Tensor:
     """Attention of q [num_tokens, num_heads, head_dim] over the paged cache; returns q's shape.
 
     `k`, `v` [num_tokens, num_kv_heads, head_dim] are this step's own keys and values, already
@@ -148,8 +168,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         # Compiled (csrc/paged_causal.cpp): every row of the step in one call, prefill chunks and
         # decodes alike, read in place through the block tables; each row's sums in an order of its
         # own, so in either dtype a row's attention bits do not depend on the batch or the chunking.
-        return causal(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, window or 0,
-                      softcap or 0.0)
+        return causal(
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.query_start_loc,
+            meta.seq_lens,
+            scale,
+            window or 0,
+            softcap or 0.0,
+        )
     if softcap is not None or (window is not None and max(meta.seq_lens_list, default=0) > window):
         # some row's window leaves keys out, or the scores are capped: rows over their keys, with a mask
         return windowed_attention(q, k_cache, v_cache, meta, scale, window, softcap)
@@ -189,7 +218,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def _attend_chunk(q, chunk, flat_k, flat_v, k, v, scale: float, group: int) -> torch.Tensor:
     """A prefill chunk in one call: causal over its own tokens, after its whole past when it has one."""
-    query = q[chunk.rows].transpose(0, 1).unsqueeze(0)                   # [1, heads, q_len, d]
+    query = q[chunk.rows].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, d]
     if chunk.past is not None:
         keys, values = chunk.past.read(flat_k), chunk.past.read(flat_v)
     elif k is not None:
@@ -197,8 +226,14 @@ def _attend_chunk(q, chunk, flat_k, flat_v, k, v, scale: float, group: int) -> t
     else:
         keys, values = flat_k.index_select(0, chunk.own_slots), flat_v.index_select(0, chunk.own_slots)
     attended = F.scaled_dot_product_attention(
-        query, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0),
-        attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale, enable_gqa=group > 1)
+        query,
+        keys.transpose(0, 1).unsqueeze(0),
+        values.transpose(0, 1).unsqueeze(0),
+        attn_mask=chunk.mask,
+        is_causal=chunk.mask is None,
+        scale=scale,
+        enable_gqa=group > 1,
+    )
     return attended[0].transpose(0, 1)
 
 
@@ -212,8 +247,9 @@ def _attend_own_batch(q, batch, flat_k, flat_v, k, v, scale: float) -> tuple[tor
     else:
         keys, values = flat_k.index_select(0, batch.own_slots), flat_v.index_select(0, batch.own_slots)
     query = q.index_select(0, batch.rows).view(-1, batch.query_len, num_heads, head_dim).transpose(1, 2)
-    attended, lse = _attend(query, keys.view(shape).transpose(1, 2), values.view(shape).transpose(1, 2), scale,
-                            is_causal=True)
+    attended, lse = _attend(
+        query, keys.view(shape).transpose(1, 2), values.view(shape).transpose(1, 2), scale, is_causal=True
+    )
     return attended.transpose(1, 2), lse.transpose(1, 2)
 
 
@@ -232,19 +268,24 @@ def _attend_decodes(q, plan: StepPlan, flat_k, flat_v, scale: float, group: int)
     mask = plan.masks.get(q.dtype)
     if mask is None:
         mask = plan.masks[q.dtype] = torch.zeros(decodes.valid.shape, dtype=q.dtype, device=q.device).masked_fill(
-            ~decodes.valid, float("-inf"))
+            ~decodes.valid, float("-inf")
+        )
     attended, lse = _attend(query, keys, values, scale, mask=mask)
     return attended.reshape(num_decodes, num_heads, head_dim), lse.reshape(num_decodes, num_heads)
 
 
-def _merge_into(out: torch.Tensor, plan: StepPlan, pieces: list[tuple[torch.Tensor, torch.Tensor]],
-                merge_ids: list) -> None:
+def _merge_into(
+    out: torch.Tensor, plan: StepPlan, pieces: list[tuple[torch.Tensor, torch.Tensor]], merge_ids: list
+) -> None:
     """out[merged rows] = the log-sum-exp weighted average of each row's pieces (float32)."""
     if plan.merge_index is None:
         device = out.device
-        plan.merge_index = torch.cat([
-            ids if isinstance(ids, torch.Tensor) else torch.arange(ids.start, ids.stop, device=device)
-            for ids in merge_ids])
+        plan.merge_index = torch.cat(
+            [
+                ids if isinstance(ids, torch.Tensor) else torch.arange(ids.start, ids.stop, device=device)
+                for ids in merge_ids
+            ]
+        )
     index = plan.merge_index
     num_merged, num_heads, head_dim = len(plan.merged_rows), out.shape[1], out.shape[2]
     values = torch.cat([piece_out.reshape(-1, num_heads, head_dim) for piece_out, _ in pieces]).float()

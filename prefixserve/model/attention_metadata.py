@@ -20,15 +20,15 @@ import torch
 class AttentionMetadata:
     """Where one step's tokens come from and where their K/V go (see the module docstring)."""
 
-    slot_mapping: torch.Tensor     # int64 [num_tokens]: slot each input token's K/V is written to
+    slot_mapping: torch.Tensor  # int64 [num_tokens]: slot each input token's K/V is written to
     query_start_loc: torch.Tensor  # int64 [num_seqs + 1]: row offsets of each sequence
-    seq_lens: torch.Tensor         # int64 [num_seqs]: context length AFTER this step
-    block_tables: torch.Tensor     # int64 [num_seqs, max_blocks]: block ids in order, padded
-    query_lens: list[int]          # python copies, so the host never syncs on the device
+    seq_lens: torch.Tensor  # int64 [num_seqs]: context length AFTER this step
+    block_tables: torch.Tensor  # int64 [num_seqs, max_blocks]: block ids in order, padded
+    query_lens: list[int]  # python copies, so the host never syncs on the device
     seq_lens_list: list[int]
     block_table_lists: list[list[int]]  # the unpadded lists given to build: sharing and runs are found here
     positions: Optional[torch.Tensor] = None  # int64 [num_tokens]: position of each row (for rotary)
-    first_slot: Optional[int] = None    # set when the slot mapping is first_slot, first_slot + 1, ...
+    first_slot: Optional[int] = None  # set when the slot mapping is first_slot, first_slot + 1, ...
     batch_invariant: bool = True  # bf16, pure-PyTorch path: invariant_attention.py (False: faster, rounding varies)
 
     def __post_init__(self) -> None:
@@ -69,8 +69,9 @@ class AttentionMetadata:
             # Decodes only, one row per sequence: a step of batch-1 decode spends more in tensor ops than in
             # arithmetic, so these few values come from the lists (the same values the general path gives).
             position_list = [seq_len - 1 for seq_len in seq_lens]
-            slot_list = [table[p // block_size] * block_size + p % block_size
-                         for table, p in zip(block_tables, position_list)]
+            slot_list = [
+                table[p // block_size] * block_size + p % block_size for table, p in zip(block_tables, position_list)
+            ]
             if slot_list and slot_list == list(range(slot_list[0], slot_list[0] + num_seqs)):
                 first_slot = slot_list[0]
             positions = torch.tensor(position_list, dtype=torch.int64)
@@ -102,12 +103,13 @@ class OutputRows:
     and runs its MLP for these rows only: no later layer reads the others, and every row's K/V is
     written before attention in any case (llama.LlamaForCausalLM.forward)."""
 
-    index: torch.Tensor                  # int64 [R]: the rows, in the order their outputs come back
-    meta: Optional[AttentionMetadata]    # each row as a one-row query at its own position (None: R = 0)
+    index: torch.Tensor  # int64 [R]: the rows, in the order their outputs come back
+    meta: Optional[AttentionMetadata]  # each row as a one-row query at its own position (None: R = 0)
 
     @classmethod
-    def of(cls, meta: AttentionMetadata, rows: list[int], block_size: int,
-           device: torch.device | str = "cpu") -> "OutputRows":
+    def of(
+        cls, meta: AttentionMetadata, rows: list[int], block_size: int, device: torch.device | str = "cpu"
+    ) -> "OutputRows":
         starts = list(accumulate(meta.query_lens, initial=0))
         positions, tables = [], []
         for row in rows:

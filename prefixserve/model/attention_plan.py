@@ -21,16 +21,20 @@ if TYPE_CHECKING:
 # cache's element size. They hold for CPUs only: on another device the plan reads every sequence
 # in one call (UNMEASURED_DEVICE) until someone measures that device's costs.
 MIN_SHARED_SAVED_TOKENS = {4: 512, 2: 2048}  # (members - 1) x shared prefix tokens, to read it once
-MIN_VIEW_TOKENS = {4: 640, 2: 4096}          # a consecutive run read in place instead of gathered
-UNMEASURED_DEVICE = 1 << 62                  # a threshold no step reaches: no shortcut taken
+MIN_VIEW_TOKENS = {4: 640, 2: 4096}  # a consecutive run read in place instead of gathered
+UNMEASURED_DEVICE = 1 << 62  # a threshold no step reaches: no shortcut taken
 
 
 def thresholds(device_type: str, element_size: int) -> tuple[int, int]:
     """(min shared saved tokens, min view tokens) for a cache on this device type."""
     if device_type != "cpu":
         return UNMEASURED_DEVICE, UNMEASURED_DEVICE
-    return (MIN_SHARED_SAVED_TOKENS.get(element_size, MIN_SHARED_SAVED_TOKENS[2]),
-            MIN_VIEW_TOKENS.get(element_size, MIN_VIEW_TOKENS[2]))
+    return (
+        MIN_SHARED_SAVED_TOKENS.get(element_size, MIN_SHARED_SAVED_TOKENS[2]),
+        MIN_VIEW_TOKENS.get(element_size, MIN_VIEW_TOKENS[2]),
+    )
+
+
 @dataclass
 class _Keys:
     """A set of key slots: `length` slots from `start` when contiguous, else an index tensor."""
@@ -41,7 +45,7 @@ class _Keys:
 
     def read(self, flat_cache: torch.Tensor) -> torch.Tensor:
         if self.slots is None:
-            return flat_cache[self.start:self.start + self.length]
+            return flat_cache[self.start : self.start + self.length]
         return flat_cache.index_select(0, self.slots)
 
 
@@ -49,7 +53,7 @@ class _Keys:
 class _Part:
     """Non-causal attention of some query rows over a key set; merged into `merge_ids`."""
 
-    rows: torch.Tensor | slice     # rows of q
+    rows: torch.Tensor | slice  # rows of q
     keys: _Keys
     merge_ids: torch.Tensor | slice  # where the result lands among the merged rows
 
@@ -60,8 +64,8 @@ class _Chunk:
     each other, after its whole past when `past` is set (then with `mask`)."""
 
     rows: slice
-    own_slots: torch.Tensor              # slots of its own tokens (read back when k/v are not given)
-    past: Optional[_Keys] = None         # past + own keys together
+    own_slots: torch.Tensor  # slots of its own tokens (read back when k/v are not given)
+    past: Optional[_Keys] = None  # past + own keys together
     mask: Optional[torch.Tensor] = None  # bool [query_len, seq_len]
 
 
@@ -70,7 +74,7 @@ class _OwnBatch:
     """The own tokens of split prefill chunks of one length, causal within each: one call."""
 
     query_len: int
-    rows: torch.Tensor       # int64 [num_chunks * query_len], chunk by chunk
+    rows: torch.Tensor  # int64 [num_chunks * query_len], chunk by chunk
     own_slots: torch.Tensor  # int64, the same order
     merge_ids: torch.Tensor
 
@@ -79,9 +83,9 @@ class _OwnBatch:
 class _Decodes:
     """Every decode of the step as one padded batch over its gathered slots (own token included)."""
 
-    rows: torch.Tensor       # int64 [num_decodes]
-    slots: torch.Tensor      # int64 [num_decodes, max_len]
-    valid: torch.Tensor      # bool [num_decodes, 1, 1, max_len]
+    rows: torch.Tensor  # int64 [num_decodes]
+    slots: torch.Tensor  # int64 [num_decodes, max_len]
+    valid: torch.Tensor  # bool [num_decodes, 1, 1, max_len]
     merge_ids: Optional[torch.Tensor]  # None: no decode has another part
 
 
@@ -93,8 +97,8 @@ class StepPlan:
     decodes: Optional[_Decodes]
     merged_rows: Optional[torch.Tensor]  # int64 [num_merged]: rows of q assembled from parts
     merge_index: Optional[torch.Tensor] = None  # int64: merged id of each contribution, in order
-    masks: dict = field(default_factory=dict)   # additive decode masks per dtype
-    invariant_calls: Optional[list] = None      # the batch-invariant path's calls (invariant_attention.py)
+    masks: dict = field(default_factory=dict)  # additive decode masks per dtype
+    invariant_calls: Optional[list] = None  # the batch-invariant path's calls (invariant_attention.py)
 
 
 def _ascending_run(table: list[int], start: int, end: int) -> int:
@@ -107,15 +111,16 @@ def _ascending_run(table: list[int], start: int, end: int) -> int:
     low, high = 1, end - start  # table[start:start+low] is a run, [start:start+high] is not
     while high - low > 1:
         middle = (low + high) // 2
-        if table[start:start + middle] == list(range(first, first + middle)):
+        if table[start : start + middle] == list(range(first, first + middle)):
             low = middle
         else:
             high = middle
     return low
 
 
-def _shared_prefixes(meta: AttentionMetadata, past_lens: list[int], block_size: int,
-                     min_saved_tokens: int) -> list[tuple[list[int], int]]:
+def _shared_prefixes(
+    meta: AttentionMetadata, past_lens: list[int], block_size: int, min_saved_tokens: int
+) -> list[tuple[list[int], int]]:
     """(members, number of common leading blocks) of each group worth reading once."""
     groups: dict[int, list[int]] = {}
     for i, table in enumerate(meta.block_table_lists):
@@ -168,7 +173,8 @@ class _PlanBuilder:
         num_merged = self._assign_merge_ids(split_decodes)
         parts = self._shared_parts(shared) + [
             _Part(self.rows_of(i), _Keys(start_slot, length), self._merge_slice(i))
-            for i, (start_slot, length) in bodies.items()]
+            for i, (start_slot, length) in bodies.items()
+        ]
         chunks, split_by_len = self._prefill_chunks(parts)
         own_batches = [self._own_batch(query_len, members) for query_len, members in split_by_len.items()]
         decodes = self._decodes(decode_ids, split_decodes) if decode_ids else None
@@ -220,8 +226,9 @@ class _PlanBuilder:
         return slice(self.merge_start[i], self.merge_start[i] + self.meta.query_lens[i])
 
     def _merge_ids(self, members: list[int]) -> torch.Tensor:
-        return self.as_tensor([m for i in members for m in range(self.merge_start[i],
-                                                                 self.merge_start[i] + self.meta.query_lens[i])])
+        return self.as_tensor(
+            [m for i in members for m in range(self.merge_start[i], self.merge_start[i] + self.meta.query_lens[i])]
+        )
 
     def _shared_parts(self, shared) -> list[_Part]:
         meta, block_size = self.meta, self.block_size
@@ -256,8 +263,13 @@ class _PlanBuilder:
                 if past == 0:
                     chunks.append(_Chunk(rows, meta.slot_mapping[rows]))
                 else:  # one call over past + own keys, causal within the chunk
-                    mask = torch.arange(seq_len, device=device)[None, :] <= torch.arange(past, seq_len, device=device)[:, None]
-                    chunks.append(_Chunk(rows, meta.slot_mapping[rows], _Keys(slots=self._slots_of(i, 0, seq_len)), mask))
+                    mask = (
+                        torch.arange(seq_len, device=device)[None, :]
+                        <= torch.arange(past, seq_len, device=device)[:, None]
+                    )
+                    chunks.append(
+                        _Chunk(rows, meta.slot_mapping[rows], _Keys(slots=self._slots_of(i, 0, seq_len)), mask)
+                    )
                 continue
             split_by_len.setdefault(query_len, []).append(i)
             if self.covered[i] < past:  # the rest of the past: gathered, unmasked

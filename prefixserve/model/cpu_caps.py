@@ -18,15 +18,38 @@ import os
 import torch
 
 # /proc/cpuinfo flag -> the name torch's cpuinfo report gives it (the fallback reads the former).
-_PROC_FLAGS = {"avx2": "avx2", "fma": "fma3", "f16c": "f16c", "avx512f": "avx512_f", "avx512bw": "avx512_bw",
-               "avx512dq": "avx512_dq", "avx512vl": "avx512_vl", "avx512_bf16": "avx512_bf16",
-               "amx_bf16": "amx_bf16", "amx_tile": "amx_tile", "avx512_vnni": "avx512_vnni"}
+_PROC_FLAGS = {
+    "avx2": "avx2",
+    "fma": "fma3",
+    "f16c": "f16c",
+    "avx512f": "avx512_f",
+    "avx512bw": "avx512_bw",
+    "avx512dq": "avx512_dq",
+    "avx512vl": "avx512_vl",
+    "avx512_bf16": "avx512_bf16",
+    "amx_bf16": "amx_bf16",
+    "amx_tile": "amx_tile",
+    "avx512_vnni": "avx512_vnni",
+}
 AVX512 = frozenset({"avx512_f", "avx512_bw", "avx512_dq", "avx512_vl"})
 
 # oneDNN's instruction-set levels, lowest first (ONEDNN_MAX_CPU_ISA's values).
-ONEDNN_LEVELS = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI",
-                 "AVX512_CORE_BF16", "AVX10_1_512", "AVX512_CORE_FP16", "AVX10_1_512_AMX", "AVX512_CORE_AMX",
-                 "AVX10_1_512_AMX_FP16", "AVX512_CORE_AMX_FP16")
+ONEDNN_LEVELS = (
+    "SSE41",
+    "AVX",
+    "AVX2",
+    "AVX2_VNNI",
+    "AVX2_VNNI_2",
+    "AVX512_CORE",
+    "AVX512_CORE_VNNI",
+    "AVX512_CORE_BF16",
+    "AVX10_1_512",
+    "AVX512_CORE_FP16",
+    "AVX10_1_512_AMX",
+    "AVX512_CORE_AMX",
+    "AVX10_1_512_AMX_FP16",
+    "AVX512_CORE_AMX_FP16",
+)
 
 
 @functools.lru_cache(maxsize=None)
@@ -49,8 +72,9 @@ def cpu_name() -> str:
     """The CPU's model name (/proc/cpuinfo), which every benchmark prints beside its figures."""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
-            return next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")),
-                        "unknown CPU")
+            return next(
+                (line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "unknown CPU"
+            )
     except OSError:
         return "unknown CPU"
 

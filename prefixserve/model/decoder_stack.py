@@ -46,13 +46,25 @@ def _plain(layer) -> bool:
     attention, mlp = layer.self_attn, layer.mlp
     projections = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    return (type(layer) is DecoderLayer and type(attention) is Attention and type(mlp) is MLP
-            and all(type(norm) is RMSNorm and norm.weight.dtype == torch.float32 and norm.weight.device.type == "cpu"
-                    for norm in norms)
-            and all(_compiled_projection(projection) for projection in projections)
-            and attention.q_norm is None and attention.uses_rope and attention.rotary_dim == attention.head_dim
-            and attention.window is None and attention.softcap is None and not attention.is_local
-            and attention.head_dim % 32 == 0 and mlp.activation == "silu" and mlp.intermediate_size % 16 == 0)
+    return (
+        type(layer) is DecoderLayer
+        and type(attention) is Attention
+        and type(mlp) is MLP
+        and all(
+            type(norm) is RMSNorm and norm.weight.dtype == torch.float32 and norm.weight.device.type == "cpu"
+            for norm in norms
+        )
+        and all(_compiled_projection(projection) for projection in projections)
+        and attention.q_norm is None
+        and attention.uses_rope
+        and attention.rotary_dim == attention.head_dim
+        and attention.window is None
+        and attention.softcap is None
+        and not attention.is_local
+        and attention.head_dim % 32 == 0
+        and mlp.activation == "silu"
+        and mlp.intermediate_size % 16 == 0
+    )
 
 
 def build(model) -> Optional[object]:
@@ -64,25 +76,57 @@ def build(model) -> Optional[object]:
     if not layers or not all(_plain(layer) for layer in layers) or model.config.hidden_size % 16:
         return None
     attention = layers[0].self_attn
-    specs = [(layer.input_layernorm.weight.detach(), layer.input_layernorm.eps,
-              _projection(layer.self_attn.qkv_proj), _projection(layer.self_attn.o_proj),
-              layer.post_attention_layernorm.weight.detach(), layer.post_attention_layernorm.eps,
-              _projection(layer.mlp.gate_up_proj), _projection(layer.mlp.down_proj)) for layer in layers]
-    return compiled.decoder_stack(specs, attention.num_heads, attention.num_kv_heads,
-                                attention.head_dim, model.config.hidden_size, layers[0].mlp.intermediate_size,
-                                attention.scale)
+    specs = [
+        (
+            layer.input_layernorm.weight.detach(),
+            layer.input_layernorm.eps,
+            _projection(layer.self_attn.qkv_proj),
+            _projection(layer.self_attn.o_proj),
+            layer.post_attention_layernorm.weight.detach(),
+            layer.post_attention_layernorm.eps,
+            _projection(layer.mlp.gate_up_proj),
+            _projection(layer.mlp.down_proj),
+        )
+        for layer in layers
+    ]
+    return compiled.decoder_stack(
+        specs,
+        attention.num_heads,
+        attention.num_kv_heads,
+        attention.head_dim,
+        model.config.hidden_size,
+        layers[0].mlp.intermediate_size,
+        attention.scale,
+    )
 
 
 def can_run(x: torch.Tensor, kv_caches: list, output_rows, window_meta) -> bool:
     """Whether this step fits the stack (the model already does)."""
     k_cache = kv_caches[0][0]
-    return (ENABLED and output_rows is None and window_meta is None and x.dtype == torch.float32
-            and x.device.type == "cpu" and k_cache.dtype == torch.float32 and k_cache.device.type == "cpu")
+    return (
+        ENABLED
+        and output_rows is None
+        and window_meta is None
+        and x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and k_cache.dtype == torch.float32
+        and k_cache.device.type == "cpu"
+    )
 
 
-def run(stack, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], kv_caches: list,
-        meta: AttentionMetadata) -> torch.Tensor:
+def run(
+    stack, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], kv_caches: list, meta: AttentionMetadata
+) -> torch.Tensor:
     """x after every layer (updated in place), as the layer-by-layer loop gives it."""
     cos, sin = rotary
-    return stack.run(x, cos, sin, [cache[0] for cache in kv_caches], [cache[1] for cache in kv_caches],
-                     meta.block_tables, meta.query_start_loc, meta.seq_lens, meta.slot_mapping)
+    return stack.run(
+        x,
+        cos,
+        sin,
+        [cache[0] for cache in kv_caches],
+        [cache[1] for cache in kv_caches],
+        meta.block_tables,
+        meta.query_start_loc,
+        meta.seq_lens,
+        meta.slot_mapping,
+    )

@@ -34,8 +34,8 @@ logger = logging.getLogger("prefixserve.model")
 _DATA_DIR = Path(__file__).parent / "data"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
-BOS_TOKEN_ID = 0   # <|begin_of_text|>
-EOS_TOKEN_ID = 1   # <|end_of_text|>
+BOS_TOKEN_ID = 0  # <|begin_of_text|>
+EOS_TOKEN_ID = 1  # <|end_of_text|>
 IM_END_TOKEN_ID = 3  # <|im_end|>, ends an assistant turn
 
 CONFIG = {
@@ -93,8 +93,7 @@ def ensure_default_model(cache_dir: str | Path | None = None) -> Path:
             os.rename(staging, target)
         except OSError as error:
             if not (target / "config.json").is_file():  # not a lost race: a broken directory
-                raise RuntimeError(
-                    f"{target} exists but holds no config.json; delete it and retry") from error
+                raise RuntimeError(f"{target} exists but holds no config.json; delete it and retry") from error
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
@@ -147,9 +146,9 @@ def _init_scales() -> dict[str, float]:
     """
     hidden = CONFIG["hidden_size"]
     return {
-        "embed": 1.0,                      # residual stream starts at RMS 1
-        "lm_head": 0.2,                    # after RMSNorm: logit std 0.2 * sqrt(512) ~ 4.5
-        "qk": 2.0 / math.sqrt(hidden),     # sharper-than-uniform attention
+        "embed": 1.0,  # residual stream starts at RMS 1
+        "lm_head": 0.2,  # after RMSNorm: logit std 0.2 * sqrt(512) ~ 4.5
+        "qk": 2.0 / math.sqrt(hidden),  # sharper-than-uniform attention
         "v": 1.0 / math.sqrt(hidden),
         "o": 1.0 / math.sqrt(hidden),
         "gate_up": 1.0 / math.sqrt(hidden),

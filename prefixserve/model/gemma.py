@@ -48,8 +48,15 @@ class GemmaDecoderLayer(nn.Module):
         self.mlp = MLP(config)
         self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
 
-    def forward(self, x: torch.Tensor, rotary: Rotary, kv_cache: KVCache, meta: AttentionMetadata,
-                plan: StepPlan, output_rows: Optional[OutputRows] = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotary: Rotary,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        plan: StepPlan,
+        output_rows: Optional[OutputRows] = None,
+    ) -> torch.Tensor:
         attended = self.self_attn(self.input_layernorm(x), rotary, kv_cache, meta, plan, output_rows)
         if output_rows is not None:
             x = x.index_select(0, output_rows.index)
@@ -63,5 +70,5 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         embedded = self.embed_tokens(input_ids)
-        scale = torch.tensor(self.config.hidden_size ** 0.5, dtype=embedded.dtype, device=embedded.device)
+        scale = torch.tensor(self.config.hidden_size**0.5, dtype=embedded.dtype, device=embedded.device)
         return embedded * scale

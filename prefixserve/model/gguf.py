@@ -27,12 +27,11 @@ import numpy as np
 from gguf import GGUFReader
 
 from .default import default_cache_root
-from .gguf_source import SOURCE_FILE, gguf_fingerprint, read_gguf_source, read_json_object
 from .gguf_checkpoint import TensorPlan, hf_config, load_tensor, plan_tensors, read_metadata
+from .gguf_source import SOURCE_FILE, gguf_fingerprint, read_gguf_source, read_json_object
 from .gguf_tokenizer import build_tokenizer_files, write_tokenizer_files
 
-__all__ = ["CONVERTER_VERSION", "SOURCE_FILE", "convert_gguf", "find_gguf_file", "gguf_fingerprint",
-           "read_gguf_source"]
+__all__ = ["CONVERTER_VERSION", "SOURCE_FILE", "convert_gguf", "find_gguf_file", "gguf_fingerprint", "read_gguf_source"]
 
 logger = logging.getLogger("prefixserve.model")
 
@@ -80,8 +79,9 @@ def find_gguf_file(path: str | Path) -> Path:
         found = sorted(path.glob("*.gguf"))
         if len(found) != 1:
             names = ", ".join(file.name for file in found) or "none"
-            raise ValueError(f"{path} holds {len(found)} .gguf files ({names}); "
-                             f"name the file to load instead of the directory")
+            raise ValueError(
+                f"{path} holds {len(found)} .gguf files ({names}); name the file to load instead of the directory"
+            )
         return found[0]
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {path} does not exist")
@@ -101,12 +101,20 @@ def write_hf_checkpoint(source: Path, directory: Path, digest: str) -> None:
         config.setdefault("eos_token_id", tokenizer_files.generation_config["eos_token_id"])
         write_safetensors(directory / "model.safetensors", plans)
     except (KeyError, IndexError, TypeError, OverflowError) as error:
-        raise ValueError(f"{source} is not a valid GGUF file ({type(error).__name__}: {error}); "
-                         f"download it again") from error
+        raise ValueError(
+            f"{source} is not a valid GGUF file ({type(error).__name__}: {error}); download it again"
+        ) from error
     types = sorted({plan.source.tensor_type.name for plan in plans})
-    record = {"format": "gguf", "file": source.name, "size": source.stat().st_size, "sha256": digest,
-              "converter_version": CONVERTER_VERSION, "tensor_types": types,
-              "architecture": metadata.get("general.architecture"), "name": metadata.get("general.name")}
+    record = {
+        "format": "gguf",
+        "file": source.name,
+        "size": source.stat().st_size,
+        "sha256": digest,
+        "converter_version": CONVERTER_VERSION,
+        "tensor_types": types,
+        "architecture": metadata.get("general.architecture"),
+        "name": metadata.get("general.name"),
+    }
     (directory / SOURCE_FILE).write_text(json.dumps(record, indent=2) + "\n")
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
@@ -116,8 +124,10 @@ def open_gguf(source: Path) -> GGUFReader:
     try:
         return GGUFReader(source)
     except Exception as error:  # the reader fails with numpy/struct errors of many kinds
-        raise ValueError(f"{source} is not a readable GGUF file ({type(error).__name__}: {error}); "
-                         f"it may be truncated or not a GGUF at all: download it again") from error
+        raise ValueError(
+            f"{source} is not a readable GGUF file ({type(error).__name__}: {error}); "
+            f"it may be truncated or not a GGUF at all: download it again"
+        ) from error
 
 
 def write_safetensors(path: Path, plans: list[TensorPlan]) -> None:
@@ -128,8 +138,7 @@ def write_safetensors(path: Path, plans: list[TensorPlan]) -> None:
     offset = 0
     for plan in plans:
         size = 4 * int(np.prod(plan.hf_shape))
-        header[plan.hf_name] = {"dtype": "F32", "shape": list(plan.hf_shape),
-                                "data_offsets": [offset, offset + size]}
+        header[plan.hf_name] = {"dtype": "F32", "shape": list(plan.hf_shape), "data_offsets": [offset, offset + size]}
         offset += size
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)

@@ -91,12 +91,14 @@ def _from_q5(kind: str, rows: np.ndarray, out_features: int, in_features: int) -
     offset_bytes = 2 if kind == "Q5_1" else 0
     blocks = rows.reshape(out_features, in_features // GROUP_SIZE, 22 + offset_bytes)
     scales = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16).reshape(out_features, -1))
-    offsets = (torch.from_numpy(blocks[..., 2:4].copy().view(np.float16).reshape(out_features, -1))
-               if offset_bytes else None)
-    high, low = blocks[..., 2 + offset_bytes:6 + offset_bytes], blocks[..., 6 + offset_bytes:]
+    offsets = (
+        torch.from_numpy(blocks[..., 2:4].copy().view(np.float16).reshape(out_features, -1)) if offset_bytes else None
+    )
+    high, low = blocks[..., 2 + offset_bytes : 6 + offset_bytes], blocks[..., 6 + offset_bytes :]
     codes = np.concatenate([low, high], axis=-1).reshape(out_features, -1)
-    return QuantizedWeight(kind, torch.from_numpy(codes.copy()), scales, offsets, 5,
-                           zero_point=0 if offset_bytes else 16)
+    return QuantizedWeight(
+        kind, torch.from_numpy(codes.copy()), scales, offsets, 5, zero_point=0 if offset_bytes else 16
+    )
 
 
 def _from_q5_k(rows: np.ndarray, out_features: int, in_features: int) -> QuantizedWeight:
@@ -121,15 +123,18 @@ def _from_q6_k(rows: np.ndarray, out_features: int, in_features: int) -> Quantiz
     blocks = rows.reshape(out_features, supers, 210)
     low = blocks[..., :128].reshape(out_features, supers, 2, 2, 32)  # [.., half, quarter pair, 32]
     high = blocks[..., 128:192].reshape(out_features, supers, 2, 1, 32)
-    quarters = [(low[..., i % 2, :] >> (4 * (i // 2)) & 0xF) | ((high[..., 0, :] >> (2 * i) & 3) << 4)
-                for i in range(4)]  # the file's value order within each half: quarters of 32
+    quarters = [
+        (low[..., i % 2, :] >> (4 * (i // 2)) & 0xF) | ((high[..., 0, :] >> (2 * i) & 3) << 4) for i in range(4)
+    ]  # the file's value order within each half: quarters of 32
     values = np.stack(quarters, axis=3).reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
     nibbles = (values[..., :16] & 0xF) | ((values[..., 16:] & 0xF) << 4)
     codes = np.concatenate([nibbles, _pair_bytes(values >> 4)], axis=-1).astype(np.uint8).reshape(out_features, -1)
-    scales = np.concatenate([blocks[..., 192:208].reshape(out_features, -1), blocks[..., 208:210].reshape(out_features, -1)],
-                            axis=1)
-    return QuantizedWeight("Q6_K", torch.from_numpy(codes), torch.from_numpy(np.ascontiguousarray(scales)), None, 6,
-                           zero_point=32)
+    scales = np.concatenate(
+        [blocks[..., 192:208].reshape(out_features, -1), blocks[..., 208:210].reshape(out_features, -1)], axis=1
+    )
+    return QuantizedWeight(
+        "Q6_K", torch.from_numpy(codes), torch.from_numpy(np.ascontiguousarray(scales)), None, 6, zero_point=32
+    )
 
 
 def _from_q3_k(rows: np.ndarray, out_features: int, in_features: int) -> QuantizedWeight:
@@ -150,10 +155,21 @@ def _from_q3_k(rows: np.ndarray, out_features: int, in_features: int) -> Quantiz
     low_nibbles = np.concatenate([packed[..., :8] & 0xF, packed[..., :8] >> 4], axis=-1)  # 2 (i / 4) of byte 8 + i % 4
     high_pairs = np.concatenate([(packed[..., 8:] >> (2 * i)) & 3 for i in range(4)], axis=-1)
     sub_scales = (low_nibbles | (high_pairs << 4)).astype(np.int16) - 32
-    scales = np.concatenate([sub_scales.astype(np.int8).view(np.uint8).reshape(out_features, -1),
-                             blocks[..., 108:110].reshape(out_features, -1)], axis=1)
-    return QuantizedWeight("Q3_K", torch.from_numpy(codes.astype(np.uint8).reshape(out_features, -1)),
-                           torch.from_numpy(np.ascontiguousarray(scales)), None, 3, zero_point=4)
+    scales = np.concatenate(
+        [
+            sub_scales.astype(np.int8).view(np.uint8).reshape(out_features, -1),
+            blocks[..., 108:110].reshape(out_features, -1),
+        ],
+        axis=1,
+    )
+    return QuantizedWeight(
+        "Q3_K",
+        torch.from_numpy(codes.astype(np.uint8).reshape(out_features, -1)),
+        torch.from_numpy(np.ascontiguousarray(scales)),
+        None,
+        3,
+        zero_point=4,
+    )
 
 
 def _from_q2_k(rows: np.ndarray, out_features: int, in_features: int) -> QuantizedWeight:
@@ -166,10 +182,16 @@ def _from_q2_k(rows: np.ndarray, out_features: int, in_features: int) -> Quantiz
     pairs = blocks[..., 16:80].reshape(out_features, supers, 2, 1, 32)  # [.., half, 1, 32]
     values = (pairs >> (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1)) & 3  # [.., half, quarter, 32]
     codes = _pair_bytes(values.reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE))
-    scales = np.concatenate([blocks[..., :16].reshape(out_features, -1), blocks[..., 80:84].reshape(out_features, -1)],
-                            axis=1)
-    return QuantizedWeight("Q2_K", torch.from_numpy(codes.reshape(out_features, -1)),
-                           torch.from_numpy(np.ascontiguousarray(scales)), None, 2)
+    scales = np.concatenate(
+        [blocks[..., :16].reshape(out_features, -1), blocks[..., 80:84].reshape(out_features, -1)], axis=1
+    )
+    return QuantizedWeight(
+        "Q2_K",
+        torch.from_numpy(codes.reshape(out_features, -1)),
+        torch.from_numpy(np.ascontiguousarray(scales)),
+        None,
+        2,
+    )
 
 
 def _from_iq4_xs(rows: np.ndarray, out_features: int, in_features: int) -> QuantizedWeight:
@@ -184,13 +206,30 @@ def _from_iq4_xs(rows: np.ndarray, out_features: int, in_features: int) -> Quant
     low_nibbles = np.stack([low & 0xF, low >> 4], axis=-1).reshape(out_features, supers, 8).astype(np.int16)
     high_pairs = (high >> (2 * np.arange(8, dtype=np.int16))) & 3
     sub_scales = (low_nibbles | (high_pairs << 4)) - 32
-    scales = np.concatenate([sub_scales.astype(np.int8).view(np.uint8).reshape(out_features, -1),
-                             blocks[..., 0:2].reshape(out_features, -1)], axis=1)
+    scales = np.concatenate(
+        [
+            sub_scales.astype(np.int8).view(np.uint8).reshape(out_features, -1),
+            blocks[..., 0:2].reshape(out_features, -1),
+        ],
+        axis=1,
+    )
     codes = blocks[..., 8:].reshape(out_features, in_features // 2)
-    return QuantizedWeight("IQ4_XS", torch.from_numpy(codes.copy()), torch.from_numpy(np.ascontiguousarray(scales)),
-                           None, 4, levels=IQ4_LEVELS)
+    return QuantizedWeight(
+        "IQ4_XS",
+        torch.from_numpy(codes.copy()),
+        torch.from_numpy(np.ascontiguousarray(scales)),
+        None,
+        4,
+        levels=IQ4_LEVELS,
+    )
 
 
 # The formats of 256-value super-blocks, each re-laid by a function of its own (above).
-_SUPER_BLOCK_LAYOUTS = {"Q2_K": _from_q2_k, "Q3_K": _from_q3_k, "Q4_K": _from_q4_k, "Q5_K": _from_q5_k,
-                        "Q6_K": _from_q6_k, "IQ4_XS": _from_iq4_xs}
+_SUPER_BLOCK_LAYOUTS = {
+    "Q2_K": _from_q2_k,
+    "Q3_K": _from_q3_k,
+    "Q4_K": _from_q4_k,
+    "Q5_K": _from_q5_k,
+    "Q6_K": _from_q6_k,
+    "IQ4_XS": _from_iq4_xs,
+}

@@ -28,9 +28,30 @@ from gguf.quants import dequantize
 
 Q = GGMLQuantizationType
 # Each one is checked against an independent decode in tests/test_model_gguf.py.
-SUPPORTED_TENSOR_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1,
-                          Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
-                          Q.IQ4_NL, Q.IQ4_XS, Q.IQ3_S, Q.IQ3_XXS, Q.IQ2_S, Q.IQ2_XS, Q.IQ2_XXS, Q.IQ1_S, Q.IQ1_M)
+SUPPORTED_TENSOR_TYPES = (
+    Q.F32,
+    Q.F16,
+    Q.BF16,
+    Q.Q8_0,
+    Q.Q4_0,
+    Q.Q4_1,
+    Q.Q5_0,
+    Q.Q5_1,
+    Q.Q2_K,
+    Q.Q3_K,
+    Q.Q4_K,
+    Q.Q5_K,
+    Q.Q6_K,
+    Q.IQ4_NL,
+    Q.IQ4_XS,
+    Q.IQ3_S,
+    Q.IQ3_XXS,
+    Q.IQ2_S,
+    Q.IQ2_XS,
+    Q.IQ2_XXS,
+    Q.IQ1_S,
+    Q.IQ1_M,
+)
 
 
 @dataclass(frozen=True)
@@ -44,8 +65,9 @@ class Architecture:
 ARCHITECTURES = {
     "llama": Architecture("LlamaForCausalLM", "llama", permutes_qk=True),
     "qwen2": Architecture("Qwen2ForCausalLM", "qwen2", permutes_qk=False),
-    "qwen3": Architecture("Qwen3ForCausalLM", "qwen3", permutes_qk=False,
-                          layer_tensors=("attn_q_norm.weight", "attn_k_norm.weight")),
+    "qwen3": Architecture(
+        "Qwen3ForCausalLM", "qwen3", permutes_qk=False, layer_tensors=("attn_q_norm.weight", "attn_k_norm.weight")
+    ),
 }
 
 _GLOBAL_NAMES = {
@@ -80,6 +102,7 @@ _IGNORED = re.compile(r"blk\.\d+\.attn_rot_embd")  # an old precomputed rotary t
 class TensorPlan:
     """Where one GGUF tensor goes: its Hugging Face name and shape, and how to undo the Q/K
     row order (the number of heads to regroup by, or None)."""
+
     hf_name: str
     hf_shape: tuple[int, ...]
     source: ReaderTensor
@@ -88,8 +111,7 @@ class TensorPlan:
 
 def read_metadata(reader: GGUFReader) -> dict[str, Any]:
     """Every key/value field as a Python value (str, int, float, bool or list)."""
-    return {name: field.contents() for name, field in reader.fields.items()
-            if not name.startswith("GGUF.")}
+    return {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
 
 
 def architecture_of(metadata: dict[str, Any], source: Path) -> Architecture:
@@ -97,7 +119,8 @@ def architecture_of(metadata: dict[str, Any], source: Path) -> Architecture:
     if name not in ARCHITECTURES:
         raise ValueError(
             f"{source}: GGUF architecture {name!r} is not supported; supported: "
-            f"{', '.join(ARCHITECTURES)} (convert the original checkpoint instead, or use a GGUF of one of these)")
+            f"{', '.join(ARCHITECTURES)} (convert the original checkpoint instead, or use a GGUF of one of these)"
+        )
     return ARCHITECTURES[name]
 
 
@@ -114,15 +137,21 @@ def hf_config(metadata: dict[str, Any], reader: GGUFReader, source: Path) -> dic
         return value
 
     if int(metadata.get("split.count", 1)) > 1:
-        raise ValueError(f"{source} is one part of a split GGUF; merge the parts first with "
-                         f"`llama-gguf-split --merge FIRST_PART.gguf merged.gguf`")
+        raise ValueError(
+            f"{source} is one part of a split GGUF; merge the parts first with "
+            f"`llama-gguf-split --merge FIRST_PART.gguf merged.gguf`"
+        )
     names = {tensor.name: tensor for tensor in reader.tensors}
     if "rope_freqs.weight" in names:
-        raise ValueError(f"{source}: per-frequency rope factors (rope_freqs.weight, Llama 3.1 style "
-                         f"rope scaling) are not supported yet")
+        raise ValueError(
+            f"{source}: per-frequency rope factors (rope_freqs.weight, Llama 3.1 style "
+            f"rope scaling) are not supported yet"
+        )
     if metadata.get(f"{prefix}.rope.scaling.type", "none") not in ("none", "linear"):
-        raise ValueError(f"{source}: rope scaling {metadata[f'{prefix}.rope.scaling.type']!r} is not "
-                         f"supported; supported: none, linear")
+        raise ValueError(
+            f"{source}: rope scaling {metadata[f'{prefix}.rope.scaling.type']!r} is not "
+            f"supported; supported: none, linear"
+        )
     if "token_embd.weight" not in names:
         raise ValueError(f"{source}: no token_embd.weight tensor; the file is incomplete")
     hidden = int(get("embedding_length"))
@@ -130,8 +159,10 @@ def hf_config(metadata: dict[str, Any], reader: GGUFReader, source: Path) -> dic
     head_dim = int(metadata.get(f"{prefix}.attention.key_length") or hidden // heads)
     rotary_dim = int(metadata.get(f"{prefix}.rope.dimension_count") or head_dim)
     if rotary_dim != head_dim:
-        raise ValueError(f"{source}: partial rotary embeddings (rope.dimension_count={rotary_dim}, "
-                         f"head_dim={head_dim}) are not supported")
+        raise ValueError(
+            f"{source}: partial rotary embeddings (rope.dimension_count={rotary_dim}, "
+            f"head_dim={head_dim}) are not supported"
+        )
     config: dict[str, Any] = {
         "architectures": [architecture.hf_architecture],
         "model_type": architecture.model_type,
@@ -152,8 +183,7 @@ def hf_config(metadata: dict[str, Any], reader: GGUFReader, source: Path) -> dic
         "torch_dtype": "float32",
     }
     if metadata.get(f"{prefix}.rope.scaling.type") == "linear":
-        config["rope_scaling"] = {"rope_type": "linear",
-                                  "factor": _float32(get("rope.scaling.factor"))}
+        config["rope_scaling"] = {"rope_type": "linear", "factor": _float32(get("rope.scaling.factor"))}
     if architecture.model_type in ("llama", "qwen3"):
         config["attention_bias"] = "blk.0.attn_q.bias" in names
         config["mlp_bias"] = False
@@ -189,11 +219,14 @@ def load_tensor(plan: TensorPlan) -> np.ndarray:
         raise ValueError(
             f"tensor {tensor.name!r} has type {tensor.tensor_type.name}, which prefixserve cannot "
             f"convert; supported: {', '.join(kind.name for kind in SUPPORTED_TENSOR_TYPES)} "
-            f"(re-quantize the original with llama.cpp's llama-quantize to one of these)")
+            f"(re-quantize the original with llama.cpp's llama-quantize to one of these)"
+        )
     values = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
     if values.size != int(np.prod(plan.hf_shape)):
-        raise ValueError(f"tensor {tensor.name!r} holds {values.size} values, its shape "
-                         f"{plan.hf_shape} needs {int(np.prod(plan.hf_shape))}; the file is corrupt")
+        raise ValueError(
+            f"tensor {tensor.name!r} holds {values.size} values, its shape "
+            f"{plan.hf_shape} needs {int(np.prod(plan.hf_shape))}; the file is corrupt"
+        )
     values = values.reshape(plan.hf_shape)
     if plan.unpermute_heads is not None:
         values = unpermute_rows(values, plan.unpermute_heads)
@@ -214,8 +247,10 @@ def _hf_name(name: str, source: Path) -> str:
     match = _LAYER_TENSOR.fullmatch(name)
     if match and match.group(2) in _LAYER_NAMES:
         return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
-    raise ValueError(f"{source}: tensor {name!r} has no Hugging Face counterpart in the supported "
-                     f"architectures ({', '.join(ARCHITECTURES)})")
+    raise ValueError(
+        f"{source}: tensor {name!r} has no Hugging Face counterpart in the supported "
+        f"architectures ({', '.join(ARCHITECTURES)})"
+    )
 
 
 def _check_complete(hf_names: set[str], config: dict[str, Any], source: Path) -> None:
@@ -227,13 +262,20 @@ def _check_complete(hf_names: set[str], config: dict[str, Any], source: Path) ->
         expected |= {f"model.layers.{index}.{_LAYER_NAMES[name]}" for name in required}
     missing = sorted(expected - hf_names)
     if missing:
-        raise ValueError(f"{source}: missing {len(missing)} tensors (e.g. {', '.join(missing[:3])}); "
-                         f"the file is incomplete or block_count is wrong")
-    extra_layers = sorted(name for name in hf_names if name.startswith("model.layers.")
-                          and int(name.split(".")[2]) >= config["num_hidden_layers"])
+        raise ValueError(
+            f"{source}: missing {len(missing)} tensors (e.g. {', '.join(missing[:3])}); "
+            f"the file is incomplete or block_count is wrong"
+        )
+    extra_layers = sorted(
+        name
+        for name in hf_names
+        if name.startswith("model.layers.") and int(name.split(".")[2]) >= config["num_hidden_layers"]
+    )
     if extra_layers:
-        raise ValueError(f"{source}: tensor {extra_layers[0]} is beyond block_count="
-                         f"{config['num_hidden_layers']}; the metadata is wrong")
+        raise ValueError(
+            f"{source}: tensor {extra_layers[0]} is beyond block_count="
+            f"{config['num_hidden_layers']}; the metadata is wrong"
+        )
 
 
 def _float32(value: Any) -> float:

@@ -37,12 +37,14 @@ def load_hf_weights(model: "LlamaForCausalLM", named_tensors: Iterable[tuple[str
                 raise ValueError(
                     f"unexpected tensor {name!r} in checkpoint: this {config.architecture} "
                     f"(layers={config.num_hidden_layers}, biases: qkv={config.attention_bias}, "
-                    f"o={config.o_proj_bias}, mlp={config.mlp_bias}, q/k norms={config.qk_norm}) has no such parameter")
+                    f"o={config.o_proj_bias}, mlp={config.mlp_bias}, q/k norms={config.qk_norm}) has no such parameter"
+                )
             destination = targets[name]
             if tuple(tensor.shape) != tuple(destination.shape):
                 raise ValueError(
                     f"shape mismatch for {name!r}: expected {tuple(destination.shape)} from "
-                    f"config.json, checkpoint has {tuple(tensor.shape)}")
+                    f"config.json, checkpoint has {tuple(tensor.shape)}"
+                )
             destination.copy_(tensor)
             loaded.add(name)
     missing = sorted(set(targets) - loaded)
@@ -71,8 +73,11 @@ def hf_targets(model: "LlamaForCausalLM") -> dict[str, torch.Tensor]:
             _expose(targets, f"{prefix}mlp.gate_up_proj", mlp.gate_up_proj)
         else:
             q_size, kv_size = attn.q_size, attn.kv_size
-            for hf_name, start, size in (("q_proj", 0, q_size), ("k_proj", q_size, kv_size),
-                                         ("v_proj", q_size + kv_size, kv_size)):
+            for hf_name, start, size in (
+                ("q_proj", 0, q_size),
+                ("k_proj", q_size, kv_size),
+                ("v_proj", q_size + kv_size, kv_size),
+            ):
                 _expose(targets, f"{prefix}self_attn.{hf_name}", attn.qkv_proj, start, size)
             size = config.intermediate_size
             for hf_name, start in (("gate_proj", 0), ("up_proj", size)):
@@ -88,8 +93,9 @@ def hf_targets(model: "LlamaForCausalLM") -> dict[str, torch.Tensor]:
     return targets
 
 
-def _expose(targets: dict[str, torch.Tensor], hf_name: str, linear: nn.Linear, start: int = 0,
-            size: Optional[int] = None) -> None:
+def _expose(
+    targets: dict[str, torch.Tensor], hf_name: str, linear: nn.Linear, start: int = 0, size: Optional[int] = None
+) -> None:
     """Map an HF projection's weight (and bias) onto rows [start, start + size) of a (fused) linear."""
     size = linear.weight.shape[0] if size is None else size
     targets[f"{hf_name}.weight"] = linear.weight.narrow(0, start, size)

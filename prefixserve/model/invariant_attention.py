@@ -51,12 +51,17 @@ def measured_here() -> bool:
     in ATen, MKL and oneDNN (not capped below it). MKL's AVX2 sgemm rounds other shapes differently
     (measured: MKL_ENABLE_INSTRUCTIONS=AVX2 changes cache-hit outputs), so elsewhere bf16 without the
     compiled kernel is not known to be exact and the engine refuses it (engine/device.py)."""
-    return (AVX512 <= cpu_features() and aten_capability() == "AVX512" and mkl_allows_avx512()
-            and onednn_allows("AVX512_CORE"))
+    return (
+        AVX512 <= cpu_features()
+        and aten_capability() == "AVX512"
+        and mkl_allows_avx512()
+        and onednn_allows("AVX512_CORE")
+    )
 
 
-def invariant_attention(q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor, plan: InvariantPlan,
-                        masks: dict, scale: float, attend) -> torch.Tensor:
+def invariant_attention(
+    q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor, plan: InvariantPlan, masks: dict, scale: float, attend
+) -> torch.Tensor:
     """Attention of q [T, heads, d] over the flat caches [slots, kv_heads, d] by `plan`."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = flat_k.shape[1]
@@ -103,13 +108,16 @@ def invariant_attention(q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Ten
         merged = torch.empty((num_merged, num_heads, head_dim))
         for k, first, end in plan.merge_groups:
             order = [*range(k), tail]
-            merged[first:end] = _merge([parts[part, first:end] for part in order], [lses[part, first:end] for part in order])
+            merged[first:end] = _merge(
+                [parts[part, first:end] for part in order], [lses[part, first:end] for part in order]
+            )
         out.index_copy_(0, plan.merged_rows, merged.to(q.dtype))
     return out
 
 
-def _segment_keys(flat_k: torch.Tensor, flat_v: torch.Tensor, call: SegmentCall,
-                  num_entries: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _segment_keys(
+    flat_k: torch.Tensor, flat_v: torch.Tensor, call: SegmentCall, num_entries: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values [entries, kv_heads, SEGMENT_KEYS, d] of a segment call, gathered once a segment."""
     num_kv_heads, head_dim = flat_k.shape[1], flat_k.shape[2]
     shape = (len(call.slots), SEGMENT_KEYS, num_kv_heads, head_dim)
@@ -120,8 +128,9 @@ def _segment_keys(flat_k: torch.Tensor, flat_v: torch.Tensor, call: SegmentCall,
     return keys, values
 
 
-def _tail_mask(masks: dict, index: int, call: InvariantCall, num_entries: int, dtype: torch.dtype,
-               group: int) -> torch.Tensor:
+def _tail_mask(
+    masks: dict, index: int, call: InvariantCall, num_entries: int, dtype: torch.dtype, group: int
+) -> torch.Tensor:
     """The additive mask of the step's tail call `index`, cached in `masks` (the step plan's)."""
     per_entry, key_start, num_keys = call.rows_per_entry, call.key_start, call.num_keys
     mask = masks.get(("invariant", index, dtype))
@@ -132,15 +141,18 @@ def _tail_mask(masks: dict, index: int, call: InvariantCall, num_entries: int, d
     return mask
 
 
-def _tail_keys(flat_k: torch.Tensor, flat_v: torch.Tensor, call: InvariantCall, num_entries: int,
-               gathered: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def _tail_keys(
+    flat_k: torch.Tensor, flat_v: torch.Tensor, call: InvariantCall, num_entries: int, gathered: dict
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values [entries, kv_heads, keys, d] of a tail call, keys [key_start, num_keys)."""
     key_start, num_keys = call.key_start, call.num_keys
     num_kv_heads, head_dim = flat_k.shape[1], flat_k.shape[2]
     if call.slots.dim() == 1:  # a part of one chunk's keys, read by each of the call's entries
         if id(call.slots) not in gathered:
-            gathered[id(call.slots)] = (flat_k.index_select(0, call.slots).transpose(0, 1).unsqueeze(0),
-                                        flat_v.index_select(0, call.slots).transpose(0, 1).unsqueeze(0))
+            gathered[id(call.slots)] = (
+                flat_k.index_select(0, call.slots).transpose(0, 1).unsqueeze(0),
+                flat_v.index_select(0, call.slots).transpose(0, 1).unsqueeze(0),
+            )
         chunk_keys, chunk_values = gathered[id(call.slots)]
         keys = chunk_keys[:, :, key_start:num_keys].expand(num_entries, -1, -1, -1)
         values = chunk_values[:, :, key_start:num_keys].expand(num_entries, -1, -1, -1)

@@ -15,9 +15,9 @@ from typing import NamedTuple
 
 class Variant(NamedTuple):
     name: str
-    backend: str               # csrc/simd.h's backend: PORTABLE, AVX2, AVX512, NEON
-    flags: tuple[str, ...]     # compiler flags of its instruction set
-    needs: tuple[str, ...]     # CPU features it executes (keys of torch's cpuinfo report)
+    backend: str  # csrc/simd.h's backend: PORTABLE, AVX2, AVX512, NEON
+    flags: tuple[str, ...]  # compiler flags of its instruction set
+    needs: tuple[str, ...]  # CPU features it executes (keys of torch's cpuinfo report)
 
 
 _X86 = ("-march=x86-64", "-mtune=generic")  # the x86-64 baseline: SSE2, no AVX
@@ -35,8 +35,12 @@ VARIANTS: dict[str, tuple[Variant, ...]] = {
         Variant("avx512_bf16", "AVX512", _AVX512 + ("-mavx512bf16",), _AVX512_NEEDS + ("avx512_bf16",)),
         # bf16 attention on AMX tiles (Sapphire Rapids and later); the OS must grant the tile state
         # (kernels.py asks for it through torch before loading this variant).
-        Variant("amx", "AVX512", _AVX512 + ("-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
-                _AVX512_NEEDS + ("avx512_bf16", "amx_tile", "amx_bf16")),
+        Variant(
+            "amx",
+            "AVX512",
+            _AVX512 + ("-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
+            _AVX512_NEEDS + ("avx512_bf16", "amx_tile", "amx_bf16"),
+        ),
     ),
     # NEON is part of the aarch64 baseline: every aarch64 CPU runs both.
     "aarch64": (
@@ -54,11 +58,21 @@ GENERIC = (Variant("portable", "PORTABLE", (), ()),)
 LIBRARY_CAPS: dict[str, dict[str, str]] = {
     "portable": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
     "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
-    "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
-               "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
-    "avx512_bf16": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
-                    "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
-    "amx": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX", "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
+    "avx512": {
+        "ATEN_CPU_CAPABILITY": "avx512",
+        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX512",
+    },
+    "avx512_bf16": {
+        "ATEN_CPU_CAPABILITY": "avx512",
+        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX512",
+    },
+    "amx": {
+        "ATEN_CPU_CAPABILITY": "avx512",
+        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX512",
+    },
 }
 
 

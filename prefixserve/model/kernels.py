@@ -36,6 +36,7 @@ logger = logging.getLogger("prefixserve.model")
 CAP_VARIABLE = "PREFIXSERVE_CPU_ISA"
 PYTORCH = "pytorch"  # variant() where no compiled kernel runs
 
+
 def cap() -> Optional[str]:
     """PREFIXSERVE_CPU_ISA's variant, checked against this machine's variants; None when unset."""
     value = os.environ.get(CAP_VARIABLE, "").strip().lower()
@@ -43,8 +44,10 @@ def cap() -> Optional[str]:
         return None
     names = [variant.name for variant in variants_for()]
     if value not in names:
-        raise ValueError(f"{CAP_VARIABLE}={value!r} names no kernel variant of this machine; "
-                         f"use one of {', '.join(names)} (or unset it for the best this CPU runs)")
+        raise ValueError(
+            f"{CAP_VARIABLE}={value!r} names no kernel variant of this machine; "
+            f"use one of {', '.join(names)} (or unset it for the best this CPU runs)"
+        )
     return value
 
 
@@ -52,8 +55,11 @@ def executable() -> tuple[Variant, ...]:
     """The variants whose instructions this CPU has, least capable first (the cap not applied); AMX
     variants also need the OS's grant of the tile state."""
     features = cpu_features()
-    return tuple(variant for variant in variants_for() if set(variant.needs) <= features
-                 and ("amx_tile" not in variant.needs or amx_permitted()))
+    return tuple(
+        variant
+        for variant in variants_for()
+        if set(variant.needs) <= features and ("amx_tile" not in variant.needs or amx_permitted())
+    )
 
 
 def allowed() -> tuple[Variant, ...]:
@@ -87,8 +93,9 @@ class CompiledKernels:
         self.quantized_matmul = functools.partial(binding.quantized_matmul, self.table)
         self.dequantize = functools.partial(binding.dequantize, self.table)
         # every decoder layer of a step in one call (decoder_stack.py); None from a binding built before it
-        self.decoder_stack = (functools.partial(binding.DecoderStack, self.table)
-                              if hasattr(binding, "DecoderStack") else None)
+        self.decoder_stack = (
+            functools.partial(binding.DecoderStack, self.table) if hasattr(binding, "DecoderStack") else None
+        )
         if self.has_rowwise:
             self.rms_norm = functools.partial(binding.rms_norm, self.table)
             self.add_rms_norm_ = functools.partial(binding.add_rms_norm_, self.table)
@@ -102,8 +109,9 @@ class CompiledKernels:
 def load(name: str) -> CompiledKernels:
     """The kernels of one variant; ValueError where this CPU cannot run it or it was not built."""
     if name not in {variant.name for variant in executable()}:
-        raise ValueError(f"this CPU cannot run the {name!r} kernels (it runs "
-                         f"{', '.join(variant.name for variant in executable())})")
+        raise ValueError(
+            f"this CPU cannot run the {name!r} kernels (it runs {', '.join(variant.name for variant in executable())})"
+        )
     from prefixserve import _C  # ImportError where the binding was not built
 
     return CompiledKernels(_C, importlib.import_module(module_name(name)))
@@ -128,9 +136,12 @@ def _choose() -> Optional[CompiledKernels]:
             return load(name)
         except ImportError as error:
             logger.warning("prefixserve's %s kernels did not load (%s)", name, error)
-    logger.warning("prefixserve's compiled kernels are not built for this CPU (it runs %s; %s): attention runs "
-                   "the slower pure-PyTorch path. Reinstall with `pip install -e .` on a machine with gcc.",
-                   ", ".join(candidates) or "none of them", describe_build())
+    logger.warning(
+        "prefixserve's compiled kernels are not built for this CPU (it runs %s; %s): attention runs "
+        "the slower pure-PyTorch path. Reinstall with `pip install -e .` on a machine with gcc.",
+        ", ".join(candidates) or "none of them",
+        describe_build(),
+    )
     return None
 
 
@@ -150,13 +161,19 @@ def variant() -> str:
 def describe() -> str:
     """One line for the start-up log: what runs, what the CPU could run, the cap."""
     limit = cap()
-    return (f"kernels: {variant()} (CPU runs {', '.join(v.name for v in executable()) or 'none'}; "
-            f"{describe_build()}" + (f"; capped at {limit} by {CAP_VARIABLE}" if limit else "") + ")")
+    return (
+        f"kernels: {variant()} (CPU runs {', '.join(v.name for v in executable()) or 'none'}; "
+        f"{describe_build()}" + (f"; capped at {limit} by {CAP_VARIABLE}" if limit else "") + ")"
+    )
 
 
 def _usable(k_cache: torch.Tensor) -> bool:
-    return (compiled is not None and k_cache.device.type == "cpu" and k_cache.dtype in (torch.float32, torch.bfloat16)
-            and k_cache.is_contiguous())
+    return (
+        compiled is not None
+        and k_cache.device.type == "cpu"
+        and k_cache.dtype in (torch.float32, torch.bfloat16)
+        and k_cache.is_contiguous()
+    )
 
 
 def causal_kernel_for(k_cache: torch.Tensor):
@@ -167,7 +184,12 @@ def causal_kernel_for(k_cache: torch.Tensor):
 def rowwise_for(x: torch.Tensor):
     """The compiled kernels when their row-wise kernels take x (float32 or bf16, CPU, contiguous), or
     None. Callers still check their widths (multiples of 16; head_dim a multiple of 32)."""
-    if (compiled is None or not compiled.has_rowwise or x.device.type != "cpu"
-            or x.dtype not in (torch.float32, torch.bfloat16) or not x.is_contiguous()):
+    if (
+        compiled is None
+        or not compiled.has_rowwise
+        or x.device.type != "cpu"
+        or x.dtype not in (torch.float32, torch.bfloat16)
+        or not x.is_contiguous()
+    ):
         return None
     return compiled

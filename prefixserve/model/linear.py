@@ -88,17 +88,24 @@ class Linear(nn.Linear):
         """Whether our compiled kernel can multiply this weight in place: float32 on the CPU, contiguous,
         its rows whole groups of 32 values."""
         weight = self.weight
-        return (float_kernel() is not None and weight.dtype == torch.float32 and weight.device.type == "cpu"
-                and weight.is_contiguous() and self.in_features % 32 == 0
-                and (self.bias is None or self.bias.dtype == torch.float32))
+        return (
+            float_kernel() is not None
+            and weight.dtype == torch.float32
+            and weight.device.type == "cpu"
+            and weight.is_contiguous()
+            and self.in_features % 32 == 0
+            and (self.bias is None or self.bias.dtype == torch.float32)
+        )
 
     def use_kernel(self) -> None:
         """Multiply with our compiled kernel, reading the weight where it lies (a view of its bytes, so
         an in-place update of the weight is seen; call again after replacing the parameter)."""
         if not self.can_use_kernel():
-            raise ValueError("our float32 kernel takes a contiguous float32 CPU weight whose rows are a multiple "
-                             f"of 32 values (this one: {self.weight.dtype}, {self.in_features} values) on a CPU "
-                             f"with the {' or '.join(KERNEL_BACKENDS)} kernels; call pack() instead")
+            raise ValueError(
+                "our float32 kernel takes a contiguous float32 CPU weight whose rows are a multiple "
+                f"of 32 values (this one: {self.weight.dtype}, {self.in_features} values) on a CPU "
+                f"with the {' or '.join(KERNEL_BACKENDS)} kernels; call pack() instead"
+            )
         self.kernel_weight = float32_kernel_arguments(self.weight.detach())
         self.kernel_bias = None if self.bias is None else self.bias.detach().contiguous()
         self.packed = self.packed_bias = None
@@ -141,8 +148,9 @@ class Linear(nn.Linear):
         layout = ("packed", self.batch_size_hint, self.emulated) if self.packed is not None else ("plain",)
         key = ("linear", self.bias is not None) + layout
         # Probed before our rounding to bf16, which would hide most differences (row_calls.py).
-        self.row_calls = probe_once(key, self._sums, self.in_features, self.out_features, self.weight.dtype,
-                                    self.weight.device, max_rows)
+        self.row_calls = probe_once(
+            key, self._sums, self.in_features, self.out_features, self.weight.dtype, self.weight.device, max_rows
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] == 0:
@@ -173,9 +181,13 @@ def pack_linears(model: nn.Module, weight: torch.Tensor, batch_size_hint: int) -
         return True
     element_size = 4 if weight.dtype == torch.bfloat16 and not native_bfloat16_matmul() else weight.element_size()
     packed_bytes = sum(module.weight.numel() for module in linears) * element_size
-    if (weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16)
-            or not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise")
-            or packed_bytes > PACKED_WEIGHTS_MAX_BYTES):
+    if (
+        weight.device.type != "cpu"
+        or weight.dtype not in (torch.float32, torch.bfloat16)
+        or not torch.backends.mkldnn.is_available()
+        or not hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        or packed_bytes > PACKED_WEIGHTS_MAX_BYTES
+    ):
         return False
     with torch.no_grad():
         for module in linears:

@@ -32,16 +32,16 @@ from . import decoder_stack
 from .attention import paged_attention, plan_step, write_kv
 from .attention_metadata import AttentionMetadata, OutputRows
 from .attention_plan import StepPlan
+from .hf_weights import load_hf_weights
 from .kernels import rowwise_for
 from .linear import Linear, pack_linears
-from .hf_weights import load_hf_weights
 from .model_config import ModelConfig
 from .rope import RotaryEmbedding
 
 _UNBUILT = object()  # a model's decoder stack before its first step
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [blocks, block_size, kv_heads, d]
-Rotary = tuple[torch.Tensor, torch.Tensor]   # (cos, sin) of this step's positions, shared by all layers
+Rotary = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) of this step's positions, shared by all layers
 
 
 class RMSNorm(nn.Module):
@@ -99,7 +99,7 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = config.attention_scale or self.head_dim ** -0.5
+        self.scale = config.attention_scale or self.head_dim**-0.5
         self.softcap = config.attn_logit_softcapping  # Gemma 2 caps the scores
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
@@ -111,8 +111,15 @@ class Attention(nn.Module):
         self.q_norm = norm_class(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = norm_class(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
-    def forward(self, x: torch.Tensor, rotary: Rotary, kv_cache: KVCache, meta: AttentionMetadata,
-                plan: StepPlan, output_rows: Optional[OutputRows] = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotary: Rotary,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        plan: StepPlan,
+        output_rows: Optional[OutputRows] = None,
+    ) -> torch.Tensor:
         """[T, hidden]; with `output_rows`, only those rows' [R, hidden] (every row's K/V is written)."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
@@ -124,13 +131,13 @@ class Attention(nn.Module):
         if not self.uses_rope or self.rotary_dim < self.head_dim:
             qk = qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
             if self.uses_rope:  # the rotated part, in place; the rest of each head passes through
-                qk[..., :self.rotary_dim] = rotate(qk[..., :self.rotary_dim], *rotary)
-            q = qkv[:, :self.q_size].view(num_tokens, self.num_heads, self.head_dim)
-            k = qkv[:, self.q_size:qk_size].view(num_tokens, self.num_kv_heads, self.head_dim)
+                qk[..., : self.rotary_dim] = rotate(qk[..., : self.rotary_dim], *rotary)
+            q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size : qk_size].view(num_tokens, self.num_kv_heads, self.head_dim)
         elif compiled is not None:  # in place, in qkv's own memory
             compiled.rotate_heads_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, *rotary)
-            q = qkv[:, :self.q_size].view(num_tokens, self.num_heads, self.head_dim)
-            k = qkv[:, self.q_size:qk_size].view(num_tokens, self.num_kv_heads, self.head_dim)
+            q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size : qk_size].view(num_tokens, self.num_kv_heads, self.head_dim)
         else:
             qk = qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
             q, k = rotate(qk, *rotary).split([self.num_heads, self.num_kv_heads], dim=1)
@@ -142,18 +149,26 @@ class Attention(nn.Module):
                 return x.new_empty((0, x.shape[1]))
             # Each kept row alone at its position reads the same keys as in the step (a row's sums are
             # its own on the compiled path, so its bits are too).
-            out = paged_attention(q.index_select(0, output_rows.index), k_cache, v_cache, output_rows.meta,
-                                  self.scale, window=self.window, softcap=self.softcap)
+            out = paged_attention(
+                q.index_select(0, output_rows.index),
+                k_cache,
+                v_cache,
+                output_rows.meta,
+                self.scale,
+                window=self.window,
+                softcap=self.softcap,
+            )
             return self.o_proj(out.reshape(len(output_rows.index), self.q_size))
         out = paged_attention(q, k_cache, v_cache, meta, self.scale, k, v, plan, self.window, self.softcap)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
-
     def _norm_heads(self, qkv: torch.Tensor) -> None:
         """RMSNorm over each q head and each k head, written back into qkv's columns (rows stay apart)."""
         num_tokens, qk_size = qkv.shape[0], self.q_size + self.kv_size
-        for norm, start, end, heads in ((self.q_norm, 0, self.q_size, self.num_heads),
-                                        (self.k_norm, self.q_size, qk_size, self.num_kv_heads)):
+        for norm, start, end, heads in (
+            (self.q_norm, 0, self.q_size, self.num_heads),
+            (self.k_norm, self.q_size, qk_size, self.num_kv_heads),
+        ):
             heads_of_rows = qkv[:, start:end].reshape(num_tokens * heads, self.head_dim)
             qkv[:, start:end] = norm(heads_of_rows).view(num_tokens, end - start)
 
@@ -186,8 +201,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, rotary: Rotary, kv_cache: KVCache, meta: AttentionMetadata,
-                plan: StepPlan, output_rows: Optional[OutputRows] = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotary: Rotary,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        plan: StepPlan,
+        output_rows: Optional[OutputRows] = None,
+    ) -> torch.Tensor:
         # x is this step's residual stream (the embedding's output, then each layer's): updated in place.
         attended = self.self_attn(self.input_layernorm(x), rotary, kv_cache, meta, plan, output_rows)
         if output_rows is not None:
@@ -205,8 +227,11 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary = RotaryEmbedding(config)
         # Gemma 3's local layers rotate with a rope base of their own
-        self.local_rotary = (RotaryEmbedding(replace(config, rope_theta=config.local_rope_theta, rope_scaling=None))
-                             if config.local_rope_theta is not None else None)
+        self.local_rotary = (
+            RotaryEmbedding(replace(config, rope_theta=config.local_rope_theta, rope_scaling=None))
+            if config.local_rope_theta is not None
+            else None
+        )
         self.layers = nn.ModuleList(self.layer_class(config, index) for index in range(config.num_hidden_layers))
         self.norm = self.norm_class(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -227,9 +252,15 @@ class LlamaForCausalLM(nn.Module):
         """Ready every linear weight for this CPU: our kernel or oneDNN (linear.pack_linears); True when done."""
         return pack_linears(self, self.norm.weight, batch_size_hint)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata, output_rows: Optional[list[int]] = None,
-                window_meta: Optional[AttentionMetadata] = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+        output_rows: Optional[list[int]] = None,
+        window_meta: Optional[AttentionMetadata] = None,
+    ) -> torch.Tensor:
         """Final-normed hidden states [T, hidden] of the flat tokens input_ids [T] at positions [T].
 
         With `output_rows` (row indices), only those rows' states [R, hidden], in that order: the last
@@ -241,8 +272,10 @@ class LlamaForCausalLM(nn.Module):
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
         last = len(self.layers) - 1
-        metas = [window_meta if window_meta is not None and layer.self_attn.window is not None else meta
-                 for layer in self.layers]
+        metas = [
+            window_meta if window_meta is not None and layer.self_attn.window is not None else meta
+            for layer in self.layers
+        ]
         kept = None
         if output_rows is not None:
             kept = OutputRows.of(metas[last], list(output_rows), kv_caches[last][0].shape[1], input_ids.device)
@@ -260,8 +293,14 @@ class LlamaForCausalLM(nn.Module):
                 # A window pool's rows past their windows go to windowed_attention: no plan over released blocks
                 released = layer_meta is window_meta and max(meta.seq_lens_list, default=0) > layer.self_attn.window
                 plans[id(layer_meta)] = None if released else plan_step(layer_meta, kv_cache[0])
-            x = layer(x, local_rotary if layer.self_attn.is_local else rotary, kv_cache, layer_meta,
-                      plans[id(layer_meta)], kept if index == last else None)
+            x = layer(
+                x,
+                local_rotary if layer.self_attn.is_local else rotary,
+                kv_cache,
+                layer_meta,
+                plans[id(layer_meta)],
+                kept if index == last else None,
+            )
         return self.norm(x)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -62,13 +62,16 @@ def train() -> Tokenizer:
     # The BOS is added by the post-processor, so both our Tokenizer and transformers'
     # PreTrainedTokenizerFast prepend it on encode(add_special_tokens=True).
     bos_id = tokenizer.token_to_id(BOS_TOKEN)
-    tokenizer.post_processor = processors.Sequence([
-        processors.ByteLevel(trim_offsets=False),
-        processors.TemplateProcessing(
-            single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B",
-            special_tokens=[(BOS_TOKEN, bos_id)],
-        ),
-    ])
+    tokenizer.post_processor = processors.Sequence(
+        [
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(
+                single=f"{BOS_TOKEN} $A",
+                pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B",
+                special_tokens=[(BOS_TOKEN, bos_id)],
+            ),
+        ]
+    )
     if tokenizer.get_vocab_size() != VOCAB_SIZE:
         raise RuntimeError(f"trained vocab has {tokenizer.get_vocab_size()} tokens, expected {VOCAB_SIZE}")
     return tokenizer

@@ -13,11 +13,25 @@ from typing import Any
 
 from .model_families import family_fields
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "SmolLM3ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "SmolLM3ForCausalLM",
+    "Phi3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
-_REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                  "num_attention_heads", "max_position_embeddings")
+_REQUIRED_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "max_position_embeddings",
+)
 
 
 @dataclass(frozen=True)
@@ -36,18 +50,18 @@ class ModelConfig:
     # None, or a dict with "rope_type" in SUPPORTED_ROPE_TYPES and that type's parameters.
     rope_scaling: dict[str, Any] | None = None
     tie_word_embeddings: bool = False
-    attention_bias: bool = False       # bias on q/k/v projections
-    o_proj_bias: bool = False          # Llama's attention_bias covers o_proj too; Qwen2's does not
+    attention_bias: bool = False  # bias on q/k/v projections
+    o_proj_bias: bool = False  # Llama's attention_bias covers o_proj too; Qwen2's does not
     mlp_bias: bool = False
     sliding_window: int | None = None  # a row at position p attends to keys (p - window, p] on the window layers
     window_layers: tuple[bool, ...] = ()  # which layers slide (Gemma 3's local ones...); (): all, given a window
-    qk_norm: bool = False              # Qwen3: RMSNorm over each q and k head before the rotation
-    rope_layers: tuple[bool, ...] = () # SmolLM3: which layers rotate q and k (the others are NoPE); (): all
+    qk_norm: bool = False  # Qwen3: RMSNorm over each q and k head before the rotation
+    rope_layers: tuple[bool, ...] = ()  # SmolLM3: which layers rotate q and k (the others are NoPE); (): all
     partial_rotary_factor: float = 1.0  # Phi-4-mini: the rotation covers this share of each head's dims
-    activation: str = "silu"           # of the gated MLP: "silu", or "gelu_tanh" (Gemma's GeGLU)
+    activation: str = "silu"  # of the gated MLP: "silu", or "gelu_tanh" (Gemma's GeGLU)
     attention_scale: float | None = None  # Gemma 3: query_pre_attn_scalar ** -0.5; None: head_dim ** -0.5
     local_rope_theta: float | None = None  # Gemma 3: the window layers' rope base
-    attn_logit_softcapping: float | None = None   # Gemma 2: scores = cap * tanh(scores / cap)
+    attn_logit_softcapping: float | None = None  # Gemma 2: scores = cap * tanh(scores / cap)
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -67,8 +81,11 @@ class ModelConfig:
     def long_rope_after(self) -> int | None:
         """LongRoPE: the length past which a sequence rotates with the long factors; None without it."""
         scaling = self.rope_scaling
-        return None if scaling is None or scaling["rope_type"] != "longrope" else \
-            int(scaling["original_max_position_embeddings"])
+        return (
+            None
+            if scaling is None or scaling["rope_type"] != "longrope"
+            else int(scaling["original_max_position_embeddings"])
+        )
 
     @property
     def max_context_len(self) -> int:
@@ -84,7 +101,8 @@ class ModelConfig:
         if architectures[0] not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"unsupported architecture {architectures[0]!r} in config.json; supported: "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
         for key in _REQUIRED_KEYS:
             if hf.get(key) is None:
                 raise ValueError(f"config.json is missing {key!r}, which a {architectures[0]} needs")
@@ -115,20 +133,31 @@ class ModelConfig:
         )
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"config {name}={value!r}; it must be a positive integer")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"config num_attention_heads={self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads={self.num_key_value_heads}; fix one of them")
+                f"num_key_value_heads={self.num_key_value_heads}; fix one of them"
+            )
         if self.head_dim % 2:
             raise ValueError(f"config head_dim={self.head_dim} must be even for rotary embeddings")
         if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2 or self.rotary_dim == 0:
-            raise ValueError(f"config partial_rotary_factor={self.partial_rotary_factor} gives {self.rotary_dim} "
-                             f"rotary dims of head_dim {self.head_dim}; it must be in (0, 1] and give an even number")
+            raise ValueError(
+                f"config partial_rotary_factor={self.partial_rotary_factor} gives {self.rotary_dim} "
+                f"rotary dims of head_dim {self.head_dim}; it must be in (0, 1] and give an even number"
+            )
         if not self.rms_norm_eps > 0:
             raise ValueError(f"config rms_norm_eps={self.rms_norm_eps}; it must be > 0")
         for name in ("attn_logit_softcapping", "final_logit_softcapping"):
@@ -141,8 +170,9 @@ class ModelConfig:
             _check_rope_scaling(self.rope_scaling, self.rotary_dim)
         for name, flags in (("no_rope_layers", self.rope_layers), ("layer_types", self.window_layers)):
             if flags and len(flags) != self.num_hidden_layers:
-                raise ValueError(f"config {name} has {len(flags)} entries for {self.num_hidden_layers} layers; "
-                                 "give one per layer")
+                raise ValueError(
+                    f"config {name} has {len(flags)} entries for {self.num_hidden_layers} layers; give one per layer"
+                )
 
     def uses_rope(self, layer_index: int) -> bool:
         return not self.rope_layers or self.rope_layers[layer_index]
@@ -172,8 +202,9 @@ def _rope_fields(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         original = hf.get("original_max_position_embeddings")
         if original is None and hf.get("architectures", [None])[0] == "Phi3ForCausalLM":
             original = 4096
-        params["original_max_position_embeddings"] = original or params.get("original_max_position_embeddings") \
-            or hf.get("max_position_embeddings")
+        params["original_max_position_embeddings"] = (
+            original or params.get("original_max_position_embeddings") or hf.get("max_position_embeddings")
+        )
     params.pop("type", None)
     params.pop("partial_rotary_factor", None)  # a field of its own (partial_rotary_factor)
     return theta, params
@@ -183,11 +214,13 @@ def _check_rope_scaling(scaling: dict[str, Any], rotary_dim: int) -> None:
     rope_type = scaling.get("rope_type")
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
-            f"config rope_scaling type {rope_type!r} is not supported; supported: "
-            f"{', '.join(SUPPORTED_ROPE_TYPES)}")
-    needed = {"linear": ("factor",),
-              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-              "longrope": ("short_factor", "long_factor", "original_max_position_embeddings")}[rope_type]
+            f"config rope_scaling type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    needed = {
+        "linear": ("factor",),
+        "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+        "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
+    }[rope_type]
     for key in needed:
         if scaling.get(key) is None:
             raise ValueError(f"config rope_scaling of type {rope_type!r} is missing {key!r}")
@@ -196,10 +229,14 @@ def _check_rope_scaling(scaling: dict[str, Any], rotary_dim: int) -> None:
     if rope_type == "longrope":
         for key in ("short_factor", "long_factor"):
             factors = scaling[key]
-            if not isinstance(factors, list) or len(factors) != rotary_dim // 2 or not all(
-                    isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in factors):
-                raise ValueError(f"config rope_scaling {key} must be {rotary_dim // 2} positive numbers (half the "
-                                 "rotary dims)")
+            if (
+                not isinstance(factors, list)
+                or len(factors) != rotary_dim // 2
+                or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in factors)
+            ):
+                raise ValueError(
+                    f"config rope_scaling {key} must be {rotary_dim // 2} positive numbers (half the rotary dims)"
+                )
 
 
 def load_generation_eos(path: str | Path) -> list[int]:

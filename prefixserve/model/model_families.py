@@ -27,9 +27,12 @@ GEMMA_SLIDING_PATTERN = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6}  # tran
 def family_fields(architecture: str, hf: dict[str, Any]) -> dict[str, Any]:
     """The ModelConfig fields in which `architecture` differs from Llama, read from config.json's `hf`."""
     bias = bool(hf.get("attention_bias", False))
-    fields: dict[str, Any] = {"attention_bias": bias, "o_proj_bias": bias,
-                              "activation": _activation(hf.get("hidden_activation") or hf.get("hidden_act") or "silu"),
-                              **_window_fields(architecture, hf)}
+    fields: dict[str, Any] = {
+        "attention_bias": bias,
+        "o_proj_bias": bias,
+        "activation": _activation(hf.get("hidden_activation") or hf.get("hidden_act") or "silu"),
+        **_window_fields(architecture, hf),
+    }
     if architecture == "Qwen2ForCausalLM":
         fields.update(attention_bias=True, o_proj_bias=False)
     elif architecture == "Qwen3ForCausalLM":
@@ -38,7 +41,8 @@ def family_fields(architecture: str, hf: dict[str, Any]) -> dict[str, Any]:
         fields["rope_layers"] = tuple(_smollm3_rope_layers(hf))
     elif architecture == "Phi3ForCausalLM":
         fields["partial_rotary_factor"] = float(
-            (hf.get("rope_parameters") or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+            (hf.get("rope_parameters") or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+        )
     elif architecture == "Gemma2ForCausalLM":
         fields.update(_gemma2_fields(hf))
     elif architecture == "Gemma3ForCausalLM":
@@ -82,28 +86,37 @@ def _smollm3_rope_layers(hf: dict[str, Any]) -> list[bool]:
 
 def _activation(name: str) -> str:
     if name not in ACTIVATIONS:
-        raise ValueError(f"config.json hidden activation {name!r} is not supported; supported: "
-                         f"{', '.join(ACTIVATIONS)}")
+        raise ValueError(
+            f"config.json hidden activation {name!r} is not supported; supported: {', '.join(ACTIVATIONS)}"
+        )
     return ACTIVATIONS[name]
 
 
 def _gemma2_fields(hf: dict[str, Any]) -> dict[str, Any]:
     """Gemma 2's fields; a key config.json leaves out means transformers' Gemma2Config default."""
-    return {"attention_scale": float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
-            "attn_logit_softcapping": hf.get("attn_logit_softcapping", 50.0),
-            "final_logit_softcapping": hf.get("final_logit_softcapping", 30.0)}
+    return {
+        "attention_scale": float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
+        "attn_logit_softcapping": hf.get("attn_logit_softcapping", 50.0),
+        "final_logit_softcapping": hf.get("final_logit_softcapping", 30.0),
+    }
 
 
 def _gemma3_fields(hf: dict[str, Any]) -> dict[str, Any]:
     if hf.get("use_bidirectional_attention"):
-        raise ValueError("config.json use_bidirectional_attention=true is not supported (the attention paths are "
-                         "causal); Gemma 3's text checkpoints attend causally")
+        raise ValueError(
+            "config.json use_bidirectional_attention=true is not supported (the attention paths are "
+            "causal); Gemma 3's text checkpoints attend causally"
+        )
     local = (hf.get("rope_parameters") or {}).get("sliding_attention") or {}
     if local.get("rope_type", "default") != "default":
-        raise ValueError(f"config.json rope_parameters.sliding_attention of type {local['rope_type']!r} is not "
-                         "supported; Gemma 3's local layers use the default rotary")
-    return {"qk_norm": True,  # the window layers rotate with the local base
-            "local_rope_theta": float(local.get("rope_theta") or hf.get("rope_local_base_freq") or 10000.0),
-            "attention_scale": float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
-            "attn_logit_softcapping": hf.get("attn_logit_softcapping"),
-            "final_logit_softcapping": hf.get("final_logit_softcapping")}
+        raise ValueError(
+            f"config.json rope_parameters.sliding_attention of type {local['rope_type']!r} is not "
+            "supported; Gemma 3's local layers use the default rotary"
+        )
+    return {
+        "qk_norm": True,  # the window layers rotate with the local base
+        "local_rope_theta": float(local.get("rope_theta") or hf.get("rope_local_base_freq") or 10000.0),
+        "attention_scale": float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
+        "attn_logit_softcapping": hf.get("attn_logit_softcapping"),
+        "final_logit_softcapping": hf.get("final_logit_softcapping"),
+    }

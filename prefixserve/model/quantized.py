@@ -60,6 +60,7 @@ _NO_LEVELS = torch.empty(0, dtype=torch.int8)
 @dataclass(frozen=True)
 class QuantizedWeight:
     """One weight in the compiled kernel's layout; `codes` uint8 [out, in * bits / 8] (int8 values at 8 bits)."""
+
     kind: str
     codes: torch.Tensor
     scales: torch.Tensor
@@ -100,8 +101,12 @@ class QuantizedWeight:
     def select_rows(self, rows: torch.Tensor) -> "QuantizedWeight":
         """The weight of these rows (an index tensor), in that order."""
         offsets = None if self.offsets is None else self.offsets[rows]
-        return replace(self, codes=self.codes[rows].contiguous(), scales=self.scales[rows].contiguous(),
-                       offsets=offsets if offsets is None else offsets.contiguous())
+        return replace(
+            self,
+            codes=self.codes[rows].contiguous(),
+            scales=self.scales[rows].contiguous(),
+            offsets=offsets if offsets is None else offsets.contiguous(),
+        )
 
     def group_values(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Each group's scale and offset (None: no offsets) in float32, [out, groups]; Q4_K's from its
@@ -153,9 +158,12 @@ class QuantizedWeight:
         elif self.bits == 6:  # 8 bytes: value 8 i + j's high pair at bits 2 i of byte j
             codes = codes | (torch.cat([(packed[..., 16:] >> (2 * i)) & 3 for i in range(4)], dim=-1) << 4)
         if self.bits in (6, 3, 2):  # a scale (and for Q2_K an offset) per 16 values
-            scales, offsets = (None if values is None else
-                               values.view(rows, 2 * groups, 1).expand(-1, -1, 16).reshape(rows, groups, 32)
-                               for values in (scales, offsets))
+            scales, offsets = (
+                None
+                if values is None
+                else values.view(rows, 2 * groups, 1).expand(-1, -1, 16).reshape(rows, groups, 32)
+                for values in (scales, offsets)
+            )
         else:
             scales, offsets = (None if values is None else values.unsqueeze(-1) for values in (scales, offsets))
         levels = (codes - self.zero_point).float() if self.levels is None else self.levels.float()[codes]
@@ -177,8 +185,13 @@ def stack_rows(parts: Sequence[QuantizedWeight]) -> QuantizedWeight:
     assert all(part.layout() == first.layout() for part in parts), "stack only weights of one layout"
     offsets = None if first.offsets is None else torch.cat([part.offsets for part in parts])
     kinds = sorted({part.kind for part in parts})
-    return replace(first, kind="+".join(kinds), codes=torch.cat([part.codes for part in parts]),
-                   scales=torch.cat([part.scales for part in parts]), offsets=offsets)
+    return replace(
+        first,
+        kind="+".join(kinds),
+        codes=torch.cat([part.codes for part in parts]),
+        scales=torch.cat([part.scales for part in parts]),
+        offsets=offsets,
+    )
 
 
 def quantize(weight: torch.Tensor, bits: int) -> QuantizedWeight:
@@ -186,8 +199,10 @@ def quantize(weight: torch.Tensor, bits: int) -> QuantizedWeight:
     Q4_1 (scale = (max - min) / 15, offset = min), codes rounded to nearest under the float16 scale."""
     out_features, in_features = weight.shape
     if in_features % GROUP_SIZE:
-        raise ValueError(f"cannot quantize a weight of {in_features} input features: it must be a multiple of "
-                         f"{GROUP_SIZE}; serve this model without --quantize")
+        raise ValueError(
+            f"cannot quantize a weight of {in_features} input features: it must be a multiple of "
+            f"{GROUP_SIZE}; serve this model without --quantize"
+        )
     groups = weight.detach().float().reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
     if bits == 8:
         scales = (groups.abs().amax(-1) / 127).half()

@@ -1,14 +1,14 @@
 """The layers whose weights stay quantized (quantized.py): a linear layer and an embedding.
 
-  * QuantizedLinear multiplies float activations by the quantized weight with the compiled kernel
-    (csrc/quantized_matmul.cpp: each row's bits its own, whatever else is in the call), in float32 and
-    rounded to the activations' dtype. A fused projection whose parts came in different layouts (a
-    GGUF mixing Q4_K and Q6_K) keeps one weight per layout and lays their outputs side by side.
-  * Without the compiled kernels (or off the CPU) the reference runs: the weight decoded in PyTorch,
-    a slice of rows at a time, and a float32 matmul, sized by the row calls row_calls.py measures
-    (as linear.py's are) so that rows stay independent of their batch there too. It reads 4-8x the
-    bytes of the kernel: a fallback, never the fast path.
-  * QuantizedEmbedding decodes only the rows it looks up.
+* QuantizedLinear multiplies float activations by the quantized weight with the compiled kernel
+  (csrc/quantized_matmul.cpp: each row's bits its own, whatever else is in the call), in float32 and
+  rounded to the activations' dtype. A fused projection whose parts came in different layouts (a
+  GGUF mixing Q4_K and Q6_K) keeps one weight per layout and lays their outputs side by side.
+* Without the compiled kernels (or off the CPU) the reference runs: the weight decoded in PyTorch,
+  a slice of rows at a time, and a float32 matmul, sized by the row calls row_calls.py measures
+  (as linear.py's are) so that rows stay independent of their batch there too. It reads 4-8x the
+  bytes of the kernel: a fallback, never the fast path.
+* QuantizedEmbedding decodes only the rows it looks up.
 """
 
 from __future__ import annotations
@@ -117,8 +117,9 @@ class QuantizedLinear(nn.Module):
             self.row_calls = RowCalls.ALL
             return
         key = ("quantized", self.bias is not None) + tuple(part.layout() for part in self.parts)
-        self.row_calls = probe_once(key, self.matmul, self.in_features, self.out_features, torch.float32,
-                                    torch.device("cpu"), max_rows)
+        self.row_calls = probe_once(
+            key, self.matmul, self.in_features, self.out_features, torch.float32, torch.device("cpu"), max_rows
+        )
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kinds={self.kinds}"

@@ -26,9 +26,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from .gguf_blocks import from_gguf_blocks
 from .linear import Linear
 from .loader import LoadedModel
-from .gguf_blocks import from_gguf_blocks
 from .quantized import QuantizedWeight, quantize
 from .quantized_linear import QuantizedEmbedding, QuantizedLinear
 
@@ -36,20 +36,24 @@ logger = logging.getLogger("prefixserve.model")
 
 KEPT_GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS")
 # Projections as the checkpoint names them, per fused layer of ours (hf_weights.py's fusions).
-_FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+_FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
 
 
 @dataclass(frozen=True)
 class WeightMemory:
-    resident_bytes: int      # every weight as held in memory (a tied embedding once)
-    decode_bytes: int        # what one decode step reads: every projection and lm_head, once
-    kinds: tuple[str, ...]   # the formats the projections are held in
+    resident_bytes: int  # every weight as held in memory (a tied embedding once)
+    decode_bytes: int  # what one decode step reads: every projection and lm_head, once
+    kinds: tuple[str, ...]  # the formats the projections are held in
 
     def describe(self) -> str:
-        return (f"weights {self.resident_bytes / 2**20:.1f} MiB resident ({', '.join(self.kinds)}); a decode step "
-                f"reads {self.decode_bytes / 2**20:.1f} MiB of them ({self.decode_bytes / 1e6:.1f} MB per token "
-                f"at batch 1)")
+        return (
+            f"weights {self.resident_bytes / 2**20:.1f} MiB resident ({', '.join(self.kinds)}); a decode step "
+            f"reads {self.decode_bytes / 2**20:.1f} MiB of them ({self.decode_bytes / 1e6:.1f} MB per token "
+            f"at batch 1)"
+        )
 
 
 FLOAT_GGUF_TYPES = ("F32", "F16", "BF16")
@@ -60,8 +64,10 @@ def holds_quantized_weights(source: Path) -> bool:
     is served as floats, as llama.cpp serves it, not turned into int8 here."""
     from .gguf import open_gguf
 
-    return any(len(tensor.shape) == 2 and tensor.tensor_type.name not in FLOAT_GGUF_TYPES
-               for tensor in open_gguf(source).tensors)
+    return any(
+        len(tensor.shape) == 2 and tensor.tensor_type.name not in FLOAT_GGUF_TYPES
+        for tensor in open_gguf(source).tensors
+    )
 
 
 def weights_from_gguf(source: Path) -> dict[str, QuantizedWeight]:
@@ -88,13 +94,18 @@ def weights_from_gguf(source: Path) -> dict[str, QuantizedWeight]:
             requantized.add(kind)
         weights[plan.hf_name] = weight
     if requantized:
-        logger.info("%s: tensors of type %s are held as int8 (Q8_0 layout); %s are kept as the file has them",
-                    source.name, ", ".join(sorted(requantized)), ", ".join(KEPT_GGUF_TYPES))
+        logger.info(
+            "%s: tensors of type %s are held as int8 (Q8_0 layout); %s are kept as the file has them",
+            source.name,
+            ", ".join(sorted(requantized)),
+            ", ".join(KEPT_GGUF_TYPES),
+        )
     return weights
 
 
-def quantize_model(model: nn.Module, weights: Optional[Mapping[str, QuantizedWeight]] = None,
-                   bits: Optional[int] = None) -> None:
+def quantize_model(
+    model: nn.Module, weights: Optional[Mapping[str, QuantizedWeight]] = None, bits: Optional[int] = None
+) -> None:
     """Replace the model's Linear layers and embedding, in place, by quantized ones: from `weights`
     (Hugging Face names, e.g. weights_from_gguf's), or by quantizing the float weights to `bits`."""
     if (weights is None) == (bits is None):
@@ -110,8 +121,11 @@ def quantize_model(model: nn.Module, weights: Optional[Mapping[str, QuantizedWei
     for name, module in list(model.named_modules()):
         if not isinstance(module, Linear) or module is model.lm_head:
             continue
-        parts = ([quantize(module.weight, bits)] if weights is None else
-                 [weights[f"model.{prefix}.weight"] for prefix in _checkpoint_names(name)])
+        parts = (
+            [quantize(module.weight, bits)]
+            if weights is None
+            else [weights[f"model.{prefix}.weight"] for prefix in _checkpoint_names(name)]
+        )
         _replace(model, name, QuantizedLinear(parts, module.bias))
     model.embed_tokens = QuantizedEmbedding(embedding, dtype)
     model.lm_head = QuantizedLinear([head])
@@ -136,8 +150,10 @@ def serve_quantized(loaded: LoadedModel, weights: str, gguf: Optional[Path], dev
     """`loaded` with its weights quantized: "gguf" (the file's own blocks), "int8" or "int4". The model
     fingerprint (part of every cache key) then names the format: quantized KV is not the float model's."""
     if device.type != "cpu":
-        raise ValueError(f"quantized weights are served on the CPU only; on {device.type} serve the float "
-                         f"weights (--dequantize for a GGUF, no --quantize)")
+        raise ValueError(
+            f"quantized weights are served on the CPU only; on {device.type} serve the float "
+            f"weights (--dequantize for a GGUF, no --quantize)"
+        )
     if weights == "gguf":
         if gguf is None:
             raise ValueError("the GGUF's own quantization needs a .gguf model; give --quantize int8|int4 instead")

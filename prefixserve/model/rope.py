@@ -10,7 +10,6 @@ which one it reads (runner.py), and a sequence that grows past the limit is reco
 transformers recomputes it (scheduler.py). Both sets are scaled by the attention factor.
 """
 
-
 from __future__ import annotations
 
 import math
@@ -73,8 +72,9 @@ class RotaryEmbedding(nn.Module):
         self.config = config
         half = config.rotary_dim // 2
         scaling = config.rope_scaling
-        self.long_offset = (config.max_position_embeddings if scaling is not None
-                            and scaling["rope_type"] == "longrope" else None)
+        self.long_offset = (
+            config.max_position_embeddings if scaling is not None and scaling["rope_type"] == "longrope" else None
+        )
         rows = config.max_position_embeddings * (1 if self.long_offset is None else 2)
         # Buffers follow model.to(device, dtype); transformers casts cos/sin to the activation
         # dtype too, so a bf16 model rounds them the same way. Not persistent: derived from config.
@@ -99,4 +99,3 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos.index_select(0, positions).to(dtype)[:, None, :]
         sin = self.sin.index_select(0, positions).to(dtype)[:, None, :]
         return cos, sin
-

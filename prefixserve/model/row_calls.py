@@ -36,7 +36,7 @@ REFERENCE_ROWS = 16
 SMALL_ROWS = 32  # every row count up to this is probed (decode batches)
 PROBE_OUTPUTS = 1 << 17  # outputs each candidate size computes at least (its calls repeated over more rows)
 MAX_PADDING = 0.25  # pad a call up to an accepted size costing at most this share more rows,
-MIN_PADDING = 8     # or this many (a small call's cost is mostly reading the weight)
+MIN_PADDING = 8  # or this many (a small call's cost is mostly reading the weight)
 
 
 def candidate_sizes(max_rows: int) -> list[int]:
@@ -99,10 +99,10 @@ class RowCalls:
             return matmul(x)
         outputs, start = [], 0
         for call in calls:
-            chunk = x[start:start + call.rows]
+            chunk = x[start : start + call.rows]
             if call.size > call.rows:
                 chunk = torch.cat([chunk, chunk.new_zeros(call.size - call.rows, x.shape[1])])
-            outputs.append(matmul(chunk)[:call.rows])
+            outputs.append(matmul(chunk)[: call.rows])
             start += call.rows
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
@@ -113,8 +113,9 @@ class RowCalls:
 RowCalls.ALL = RowCalls(None)
 
 
-def probe(matmul: Matmul, in_features: int, out_features: int, dtype: torch.dtype, device: torch.device,
-          max_rows: int) -> RowCalls:
+def probe(
+    matmul: Matmul, in_features: int, out_features: int, dtype: torch.dtype, device: torch.device, max_rows: int
+) -> RowCalls:
     """The sizes at which `matmul` computes every row of a call as a REFERENCE_ROWS-row call does."""
     sizes = candidate_sizes(max(max_rows, 1))
     generator = torch.Generator().manual_seed(0x5EED)
@@ -129,12 +130,15 @@ def probe(matmul: Matmul, in_features: int, out_features: int, dtype: torch.dtyp
     x = torch.randn(total, in_features, generator=generator).to(device=device, dtype=dtype)
 
     def calls_of(size: int, rows: int) -> torch.Tensor:
-        return torch.cat([matmul(x[start:start + size]) for start in range(0, rows, size)])
+        return torch.cat([matmul(x[start : start + size]) for start in range(0, rows, size)])
 
     with torch.inference_mode():
         reference = calls_of(REFERENCE_ROWS, total)
-        accepted = tuple(size for size in sizes if size == REFERENCE_ROWS
-                         or torch.equal(calls_of(size, rows_of[size]), reference[:rows_of[size]]))
+        accepted = tuple(
+            size
+            for size in sizes
+            if size == REFERENCE_ROWS or torch.equal(calls_of(size, rows_of[size]), reference[: rows_of[size]])
+        )
     return RowCalls(accepted)
 
 
@@ -142,8 +146,15 @@ _probed: dict[tuple, RowCalls] = {}
 _probe_lock = threading.Lock()
 
 
-def probe_once(key: tuple, matmul: Matmul, in_features: int, out_features: int, dtype: torch.dtype,
-               device: torch.device, max_rows: int) -> RowCalls:
+def probe_once(
+    key: tuple,
+    matmul: Matmul,
+    in_features: int,
+    out_features: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_rows: int,
+) -> RowCalls:
     """probe(), remembered for this process under `key` (everything the library's choice can depend
     on: the shapes, dtypes, weight layout, bias, the thread count; the caller names them)."""
     key = key + (in_features, out_features, dtype, str(device), max_rows, torch.get_num_threads())

@@ -31,7 +31,9 @@ _BYTE_FALLBACK_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 @functools.lru_cache(maxsize=None)
 def _gpt2_byte_decoder() -> dict[str, int]:
     """GPT-2's byte-level alphabet, reversed: the printable character standing for each byte."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars = list(printable)
     extra = 0
     for byte in range(256):
@@ -50,12 +52,17 @@ def _decoder_types(state: Any) -> set[str]:
 
 
 class Tokenizer:
-    def __init__(self, backend: BackendTokenizer, tokenizer_config: dict[str, Any],
-                 chat_template: str | None, generation_eos_ids: Sequence[int], tokenizer_json: bytes):
+    def __init__(
+        self,
+        backend: BackendTokenizer,
+        tokenizer_config: dict[str, Any],
+        chat_template: str | None,
+        generation_eos_ids: Sequence[int],
+        tokenizer_json: bytes,
+    ):
         self._backend = backend
         self.chat_template = chat_template
-        self.special_tokens = {key: _token_content(tokenizer_config.get(key))
-                               for key in _SPECIAL_TOKEN_KEYS}
+        self.special_tokens = {key: _token_content(tokenizer_config.get(key)) for key in _SPECIAL_TOKEN_KEYS}
         self._add_bos = tokenizer_config.get("add_bos_token")  # None: the post-processor decides
         self._add_eos = tokenizer_config.get("add_eos_token")
         self._bos_id = self._token_id(self.special_tokens["bos_token"])
@@ -73,8 +80,9 @@ class Tokenizer:
         self._added_tokens = {token_id: token.content for token_id, token in backend.get_added_tokens_decoder().items()}
         self._max_chars_per_token: int | None = None
         self._template = _compile_template(chat_template) if chat_template else None
-        self.fingerprint = _fingerprint(tokenizer_json, chat_template, self.special_tokens,
-                                        self._add_bos, self._add_eos, self._eos_ids)
+        self.fingerprint = _fingerprint(
+            tokenizer_json, chat_template, self.special_tokens, self._add_bos, self._add_eos, self._eos_ids
+        )
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "Tokenizer":
@@ -83,13 +91,13 @@ class Tokenizer:
         if not tokenizer_file.is_file():
             raise FileNotFoundError(
                 f"{tokenizer_file} not found; expected a Hugging Face tokenizer directory with "
-                f"tokenizer.json (convert a slow-only tokenizer by saving it with transformers)")
+                f"tokenizer.json (convert a slow-only tokenizer by saving it with transformers)"
+            )
         tokenizer_json = tokenizer_file.read_bytes()
         backend = BackendTokenizer.from_str(tokenizer_json.decode("utf-8"))
         config_file = path / "tokenizer_config.json"
         config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-        return cls(backend, config, _find_chat_template(path, config), load_generation_eos(path),
-                   tokenizer_json)
+        return cls(backend, config, _find_chat_template(path, config), load_generation_eos(path), tokenizer_json)
 
     # ---- properties ----------------------------------------------------------------------------
 
@@ -141,7 +149,8 @@ class Tokenizer:
         if self._max_chars_per_token is None:
             self._max_chars_per_token = max(
                 max(len(self.token_bytes(token_id)), len(self.decode([token_id], skip_special_tokens=False)))
-                for token_id in range(self.vocab_size))
+                for token_id in range(self.vocab_size)
+            )
         return self._max_chars_per_token
 
     # ---- text <-> ids --------------------------------------------------------------------------
@@ -170,20 +179,25 @@ class Tokenizer:
 
     # ---- chat ----------------------------------------------------------------------------------
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            **template_kwargs: Any) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any
+    ) -> str:
         """Render a chat to text. Encode the result with ``encode_chat`` semantics (no extra BOS)."""
         if self._template is None:
             raise ValueError(
-                "this tokenizer has no chat template; add \"chat_template\" to tokenizer_config.json "
-                "or a chat_template.jinja file, or send a plain prompt instead of messages")
+                'this tokenizer has no chat template; add "chat_template" to tokenizer_config.json '
+                "or a chat_template.jinja file, or send a plain prompt instead of messages"
+            )
         variables = {key: value for key, value in self.special_tokens.items() if value is not None}
         variables.update(template_kwargs)
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     **variables)
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
         """Token ids of a rendered chat (`tools` as transformers passes them). The template supplies any BOS."""
         text = self.apply_chat_template(messages, add_generation_prompt, **({"tools": tools} if tools else {}))
         return self.encode(text, add_special_tokens=False)
@@ -208,11 +222,10 @@ class IncrementalDecoder:
 
     _PROMPT_CONTEXT = 5  # prompt tokens kept so the first output token decodes in context
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (),
-                 skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True):
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
-        self._ids: list[int] = list(prompt_ids[-self._PROMPT_CONTEXT:]) if prompt_ids else []
+        self._ids: list[int] = list(prompt_ids[-self._PROMPT_CONTEXT :]) if prompt_ids else []
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self.text = ""  # everything emitted so far
@@ -228,11 +241,11 @@ class IncrementalDecoder:
 
     def _advance(self, final: bool) -> str:
         decode = self._tokenizer.decode
-        prefix_text = decode(self._ids[self._prefix_offset:self._read_offset], self._skip_special_tokens)
-        full_text = decode(self._ids[self._prefix_offset:], self._skip_special_tokens)
+        prefix_text = decode(self._ids[self._prefix_offset : self._read_offset], self._skip_special_tokens)
+        full_text = decode(self._ids[self._prefix_offset :], self._skip_special_tokens)
         if len(full_text) <= len(prefix_text) or (full_text.endswith("\ufffd") and not final):
             return ""
-        delta = full_text[len(prefix_text):]
+        delta = full_text[len(prefix_text) :]
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         self.text += delta
         return delta
@@ -276,25 +289,35 @@ def _compile_template(source: str) -> jinja2.Template:
 
     def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         # Jinja's own tojson escapes HTML characters, which chat templates must not do.
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     def strftime_now(format: str) -> str:
         return datetime.now().strftime(format)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols, _GenerationTag])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationTag]
+    )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
     return env.from_string(source)
 
 
-def _fingerprint(tokenizer_json: bytes, chat_template: str | None, special_tokens: dict,
-                 add_bos: bool | None, add_eos: bool | None, eos_ids: list[int]) -> str:
+def _fingerprint(
+    tokenizer_json: bytes,
+    chat_template: str | None,
+    special_tokens: dict,
+    add_bos: bool | None,
+    add_eos: bool | None,
+    eos_ids: list[int],
+) -> str:
     digest = hashlib.sha256(tokenizer_json)
     digest.update(b"\0" + (chat_template or "").encode())
-    config = {"special_tokens": special_tokens, "add_bos_token": add_bos, "add_eos_token": add_eos,
-              "eos_token_ids": eos_ids}
+    config = {
+        "special_tokens": special_tokens,
+        "add_bos_token": add_bos,
+        "add_eos_token": add_eos,
+        "eos_token_ids": eos_ids,
+    }
     digest.update(b"\0" + json.dumps(config, sort_keys=True).encode())
     return digest.hexdigest()

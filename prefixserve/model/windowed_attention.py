@@ -20,8 +20,15 @@ import torch
 from .attention_metadata import AttentionMetadata
 
 
-def windowed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                       scale: float, window: Optional[int], softcap: Optional[float] = None) -> torch.Tensor:
+def windowed_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: Optional[int],
+    softcap: Optional[float] = None,
+) -> torch.Tensor:
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     flat_k, flat_v = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
     out = torch.empty_like(q)
@@ -38,16 +45,23 @@ def windowed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         live = key_positions[None, :] <= positions[:, None]
         if window is not None:
             live &= key_positions[None, :] > positions[:, None] - window
-        out[start:end] = _rows(q[start:end], flat_k.index_select(0, slots), flat_v.index_select(0, slots), live,
-                               scale, softcap)
+        out[start:end] = _rows(
+            q[start:end], flat_k.index_select(0, slots), flat_v.index_select(0, slots), live, scale, softcap
+        )
     return out
 
 
-def _rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, live: torch.Tensor, scale: float,
-          softcap: Optional[float]) -> torch.Tensor:
+def _rows(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    live: torch.Tensor,
+    scale: float,
+    softcap: Optional[float],
+) -> torch.Tensor:
     """q [R, H, d] over keys, values [L, KH, d] where live [R, L]; the scores in float32, as the eager reference."""
     group = q.shape[1] // keys.shape[1]
-    keys = keys.repeat_interleave(group, dim=1).transpose(0, 1).float()      # [H, L, d]
+    keys = keys.repeat_interleave(group, dim=1).transpose(0, 1).float()  # [H, L, d]
     values = values.repeat_interleave(group, dim=1).transpose(0, 1).float()
     scores = torch.matmul(q.transpose(0, 1).float(), keys.transpose(1, 2)) * scale  # [H, R, L]
     if softcap is not None:

@@ -83,17 +83,28 @@ class CapacityResult:
         return self.num_capacity_miss_tokens * self.prefill_seconds_per_token
 
     def to_dict(self) -> dict:
-        return {"pool_blocks": self.pool_blocks, "pool_tokens": self.pool_blocks * self.block_size,
-                "num_requests": self.num_requests, "num_prompt_tokens": self.num_prompt_tokens,
-                "num_hit_tokens": self.num_hit_tokens, "hit_rate": self.hit_rate,
-                "num_evicted_blocks": self.num_evicted_blocks, "num_evicted_tokens": self.num_evicted_tokens,
-                "num_capacity_miss_tokens": self.num_capacity_miss_tokens,
-                "capacity_miss_seconds": self.capacity_miss_seconds,
-                "num_oversized_requests": self.num_oversized_requests}
+        return {
+            "pool_blocks": self.pool_blocks,
+            "pool_tokens": self.pool_blocks * self.block_size,
+            "num_requests": self.num_requests,
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_hit_tokens": self.num_hit_tokens,
+            "hit_rate": self.hit_rate,
+            "num_evicted_blocks": self.num_evicted_blocks,
+            "num_evicted_tokens": self.num_evicted_tokens,
+            "num_capacity_miss_tokens": self.num_capacity_miss_tokens,
+            "capacity_miss_seconds": self.capacity_miss_seconds,
+            "num_oversized_requests": self.num_oversized_requests,
+        }
 
 
-def replay(requests: Iterable[LoggedRequest], pool_blocks: int, block_size: int,
-           prefill_seconds_per_token: float = 0.0, check_integrity: bool = False) -> CapacityResult:
+def replay(
+    requests: Iterable[LoggedRequest],
+    pool_blocks: int,
+    block_size: int,
+    prefill_seconds_per_token: float = 0.0,
+    check_integrity: bool = False,
+) -> CapacityResult:
     """Replay `requests` (sorted by arrival time here) through a RadixCache of `pool_blocks` blocks."""
     if pool_blocks < 1:
         raise ValueError(f"a pool size must be at least 1 block, got {pool_blocks}")
@@ -109,13 +120,15 @@ def replay(requests: Iterable[LoggedRequest], pool_blocks: int, block_size: int,
         prompt_keys, output_keys = list(request.prompt_keys), list(request.output_keys)
         num_tokens = request.num_prompt_tokens
         if len(prompt_keys) > num_tokens // block_size:
-            raise ValueError(f"a logged request has {len(prompt_keys)} prompt keys but {num_tokens} tokens hold "
-                             f"only {num_tokens // block_size} full blocks of {block_size}; wrong block_size?")
+            raise ValueError(
+                f"a logged request has {len(prompt_keys)} prompt keys but {num_tokens} tokens hold "
+                f"only {num_tokens // block_size} full blocks of {block_size}; wrong block_size?"
+            )
         num_requests += 1
         num_prompt_tokens += num_tokens
         keys = prompt_keys + output_keys
         tokens = [ids.setdefault(key, len(ids) + 1) for key in keys]
-        prompt_tokens = tokens[:len(prompt_keys)] + ([_TAIL_ID] if num_tokens % block_size else [])
+        prompt_tokens = tokens[: len(prompt_keys)] + ([_TAIL_ID] if num_tokens % block_size else [])
         hit = cache.match(REPLAY_SCOPE, prompt_keys, prompt_tokens).blocks
         limit = max_hit_blocks(len(prompt_tokens), 1, len(prompt_keys))  # one "token" a block here
         unbounded = next((i for i in range(limit) if prompt_keys[i] not in seen), limit)
@@ -133,18 +146,30 @@ def replay(requests: Iterable[LoggedRequest], pool_blocks: int, block_size: int,
         num_miss_blocks += unbounded - len(hit)
         parent = blocks[len(hit) - 1] if hit else REPLAY_SCOPE
         for i in range(len(hit), len(keys)):
-            blocks[i] = cache.insert(blocks[i], keys[i], tokens[i:i + 1], parent)
+            blocks[i] = cache.insert(blocks[i], keys[i], tokens[i : i + 1], parent)
             parent = blocks[i]
         cache.release(blocks)
         if check_integrity:
             cache.check_integrity()
-    return CapacityResult(pool_blocks, block_size, num_requests, num_prompt_tokens, num_hit_blocks * block_size,
-                          cache.stats.num_evicted_blocks, num_miss_blocks * block_size, num_oversized,
-                          prefill_seconds_per_token)
+    return CapacityResult(
+        pool_blocks,
+        block_size,
+        num_requests,
+        num_prompt_tokens,
+        num_hit_blocks * block_size,
+        cache.stats.num_evicted_blocks,
+        num_miss_blocks * block_size,
+        num_oversized,
+        prefill_seconds_per_token,
+    )
 
 
-def capacity_sweep(requests: Sequence[LoggedRequest], pool_sizes: Sequence[int], block_size: int,
-                   prefill_seconds_per_token: float = 0.0) -> list[CapacityResult]:
+def capacity_sweep(
+    requests: Sequence[LoggedRequest],
+    pool_sizes: Sequence[int],
+    block_size: int,
+    prefill_seconds_per_token: float = 0.0,
+) -> list[CapacityResult]:
     """One replay per pool size (in blocks), in the order given."""
     for size in pool_sizes:
         if size < 1:
@@ -162,5 +187,7 @@ def requests_from_trace(trace) -> list[ReplayRequest]:
     trace block of `trace.block_size` tokens; traces carry no outputs)."""
     from ..traces import block_keys  # the simulator's keys: the same hits as `prefixserve simulate`
 
-    return [ReplayRequest(request.arrival_time, None, tuple(keys), request.input_length)
-            for request, keys in zip(trace.requests, block_keys(trace))]
+    return [
+        ReplayRequest(request.arrival_time, None, tuple(keys), request.input_length)
+        for request, keys in zip(trace.requests, block_keys(trace))
+    ]

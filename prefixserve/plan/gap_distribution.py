@@ -29,8 +29,13 @@ class GapDistribution:
     last bound and the pessimistic side beyond it (`range_end`).
     """
 
-    def __init__(self, buckets: Sequence[GapBucket], num_never_returned: float = 0,
-                 num_beyond_range: float = 0, range_end: float = math.inf) -> None:
+    def __init__(
+        self,
+        buckets: Sequence[GapBucket],
+        num_never_returned: float = 0,
+        num_beyond_range: float = 0,
+        range_end: float = math.inf,
+    ) -> None:
         ordered = sorted(buckets, key=lambda bucket: (bucket.high, bucket.low))
         for bucket in ordered:
             if not (0 <= bucket.low <= bucket.high < math.inf) or not (0 <= bucket.count < math.inf):
@@ -48,8 +53,10 @@ class GapDistribution:
         self.num_returned = sum(bucket.count for bucket in ordered) + num_beyond_range
         self.num_releases = self.num_returned + num_never_returned
         if not self.num_releases > 0:
-            raise ValueError("no releases to plan from (no gaps and no never-returned prefixes); "
-                             "let the server take traffic first, or pass gaps")
+            raise ValueError(
+                "no releases to plan from (no gaps and no never-returned prefixes); "
+                "let the server take traffic first, or pass gaps"
+            )
         # Cumulative count and count x mean gap over the buckets in order: a query bisects instead of summing.
         self._highs = [bucket.high for bucket in ordered]
         self._cumulative_counts = [0.0]
@@ -71,19 +78,23 @@ class GapDistribution:
         return cls([GapBucket(gap, gap, count) for gap, count in counts.items()], num_never_returned)
 
     @classmethod
-    def from_histogram(cls, bucket_upper_bounds: Sequence[float], counts: Sequence[float],
-                       num_never_returned: float = 0) -> "GapDistribution":
+    def from_histogram(
+        cls, bucket_upper_bounds: Sequence[float], counts: Sequence[float], num_never_returned: float = 0
+    ) -> "GapDistribution":
         """Bucket i holds the gaps in (bound i-1, bound i] (the first starts at 0), spread uniformly inside it;
         `counts` has one more entry than the bounds: the overflow bucket, gaps above the last bound."""
         if not bucket_upper_bounds:
             raise ValueError("a gap histogram needs at least one bucket upper bound")
         if len(counts) != len(bucket_upper_bounds) + 1:
-            raise ValueError(f"a gap histogram needs len(bounds) + 1 counts (the last is the overflow bucket), got "
-                             f"{len(counts)} counts for {len(bucket_upper_bounds)} bounds")
+            raise ValueError(
+                f"a gap histogram needs len(bounds) + 1 counts (the last is the overflow bucket), got "
+                f"{len(counts)} counts for {len(bucket_upper_bounds)} bounds"
+            )
         bounds = [float(bound) for bound in bucket_upper_bounds]
         if bounds[0] <= 0 or any(high <= low for low, high in zip(bounds, bounds[1:])) or not math.isfinite(bounds[-1]):
-            raise ValueError(f"bucket upper bounds must be finite, positive and increasing, "
-                             f"got {list(bucket_upper_bounds)}")
+            raise ValueError(
+                f"bucket upper bounds must be finite, positive and increasing, got {list(bucket_upper_bounds)}"
+            )
         for count in counts:
             if isinstance(count, bool) or not isinstance(count, (int, float)) or not 0 <= count < math.inf:
                 raise ValueError(f"histogram counts must be finite numbers >= 0, got {list(counts)}")

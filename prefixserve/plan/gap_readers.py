@@ -33,16 +33,19 @@ def distribution_from_stats(stats_json: Mapping, tenant: Optional[str] = None) -
     num_releases = histogram.get("num_releases")
     num_returned = histogram.get("count", sum(c for c in counts if isinstance(c, (int, float))))
     if isinstance(num_releases, bool) or not isinstance(num_releases, (int, float)) or num_releases < num_returned:
-        raise ValueError(f"{where}.num_releases must be a number >= its count of gaps ({num_returned}), "
-                         f"got {num_releases!r}; {fix}")
+        raise ValueError(
+            f"{where}.num_releases must be a number >= its count of gaps ({num_returned}), got {num_releases!r}; {fix}"
+        )
     try:
-        distribution = GapDistribution.from_histogram(gaps["bucket_upper_bounds"], counts,
-                                                      num_never_returned=num_releases - num_returned)
+        distribution = GapDistribution.from_histogram(
+            gaps["bucket_upper_bounds"], counts, num_never_returned=num_releases - num_returned
+        )
     except ValueError as error:
         raise ValueError(f"{where}: {error}") from None
     if not math.isclose(distribution.num_returned, num_returned):
-        raise ValueError(f"{where}: count {num_returned} is not the sum of its counts "
-                         f"({distribution.num_returned:g}); {fix}")
+        raise ValueError(
+            f"{where}: count {num_returned} is not the sum of its counts ({distribution.num_returned:g}); {fix}"
+        )
     return distribution
 
 
@@ -77,5 +80,8 @@ def gaps_from_trace(requests: Sequence, block_size: int) -> TraceGaps:
     span = requests[-1].arrival_time - requests[0].arrival_time
     if not span > 0:
         raise ValueError("every request in this trace arrives at the same time; a TTL plan needs gaps between them")
-    return TraceGaps(GapDistribution.from_samples(gaps, num_never_returned=num_releases - len(gaps)),
-                     reused_tokens / len(gaps) if gaps else 0.0, num_releases / span)
+    return TraceGaps(
+        GapDistribution.from_samples(gaps, num_never_returned=num_releases - len(gaps)),
+        reused_tokens / len(gaps) if gaps else 0.0,
+        num_releases / span,
+    )

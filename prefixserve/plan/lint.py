@@ -106,8 +106,17 @@ def lint_prompts(prompts: Sequence[Prompt], encoder: Optional[Encoder] = None, b
         if fixed != family:
             for index, prompt in zip(members, fixed):
                 fixed_tokens[index] = _encode(prompt, encoder)
-        families.append(_family_report(number, family, fixed, findings, [tokens[index] for index in members],
-                                       [fixed_tokens[index] for index in members], block_size))
+        families.append(
+            _family_report(
+                number,
+                family,
+                fixed,
+                findings,
+                [tokens[index] for index in members],
+                [fixed_tokens[index] for index in members],
+                block_size,
+            )
+        )
     return LintReport(unit, block_size, tuple(families), replay(tokens, block_size), replay(fixed_tokens, block_size))
 
 
@@ -137,7 +146,7 @@ def group_families(prompts: Sequence[Prompt]) -> list[list[int]]:
 def _template_text(prompt: Prompt) -> str:
     """The template as it would be with tools and keys in order: requests that differ only there are one family."""
     tools = sorted(canonical_json(tool) for tool in prompt.tools)
-    return "\n".join(tools + [part.text for part in prompt.parts[:prompt.tail_index] if part.label != "tools"])
+    return "\n".join(tools + [part.text for part in prompt.parts[: prompt.tail_index] if part.label != "tools"])
 
 
 def _same_family(known: tuple[str, str, str], template: tuple[str, str, str]) -> bool:
@@ -164,8 +173,14 @@ def find_and_fix(family: Sequence[Prompt]) -> tuple[tuple[Finding, ...], list[Pr
     while len(findings) < MAX_FINDINGS:
         texts = [prompt.render().text for prompt in current]
         stable = common_prefix_len(texts)
-        other = next((index for index, text in enumerate(texts) if common_prefix_len([texts[0], text]) == stable
-                      and text != texts[0]), None)
+        other = next(
+            (
+                index
+                for index, text in enumerate(texts)
+                if common_prefix_len([texts[0], text]) == stable and text != texts[0]
+            ),
+            None,
+        )
         if other is None or stable >= min(current[0].tail_start(), current[other].tail_start()):
             break  # the requests agree up to their own text: nothing left to move
         step = classify(current[0], current[other], stable)
@@ -181,7 +196,11 @@ def find_and_fix(family: Sequence[Prompt]) -> tuple[tuple[Finding, ...], list[Pr
 
 def _same_place(first: Finding, second: Finding) -> bool:
     return (first.kind, first.location.part, first.location.line, first.location.column) == (
-        second.kind, second.location.part, second.location.line, second.location.column)
+        second.kind,
+        second.location.part,
+        second.location.line,
+        second.location.column,
+    )
 
 
 def common_prefix_len(sequences: Sequence[Sequence]) -> int:
@@ -199,7 +218,7 @@ def replay(prompts: Iterable[Sequence[int]], block_size: int) -> HitRate:
     for token_ids in prompts:
         node, num_matchable = root, max_hit_blocks(len(token_ids), block_size, len(token_ids) // block_size)
         for index in range(len(token_ids) // block_size):
-            block = tuple(token_ids[index * block_size:(index + 1) * block_size])
+            block = tuple(token_ids[index * block_size : (index + 1) * block_size])
             if block in node and index < num_matchable:
                 num_hit += block_size
             node = node.setdefault(block, {})
@@ -212,16 +231,32 @@ def _encode(prompt: Prompt, encoder: Encoder) -> list[int]:
     return encoder.encode(prompt.render().text, add_special_tokens=prompt.kind == "completion")
 
 
-def _family_report(number: int, family: Sequence[Prompt], fixed: Sequence[Prompt], findings: tuple[Finding, ...],
-                   tokens: list[list[int]], fixed_tokens: list[list[int]], block_size: int) -> FamilyReport:
+def _family_report(
+    number: int,
+    family: Sequence[Prompt],
+    fixed: Sequence[Prompt],
+    findings: tuple[Finding, ...],
+    tokens: list[list[int]],
+    fixed_tokens: list[list[int]],
+    block_size: int,
+) -> FamilyReport:
     first = family[0]
-    title = next((line for part in first.parts if part.label != "tools" for line in part.text.split("\n")
-                  if line.strip()), "")
+    title = next(
+        (line for part in first.parts if part.label != "tools" for line in part.text.split("\n") if line.strip()), ""
+    )
     if first.tools:
         title = f"[{len(first.tools)} tool{'s' if len(first.tools) != 1 else ''}] {title}"
     return FamilyReport(
-        number, first.model, first.kind, title if len(title) <= 48 else title[:45] + "...",
+        number,
+        first.model,
+        first.kind,
+        title if len(title) <= 48 else title[:45] + "...",
         tuple(prompt.line_number for prompt in family),
-        common_prefix_len([p.render().text for p in family]), common_prefix_len(tokens),
-        common_prefix_len([p.render().text for p in fixed]), common_prefix_len(fixed_tokens),
-        findings, replay(tokens, block_size), replay(fixed_tokens, block_size))
+        common_prefix_len([p.render().text for p in family]),
+        common_prefix_len(tokens),
+        common_prefix_len([p.render().text for p in fixed]),
+        common_prefix_len(fixed_tokens),
+        findings,
+        replay(tokens, block_size),
+        replay(fixed_tokens, block_size),
+    )

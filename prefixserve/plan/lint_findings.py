@@ -12,13 +12,22 @@ says what is there and how every request would look with it fixed:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 from .lint_input import Part, Prompt, tool_name, tools_text
-from .lint_patterns import (DETECTORS, canonical_json, covering, differ_in_key_order, json_object_at, key_paths,
-                            line_bounds, matches)
+from .lint_patterns import (
+    DETECTORS,
+    canonical_json,
+    covering,
+    differ_in_key_order,
+    json_object_at,
+    key_paths,
+    line_bounds,
+    matches,
+)
 
 Rewrite = Callable[[Prompt], Prompt]
 
@@ -88,13 +97,21 @@ def _location(part: Part, offset: int, position: int) -> Location:
     return Location(part.label, part.message_index, line, offset - line_start + 1, position)
 
 
-def _finding(kind: str, part: Part, offset: int, position: int, span: tuple[int, int], examples: tuple[str, ...],
-             suggestion: str) -> Finding:
+def _finding(
+    kind: str, part: Part, offset: int, position: int, span: tuple[int, int], examples: tuple[str, ...], suggestion: str
+) -> Finding:
     line_start, line_end = line_bounds(part.text, offset)
     end = max(min(span[1], line_end), span[0] + 1)
     # The location is where the variable part starts (a timestamp's first digit), not the first differing one.
-    return Finding(kind, _location(part, span[0], position), part.text[line_start:line_end],
-                   span[0] - line_start, end - line_start, examples, suggestion)
+    return Finding(
+        kind,
+        _location(part, span[0], position),
+        part.text[line_start:line_end],
+        span[0] - line_start,
+        end - line_start,
+        examples,
+        suggestion,
+    )
 
 
 def _tools_step(first: Prompt, other: Prompt, part_index: int, offset: int, position: int) -> Optional[Step]:
@@ -106,75 +123,110 @@ def _tools_step(first: Prompt, other: Prompt, part_index: int, offset: int, posi
         quoted_name = json.dumps(names[min(tool_index, len(names) - 1)], ensure_ascii=False)
         name_at = part.text.find(quoted_name, line_start, line_end)
         span = (name_at, name_at + len(quoted_name)) if name_at >= 0 else (offset, line_end)
-        return Step(_finding("tool order", part, offset, position, span,
-                             (", ".join(names), ", ".join(other_names)),
-                             "sort the tools by name before sending them (the same tools arrive in different "
-                             "orders)"), _sort_tools)
-    if (names == other_names and tool_index < len(other.tools)
-            and differ_in_key_order(first.tools[tool_index], other.tools[tool_index])):
-        return Step(_finding("key order", part, offset, position, _key_span(part.text, offset),
-                             _first_keys(first.tools[tool_index], other.tools[tool_index]),
-                             "serialize the tool schemas with sort_keys=True (the same schema arrives with its keys "
-                             "in different orders)"), _sort_tool_keys)
+        return Step(
+            _finding(
+                "tool order",
+                part,
+                offset,
+                position,
+                span,
+                (", ".join(names), ", ".join(other_names)),
+                "sort the tools by name before sending them (the same tools arrive in different orders)",
+            ),
+            _sort_tools,
+        )
+    if (
+        names == other_names
+        and tool_index < len(other.tools)
+        and differ_in_key_order(first.tools[tool_index], other.tools[tool_index])
+    ):
+        return Step(
+            _finding(
+                "key order",
+                part,
+                offset,
+                position,
+                _key_span(part.text, offset),
+                _first_keys(first.tools[tool_index], other.tools[tool_index]),
+                "serialize the tool schemas with sort_keys=True (the same schema arrives with its keys "
+                "in different orders)",
+            ),
+            _sort_tool_keys,
+        )
     return None
 
 
-def _json_key_order_step(part: Part, other_part: Part, part_index: int, offset: int,
-                         position: int) -> Optional[Step]:
+def _json_key_order_step(part: Part, other_part: Part, part_index: int, offset: int, position: int) -> Optional[Step]:
     found, other_found = json_object_at(part.text, offset), json_object_at(other_part.text, offset)
     if found is None or other_found is None or found.start != other_found.start:
         return None
     if not differ_in_key_order(found.value, other_found.value):
         return None
     line = part.text.count("\n", 0, found.start) + 1
-    return Step(_finding("key order", part, offset, position, _key_span(part.text, offset),
-                         _first_keys(found.value, other_found.value),
-                         f"serialize the JSON on line {line} of {_part_name(part)} with json.dumps(..., "
-                         f"sort_keys=True)"), lambda prompt: _sort_json_keys(prompt, part_index, found.start))
+    return Step(
+        _finding(
+            "key order",
+            part,
+            offset,
+            position,
+            _key_span(part.text, offset),
+            _first_keys(found.value, other_found.value),
+            f"serialize the JSON on line {line} of {_part_name(part)} with json.dumps(..., sort_keys=True)",
+        ),
+        lambda prompt: _sort_json_keys(prompt, part_index, found.start),
+    )
 
 
-def _value_step(first: Prompt, part: Part, other_part: Part, part_index: int, offset: int,
-                position: int) -> Optional[Step]:
+def _value_step(
+    first: Prompt, part: Part, other_part: Part, part_index: int, offset: int, position: int
+) -> Optional[Step]:
     texts = [text for text in (part.text, other_part.text) if offset < len(text)]
     for detector in DETECTORS:
         spans = [covering(text, detector.kind, offset) for text in texts]
         if not spans or None in spans:
             continue
         shown, line = spans[0], part.text.count("\n", 0, offset)
-        examples = tuple(text[found.start:found.end] for text, found in zip(texts, spans))
+        examples = tuple(text[found.start : found.end] for text, found in zip(texts, spans))
         where = f"line {line + 1} of {_part_name(part)}"
         if part.label == "tools":
             suggestion = f"take the {detector.kind} out of the tool block ({where}); send it at {_destination(first)}"
         else:
             suggestion = f"move the {detector.kind} on {where} to {_destination(first)}"
-        return Step(_finding(detector.kind, part, offset, position, (shown.start, shown.end), examples, suggestion),
-                    lambda prompt: _move_value(prompt, part_index, line, detector.kind, shown.ordinal))
+        return Step(
+            _finding(detector.kind, part, offset, position, (shown.start, shown.end), examples, suggestion),
+            functools.partial(_move_value, part_index=part_index, line=line, kind=detector.kind, ordinal=shown.ordinal),
+        )
     return None
 
 
 def _text_step(first: Prompt, part: Part, other_part: Part, offset: int, position: int) -> Step:
     examples = tuple(_rest_of_line(text, offset) for text in (part.text, other_part.text))
     line = part.text.count("\n", 0, offset) + 1
-    suggestion = (f"{_part_name(part)} differs between requests from line {line} on: keep it identical, or move the "
-                  f"per-request text to {_destination(first)}")
-    return Step(_finding("text", part, offset, position, (offset, line_bounds(part.text, offset)[1]), examples,
-                         suggestion), None)
+    suggestion = (
+        f"{_part_name(part)} differs between requests from line {line} on: keep it identical, or move the "
+        f"per-request text to {_destination(first)}"
+    )
+    return Step(
+        _finding("text", part, offset, position, (offset, line_bounds(part.text, offset)[1]), examples, suggestion),
+        None,
+    )
 
 
 def _structure(first: Prompt, other: Prompt, position: int) -> Step:
     """The requests part in the chat markup: a message's role, or the number of template messages."""
-    suggestion = ("the requests differ in which messages come before the conversation (their roles or number); "
-                  "send the same system messages, in the same order, with every request")
+    suggestion = (
+        "the requests differ in which messages come before the conversation (their roles or number); "
+        "send the same system messages, in the same order, with every request"
+    )
     texts = [prompt.render().text for prompt in (first, other)]
     examples = tuple(_rest_of_line(text, text.rfind("\n", 0, position) + 1) for text in texts)
     part = Part("markup", "", texts[0])
-    return Step(_finding("structure", part, position, position, (position, position + 1), examples, suggestion),
-                None)
+    return Step(_finding("structure", part, position, position, (position, position + 1), examples, suggestion), None)
 
 
 def _key_span(text: str, offset: int) -> tuple[int, int]:
     """The key where two serializations part: from the first differing character to its closing quote."""
-    start = text.rfind('"', 0, offset + 1) if text[offset:offset + 1] != '"' else offset
+    start = text.rfind('"', 0, offset + 1) if text[offset : offset + 1] != '"' else offset
     end = text.find('"', max(start, offset) + 1)
     return (start, end + 1) if 0 <= start and end > 0 else (offset, offset + 1)
 
@@ -194,7 +246,7 @@ def _destination(prompt: Prompt) -> str:
 
 
 def _rest_of_line(text: str, offset: int) -> str:
-    rest = text[offset:line_bounds(text, offset)[1]] if offset < len(text) else ""
+    rest = text[offset : line_bounds(text, offset)[1]] if offset < len(text) else ""
     return rest if len(rest) <= 40 else rest[:37] + "..."
 
 
@@ -202,12 +254,15 @@ def _first_keys(first: object, other: object) -> tuple[str, ...]:
     """The key order where two objects first disagree, as "a, b" strings."""
     paths, other_paths = key_paths(first), key_paths(other)
     index = next(index for index, (a, b) in enumerate(zip(paths, other_paths)) if a != b)
-    siblings = [[path[-1] for path in keys if path[:-1] == keys[index][:-1] and len(path) == len(keys[index])]
-                for keys in (paths, other_paths)]
+    siblings = [
+        [path[-1] for path in keys if path[:-1] == keys[index][:-1] and len(path) == len(keys[index])]
+        for keys in (paths, other_paths)
+    ]
     return tuple(", ".join(map(str, names)) for names in siblings)
 
 
 # ---- rewrites: each gives the request as it would be sent with one finding fixed -----------------------
+
 
 def _with_tools(prompt: Prompt, tools: tuple[dict, ...]) -> Prompt:
     parts = (dataclasses.replace(prompt.parts[0], text=tools_text(tools)),) + prompt.parts[1:]
@@ -243,7 +298,7 @@ def _sort_json_keys(prompt: Prompt, part_index: int, start: int) -> Prompt:
     found = json_object_at(text, start)
     if found is None or found.start != start:
         return prompt
-    return _with_text(prompt, part_index, text[:start] + canonical_json(found.value) + text[found.end:])
+    return _with_text(prompt, part_index, text[:start] + canonical_json(found.value) + text[found.end :])
 
 
 def _move_value(prompt: Prompt, part_index: int, line: int, kind: str, ordinal: int) -> Prompt:

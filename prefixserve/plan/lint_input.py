@@ -90,11 +90,12 @@ def bodies_from_jsonl(lines: Iterable[str]) -> list[tuple[int, Any]]:
         try:
             bodies.append((line_number, json.loads(line)))
         except json.JSONDecodeError as error:
-            raise LintInputError(f"line {line_number} is not JSON ({error.msg} at column {error.colno}); the file "
-                                 f"must be JSONL: one OpenAI request body per line") from None
+            raise LintInputError(
+                f"line {line_number} is not JSON ({error.msg} at column {error.colno}); the file "
+                f"must be JSONL: one OpenAI request body per line"
+            ) from None
     if not bodies:
-        raise LintInputError("no requests: the input is empty; give a JSONL file with one OpenAI request body "
-                             "per line")
+        raise LintInputError("no requests: the input is empty; give a JSONL file with one OpenAI request body per line")
     return bodies
 
 
@@ -113,8 +114,10 @@ def prompts_from_bodies(bodies: Iterable[Any]) -> list[Prompt]:
 
 def _prompts_from_body(body: Any, where: str, line_number: int) -> list[Prompt]:
     if not isinstance(body, dict):
-        raise LintInputError(f"{where} is a JSON {_json_type(body)}, not an object; each line must be one OpenAI "
-                             f"request body, like {{\"model\": ..., \"messages\": [...]}}")
+        raise LintInputError(
+            f"{where} is a JSON {_json_type(body)}, not an object; each line must be one OpenAI "
+            f'request body, like {{"model": ..., "messages": [...]}}'
+        )
     if "messages" not in body and "prompt" not in body and isinstance(body.get("body"), dict):
         body = body["body"]  # a line of the OpenAI Batch API's input file: {"custom_id", "url", "body"}
     model = body.get("model") if isinstance(body.get("model"), str) else ""
@@ -125,11 +128,15 @@ def _prompts_from_body(body: Any, where: str, line_number: int) -> list[Prompt]:
         if isinstance(texts, str):
             texts = [texts]
         if not isinstance(texts, list) or not texts or not all(isinstance(text, str) for text in texts):
-            raise LintInputError(f"{where}: 'prompt' is {_describe(body['prompt'])}; the lint reads text prompts: "
-                                 f"a string or a list of strings (token ids cannot be read as text)")
+            raise LintInputError(
+                f"{where}: 'prompt' is {_describe(body['prompt'])}; the lint reads text prompts: "
+                f"a string or a list of strings (token ids cannot be read as text)"
+            )
         return [Prompt(line_number, model, "completion", (), _split_last_line(text), 1) for text in texts]
-    raise LintInputError(f"{where} has neither 'messages' (chat completions) nor 'prompt' (completions); give the "
-                         f"request body as sent to /v1/chat/completions or /v1/completions")
+    raise LintInputError(
+        f"{where} has neither 'messages' (chat completions) nor 'prompt' (completions); give the "
+        f"request body as sent to /v1/chat/completions or /v1/completions"
+    )
 
 
 def _split_last_line(text: str) -> tuple[Part, Part]:
@@ -143,19 +150,26 @@ def _split_last_line(text: str) -> tuple[Part, Part]:
 def _chat_prompt(body: dict, model: str, where: str, line_number: int) -> Prompt:
     messages, tools = body["messages"], body.get("tools") or []
     if not isinstance(messages, list) or not messages:
-        raise LintInputError(f"{where}: 'messages' is {_describe(messages)}; it must be a non-empty list of "
-                             f"{{\"role\", \"content\"}} objects")
+        raise LintInputError(
+            f"{where}: 'messages' is {_describe(messages)}; it must be a non-empty list of "
+            f'{{"role", "content"}} objects'
+        )
     if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
-        raise LintInputError(f"{where}: 'tools' is {_describe(tools)}; it must be a list of tool objects, like "
-                             f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}")
+        raise LintInputError(
+            f"{where}: 'tools' is {_describe(tools)}; it must be a list of tool objects, like "
+            f'{{"type": "function", "function": {{"name": ...}}}}'
+        )
     parts = [Part("tools", "tools", tools_text(tools))] if tools else []
     for index, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise LintInputError(f"{where}: messages[{index}] is {_describe(message)}; each message must be an "
-                                 f"object with a string 'role'")
+            raise LintInputError(
+                f"{where}: messages[{index}] is {_describe(message)}; each message must be an "
+                f"object with a string 'role'"
+            )
         role = message["role"]
-        parts.append(Part(f"messages[{index}] ({role})", role, _content_text(message.get("content"), where, index),
-                          index))
+        parts.append(
+            Part(f"messages[{index}] ({role})", role, _content_text(message.get("content"), where, index), index)
+        )
     num_template = len(parts) - len(messages) + _count_leading(messages)
     # With no template at all, only the last message is taken as the request's own text.
     tail_index = num_template if num_template else len(parts) - 1
@@ -177,16 +191,21 @@ def _content_text(content: Any, where: str, index: int) -> str:
         texts = []
         for part_index, part in enumerate(content):
             if not isinstance(part, dict):
-                raise LintInputError(f"{where}: messages[{index}].content[{part_index}] is {_describe(part)}; a "
-                                     f"content part must be an object like {{\"type\": \"text\", \"text\": ...}}")
+                raise LintInputError(
+                    f"{where}: messages[{index}].content[{part_index}] is {_describe(part)}; a "
+                    f'content part must be an object like {{"type": "text", "text": ...}}'
+                )
             if part.get("type", "text") == "text":
                 if not isinstance(part.get("text"), str):
-                    raise LintInputError(f"{where}: messages[{index}].content[{part_index}] has no string 'text'; "
-                                         f"a text part is {{\"type\": \"text\", \"text\": \"...\"}}")
+                    raise LintInputError(
+                        f"{where}: messages[{index}].content[{part_index}] has no string 'text'; "
+                        f'a text part is {{"type": "text", "text": "..."}}'
+                    )
                 texts.append(part["text"])
         return "".join(texts)
-    raise LintInputError(f"{where}: messages[{index}].content is {_describe(content)}; it must be a string or a "
-                         f"list of content parts")
+    raise LintInputError(
+        f"{where}: messages[{index}].content is {_describe(content)}; it must be a string or a list of content parts"
+    )
 
 
 def _json_type(value: Any) -> str:

@@ -6,13 +6,16 @@ the one listed first wins (a timestamp holds numbers, a request id may look like
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass
 from typing import Any, Iterator, NamedTuple, Optional
 
-_MONTHS = (r"(?:Jan(?:uary)?|Feb(?:ruary)?|Mar(?:ch)?|Apr(?:il)?|May|Jun(?:e)?|Jul(?:y)?|Aug(?:ust)?|"
-           r"Sep(?:t(?:ember)?)?|Oct(?:ober)?|Nov(?:ember)?|Dec(?:ember)?)")
+_MONTHS = (
+    r"(?:Jan(?:uary)?|Feb(?:ruary)?|Mar(?:ch)?|Apr(?:il)?|May|Jun(?:e)?|Jul(?:y)?|Aug(?:ust)?|"
+    r"Sep(?:t(?:ember)?)?|Oct(?:ober)?|Nov(?:ember)?|Dec(?:ember)?)"
+)
 _WEEKDAYS = r"(?:(?:Mon|Tues|Wednes|Thurs|Fri|Satur|Sun)day|Mon|Tue|Wed|Thu|Fri|Sat|Sun)"
 _CLOCK = r"\d{1,2}:\d{2}(?::\d{2}(?:[.,]\d+)?)?(?:\s?[AaPp][Mm])?(?:\s?(?:Z|UTC|GMT|[+-]\d{2}:?\d{2}))?"
 
@@ -25,24 +28,41 @@ class Detector:
 
 
 DETECTORS = (
-    Detector("timestamp", re.compile(
-        rf"\b\d{{4}}-\d{{2}}-\d{{2}}[T ]{_CLOCK}"                          # ISO 8601
-        rf"|\b(?:{_WEEKDAYS},?\s+)?\d{{1,2}}\s+{_MONTHS}\s+\d{{4}}\s+{_CLOCK}"  # RFC 2822
-        rf"|\b\d{{1,2}}/\d{{1,2}}/\d{{2,4}},?\s+{_CLOCK}"
-        rf"|\b1\d{{9}}(?:\d{{3}})?\b"                                       # Unix seconds or milliseconds
-        rf"|\b{_CLOCK}")),
-    Detector("date", re.compile(
-        rf"\b\d{{4}}-\d{{2}}-\d{{2}}\b|\b\d{{1,2}}/\d{{1,2}}/\d{{2,4}}\b"
-        rf"|\b(?:{_WEEKDAYS},?\s+)?{_MONTHS}\.?\s+\d{{1,2}}(?:st|nd|rd|th)?,?\s+\d{{4}}\b"
-        rf"|\b(?:{_WEEKDAYS},?\s+)?\d{{1,2}}(?:st|nd|rd|th)?\s+{_MONTHS}\.?,?\s+\d{{4}}\b"
-        rf"|\b{_WEEKDAYS}\b")),
+    Detector(
+        "timestamp",
+        re.compile(
+            rf"\b\d{{4}}-\d{{2}}-\d{{2}}[T ]{_CLOCK}"  # ISO 8601
+            rf"|\b(?:{_WEEKDAYS},?\s+)?\d{{1,2}}\s+{_MONTHS}\s+\d{{4}}\s+{_CLOCK}"  # RFC 2822
+            rf"|\b\d{{1,2}}/\d{{1,2}}/\d{{2,4}},?\s+{_CLOCK}"
+            rf"|\b1\d{{9}}(?:\d{{3}})?\b"  # Unix seconds or milliseconds
+            rf"|\b{_CLOCK}"
+        ),
+    ),
+    Detector(
+        "date",
+        re.compile(
+            rf"\b\d{{4}}-\d{{2}}-\d{{2}}\b|\b\d{{1,2}}/\d{{1,2}}/\d{{2,4}}\b"
+            rf"|\b(?:{_WEEKDAYS},?\s+)?{_MONTHS}\.?\s+\d{{1,2}}(?:st|nd|rd|th)?,?\s+\d{{4}}\b"
+            rf"|\b(?:{_WEEKDAYS},?\s+)?\d{{1,2}}(?:st|nd|rd|th)?\s+{_MONTHS}\.?,?\s+\d{{4}}\b"
+            rf"|\b{_WEEKDAYS}\b"
+        ),
+    ),
     Detector("uuid", re.compile(r"\b[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}\b")),
-    Detector("request id", re.compile(
-        r"\b(?:req|request|trace|span|session|sess|msg|call|run|chatcmpl|id)[-_][A-Za-z0-9]{6,}\b"
-        r"|\b(?=[0-9a-fA-F]*\d)(?=[0-9a-fA-F]*[a-fA-F])[0-9a-fA-F]{8,}\b")),
-    Detector("user name", re.compile(
-        r"(?i)\b(?:user_?name|user|name|customer|client|account)\b[\"']?\s*[:=]\s*[\"']?"
-        r"(?P<value>[^\"'\n,;{}\[\]]*[^\"'\n,;{}\[\]\s])"), group="value"),
+    Detector(
+        "request id",
+        re.compile(
+            r"\b(?:req|request|trace|span|session|sess|msg|call|run|chatcmpl|id)[-_][A-Za-z0-9]{6,}\b"
+            r"|\b(?=[0-9a-fA-F]*\d)(?=[0-9a-fA-F]*[a-fA-F])[0-9a-fA-F]{8,}\b"
+        ),
+    ),
+    Detector(
+        "user name",
+        re.compile(
+            r"(?i)\b(?:user_?name|user|name|customer|client|account)\b[\"']?\s*[:=]\s*[\"']?"
+            r"(?P<value>[^\"'\n,;{}\[\]]*[^\"'\n,;{}\[\]\s])"
+        ),
+        group="value",
+    ),
     Detector("number", re.compile(r"(?<![\w.])\d+(?:\.\d+)?")),
 )
 
@@ -83,7 +103,7 @@ def covering(text: str, kind: str, position: int) -> Optional[Span]:
 def mask(text: str) -> str:
     """The text with every detected value replaced by its kind: what stays when per-request values go."""
     for detector in DETECTORS:
-        text = detector.pattern.sub(lambda match: _masked(match, detector), text)
+        text = detector.pattern.sub(functools.partial(_masked, detector=detector), text)
     return text
 
 
@@ -92,7 +112,7 @@ def _masked(match: re.Match, detector: Detector) -> str:
         return f"<{detector.kind}>"
     start, end = match.span(detector.group)
     whole_start = match.start()
-    return match.group()[:start - whole_start] + f"<{detector.kind}>" + match.group()[end - whole_start:]
+    return match.group()[: start - whole_start] + f"<{detector.kind}>" + match.group()[end - whole_start :]
 
 
 class JsonSpan(NamedTuple):

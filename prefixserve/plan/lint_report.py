@@ -12,10 +12,13 @@ QUOTE_WIDTH = 96  # characters of an offending line shown around its mark
 
 
 def format_report(report: LintReport) -> list[str]:
-    lines = [f"{report.num_requests} requests in {len(report.families)} prompt "
-             f"famil{'y' if len(report.families) == 1 else 'ies'}, lengths in {report.unit}",
-             f"hit rates: the log replayed in order through an unlimited prefix cache, blocks of {report.block_size} "
-             f"{report.unit}", ""]
+    lines = [
+        f"{report.num_requests} requests in {len(report.families)} prompt "
+        f"famil{'y' if len(report.families) == 1 else 'ies'}, lengths in {report.unit}",
+        f"hit rates: the log replayed in order through an unlimited prefix cache, blocks of {report.block_size} "
+        f"{report.unit}",
+        "",
+    ]
     lines += _table(report)
     for family in report.families:
         lines += [""] + _family_lines(family, report.unit)
@@ -24,14 +27,26 @@ def format_report(report: LintReport) -> list[str]:
 
 def _table(report: LintReport) -> list[str]:
     header = ("family", "requests", "stable prefix", "first variable part", "hit rate today", "after fix")
-    rows = [(f"{family.number} {family.model or '(no model)'} {family.kind}", str(family.num_requests),
-             f"{family.stable_prefix_tokens:,}", _first_variable(family), _percent(family.today),
-             _percent(family.after_fix)) for family in report.families]
+    rows = [
+        (
+            f"{family.number} {family.model or '(no model)'} {family.kind}",
+            str(family.num_requests),
+            f"{family.stable_prefix_tokens:,}",
+            _first_variable(family),
+            _percent(family.today),
+            _percent(family.after_fix),
+        )
+        for family in report.families
+    ]
     rows.append(("all", str(report.num_requests), "", "", _percent(report.today), _percent(report.after_fix)))
     widths = [max(len(row[column]) for row in [header] + rows) for column in range(len(header))]
     right = (False, True, True, False, True, True)
-    return ["  ".join(cell.rjust(width) if align else cell.ljust(width)
-                      for cell, width, align in zip(row, widths, right)).rstrip() for row in [header] + rows]
+    return [
+        "  ".join(
+            cell.rjust(width) if align else cell.ljust(width) for cell, width, align in zip(row, widths, right)
+        ).rstrip()
+        for row in [header] + rows
+    ]
 
 
 def _first_variable(family: FamilyReport) -> str:
@@ -48,20 +63,29 @@ def _percent(hit_rate: HitRate) -> str:
 def _family_lines(family: FamilyReport, unit: str) -> list[str]:
     line_numbers = [number for number in family.line_numbers if number]
     lines_text = f", log line{'s' if len(line_numbers) > 1 else ''} {_ranges(line_numbers)}" if line_numbers else ""
-    lines = [f"Family {family.number}: {family.model or '(no model)'} {family.kind}, {family.num_requests} "
-             f"request{'s' if family.num_requests != 1 else ''}{lines_text}: \"{family.title}\"",
-             f"  stable prefix: {_length(family.stable_prefix_chars, family.stable_prefix_tokens, unit)}"]
+    lines = [
+        f"Family {family.number}: {family.model or '(no model)'} {family.kind}, {family.num_requests} "
+        f'request{"s" if family.num_requests != 1 else ""}{lines_text}: "{family.title}"',
+        f"  stable prefix: {_length(family.stable_prefix_chars, family.stable_prefix_tokens, unit)}",
+    ]
     if family.findings and family.stable_prefix_chars_after_fix != family.stable_prefix_chars:
-        lines[-1] += (f"; after the fixes: "
-                      f"{_length(family.stable_prefix_chars_after_fix, family.stable_prefix_tokens_after_fix, unit)}")
+        lines[-1] += (
+            f"; after the fixes: "
+            f"{_length(family.stable_prefix_chars_after_fix, family.stable_prefix_tokens_after_fix, unit)}"
+        )
     if not family.findings:
-        lines.append("  no finding: the requests agree up to their own text" if family.num_requests > 1 else
-                     "  no finding: one request, nothing to compare it with")
+        lines.append(
+            "  no finding: the requests agree up to their own text"
+            if family.num_requests > 1
+            else "  no finding: one request, nothing to compare it with"
+        )
     for number, finding in enumerate(family.findings, start=1):
         lines += _finding_lines(number, finding)
-    lines.append(f"  hit rate: {_percent(family.today)} today ({family.today.num_hit:,} of "
-                 f"{family.today.num_prompt:,} {unit}), {_percent(family.after_fix)} after the fixes "
-                 f"({family.after_fix.num_hit:,} of {family.after_fix.num_prompt:,})")
+    lines.append(
+        f"  hit rate: {_percent(family.today)} today ({family.today.num_hit:,} of "
+        f"{family.today.num_prompt:,} {unit}), {_percent(family.after_fix)} after the fixes "
+        f"({family.after_fix.num_hit:,} of {family.after_fix.num_prompt:,})"
+    )
     return lines
 
 
@@ -74,10 +98,12 @@ def _finding_lines(number: int, finding: Finding) -> list[str]:
     examples = ", ".join(f'"{example}"' for example in finding.examples)
     head = f"  {number}. {finding.kind} at {where.part}, line {where.line}, column {where.column}"
     quoted, mark_start, mark_end = _window(finding.line_text, finding.mark_start, finding.mark_end)
-    return [head + (f": {examples}" if examples else ""),
-            f"       {quoted}",
-            f"       {' ' * mark_start}{'^' * max(mark_end - mark_start, 1)}",
-            f"     fix: {finding.suggestion}"]
+    return [
+        head + (f": {examples}" if examples else ""),
+        f"       {quoted}",
+        f"       {' ' * mark_start}{'^' * max(mark_end - mark_start, 1)}",
+        f"     fix: {finding.suggestion}",
+    ]
 
 
 def _window(text: str, start: int, end: int) -> tuple[str, int, int]:
@@ -110,5 +136,11 @@ def report_json(report: LintReport) -> dict[str, Any]:
         entry = dataclasses.asdict(family)
         entry.update(num_requests=family.num_requests, today=rate(family.today), after_fix=rate(family.after_fix))
         families.append(entry)
-    return {"unit": report.unit, "block_size": report.block_size, "num_requests": report.num_requests,
-            "today": rate(report.today), "after_fix": rate(report.after_fix), "families": families}
+    return {
+        "unit": report.unit,
+        "block_size": report.block_size,
+        "num_requests": report.num_requests,
+        "today": rate(report.today),
+        "after_fix": rate(report.after_fix),
+        "families": families,
+    }

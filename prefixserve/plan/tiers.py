@@ -26,8 +26,10 @@ from ..tiers.record import DTYPE_SIZES
 REFERENCE_PREFIX_TOKENS = 2000  # the prefix the tables also price whole
 LITERATURE_NVME_CROSSOVER_TOKENS = 1900
 LITERATURE_SOURCE = "Cake / LMCache reports"
-LITERATURE_CLAIM = ("an NVMe fetch beats recompute above about 1,900 tokens for an 8B-class model on a fast GPU "
-                    "(one reported setup, not a universal figure)")
+LITERATURE_CLAIM = (
+    "an NVMe fetch beats recompute above about 1,900 tokens for an 8B-class model on a fast GPU "
+    "(one reported setup, not a universal figure)"
+)
 
 # The stated GPU profile: Llama-3-8B (32 layers, 8 KV heads of 128) in bfloat16 on one H100.
 GPU_PROFILE_NAME = "Llama-3-8B bf16, one H100 (stated)"
@@ -50,11 +52,14 @@ class Profile:
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_bytes < 1:
-            raise ValueError(f"{self.name}: block_size and block_bytes must be positive, "
-                             f"got {self.block_size} and {self.block_bytes}")
+            raise ValueError(
+                f"{self.name}: block_size and block_bytes must be positive, "
+                f"got {self.block_size} and {self.block_bytes}"
+            )
         if not self.prefill_seconds_per_token > 0:
-            raise ValueError(f"{self.name}: prefill seconds per token must be positive, "
-                             f"got {self.prefill_seconds_per_token}")
+            raise ValueError(
+                f"{self.name}: prefill seconds per token must be positive, got {self.prefill_seconds_per_token}"
+            )
 
     @property
     def bytes_per_token(self) -> float:
@@ -113,14 +118,20 @@ def fit_read_cost(samples: Sequence[tuple[int, float]]) -> TierCost:
 def smallest_fetched_run(profile: Profile, tier: str) -> Optional[int]:
     """The fewest blocks of `tier` that plan_fetch would fetch rather than recompute; None when it never does."""
     cost = profile.read_costs[tier]
-    margin_per_block = (profile.block_size * profile.prefill_seconds_per_token
-                        - profile.block_bytes / cost.bytes_per_second)
+    margin_per_block = (
+        profile.block_size * profile.prefill_seconds_per_token - profile.block_bytes / cost.bytes_per_second
+    )
     if margin_per_block <= 0:
         return None
 
     def fetches(num_blocks: int) -> bool:
-        plan = plan_fetch([(tier, num_blocks)], profile.block_bytes, profile.prefill_seconds_per_token,
-                          profile.block_size, {tier: cost})
+        plan = plan_fetch(
+            [(tier, num_blocks)],
+            profile.block_bytes,
+            profile.prefill_seconds_per_token,
+            profile.block_size,
+            {tier: cost},
+        )
         return plan.num_fetch_blocks == num_blocks
 
     # The formula's guess, then settled against the planner itself (floating point may put it one off).
@@ -137,23 +148,33 @@ def crossovers(profile: Profile) -> list[TierCrossover]:
     rows = []
     for tier, cost in profile.read_costs.items():
         per_token = profile.bytes_per_token
-        rows.append(TierCrossover(
-            profile=profile.name, tier=tier,
-            latency_seconds=cost.latency_seconds, bytes_per_second=cost.bytes_per_second, bytes_per_token=per_token,
-            fetch_seconds_per_token=per_token / cost.bytes_per_second,
-            prefill_seconds_per_token=profile.prefill_seconds_per_token,
-            break_even_bytes_per_second=per_token / profile.prefill_seconds_per_token,
-            crossover_tokens=crossover_tokens(cost, profile.block_bytes, profile.block_size,
-                                              profile.prefill_seconds_per_token),
-            crossover_blocks=smallest_fetched_run(profile, tier),
-            prefix_fetch_seconds=cost.seconds(REFERENCE_PREFIX_TOKENS * per_token),
-            prefix_recompute_seconds=REFERENCE_PREFIX_TOKENS * profile.prefill_seconds_per_token,
-        ))
+        rows.append(
+            TierCrossover(
+                profile=profile.name,
+                tier=tier,
+                latency_seconds=cost.latency_seconds,
+                bytes_per_second=cost.bytes_per_second,
+                bytes_per_token=per_token,
+                fetch_seconds_per_token=per_token / cost.bytes_per_second,
+                prefill_seconds_per_token=profile.prefill_seconds_per_token,
+                break_even_bytes_per_second=per_token / profile.prefill_seconds_per_token,
+                crossover_tokens=crossover_tokens(
+                    cost, profile.block_bytes, profile.block_size, profile.prefill_seconds_per_token
+                ),
+                crossover_blocks=smallest_fetched_run(profile, tier),
+                prefix_fetch_seconds=cost.seconds(REFERENCE_PREFIX_TOKENS * per_token),
+                prefix_recompute_seconds=REFERENCE_PREFIX_TOKENS * profile.prefill_seconds_per_token,
+            )
+        )
     return rows
 
 
-def gpu_profile(prefill_tokens_per_second: float = GPU_PREFILL_TOKENS_PER_SECOND,
-                host: TierCost = GPU_HOST_COST, disk: TierCost = GPU_DISK_COST, block_size: int = 16) -> Profile:
+def gpu_profile(
+    prefill_tokens_per_second: float = GPU_PREFILL_TOKENS_PER_SECOND,
+    host: TierCost = GPU_HOST_COST,
+    disk: TierCost = GPU_DISK_COST,
+    block_size: int = 16,
+) -> Profile:
     """The stated profile: an 8B Llama-3 on an H100, pinned host DRAM over PCIe, and NVMe."""
     per_token = kv_bytes_per_token(num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16")
     assumptions = (
@@ -164,16 +185,28 @@ def gpu_profile(prefill_tokens_per_second: float = GPU_PREFILL_TOKENS_PER_SECOND
         f"disk: NVMe, {disk.bytes_per_second / 1e9:g} GB/s, {disk.latency_seconds * 1e6:g} us per fetch",
         f"blocks of {block_size} tokens; no overlap of fetch and compute",
     )
-    return Profile(GPU_PROFILE_NAME, block_size, per_token * block_size, 1 / prefill_tokens_per_second,
-                   {"host": host, "disk": disk}, assumptions)
+    return Profile(
+        GPU_PROFILE_NAME,
+        block_size,
+        per_token * block_size,
+        1 / prefill_tokens_per_second,
+        {"host": host, "disk": disk},
+        assumptions,
+    )
 
 
 def bandwidth_sweep(profile: Profile, tier: str, bandwidths: Sequence[float]) -> list[tuple[float, float]]:
     """(bandwidth, crossover tokens) for the tier's latency at each bandwidth."""
     latency = profile.read_costs[tier].latency_seconds
-    return [(bandwidth, crossover_tokens(TierCost(latency, bandwidth), profile.block_bytes, profile.block_size,
-                                         profile.prefill_seconds_per_token))
-            for bandwidth in bandwidths]
+    return [
+        (
+            bandwidth,
+            crossover_tokens(
+                TierCost(latency, bandwidth), profile.block_bytes, profile.block_size, profile.prefill_seconds_per_token
+            ),
+        )
+        for bandwidth in bandwidths
+    ]
 
 
 class CrossoverMatch(NamedTuple):
@@ -218,7 +251,8 @@ def format_report(profiles: Sequence[Profile], reference: Profile, reference_tie
                 f"{_bytes(row.bytes_per_token):>8} {_seconds(row.fetch_seconds_per_token):>8} "
                 f"{_seconds(row.prefill_seconds_per_token):>8}  {_tokens(row.crossover_tokens):>8} "
                 f"{'never' if row.crossover_blocks is None else row.crossover_blocks:>6}  "
-                f"{_seconds(row.prefix_fetch_seconds):>9} {_seconds(row.prefix_recompute_seconds):>10}")
+                f"{_seconds(row.prefix_fetch_seconds):>9} {_seconds(row.prefix_recompute_seconds):>10}"
+            )
     lines.append(LITERATURE_SOURCE)
     lines.append(f"  {'NVMe':<6}{'':>51}{'~' + format(LITERATURE_NVME_CROSSOVER_TOKENS, ','):>8}")
     lines += ["", f"{LITERATURE_SOURCE}: {LITERATURE_CLAIM}."]
@@ -226,8 +260,10 @@ def format_report(profiles: Sequence[Profile], reference: Profile, reference_tie
         if profile.assumptions:
             lines.append(f"{profile.name}:")
             lines += [f"  - {assumption}" for assumption in profile.assumptions]
-    sweep = ", ".join(f"{bandwidth / 1e9:g} GB/s: {_tokens(tokens)}"
-                      for bandwidth, tokens in bandwidth_sweep(reference, reference_tier, GPU_BANDWIDTH_SWEEP))
+    sweep = ", ".join(
+        f"{bandwidth / 1e9:g} GB/s: {_tokens(tokens)}"
+        for bandwidth, tokens in bandwidth_sweep(reference, reference_tier, GPU_BANDWIDTH_SWEEP)
+    )
     match = to_reach(reference, reference_tier, LITERATURE_NVME_CROSSOVER_TOKENS)
     cost = reference.read_costs[reference_tier]
     break_even = reference.bytes_per_token / reference.prefill_seconds_per_token
@@ -244,27 +280,44 @@ def format_report(profiles: Sequence[Profile], reference: Profile, reference_tie
 
 def report_json(profiles: Sequence[Profile], reference: Profile, reference_tier: str = "disk") -> dict:
     """The report as JSON-safe data (an infinite crossover is null)."""
+
     def finite(value):
         return None if isinstance(value, float) and math.isinf(value) else value
 
     return {
         "reference_prefix_tokens": REFERENCE_PREFIX_TOKENS,
-        "profiles": [{
-            "name": profile.name, "block_size": profile.block_size, "block_bytes": profile.block_bytes,
-            "prefill_seconds_per_token": profile.prefill_seconds_per_token, "assumptions": list(profile.assumptions),
-            "crossovers": [{key: finite(value) for key, value in row._asdict().items() if key != "profile"}
-                           for row in crossovers(profile)],
-        } for profile in profiles],
-        "literature": {"source": LITERATURE_SOURCE, "claim": LITERATURE_CLAIM,
-                       "nvme_crossover_tokens": LITERATURE_NVME_CROSSOVER_TOKENS},
+        "profiles": [
+            {
+                "name": profile.name,
+                "block_size": profile.block_size,
+                "block_bytes": profile.block_bytes,
+                "prefill_seconds_per_token": profile.prefill_seconds_per_token,
+                "assumptions": list(profile.assumptions),
+                "crossovers": [
+                    {key: finite(value) for key, value in row._asdict().items() if key != "profile"}
+                    for row in crossovers(profile)
+                ],
+            }
+            for profile in profiles
+        ],
+        "literature": {
+            "source": LITERATURE_SOURCE,
+            "claim": LITERATURE_CLAIM,
+            "nvme_crossover_tokens": LITERATURE_NVME_CROSSOVER_TOKENS,
+        },
         "reference": {
-            "profile": reference.name, "tier": reference_tier,
-            "bandwidth_sweep": [{"bytes_per_second": bandwidth, "crossover_tokens": finite(tokens)}
-                                for bandwidth, tokens in bandwidth_sweep(reference, reference_tier,
-                                                                         GPU_BANDWIDTH_SWEEP)],
-            "to_reach_literature": {key: finite(value) for key, value in
-                                    to_reach(reference, reference_tier, LITERATURE_NVME_CROSSOVER_TOKENS)
-                                    ._asdict().items()},
+            "profile": reference.name,
+            "tier": reference_tier,
+            "bandwidth_sweep": [
+                {"bytes_per_second": bandwidth, "crossover_tokens": finite(tokens)}
+                for bandwidth, tokens in bandwidth_sweep(reference, reference_tier, GPU_BANDWIDTH_SWEEP)
+            ],
+            "to_reach_literature": {
+                key: finite(value)
+                for key, value in to_reach(reference, reference_tier, LITERATURE_NVME_CROSSOVER_TOKENS)
+                ._asdict()
+                .items()
+            },
         },
     }
 

@@ -85,9 +85,16 @@ class TTLPlan:
     range_end: float  # beyond this gap the input cannot tell a hit (histogram's last bound; inf for samples)
 
 
-def plan_ttl(distribution: GapDistribution, ttls_seconds: Sequence[float] = DEFAULT_TTLS_SECONDS, *,
-             prefix_tokens: float, prefill_seconds_per_token: float, kv_bytes_per_token: float,
-             releases_per_second: float, cost: CostModel = CostModel()) -> TTLPlan:
+def plan_ttl(
+    distribution: GapDistribution,
+    ttls_seconds: Sequence[float] = DEFAULT_TTLS_SECONDS,
+    *,
+    prefix_tokens: float,
+    prefill_seconds_per_token: float,
+    kv_bytes_per_token: float,
+    releases_per_second: float,
+    cost: CostModel = CostModel(),
+) -> TTLPlan:
     """Price each candidate TTL and recommend the cheapest.
 
     prefix_tokens: the mean prefix a returning turn reuses (a miss re-prefills all of it); every release, one
@@ -96,8 +103,12 @@ def plan_ttl(distribution: GapDistribution, ttls_seconds: Sequence[float] = DEFA
     kv_bytes_per_token: K and V of every layer for one token (plan.tiers.kv_bytes_per_token).
     releases_per_second: prefix releases (finished turns) per second; scales memory and dollars, not the choice.
     """
-    for name, value in (("prefix_tokens", prefix_tokens), ("prefill_seconds_per_token", prefill_seconds_per_token),
-                        ("kv_bytes_per_token", kv_bytes_per_token), ("releases_per_second", releases_per_second)):
+    for name, value in (
+        ("prefix_tokens", prefix_tokens),
+        ("prefill_seconds_per_token", prefill_seconds_per_token),
+        ("kv_bytes_per_token", kv_bytes_per_token),
+        ("releases_per_second", releases_per_second),
+    ):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
             raise ValueError(f"{name} must be a positive, finite number, got {value!r}")
     if not ttls_seconds:
@@ -115,13 +126,36 @@ def plan_ttl(distribution: GapDistribution, ttls_seconds: Sequence[float] = DEFA
         memory_usd = memory_bytes / GIB * cost.memory_usd_per_gib_hour
         recompute_usd = returns_per_hour * extra_ttft * cost.gpu_usd_per_hour / 3600
         waiting_usd = returns_per_hour * extra_ttft * cost.waiting_usd_per_second
-        rows.append(TTLRow(ttl, survival, hit_rate, miss_tokens, extra_ttft, held, memory_bytes, memory_usd,
-                           recompute_usd, waiting_usd, memory_usd + recompute_usd + waiting_usd))
+        rows.append(
+            TTLRow(
+                ttl,
+                survival,
+                hit_rate,
+                miss_tokens,
+                extra_ttft,
+                held,
+                memory_bytes,
+                memory_usd,
+                recompute_usd,
+                waiting_usd,
+                memory_usd + recompute_usd + waiting_usd,
+            )
+        )
     recommended = rows[0]
     for row in rows[1:]:  # shortest first, so a tie keeps the shorter TTL
         if row.cost_usd_per_hour < recommended.cost_usd_per_hour and not math.isclose(
-                row.cost_usd_per_hour, recommended.cost_usd_per_hour, rel_tol=1e-9, abs_tol=1e-15):
+            row.cost_usd_per_hour, recommended.cost_usd_per_hour, rel_tol=1e-9, abs_tol=1e-15
+        ):
             recommended = row
-    return TTLPlan(tuple(rows), recommended, prefix_tokens, prefill_seconds_per_token, kv_bytes_per_token,
-                   releases_per_second, cost, distribution.num_releases, distribution.return_fraction,
-                   distribution.range_end)
+    return TTLPlan(
+        tuple(rows),
+        recommended,
+        prefix_tokens,
+        prefill_seconds_per_token,
+        kv_bytes_per_token,
+        releases_per_second,
+        cost,
+        distribution.num_releases,
+        distribution.return_fraction,
+        distribution.range_end,
+    )

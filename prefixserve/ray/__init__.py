@@ -38,22 +38,33 @@ def build_app(args: Mapping[str, Any]):
     actor_options: dict[str, Any] = {"num_cpus": parsed.num_cpus, "num_gpus": parsed.num_gpus}
     if parsed.memory is not None:
         actor_options["memory"] = parsed.memory
-    router_config = RequestRouterConfig(request_router_class=KVAwareRequestRouter,
-                                        request_routing_stats_period_s=parsed.routing_stats_period_s)
+    router_config = RequestRouterConfig(
+        request_router_class=KVAwareRequestRouter, request_routing_stats_period_s=parsed.routing_stats_period_s
+    )
 
     def engines(name: str, num_replicas: int, role: str):
-        return serve.deployment(name=name, num_replicas=num_replicas, ray_actor_options=actor_options,
-                                max_ongoing_requests=parsed.max_ongoing_requests,
-                                request_router_config=router_config)(EngineReplica).bind(parsed.role_argv(role))
+        return serve.deployment(
+            name=name,
+            num_replicas=num_replicas,
+            ray_actor_options=actor_options,
+            max_ongoing_requests=parsed.max_ongoing_requests,
+            request_router_config=router_config,
+        )(EngineReplica).bind(parsed.role_argv(role))
 
     ingress_options: dict[str, Any] = {"num_cpus": 0}
     if parsed.ingress_resources:
         ingress_options["resources"] = dict(parsed.ingress_resources)
-    ingress = serve.deployment(name="PrefixserveIngress", num_replicas=parsed.ingress_replicas,
-                               ray_actor_options=ingress_options,
-                               max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS)(Ingress)
+    ingress = serve.deployment(
+        name="PrefixserveIngress",
+        num_replicas=parsed.ingress_replicas,
+        ray_actor_options=ingress_options,
+        max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
+    )(Ingress)
     if not parsed.disaggregated:
         return ingress.bind(engines("PrefixserveEngine", parsed.num_replicas, "both"), parsed.serve_argv)
-    return ingress.bind(engines("PrefixserveEngine", parsed.num_replicas, "decode"), parsed.serve_argv,
-                        prefill=engines("PrefixservePrefill", parsed.prefill_replicas, "prefill"),
-                        local_prefill_tokens=parsed.local_prefill_tokens)
+    return ingress.bind(
+        engines("PrefixserveEngine", parsed.num_replicas, "decode"),
+        parsed.serve_argv,
+        prefill=engines("PrefixservePrefill", parsed.prefill_replicas, "prefill"),
+        local_prefill_tokens=parsed.local_prefill_tokens,
+    )

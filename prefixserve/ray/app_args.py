@@ -36,11 +36,12 @@ DEPLOYMENT_DEFAULTS: dict[str, Any] = {
     "local_prefill_tokens": 0,  # with prefill replicas: prompts this short are prefilled where they decode
 }
 # serve flags that belong to a process with its own socket: Serve's proxy listens instead
-PROCESS_FLAGS = {"host": "Serve's HTTP proxy listens (serve start --http-host/--http-port)",
-                 "port": "Serve's HTTP proxy listens (serve start --http-host/--http-port)",
-                 "log_level": "Ray's logging applies (RAY_SERVE_LOG_LEVEL or the config's logging_config)",
-                 "role": "give prefill_replicas=N: the prefill deployment takes role prefill, the engine replicas "
-                         "role decode"}
+PROCESS_FLAGS = {
+    "host": "Serve's HTTP proxy listens (serve start --http-host/--http-port)",
+    "port": "Serve's HTTP proxy listens (serve start --http-host/--http-port)",
+    "log_level": "Ray's logging applies (RAY_SERVE_LOG_LEVEL or the config's logging_config)",
+    "role": "give prefill_replicas=N: the prefill deployment takes role prefill, the engine replicas role decode",
+}
 TRUE_WORDS, FALSE_WORDS = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
 
@@ -101,13 +102,17 @@ def parse_app_args(args: Mapping[str, Any]) -> RayAppArgs:
         elif key in actions:
             argv.extend(_flag_words(raw_key, actions[key], value))
         else:
-            raise ValueError(f"build_app: unknown argument {raw_key!r}; give a deployment option "
-                             f"({', '.join(DEPLOYMENT_DEFAULTS)}) or a `prefixserve serve` flag without its "
-                             f"dashes (model=DIR, block_size=32, ...)")
+            raise ValueError(
+                f"build_app: unknown argument {raw_key!r}; give a deployment option "
+                f"({', '.join(DEPLOYMENT_DEFAULTS)}) or a `prefixserve serve` flag without its "
+                f"dashes (model=DIR, block_size=32, ...)"
+            )
     parsed = RayAppArgs(serve_argv=tuple(argv), **deployment)
     if parsed.disaggregated and "--kv-remote-url" not in argv:
-        raise ValueError("build_app: prefill_replicas needs kv_remote_url=redis://HOST:PORT, the shared tier through "
-                         "which prefill replicas hand each prompt's KV to the engine (decode) replicas")
+        raise ValueError(
+            "build_app: prefill_replicas needs kv_remote_url=redis://HOST:PORT, the shared tier through "
+            "which prefill replicas hand each prompt's KV to the engine (decode) replicas"
+        )
     check_serve_flags(list(parsed.role_argv("decode" if parsed.disaggregated else "both")))
     return parsed
 
@@ -168,18 +173,31 @@ def _deployment_value(key: str, value: Any):
             try:
                 value = json.loads(value)
             except ValueError:
-                raise ValueError(f"build_app: ingress_resources must be a JSON object of Ray resources, such as "
-                                 f"'{{\"head\": 0.01}}', not {value!r}") from None
-        if value is not None and not (isinstance(value, dict) and all(
+                raise ValueError(
+                    f"build_app: ingress_resources must be a JSON object of Ray resources, such as "
+                    f"'{{\"head\": 0.01}}', not {value!r}"
+                ) from None
+        if value is not None and not (
+            isinstance(value, dict)
+            and all(
                 isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
-                for k, v in value.items())):
-            raise ValueError("build_app: ingress_resources maps resource names to positive amounts, "
-                             "such as {\"head\": 0.01}")
+                for k, v in value.items()
+            )
+        ):
+            raise ValueError(
+                'build_app: ingress_resources maps resource names to positive amounts, such as {"head": 0.01}'
+            )
         return value
     if key == "memory" and value in (None, "", "none", "None"):
         return None
-    integer = key in ("num_replicas", "max_ongoing_requests", "ingress_replicas", "memory", "prefill_replicas",
-                      "local_prefill_tokens")
+    integer = key in (
+        "num_replicas",
+        "max_ongoing_requests",
+        "ingress_replicas",
+        "memory",
+        "prefill_replicas",
+        "local_prefill_tokens",
+    )
     try:
         number = int(value) if integer else float(value)
         if isinstance(value, bool) or (integer and isinstance(value, float) and value != int(value)):
@@ -187,7 +205,13 @@ def _deployment_value(key: str, value: Any):
     except (TypeError, ValueError):
         kind = "a whole number" if integer else "a number"
         raise ValueError(f"build_app: {key} must be {kind}, not {value!r}") from None
-    if number < (0 if key in ("prefill_replicas", "local_prefill_tokens") or not integer else 1) or (key == "routing_stats_period_s" and number == 0):
-        least = ("at least 0" if key in ("prefill_replicas", "local_prefill_tokens") else "at least 1") if integer else ("positive" if key == "routing_stats_period_s" else "at least 0")
+    if number < (0 if key in ("prefill_replicas", "local_prefill_tokens") or not integer else 1) or (
+        key == "routing_stats_period_s" and number == 0
+    ):
+        least = (
+            ("at least 0" if key in ("prefill_replicas", "local_prefill_tokens") else "at least 1")
+            if integer
+            else ("positive" if key == "routing_stats_period_s" else "at least 0")
+        )
         raise ValueError(f"build_app: {key} must be {least}, not {value!r}")
     return number

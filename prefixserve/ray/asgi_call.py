@@ -42,10 +42,20 @@ async def call_asgi(app, request: ForwardedRequest) -> AsyncIterator[Piece]:
     Leaving the iterator early (the client went away) tells the app the client disconnected and
     waits for it to finish, so the engine aborts the request as it would for a dropped socket.
     """
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-             "method": request.method, "scheme": "http", "path": request.path, "raw_path": request.path.encode(),
-             "query_string": request.query, "root_path": "", "headers": list(request.headers),
-             "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 0)}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": request.method,
+        "scheme": "http",
+        "path": request.path,
+        "raw_path": request.path.encode(),
+        "query_string": request.query,
+        "root_path": "",
+        "headers": list(request.headers),
+        "client": ("127.0.0.1", 0),
+        "server": ("127.0.0.1", 0),
+    }
     sent: asyncio.Queue = asyncio.Queue()
     disconnected = asyncio.Event()
     body_given = False

@@ -69,11 +69,13 @@ class EngineReplica:
         core = self.engine.engine
         tiers = core.tiers.tier_keys() if core.tiers is not None else {}
         usage = self.engine.snapshot.usage
-        return {"cache_keys": pack_keys(core.cache.keys()),
-                "tier_keys": {medium: pack_keys(keys) for medium, keys in tiers.items()},
-                "num_requests_waiting": self.engine.num_waiting,
-                "num_requests_running": self.engine.snapshot.num_running,
-                "kv_cache_usage": usage.usage}
+        return {
+            "cache_keys": pack_keys(core.cache.keys()),
+            "tier_keys": {medium: pack_keys(keys) for medium, keys in tiers.items()},
+            "num_requests_waiting": self.engine.num_waiting,
+            "num_requests_running": self.engine.snapshot.num_running,
+            "kv_cache_usage": usage.usage,
+        }
 
     def check_health(self) -> None:
         if self.engine.is_dead:
@@ -130,8 +132,9 @@ class Ingress:
             return None
         try:
             credentials = credentials_of(headers)
-            client = read_request(raw, path, self.tokenizer, self.max_model_len,
-                                  self.max_model_len * self.tokenizer.max_chars_per_token)
+            client = read_request(
+                raw, path, self.tokenizer, self.max_model_len, self.max_model_len * self.tokenizer.max_chars_per_token
+            )
         except (AmbiguousAuthorization, BadRequest):
             return None
         tenant = self.keys.lookup(credentials.key) if self.keys else None
@@ -147,10 +150,15 @@ class Ingress:
         if request.method == "POST" and path in ROUTED_PATHS:
             await self._learn_scope()
             estimate = await asyncio.to_thread(self._estimate, raw, path, request.headers)
-        forwarded = ForwardedRequest(request.method, path, request.scope.get("query_string", b""),
-                                     list(request.scope["headers"]), raw, estimate)
-        if self.prefill is not None and estimate is not None and estimate.route is not None \
-                and len(estimate.route.token_ids) > self.local_prefill_tokens:
+        forwarded = ForwardedRequest(
+            request.method, path, request.scope.get("query_string", b""), list(request.scope["headers"]), raw, estimate
+        )
+        if (
+            self.prefill is not None
+            and estimate is not None
+            and estimate.route is not None
+            and len(estimate.route.token_ids) > self.local_prefill_tokens
+        ):
             await self._prefill(forwarded)
         return await self._relay(forwarded)
 
@@ -172,8 +180,9 @@ class Ingress:
             async for _ in stream:
                 pass
         except RayActorError as failure:
-            logger.warning("a prefill replica went away (%s): the engine replica computes the prompt",
-                           type(failure).__name__)
+            logger.warning(
+                "a prefill replica went away (%s): the engine replica computes the prompt", type(failure).__name__
+            )
 
     async def _relay(self, forwarded: ForwardedRequest) -> Response:
         """The answer of the first replica that gives one; a replica that goes away first is tried last."""
@@ -187,24 +196,41 @@ class Ingress:
                 if forwarded.routed_to is not None:
                     forwarded.avoid.add(forwarded.routed_to)
                 if time.monotonic() > deadline:
-                    return JSONResponse({"error": {"message": f"no replica could answer: {failure}",
-                                                   "type": "service_unavailable", "code": "replicas_unavailable"}},
-                                        status_code=503, headers={"retry-after": "1"})
-                logger.warning("replica %s went away before answering (%s); trying another", forwarded.routed_to,
-                               type(failure).__name__)
+                    return JSONResponse(
+                        {
+                            "error": {
+                                "message": f"no replica could answer: {failure}",
+                                "type": "service_unavailable",
+                                "code": "replicas_unavailable",
+                            }
+                        },
+                        status_code=503,
+                        headers={"retry-after": "1"},
+                    )
+                logger.warning(
+                    "replica %s went away before answering (%s); trying another",
+                    forwarded.routed_to,
+                    type(failure).__name__,
+                )
                 await asyncio.sleep(RETRY_PAUSE_SECONDS)
                 continue
             break
-        headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in start.headers
-                   if name.lower() not in HOP_HEADERS}
+        headers = {
+            name.decode("latin-1"): value.decode("latin-1")
+            for name, value in start.headers
+            if name.lower() not in HOP_HEADERS
+        }
         if not _is_stream(start):
             return Response(b"".join(pieces), status_code=start.status, headers=headers)
-        return StreamingResponse(_rest_of_stream(pieces, stream, forwarded.path), status_code=start.status, headers=headers)
+        return StreamingResponse(
+            _rest_of_stream(pieces, stream, forwarded.path), status_code=start.status, headers=headers
+        )
 
 
 def _is_stream(start: ResponseStart) -> bool:
-    return any(name.lower() == b"content-type" and value.startswith(b"text/event-stream")
-               for name, value in start.headers)
+    return any(
+        name.lower() == b"content-type" and value.startswith(b"text/event-stream") for name, value in start.headers
+    )
 
 
 async def _read_until_committed(stream) -> tuple[ResponseStart, list[bytes]]:
@@ -227,8 +253,9 @@ async def _rest_of_stream(pieces: list[bytes], stream, path: str):
         async for piece in stream:
             yield piece
     except RayActorError as failure:
-        logger.warning("a stream's replica went away mid-answer (%s): the stream ends with an error event",
-                       type(failure).__name__)
+        logger.warning(
+            "a stream's replica went away mid-answer (%s): the stream ends with an error event", type(failure).__name__
+        )
         message = "the replica serving this stream went away; send the request again"
         if path == MESSAGES_PATH:  # Anthropic's stream error event
             body = {"type": "error", "error": {"type": "overloaded_error", "message": message}}

@@ -2,7 +2,8 @@
 
 Each engine replica reports, through Ray Serve's routing stats (`record_routing_stats`, polled by
 Serve's controller every `routing_stats_period_s` and broadcast to every router), the keys its
-device pool and its own lower tiers hold, the share of its pool running requests hold, as 8-byte prefixes of our block keys (prefixes are
+device pool and its own lower tiers hold, the share of its pool running requests hold, as 8-byte prefixes of
+our block keys (prefixes are
 enough to predict a hit; the engine compares the full key and the tokens before it reuses a
 block), and its queue. Between two reports a router counts the keys of the requests it has just
 routed to a replica as held there (as the HTTP router does until the replica's events say so),
@@ -34,7 +35,7 @@ def unpack_keys(blob: object) -> frozenset:
     if not isinstance(blob, (bytes, bytearray)) or len(blob) % KEY_PREFIX_BYTES:
         return frozenset()  # not a report of ours (or none yet): nothing predicted held
     size = KEY_PREFIX_BYTES
-    return frozenset(bytes(blob[i:i + size]) for i in range(0, len(blob), size))
+    return frozenset(bytes(blob[i : i + size]) for i in range(0, len(blob), size))
 
 
 @dataclass(frozen=True)
@@ -66,8 +67,9 @@ class ReplicaCacheView:
         self._report = stats
         self.held = unpack_keys(stats.get("cache_keys"))
         tiers = stats.get("tier_keys")
-        self.tier_held = ({medium: unpack_keys(blob) for medium, blob in tiers.items()}
-                          if isinstance(tiers, dict) else {})
+        self.tier_held = (
+            {medium: unpack_keys(blob) for medium, blob in tiers.items()} if isinstance(tiers, dict) else {}
+        )
         waiting, usage = stats.get("num_requests_waiting"), stats.get("kv_cache_usage")
         self.num_requests_waiting = waiting if isinstance(waiting, int) else 0
         self.kv_cache_usage = float(usage) if isinstance(usage, (int, float)) and 0 <= usage <= 1 else 0.0
@@ -127,4 +129,3 @@ def ranked(views: Sequence[ReplicaCacheView], best: int, avoid: frozenset) -> li
     """Indices in the order to try: the policy's choice, then the rest by load, replicas to avoid last."""
     order = [best] + sorted((i for i in range(len(views)) if i != best), key=lambda i: views[i].load)
     return sorted(order, key=lambda i: views[i].name in avoid)  # stable: the order within each group stays
-

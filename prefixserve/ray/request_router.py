@@ -52,8 +52,9 @@ class KVAwareRequestRouter(RequestRouter):
         view.take_report(replica.routing_stats)
         return view
 
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: Optional[PendingRequest] = None) -> list[list[RunningReplica]]:
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: Optional[PendingRequest] = None
+    ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
         views = [self._view(replica) for replica in candidate_replicas]

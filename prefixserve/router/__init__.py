@@ -1,4 +1,4 @@
-"""Routing across replicas: policies (shared with the HTTP router) and the fleet simulator (traces: prefixserve.traces)."""
+"""Routing across replicas: policies (shared with the HTTP router) and the fleet simulator (traces: traces/)."""
 
 from .policies import POLICIES, ReplicaView, RouteRequest, RoutingPolicy, make_policy
 from .policy_options import PolicyOptions

@@ -38,19 +38,25 @@ logger = logging.getLogger("prefixserve.router")
 # Requests placed by their prompt's tokens (forward.py; all POST), and those any healthy replica answers alike
 # (the replicas serve the same model and tokenizer), as (method, path).
 PLACED_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/messages")
-ANY_REPLICA_ROUTES = (("GET", "/v1/models"), ("POST", "/v1/messages/count_tokens"), ("POST", "/tokenize"),
-                      ("POST", "/detokenize"))
+ANY_REPLICA_ROUTES = (
+    ("GET", "/v1/models"),
+    ("POST", "/v1/messages/count_tokens"),
+    ("POST", "/tokenize"),
+    ("POST", "/detokenize"),
+)
 
 
 def _add_relayed_routes(app: FastAPI, router: Router) -> None:
     def placed(path: str):
         async def endpoint(request: Request):
             return await forward(router, request, path)
+
         return endpoint
 
     def any_replica(path: str):
         async def endpoint(request: Request):
             return await ask_any_replica(router, request, path)
+
         return endpoint
 
     for path in PLACED_ROUTES:

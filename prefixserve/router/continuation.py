@@ -25,10 +25,32 @@ from ..model.tokenizer import IncrementalDecoder, Tokenizer
 from .inbound import ClientRequest
 
 # Fields of the original body that shape sampling; a continuation carries them unchanged.
-CARRIED_FIELDS = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
-                  "cache_salt", "user", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-                  "min_tokens", "bad_words", "response_format", "structured_outputs", "guided_json", "guided_regex",
-                  "guided_choice", "guided_grammar", "guided_decoding_backend")
+CARRIED_FIELDS = (
+    "model",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "cache_salt",
+    "user",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "min_tokens",
+    "bad_words",
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_decoding_backend",
+)
 
 
 @dataclass
@@ -115,7 +137,7 @@ class ContinuedText:
         visible = len(self.text)
         if self.stop and finish_reason is None and not stopped:
             visible = max(self.num_emitted_chars, visible - self.max_stop_len + 1)
-        delta = self.text[self.num_emitted_chars:visible]
+        delta = self.text[self.num_emitted_chars : visible]
         self.num_emitted_chars = max(self.num_emitted_chars, visible)
         return delta, stopped
 
@@ -128,7 +150,7 @@ class ContinuedText:
                 hits.append((start + len(stop), start))
         if not hits:
             return False
-        self.text = self.text[:min(hits)[1]]
+        self.text = self.text[: min(hits)[1]]
         return True
 
 
@@ -141,19 +163,28 @@ def chat_logprobs(logprobs) -> Optional[dict]:
     content = []
     for i, token in enumerate(tokens):
         top = tops[i] if i < len(tops) and isinstance(tops[i], dict) else {}
-        content.append({"token": token, "logprob": values[i] if i < len(values) else None,
-                        "bytes": list(str(token).encode()),
-                        "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(str(t).encode())}
-                                         for t, lp in top.items()]})
+        content.append(
+            {
+                "token": token,
+                "logprob": values[i] if i < len(values) else None,
+                "bytes": list(str(token).encode()),
+                "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(str(t).encode())} for t, lp in top.items()],
+            }
+        )
     return {"content": content, "refusal": None}
 
 
-def reshape_chunk(envelope: dict, is_chat: bool, text: str, finish_reason: Optional[str], logprobs,
-                  token_ids: Optional[list[int]]) -> dict:
+def reshape_chunk(
+    envelope: dict, is_chat: bool, text: str, finish_reason: Optional[str], logprobs, token_ids: Optional[list[int]]
+) -> dict:
     """A continuation's completion chunk as a chunk of the original stream (same id, created, model)."""
     if is_chat:
-        choice = {"index": 0, "delta": {"content": text} if text else {}, "logprobs": chat_logprobs(logprobs),
-                  "finish_reason": finish_reason}
+        choice = {
+            "index": 0,
+            "delta": {"content": text} if text else {},
+            "logprobs": chat_logprobs(logprobs),
+            "finish_reason": finish_reason,
+        }
     else:
         choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     if token_ids is not None:
@@ -163,7 +194,7 @@ def reshape_chunk(envelope: dict, is_chat: bool, text: str, finish_reason: Optio
 
 def usage_of(choices: list[ChoiceProgress], n: int, reported: Optional[dict]) -> dict:
     """Usage as the router saw it: each prompt once (the n samples of a prompt share it), every output token."""
-    prompt_tokens = sum(len(p.prompt_token_ids or ()) for p in choices[::max(n, 1)])
+    prompt_tokens = sum(len(p.prompt_token_ids or ()) for p in choices[:: max(n, 1)])
     completion_tokens = sum(len(p.output_token_ids) for p in choices)
     cached, details = 0, {}
     reported_details = reported.get("prompt_tokens_details") if isinstance(reported, dict) else None
@@ -178,6 +209,9 @@ def usage_of(choices: list[ChoiceProgress], n: int, reported: Optional[dict]) ->
                     split[tier] = min(count, remaining)
                     remaining -= split[tier]
             details["cached_tokens_by_tier"] = split
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached, **details}}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached, **details},
+    }

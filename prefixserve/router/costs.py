@@ -47,8 +47,10 @@ class CostModel:
     # prefill_chunk_tokens of it (8,192: both engines' default chunk on an 80 GB GPU).
     prefill_chunk_tokens: float = 8192.0
     decode_bytes_per_second: float = 2.5e12
-    description: str = ("default: Llama-3-8B bf16 on one H100, host DRAM over PCIe, NVMe, a 5 GB/s remote store "
-                        "(estimated, not measured)")
+    description: str = (
+        "default: Llama-3-8B bf16 on one H100, host DRAM over PCIe, NVMe, a 5 GB/s remote store "
+        "(estimated, not measured)"
+    )
 
     def __post_init__(self) -> None:
         for item in fields(self):
@@ -57,37 +59,49 @@ class CostModel:
                 raise ValueError(f"CostModel.{item.name} must be a non-negative number, got {value!r}")
         if self.decode_batch_size < 1:
             raise ValueError(f"CostModel.decode_batch_size must be at least 1, got {self.decode_batch_size}")
-        for name in ("kv_bytes_per_token", "prefill_chunk_tokens", "decode_bytes_per_second",
-                     *(f"{tier}_bytes_per_second" for tier in TIER_NAMES)):
+        for name in (
+            "kv_bytes_per_token",
+            "prefill_chunk_tokens",
+            "decode_bytes_per_second",
+            *(f"{tier}_bytes_per_second" for tier in TIER_NAMES),
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"CostModel.{name} must be positive, got {getattr(self, name)!r}")
 
     def tier_costs(self) -> dict[str, TierCost]:
         """Read cost of each tier below the pool, in fetch order (host, disk, remote)."""
-        return {tier: TierCost(getattr(self, f"{tier}_latency_seconds"), getattr(self, f"{tier}_bytes_per_second"))
-                for tier in TIER_NAMES}
+        return {
+            tier: TierCost(getattr(self, f"{tier}_latency_seconds"), getattr(self, f"{tier}_bytes_per_second"))
+            for tier in TIER_NAMES
+        }
 
     def prefill_seconds(self, num_prompt_tokens: int, num_cached_tokens: int) -> float:
         computed = num_prompt_tokens - num_cached_tokens
         # Token p attends to p + 1 positions; sum that over the computed positions [cached, prompt).
         pairs = (num_prompt_tokens * (num_prompt_tokens + 1) - num_cached_tokens * (num_cached_tokens + 1)) / 2
-        return (self.overhead_seconds + computed * self.prefill_seconds_per_token
-                + pairs * self.attention_seconds_per_token_pair)
+        return (
+            self.overhead_seconds
+            + computed * self.prefill_seconds_per_token
+            + pairs * self.attention_seconds_per_token_pair
+        )
 
     def decode_seconds(self, num_output_tokens: int) -> float:
         return num_output_tokens * self.decode_seconds_per_token
 
     def decode_step_seconds(self, num_context_tokens: float) -> float:
         """One decode step of a batch whose sequences hold `num_context_tokens` in all (the step-level replay)."""
-        return self.decode_seconds_per_token + num_context_tokens * self.kv_bytes_per_token / self.decode_bytes_per_second
+        return (
+            self.decode_seconds_per_token + num_context_tokens * self.kv_bytes_per_token / self.decode_bytes_per_second
+        )
 
     def decode_work_seconds(self, num_output_tokens: int) -> float:
         return num_output_tokens * self.decode_seconds_per_token / self.decode_batch_size
 
     def request_seconds(self, num_prompt_tokens: int, num_hit_tokens: int, num_output_tokens: int) -> float:
         """A routed request's estimated work on its replica (a router's load), its hit capped at its prompt."""
-        return (self.prefill_seconds(num_prompt_tokens, min(num_hit_tokens, num_prompt_tokens))
-                + self.decode_work_seconds(num_output_tokens))
+        return self.prefill_seconds(
+            num_prompt_tokens, min(num_hit_tokens, num_prompt_tokens)
+        ) + self.decode_work_seconds(num_output_tokens)
 
     @classmethod
     def load(cls, path: str | Path) -> "CostModel":
@@ -102,8 +116,9 @@ class CostModel:
         if not isinstance(body, dict):
             raise ValueError(f"{path}: a cost model is a JSON object of {sorted(known)}")
         if set(body) - known:
-            raise ValueError(f"{path}: unknown cost model field(s) {sorted(set(body) - known)}; "
-                             f"known fields are {sorted(known)}")
+            raise ValueError(
+                f"{path}: unknown cost model field(s) {sorted(set(body) - known)}; known fields are {sorted(known)}"
+            )
         return cls(**body)
 
     def save(self, path: str | Path) -> None:
@@ -121,6 +136,11 @@ def policy_options_for(cost: CostModel, seed: int = 0) -> PolicyOptions:
     from the tiers below the pool are priced as the engine's planner prices them.
     """
     per_token = cost.prefill_seconds_per_token
-    return PolicyOptions(seed=seed, miss_token_seconds=3 * per_token, balance_slack_seconds=4096 * per_token,
-                         prefill_seconds_per_token=per_token, kv_bytes_per_token=cost.kv_bytes_per_token,
-                         tier_costs=cost.tier_costs())
+    return PolicyOptions(
+        seed=seed,
+        miss_token_seconds=3 * per_token,
+        balance_slack_seconds=4096 * per_token,
+        prefill_seconds_per_token=per_token,
+        kv_bytes_per_token=cost.kv_bytes_per_token,
+        tier_costs=cost.tier_costs(),
+    )

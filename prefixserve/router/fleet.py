@@ -21,8 +21,16 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from ..cache import max_hit_blocks
 from ..http_keys import AdminKey, Credentials, KeyTable
-from ..metric_names import (CACHE_KEY_ROUTES, CONTINUED_STREAMS, FAILOVERS, PREDICTED_HIT_TOKENS, PREFILLS,
-                            REPLICA_HEALTHY, REPLICA_LOAD_SECONDS, ROUTED_REQUESTS)
+from ..metric_names import (
+    CACHE_KEY_ROUTES,
+    CONTINUED_STREAMS,
+    FAILOVERS,
+    PREDICTED_HIT_TOKENS,
+    PREFILLS,
+    REPLICA_HEALTHY,
+    REPLICA_LOAD_SECONDS,
+    ROUTED_REQUESTS,
+)
 from .cache_key import keyed_replica
 from .costs import policy_options_for
 from .policies import RouteRequest, make_policy
@@ -41,24 +49,38 @@ class RouterMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         labels = ["replica"]  # the replica's name, never its URL
-        self.routed = Counter(ROUTED_REQUESTS, "Requests routed to each replica.", labels,
-                              registry=self.registry)
-        self.predicted_hits = Counter(PREDICTED_HIT_TOKENS, "Prompt tokens predicted cached on "
-                                      "the chosen replica.", labels, registry=self.registry)
-        self.failovers = Counter(FAILOVERS, "Requests moved off a failed replica.", labels,
-                                 registry=self.registry)
-        self.continued = Counter(CONTINUED_STREAMS, "Streams continued on this replica after "
-                                 "another one failed.", labels, registry=self.registry)
-        self.load = Gauge(REPLICA_LOAD_SECONDS, "Estimated outstanding work.", labels,
-                          registry=self.registry)
-        self.healthy = Gauge(REPLICA_HEALTHY, "1 when the replica passes health checks.", labels,
-                             registry=self.registry)
-        self.cache_key_routes = Counter(CACHE_KEY_ROUTES, "Requests with a prompt_cache_key kept on its replica or "
-                                        "overflowed to the policy.", ["outcome"], registry=self.registry)
-        self.prefills = Counter(PREFILLS, "Prefill phases of disaggregated requests: done on a prefill replica, "
-                                "refused by it, skipped (none answered: the decode replica computed the prompt), or "
-                                "local (short enough to prefill on the decode replica, --local-prefill-tokens).",
-                                ["outcome"], registry=self.registry)
+        self.routed = Counter(ROUTED_REQUESTS, "Requests routed to each replica.", labels, registry=self.registry)
+        self.predicted_hits = Counter(
+            PREDICTED_HIT_TOKENS,
+            "Prompt tokens predicted cached on the chosen replica.",
+            labels,
+            registry=self.registry,
+        )
+        self.failovers = Counter(FAILOVERS, "Requests moved off a failed replica.", labels, registry=self.registry)
+        self.continued = Counter(
+            CONTINUED_STREAMS,
+            "Streams continued on this replica after another one failed.",
+            labels,
+            registry=self.registry,
+        )
+        self.load = Gauge(REPLICA_LOAD_SECONDS, "Estimated outstanding work.", labels, registry=self.registry)
+        self.healthy = Gauge(
+            REPLICA_HEALTHY, "1 when the replica passes health checks.", labels, registry=self.registry
+        )
+        self.cache_key_routes = Counter(
+            CACHE_KEY_ROUTES,
+            "Requests with a prompt_cache_key kept on its replica or overflowed to the policy.",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.prefills = Counter(
+            PREFILLS,
+            "Prefill phases of disaggregated requests: done on a prefill replica, "
+            "refused by it, skipped (none answered: the decode replica computed the prompt), or "
+            "local (short enough to prefill on the decode replica, --local-prefill-tokens).",
+            ["outcome"],
+            registry=self.registry,
+        )
 
 
 class Router:
@@ -67,8 +89,9 @@ class Router:
         from ..model.tokenizer import Tokenizer
 
         self.settings = settings
-        self.replicas = [Replica(url, name, settings.health_failure_threshold, role)
-                         for name, url, role in settings.replica_roles()]
+        self.replicas = [
+            Replica(url, name, settings.health_failure_threshold, role) for name, url, role in settings.replica_roles()
+        ]
         self.policy = make_policy(settings.policy, policy_options_for(settings.cost))
         self.tokenizer = Tokenizer.from_dir(settings.model or default_tokenizer_dir())
         self.max_chars_per_token = self.tokenizer.max_chars_per_token  # computed once, over the vocabulary
@@ -83,8 +106,10 @@ class Router:
         self.default_output_tokens = DEFAULT_OUTPUT_TOKENS  # load estimate when a request gives no max_tokens
         # No pool limit (a full pool would read as a replica timing out), and idle connections are
         # dropped before a replica's keep-alive timeout (5 s in uvicorn) can close one under a request.
-        self.client = httpx.AsyncClient(timeout=settings.request_timeout, limits=httpx.Limits(
-            max_connections=None, max_keepalive_connections=64, keepalive_expiry=2.0))
+        self.client = httpx.AsyncClient(
+            timeout=settings.request_timeout,
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=2.0),
+        )
         self._tickets = itertools.count()
         self._tasks: list[asyncio.Task] = []
         self._checks: set[asyncio.Task] = set()
@@ -107,8 +132,11 @@ class Router:
             await asyncio.gather(*(r.check_health(self.client, self.settings.control_timeout) for r in self.replicas))
             # Learn the scope once, then again now and then (a replica's hot reload changes it), and at once
             # when a replica came (back) up: it may serve another checkpoint now.
-            if self.route_keys is None or time.monotonic() - self._scope_learned_at >= SCOPE_REFRESH_SECONDS \
-                    or any(r.healthy and r.can_mirror and r.model_fingerprint is None for r in self.replicas):
+            if (
+                self.route_keys is None
+                or time.monotonic() - self._scope_learned_at >= SCOPE_REFRESH_SECONDS
+                or any(r.healthy and r.can_mirror and r.model_fingerprint is None for r in self.replicas)
+            ):
                 await self._learn_scope()
             await asyncio.sleep(self.settings.health_interval)
 
@@ -141,8 +169,11 @@ class Router:
             if not replica.healthy:
                 continue
             try:
-                response = await self.client.get(replica.url + "/v1/cache/info", headers=self.control_headers(),
-                                                 timeout=self.settings.control_timeout)
+                response = await self.client.get(
+                    replica.url + "/v1/cache/info",
+                    headers=self.control_headers(),
+                    timeout=self.settings.control_timeout,
+                )
             except httpx.TimeoutException:
                 continue  # busy with a step, not down: another replica, or this one next time
             except httpx.TransportError as failure:
@@ -154,14 +185,22 @@ class Router:
                     fingerprint = info["model_fingerprint"]
                     replica.model_fingerprint = fingerprint if isinstance(fingerprint, str) and fingerprint else None
                 if info is not None and info["tokenizer_fingerprint"] != self.tokenizer.fingerprint:
-                    self._warn_once(f"tokenizer:{replica.name}", "replica %s uses another tokenizer than the "
-                                    "router's --model; its keys would never match: start the router with the "
-                                    "replicas' --model", replica.name)
+                    self._warn_once(
+                        f"tokenizer:{replica.name}",
+                        "replica %s uses another tokenizer than the "
+                        "router's --model; its keys would never match: start the router with the "
+                        "replicas' --model",
+                        replica.name,
+                    )
                     continue
                 if info is None:
-                    self._warn_once(f"info:{replica.name}", "replica %s answers %d on /v1/cache/info, so requests are "
-                                    "routed by load only; give replicas and router the same --admin-api-key",
-                                    replica.name, response.status_code)
+                    self._warn_once(
+                        f"info:{replica.name}",
+                        "replica %s answers %d on /v1/cache/info, so requests are "
+                        "routed by load only; give replicas and router the same --admin-api-key",
+                        replica.name,
+                        response.status_code,
+                    )
                     continue
                 if learned is not None:
                     continue  # the scope is the first replica's; this one's version is noted
@@ -172,13 +211,17 @@ class Router:
                 if isinstance(default_max_tokens, int) and default_max_tokens > 0:
                     self.default_output_tokens = default_max_tokens
             except (KeyError, TypeError, ValueError) as error:
-                self._warn_once(f"info:{replica.name}", "replica %s: unreadable /v1/cache/info (%r)", replica.name,
-                                error)
+                self._warn_once(
+                    f"info:{replica.name}", "replica %s: unreadable /v1/cache/info (%r)", replica.name, error
+                )
                 continue
             scope = route_keys.scoper.scope
             if self.route_keys is not None and self.route_keys.scoper.scope != scope:
-                logger.info("replica %s serves a new model version (%s): routing keys follow it", replica.name,
-                            scope.model_fingerprint[:12])
+                logger.info(
+                    "replica %s serves a new model version (%s): routing keys follow it",
+                    replica.name,
+                    scope.model_fingerprint[:12],
+                )
             learned = self.route_keys = route_keys
             self._scope_learned_at = time.monotonic()
             self._open_remote(scope.digest)
@@ -203,8 +246,9 @@ class Router:
         if self.settings.kv_remote_url and self.remote is None:
             from ..tiers.redis import RedisTier  # imports redis only when asked
 
-            self.remote = RedisTier(self.settings.kv_remote_url, scope_digest=scope_digest,
-                                    read_timeout=self.settings.kv_remote_timeout)
+            self.remote = RedisTier(
+                self.settings.kv_remote_url, scope_digest=scope_digest, read_timeout=self.settings.kv_remote_timeout
+            )
 
     async def with_remote_run(self, route: Optional[RouteRequest]) -> Optional[RouteRequest]:
         """The route with the leading run of its keys the remote tier holds (one round trip, off the loop)."""
@@ -217,9 +261,15 @@ class Router:
     def route_request(self, token_ids: list[int], salt: Optional[str]) -> Optional[RouteRequest]:
         return self.route_keys.route_request(token_ids, salt) if self.route_keys is not None else None
 
-    def choose(self, route: Optional[RouteRequest], exclude: set[str], model_fingerprint: Optional[str] = None,
-               version: Optional[str] = None, cache_key: Optional[str] = None,
-               role: str = "generate") -> Optional[Replica]:
+    def choose(
+        self,
+        route: Optional[RouteRequest],
+        exclude: set[str],
+        model_fingerprint: Optional[str] = None,
+        version: Optional[str] = None,
+        cache_key: Optional[str] = None,
+        role: str = "generate",
+    ) -> Optional[Replica]:
         """The replica for a request, among the healthy ones not in `exclude` that serve what it needs: given a
         fingerprint (a stream's continuation), only replicas known to serve exactly that model version; given a
         version (a request for 'name@fp_...'), those whose fingerprint begins with it, or failing any, those whose
@@ -227,11 +277,18 @@ class Router:
         prompt_cache_key, the replica that key belongs to unless it is overloaded (cache_key.py). `role` "generate"
         takes the replicas that answer requests ("both" and "decode"), "prefill" the prefill replicas."""
         roles = ("prefill",) if role == "prefill" else ("both", "decode")
-        candidates = [r for r in self.replicas if r.healthy and r.name not in exclude and r.role in roles
-                      and (model_fingerprint is None or r.model_fingerprint == model_fingerprint)]
+        candidates = [
+            r
+            for r in self.replicas
+            if r.healthy
+            and r.name not in exclude
+            and r.role in roles
+            and (model_fingerprint is None or r.model_fingerprint == model_fingerprint)
+        ]
         if version is not None:
-            candidates = ([r for r in candidates if r.version_matches(version)]
-                          or [r for r in candidates if r.version_matches(version) is None])
+            candidates = [r for r in candidates if r.version_matches(version)] or [
+                r for r in candidates if r.version_matches(version) is None
+            ]
         if not candidates:
             return None
         if cache_key is not None:
@@ -256,8 +313,9 @@ class Router:
             prompt_tokens = len(route.token_ids)
             replica.expect(route.keys)  # optimistic: the replica is about to cache this prompt's full blocks
         ticket = next(self._tickets)
-        replica.outstanding[ticket] = cost.request_seconds(prompt_tokens, hit_tokens,
-                                                           max_tokens or self.default_output_tokens)
+        replica.outstanding[ticket] = cost.request_seconds(
+            prompt_tokens, hit_tokens, max_tokens or self.default_output_tokens
+        )
         replica.num_routed += 1
         replica.num_predicted_hit_tokens += hit_tokens
         self.metrics.routed.labels(replica.name).inc()

@@ -42,8 +42,14 @@ def errors_for(path: str) -> Callable[..., Response]:
     if not path.startswith(MESSAGES_PATH):
         return error_response
 
-    def anthropic_error(status: int, message: str, type_: str = "", param: Optional[str] = None,
-                        code: Optional[str] = None, headers: Optional[dict] = None) -> Response:
+    def anthropic_error(
+        status: int,
+        message: str,
+        type_: str = "",
+        param: Optional[str] = None,
+        code: Optional[str] = None,
+        headers: Optional[dict] = None,
+    ) -> Response:
         return JSONResponse(anthropic_error_body(status, message), status_code=status, headers=headers)
 
     return anthropic_error
@@ -58,8 +64,9 @@ async def forward(router: Router, request: Request, path: str) -> Response:
     try:
         check_content_type(request.headers.get("content-type"))
         raw = await request.body()  # BodySizeLimit has refused anything over --max-request-bytes
-        client_request = await asyncio.to_thread(read_request, raw, path, router.tokenizer, router.max_prompt_tokens,
-                                                 router.max_prompt_chars)
+        client_request = await asyncio.to_thread(
+            read_request, raw, path, router.tokenizer, router.max_prompt_tokens, router.max_prompt_chars
+        )
     except BadRequest as error:
         return errors(error.status, error.message, code=error.code, param=error.param)
     cache_salt = client_request.body.get("cache_salt")
@@ -70,9 +77,14 @@ async def forward(router: Router, request: Request, path: str) -> Response:
     version = client_request.model_version
     if version is not None and not router.serves_version(version) and any(r.healthy for r in router.replicas):
         served = ", ".join(f"fp_{v}" for v in router.model_versions()) or "none readable"
-        return errors(404, f"no healthy replica serves version {version} of this model (serving: {served}); "
-                           "ask for the model's name alone to take any version", "not_found_error",
-                      param="model", code="model_not_found")
+        return errors(
+            404,
+            f"no healthy replica serves version {version} of this model (serving: {served}); "
+            "ask for the model's name alone to take any version",
+            "not_found_error",
+            param="model",
+            code="model_not_found",
+        )
     if router.settings.disaggregated and not _prefills_locally(router, client_request, route):
         await _prefill(router, path, client_request, route, headers)
     if client_request.streaming and not client_request.is_messages:
@@ -82,8 +94,16 @@ async def forward(router: Router, request: Request, path: str) -> Response:
 
 
 # What a prefill replica is not asked for: it answers one token, whole, and that answer is dropped.
-PREFILL_DROPPED_FIELDS = ("stream", "stream_options", "n", "max_completion_tokens", "min_tokens", "logprobs",
-                          "top_logprobs", "prompt_logprobs")
+PREFILL_DROPPED_FIELDS = (
+    "stream",
+    "stream_options",
+    "n",
+    "max_completion_tokens",
+    "min_tokens",
+    "logprobs",
+    "top_logprobs",
+    "prompt_logprobs",
+)
 
 
 def _prefills_locally(router: Router, client_request: ClientRequest, route: RouteRequest) -> bool:
@@ -91,19 +111,23 @@ def _prefills_locally(router: Router, client_request: ClientRequest, route: Rout
     prefill replica has more than --max-prefill-queue-seconds of work outstanding."""
     settings = router.settings
     threshold, max_queue = settings.local_prefill_tokens, settings.max_prefill_queue_seconds
-    local = max_queue is not None and all(r.load > max_queue for r in router.replicas
-                                          if r.role == "prefill" and r.healthy)
+    local = max_queue is not None and all(
+        r.load > max_queue for r in router.replicas if r.role == "prefill" and r.healthy
+    )
     if not local and threshold:
         replica = router.choose(route, set(), version=client_request.model_version)
-        local = (replica is not None
-                 and len(route.token_ids) - replica.num_hit_blocks(route) * route.tokens_per_block <= threshold)
+        local = (
+            replica is not None
+            and len(route.token_ids) - replica.num_hit_blocks(route) * route.tokens_per_block <= threshold
+        )
     if local:
         router.metrics.prefills.labels("local").inc()
     return local
 
 
-async def _prefill(router: Router, path: str, client_request: ClientRequest, route: RouteRequest,
-                   headers: dict) -> None:
+async def _prefill(
+    router: Router, path: str, client_request: ClientRequest, route: RouteRequest, headers: dict
+) -> None:
     """Prefill/decode disaggregation: the prompt is computed on a prefill replica first (chosen as the policy
     chooses: by its cached prefix and queue), which writes its KV to the remote tier before it answers (--role
     prefill); the decode replica chosen next fetches only what it lacks. One token, not streamed, the answer
@@ -139,8 +163,9 @@ async def _prefill(router: Router, path: str, client_request: ClientRequest, rou
     router.metrics.prefills.labels("skipped").inc()
 
 
-async def _send_to_replicas(router: Router, path: str, client_request: ClientRequest, route: RouteRequest,
-                            raw: bytes, headers: dict) -> Response:
+async def _send_to_replicas(
+    router: Router, path: str, client_request: ClientRequest, route: RouteRequest, raw: bytes, headers: dict
+) -> Response:
     """The request to one replica after another, at most `max_attempts` distinct ones, until one answers: its
     stream relayed (streams.StreamRelay), or its complete answer as it is."""
     version, errors = client_request.model_version, errors_for(path)
@@ -159,11 +184,20 @@ async def _send_to_replicas(router: Router, path: str, client_request: ClientReq
             continue
         if client_request.streaming and upstream.status_code == 200:
             first = Upstream(replica, upstream, ticket, replica.model_fingerprint)
-            relay = (MessageStreamRelay(router, client_request, route, raw, headers, tried, first)
-                     if client_request.is_messages else StreamRelay(router, client_request, headers, tried, first))
-            return StreamingResponse(relay.events(), media_type="text/event-stream",
-                                     headers={**passthrough_headers(upstream.headers, replica),
-                                              "cache-control": "no-cache", "x-accel-buffering": "no"})
+            relay = (
+                MessageStreamRelay(router, client_request, route, raw, headers, tried, first)
+                if client_request.is_messages
+                else StreamRelay(router, client_request, headers, tried, first)
+            )
+            return StreamingResponse(
+                relay.events(),
+                media_type="text/event-stream",
+                headers={
+                    **passthrough_headers(upstream.headers, replica),
+                    "cache-control": "no-cache",
+                    "x-accel-buffering": "no",
+                },
+            )
         try:
             content = await read_answer(upstream, replica.went_down, router.progress)
         except (httpx.TransportError, Stalled) as failure:  # died or hung while answering: the request moves
@@ -178,14 +212,28 @@ async def _send_to_replicas(router: Router, path: str, client_request: ClientReq
             status, answer_headers, content = unwrap_beats(content)
         except ValueError as error:
             router.check_soon(replica)
-            return errors(502, f"replica {replica.name} sent an answer the router cannot read ({error}); "
-                               "retry the request", "server_error", code="bad_replica_answer")
+            return errors(
+                502,
+                f"replica {replica.name} sent an answer the router cannot read ({error}); retry the request",
+                "server_error",
+                code="bad_replica_answer",
+            )
         return relay_response(router, replica, status, answer_headers, content, errors)
     if not tried:
-        return errors(503, "no healthy replica can take the request; retry shortly", "server_error",
-                      code="no_replica", headers={"Retry-After": "1"})
-    return errors(502, f"the request failed on {len(tried)} replica(s) that stopped answering; retry "
-                       "shortly", "server_error", code="replicas_failed", headers={"Retry-After": "1"})
+        return errors(
+            503,
+            "no healthy replica can take the request; retry shortly",
+            "server_error",
+            code="no_replica",
+            headers={"Retry-After": "1"},
+        )
+    return errors(
+        502,
+        f"the request failed on {len(tried)} replica(s) that stopped answering; retry shortly",
+        "server_error",
+        code="replicas_failed",
+        headers={"Retry-After": "1"},
+    )
 
 
 async def ask_any_replica(router: Router, request: Request, path: str) -> Response:
@@ -205,14 +253,20 @@ async def ask_any_replica(router: Router, request: Request, path: str) -> Respon
         if not replica.healthy:
             continue
         try:
-            response = await router.client.request(request.method, replica.url + path, content=content,
-                                                   headers=headers, timeout=router.settings.control_timeout)
+            response = await router.client.request(
+                request.method,
+                replica.url + path,
+                content=content,
+                headers=headers,
+                timeout=router.settings.control_timeout,
+            )
         except httpx.TransportError as failure:
             router.fail_over(replica, failure, f"on {path}")
             continue
         return relay_response(router, replica, response.status_code, response.headers, response.content, errors)
-    return errors(503, "no healthy replica; retry shortly", "server_error", code="no_replica",
-                  headers={"Retry-After": "1"})
+    return errors(
+        503, "no healthy replica; retry shortly", "server_error", code="no_replica", headers={"Retry-After": "1"}
+    )
 
 
 def forwarded_headers(credentials: Credentials) -> dict:
@@ -222,18 +276,29 @@ def forwarded_headers(credentials: Credentials) -> dict:
     return {"content-type": "application/json", PROGRESS_HEADER: BEATS, **credentials.headers()}
 
 
-def relay_response(router: Router, replica: Replica, status: int, headers: Mapping[str, str],
-                   content: bytes, errors: Callable[..., Response] = error_response) -> Response:
+def relay_response(
+    router: Router,
+    replica: Replica,
+    status: int,
+    headers: Mapping[str, str],
+    content: bytes,
+    errors: Callable[..., Response] = error_response,
+) -> Response:
     """A replica's complete answer, as it is. A 5xx makes the router check the replica's health, nothing more."""
     if status >= 500:
         router.check_soon(replica)
     media_type = headers.get("content-type", "")
     if status >= 400 and "json" not in media_type:  # never hand a client a plain-text error
         message = content.decode("utf-8", "replace")[:500] or f"replica {replica.name} answered {status}"
-        return errors(status, message, "server_error" if status >= 500 else "invalid_request_error",
-                      headers=passthrough_headers(headers, replica))
-    return Response(content, status_code=status, media_type=media_type or None,
-                    headers=passthrough_headers(headers, replica))
+        return errors(
+            status,
+            message,
+            "server_error" if status >= 500 else "invalid_request_error",
+            headers=passthrough_headers(headers, replica),
+        )
+    return Response(
+        content, status_code=status, media_type=media_type or None, headers=passthrough_headers(headers, replica)
+    )
 
 
 def passthrough_headers(headers: Mapping[str, str], replica: Replica) -> dict:

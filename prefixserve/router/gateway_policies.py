@@ -107,8 +107,11 @@ class LLMDDefault(RoutingPolicy):
         for replica, num_waiting in zip(replicas, waiting):
             prefix = self.routed.num_matched(replica.name, request) / num_blocks
             queue = 1.0 if most == fewest else (most - num_waiting) / (most - fewest)
-            scores.append(self.PREFIX_WEIGHT * prefix + self.QUEUE_WEIGHT * queue
-                          + self.KV_UTILIZATION_WEIGHT * (1.0 - replica.kv_cache_usage))
+            scores.append(
+                self.PREFIX_WEIGHT * prefix
+                + self.QUEUE_WEIGHT * queue
+                + self.KV_UTILIZATION_WEIGHT * (1.0 - replica.kv_cache_usage)
+            )
         best = max(range(len(replicas)), key=lambda i: (scores[i], -i))
         self.routed.record(replicas[best].name, request)
         return best

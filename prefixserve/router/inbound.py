@@ -66,8 +66,11 @@ def check_content_type(content_type: Optional[str]) -> None:
         return
     media = content_type.split(";", 1)[0].strip().lower()
     if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
-        raise BadRequest(415, f"the request body must be JSON sent as 'Content-Type: application/json', "
-                              f"not {media!r}", "unsupported_media_type")
+        raise BadRequest(
+            415,
+            f"the request body must be JSON sent as 'Content-Type: application/json', not {media!r}",
+            "unsupported_media_type",
+        )
 
 
 def read_request(raw: bytes, path: str, tokenizer, max_prompt_tokens: int, max_prompt_chars: int) -> ClientRequest:
@@ -75,11 +78,9 @@ def read_request(raw: bytes, path: str, tokenizer, max_prompt_tokens: int, max_p
     try:
         body = parse_json_body(raw)
     except ValueError as error:
-        raise BadRequest(400, f"{error}; send a JSON object such as {{\"prompt\": \"...\"}}",
-                         code="invalid_json") from None
+        raise BadRequest(400, f'{error}; send a JSON object such as {{"prompt": "..."}}', code="invalid_json") from None
     if not isinstance(body, dict):
-        raise BadRequest(400, f"the request body must be a JSON object, not {type(body).__name__}",
-                         code="invalid_json")
+        raise BadRequest(400, f"the request body must be a JSON object, not {type(body).__name__}", code="invalid_json")
     n = _sane_int(body.get("n", 1)) or 1
     model_version = None
     if isinstance(body.get("model"), str):
@@ -87,10 +88,17 @@ def read_request(raw: bytes, path: str, tokenizer, max_prompt_tokens: int, max_p
             model_version = split_model(body["model"])[1]
         except ValueError as error:
             raise BadRequest(400, str(error), code="invalid_value", param="model") from None
-    request = ClientRequest(path=path, body=body, streaming=body.get("stream") is True, n=n,
-                            num_choices=n * _num_prompts(path, body), max_tokens=_max_tokens(path, body),
-                            wants_token_ids=body.get("return_token_ids") is True, model_version=model_version,
-                            cache_key=None if path == MESSAGES_PATH else _cache_key(body.get("prompt_cache_key")))
+    request = ClientRequest(
+        path=path,
+        body=body,
+        streaming=body.get("stream") is True,
+        n=n,
+        num_choices=n * _num_prompts(path, body),
+        max_tokens=_max_tokens(path, body),
+        wants_token_ids=body.get("return_token_ids") is True,
+        model_version=model_version,
+        cache_key=None if path == MESSAGES_PATH else _cache_key(body.get("prompt_cache_key")),
+    )
     try:
         request.token_ids = _prompt_tokens(request, tokenizer, max_prompt_tokens, max_prompt_chars)
     except Exception:  # a template may reject a conversation; the replica will say why
@@ -147,8 +155,9 @@ def _prompt_tokens(request: ClientRequest, tokenizer, max_prompt_tokens: int, ma
 
 def _chat_tokens(messages, tools, tokenizer, max_prompt_chars: int) -> list[int]:
     """A chat's tokens as the replica renders them, tools and tool calls included (chat_tools.py)."""
-    if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                                 for m in messages):
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages
+    ):
         return []
     if not isinstance(tools, list) or not tools:
         tools = None

@@ -43,8 +43,8 @@ def split_events(buffer: bytes) -> tuple[list[bytes], bytes]:
     buffer = buffer.replace(b"\r\n", b"\n")
     events = []
     while (end := buffer.find(b"\n\n")) >= 0:
-        events.append(buffer[:end + 2])
-        buffer = buffer[end + 2:]
+        events.append(buffer[: end + 2])
+        buffer = buffer[end + 2 :]
     return events, buffer
 
 
@@ -60,8 +60,16 @@ def event_name(event: bytes) -> Optional[bytes]:
 
 
 class MessageStreamRelay:
-    def __init__(self, router: Router, request: ClientRequest, route: Optional[RouteRequest], raw: bytes,
-                 headers: dict, tried: set[str], first: Upstream) -> None:
+    def __init__(
+        self,
+        router: Router,
+        request: ClientRequest,
+        route: Optional[RouteRequest],
+        raw: bytes,
+        headers: dict,
+        tried: set[str],
+        first: Upstream,
+    ) -> None:
         self.router, self.request, self.route, self.raw = router, request, route, raw
         self.headers, self.tried, self.upstream = headers, tried, first
         self.num_events_sent = 0
@@ -76,15 +84,21 @@ class MessageStreamRelay:
                 if self.complete:
                     return
                 if self.num_events_sent:
-                    yield error_event(503, f"replica {self.upstream.replica.name} failed while streaming this "
-                                           "message, and a Messages stream cannot be continued elsewhere; retry the "
-                                           "request")
+                    yield error_event(
+                        503,
+                        f"replica {self.upstream.replica.name} failed while streaming this "
+                        "message, and a Messages stream cannot be continued elsewhere; retry the "
+                        "request",
+                    )
                     return
                 replayed = await self._replay()
                 if replayed is None:
-                    yield error_event(503, f"the replica serving this message failed before its first event and no "
-                                           f"other healthy replica could take it (tried {len(self.tried)}); retry "
-                                           "the request")
+                    yield error_event(
+                        503,
+                        f"the replica serving this message failed before its first event and no "
+                        f"other healthy replica could take it (tried {len(self.tried)}); retry "
+                        "the request",
+                    )
                     return
                 self.upstream = replayed
         except Exception:  # whatever went wrong, the client gets an error event, not a cut connection
@@ -98,8 +112,9 @@ class MessageStreamRelay:
         try:
             while not self.complete:
                 try:
-                    data = await unless_down(chunks.__anext__(), upstream.replica.went_down,
-                                             clock.deadline if stepping else None)
+                    data = await unless_down(
+                        chunks.__anext__(), upstream.replica.went_down, clock.deadline if stepping else None
+                    )
                 except StopAsyncIteration:
                     self.router.check_soon(upstream.replica)  # it ended without message_stop
                     return

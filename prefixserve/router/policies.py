@@ -201,8 +201,10 @@ class KVAware(RoutingPolicy):
         waits = [replica.load if wait is None else wait for replica, wait in zip(replicas, waits)]
         recent = self._decay_recent_work(replicas)
         weight = self.options.recent_work_weight
-        costs = [wait + self.missing_seconds(request, replica) + weight * recent[replica.name]
-                 for replica, wait in zip(replicas, waits)]
+        costs = [
+            wait + self.missing_seconds(request, replica) + weight * recent[replica.name]
+            for replica, wait in zip(replicas, waits)
+        ]
         best = self._cheapest(replicas, costs, range(len(replicas)))
         limit = sum(waits) / len(waits) * self.options.balance_threshold + self.options.balance_slack_seconds
         if waits[best] > limit:  # the shortest wait is never above the limit, so there is a candidate
@@ -231,8 +233,9 @@ class KVAware(RoutingPolicy):
             recent[replica.name] = recent.get(replica.name, 0.0) * keep
         return recent
 
-    def missing_seconds(self, request: RouteRequest, replica: ReplicaView,
-                        token_seconds: Optional[float] = None) -> float:
+    def missing_seconds(
+        self, request: RouteRequest, replica: ReplicaView, token_seconds: Optional[float] = None
+    ) -> float:
         """What the prompt's missing blocks cost on `replica`: fetch (from the planner) + recompute, a recomputed
         token weighted `token_seconds` (default: `miss_token_seconds`)."""
         options = self.options
@@ -242,8 +245,13 @@ class KVAware(RoutingPolicy):
         if lower_tier_run is not None and options.tier_costs and options.kv_bytes_per_token:
             run = lower_tier_run(request)
             if run:
-                plan = plan_fetch(list(run), int(options.kv_bytes_per_token * request.tokens_per_block),
-                                  options.prefill_seconds_per_token, request.tokens_per_block, options.tier_costs)
+                plan = plan_fetch(
+                    list(run),
+                    int(options.kv_bytes_per_token * request.tokens_per_block),
+                    options.prefill_seconds_per_token,
+                    request.tokens_per_block,
+                    options.tier_costs,
+                )
                 fetch_seconds = plan.fetch_seconds
                 num_missing -= plan.num_fetch_blocks
         if token_seconds is None:  # the weighted price: dearer where running requests fill the pool
@@ -268,6 +276,8 @@ def make_policy(name: str, options: Optional[PolicyOptions] = None) -> RoutingPo
 
     factory = POLICIES.get(name) or GATEWAY_POLICIES.get(name)
     if factory is None:
-        raise ValueError(f"unknown routing policy {name!r}; choose one of {', '.join(POLICIES)}, or for the "
-                         f"simulator one of the gateways' {', '.join(GATEWAY_POLICIES)}")
+        raise ValueError(
+            f"unknown routing policy {name!r}; choose one of {', '.join(POLICIES)}, or for the "
+            f"simulator one of the gateways' {', '.join(GATEWAY_POLICIES)}"
+        )
     return factory(options or PolicyOptions())

@@ -48,10 +48,18 @@ class PolicyOptions:
     def __post_init__(self) -> None:
         if self.hash_prefix_blocks < 1 or self.virtual_nodes < 1:
             raise ValueError("hash_prefix_blocks and virtual_nodes must be at least 1")
-        if (self.miss_token_seconds < 0 or self.balance_threshold < 1 or self.balance_slack_seconds < 0
-                or self.recent_work_weight < 0 or self.kv_usage_weight < 0 or self.move_cost_factor < 0):
-            raise ValueError("kv_aware needs miss_token_seconds >= 0, balance_threshold >= 1, "
-                             "balance_slack_seconds >= 0, recent_work_weight >= 0, kv_usage_weight >= 0, "
-                             "move_cost_factor >= 0")
+        if (
+            self.miss_token_seconds < 0
+            or self.balance_threshold < 1
+            or self.balance_slack_seconds < 0
+            or self.recent_work_weight < 0
+            or self.kv_usage_weight < 0
+            or self.move_cost_factor < 0
+        ):
+            raise ValueError(
+                "kv_aware needs miss_token_seconds >= 0, balance_threshold >= 1, "
+                "balance_slack_seconds >= 0, recent_work_weight >= 0, kv_usage_weight >= 0, "
+                "move_cost_factor >= 0"
+            )
         if self.prefill_seconds_per_token <= 0 or self.kv_bytes_per_token < 0:
             raise ValueError("kv_aware needs prefill_seconds_per_token > 0 and kv_bytes_per_token >= 0")

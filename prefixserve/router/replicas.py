@@ -51,8 +51,10 @@ def parse_replica(spec: str, index: int) -> tuple[str, str]:
     name, separator, url = spec.partition("=")
     if separator and "://" not in name:
         if not REPLICA_NAME.fullmatch(name):
-            raise ValueError(f"replica name {name!r} in {spec!r}: use letters, digits, '.', '_' or '-' "
-                             "(up to 64), e.g. --replica gpu-a=http://10.0.0.5:8000")
+            raise ValueError(
+                f"replica name {name!r} in {spec!r}: use letters, digits, '.', '_' or '-' "
+                "(up to 64), e.g. --replica gpu-a=http://10.0.0.5:8000"
+            )
     else:
         name, url = f"replica-{index}", spec
     if not url.startswith(("http://", "https://")):
@@ -61,8 +63,9 @@ def parse_replica(spec: str, index: int) -> tuple[str, str]:
 
 
 class Replica:
-    def __init__(self, url: str, name: Optional[str] = None, health_failure_threshold: int = 3,
-                 role: str = "both") -> None:
+    def __init__(
+        self, url: str, name: Optional[str] = None, health_failure_threshold: int = 3, role: str = "both"
+    ) -> None:
         self.url = url.rstrip("/")
         self.name = name or self.url
         self.role = role  # "both", or its part in prefill/decode disaggregation: "prefill" or "decode"
@@ -81,7 +84,9 @@ class Replica:
         # The model version it serves (/v1/cache/info's model_fingerprint); None until read, or when the router
         # may not read it (no admin key). A stream continues only where this equals its first replica's.
         self.model_fingerprint: Optional[str] = None
-        self.went_down = asyncio.Event()  # set when it is marked down as hung: requests waiting on it move (progress.py)
+        self.went_down = (
+            asyncio.Event()
+        )  # set when it is marked down as hung: requests waiting on it move (progress.py)
         self.expected: dict[bytes, float] = {}  # key -> time.monotonic() a request that will store it was routed
 
     def expect(self, keys) -> None:
@@ -155,8 +160,9 @@ class Replica:
         except httpx.TimeoutException as error:
             self.health_timeouts += 1
             if self.health_timeouts >= self.health_failure_threshold:
-                self.mark_down(f"health check failed: timed out {self.health_timeouts} times in a row ({error!r})",
-                               hung=True)
+                self.mark_down(
+                    f"health check failed: timed out {self.health_timeouts} times in a row ({error!r})", hung=True
+                )
             return
         except httpx.TransportError as error:
             self.mark_down(f"health check failed: {error!r}")
@@ -173,8 +179,9 @@ class Replica:
             return
         try:
             if self.cursor is not None and self.has_events:
-                response = await client.get(f"{self.url}/v1/kv_events", params={"since": self.cursor},
-                                            headers=headers, timeout=timeout)
+                response = await client.get(
+                    f"{self.url}/v1/kv_events", params={"since": self.cursor}, headers=headers, timeout=timeout
+                )
                 if response.status_code == 404 and "--enable-kv-events" in response.text:
                     self.has_events = False  # replica runs without --enable-kv-events: snapshots only
                 elif self._refused(response, "/v1/kv_events"):
@@ -192,8 +199,9 @@ class Replica:
             body = response.json()
             self._forget_old_expected()
             self.mirror.keys = {bytes.fromhex(key) for key in body["keys"]} | self.expected.keys()
-            self.mirror.tier_keys = {medium: {bytes.fromhex(key) for key in keys}
-                                     for medium, keys in (body.get("tiers") or {}).items()}
+            self.mirror.tier_keys = {
+                medium: {bytes.fromhex(key) for key in keys} for medium, keys in (body.get("tiers") or {}).items()
+            }
             self.cursor = body["next"]
         except httpx.TimeoutException:
             logger.debug("replica %s: cache sync timed out (busy with a step); trying again", self.name)
@@ -210,9 +218,13 @@ class Replica:
         if response.status_code in (401, 403, 404, 405):
             self.can_mirror = False
             self.mirror.clear()
-            logger.warning("replica %s answers %s on %s, so the router cannot mirror its cache and routes to it by "
-                           "load only; start replicas and router with the same --admin-api-key", self.name,
-                           response.status_code, path)
+            logger.warning(
+                "replica %s answers %s on %s, so the router cannot mirror its cache and routes to it by "
+                "load only; start replicas and router with the same --admin-api-key",
+                self.name,
+                response.status_code,
+                path,
+            )
             return True
         self.cursor = None  # a transient 5xx or 429: try a snapshot next time
         return True

@@ -25,22 +25,33 @@ def _percent(value: float) -> str:
 def _align(rows: list[tuple[str, ...]], num_left: int = 1) -> str:
     """The first `num_left` columns left-aligned, the rest right-aligned, a rule under the header."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(w) if i < num_left else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
-             for row in rows]
+    lines = [
+        "  ".join(cell.ljust(w) if i < num_left else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+        for row in rows
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
 
 def format_table(results: Sequence[SimulationResult]) -> str:
     """One row per result; with tiers below the pool, the hit rate split by where the hits came from."""
-    tiers = [tier for tier in ("device", "host", "disk", "remote")
-             if any(tier in r.num_hit_tokens_by_tier for r in results)]
+    tiers = [
+        tier for tier in ("device", "host", "disk", "remote") if any(tier in r.num_hit_tokens_by_tier for r in results)
+    ]
     tiers = tiers if tiers != ["device"] else []  # the pool alone: the hit rate says it all
     header = (_COLUMNS[0], _COLUMNS[1], *(f"{tier} hits" for tier in tiers), *_COLUMNS[2:])
     rows = [header] + [
-        (r.policy, f"{r.hit_rate:.1%}", *(_percent(r.tier_hit_rate(tier)) for tier in tiers),
-         f"{r.num_prefill_tokens:,}", "-" if math.isnan(r.load_imbalance) else f"{r.load_imbalance:.2f}",
-         _seconds(r.queue_p50), _seconds(r.queue_p99), _seconds(r.ttft_p50), _seconds(r.ttft_p99))
+        (
+            r.policy,
+            f"{r.hit_rate:.1%}",
+            *(_percent(r.tier_hit_rate(tier)) for tier in tiers),
+            f"{r.num_prefill_tokens:,}",
+            "-" if math.isnan(r.load_imbalance) else f"{r.load_imbalance:.2f}",
+            _seconds(r.queue_p50),
+            _seconds(r.queue_p99),
+            _seconds(r.ttft_p50),
+            _seconds(r.ttft_p99),
+        )
         for r in results
     ]
     return _align(rows)
@@ -51,9 +62,17 @@ def format_load_sweep(sweep: dict[float, list[SimulationResult]]) -> str:
     rows = [("load", "requests", "policy", "hit rate", "TTFT p50", "TTFT p99", "imbalance")]
     for load, results in sweep.items():
         for i, r in enumerate(results):
-            rows.append((f"x{load:g}" if i == 0 else "", f"{r.num_requests:,}" if i == 0 else "", r.policy,
-                         f"{r.hit_rate:.1%}", _seconds(r.ttft_p50), _seconds(r.ttft_p99),
-                         "-" if math.isnan(r.load_imbalance) else f"{r.load_imbalance:.2f}"))
+            rows.append(
+                (
+                    f"x{load:g}" if i == 0 else "",
+                    f"{r.num_requests:,}" if i == 0 else "",
+                    r.policy,
+                    f"{r.hit_rate:.1%}",
+                    _seconds(r.ttft_p50),
+                    _seconds(r.ttft_p99),
+                    "-" if math.isnan(r.load_imbalance) else f"{r.load_imbalance:.2f}",
+                )
+            )
     return _align(rows, num_left=3)
 
 
@@ -110,9 +129,13 @@ def plot_capacity_sweep(sweep: dict[int, list[SimulationResult]], path: str | Pa
     figure.savefig(path, dpi=110)
 
 
-
-def plot_tier_lift(local: Sequence[SimulationResult], tiered: Sequence[SimulationResult], path: str | Path,
-                   title: str = "", tiered_label: str = "with the remote tier") -> None:
+def plot_tier_lift(
+    local: Sequence[SimulationResult],
+    tiered: Sequence[SimulationResult],
+    path: str | Path,
+    title: str = "",
+    tiered_label: str = "with the remote tier",
+) -> None:
     """Each policy without and with the tiers: hit rate against the infinite-cache bound, TTFT p50 and p99."""
     from matplotlib.figure import Figure
 
@@ -122,8 +145,11 @@ def plot_tier_lift(local: Sequence[SimulationResult], tiered: Sequence[Simulatio
     figure = Figure(figsize=(14, 5), layout="constrained")
     axes = figure.subplots(1, 3)
     positions = range(len(names))
-    panels = [(axes[0], lambda r: r.hit_rate * 100, "token hit rate (%)"),
-              (axes[1], lambda r: r.ttft_p50, "TTFT p50 (s)"), (axes[2], lambda r: r.ttft_p99, "TTFT p99 (s)")]
+    panels = [
+        (axes[0], lambda r: r.hit_rate * 100, "token hit rate (%)"),
+        (axes[1], lambda r: r.ttft_p50, "TTFT p50 (s)"),
+        (axes[2], lambda r: r.ttft_p99, "TTFT p99 (s)"),
+    ]
     for axis, value, label in panels:
         for offset, results, run_label in ((-0.2, by_name[0], "local only"), (0.2, by_name[1], tiered_label)):
             axis.bar([p + offset for p in positions], [value(results[name]) for name in names], 0.4, label=run_label)

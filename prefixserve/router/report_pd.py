@@ -12,12 +12,38 @@ if TYPE_CHECKING:
 
 
 def format_pd_table(results: Sequence[StepResult]) -> str:
-    rows = [("fleet", "hit rate", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "prefill wait p99",
-             "decode wait p99", "KV moved/request")]
+    rows = [
+        (
+            "fleet",
+            "hit rate",
+            "TTFT p50",
+            "TTFT p99",
+            "TPOT p50",
+            "TPOT p99",
+            "prefill wait p99",
+            "decode wait p99",
+            "KV moved/request",
+        )
+    ]
     for r in results:
-        rows.append((r.name, f"{r.hit_rate:.1%}", *(_seconds(r.percentile(name, q)) for name, q in (
-            ("ttft", 50), ("ttft", 99), ("tpot", 50), ("tpot", 99), ("prefill_wait", 99), ("decode_wait", 99))),
-            f"{r.moved_bytes_per_request / 1e9:.2f} GB"))
+        rows.append(
+            (
+                r.name,
+                f"{r.hit_rate:.1%}",
+                *(
+                    _seconds(r.percentile(name, q))
+                    for name, q in (
+                        ("ttft", 50),
+                        ("ttft", 99),
+                        ("tpot", 50),
+                        ("tpot", 99),
+                        ("prefill_wait", 99),
+                        ("decode_wait", 99),
+                    )
+                ),
+                f"{r.moved_bytes_per_request / 1e9:.2f} GB",
+            )
+        )
     return _align(rows)
 
 
@@ -38,8 +64,7 @@ def plot_pd(results: Sequence[StepResult], path: str | Path, title: str = "") ->
     axes = figure.subplots(1, 2)
     for axis, metric, label in ((axes[0], "ttft", "TTFT (s)"), (axes[1], "tpot", "TPOT (s)")):
         for offset, q in ((-0.2, 50), (0.2, 99)):
-            axis.bar([p + offset for p in positions], [r.percentile(metric, q) for r in results], 0.4,
-                     label=f"p{q}")
+            axis.bar([p + offset for p in positions], [r.percentile(metric, q) for r in results], 0.4, label=f"p{q}")
         axis.set_xticks(list(positions), names, rotation=20)
         axis.set_ylabel(label)
         axis.legend()

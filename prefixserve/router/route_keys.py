@@ -20,8 +20,15 @@ class RouteKeys:
     @classmethod
     def of(cls, info: dict) -> "RouteKeys":
         """From a /v1/cache/info body (KeyError, TypeError or ValueError when it is not one)."""
-        scoper = PromptScoper(CacheScope(info["model_fingerprint"], info["tokenizer_fingerprint"], info["adapter_id"],
-                                         numerics=info.get("numerics", "")), info["block_size"])
+        scoper = PromptScoper(
+            CacheScope(
+                info["model_fingerprint"],
+                info["tokenizer_fingerprint"],
+                info["adapter_id"],
+                numerics=info.get("numerics", ""),
+            ),
+            info["block_size"],
+        )
         for prefix in info["shared_prefixes"]:
             scoper.declare_shared_prefix(prefix)
         return cls(scoper, BlockKeyer(info["block_size"], info["prefix_hash"]))

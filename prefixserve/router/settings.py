@@ -45,8 +45,10 @@ class RouterSettings:
         if not self.replicas and not self.decode_replicas:
             raise ValueError("the router needs at least one --replica URL (or --decode-replica URL)")
         if self.prefill_replicas and self.kv_remote_url is None:
-            raise ValueError("--prefill-replica hands KV to the decode replicas over the remote tier: give the "
-                             "replicas' --kv-remote-url to the router too")
+            raise ValueError(
+                "--prefill-replica hands KV to the decode replicas over the remote tier: give the "
+                "replicas' --kv-remote-url to the router too"
+            )
         named = self.named_replicas()
         for kind, values in (("name", [n for n, _ in named]), ("URL", [u for _, u in named])):
             duplicates = sorted({v for v in values if values.count(v) > 1})
@@ -75,8 +77,11 @@ class RouterSettings:
 
     def replica_roles(self) -> list[tuple[str, str, str]]:
         """(name, url, role) of every replica: "both", "prefill" or "decode"."""
-        specs = ([(spec, "both") for spec in self.replicas] + [(spec, "prefill") for spec in self.prefill_replicas]
-                 + [(spec, "decode") for spec in self.decode_replicas])
+        specs = (
+            [(spec, "both") for spec in self.replicas]
+            + [(spec, "prefill") for spec in self.prefill_replicas]
+            + [(spec, "decode") for spec in self.decode_replicas]
+        )
         return [(*parse_replica(spec, i), role) for i, (spec, role) in enumerate(specs)]
 
     @property

@@ -42,8 +42,18 @@ NO_FETCH = FetchPlan({}, 0, 0.0, 0.0)
 
 
 class Job:
-    __slots__ = ("request", "route", "estimate", "prefill_estimate", "start", "prefill_seconds", "blocks",
-                 "num_hit_blocks", "fetch", "done_at")
+    __slots__ = (
+        "request",
+        "route",
+        "estimate",
+        "prefill_estimate",
+        "start",
+        "prefill_seconds",
+        "blocks",
+        "num_hit_blocks",
+        "fetch",
+        "done_at",
+    )
 
     def __init__(self, request: TraceRequest, route: RouteRequest, prefill_estimate: float, estimate: float) -> None:
         self.request, self.route = request, route
@@ -68,8 +78,16 @@ class SimulatedReplica:
 
     job_type = Job  # what enqueue makes (sim_steps.StepJob adds the step-level replay's progress)
 
-    def __init__(self, index: int, capacity_blocks: int, cost: CostModel, block_size: int, clock: SimulationClock,
-                 tiers: Optional[ReplicaTiers] = None, fetch_policy: str = "cost") -> None:
+    def __init__(
+        self,
+        index: int,
+        capacity_blocks: int,
+        cost: CostModel,
+        block_size: int,
+        clock: SimulationClock,
+        tiers: Optional[ReplicaTiers] = None,
+        fetch_policy: str = "cost",
+    ) -> None:
         self.name = f"replica-{index}"
         self.cache = RadixCache(capacity_blocks, block_size=1, clock=clock)
         self.cost, self.block_size, self.clock = cost, block_size, clock
@@ -134,8 +152,14 @@ class SimulatedReplica:
     def _plan(self, run: list[tuple[str, int]]) -> FetchPlan:
         if not run:
             return NO_FETCH
-        return choose_fetch(self.fetch_policy, run, self.block_bytes, self.cost.prefill_seconds_per_token,
-                            self.block_size, self.tier_costs)
+        return choose_fetch(
+            self.fetch_policy,
+            run,
+            self.block_bytes,
+            self.cost.prefill_seconds_per_token,
+            self.block_size,
+            self.tier_costs,
+        )
 
     def _prefill_seconds(self, request: TraceRequest, num_hit_blocks: int, fetch: FetchPlan) -> float:
         num_cached_tokens = min((num_hit_blocks + fetch.num_fetch_blocks) * self.block_size, request.input_length)

@@ -47,8 +47,17 @@ def last_block_tokens(num_prompt_tokens: int) -> int:
 class StepJob(Job):
     """A job with its progress: fetch and computation left, and when its sequence is done decoding."""
 
-    __slots__ = ("fetch_left", "compute_left", "chunk_seconds", "done_tokens", "first_token_at", "context_tokens",
-                 "trail", "handed_tokens", "extra_tokens")
+    __slots__ = (
+        "fetch_left",
+        "compute_left",
+        "chunk_seconds",
+        "done_tokens",
+        "first_token_at",
+        "context_tokens",
+        "trail",
+        "handed_tokens",
+        "extra_tokens",
+    )
 
     def __init__(self, request: TraceRequest, route: RouteRequest, prefill_estimate: float, estimate: float) -> None:
         super().__init__(request, route, prefill_estimate, estimate)
@@ -133,8 +142,9 @@ class StepReplica(SimulatedReplica):
         if self.role == "decode" and job.handed_tokens:  # the prefill replica wrote the prompt's engine blocks
             cost, request = self.cost, job.request
             cached = min((job.num_hit_blocks + job.fetch.num_fetch_blocks) * self.block_size, request.input_length)
-            job.extra_tokens = min(request.input_length - cached - last_block_tokens(request.input_length),
-                                   job.handed_tokens - cached)
+            job.extra_tokens = min(
+                request.input_length - cached - last_block_tokens(request.input_length), job.handed_tokens - cached
+            )
             if job.extra_tokens > 0:
                 job.fetch_left += job.extra_tokens * cost.kv_bytes_per_token / cost.remote_bytes_per_second
                 job.compute_left = cost.prefill_seconds(request.input_length, cached + job.extra_tokens)

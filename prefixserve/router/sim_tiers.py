@@ -10,7 +10,8 @@ prefix within a tier. How blocks get in:
 
 Admission continues the pool's match through the tiers for the consecutive run
 and the engine's planner decides how much of it to read back: both are the
-engine's own (tiers/policy.find_run and choose_fetch). A read leaves the record where it was (the tiers are copies) and refreshes
+engine's own (tiers/policy.find_run and choose_fetch). A read leaves the record where it was (the tiers are
+copies) and refreshes
 its LRU position. Writes cost nothing here: they happen off the prefill's path.
 """
 
@@ -61,8 +62,12 @@ class SimulatedTier:
 class ReplicaTiers:
     """What one replica reaches below its pool, in fetch order: its host, its disk, the shared remote."""
 
-    def __init__(self, host: Optional[SimulatedTier] = None, disk: Optional[SimulatedTier] = None,
-                 remote: Optional[SimulatedTier] = None) -> None:
+    def __init__(
+        self,
+        host: Optional[SimulatedTier] = None,
+        disk: Optional[SimulatedTier] = None,
+        remote: Optional[SimulatedTier] = None,
+    ) -> None:
         self.host, self.disk, self.remote = host, disk, remote
         self.tiers = [tier for tier in (host, disk, remote) if tier is not None]
 

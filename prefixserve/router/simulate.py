@@ -59,19 +59,26 @@ class SimulationConfig:
             raise ValueError(f"capacity_blocks (--capacity-blocks) must be at least 1, got {self.capacity_blocks}")
         for tier in TIER_NAMES:
             if getattr(self, f"{tier}_blocks") < 0:
-                raise ValueError(f"{tier}_blocks (--{tier}-blocks) must be 0 (no {tier} tier) or more, "
-                                 f"got {getattr(self, f'{tier}_blocks')}")
+                raise ValueError(
+                    f"{tier}_blocks (--{tier}-blocks) must be 0 (no {tier} tier) or more, "
+                    f"got {getattr(self, f'{tier}_blocks')}"
+                )
         if self.fetch_policy not in FETCH_POLICIES:
-            raise ValueError(f"fetch_policy (--kv-fetch-policy) must be one of {', '.join(FETCH_POLICIES)}, "
-                             f"got {self.fetch_policy!r}")
+            raise ValueError(
+                f"fetch_policy (--kv-fetch-policy) must be one of {', '.join(FETCH_POLICIES)}, "
+                f"got {self.fetch_policy!r}"
+            )
 
     def tier_factory(self) -> Callable[[], ReplicaTiers]:
         """Each call: one replica's own host and disk tiers (as sized) above the one remote tier the fleet shares."""
         remote = SimulatedTier("remote", self.remote_blocks) if self.remote_blocks else None
 
         def tiers() -> ReplicaTiers:
-            return ReplicaTiers(SimulatedTier("host", self.host_blocks) if self.host_blocks else None,
-                                SimulatedTier("disk", self.disk_blocks) if self.disk_blocks else None, remote)
+            return ReplicaTiers(
+                SimulatedTier("host", self.host_blocks) if self.host_blocks else None,
+                SimulatedTier("disk", self.disk_blocks) if self.disk_blocks else None,
+                remote,
+            )
 
         return tiers
 
@@ -120,10 +127,16 @@ class SimulationResult:
 
     def metrics(self) -> dict[str, Optional[float]]:
         values = {
-            "hit_rate": self.hit_rate, "prefill_tokens": self.num_prefill_tokens,
-            "load_imbalance": self.load_imbalance, "queue_p50_s": self.queue_p50, "queue_p99_s": self.queue_p99,
-            "ttft_p50_s": self.ttft_p50, "ttft_p99_s": self.ttft_p99, "num_requests": self.num_requests,
-            "num_failed_allocations": self.num_failed_allocations, "num_evicted_blocks": self.num_evicted_blocks,
+            "hit_rate": self.hit_rate,
+            "prefill_tokens": self.num_prefill_tokens,
+            "load_imbalance": self.load_imbalance,
+            "queue_p50_s": self.queue_p50,
+            "queue_p99_s": self.queue_p99,
+            "ttft_p50_s": self.ttft_p50,
+            "ttft_p99_s": self.ttft_p99,
+            "num_requests": self.num_requests,
+            "num_failed_allocations": self.num_failed_allocations,
+            "num_evicted_blocks": self.num_evicted_blocks,
             **{f"{tier}_hit_rate": self.tier_hit_rate(tier) for tier in self.num_hit_tokens_by_tier},
         }
         return json_ready(values)
@@ -137,15 +150,21 @@ def json_ready(values: dict) -> dict:
 def prepare_routes(trace: Trace) -> list[RouteRequest]:
     """Chained keys of every request's full blocks, computed once and shared by all policy runs."""
     scope = TRACE_SCOPE.digest
-    return [RouteRequest(keys, r.hash_ids, scope, len(r.hash_ids), trace.block_size)
-            for r, keys in zip(trace.requests, block_keys(trace))]
+    return [
+        RouteRequest(keys, r.hash_ids, scope, len(r.hash_ids), trace.block_size)
+        for r, keys in zip(trace.requests, block_keys(trace))
+    ]
 
 
 _PREFILL_DONE, _DONE = 0, 1
 
 
-def simulate(trace: Trace, policy: str | RoutingPolicy, config: SimulationConfig = SimulationConfig(),
-             routes: Optional[Sequence[RouteRequest]] = None) -> SimulationResult:
+def simulate(
+    trace: Trace,
+    policy: str | RoutingPolicy,
+    config: SimulationConfig = SimulationConfig(),
+    routes: Optional[Sequence[RouteRequest]] = None,
+) -> SimulationResult:
     """Replay `trace` over `config.num_replicas` replicas routed by `policy`.
 
     A policy object keeps state (round robin's counter, power_of_two's sampler);
@@ -161,8 +180,9 @@ def simulate(trace: Trace, policy: str | RoutingPolicy, config: SimulationConfig
         raise ValueError("trace requests must be in arrival order; sort them by arrival_time")
     replay = _Replay(trace, config)
     # disable=None: a bar only on a terminal, never thousands of redraws in a log file or a pipe
-    progress = tqdm(total=len(trace.requests), desc=policy.name, unit="req", leave=False,
-                    disable=None if config.progress else True)
+    progress = tqdm(
+        total=len(trace.requests), desc=policy.name, unit="req", leave=False, disable=None if config.progress else True
+    )
     for request, route in zip(trace.requests, routes):
         replay.run_events(request.arrival_time)  # completions at the arrival instant happen first
         replay.clock.now = request.arrival_time
@@ -182,8 +202,12 @@ class _Replay:
         self.trace, self.config = trace, config
         self.clock = SimulationClock()
         tiers = config.tier_factory()
-        self.replicas = [SimulatedReplica(i, config.capacity_blocks, config.cost, trace.block_size, self.clock, tiers(),
-                                          config.fetch_policy) for i in range(config.num_replicas)]
+        self.replicas = [
+            SimulatedReplica(
+                i, config.capacity_blocks, config.cost, trace.block_size, self.clock, tiers(), config.fetch_policy
+            )
+            for i in range(config.num_replicas)
+        ]
         self.events: list[tuple[float, int, int, int, Job]] = []  # (time, sequence, kind, replica, job)
         self.sequence = itertools.count()  # orders events at the same instant: first scheduled, first run
         self.waits: list[float] = []
@@ -193,7 +217,9 @@ class _Replay:
     def start(self, index: int) -> None:
         job = self.replicas[index].start_prefill()
         if job is not None:
-            heapq.heappush(self.events, (job.start + job.prefill_seconds, next(self.sequence), _PREFILL_DONE, index, job))
+            heapq.heappush(
+                self.events, (job.start + job.prefill_seconds, next(self.sequence), _PREFILL_DONE, index, job)
+            )
 
     def run_events(self, until: float) -> None:
         events = self.events
@@ -221,11 +247,15 @@ class _Replay:
         busy = [replica.busy_seconds for replica in replicas]
         mean_busy = sum(busy) / len(busy)
         return SimulationResult(
-            policy=policy_name, num_requests=len(trace.requests), num_input_tokens=trace.num_input_tokens,
+            policy=policy_name,
+            num_requests=len(trace.requests),
+            num_input_tokens=trace.num_input_tokens,
             num_hit_tokens=sum(self.num_hit_tokens_by_tier.values()),
             load_imbalance=max(busy) / mean_busy if mean_busy else 1.0,
-            queue_p50=_percentile(self.waits, 50), queue_p99=_percentile(self.waits, 99),
-            ttft_p50=_percentile(self.ttfts, 50), ttft_p99=_percentile(self.ttfts, 99),
+            queue_p50=_percentile(self.waits, 50),
+            queue_p99=_percentile(self.waits, 99),
+            ttft_p50=_percentile(self.ttfts, 50),
+            ttft_p99=_percentile(self.ttfts, 99),
             num_failed_allocations=sum(replica.num_failed_allocations for replica in replicas),
             num_evicted_blocks=sum(replica.cache.stats.num_evicted_blocks for replica in replicas),
             num_hit_tokens_by_tier=dict(self.num_hit_tokens_by_tier),
@@ -265,8 +295,12 @@ def uncached_utilization(trace: Trace, config: SimulationConfig = SimulationConf
     return work / (config.num_replicas * max(trace.duration, 1.0))
 
 
-def compare_policies(trace: Trace, policies: Sequence[str], config: SimulationConfig = SimulationConfig(),
-                     routes: Optional[Sequence[RouteRequest]] = None) -> list[SimulationResult]:
+def compare_policies(
+    trace: Trace,
+    policies: Sequence[str],
+    config: SimulationConfig = SimulationConfig(),
+    routes: Optional[Sequence[RouteRequest]] = None,
+) -> list[SimulationResult]:
     """One result per policy, then the infinite-cache bound row."""
     for name in policies:
         make_policy(name)  # unknown names fail before any replay starts
@@ -274,12 +308,15 @@ def compare_policies(trace: Trace, policies: Sequence[str], config: SimulationCo
     return [simulate(trace, name, config, routes) for name in policies] + [infinite_cache_bound(trace, routes)]
 
 
-def capacity_sweep(trace: Trace, policies: Sequence[str], capacities: Sequence[int],
-                   config: SimulationConfig = SimulationConfig()) -> dict[int, list[SimulationResult]]:
+def capacity_sweep(
+    trace: Trace, policies: Sequence[str], capacities: Sequence[int], config: SimulationConfig = SimulationConfig()
+) -> dict[int, list[SimulationResult]]:
     """Hit rate against cache size: capacity -> results (bound row last, the same at every size)."""
     routes = prepare_routes(trace)
-    return {capacity: compare_policies(trace, policies, replace(config, capacity_blocks=capacity), routes)
-            for capacity in capacities}
+    return {
+        capacity: compare_policies(trace, policies, replace(config, capacity_blocks=capacity), routes)
+        for capacity in capacities
+    }
 
 
 def agent_trace_at_load(load: float, seed: int = 0, agent: AgentTraceConfig = AgentTraceConfig()) -> Trace:
@@ -287,8 +324,12 @@ def agent_trace_at_load(load: float, seed: int = 0, agent: AgentTraceConfig = Ag
     return generate_agent_trace(replace(agent.at_load(load), seed=seed))
 
 
-def load_sweep(policies: Sequence[str], loads: Sequence[float], config: SimulationConfig = SimulationConfig(),
-               agent: AgentTraceConfig = AgentTraceConfig()) -> dict[float, list[SimulationResult]]:
+def load_sweep(
+    policies: Sequence[str],
+    loads: Sequence[float],
+    config: SimulationConfig = SimulationConfig(),
+    agent: AgentTraceConfig = AgentTraceConfig(),
+) -> dict[float, list[SimulationResult]]:
     """Agent sessions from light to saturating load: load factor -> results (bound row last), seeded by config.seed."""
     return {load: compare_policies(agent_trace_at_load(load, config.seed, agent), policies, config) for load in loads}
 

@@ -102,20 +102,33 @@ class StepResult:
         return sum(trail.moved_bytes for trail in self.trails) / max(len(self.trails), 1)
 
     def metrics(self) -> dict[str, Optional[float]]:
-        values = {"num_requests": len(self.trails), "hit_rate": self.hit_rate,
-                  **{f"{name}_p{q}_s": self.percentile(name, q) for name in ("ttft", "tpot", "prefill_wait",
-                                                                              "decode_wait") for q in (50, 99)},
-                  "moved_bytes_per_request": self.moved_bytes_per_request,
-                  "saved_prefill_seconds": sum(trail.saved_seconds for trail in self.trails)}
+        values = {
+            "num_requests": len(self.trails),
+            "hit_rate": self.hit_rate,
+            **{
+                f"{name}_p{q}_s": self.percentile(name, q)
+                for name in ("ttft", "tpot", "prefill_wait", "decode_wait")
+                for q in (50, 99)
+            },
+            "moved_bytes_per_request": self.moved_bytes_per_request,
+            "saved_prefill_seconds": sum(trail.saved_seconds for trail in self.trails),
+        }
         return json_ready(values)
 
 
 _STEP, _HANDOFF = 0, 1
 
 
-def simulate_steps(trace: Trace, policy: str, config: SimulationConfig, roles: Sequence[str],
-                   routes: Optional[Sequence[RouteRequest]] = None, name: str = "",
-                   local_prefill_tokens: int = 0, max_prefill_queue: float = math.inf) -> StepResult:
+def simulate_steps(
+    trace: Trace,
+    policy: str,
+    config: SimulationConfig,
+    roles: Sequence[str],
+    routes: Optional[Sequence[RouteRequest]] = None,
+    name: str = "",
+    local_prefill_tokens: int = 0,
+    max_prefill_queue: float = math.inf,
+) -> StepResult:
     """Replay `trace` over replicas of these roles (fleet_roles), each step-level; a split fleet needs the
     shared tier (config.remote_blocks) its replicas hand prompts over through. In a split fleet a prompt of
     which the chosen decode replica lacks at most `local_prefill_tokens` is prefilled there, not handed over
@@ -125,17 +138,25 @@ def simulate_steps(trace: Trace, policy: str, config: SimulationConfig, roles: S
     if local_prefill_tokens < 0:
         raise ValueError(f"local_prefill_tokens (--pd-local-prefill) must be 0 or more, got {local_prefill_tokens}")
     if not max_prefill_queue >= 0:
-        raise ValueError(f"max_prefill_queue (--pd-max-prefill-queue) must be 0 or more seconds, got {max_prefill_queue}")
+        raise ValueError(
+            f"max_prefill_queue (--pd-max-prefill-queue) must be 0 or more seconds, got {max_prefill_queue}"
+        )
     split = "prefill" in roles
     if split and not config.remote_blocks:
-        raise ValueError("prefill and decode replicas hand prompts over through the shared tier: "
-                         "give it a size (--remote-blocks)")
+        raise ValueError(
+            "prefill and decode replicas hand prompts over through the shared tier: give it a size (--remote-blocks)"
+        )
     if split != ("decode" in roles) or "both" in roles and split:
         raise ValueError(f"a fleet is whole (both) or split (prefill and decode), got roles {list(roles)}")
     routes = prepare_routes(trace) if routes is None else routes
     replay = _StepReplay(trace, config, roles, policy)
-    progress = tqdm(total=len(trace.requests), desc=name or policy, unit="req", leave=False,
-                    disable=None if config.progress else True)
+    progress = tqdm(
+        total=len(trace.requests),
+        desc=name or policy,
+        unit="req",
+        leave=False,
+        disable=None if config.progress else True,
+    )
     for request, route in zip(trace.requests, routes):
         replay.run_events(request.arrival_time)
         replay.clock.now = request.arrival_time
@@ -156,16 +177,30 @@ def simulate_steps(trace: Trace, policy: str, config: SimulationConfig, roles: S
     progress.close()
     replay.run_events(math.inf)
     replay.check(config.check_integrity)
-    return StepResult(name or (f"pd {roles.count('prefill')}:{roles.count('decode')}" if split
-                               else f"both x{len(roles)}"), replay.trails, trace.num_input_tokens)
+    return StepResult(
+        name or (f"pd {roles.count('prefill')}:{roles.count('decode')}" if split else f"both x{len(roles)}"),
+        replay.trails,
+        trace.num_input_tokens,
+    )
 
 
 class _StepReplay:
     def __init__(self, trace: Trace, config: SimulationConfig, roles: Sequence[str], policy: str) -> None:
         self.config, self.clock, self.block_size = config, SimulationClock(), trace.block_size
         tiers = config.tier_factory()
-        self.replicas = [StepReplica(i, config.capacity_blocks, config.cost, trace.block_size, self.clock, tiers(),
-                                     config.fetch_policy, role=role) for i, role in enumerate(roles)]
+        self.replicas = [
+            StepReplica(
+                i,
+                config.capacity_blocks,
+                config.cost,
+                trace.block_size,
+                self.clock,
+                tiers(),
+                config.fetch_policy,
+                role=role,
+            )
+            for i, role in enumerate(roles)
+        ]
         self.front = [r for r in self.replicas if r.role != "decode"]
         self.back = [r for r in self.replicas if r.role == "decode"]
         options = config.options_for()
@@ -196,8 +231,9 @@ class _StepReplay:
                     trail.decode_wait = now - trail.handed_over_at
                     trail.decode_hit_blocks = job.num_hit_blocks
                     trail.decode_fetched_blocks = job.fetch.num_fetch_blocks
-                    trail.decode_fetched_bytes = (job.fetch.num_fetch_blocks * replica.block_bytes
-                                                  + int(job.extra_tokens * replica.cost.kv_bytes_per_token))
+                    trail.decode_fetched_bytes = job.fetch.num_fetch_blocks * replica.block_bytes + int(
+                        job.extra_tokens * replica.cost.kv_bytes_per_token
+                    )
                 else:
                     trail.prefill_wait = now - trail.arrival
                     trail.prefill_hit_blocks = job.num_hit_blocks
@@ -215,8 +251,7 @@ class _StepReplay:
             if kind == _HANDOFF:
                 job: StepJob = subject
                 job.trail.handed_over_at = self.clock.now
-                self.admit(self.back[self.back_policy.choose(job.route, self.back)], job.request, job.route,
-                           job.trail)
+                self.admit(self.back[self.back_policy.choose(job.route, self.back)], job.request, job.route, job.trail)
                 continue
             replica: StepReplica = subject
             if version != replica.version:
@@ -235,7 +270,8 @@ class _StepReplay:
         trail.computed_tokens += request.input_length - cached - job.extra_tokens
         if trail.prefill_replica == replica.name:  # what earlier requests' blocks saved (not the hand-off's reads)
             trail.saved_seconds = cost.prefill_seconds(request.input_length, 0) - cost.prefill_seconds(
-                request.input_length, cached)
+                request.input_length, cached
+            )
         if replica.role == "prefill":
             # every engine block computed here is written (none if the pool could not hold the prompt)
             trail.handed_tokens = request.input_length - last_block_tokens(request.input_length) if job.blocks else 0
@@ -244,8 +280,14 @@ class _StepReplay:
             trail.written_bytes = int(num_written * cost.kv_bytes_per_token)
             compute_seconds = job.prefill_seconds - job.fetch.fetch_seconds
             last_chunk = min(cost.prefill_chunk_tokens, num_written) * cost.kv_bytes_per_token
-            trail.handoff_seconds = (max(self.remote_cost.seconds(trail.written_bytes) - compute_seconds,
-                                         self.remote_cost.seconds(last_chunk)) if num_written else 0.0)
+            trail.handoff_seconds = (
+                max(
+                    self.remote_cost.seconds(trail.written_bytes) - compute_seconds,
+                    self.remote_cost.seconds(last_chunk),
+                )
+                if num_written
+                else 0.0
+            )
             heapq.heappush(self.events, (now + trail.handoff_seconds, next(self.sequence), _HANDOFF, job, 0))
             return
         trail.ttft = now - trail.arrival
@@ -264,5 +306,7 @@ class _StepReplay:
 
 def trails_to_rows(result: StepResult) -> list[dict]:
     """One JSON-ready dict a request, in arrival order (NaN as None)."""
-    return [json_ready({**asdict(trail), "moved_bytes": trail.moved_bytes})
-            for trail in sorted(result.trails, key=lambda trail: trail.arrival)]
+    return [
+        json_ready({**asdict(trail), "moved_bytes": trail.moved_bytes})
+        for trail in sorted(result.trails, key=lambda trail: trail.arrival)
+    ]

@@ -33,7 +33,7 @@ class SSEParser:
             end = self.buffer.find(b"\n\n")
             if end < 0:
                 break
-            raw, self.buffer = self.buffer[:end], self.buffer[end + 2:]
+            raw, self.buffer = self.buffer[:end], self.buffer[end + 2 :]
             payload = _data_of(raw)
             if payload is not None:
                 events.append(payload)

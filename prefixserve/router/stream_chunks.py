@@ -96,7 +96,15 @@ class ClientChunks:
             progress.text_sent += text
             progress.finish_reason = finish_reason
             if text or finish_reason or choice.get("logprobs") is not None or self.request.wants_token_ids:
-                yield sse(reshape_chunk(self.envelope, self.request.is_chat, text, finish_reason,
-                                        choice.get("logprobs"), token_ids if self.request.wants_token_ids else None))
+                yield sse(
+                    reshape_chunk(
+                        self.envelope,
+                        self.request.is_chat,
+                        text,
+                        finish_reason,
+                        choice.get("logprobs"),
+                        token_ids if self.request.wants_token_ids else None,
+                    )
+                )
             if stopped:
                 return

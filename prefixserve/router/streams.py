@@ -70,8 +70,7 @@ def _has_tokens(chunk: dict) -> bool:
 
 
 class StreamRelay(ClientChunks):
-    def __init__(self, router: Router, request: ClientRequest, headers: dict, tried: set[str],
-                 first: Upstream) -> None:
+    def __init__(self, router: Router, request: ClientRequest, headers: dict, tried: set[str], first: Upstream) -> None:
         super().__init__(request)
         self.router, self.headers, self.tried = router, headers, tried
         self.upstream = first
@@ -113,8 +112,9 @@ class StreamRelay(ClientChunks):
         try:
             while True:
                 try:
-                    data = await unless_down(chunks.__anext__(), upstream.replica.went_down,
-                                             clock.deadline if stepping else None)
+                    data = await unless_down(
+                        chunks.__anext__(), upstream.replica.went_down, clock.deadline if stepping else None
+                    )
                 except StopAsyncIteration:
                     break
                 arrived = time.monotonic()
@@ -160,12 +160,18 @@ class StreamRelay(ClientChunks):
     async def _resume(self) -> Union[Upstream, Ending]:
         """Another replica's stream to go on with, or how the stream ends here."""
         request = self.request
-        if self.choices and len(self.choices) >= request.num_choices and \
-                all(p.finish_reason is not None for p in self.choices.values()):
+        if (
+            self.choices
+            and len(self.choices) >= request.num_choices
+            and all(p.finish_reason is not None for p in self.choices.values())
+        ):
             return Ending([])  # only [DONE] (and usage) was lost
         if request.num_choices != 1:
-            return _error(f"the replica serving this stream failed, and a stream of {request.num_choices} choices "
-                          "cannot be continued elsewhere; retry the request", "stream_interrupted")
+            return _error(
+                f"the replica serving this stream failed, and a stream of {request.num_choices} choices "
+                "cannot be continued elsewhere; retry the request",
+                "stream_interrupted",
+            )
         progress = self.choices.setdefault(0, ChoiceProgress())
         if progress.prompt_token_ids is not None:
             if self.continued is None:
@@ -178,8 +184,11 @@ class StreamRelay(ClientChunks):
             body = {**request.body, "return_token_ids": True}
             path, prompt_ids = request.path, request.token_ids
         else:
-            return _error("the replica serving this stream failed and did not report its token ids, so the stream "
-                          "cannot be continued; retry the request", "stream_interrupted")
+            return _error(
+                "the replica serving this stream failed and did not report its token ids, so the stream "
+                "cannot be continued; retry the request",
+                "stream_interrupted",
+            )
         route = await self.router.with_remote_run(self.router.route_request(prompt_ids, request.salt))
         max_tokens = body.get("max_tokens") if isinstance(body.get("max_tokens"), int) else request.max_tokens
         fingerprint = self.upstream.model_fingerprint
@@ -198,16 +207,26 @@ class StreamRelay(ClientChunks):
             if response.status_code != 200:
                 return await self._refused(replica, response, ticket)
             self.router.metrics.continued.labels(replica.name).inc()
-            logger.info("stream continues on replica %s after %d output tokens", replica.name,
-                        len(progress.output_token_ids))
+            logger.info(
+                "stream continues on replica %s after %d output tokens", replica.name, len(progress.output_token_ids)
+            )
             return Upstream(replica, response, ticket, fingerprint)
-        if fingerprint is not None and len(self.tried) < self.router.settings.max_attempts \
-                and any(r.healthy and r.name not in self.tried for r in self.router.replicas):
-            return _error("the replica serving this stream failed and no healthy replica serves the model version it "
-                          f"began on ({fingerprint[:12]}; a rolling deploy?), so it cannot be continued without mixing "
-                          "two models' text; retry the request", "stream_interrupted")
-        return _error(f"the replica serving this stream failed and no other healthy replica could continue it "
-                      f"(tried {len(self.tried)}); retry the request", "no_replica")
+        if (
+            fingerprint is not None
+            and len(self.tried) < self.router.settings.max_attempts
+            and any(r.healthy and r.name not in self.tried for r in self.router.replicas)
+        ):
+            return _error(
+                "the replica serving this stream failed and no healthy replica serves the model version it "
+                f"began on ({fingerprint[:12]}; a rolling deploy?), so it cannot be continued without mixing "
+                "two models' text; retry the request",
+                "stream_interrupted",
+            )
+        return _error(
+            f"the replica serving this stream failed and no other healthy replica could continue it "
+            f"(tried {len(self.tried)}); retry the request",
+            "no_replica",
+        )
 
     async def _refused(self, replica: Replica, response: httpx.Response, ticket: int) -> Ending:
         """The continuation got an answer other than a stream: end with its error."""
@@ -222,5 +241,8 @@ class StreamRelay(ClientChunks):
         if response.status_code >= 500:
             self.router.check_soon(replica)
         message = error.get("message") if isinstance(error, dict) else None
-        return _error(f"the stream's replica failed and continuing it on {replica.name} was refused "
-                      f"({response.status_code}: {message or 'no message'}); retry the request", "stream_interrupted")
+        return _error(
+            f"the stream's replica failed and continuing it on {replica.name} was refused "
+            f"({response.status_code}: {message or 'no message'}); retry the request",
+            "stream_interrupted",
+        )

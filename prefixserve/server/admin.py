@@ -32,8 +32,12 @@ async def kv_events(request: Request, since: int = 0):
     """KV events numbered >= `since`; `complete: false` means some were dropped: resync from /v1/cache/keys."""
     queue = _admin_state(request).engine.engine.events
     if queue is None:
-        raise APIError(404, "KV events are off; start the server with --enable-kv-events", "not_found_error",
-                       code="kv_events_disabled")
+        raise APIError(
+            404,
+            "KV events are off; start the server with --enable-kv-events",
+            "not_found_error",
+            code="kv_events_disabled",
+        )
     events, next_cursor, complete = queue.since(since)  # the queue is thread-safe
     return {"events": [_public_event(e) for e in events], "next": next_cursor, "complete": complete}
 
@@ -51,8 +55,11 @@ async def cache_keys(request: Request):
     cursor = core.events.next_seq if core.events is not None else None
     keys = core.cache.keys()
     tiers = core.tiers.tier_keys() if core.tiers is not None else {}
-    return {"keys": [key.hex() for key in keys],
-            "tiers": {medium: [key.hex() for key in found] for medium, found in tiers.items()}, "next": cursor}
+    return {
+        "keys": [key.hex() for key in keys],
+        "tiers": {medium: [key.hex() for key in found] for medium, found in tiers.items()},
+        "next": cursor,
+    }
 
 
 @admin_routes.get("/v1/cache/stats")
@@ -63,11 +70,19 @@ async def cache_stats(request: Request):
 
     def stats(core):
         usage = core.cache.usage()
-        return {"object": "cache.stats", **core.reuse_gaps.stats_body(),
-                "block_size": core.config.block_size, "prefix_ttl": core.config.prefix_ttl,
-                "max_cache_ttl": state.settings.max_cache_ttl,
-                "usage": {"num_blocks": usage.num_blocks, "num_free_blocks": usage.num_free_blocks,
-                          "num_cached_blocks": usage.num_cached_blocks, "num_pinned_blocks": usage.num_pinned_blocks}}
+        return {
+            "object": "cache.stats",
+            **core.reuse_gaps.stats_body(),
+            "block_size": core.config.block_size,
+            "prefix_ttl": core.config.prefix_ttl,
+            "max_cache_ttl": state.settings.max_cache_ttl,
+            "usage": {
+                "num_blocks": usage.num_blocks,
+                "num_free_blocks": usage.num_free_blocks,
+                "num_cached_blocks": usage.num_cached_blocks,
+                "num_pinned_blocks": usage.num_pinned_blocks,
+            },
+        }
 
     return await state.engine.call(stats)
 
@@ -84,9 +99,15 @@ def cache_info_body(state) -> dict:
     settings = state.settings
     core = state.engine.engine
     scope = core.scope  # one version's: a reload swaps the whole object
-    return {"model_fingerprint": scope.model_fingerprint, "tokenizer_fingerprint": scope.tokenizer_fingerprint,
-            "adapter_id": scope.adapter_id, "numerics": scope.numerics, "block_size": core.config.block_size,
-            "prefix_hash": core.config.prefix_hash,
-            "shared_prefixes": [list(prefix) for prefix in list(core.scoper.shared_prefixes)],
-            "max_model_len": core.max_model_len, "served_model_name": settings.served_model_name,
-            "default_max_tokens": settings.default_max_tokens}
+    return {
+        "model_fingerprint": scope.model_fingerprint,
+        "tokenizer_fingerprint": scope.tokenizer_fingerprint,
+        "adapter_id": scope.adapter_id,
+        "numerics": scope.numerics,
+        "block_size": core.config.block_size,
+        "prefix_hash": core.config.prefix_hash,
+        "shared_prefixes": [list(prefix) for prefix in list(core.scoper.shared_prefixes)],
+        "max_model_len": core.max_model_len,
+        "served_model_name": settings.served_model_name,
+        "default_max_tokens": settings.default_max_tokens,
+    }

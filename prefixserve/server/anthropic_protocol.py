@@ -108,8 +108,12 @@ class MessagesCreate(MessagesRequest):
     temperature: Optional[float] = Field(default=None, ge=0.0, le=1.0)  # Anthropic's range
     top_p: Optional[float] = Field(default=None, **RANGES["top_p"].field())
     top_k: Optional[int] = Field(default=None, **RANGES["top_k"].field())
-    stop_sequences: Optional[Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]],
-                                       Field(max_length=MAX_STOP_STRINGS)]] = None
+    stop_sequences: Optional[
+        Annotated[
+            list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]],
+            Field(max_length=MAX_STOP_STRINGS),
+        ]
+    ] = None
     stream: bool = False
     metadata: Optional[dict[str, Any]] = None
     # prefixserve's own, as on the OpenAI endpoints: the cache scope's salt, lifetime and privacy mode

@@ -35,8 +35,9 @@ def tool_choice_of(body: MessagesRequest):
     parallel = False if choice.disable_parallel_tool_use else None
     if choice.type == "tool":
         if not choice.name:
-            raise APIError(400, "tool_choice of type tool needs the tool's name", param="tool_choice",
-                           code="invalid_value")
+            raise APIError(
+                400, "tool_choice of type tool needs the tool's name", param="tool_choice", code="invalid_value"
+            )
         return NamedToolChoice(type="function", function=NamedFunction(name=choice.name)), parallel
     return {"auto": "auto", "any": "required", "none": "none"}[choice.type], parallel
 
@@ -59,7 +60,7 @@ def conversation_of(body: MessagesRequest) -> Conversation:
         blocks = dumped["system"] if isinstance(dumped["system"], list) else []
         for index, block in enumerate(blocks):
             if _ttl(block) is not None:
-                cuts.append(([{"role": "system", "content": system_text(blocks[:index + 1])}], _ttl(block)))
+                cuts.append(([{"role": "system", "content": system_text(blocks[: index + 1])}], _ttl(block)))
         messages.append({"role": "system", "content": system_text(dumped["system"])})
     for message in dumped["messages"]:
         try:
@@ -74,13 +75,17 @@ def conversation_of(body: MessagesRequest) -> Conversation:
         if message["role"] == "user":
             for index, block in enumerate(blocks[:-1]):  # a breakpoint inside the message: the text up to it
                 if block["type"] == "text" and _ttl(block) is not None:
-                    partial = "".join(b["text"] for b in blocks[:index + 1] if b["type"] == "text")
+                    partial = "".join(b["text"] for b in blocks[: index + 1] if b["type"] == "text")
                     cuts.append((messages[:-1] + [{"role": "user", "content": partial}], _ttl(block)))
     if body.cache_control is not None:  # automatic caching: the whole conversation, as its last block
         cuts.append((list(messages), TTL_SECONDS[body.cache_control.ttl]))
     if len(cuts) > MAX_BREAKPOINTS:
-        raise APIError(400, f"at most {MAX_BREAKPOINTS} blocks may have cache_control, got {len(cuts)}",
-                       param="cache_control", code="invalid_request_error")
+        raise APIError(
+            400,
+            f"at most {MAX_BREAKPOINTS} blocks may have cache_control, got {len(cuts)}",
+            param="cache_control",
+            code="invalid_request_error",
+        )
     return Conversation(messages, [Tool.model_validate(tool) for tool in tools] if tools else None, cuts)
 
 

@@ -31,8 +31,12 @@ def usage_of(out: RequestOutput, cache_until: int) -> dict:
     """`cache_until`: the prompt tokens up to the last breakpoint (0 without one)."""
     read = out.num_cached_tokens
     creation = max(0, min(cache_until, len(out.prompt_token_ids)) - read)
-    return {"input_tokens": len(out.prompt_token_ids) - read - creation, "cache_creation_input_tokens": creation,
-            "cache_read_input_tokens": read, "output_tokens": len(out.token_ids)}
+    return {
+        "input_tokens": len(out.prompt_token_ids) - read - creation,
+        "cache_creation_input_tokens": creation,
+        "cache_read_input_tokens": read,
+        "output_tokens": len(out.token_ids),
+    }
 
 
 def stop_reason_of(out: RequestOutput, called: bool) -> tuple[str, Optional[str]]:
@@ -46,16 +50,28 @@ def stop_reason_of(out: RequestOutput, called: bool) -> tuple[str, Optional[str]
 
 
 def tool_use_block(call: ParsedCall) -> dict:
-    return {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": call.name,
-            "input": json.loads(call.arguments)}
+    return {
+        "type": "tool_use",
+        "id": f"toolu_{uuid.uuid4().hex[:24]}",
+        "name": call.name,
+        "input": json.loads(call.arguments),
+    }
 
 
 def message_body(message_id: str, model: str, out: RequestOutput, parser: Optional[str], cache_until: int) -> dict:
     content_text, calls = parse(parser, out.text) if parser else (out.text, [])
     content = ([{"type": "text", "text": content_text}] if content_text else []) + [tool_use_block(c) for c in calls]
     stop_reason, stop_sequence = stop_reason_of(out, bool(calls))
-    return {"id": message_id, "type": "message", "role": "assistant", "model": model, "content": content,
-            "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": usage_of(out, cache_until)}
+    return {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": stop_reason,
+        "stop_sequence": stop_sequence,
+        "usage": usage_of(out, cache_until),
+    }
 
 
 def event(name: str, data: dict) -> str:
@@ -78,9 +94,24 @@ class MessageStream:
         if not self.started:
             self.started = True
             usage = {**usage_of(out, self.cache_until), "output_tokens": 0}
-            events.append(event("message_start", {"type": "message_start", "message": {
-                "id": self.message_id, "type": "message", "role": "assistant", "model": self.model, "content": [],
-                "stop_reason": None, "stop_sequence": None, "usage": usage}}))
+            events.append(
+                event(
+                    "message_start",
+                    {
+                        "type": "message_start",
+                        "message": {
+                            "id": self.message_id,
+                            "type": "message",
+                            "role": "assistant",
+                            "model": self.model,
+                            "content": [],
+                            "stop_reason": None,
+                            "stop_sequence": None,
+                            "usage": usage,
+                        },
+                    },
+                )
+            )
         text, calls = self.tools.push(out.delta_text) if self.tools else (out.delta_text, [])
         if out.finished and self.tools:
             more_text, more_calls = self.tools.finish()
@@ -90,18 +121,38 @@ class MessageStream:
         for call in calls:
             events += self._close_text()
             block = tool_use_block(call)
-            events.append(event("content_block_start", {"type": "content_block_start", "index": self.blocks,
-                                                        "content_block": {**block, "input": {}}}))
-            events.append(event("content_block_delta", {"type": "content_block_delta", "index": self.blocks, "delta": {
-                "type": "input_json_delta", "partial_json": json.dumps(block["input"])}}))
+            events.append(
+                event(
+                    "content_block_start",
+                    {"type": "content_block_start", "index": self.blocks, "content_block": {**block, "input": {}}},
+                )
+            )
+            events.append(
+                event(
+                    "content_block_delta",
+                    {
+                        "type": "content_block_delta",
+                        "index": self.blocks,
+                        "delta": {"type": "input_json_delta", "partial_json": json.dumps(block["input"])},
+                    },
+                )
+            )
             events.append(event("content_block_stop", {"type": "content_block_stop", "index": self.blocks}))
             self.blocks += 1
         if out.finished:
             events += self._close_text()
             stop_reason, stop_sequence = stop_reason_of(out, bool(self.tools and self.tools.calls))
             usage = usage_of(out, self.cache_until)
-            events.append(event("message_delta", {"type": "message_delta", "delta": {
-                "stop_reason": stop_reason, "stop_sequence": stop_sequence}, "usage": usage}))
+            events.append(
+                event(
+                    "message_delta",
+                    {
+                        "type": "message_delta",
+                        "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                        "usage": usage,
+                    },
+                )
+            )
             events.append(event("message_stop", {"type": "message_stop"}))
         return events
 
@@ -109,10 +160,22 @@ class MessageStream:
         events = []
         if not self.text_open:
             self.text_open = True
-            events.append(event("content_block_start", {"type": "content_block_start", "index": self.blocks,
-                                                        "content_block": {"type": "text", "text": ""}}))
-        events.append(event("content_block_delta", {"type": "content_block_delta", "index": self.blocks,
-                                                    "delta": {"type": "text_delta", "text": text}}))
+            events.append(
+                event(
+                    "content_block_start",
+                    {
+                        "type": "content_block_start",
+                        "index": self.blocks,
+                        "content_block": {"type": "text", "text": ""},
+                    },
+                )
+            )
+        events.append(
+            event(
+                "content_block_delta",
+                {"type": "content_block_delta", "index": self.blocks, "delta": {"type": "text_delta", "text": text}},
+            )
+        )
         return events
 
     def _close_text(self) -> list[str]:

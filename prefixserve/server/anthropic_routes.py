@@ -39,7 +39,9 @@ anthropic_routes = APIRouter()
 async def _encode(state, conversation, messages, generation_prompt: bool) -> list[int]:
     tokenizer = state.builder.tokenizer
     try:
-        rendered, tools = render_chat(messages, conversation.tool_dicts(), template_reads_tools(tokenizer.chat_template))
+        rendered, tools = render_chat(
+            messages, conversation.tool_dicts(), template_reads_tools(tokenizer.chat_template)
+        )
     except ValueError as error:
         raise APIError(400, str(error), param="messages") from None
     state.builder.check_text_size(sum(len(m["content"]) for m in rendered) + len(str(tools or "")), "messages")
@@ -67,8 +69,9 @@ async def _keep(state, prompt_ids: list[int], places, options) -> None:
         if place < block_size:
             continue
         try:
-            await state.engine.call(lambda core, p=place, t=ttl: core.keep_prefix(prompt_ids[:p], options.tenant,
-                                                                                 options.salt, t))
+            await state.engine.call(
+                lambda core, p=place, t=ttl: core.keep_prefix(prompt_ids[:p], options.tenant, options.salt, t)
+            )
         except ValueError as error:  # the pool too busy, or the pin cap reached: the prefix stays cached as usual
             logger.debug("cache_control breakpoint at %d tokens not pinned: %s", place, error)
 
@@ -79,10 +82,14 @@ def _params(body: MessagesCreate) -> SamplingParams:
     output_format = body.output_config.format if body.output_config is not None else None
     try:
         structured = StructuredOutputs(json=output_format.json_schema) if output_format is not None else None
-        return SamplingParams(max_tokens=None, temperature=1.0 if body.temperature is None else body.temperature,
-                              top_p=1.0 if body.top_p is None else body.top_p,
-                              top_k=-1 if body.top_k in (None, 0) else body.top_k, stop=body.stop_sequences,
-                              structured_outputs=structured)
+        return SamplingParams(
+            max_tokens=None,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=-1 if body.top_k in (None, 0) else body.top_k,
+            stop=body.stop_sequences,
+            structured_outputs=structured,
+        )
     except ValueError as error:
         raise APIError(400, f"output_config: {error}" if output_format is not None else str(error)) from None
 
@@ -98,8 +105,9 @@ async def _create(request: Request):
     params = _params(body)
     grammar = tool_grammar(conversation.tools, tool_choice, parallel, parser)
     if grammar is not None and params.structured_outputs is not None:
-        raise APIError(400, "tool_choice forces a tool call, which output_config.format would constrain too; "
-                            "send one of them")
+        raise APIError(
+            400, "tool_choice forces a tool call, which output_config.format would constrain too; send one of them"
+        )
     params = params if grammar is None else replace(params, structured_outputs=grammar)
     options = cache_options(state.settings, tenant, body)
     async with state.reload_gate.admitting():
@@ -115,8 +123,11 @@ async def _create(request: Request):
         shape = MessageStream(message_id, body.model, reads_calls, cache_until)
         events = _events(state, streams[0], shape, lambda: _keep(state, prompt_ids, places, options))
         if beats:
-            return StreamingResponse(beating(events, state.engine, SSE_BEAT), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", PROGRESS_HEADER: BEATS})
+            return StreamingResponse(
+                beating(events, state.engine, SSE_BEAT),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", PROGRESS_HEADER: BEATS},
+            )
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     async def whole() -> dict:

@@ -14,6 +14,7 @@ from typing import Mapping, Optional
 
 from fastapi import APIRouter, Depends, FastAPI
 
+from ..config import CACHE_RETENTIONS, DEFAULT_MAX_CACHE_TTL
 from ..engine.async_engine import AsyncLLMEngine
 from ..http_body import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
 from .admin import admin_routes
@@ -23,14 +24,13 @@ from .dashboard.recorder import DashboardMetrics, TenantContext
 from .dashboard.routes import dashboard_api_routes, dashboard_routes
 from .dashboard.whatif import whatif_routes
 from .errors import install_error_handlers
-from ..config import CACHE_RETENTIONS, DEFAULT_MAX_CACHE_TTL
 from .inputs import RequestBuilder
-from .responses import TokenTexts
 from .pins import pin_routes
 from .reload import ReloadGate, reload_routes
+from .responses import TokenTexts
 from .routes import routes
-from .tool_calls import PARSERS
 from .tokenize import tokenize_routes
+from .tool_calls import PARSERS
 from .vllm_metrics import cache_config_info
 
 
@@ -51,30 +51,47 @@ class ServerSettings:
 
     def __post_init__(self) -> None:
         """Every bad value named by its flag, before the model loads (launch.check_options builds one)."""
-        if not isinstance(self.served_model_name, str) or not self.served_model_name.strip() \
-                or "@" in self.served_model_name:
-            raise ValueError(f"served_model_name (--served-model-name) must be a non-empty name without '@' "
-                             f"('@' starts a version pin, NAME@fp_...), got {self.served_model_name!r}")
-        for name, flag, low in (("max_waiting", "--max-waiting", 0), ("retry_after_seconds", None, 0),
-                                ("default_max_tokens", None, 1), ("max_request_bytes", "--max-request-bytes", 1)):
+        if (
+            not isinstance(self.served_model_name, str)
+            or not self.served_model_name.strip()
+            or "@" in self.served_model_name
+        ):
+            raise ValueError(
+                f"served_model_name (--served-model-name) must be a non-empty name without '@' "
+                f"('@' starts a version pin, NAME@fp_...), got {self.served_model_name!r}"
+            )
+        for name, flag, low in (
+            ("max_waiting", "--max-waiting", 0),
+            ("retry_after_seconds", None, 0),
+            ("default_max_tokens", None, 1),
+            ("max_request_bytes", "--max-request-bytes", 1),
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 where = f"{name} ({flag})" if flag else name
                 raise ValueError(f"{where} must be an integer >= {low}, got {value!r}")
-        if not (isinstance(self.max_cache_ttl, (int, float)) and math.isfinite(self.max_cache_ttl)
-                and self.max_cache_ttl > 0):
-            raise ValueError(f"max_cache_ttl (--max-cache-ttl) must be a positive number of seconds, "
-                             f"got {self.max_cache_ttl!r}")
+        if not (
+            isinstance(self.max_cache_ttl, (int, float))
+            and math.isfinite(self.max_cache_ttl)
+            and self.max_cache_ttl > 0
+        ):
+            raise ValueError(
+                f"max_cache_ttl (--max-cache-ttl) must be a positive number of seconds, got {self.max_cache_ttl!r}"
+            )
         for tenant, ttl in self.tenant_cache_ttls.items():  # above max_cache_ttl is capped per request
             if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not (math.isfinite(ttl) and ttl > 0):
                 raise ValueError(f"tenant {tenant!r}: cache_ttl must be a positive number of seconds, got {ttl!r}")
         if self.tool_call_parser not in ("auto",) + PARSERS:
-            raise ValueError(f"tool_call_parser (--tool-call-parser) must be one of auto, {', '.join(PARSERS)}, "
-                             f"got {self.tool_call_parser!r}")
+            raise ValueError(
+                f"tool_call_parser (--tool-call-parser) must be one of auto, {', '.join(PARSERS)}, "
+                f"got {self.tool_call_parser!r}"
+            )
         for tenant, retention in self.tenant_cache_retentions.items():
             if retention not in CACHE_RETENTIONS:
-                raise ValueError(f"tenant {tenant!r}: cache_retention must be one of {', '.join(CACHE_RETENTIONS)}, "
-                                 f"got {retention!r}")
+                raise ValueError(
+                    f"tenant {tenant!r}: cache_retention must be one of {', '.join(CACHE_RETENTIONS)}, "
+                    f"got {retention!r}"
+                )
 
 
 @dataclass
@@ -100,11 +117,13 @@ class ServerState:
 
 def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="prefixserve", version="0.1.0")
-    state = ServerState(settings=settings, engine=engine,
-                        auth=Authenticator(settings.api_keys, settings.admin_api_key),
-                        builder=RequestBuilder(engine, settings.default_max_tokens),
-                        metrics=DashboardMetrics(lambda: engine.snapshot, settings.served_model_name,
-                                                 cache_config_info(engine.engine)))
+    state = ServerState(
+        settings=settings,
+        engine=engine,
+        auth=Authenticator(settings.api_keys, settings.admin_api_key),
+        builder=RequestBuilder(engine, settings.default_max_tokens),
+        metrics=DashboardMetrics(lambda: engine.snapshot, settings.served_model_name, cache_config_info(engine.engine)),
+    )
     app.state.server = state
     app.state.engine = engine
     app.state.metrics = state.metrics
@@ -117,7 +136,12 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     return app
 
 
-OPEN_ROUTE_GROUPS = (routes, anthropic_routes, tokenize_routes, dashboard_routes)  # a tenant's key (or none, with auth off)
+OPEN_ROUTE_GROUPS = (
+    routes,
+    anthropic_routes,
+    tokenize_routes,
+    dashboard_routes,
+)  # a tenant's key (or none, with auth off)
 ADMIN_ROUTE_GROUPS = (admin_routes, reload_routes, pin_routes, dashboard_api_routes, whatif_routes)
 
 

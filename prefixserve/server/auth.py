@@ -32,8 +32,12 @@ class Authenticator:
             return None
         tenant = self.tenants.lookup(credentials.key)
         if tenant is None:
-            raise APIError(401, "missing or invalid API key; send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
-                           "authentication_error", code="invalid_api_key")
+            raise APIError(
+                401,
+                "missing or invalid API key; send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+                "authentication_error",
+                code="invalid_api_key",
+            )
         return tenant
 
     def require_admin(self, request: Request) -> None:
@@ -45,4 +49,3 @@ async def admin_only(request: Request) -> None:
     """The one dependency every operator route is mounted under (api.admin_router): a handler never calls
     the check itself, so a route added to an admin group cannot forget it."""
     request.app.state.server.auth.require_admin(request)
-

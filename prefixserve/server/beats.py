@@ -45,8 +45,7 @@ def wants_beats(request: Request) -> bool:
 def in_progress(engine, steps_before: int) -> bool:
     """Whether the engine finished a step since it had finished `steps_before`, or is in one not yet stuck."""
     started = engine.step_started
-    return engine.num_steps != steps_before or (
-        started is not None and time.monotonic() - started < STUCK_STEP_SECONDS)
+    return engine.num_steps != steps_before or (started is not None and time.monotonic() - started < STUCK_STEP_SECONDS)
 
 
 async def beating(source: AsyncIterator[T], engine, beat: T) -> AsyncIterator[T]:
@@ -80,8 +79,9 @@ async def beating(source: AsyncIterator[T], engine, beat: T) -> AsyncIterator[T]
             await closing()
 
 
-def beating_response(work: Callable[[], Awaitable[dict]], engine,
-                     error_body: Callable[[APIError], dict] = APIError.body) -> StreamingResponse:
+def beating_response(
+    work: Callable[[], Awaitable[dict]], engine, error_body: Callable[[APIError], dict] = APIError.body
+) -> StreamingResponse:
     """A non-streamed answer with beats: `work()` gives the response body, or raises APIError, answered with
     `error_body(error)` (OpenAI's body unless the API has its own)."""
 

@@ -27,11 +27,13 @@ def flag_of(item: Field) -> str:
 
 def _parser_of(parse):
     """argparse shows a ValueError as "invalid value"; the parser's own message names the fix."""
+
     def parse_flag(text: str):
         try:
             return parse(text)
         except ValueError as error:
             raise argparse.ArgumentTypeError(str(error)) from None
+
     return parse_flag
 
 
@@ -50,12 +52,14 @@ def add_engine_argument(parser: argparse._ActionsContainer, name: str) -> None:
     item = next(item for item in fields(EngineConfig) if item.name == name)
     kind, help_text = _value_type(item), item.metadata["help"]  # the CLI's formatter adds the default
     if kind is bool:
-        parser.add_argument(flag_of(item), dest=item.name, action="store_false" if item.default else "store_true",
-                            help=help_text)
+        parser.add_argument(
+            flag_of(item), dest=item.name, action="store_false" if item.default else "store_true", help=help_text
+        )
         return
     options = {key: item.metadata[key] for key in ("metavar", "choices") if key in item.metadata}
-    parser.add_argument(flag_of(item), dest=item.name, type=_TYPES.get(kind, kind), default=item.default,
-                        help=help_text, **options)
+    parser.add_argument(
+        flag_of(item), dest=item.name, type=_TYPES.get(kind, kind), default=item.default, help=help_text, **options
+    )
 
 
 def add_engine_arguments(parser: argparse._ActionsContainer) -> None:
@@ -66,15 +70,17 @@ def add_engine_arguments(parser: argparse._ActionsContainer) -> None:
 
 def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
     """The config the parsed flags give (fields with no flag in `args` keep their defaults)."""
-    options: dict[str, Optional[object]] = {item.name: getattr(args, item.name) for item in fields(EngineConfig)
-                                            if hasattr(args, item.name)}
+    options: dict[str, Optional[object]] = {
+        item.name: getattr(args, item.name) for item in fields(EngineConfig) if hasattr(args, item.name)
+    }
     options.update(overrides)
     return EngineConfig(**options)
 
 
 def with_flag_names(message: str) -> str:
     """EngineConfig speaks in field names (block_size); a CLI user typed flags (--block-size)."""
-    for item in sorted((item for item in fields(EngineConfig) if "_" in item.name), key=lambda item: len(item.name),
-                       reverse=True):
+    for item in sorted(
+        (item for item in fields(EngineConfig) if "_" in item.name), key=lambda item: len(item.name), reverse=True
+    ):
         message = re.sub(rf"(?<![\w-]){item.name}\b", flag_of(item), message)
     return message

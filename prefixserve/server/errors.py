@@ -22,8 +22,11 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 def param_of(location) -> str:
     """The field path a client sent ('messages.0.content'), without pydantic's union-member tags
     ('str', 'list[int]', 'constrained-str')."""
-    parts = [str(part) for part in location
-             if not (isinstance(part, str) and (not part.isidentifier() or part in _TYPE_TAGS))]
+    parts = [
+        str(part)
+        for part in location
+        if not (isinstance(part, str) and (not part.isidentifier() or part in _TYPE_TAGS))
+    ]
     return ".".join(parts)
 
 

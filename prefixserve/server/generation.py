@@ -33,9 +33,14 @@ def request_failed(out: RequestOutput) -> APIError:
     return APIError(500, f"{message}; the server log has the details", "server_error", code="request_failed")
 
 
-def stream_response(streams: list[AsyncIterator[RequestOutput]], shape, metrics: ServerMetrics,
-                    finish: Callable[[list[RequestOutput]], Optional[dict]], first_chunks=(),
-                    beats_of=None) -> StreamingResponse:
+def stream_response(
+    streams: list[AsyncIterator[RequestOutput]],
+    shape,
+    metrics: ServerMetrics,
+    finish: Callable[[list[RequestOutput]], Optional[dict]],
+    first_chunks=(),
+    beats_of=None,
+) -> StreamingResponse:
     """SSE of every stream's chunks; `finish(finals)` gives the closing usage chunk or None. With `beats_of`
     (the engine), progress beats go between the chunks (beats.py)."""
 
@@ -68,20 +73,24 @@ def stream_response(streams: list[AsyncIterator[RequestOutput]], shape, metrics:
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     if beats_of is None:
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
-    return StreamingResponse(beating(events(), beats_of, SSE_BEAT), media_type="text/event-stream",
-                             headers={**headers, PROGRESS_HEADER: BEATS})
+    return StreamingResponse(
+        beating(events(), beats_of, SSE_BEAT),
+        media_type="text/event-stream",
+        headers={**headers, PROGRESS_HEADER: BEATS},
+    )
 
 
-async def collect(request: Optional[Request], streams: list[AsyncIterator[RequestOutput]],
-                  metrics: ServerMetrics) -> list[RequestOutput]:
+async def collect(
+    request: Optional[Request], streams: list[AsyncIterator[RequestOutput]], metrics: ServerMetrics
+) -> list[RequestOutput]:
     """Run non-streamed requests to the end; a client that disconnects (polled on `request`, when given) or
     a cancelled caller aborts them."""
 
     async def final(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
         last = None
         try:
-            async for last in stream:
-                pass
+            async for output in stream:
+                last = output
         finally:
             await stream.aclose()  # an abandoned stream aborts its request
         return last

@@ -48,13 +48,21 @@ def cache_options(settings, tenant: Optional[str], body: SamplingFields) -> Cach
     ttl = body.cache_ttl
     if body.prompt_cache_retention == "24h":
         if ttl is not None:
-            raise APIError(400, "give cache_ttl or prompt_cache_retention, not both", param="prompt_cache_retention",
-                           code="invalid_value")
+            raise APIError(
+                400,
+                "give cache_ttl or prompt_cache_retention, not both",
+                param="prompt_cache_retention",
+                code="invalid_value",
+            )
         if settings.max_cache_ttl < RETENTION_24H:
-            raise APIError(400, f"prompt_cache_retention 24h keeps a prefix for {RETENTION_24H:.0f} s, more than this "
-                                f"server's --max-cache-ttl ({settings.max_cache_ttl:g} s); use in_memory, or ask the "
-                                "operator to raise --max-cache-ttl", param="prompt_cache_retention",
-                           code="invalid_value")
+            raise APIError(
+                400,
+                f"prompt_cache_retention 24h keeps a prefix for {RETENTION_24H:.0f} s, more than this "
+                f"server's --max-cache-ttl ({settings.max_cache_ttl:g} s); use in_memory, or ask the "
+                "operator to raise --max-cache-ttl",
+                param="prompt_cache_retention",
+                code="invalid_value",
+            )
         ttl = RETENTION_24H
     if ttl is None:
         ttl = settings.tenant_cache_ttls.get(tenant)
@@ -68,15 +76,19 @@ async def read_body(request: Request, model: type[BaseModel]):
     """The body as `model`: 415 for a non-JSON content type, 400 for unreadable JSON, 422 naming a bad field."""
     media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if media_type and media_type not in JSON_MEDIA_TYPES and not media_type.endswith("+json"):
-        raise APIError(415, f"the request body must be JSON (Content-Type: application/json), got {media_type!r}",
-                       code="unsupported_media_type")
+        raise APIError(
+            415,
+            f"the request body must be JSON (Content-Type: application/json), got {media_type!r}",
+            code="unsupported_media_type",
+        )
     try:
         payload = parse_json_body(await request.body())
     except ValueError as error:
         raise APIError(400, str(error), code="invalid_json") from None
     if not isinstance(payload, dict):
-        raise APIError(400, f"the request body must be a JSON object, not {type(payload).__name__}",
-                       code="invalid_json")
+        raise APIError(
+            400, f"the request body must be a JSON object, not {type(payload).__name__}", code="invalid_json"
+        )
     refuse_unsupported(payload, model)
     try:
         return model.model_validate(payload)
@@ -97,8 +109,12 @@ def refuse_unsupported(payload: dict, model: type[BaseModel]) -> None:
         if no_ops is None or value is None or any(type(value) is type(no_op) and value == no_op for no_op in no_ops):
             continue
         hint = f" (or send {no_ops[0]!r}, which does nothing)" if no_ops else ""
-        raise APIError(400, f"{name} is not supported by this server yet; leave it out{hint}", param=name,
-                       code="unsupported_parameter")
+        raise APIError(
+            400,
+            f"{name} is not supported by this server yet; leave it out{hint}",
+            param=name,
+            code="unsupported_parameter",
+        )
 
 
 def logit_bias_of(bias: Optional[dict[str, float]]) -> Optional[dict[int, float]]:
@@ -108,8 +124,12 @@ def logit_bias_of(bias: Optional[dict[str, float]]) -> Optional[dict[int, float]
     try:
         return {int(token): value for token, value in bias.items()}
     except ValueError:
-        raise APIError(400, "logit_bias keys must be token ids (integers as strings, e.g. \"50256\")",
-                       param="logit_bias", code="invalid_value") from None
+        raise APIError(
+            400,
+            'logit_bias keys must be token ids (integers as strings, e.g. "50256")',
+            param="logit_bias",
+            code="invalid_value",
+        ) from None
 
 
 def sampling_params(body: SamplingFields, num_logprobs: Optional[int]) -> SamplingParams:
@@ -175,22 +195,28 @@ class RequestBuilder:
 
     def check_text_size(self, num_chars: int, param: str) -> None:
         if num_chars > self.max_prompt_chars:
-            raise APIError(413, f"the {param} has {num_chars} characters, which is more than {self.max_model_len} "
-                                f"tokens (max_model_len); shorten it", param=param, code="context_length_exceeded")
+            raise APIError(
+                413,
+                f"the {param} has {num_chars} characters, which is more than {self.max_model_len} "
+                f"tokens (max_model_len); shorten it",
+                param=param,
+                code="context_length_exceeded",
+            )
 
     async def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         tokenizer = self.tokenizer
         messages, tools = template_input(body, tokenizer.chat_template)  # with its tools and tool calls
-        self.check_text_size(sum(len(message["content"]) for message in messages) + len(str(tools or "")),
-                             "messages")
+        self.check_text_size(sum(len(message["content"]) for message in messages) + len(str(tools or "")), "messages")
         try:
             return await asyncio.to_thread(tokenizer.encode_chat, messages, True, tools)
         except Exception as error:  # a template may reject a conversation (e.g. role order)
-            raise APIError(400, f"the chat template rejected these messages: {error}", param="messages",
-                           code="invalid_messages") from None
+            raise APIError(
+                400, f"the chat template rejected these messages: {error}", param="messages", code="invalid_messages"
+            ) from None
 
-    async def build(self, prompts: list, params: SamplingParams, max_tokens: Optional[int], n: int,
-                    options: CacheOptions) -> list[EngineRequest]:
+    async def build(
+        self, prompts: list, params: SamplingParams, max_tokens: Optional[int], n: int, options: CacheOptions
+    ) -> list[EngineRequest]:
         """n requests per prompt, in order, each with max_tokens fitted to the room its prompt leaves."""
         requests = []
         for prompt in prompts:
@@ -208,8 +234,15 @@ class RequestBuilder:
 
     async def _make(self, prompt, params: SamplingParams, options: CacheOptions) -> EngineRequest:
         def make():
-            return self.engine.make_request(prompt, params, new_id("req"), options.salt, prefix_ttl=options.ttl,
-                                            tenant=options.tenant, cache_retention=options.retention)
+            return self.engine.make_request(
+                prompt,
+                params,
+                new_id("req"),
+                options.salt,
+                prefix_ttl=options.ttl,
+                tenant=options.tenant,
+                cache_retention=options.retention,
+            )
 
         try:  # tokenizing text and compiling a grammar take time: off the event loop
             if isinstance(prompt, str) or params.structured_outputs is not None:
@@ -232,4 +265,3 @@ class RequestBuilder:
             return fit_max_tokens(num_prompt_tokens, requested, self.max_model_len, self.default_max_tokens)
         except ContextLengthError as error:
             raise APIError(400, str(error), param="max_tokens", code="context_length_exceeded") from None
-

@@ -12,8 +12,8 @@ import errno
 import logging
 import socket
 import time
-from typing import Optional
 from pathlib import Path
+from typing import Optional
 
 from ..config import CHECKPOINT_LAYOUT, DEFAULT_MAX_CACHE_TTL
 from ..http_body import DEFAULT_MAX_REQUEST_BYTES
@@ -27,32 +27,68 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """The server's own flags, then the engine's (one per EngineConfig field: engine_flags.py)."""
-    parser.add_argument("--served-model-name", metavar="NAME", default=None,
-                        help="the model name clients send and responses carry (default: the --model directory's name, "
-                             "or prefixserve-tiny)")
-    parser.add_argument("--host", default="127.0.0.1",
-                        help="listen address: 127.0.0.1 is this machine only, 0.0.0.0 every interface")
+    parser.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        default=None,
+        help="the model name clients send and responses carry (default: the --model directory's name, "
+        "or prefixserve-tiny)",
+    )
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="listen address: 127.0.0.1 is this machine only, 0.0.0.0 every interface"
+    )
     parser.add_argument("--port", type=_port_number, default=8000, help="listen port, checked before the model loads")
-    parser.add_argument("--api-key", metavar="KEY", default=None,
-                        help="require this API key, as tenant 'default' (default: no key needed)")
-    parser.add_argument("--api-keys-file", metavar="FILE", default=None,
-                        help='JSON {"key": "tenant", ...}; each tenant gets its own cache scope (default: none)')
-    parser.add_argument("--admin-api-key", metavar="KEY", default=None,
-                        help="the operator's key for /v1/kv_events and /v1/cache/* (what a router reads) "
-                             "(default: none, and those endpoints are off)")
-    parser.add_argument("--max-request-bytes", type=int, metavar="N", default=DEFAULT_MAX_REQUEST_BYTES,
-                        help="request bodies over this many bytes get HTTP 413 before they are read")
-    parser.add_argument("--shared-prefix", metavar="FILE", default=None,
-                        help="UTF-8 text every tenant may share from the cache: the file's text with one trailing "
-                             "newline removed, declared both as a chat system message and as the start of a "
-                             "completion prompt (default: none)")
-    parser.add_argument("--max-waiting", type=int, metavar="N", default=256,
-                        help="waiting requests past which new ones get HTTP 429")
-    parser.add_argument("--max-cache-ttl", type=float, metavar="SECONDS", default=DEFAULT_MAX_CACHE_TTL,
-                        help="cap on the cache_ttl a request body or a tenant's keys-file entry asks for")
-    parser.add_argument("--tool-call-parser", default="auto", choices=("auto", "hermes", "llama3_json"),
-                        help="how tool calls are read from a chat's output (vLLM's names); auto: the chat template's "
-                             "format, hermes when the template knows no tools (the server teaches it hermes)")
+    parser.add_argument(
+        "--api-key",
+        metavar="KEY",
+        default=None,
+        help="require this API key, as tenant 'default' (default: no key needed)",
+    )
+    parser.add_argument(
+        "--api-keys-file",
+        metavar="FILE",
+        default=None,
+        help='JSON {"key": "tenant", ...}; each tenant gets its own cache scope (default: none)',
+    )
+    parser.add_argument(
+        "--admin-api-key",
+        metavar="KEY",
+        default=None,
+        help="the operator's key for /v1/kv_events and /v1/cache/* (what a router reads) "
+        "(default: none, and those endpoints are off)",
+    )
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        metavar="N",
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="request bodies over this many bytes get HTTP 413 before they are read",
+    )
+    parser.add_argument(
+        "--shared-prefix",
+        metavar="FILE",
+        default=None,
+        help="UTF-8 text every tenant may share from the cache: the file's text with one trailing "
+        "newline removed, declared both as a chat system message and as the start of a "
+        "completion prompt (default: none)",
+    )
+    parser.add_argument(
+        "--max-waiting", type=int, metavar="N", default=256, help="waiting requests past which new ones get HTTP 429"
+    )
+    parser.add_argument(
+        "--max-cache-ttl",
+        type=float,
+        metavar="SECONDS",
+        default=DEFAULT_MAX_CACHE_TTL,
+        help="cap on the cache_ttl a request body or a tenant's keys-file entry asks for",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        choices=("auto", "hermes", "llama3_json"),
+        help="how tool calls are read from a chat's output (vLLM's names); auto: the chat template's "
+        "format, hermes when the template knows no tools (the server teaches it hermes)",
+    )
     parser.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="engine and uvicorn logging")
     add_engine_arguments(parser.add_argument_group("engine (each flag an EngineConfig field)"))
 
@@ -84,13 +120,17 @@ def server_settings_from_args(args: argparse.Namespace):
     from .api import ServerSettings
 
     try:
-        return ServerSettings(served_model_name=args.served_model_name or served_name_of(args.model),
-                              api_keys=load_api_keys(args.api_keys_file, args.api_key),
-                              admin_api_key=args.admin_api_key, max_waiting=args.max_waiting,
-                              max_request_bytes=args.max_request_bytes, max_cache_ttl=args.max_cache_ttl,
-                              tenant_cache_ttls=load_tenant_cache_ttls(args.api_keys_file),
-                              tenant_cache_retentions=load_tenant_cache_retentions(args.api_keys_file),
-                              tool_call_parser=args.tool_call_parser)
+        return ServerSettings(
+            served_model_name=args.served_model_name or served_name_of(args.model),
+            api_keys=load_api_keys(args.api_keys_file, args.api_key),
+            admin_api_key=args.admin_api_key,
+            max_waiting=args.max_waiting,
+            max_request_bytes=args.max_request_bytes,
+            max_cache_ttl=args.max_cache_ttl,
+            tenant_cache_ttls=load_tenant_cache_ttls(args.api_keys_file),
+            tenant_cache_retentions=load_tenant_cache_retentions(args.api_keys_file),
+            tool_call_parser=args.tool_call_parser,
+        )
     except ValueError as error:
         raise SystemExit(f"prefixserve serve: {error}") from None
 
@@ -187,8 +227,10 @@ def check_model_dir(model: str) -> None:
         problem = "has no *.safetensors weights"
     else:
         return
-    raise SystemExit(f"prefixserve serve: --model {model}: {problem}; pass {CHECKPOINT_LAYOUT}, "
-                     "or leave --model out for the built-in prefixserve-tiny")
+    raise SystemExit(
+        f"prefixserve serve: --model {model}: {problem}; pass {CHECKPOINT_LAYOUT}, "
+        "or leave --model out for the built-in prefixserve-tiny"
+    )
 
 
 def bind_port(host: str, port: int) -> list[socket.socket]:
@@ -221,11 +263,14 @@ def bind_port(host: str, port: int) -> list[socket.socket]:
 
 def _bind_problem(error: OSError, host: str, port: int) -> str:
     if error.errno == errno.EADDRINUSE:
-        return (f"--port {port}: already in use on {host} (another server listens there); stop it or "
-                "choose another --port")
+        return (
+            f"--port {port}: already in use on {host} (another server listens there); stop it or choose another --port"
+        )
     if error.errno == errno.EACCES:
-        return (f"--port {port}: permission denied on {host} (ports below 1024 need privileges); "
-                "choose --port 1024 or above")
+        return (
+            f"--port {port}: permission denied on {host} (ports below 1024 need privileges); "
+            "choose --port 1024 or above"
+        )
     if error.errno == errno.EADDRNOTAVAIL:
         return f"--host {host}: not an address of this machine; use 127.0.0.1, 0.0.0.0 or one of its addresses"
     return f"--host {host} --port {port}: cannot listen there ({error.strerror or error})"
@@ -246,8 +291,10 @@ def read_shared_prefix(path: str) -> str:
         raise SystemExit(f"prefixserve serve: --shared-prefix {path}: cannot read it ({error.strerror})") from None
     text = text.removesuffix("\n").removesuffix("\r") if text.endswith("\n") else text
     if not text:
-        raise SystemExit(f"prefixserve serve: --shared-prefix {path}: the file is empty; leave the flag out "
-                         "or write the shared system prompt into it")
+        raise SystemExit(
+            f"prefixserve serve: --shared-prefix {path}: the file is empty; leave the flag out "
+            "or write the shared system prompt into it"
+        )
     return text
 
 
@@ -255,14 +302,25 @@ def declare_shared_prefix(core, path: str, text: str) -> None:
     """Declare `text` public in both forms a client may send it, logging what each form covers."""
     tokenizer, block_size = core.tokenizer, core.config.block_size
     forms = {
-        "chat system message": tokenizer.encode_chat([{"role": "system", "content": text}],
-                                                     add_generation_prompt=False),
+        "chat system message": tokenizer.encode_chat(
+            [{"role": "system", "content": text}], add_generation_prompt=False
+        ),
         "completion prompt": tokenizer.encode(text),
     }
     for form, token_ids in forms.items():
         num_blocks = core.declare_shared_prefix(token_ids)
-        logger.info("shared prefix %s as a %s: %d tokens, %d full blocks of %d shared by every tenant",
-                    path, form, len(token_ids), num_blocks, block_size)
+        logger.info(
+            "shared prefix %s as a %s: %d tokens, %d full blocks of %d shared by every tenant",
+            path,
+            form,
+            len(token_ids),
+            num_blocks,
+            block_size,
+        )
         if num_blocks == 0:
-            logger.warning("shared prefix %s as a %s is shorter than one block (%d tokens): nothing of it is "
-                           "shared", path, form, block_size)
+            logger.warning(
+                "shared prefix %s as a %s is shorter than one block (%d tokens): nothing of it is shared",
+                path,
+                form,
+                block_size,
+            )

@@ -9,15 +9,25 @@ Each app owns its registry, so tests can run several servers in one process.
 
 from __future__ import annotations
 
+from typing import Callable
+
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from typing import Callable
-
 from ..engine.async_engine import EngineSnapshot
+from ..metric_names import (
+    E2E_LATENCY,
+    KV_BLOCKS,
+    KV_TIER_CAPACITY_BYTES,
+    KV_TIER_FETCH_SECONDS,
+    KV_TIER_HIT_TOKENS,
+    KV_TIER_REJECTIONS,
+    KV_TIER_USED_BYTES,
+    PREFIX_REUSE_GAP,
+    TTFT,
+    server_metric,
+)
 from .vllm_metrics import VLLMEngineCollector, VLLMLatencies
-from ..metric_names import (E2E_LATENCY, KV_BLOCKS, KV_TIER_CAPACITY_BYTES, KV_TIER_FETCH_SECONDS, KV_TIER_HIT_TOKENS,
-                            KV_TIER_REJECTIONS, KV_TIER_USED_BYTES, PREFIX_REUSE_GAP, TTFT, server_metric)
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0)
 
@@ -50,10 +60,14 @@ class EngineCollector:
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.num_query_tokens)
         yield counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.", stats.num_hit_tokens)
         yield counter("prefix_cache_requests", "Requests looked up in the prefix cache.", stats.num_queries)
-        yield counter("prefix_cache_hit_requests", "Requests that reused at least one cached block.", stats.num_hit_queries)
+        yield counter(
+            "prefix_cache_hit_requests", "Requests that reused at least one cached block.", stats.num_hit_queries
+        )
         yield gauge("prefix_cache_request_hit_rate", "Fraction of requests with a prefix hit.", stats.request_hit_rate)
         yield gauge("prefix_cache_token_hit_rate", "Token-weighted prefix hit rate.", stats.token_hit_rate)
-        yield counter("prefill_tokens_computed", "Prompt tokens run through the model.", snapshot.num_prefill_tokens_computed)
+        yield counter(
+            "prefill_tokens_computed", "Prompt tokens run through the model.", snapshot.num_prefill_tokens_computed
+        )
         yield counter("prefill_tokens_saved", "Prompt tokens whose prefill the cache skipped.", stats.num_hit_tokens)
         yield counter("generation_tokens", "Output tokens generated.", snapshot.num_generation_tokens)
         yield gauge("kv_cache_usage_perc", "Fraction of KV blocks held by running requests.", usage.usage)
@@ -70,7 +84,9 @@ class EngineCollector:
         yield counter("num_preemptions", "Running requests preempted for lack of KV blocks.", snapshot.num_preemptions)
         yield gauge("num_requests_running", "Requests in the running batch.", snapshot.num_running)
         yield gauge("num_requests_waiting", "Requests waiting for admission.", snapshot.num_waiting)
-        yield counter("rejected_requests", "Requests refused with 429 because the queue was full.", self._num_rejected[0])
+        yield counter(
+            "rejected_requests", "Requests refused with 429 because the queue was full.", self._num_rejected[0]
+        )
         yield from tier_families(snapshot.tiers)
         yield from reuse_gap_families(snapshot.reuse_gaps)
 
@@ -87,12 +103,14 @@ def reuse_gap_families(reuse_gaps: dict):
     for bound, count in zip(bounds, overall["counts"]):
         cumulative += count
         buckets.append((bound, cumulative))
-    gaps = HistogramMetricFamily(PREFIX_REUSE_GAP,
-                                 "Time from a request releasing its prefix to the next request that continues it.")
+    gaps = HistogramMetricFamily(
+        PREFIX_REUSE_GAP, "Time from a request releasing its prefix to the next request that continues it."
+    )
     gaps.add_metric([], buckets, overall["sum"])
     yield gaps
-    yield _single(CounterMetricFamily, "prefix_releases", "Prefixes released by finished requests.",
-                  overall["num_releases"])
+    yield _single(
+        CounterMetricFamily, "prefix_releases", "Prefixes released by finished requests.", overall["num_releases"]
+    )
 
 
 TIER_COUNTERS = (  # (metric name, TierStats field, help)
@@ -110,17 +128,23 @@ def tier_families(tiers: dict):
     """Per-tier families, labelled tier="host" | "disk": hit tokens, bytes, rejections, usage, fetch latency."""
     if not tiers:
         return
-    hits = CounterMetricFamily(KV_TIER_HIT_TOKENS, "Prompt tokens served from a KV tier.",
-                               labels=["tier"])
-    counters = [(CounterMetricFamily(server_metric(name), doc, labels=["tier"]), field) for name, field, doc in TIER_COUNTERS]
+    hits = CounterMetricFamily(KV_TIER_HIT_TOKENS, "Prompt tokens served from a KV tier.", labels=["tier"])
+    counters = [
+        (CounterMetricFamily(server_metric(name), doc, labels=["tier"]), field) for name, field, doc in TIER_COUNTERS
+    ]
     used = GaugeMetricFamily(KV_TIER_USED_BYTES, "Bytes a KV tier holds.", labels=["tier"])
     capacity = GaugeMetricFamily(KV_TIER_CAPACITY_BYTES, "Bytes a KV tier may hold.", labels=["tier"])
-    rejections = CounterMetricFamily(KV_TIER_REJECTIONS, "Records a KV tier's reader refused, by "
-                                     "reason (auth: unsealed, forged or another secret's; nonfinite; checksum; ...).",
-                                     labels=["tier", "reason"])
-    latency = HistogramMetricFamily(KV_TIER_FETCH_SECONDS,
-                                    "Time from looking a prefix up in a tier to its blocks cached in the pool.",
-                                    labels=["tier"])
+    rejections = CounterMetricFamily(
+        KV_TIER_REJECTIONS,
+        "Records a KV tier's reader refused, by "
+        "reason (auth: unsealed, forged or another secret's; nonfinite; checksum; ...).",
+        labels=["tier", "reason"],
+    )
+    latency = HistogramMetricFamily(
+        KV_TIER_FETCH_SECONDS,
+        "Time from looking a prefix up in a tier to its blocks cached in the pool.",
+        labels=["tier"],
+    )
     for name, tier in tiers.items():
         hits.add_metric([name], tier.hit_tokens)
         for family, field in counters:
@@ -148,10 +172,10 @@ class ServerMetrics:
         self.registry.register(EngineCollector(snapshot, self.num_rejected))
         self.registry.register(VLLMEngineCollector(snapshot, model_name, cache_info))
         self.vllm_latencies = VLLMLatencies(self.registry, model_name)
-        self.ttft = Histogram(TTFT, "Time to first token.",
-                              buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.e2e_latency = Histogram(E2E_LATENCY, "End-to-end request latency.",
-                                     buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.ttft = Histogram(TTFT, "Time to first token.", buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.e2e_latency = Histogram(
+            E2E_LATENCY, "End-to-end request latency.", buckets=LATENCY_BUCKETS, registry=self.registry
+        )
 
     def observe_finished(self, output) -> None:
         metrics = output.metrics

@@ -44,12 +44,20 @@ async def pin_prefix(request: Request):
     state = _admin(request)
     body = await read_body(request, PinBody)
     if (body.prompt is None) == (body.messages is None):
-        raise APIError(400, "give the prefix to pin as 'prompt' (text or token ids) or as 'messages', not both",
-                       param="prompt", code="invalid_value")
+        raise APIError(
+            400,
+            "give the prefix to pin as 'prompt' (text or token ids) or as 'messages', not both",
+            param="prompt",
+            code="invalid_value",
+        )
     if body.tenant is not None and body.tenant not in set(state.settings.api_keys.values()):
-        raise APIError(400, f"tenant {body.tenant!r} has no API key on this server; pin for a tenant of the keys "
-                            "file, or leave tenant out to pin in the public scope", param="tenant",
-                       code="unknown_tenant")
+        raise APIError(
+            400,
+            f"tenant {body.tenant!r} has no API key on this server; pin for a tenant of the keys "
+            "file, or leave tenant out to pin in the public scope",
+            param="tenant",
+            code="unknown_tenant",
+        )
     salt = compose_salt(body.tenant, body.cache_salt)
     params = SamplingParams(max_tokens=1)
     async with state.reload_gate.admitting():  # warmed and pinned on one model version
@@ -82,6 +90,11 @@ async def delete_pin(request: Request, pin_id: str):
     state = _admin(request)
     pin = await state.engine.call(lambda core: core.unpin_prefix(pin_id))
     if pin is None:
-        raise APIError(404, f"no pin {pin_id!r}; GET /v1/cache/pins lists them", "not_found_error", param="pin_id",
-                       code="pin_not_found")
+        raise APIError(
+            404,
+            f"no pin {pin_id!r}; GET /v1/cache/pins lists them",
+            "not_found_error",
+            param="pin_id",
+            code="pin_not_found",
+        )
     return {"id": pin_id, "object": "cache.pin", "deleted": True}

@@ -13,8 +13,15 @@ from typing import Annotated, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from ..engine.limits import (MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_NAME_CHARS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
-                             MAX_STOP_TOKEN_IDS, RANGES)
+from ..engine.limits import (
+    MAX_BAD_WORDS,
+    MAX_LOGIT_BIAS,
+    MAX_NAME_CHARS,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    RANGES,
+)
 from .structured_fields import StructuredFields
 from .tool_protocol import ToolCall, ToolFields
 
@@ -24,12 +31,29 @@ StopString = Annotated[str, StringConstraints(max_length=MAX_STOP_STRING_CHARS)]
 # Fields of OpenAI's and vLLM's APIs this server does not implement yet, with their no-op values: any other
 # value is refused with a 400 naming the field (server/inputs.py), never accepted and ignored.
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
-    "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
-    "parallel_tool_calls": (True, False), "suffix": ("",), "best_of": (1,), "audio": (),
-    "modalities": (["text"],), "prediction": (), "reasoning_effort": (), "web_search_options": (),
-    "logits_processors": (), "allowed_token_ids": (), "truncate_prompt_tokens": (), "top_a": (), "typical_p": (1.0,),
-    "length_penalty": (1.0,), "use_beam_search": (False,), "include_stop_str_in_output": (False,),
-    "skip_special_tokens": (True,), "prompt_logprobs": (), "store": (False,),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "function_call": ("none",),
+    "parallel_tool_calls": (True, False),
+    "suffix": ("",),
+    "best_of": (1,),
+    "audio": (),
+    "modalities": (["text"],),
+    "prediction": (),
+    "reasoning_effort": (),
+    "web_search_options": (),
+    "logits_processors": (),
+    "allowed_token_ids": (),
+    "truncate_prompt_tokens": (),
+    "top_a": (),
+    "typical_p": (1.0,),
+    "length_penalty": (1.0,),
+    "use_beam_search": (False,),
+    "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),
+    "prompt_logprobs": (),
+    "store": (False,),
 }
 
 

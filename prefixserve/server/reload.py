@@ -78,12 +78,20 @@ async def _reload_body(request: Request) -> tuple[Optional[str], bool]:
     except ValueError as error:
         raise APIError(400, str(error), code="invalid_json") from None
     if not isinstance(body, dict) or set(body) - {"model", "purge_remote"}:
-        raise APIError(400, "the body is empty (reload the served checkpoint again) or {\"model\": \"<checkpoint "
-                            "directory, .gguf file or model name>\", \"purge_remote\": false}", code="invalid_value")
+        raise APIError(
+            400,
+            'the body is empty (reload the served checkpoint again) or {"model": "<checkpoint '
+            'directory, .gguf file or model name>", "purge_remote": false}',
+            code="invalid_value",
+        )
     model = body.get("model")
     if model is not None and (not isinstance(model, str) or not model.strip()):
-        raise APIError(400, "model must be a non-empty string: a checkpoint directory, a .gguf file or a model name",
-                       param="model", code="invalid_value")
+        raise APIError(
+            400,
+            "model must be a non-empty string: a checkpoint directory, a .gguf file or a model name",
+            param="model",
+            code="invalid_value",
+        )
     purge_remote = body.get("purge_remote", False)
     if not isinstance(purge_remote, bool):
         raise APIError(400, "purge_remote must be true or false", param="purge_remote", code="invalid_value")
@@ -97,8 +105,12 @@ async def reload_model(request: Request):
     model, purge_remote = await _reload_body(request)
     tiers = state.engine.engine.tiers
     if purge_remote and (tiers is None or tiers.shared is None):
-        raise APIError(400, "purge_remote needs a remote tier (--kv-remote-url); leave it out", param="purge_remote",
-                       code="invalid_value")
+        raise APIError(
+            400,
+            "purge_remote needs a remote tier (--kv-remote-url); leave it out",
+            param="purge_remote",
+            code="invalid_value",
+        )
     gate: ReloadGate = state.reload_gate
     if gate.reload_lock.locked():
         raise APIError(409, "a reload is already in progress; wait for it to finish", code="reload_in_progress")
@@ -112,8 +124,9 @@ async def reload_model(request: Request):
         except EngineDeadError as error:
             raise engine_dead(error) from None
         except (FileNotFoundError, IncompatibleModelError, ValueError, OSError) as error:
-            raise APIError(400, f"cannot reload {model or 'the served checkpoint'}: {error}", param="model",
-                           code="invalid_model") from None
+            raise APIError(
+                400, f"cannot reload {model or 'the served checkpoint'}: {error}", param="model", code="invalid_model"
+            ) from None
     body = report.to_dict()
     body.update(object="reload", load_seconds=loaded - began, held_seconds=time.perf_counter() - loaded)
     if purge_remote:  # after the gate opened: deleting many keys must not hold requests back

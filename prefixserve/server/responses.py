@@ -29,8 +29,12 @@ def usage_of(finals: list[RequestOutput], n: int) -> dict:
         for tier, tokens in out.cached_tokens_by_tier.items():
             by_tier[tier] = by_tier.get(tier, 0) + tokens
     completion = sum(len(out.token_ids) for out in finals)
-    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion,
-                 prompt_tokens_details={"cached_tokens": cached, "cached_tokens_by_tier": by_tier}).model_dump()
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion,
+        total_tokens=prompt_tokens + completion,
+        prompt_tokens_details={"cached_tokens": cached, "cached_tokens_by_tier": by_tier},
+    ).model_dump()
 
 
 def _tool_finish(finish_reason: Optional[str], called: bool) -> Optional[str]:
@@ -63,8 +67,17 @@ class _Shape:
     object_name = ""
     chunk_object_name = ""
 
-    def __init__(self, response_id: str, created: int, model: str, texts: TokenTexts, *, return_token_ids: bool,
-                 num_logprobs: Optional[int], system_fingerprint: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        response_id: str,
+        created: int,
+        model: str,
+        texts: TokenTexts,
+        *,
+        return_token_ids: bool,
+        num_logprobs: Optional[int],
+        system_fingerprint: Optional[str] = None,
+    ) -> None:
         self.response_id, self.created, self.model = response_id, created, model
         self.system_fingerprint = system_fingerprint  # the model version that served it (changes on a reload)
         self.texts = texts
@@ -78,8 +91,14 @@ class _Shape:
         return bool(out.delta_text or out.finished or (wants_tokens and out.delta_token_ids))
 
     def _envelope(self, object_name: str, choices: list) -> dict:
-        return {"id": self.response_id, "object": object_name, "created": self.created, "model": self.model,
-                "system_fingerprint": self.system_fingerprint, "choices": choices}
+        return {
+            "id": self.response_id,
+            "object": object_name,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": self.system_fingerprint,
+            "choices": choices,
+        }
 
     def _add_token_ids(self, choice: dict, index: int, out: RequestOutput, token_ids: list[int]) -> dict:
         if self.return_token_ids:
@@ -102,17 +121,23 @@ class CompletionShape(_Shape):
         self._text_offsets: dict[int, int] = {}
 
     def chunk(self, index: int, out: RequestOutput) -> dict:
-        choice = {"index": index, "text": out.delta_text,
-                  "logprobs": self._logprobs(index, out.delta_logprobs),
-                  "finish_reason": out.finish_reason if out.finished else None}
+        choice = {
+            "index": index,
+            "text": out.delta_text,
+            "logprobs": self._logprobs(index, out.delta_logprobs),
+            "finish_reason": out.finish_reason if out.finished else None,
+        }
         return self._envelope(self.chunk_object_name, [self._add_token_ids(choice, index, out, out.delta_token_ids)])
 
     def response(self, finals: list[RequestOutput], usage: dict) -> dict:
         choices = []
         for index, out in enumerate(finals):
-            choice = {"index": index, "text": (out.prompt or "") * self.echo + out.text,
-                      "logprobs": self._logprobs(index, out.logprobs or []),
-                      "finish_reason": out.finish_reason}
+            choice = {
+                "index": index,
+                "text": (out.prompt or "") * self.echo + out.text,
+                "logprobs": self._logprobs(index, out.logprobs or []),
+                "finish_reason": out.finish_reason,
+            }
             choices.append(self._add_token_ids(choice, index, out, out.token_ids))
         return {**self._envelope(self.object_name, choices), "usage": usage}
 
@@ -133,8 +158,12 @@ class CompletionShape(_Shape):
             offsets.append(offset)
             offset += len(token)
         self._text_offsets[index] = offset
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
-                "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top_logprobs,
+            "text_offset": offsets,
+        }
 
 
 class ChatShape(_Shape):
@@ -150,8 +179,12 @@ class ChatShape(_Shape):
         self._tool_streams: dict[int, ToolCallStream] = {}
 
     def role_chunk(self, index: int, prompt_token_ids: list[int]) -> dict:
-        choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                  "finish_reason": None}
+        choice = {
+            "index": index,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
         if self.return_token_ids:
             self._prompt_ids_sent.add(index)
             choice["prompt_token_ids"] = list(prompt_token_ids)
@@ -160,8 +193,12 @@ class ChatShape(_Shape):
 
     def chunk(self, index: int, out: RequestOutput) -> dict:
         delta, finish_reason = self._delta(index, out)
-        choice = {"index": index, "delta": delta, "logprobs": self._logprobs(out.delta_logprobs),
-                  "finish_reason": finish_reason}
+        choice = {
+            "index": index,
+            "delta": delta,
+            "logprobs": self._logprobs(out.delta_logprobs),
+            "finish_reason": finish_reason,
+        }
         return self._envelope(self.chunk_object_name, [self._add_token_ids(choice, index, out, out.delta_token_ids)])
 
     def _delta(self, index: int, out: RequestOutput) -> tuple[dict, Optional[str]]:
@@ -192,8 +229,12 @@ class ChatShape(_Shape):
         choices = []
         for index, out in enumerate(finals):
             message, finish_reason = self._message(out)
-            choice = {"index": index, "message": message,
-                      "logprobs": self._logprobs(out.logprobs or []), "finish_reason": finish_reason}
+            choice = {
+                "index": index,
+                "message": message,
+                "logprobs": self._logprobs(out.logprobs or []),
+                "finish_reason": finish_reason,
+            }
             choices.append(self._add_token_ids(choice, index, out, out.token_ids))
         return {**self._envelope(self.object_name, choices), "usage": usage}
 
@@ -205,7 +246,11 @@ class ChatShape(_Shape):
         def item(token_id: int, logprob: float) -> dict:
             return {"token": texts.text(token_id), "logprob": _finite(logprob), "bytes": texts.bytes(token_id)}
 
-        content = [{**item(entry.token_id, entry.logprob),
-                    "top_logprobs": [item(token_id, logprob) for token_id, logprob in entry.top]}
-                   for entry in entries]
+        content = [
+            {
+                **item(entry.token_id, entry.logprob),
+                "top_logprobs": [item(token_id, logprob) for token_id, logprob in entry.top],
+            }
+            for entry in entries
+        ]
         return {"content": content, "refusal": None}

@@ -38,8 +38,13 @@ def check_model(settings, model) -> None:
     except ValueError as error:
         raise APIError(400, str(error), param="model", code="invalid_value") from None
     if name != settings.served_model_name:
-        raise APIError(404, f"model {name!r} does not exist; this server serves {settings.served_model_name!r}",
-                       "not_found_error", param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"model {name!r} does not exist; this server serves {settings.served_model_name!r}",
+            "not_found_error",
+            param="model",
+            code="model_not_found",
+        )
 
 
 def check_version(state, model) -> None:
@@ -48,17 +53,26 @@ def check_version(state, model) -> None:
     version = split_model(model)[1] if model is not None else None
     fingerprint = state.engine.engine.scope.model_fingerprint
     if version is not None and not fingerprint.startswith(version):
-        raise APIError(404, f"model {model!r}: this server serves version fp_{fingerprint[:16]} of "
-                            f"{state.settings.served_model_name!r}, not {version}; ask for "
-                            f"{state.settings.served_model_name!r} to take any version", "not_found_error",
-                       param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"model {model!r}: this server serves version fp_{fingerprint[:16]} of "
+            f"{state.settings.served_model_name!r}, not {version}; ask for "
+            f"{state.settings.served_model_name!r} to take any version",
+            "not_found_error",
+            param="model",
+            code="model_not_found",
+        )
 
 
 def check_batch(settings, num_requests: int) -> None:
     if num_requests > settings.max_waiting:
-        raise APIError(400, f"this request asks for {num_requests} generations (prompts x n) but the server queues "
-                            f"at most {settings.max_waiting}; split it into smaller requests",
-                       param="n", code="batch_too_large")
+        raise APIError(
+            400,
+            f"this request asks for {num_requests} generations (prompts x n) but the server queues "
+            f"at most {settings.max_waiting}; split it into smaller requests",
+            param="n",
+            code="batch_too_large",
+        )
 
 
 def with_tool_choice(params, body, parser: str):
@@ -67,8 +81,12 @@ def with_tool_choice(params, body, parser: str):
     if grammar is None:
         return params
     if params.structured_outputs is not None:
-        raise APIError(400, "tool_choice forces a tool call, which response_format (or guided_*) would constrain "
-                            "too; send one of them", param="tool_choice", code="invalid_value")
+        raise APIError(
+            400,
+            "tool_choice forces a tool call, which response_format (or guided_*) would constrain too; send one of them",
+            param="tool_choice",
+            code="invalid_value",
+        )
     return replace(params, structured_outputs=grammar)
 
 
@@ -77,9 +95,13 @@ def start(state, requests) -> list:
     engine, settings = state.engine, state.settings
     if engine.num_waiting + len(requests) > settings.max_waiting:
         state.metrics.num_rejected[0] += 1
-        raise APIError(429, f"the server is busy ({engine.num_waiting} requests waiting); retry shortly",
-                       "rate_limit_error", code="queue_full",
-                       headers={"Retry-After": str(settings.retry_after_seconds)})
+        raise APIError(
+            429,
+            f"the server is busy ({engine.num_waiting} requests waiting); retry shortly",
+            "rate_limit_error",
+            code="queue_full",
+            headers={"Retry-After": str(settings.retry_after_seconds)},
+        )
     try:
         return [engine.add(request) for request in requests]
     except EngineDeadError as error:
@@ -95,8 +117,9 @@ async def respond(request: Request, state, body, shape, streams, first_chunks=()
         def closing(finals):
             return shape.usage_chunk(usage_of(finals, body.n)) if include_usage else None
 
-        return stream_response(streams, shape, state.metrics, closing, first_chunks,
-                               beats_of=state.engine if beats else None)
+        return stream_response(
+            streams, shape, state.metrics, closing, first_chunks, beats_of=state.engine if beats else None
+        )
 
     async def whole() -> dict:
         finals = await collect(None if beats else request, streams, state.metrics)
@@ -116,24 +139,42 @@ async def accept(request: Request, model: type):
 
 def shape_options(state, body) -> dict:
     """Response options; the fingerprint is read inside the reload gate: the version that will serve."""
-    return {"return_token_ids": body.return_token_ids, "num_logprobs": body.num_logprobs,
-            "system_fingerprint": "fp_" + state.engine.engine.scope.model_fingerprint[:16]}
+    return {
+        "return_token_ids": body.return_token_ids,
+        "num_logprobs": body.num_logprobs,
+        "system_fingerprint": "fp_" + state.engine.engine.scope.model_fingerprint[:16],
+    }
 
 
 @routes.post("/v1/completions")
 async def completions(request: Request):
     state, tenant, body = await accept(request, CompletionRequest)
     if body.echo and body.logprobs is not None:
-        raise APIError(400, "echo with logprobs (prompt logprobs) is not supported; drop one of them",
-                       param="echo", code="unsupported")
+        raise APIError(
+            400,
+            "echo with logprobs (prompt logprobs) is not supported; drop one of them",
+            param="echo",
+            code="unsupported",
+        )
     prompts = completion_prompts(body.prompt)
     check_batch(state.settings, len(prompts) * body.n)
     async with state.reload_gate.admitting():  # tokenized and queued on one model version
         check_version(state, body.model)
-        requests = await state.builder.build(prompts, sampling_params(body, body.num_logprobs),
-                                             body.requested_max_tokens, body.n, cache_options(state.settings, tenant, body))
-        shape = CompletionShape(new_id("cmpl"), now(), state.settings.served_model_name, state.texts, echo=body.echo,
-                                **shape_options(state, body))
+        requests = await state.builder.build(
+            prompts,
+            sampling_params(body, body.num_logprobs),
+            body.requested_max_tokens,
+            body.n,
+            cache_options(state.settings, tenant, body),
+        )
+        shape = CompletionShape(
+            new_id("cmpl"),
+            now(),
+            state.settings.served_model_name,
+            state.texts,
+            echo=body.echo,
+            **shape_options(state, body),
+        )
         streams = start(state, requests)
     return await respond(request, state, body, shape, streams)
 
@@ -149,11 +190,18 @@ async def chat_completions(request: Request):
         prompt_ids = await state.builder.chat_prompt(body)
         parser = parser_for(state.builder.tokenizer.chat_template, state.settings.tool_call_parser)
         params = with_tool_choice(sampling_params(body, body.num_logprobs), body, parser)
-        requests = await state.builder.build([prompt_ids], params, body.requested_max_tokens, body.n,
-                                             cache_options(state.settings, tenant, body))
+        requests = await state.builder.build(
+            [prompt_ids], params, body.requested_max_tokens, body.n, cache_options(state.settings, tenant, body)
+        )
         reads_calls = bool(body.tools) and body.tool_choice != "none"
-        shape = ChatShape(new_id("chatcmpl"), now(), state.settings.served_model_name, state.texts,
-                          tool_parser=parser if reads_calls else None, **shape_options(state, body))
+        shape = ChatShape(
+            new_id("chatcmpl"),
+            now(),
+            state.settings.served_model_name,
+            state.texts,
+            tool_parser=parser if reads_calls else None,
+            **shape_options(state, body),
+        )
         streams = start(state, requests)
     role_chunks = [shape.role_chunk(i, prompt_ids) for i in range(body.n)] if body.stream else ()
     return await respond(request, state, body, shape, streams, role_chunks)
@@ -163,8 +211,18 @@ async def chat_completions(request: Request):
 async def models(request: Request):
     state = server_state(request)
     state.auth.tenant(request)
-    return {"object": "list", "data": [{"id": state.settings.served_model_name, "object": "model", "created": now(),
-                                        "owned_by": "prefixserve", "max_model_len": state.builder.max_model_len}]}
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": state.settings.served_model_name,
+                "object": "model",
+                "created": now(),
+                "owned_by": "prefixserve",
+                "max_model_len": state.builder.max_model_len,
+            }
+        ],
+    }
 
 
 @routes.get("/health")

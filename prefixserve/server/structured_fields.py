@@ -65,8 +65,12 @@ def _asked(body: StructuredFields) -> list[tuple[str, dict]]:
     elif response_format is not None and response_format.type == "json_schema":
         schema = response_format.json_schema.json_schema if response_format.json_schema else None
         if schema is None:
-            raise APIError(400, "response_format of type json_schema needs json_schema.schema (a JSON schema object)",
-                           param="response_format", code="invalid_value")
+            raise APIError(
+                400,
+                "response_format of type json_schema needs json_schema.schema (a JSON schema object)",
+                param="response_format",
+                code="invalid_value",
+            )
         asked.append(("response_format", {"json": schema}))
     if body.structured_outputs is not None:
         given = body.structured_outputs.model_dump(by_alias=True, exclude_none=True)
@@ -84,8 +88,12 @@ def structured_outputs_of(body: StructuredFields) -> Optional[StructuredOutputs]
         return None
     if len(asked) > 1:
         names = sorted({name for name, _ in asked})
-        raise APIError(400, f"ask for structured output once: {', '.join(names)} each ask for one", param=names[0],
-                       code="invalid_value")
+        raise APIError(
+            400,
+            f"ask for structured output once: {', '.join(names)} each ask for one",
+            param=names[0],
+            code="invalid_value",
+        )
     name, arguments = asked[0]
     try:
         return StructuredOutputs(**arguments)

@@ -67,13 +67,18 @@ async def tokenize(request: Request):
         try:
             ids = await asyncio.to_thread(tokenizer.encode_chat, messages, body.add_generation_prompt)
         except Exception as error:  # a template may reject a conversation (e.g. role order)
-            raise APIError(400, f"the chat template rejected these messages: {error}", param="messages",
-                           code="invalid_messages") from None
+            raise APIError(
+                400, f"the chat template rejected these messages: {error}", param="messages", code="invalid_messages"
+            ) from None
     else:
         builder.check_text_size(len(body.prompt), "prompt")
         ids = await asyncio.to_thread(tokenizer.encode, body.prompt, body.add_special_tokens)
-    return {"count": len(ids), "max_model_len": builder.max_model_len, "tokens": ids,
-            "token_strs": _token_strs(tokenizer, ids) if body.return_token_strs else None}
+    return {
+        "count": len(ids),
+        "max_model_len": builder.max_model_len,
+        "tokens": ids,
+        "token_strs": _token_strs(tokenizer, ids) if body.return_token_strs else None,
+    }
 
 
 @tokenize_routes.post("/detokenize")
@@ -85,6 +90,10 @@ async def detokenize(request: Request):
     tokenizer = state.builder.tokenizer
     bad = next((token for token in body.tokens if not 0 <= token < tokenizer.vocab_size), None)
     if bad is not None:
-        raise APIError(400, f"token id {bad} is outside this model's vocabulary [0, {tokenizer.vocab_size})",
-                       param="tokens", code="invalid_tokens")
+        raise APIError(
+            400,
+            f"token id {bad} is outside this model's vocabulary [0, {tokenizer.vocab_size})",
+            param="tokens",
+            code="invalid_tokens",
+        )
     return {"prompt": await asyncio.to_thread(tokenizer.decode, body.tokens, False)}

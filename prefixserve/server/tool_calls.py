@@ -30,8 +30,11 @@ class ParsedCall:
     arguments: str  # JSON text
 
     def as_openai(self, index: Optional[int] = None) -> dict:
-        call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
+        call = {
+            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
         return call if index is None else {"index": index, **call}
 
 
@@ -60,7 +63,7 @@ def _parse_hermes(text: str) -> tuple[Optional[str], list[ParsedCall]]:
         parsed = _hermes_block(match.group(1).strip())
         if parsed is None:
             continue
-        content.append(text[last:match.start()])
+        content.append(text[last : match.start()])
         calls += parsed
         last = match.end()
     content.append(text[last:])
@@ -70,7 +73,7 @@ def _parse_hermes(text: str) -> tuple[Optional[str], list[ParsedCall]]:
 
 def _parse_llama3(text: str) -> tuple[Optional[str], list[ParsedCall]]:
     body = text.strip()
-    body = body[len(PYTHON_TAG):].lstrip() if body.startswith(PYTHON_TAG) else body
+    body = body[len(PYTHON_TAG) :].lstrip() if body.startswith(PYTHON_TAG) else body
     if not body.startswith("{"):
         return text, []
     decoder, calls, position = json.JSONDecoder(), [], 0
@@ -121,17 +124,17 @@ class ToolCallStream:
             start = self._pending.find(HERMES_OPEN)
             if start < 0:
                 keep = _held_back(self._pending, HERMES_OPEN)
-                content += self._pending[:len(self._pending) - keep]
-                self._pending = self._pending[len(self._pending) - keep:]
+                content += self._pending[: len(self._pending) - keep]
+                self._pending = self._pending[len(self._pending) - keep :]
                 break
             content += self._pending[:start]
             self._pending = self._pending[start:]
             end = self._pending.find(HERMES_CLOSE)
             if end < 0:
                 break
-            block = self._pending[:end + len(HERMES_CLOSE)]
-            self._pending = self._pending[end + len(HERMES_CLOSE):]
-            parsed = _hermes_block(block[len(HERMES_OPEN):-len(HERMES_CLOSE)].strip())
+            block = self._pending[: end + len(HERMES_CLOSE)]
+            self._pending = self._pending[end + len(HERMES_CLOSE) :]
+            parsed = _hermes_block(block[len(HERMES_OPEN) : -len(HERMES_CLOSE)].strip())
             if parsed is None:
                 content += block
             else:
@@ -143,7 +146,7 @@ class ToolCallStream:
             content, self._pending = self._pending, ""
             return self._sent(content, [])
         head = self._pending.lstrip()
-        if not head or head.startswith("{") or PYTHON_TAG.startswith(head[:len(PYTHON_TAG)]):
+        if not head or head.startswith("{") or PYTHON_TAG.startswith(head[: len(PYTHON_TAG)]):
             return "", []  # may be calls: held until the end
         content, self._pending = self._pending, ""
         return self._sent(content, [])

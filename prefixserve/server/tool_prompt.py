@@ -24,8 +24,11 @@ def parser_for(template: Optional[str], choice: str) -> str:
     """The --tool-call-parser in effect: `choice`, or for auto the template's own format (hermes when taught)."""
     if choice != "auto":
         return choice
-    if template_reads_tools(template) and HERMES_OPEN not in template and (
-            "<|python_tag|>" in template or "ipython" in template):
+    if (
+        template_reads_tools(template)
+        and HERMES_OPEN not in template
+        and ("<|python_tag|>" in template or "ipython" in template)
+    ):
         return "llama3_json"
     return "hermes"
 
@@ -45,34 +48,47 @@ def template_input(body, template: Optional[str]) -> tuple[list[dict[str, Any]],
 def _call_schema(tool: Tool, parser: str) -> dict:
     parameters = tool.function.parameters or {"type": "object", "properties": {}}
     key = "parameters" if parser == "llama3_json" else "arguments"
-    return {"type": "object", "additionalProperties": False, "required": ["name", key],
-            "properties": {"name": {"const": tool.function.name}, key: parameters}}
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["name", key],
+        "properties": {"name": {"const": tool.function.name}, key: parameters},
+    }
 
 
-def tool_grammar(tools: Optional[list[Tool]], choice, parallel: Optional[bool],
-                 parser: str) -> Optional[StructuredOutputs]:
+def tool_grammar(
+    tools: Optional[list[Tool]], choice, parallel: Optional[bool], parser: str
+) -> Optional[StructuredOutputs]:
     """The grammar of tool_choice "required" or a named function; None for auto / none."""
     if choice is None or choice in ("auto", "none"):
         return None
     if not tools:
-        raise APIError(400, "tool_choice asks for a tool call but no tools are given", param="tool_choice",
-                       code="invalid_value")
+        raise APIError(
+            400, "tool_choice asks for a tool call but no tools are given", param="tool_choice", code="invalid_value"
+        )
     chosen = tools
     if isinstance(choice, NamedToolChoice):
         chosen = [tool for tool in tools if tool.function.name == choice.function.name]
         if not chosen:
-            raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools",
-                           param="tool_choice", code="invalid_value")
+            raise APIError(
+                400,
+                f"tool_choice names {choice.function.name!r}, which is not among the tools",
+                param="tool_choice",
+                code="invalid_value",
+            )
     schema = {"x-guidance": CALL_JSON_OPTIONS, "anyOf": [_call_schema(tool, parser) for tool in chosen]}
     several = parallel is not False and not isinstance(choice, NamedToolChoice)
     if parser == "hermes":
-        lines = ['start: call ("\\n" call)*' if several else "start: call",
-                 f'call: "{HERMES_OPEN}\\n" body "\\n{HERMES_CLOSE}"']
+        lines = [
+            'start: call ("\\n" call)*' if several else "start: call",
+            f'call: "{HERMES_OPEN}\\n" body "\\n{HERMES_CLOSE}"',
+        ]
     else:
         lines = ['start: body ("; " body)*' if several else "start: body"]
     lines.append("body: %json " + json.dumps(schema))
     try:
         return StructuredOutputs(grammar="\n".join(lines) + "\n")
     except ValueError as error:
-        raise APIError(400, f"tools: a function's parameters cannot be followed: {error}", param="tools",
-                       code="invalid_value") from None
+        raise APIError(
+            400, f"tools: a function's parameters cannot be followed: {error}", param="tools", code="invalid_value"
+        ) from None

@@ -23,18 +23,93 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..engine.async_engine import EngineSnapshot
-from ..metric_names import (VLLM_CACHE_CONFIG_INFO, VLLM_E2E_LATENCY, VLLM_FINISH_REASONS, VLLM_GENERATION_TOKENS,
-                            VLLM_INTER_TOKEN_LATENCY, VLLM_KV_CACHE_USAGE, VLLM_LABELS, VLLM_NUM_PREEMPTIONS,
-                            VLLM_NUM_REQUESTS_RUNNING, VLLM_NUM_REQUESTS_WAITING, VLLM_PREFIX_CACHE_HITS,
-                            VLLM_PREFIX_CACHE_QUERIES, VLLM_PROMPT_TOKENS, VLLM_REQUEST_SUCCESS, VLLM_TTFT)
+from ..metric_names import (
+    VLLM_CACHE_CONFIG_INFO,
+    VLLM_E2E_LATENCY,
+    VLLM_FINISH_REASONS,
+    VLLM_GENERATION_TOKENS,
+    VLLM_INTER_TOKEN_LATENCY,
+    VLLM_KV_CACHE_USAGE,
+    VLLM_LABELS,
+    VLLM_NUM_PREEMPTIONS,
+    VLLM_NUM_REQUESTS_RUNNING,
+    VLLM_NUM_REQUESTS_WAITING,
+    VLLM_PREFIX_CACHE_HITS,
+    VLLM_PREFIX_CACHE_QUERIES,
+    VLLM_PROMPT_TOKENS,
+    VLLM_REQUEST_SUCCESS,
+    VLLM_TTFT,
+)
 
 ENGINE_INDEX = "0"  # one engine per replica
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                40.0, 80.0, 160.0, 640.0, 2560.0)
-INTER_TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                               10.0, 20.0, 40.0, 80.0)
-REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                           240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+INTER_TOKEN_LATENCY_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+REQUEST_LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 
 class VLLMEngineCollector:
@@ -54,28 +129,44 @@ class VLLMEngineCollector:
         snapshot = self.snapshot()
         stats, usage = snapshot.stats, snapshot.usage
         gauge, counter = GaugeMetricFamily, CounterMetricFamily
-        yield self._family(gauge, VLLM_NUM_REQUESTS_RUNNING, "Number of requests in model execution batches.",
-                           snapshot.num_running)
-        yield self._family(gauge, VLLM_NUM_REQUESTS_WAITING, "Number of requests waiting to be processed.",
-                           snapshot.num_waiting)
+        yield self._family(
+            gauge, VLLM_NUM_REQUESTS_RUNNING, "Number of requests in model execution batches.", snapshot.num_running
+        )
+        yield self._family(
+            gauge, VLLM_NUM_REQUESTS_WAITING, "Number of requests waiting to be processed.", snapshot.num_waiting
+        )
         yield self._family(gauge, VLLM_KV_CACHE_USAGE, "KV-cache usage. 1 means 100 percent usage.", usage.usage)
-        yield self._family(counter, VLLM_PREFIX_CACHE_QUERIES,
-                           "Prefix cache queries, in terms of number of queried tokens.", stats.num_query_tokens)
-        yield self._family(counter, VLLM_PREFIX_CACHE_HITS, "Prefix cache hits, in terms of number of cached tokens.",
-                           stats.num_hit_tokens)
-        yield self._family(counter, VLLM_PROMPT_TOKENS, "Number of prefill tokens processed.", snapshot.num_prompt_tokens)
-        yield self._family(counter, VLLM_GENERATION_TOKENS, "Number of generation tokens processed.",
-                           snapshot.num_generation_tokens)
-        yield self._family(counter, VLLM_NUM_PREEMPTIONS, "Cumulative number of preemption from the engine.",
-                           snapshot.num_preemptions)
-        success = CounterMetricFamily(VLLM_REQUEST_SUCCESS, "Count of successfully processed requests.",
-                                      labels=[*VLLM_LABELS, "finished_reason"])
+        yield self._family(
+            counter,
+            VLLM_PREFIX_CACHE_QUERIES,
+            "Prefix cache queries, in terms of number of queried tokens.",
+            stats.num_query_tokens,
+        )
+        yield self._family(
+            counter,
+            VLLM_PREFIX_CACHE_HITS,
+            "Prefix cache hits, in terms of number of cached tokens.",
+            stats.num_hit_tokens,
+        )
+        yield self._family(
+            counter, VLLM_PROMPT_TOKENS, "Number of prefill tokens processed.", snapshot.num_prompt_tokens
+        )
+        yield self._family(
+            counter, VLLM_GENERATION_TOKENS, "Number of generation tokens processed.", snapshot.num_generation_tokens
+        )
+        yield self._family(
+            counter, VLLM_NUM_PREEMPTIONS, "Cumulative number of preemption from the engine.", snapshot.num_preemptions
+        )
+        success = CounterMetricFamily(
+            VLLM_REQUEST_SUCCESS, "Count of successfully processed requests.", labels=[*VLLM_LABELS, "finished_reason"]
+        )
         finished = snapshot.num_finished_by_reason
         for reason in sorted(set(VLLM_FINISH_REASONS) | set(finished)):
             success.add_metric([*self.labels, reason], finished.get(reason, 0))
         yield success
-        info = GaugeMetricFamily(VLLM_CACHE_CONFIG_INFO, "Information of the LLMEngine CacheConfig",
-                                 labels=list(self.cache_info))
+        info = GaugeMetricFamily(
+            VLLM_CACHE_CONFIG_INFO, "Information of the LLMEngine CacheConfig", labels=list(self.cache_info)
+        )
         info.add_metric(list(self.cache_info.values()), 1)
         yield info
 
@@ -86,13 +177,16 @@ class VLLMLatencies:
     def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
         def histogram(name: str, documentation: str, buckets: tuple[float, ...]):
             return Histogram(name, documentation, VLLM_LABELS, buckets=buckets, registry=registry).labels(
-                model_name, ENGINE_INDEX)
+                model_name, ENGINE_INDEX
+            )
 
         self.ttft = histogram(VLLM_TTFT, "Histogram of time to first token in seconds.", TTFT_BUCKETS)
-        self.e2e_latency = histogram(VLLM_E2E_LATENCY, "Histogram of e2e request latency in seconds.",
-                                     REQUEST_LATENCY_BUCKETS)
-        self.inter_token_latency = histogram(VLLM_INTER_TOKEN_LATENCY, "Histogram of inter-token latency in seconds.",
-                                             INTER_TOKEN_LATENCY_BUCKETS)
+        self.e2e_latency = histogram(
+            VLLM_E2E_LATENCY, "Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS
+        )
+        self.inter_token_latency = histogram(
+            VLLM_INTER_TOKEN_LATENCY, "Histogram of inter-token latency in seconds.", INTER_TOKEN_LATENCY_BUCKETS
+        )
 
     def observe(self, metrics) -> None:
         if metrics.ttft is not None:
@@ -106,6 +200,10 @@ class VLLMLatencies:
 def cache_config_info(engine) -> dict[str, str]:
     """vllm:cache_config_info's labels for this engine (vLLM's CacheConfig field names, as strings)."""
     config = engine.config
-    return {"block_size": str(config.block_size), "num_gpu_blocks": str(engine.cache.pool.num_blocks),
-            "enable_prefix_caching": str(config.enable_prefix_caching), "cache_dtype": "auto",
-            "prefix_caching_hash_algo": config.prefix_hash}
+    return {
+        "block_size": str(config.block_size),
+        "num_gpu_blocks": str(engine.cache.pool.num_blocks),
+        "enable_prefix_caching": str(config.enable_prefix_caching),
+        "cache_dtype": "auto",
+        "prefix_caching_hash_algo": config.prefix_hash,
+    }

@@ -63,7 +63,9 @@ class KVTier(abc.ABC):
         self.sealer = sealer  # None: records carry a CRC only (anyone who can write the tier can forge them)
         self.capacity_bytes = capacity_bytes
         self.read_cost = read_cost  # refreshed from this tier's reads; the fetch planner's input
-        self._lock = threading.RLock()  # guards the index and `_stats`; re-entrant so helpers may count and log under it
+        self._lock = (
+            threading.RLock()
+        )  # guards the index and `_stats`; re-entrant so helpers may count and log under it
         self._stats = TierStats()
         self._rejections: dict[str, int] = {}  # rejected_records by RecordError.reason
         self._logged_failures: set[tuple[str, str]] = set()
@@ -158,15 +160,17 @@ class KVTier(abc.ABC):
         self.put(records)
 
     def flush(self) -> None:
-        """Wait until everything `put_async` accepted is stored."""
+        """Wait until everything `put_async` accepted is stored (nothing to wait for here: `put_async` is `put`)."""
+        return None
 
     def watch(self, on_added: Callable[[bytes], None], on_removed: Callable[[bytes], None]) -> None:
         """Be told of every key that enters or leaves this tier from now on (under the tier's lock: keep it short)."""
         with self._lock:
             self._lru.on_added, self._lru.on_removed = on_added, on_removed
 
-    def _account_reads(self, results: list[Optional[bytes]], started: float,
-                       num_memory_bytes: int = 0) -> list[Optional[bytes]]:
+    def _account_reads(
+        self, results: list[Optional[bytes]], started: float, num_memory_bytes: int = 0
+    ) -> list[Optional[bytes]]:
         """Count a `get`'s hits, misses and bytes, and teach `read_cost` how long it took; returns `results`.
 
         `num_memory_bytes` of them came from memory, not the medium (a write still queued): counted, not timed."""
@@ -180,8 +184,14 @@ class KVTier(abc.ABC):
     def count_slow_read(self, deadline: float) -> None:
         """A read outlived the deadline; the request recomputed. Logged once, counted always."""
         self._count(slow_reads=1)
-        self._log_once("read", "slow", "%s tier: a read took longer than the %.2f s deadline; the request recomputed "
-                       "and the tier is skipped until that read returns (counted in slow_reads)", self.name, deadline)
+        self._log_once(
+            "read",
+            "slow",
+            "%s tier: a read took longer than the %.2f s deadline; the request recomputed "
+            "and the tier is skipped until that read returns (counted in slow_reads)",
+            self.name,
+            deadline,
+        )
 
     def reject(self, key: bytes, reason: str) -> None:
         """A record read from this tier failed verification (RecordError.reason): delete it and count it."""
@@ -189,7 +199,13 @@ class KVTier(abc.ABC):
         with self._lock:
             self._count_locked(rejected_records=1)
             self._rejections[reason] = self._rejections.get(reason, 0) + 1
-        self._log_once("rejected", reason, "%s tier: rejected a record (%s); it was deleted and will be recomputed", self.name, reason)
+        self._log_once(
+            "rejected",
+            reason,
+            "%s tier: rejected a record (%s); it was deleted and will be recomputed",
+            self.name,
+            reason,
+        )
 
     def __enter__(self) -> "KVTier":
         return self

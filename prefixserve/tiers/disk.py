@@ -52,8 +52,9 @@ class DiskTier(DiskStartup, KVTier):
         num_read_threads: int = 2,
         sealer: Optional[Sealer] = None,
     ) -> None:
-        super().__init__(capacity_bytes, TierCost(DISK_READ_COST.latency_seconds, DISK_READ_COST.bytes_per_second),
-                         sealer)
+        super().__init__(
+            capacity_bytes, TierCost(DISK_READ_COST.latency_seconds, DISK_READ_COST.bytes_per_second), sealer
+        )
         self.directory = Path(directory)
         self.expect_scope = expect_scope
         self._lock_fd: Optional[int] = None
@@ -101,7 +102,12 @@ class DiskTier(DiskStartup, KVTier):
         if num_accepted < len(records):
             self._unqueue(records[num_accepted:])
             self._count(dropped_puts=len(records) - num_accepted)
-            self._log_once("queue", "full", "disk tier: write queue full (or closed); %d records dropped", len(records) - num_accepted)
+            self._log_once(
+                "queue",
+                "full",
+                "disk tier: write queue full (or closed); %d records dropped",
+                len(records) - num_accepted,
+            )
 
     def flush(self) -> None:
         self._writer.flush()
@@ -224,8 +230,13 @@ class DiskTier(DiskStartup, KVTier):
             for key in lost:
                 self._lru.remove(key)
         if lost:
-            self._log_once("read", "directory-gone", "disk tier: %s was deleted; its %d records are forgotten and "
-                           "the tier starts over empty there", self.directory, len(lost))
+            self._log_once(
+                "read",
+                "directory-gone",
+                "disk tier: %s was deleted; its %d records are forgotten and the tier starts over empty there",
+                self.directory,
+                len(lost),
+            )
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as error:
@@ -243,10 +254,14 @@ class DiskTier(DiskStartup, KVTier):
         self._count(errors=1)
         kind = errno.errorcode.get(error.errno or 0, type(error).__name__)
         self._log_once(
-            operation, kind,
+            operation,
+            kind,
             "disk tier: cannot %s under %s (%s); the tier drops what it cannot %s, counts it in stats.errors and "
             "keeps serving what it has. Fix: free space or make the directory writable (kv_disk_cache_dir).",
-            operation, self.directory, error, operation,
+            operation,
+            self.directory,
+            error,
+            operation,
         )
 
     def check_integrity(self) -> None:

@@ -61,7 +61,9 @@ def lock_directory(directory: Path) -> Optional[int]:
     return fd
 
 
-def read_headers(directory: Path, expect_scope: Optional[bytes], report: RebuildReport, on_rejected: OnRejected) -> list[HeaderRead]:
+def read_headers(
+    directory: Path, expect_scope: Optional[bytes], report: RebuildReport, on_rejected: OnRejected
+) -> list[HeaderRead]:
     """Headers of the sound records of this scope, oldest file first; everything else is deleted and counted."""
     found: list[HeaderRead] = []
     for entry in scan(directory):
@@ -119,7 +121,9 @@ class DiskStartup:
         with self._lock:
             for read in found:
                 header = read.header
-                admission = self._lru.insert_and_evict(header.key, header.parent_key, read.file_size, self.capacity_bytes)
+                admission = self._lru.insert_and_evict(
+                    header.key, header.parent_key, read.file_size, self.capacity_bytes
+                )
                 for victim in admission.evicted:
                     self._unlink_locked(victim.key)
                 if not admission.admitted:
@@ -131,8 +135,14 @@ class DiskStartup:
         logger.info(
             "disk tier %s: %d records (%d bytes) indexed from headers in %.3f s; removed %d temporary, "
             "%d damaged, %d of another scope, %d over capacity",
-            self.directory, report.num_records, report.num_bytes, report.seconds,
-            report.num_temp_removed, report.num_rejected, report.num_reclaimed, report.num_evicted,
+            self.directory,
+            report.num_records,
+            report.num_bytes,
+            report.seconds,
+            report.num_temp_removed,
+            report.num_rejected,
+            report.num_reclaimed,
+            report.num_evicted,
         )
         return report
 
@@ -143,7 +153,8 @@ class DiskStartup:
         except BlockingIOError:
             logger.error(
                 "disk tier: %s is already served by another process (or another DiskTier); this one stores "
-                "nothing. Fix: give each server its own kv_disk_cache_dir.", self.directory,
+                "nothing. Fix: give each server its own kv_disk_cache_dir.",
+                self.directory,
             )
             return False
         except OSError as error:  # a read-only directory or a file system without flock: serve unguarded
@@ -153,4 +164,6 @@ class DiskStartup:
     def _rejected_at_start(self, path: Path, reason: str, error: Optional[OSError]) -> None:
         if error is not None:
             self._fault("read", error)
-        self._log_once("startup", reason, "disk tier: deleted damaged records at start-up (first: %s, %s)", path, reason)
+        self._log_once(
+            "startup", reason, "disk tier: deleted damaged records at start-up (first: %s, %s)", path, reason
+        )

@@ -23,8 +23,9 @@ class HostTier(KVTier):
     traits = TierTraits(synchronous=True, write_through=False, shared=False, event_medium="CPU")
 
     def __init__(self, capacity_bytes: int, sealer: Optional[Sealer] = None) -> None:
-        super().__init__(capacity_bytes, TierCost(HOST_READ_COST.latency_seconds, HOST_READ_COST.bytes_per_second),
-                         sealer)
+        super().__init__(
+            capacity_bytes, TierCost(HOST_READ_COST.latency_seconds, HOST_READ_COST.bytes_per_second), sealer
+        )
         self._records: dict[bytes, bytes] = {}
 
     def get(self, keys: Sequence[bytes]) -> list[Optional[bytes]]:

@@ -45,7 +45,9 @@ class TierCost:
 
     def __post_init__(self) -> None:
         if self.latency_seconds < 0 or self.bytes_per_second <= 0:
-            raise ValueError(f"TierCost needs latency >= 0 and bandwidth > 0, got {self.latency_seconds}, {self.bytes_per_second}")
+            raise ValueError(
+                f"TierCost needs latency >= 0 and bandwidth > 0, got {self.latency_seconds}, {self.bytes_per_second}"
+            )
         if not 0 < self.smoothing <= 1:
             raise ValueError(f"smoothing must be in (0, 1], got {self.smoothing}")
 
@@ -114,8 +116,14 @@ def find_run(tiers: Sequence[HoldsBlocks], keys: Sequence[bytes], start: int) ->
     return run
 
 
-def choose_fetch(policy: str, run: Sequence[tuple[str, int]], block_bytes: int, prefill_seconds_per_token: float,
-                 block_size: int, costs: dict[str, TierCost]) -> FetchPlan:
+def choose_fetch(
+    policy: str,
+    run: Sequence[tuple[str, int]],
+    block_bytes: int,
+    prefill_seconds_per_token: float,
+    block_size: int,
+    costs: dict[str, TierCost],
+) -> FetchPlan:
     """What of `run` to read back under kv_fetch_policy `policy`: "cost" plans (plan_fetch), "always"
     fetches it all."""
     if policy == "cost":

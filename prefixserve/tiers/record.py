@@ -36,15 +36,14 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..cache.keys import pack_tokens
-from .seal import GCM, KEY_ID_SIZE, SALT_SIZE, SEALS, TAG_SIZE, UNSEALED, SealError, Sealer
+from .seal import GCM, KEY_ID_SIZE, SALT_SIZE, SEALS, TAG_SIZE, UNSEALED, Sealer, SealError
 
 MAGIC = b"PSKV"
 FORMAT_VERSION = 2
 DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # auth: unsealed where a seal is required, sealed where none can be checked, or a seal that fails.
 # nonfinite: NaN or infinity in the KV (checked by the engine before the payload reaches the pool).
-REASONS = ("magic", "version", "truncated", "checksum", "key", "scope", "tokens", "dtype", "shape", "auth",
-           "nonfinite")
+REASONS = ("magic", "version", "truncated", "checksum", "key", "scope", "tokens", "dtype", "shape", "auth", "nonfinite")
 
 _PREFIX = struct.Struct("<4sHHIQ")  # magic, version, seal, body length, payload length
 _CHECKSUMS = struct.Struct("<II")  # header checksum, record checksum
@@ -131,18 +130,28 @@ def encode_record(record: BlockRecord, sealer: Optional[Sealer] = None) -> bytes
         (
             _BODY.pack(
                 _HAS_PARENT if record.parent_key is not None else 0,
-                len(record.key), len(parent), len(record.scope_digest), len(dtype),
-                len(record.shape), len(record.token_ids),
+                len(record.key),
+                len(parent),
+                len(record.scope_digest),
+                len(dtype),
+                len(record.shape),
+                len(record.token_ids),
             ),
-            record.key, parent, record.scope_digest, dtype,
+            record.key,
+            parent,
+            record.scope_digest,
+            dtype,
             struct.pack(f"<{len(record.shape)}Q", *record.shape),
             b"" if seal == GCM else tokens,
         )
     )
     payload_length = len(record.payload) + (len(tokens) if seal == GCM else 0)
     prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, seal, len(body), payload_length)
-    seal_fields = _SEAL_FIELDS.pack(*(bytes(KEY_ID_SIZE), bytes(SALT_SIZE)) if sealer is None else
-                                    (sealer.keyring.sealing.key_id, sealer.new_salt()))
+    seal_fields = _SEAL_FIELDS.pack(
+        *(bytes(KEY_ID_SIZE), bytes(SALT_SIZE))
+        if sealer is None
+        else (sealer.keyring.sealing.key_id, sealer.new_salt())
+    )
     header_checksum = zlib.crc32(body, zlib.crc32(seal_fields, zlib.crc32(prefix)))
     if sealer is None:
         checksums = _CHECKSUMS.pack(header_checksum, zlib.crc32(record.payload, header_checksum))
@@ -169,8 +178,9 @@ def read_header(data: bytes) -> RecordHeader:
         raise RecordError("truncated", f"header needs {end} bytes, got {len(data)}")
     header_checksum, _ = _CHECKSUMS.unpack_from(data, _CHECKSUMS_AT)
     view = memoryview(data)
-    expected = zlib.crc32(view[FIXED_HEADER_SIZE:end], zlib.crc32(view[_SEAL_AT:FIXED_HEADER_SIZE],
-                                                                  zlib.crc32(view[: _PREFIX.size])))
+    expected = zlib.crc32(
+        view[FIXED_HEADER_SIZE:end], zlib.crc32(view[_SEAL_AT:FIXED_HEADER_SIZE], zlib.crc32(view[: _PREFIX.size]))
+    )
     if expected != header_checksum:
         raise RecordError("checksum", "header checksum does not match: the header is damaged")
     seal = _PREFIX.unpack_from(data)[2]
@@ -191,8 +201,11 @@ def decode_record(data: bytes, expect: RecordExpectation, sealer: Optional[Seale
     payload = view[header.header_length : header.header_length + header.payload_length]
     if sealer is None:
         if header.seal != UNSEALED:
-            raise RecordError("auth", "the record is sealed and this replica has no secret to check it: give it "
-                                      "the fleet's kv_tier_secret_file")
+            raise RecordError(
+                "auth",
+                "the record is sealed and this replica has no secret to check it: give it "
+                "the fleet's kv_tier_secret_file",
+            )
         header_checksum, record_checksum = _CHECKSUMS.unpack_from(data, _CHECKSUMS_AT)
         if zlib.crc32(payload, header_checksum) != record_checksum:
             raise RecordError("checksum", "record checksum does not match: the payload is damaged")
@@ -203,9 +216,15 @@ def decode_record(data: bytes, expect: RecordExpectation, sealer: Optional[Seale
     if sealer is not None:
         header_bytes = view[: header.header_length]
         try:
-            plaintext = sealer.open(header.seal, header.key_id, header.salt, expect.tenant_scope, header_bytes,
-                                    view[header.header_length:] if header.seal == GCM else payload,
-                                    view[header.header_length + header.payload_length:])
+            plaintext = sealer.open(
+                header.seal,
+                header.key_id,
+                header.salt,
+                expect.tenant_scope,
+                header_bytes,
+                view[header.header_length :] if header.seal == GCM else payload,
+                view[header.header_length + header.payload_length :],
+            )
         except SealError as error:
             raise RecordError("auth", str(error)) from None
         if plaintext is not None:  # GCM: token ids, then the KV
@@ -218,8 +237,16 @@ def decode_record(data: bytes, expect: RecordExpectation, sealer: Optional[Seale
             if expect.token_ids is not None and token_ids != tuple(expect.token_ids):
                 raise RecordError("tokens", "record holds other token ids under this key (a hash collision)")
             payload = memoryview(plaintext)[num_token_bytes:]
-    return BlockRecord(header.key, header.parent_key, header.scope_digest, token_ids, header.dtype, header.shape,
-                       bytes(payload), expect.tenant_scope)
+    return BlockRecord(
+        header.key,
+        header.parent_key,
+        header.scope_digest,
+        token_ids,
+        header.dtype,
+        header.shape,
+        bytes(payload),
+        expect.tenant_scope,
+    )
 
 
 def _kv_bytes(header: RecordHeader) -> int:
@@ -231,7 +258,9 @@ def _validate(record: BlockRecord) -> None:
         raise ValueError(f"unknown KV dtype {record.dtype!r}; records hold one of {sorted(DTYPE_SIZES)}")
     expected = math.prod(record.shape) * DTYPE_SIZES[record.dtype]
     if len(record.payload) != expected:
-        raise ValueError(f"payload is {len(record.payload)} bytes, shape {record.shape} of {record.dtype} needs {expected}")
+        raise ValueError(
+            f"payload is {len(record.payload)} bytes, shape {record.shape} of {record.dtype} needs {expected}"
+        )
     if record.parent_key == record.key:
         raise ValueError("a record cannot be its own parent")
     for name in ("key", "parent_key", "scope_digest"):
@@ -254,8 +283,9 @@ def _check_prefix(data: bytes) -> None:
         raise RecordError("truncated", f"record ends at byte {len(data)}, inside its fixed header")
 
 
-def _parse_body(body: memoryview, payload_length: int, header_length_: int, seal: int, key_id: bytes,
-                salt: bytes) -> RecordHeader:
+def _parse_body(
+    body: memoryview, payload_length: int, header_length_: int, seal: int, key_id: bytes, salt: bytes
+) -> RecordHeader:
     # The header checksum passed, so an inconsistent body was written that way; say "truncated".
     if len(body) < _BODY.size:
         raise RecordError("truncated", "header body is shorter than its fixed fields")
@@ -280,8 +310,17 @@ def _parse_body(body: memoryview, payload_length: int, header_length_: int, seal
     if math.prod(shape) * DTYPE_SIZES[dtype] + (4 * num_tokens if encrypted else 0) != payload_length:
         raise RecordError("shape", f"shape {shape} of {dtype} does not match a {payload_length}-byte payload")
     return RecordHeader(
-        key, parent if flags & _HAS_PARENT else None, scope, None if encrypted else tuple(tokens), dtype, shape,
-        payload_length, header_length_, seal, key_id, salt,
+        key,
+        parent if flags & _HAS_PARENT else None,
+        scope,
+        None if encrypted else tuple(tokens),
+        dtype,
+        shape,
+        payload_length,
+        header_length_,
+        seal,
+        key_id,
+        salt,
     )
 
 

@@ -27,13 +27,13 @@ from typing import Any, Callable, Optional, Sequence
 from .base import KVTier, TierTraits
 from .policy import TierCost
 from .record import BlockRecord
-from .seal import Sealer
 from .redis_backoff import Backoff
+from .redis_calls import BACKOFF_SECONDS, MemoryInfo, RemoteCalls
 from .redis_client import connect, memory_advice, redacted, require_redis
 from .redis_nodes import connect_nodes
 from .redis_rate import TokenBucket
-from .redis_calls import BACKOFF_SECONDS, MemoryInfo, RemoteCalls
 from .redis_writes import RemoteWrites
+from .seal import Sealer
 from .writer import BackgroundWriter
 
 logger = logging.getLogger("prefixserve.tiers")
@@ -54,11 +54,20 @@ class RedisTier(RemoteCalls, RemoteWrites, KVTier):
     name = "remote"
     traits = TierTraits(synchronous=False, write_through=True, shared=True)
 
-    def __init__(self, url: str, *, scope_digest: bytes, ttl_seconds: Optional[float] = None,
-                 max_write_bytes_per_second: Optional[int] = None, connect_timeout: float = 0.5,
-                 read_timeout: float = 1.0, max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
-                 num_read_threads: int = 2, sealer: Optional[Sealer] = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        scope_digest: bytes,
+        ttl_seconds: Optional[float] = None,
+        max_write_bytes_per_second: Optional[int] = None,
+        connect_timeout: float = 0.5,
+        read_timeout: float = 1.0,
+        max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
+        num_read_threads: int = 2,
+        sealer: Optional[Sealer] = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         redis = require_redis()
         self._memory = MemoryInfo(0, 0, float("-inf"))  # before super().__init__, which sets capacity_bytes
         super().__init__(0, TierCost(REMOTE_READ_COST.latency_seconds, REMOTE_READ_COST.bytes_per_second), sealer)
@@ -75,8 +84,15 @@ class RedisTier(RemoteCalls, RemoteWrites, KVTier):
         self._response_error = redis.exceptions.ResponseError
         self._backoff = Backoff(BACKOFF_SECONDS, clock)  # tests step an injected clock past a back-off
         self._connect = (url, connect_timeout, read_timeout, clock)
-        self._nodes = connect_nodes(connect(url, connect_timeout, read_timeout), url, connect_timeout, read_timeout,
-                                    self._backoff, f"Redis at {self.url}", clock)
+        self._nodes = connect_nodes(
+            connect(url, connect_timeout, read_timeout),
+            url,
+            connect_timeout,
+            read_timeout,
+            self._backoff,
+            f"Redis at {self.url}",
+            clock,
+        )
         self._rate = None if max_write_bytes_per_second is None else TokenBucket(max_write_bytes_per_second)
         self._pending_bytes = 0  # accepted by put_async, not yet written or dropped
         self._writer = BackgroundWriter(self._write_batch, max_pending_bytes, "prefixserve-remote-writer")
@@ -115,7 +131,7 @@ class RedisTier(RemoteCalls, RemoteWrites, KVTier):
     def keys(self) -> list[bytes]:
         """Every key of this scope in Redis (SCAN: this replica's and every other's)."""
         names = self._scan("keys", self._prefix)
-        return [bytes.fromhex(name[len(self._prefix):].decode("ascii")) for name in names or ()]
+        return [bytes.fromhex(name[len(self._prefix) :].decode("ascii")) for name in names or ()]
 
     @property
     def used_bytes(self) -> int:
@@ -148,8 +164,13 @@ class RedisTier(RemoteCalls, RemoteWrites, KVTier):
         if num_accepted < len(records):
             self._count(dropped_puts=len(records) - num_accepted)
             if not backing_off:
-                self._log_once("queue", "full", "remote tier: write queue full (or closed); %d records dropped. "
-                               "Redis or the network is slower than this replica's writes", len(records) - num_accepted)
+                self._log_once(
+                    "queue",
+                    "full",
+                    "remote tier: write queue full (or closed); %d records dropped. "
+                    "Redis or the network is slower than this replica's writes",
+                    len(records) - num_accepted,
+                )
 
     def flush(self) -> None:
         self._writer.flush()

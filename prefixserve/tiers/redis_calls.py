@@ -25,8 +25,9 @@ class RemoteCalls:
     """RedisTier's calls. It works on what RedisTier and KVTier hold: `url`, `_nodes`, `_connect`, `_backoff`,
     `_faults`, `_out_of_memory`, `_lock`, `_memory`, the counters and `_log_once`."""
 
-    def _pipeline(self, operation: str, names: Sequence[bytes], queue: Callable[[Any, bytes], object],
-                  per_name: int = 1) -> Optional[list[Any]]:
+    def _pipeline(
+        self, operation: str, names: Sequence[bytes], queue: Callable[[Any, bytes], object], per_name: int = 1
+    ) -> Optional[list[Any]]:
         """`queue(pipe, name)` queues `per_name` commands for each name; they run in one round trip per server
         (redis_nodes.py), the replies in the names' order. None when no server answered (a fault, or backing
         off); on a cluster, a master that did not answer leaves None for its names' replies. A command Redis
@@ -40,7 +41,9 @@ class RemoteCalls:
                 continue
             answered = True
             for position, index in enumerate(group.indices):
-                replies[index * per_name:(index + 1) * per_name] = got[position * per_name:(position + 1) * per_name]
+                replies[index * per_name : (index + 1) * per_name] = got[
+                    position * per_name : (position + 1) * per_name
+                ]
         if not answered:
             return None
         if any(is_moved(reply) for reply in replies):
@@ -48,11 +51,21 @@ class RemoteCalls:
         for reply in replies:
             if isinstance(reply, Exception):
                 self._count(errors=1)
-                fix = ("set maxmemory-policy allkeys-lru, so Redis evicts instead of refusing writes"
-                       if isinstance(reply, self._out_of_memory) else
-                       "point kv_remote_url at a writable primary and a database used only by prefixserve")
-                self._log_once(operation, type(reply).__name__, "remote tier: Redis at %s refused a %s command "
-                               "(%s: %s). Fix: %s", self.url, operation, type(reply).__name__, reply, fix)
+                fix = (
+                    "set maxmemory-policy allkeys-lru, so Redis evicts instead of refusing writes"
+                    if isinstance(reply, self._out_of_memory)
+                    else "point kv_remote_url at a writable primary and a database used only by prefixserve"
+                )
+                self._log_once(
+                    operation,
+                    type(reply).__name__,
+                    "remote tier: Redis at %s refused a %s command (%s: %s). Fix: %s",
+                    self.url,
+                    operation,
+                    type(reply).__name__,
+                    reply,
+                    fix,
+                )
         return replies
 
     @staticmethod
@@ -62,6 +75,7 @@ class RemoteCalls:
             for index in group.indices:
                 queue(pipe, names[index])
             return pipe.execute(raise_on_error=False)
+
         return run
 
     def _moved(self, replies: list[Any]) -> None:
@@ -75,13 +89,20 @@ class RemoteCalls:
             self._nodes.moved()
             return
         url, connect_timeout, read_timeout, clock = self._connect
-        logger.warning("remote tier: Redis at %s answered MOVED: it is a Redis Cluster node; the tier now sends "
-                       "each key to its master", self.url)
+        logger.warning(
+            "remote tier: Redis at %s answered MOVED: it is a Redis Cluster node; the tier now sends "
+            "each key to its master",
+            self.url,
+        )
         try:
             nodes = cluster_nodes(url, connect_timeout, read_timeout, BACKOFF_SECONDS, clock)
         except self._faults as error:
-            logger.warning("remote tier: connecting to the Redis Cluster at %s failed (%s: %s); retried at the "
-                           "next MOVED reply", self.url, type(error).__name__, error)
+            logger.warning(
+                "remote tier: connecting to the Redis Cluster at %s failed (%s: %s); retried at the next MOVED reply",
+                self.url,
+                type(error).__name__,
+                error,
+            )
             return
         old, self._nodes = self._nodes, nodes
         old.close()
@@ -90,8 +111,9 @@ class RemoteCalls:
         """Every name starting with `prefix`, on every server (SCAN); None when none answered."""
         found, answered = [], False
         for group in self._nodes.every_node():
-            names = self._call(operation, lambda: list(group.client.scan_iter(match=prefix + b"*", count=1000)),
-                               group)
+            names = self._call(
+                operation, lambda group=group: list(group.client.scan_iter(match=prefix + b"*", count=1000)), group
+            )
             if names is not None:
                 answered = True
                 found += names
@@ -110,28 +132,43 @@ class RemoteCalls:
             if backoff.failed():
                 logger.warning(
                     "remote tier: %s failed during %s (%s: %s); lookups miss and writes are dropped until it "
-                    "answers again (retried every %.0f s, faults counted in stats.errors). Fix: check that redis-server "
-                    "is running and reachable, and the URL's host, port, database and password", where, operation,
-                    type(error).__name__, error, BACKOFF_SECONDS)
+                    "answers again (retried every %.0f s, faults counted in stats.errors). Fix: "
+                    "check that redis-server is running and reachable, and the URL's host, port, database and password",
+                    where,
+                    operation,
+                    type(error).__name__,
+                    error,
+                    BACKOFF_SECONDS,
+                )
             return None
         episode = backoff.succeeded()
         if episode is not None:
-            logger.warning("remote tier: %s answers again after %.1f s (%d failed calls)", where,
-                           episode.seconds, episode.num_faults)
+            logger.warning(
+                "remote tier: %s answers again after %.1f s (%d failed calls)",
+                where,
+                episode.seconds,
+                episode.num_faults,
+            )
         return result
 
     def _read_memory(self, operation: str) -> Optional[dict]:
         """INFO memory of every server, summed (a cluster's masters; 0 maxmemory if any has none)."""
-        infos = [info for group in self._nodes.every_node()
-                 if (info := self._call(operation, lambda: group.client.info("memory"), group)) is not None]
+        infos = [
+            info
+            for group in self._nodes.every_node()
+            if (info := self._call(operation, lambda group=group: group.client.info("memory"), group)) is not None
+        ]
         if not infos:
             return None
         limits = [int(info["maxmemory"]) for info in infos]
-        total = {"used_memory": sum(int(info["used_memory"]) for info in infos),
-                 "maxmemory": 0 if 0 in limits else sum(limits),
-                 "maxmemory_policy": next((info["maxmemory_policy"] for info in infos
-                                           if info.get("maxmemory_policy") != "allkeys-lru"),
-                                          infos[0].get("maxmemory_policy", ""))}
+        total = {
+            "used_memory": sum(int(info["used_memory"]) for info in infos),
+            "maxmemory": 0 if 0 in limits else sum(limits),
+            "maxmemory_policy": next(
+                (info["maxmemory_policy"] for info in infos if info.get("maxmemory_policy") != "allkeys-lru"),
+                infos[0].get("maxmemory_policy", ""),
+            ),
+        }
         with self._lock:
             self._memory = MemoryInfo(total["used_memory"], total["maxmemory"], time.monotonic())
         return total

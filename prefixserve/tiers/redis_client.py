@@ -26,11 +26,17 @@ def connect(url: str, connect_timeout: float, read_timeout: float) -> Any:
         # One immediate retry, on a dropped connection only (a restarted Redis leaves pooled sockets dead).
         # Explicit, because some redis-py versions default to several retries with back-off: seconds of stall.
         return redis.Redis.from_url(
-            url, socket_connect_timeout=connect_timeout, socket_timeout=read_timeout,
-            retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)), decode_responses=False)
+            url,
+            socket_connect_timeout=connect_timeout,
+            socket_timeout=read_timeout,
+            retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
+            decode_responses=False,
+        )
     except ValueError as error:
-        raise ValueError(f"kv_remote_url {redacted(url)!r} is not a Redis URL ({error}). Fix: use "
-                         "redis://[:password@]host:port/db, rediss://... for TLS, or unix:///path.sock") from None
+        raise ValueError(
+            f"kv_remote_url {redacted(url)!r} is not a Redis URL ({error}). Fix: use "
+            "redis://[:password@]host:port/db, rediss://... for TLS, or unix:///path.sock"
+        ) from None
 
 
 def redacted(url: str) -> str:
@@ -47,8 +53,10 @@ def memory_advice(info: dict, has_ttl: bool) -> Optional[str]:
     """What is wrong with a server's memory settings (INFO memory) for a cache, with the fix; None if nothing."""
     policy = str(info.get("maxmemory_policy", ""))
     if not int(info.get("maxmemory", 0)):
-        return ("has no maxmemory, so records pile up until the host runs out of memory. Fix: set maxmemory "
-                "(below the host's RAM) and maxmemory-policy allkeys-lru")
+        return (
+            "has no maxmemory, so records pile up until the host runs out of memory. Fix: set maxmemory "
+            "(below the host's RAM) and maxmemory-policy allkeys-lru"
+        )
     if policy == "noeviction" or (policy.startswith("volatile-") and not has_ttl):
         return f"evicts with {policy}, so it refuses writes once full. Fix: set maxmemory-policy allkeys-lru"
     return None

@@ -30,6 +30,7 @@ logger = logging.getLogger("prefixserve.tiers")
 @dataclass
 class NodeGroup:
     """Commands for one server: where (for messages), its client, its back-off, the names' indices."""
+
     where: str
     client: Any
     backoff: Backoff
@@ -75,8 +76,9 @@ class ClusterNodes:
         backoff = self._backoffs.get(node.name)
         if backoff is None:
             backoff = self._backoffs[node.name] = Backoff(self._seconds, self._clock)
-        return NodeGroup(f"cluster master {node.name}", node.redis_connection or self.cluster.get_redis_connection(node),
-                         backoff)
+        return NodeGroup(
+            f"cluster master {node.name}", node.redis_connection or self.cluster.get_redis_connection(node), backoff
+        )
 
     def split(self, names: Sequence[bytes]) -> list[NodeGroup]:
         """The names' indices grouped by the master owning each one's slot (the client's slot map)."""
@@ -113,15 +115,23 @@ class ClusterNodes:
         try:
             self.cluster.nodes_manager.initialize()
         except Exception as error:  # no master answers now: the next interval tries again
-            logger.info("remote tier: refreshing the Redis Cluster slot map failed (%s: %s)", type(error).__name__,
-                        error)
+            logger.info(
+                "remote tier: refreshing the Redis Cluster slot map failed (%s: %s)", type(error).__name__, error
+            )
 
     def close(self) -> None:
         self.cluster.close()
 
 
-def connect_nodes(client: Any, url: str, connect_timeout: float, read_timeout: float, backoff: Backoff,
-                  where: str, clock: Callable[[], float]):
+def connect_nodes(
+    client: Any,
+    url: str,
+    connect_timeout: float,
+    read_timeout: float,
+    backoff: Backoff,
+    where: str,
+    clock: Callable[[], float],
+):
     """SingleNode over `client`, or ClusterNodes when the server says it is a cluster node. A server that does
     not answer yet is taken as a single one (a MOVED reply switches later)."""
     try:
@@ -134,8 +144,9 @@ def connect_nodes(client: Any, url: str, connect_timeout: float, read_timeout: f
     return cluster_nodes(url, connect_timeout, read_timeout, backoff.seconds, clock)
 
 
-def cluster_nodes(url: str, connect_timeout: float, read_timeout: float, seconds: float,
-                  clock: Callable[[], float] = time.monotonic) -> ClusterNodes:
+def cluster_nodes(
+    url: str, connect_timeout: float, read_timeout: float, seconds: float, clock: Callable[[], float] = time.monotonic
+) -> ClusterNodes:
     """A RedisCluster client for the cluster `url`'s node belongs to. Its own retries are off: a failed command
     ends the call, and the tier's per-master back-off and slot-map refresh take over."""
     redis = require_redis()
@@ -143,8 +154,13 @@ def cluster_nodes(url: str, connect_timeout: float, read_timeout: float, seconds
     from redis.retry import Retry
 
     cluster = redis.cluster.RedisCluster.from_url(
-        url, socket_connect_timeout=connect_timeout, socket_timeout=read_timeout, decode_responses=False,
-        retry=Retry(NoBackoff(), 0), require_full_coverage=False)
+        url,
+        socket_connect_timeout=connect_timeout,
+        socket_timeout=read_timeout,
+        decode_responses=False,
+        retry=Retry(NoBackoff(), 0),
+        require_full_coverage=False,
+    )
     return ClusterNodes(cluster, seconds, clock)
 
 

@@ -16,8 +16,9 @@ from typing import Callable, Optional
 class TokenBucket:
     """At most `bytes_per_second` on average, and bursts up to `burst_bytes` (default: one second's worth)."""
 
-    def __init__(self, bytes_per_second: int, burst_bytes: Optional[int] = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, bytes_per_second: int, burst_bytes: Optional[int] = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         if bytes_per_second <= 0:
             raise ValueError(f"a write cap needs bytes_per_second > 0, got {bytes_per_second}")
         self.bytes_per_second = bytes_per_second

@@ -34,8 +34,9 @@ class RemoteWrites:
             return 0
         # TYPE (and with a TTL PEXPIRE, which renews a present record's TTL): one round trip. A key holding
         # another type (a list planted under a record's name) is written over: SET replaces any type.
-        replies = self._pipeline("put", [self._name(record.key) for record in records], self._touch,
-                                 per_name=1 if self.ttl_ms is None else 2)
+        replies = self._pipeline(
+            "put", [self._name(record.key) for record in records], self._touch, per_name=1 if self.ttl_ms is None else 2
+        )
         if replies is None:
             self._count(dropped_puts=len(records))
             return 0
@@ -45,8 +46,11 @@ class RemoteWrites:
         batches = self._encode_within_cap(missing)
         for index, batch in enumerate(batches):
             data_of = dict(batch)
-            replies = self._pipeline("put", [name for name, _ in batch],
-                                     lambda pipe, name: pipe.set(name, data_of[name], px=self.ttl_ms))
+            replies = self._pipeline(
+                "put",
+                [name for name, _ in batch],
+                lambda pipe, name, data_of=data_of: pipe.set(name, data_of[name], px=self.ttl_ms),
+            )
             if replies is None:
                 self._count(dropped_puts=sum(len(rest) for rest in batches[index:]))
                 break
@@ -72,9 +76,14 @@ class RemoteWrites:
             batch_bytes += len(data)
         if dropped:
             self._count(dropped_puts=len(dropped))
-            self._log_once("put", "rate", "remote tier: the write cap (%d bytes/s) dropped records (counted in "
-                           "dropped_puts). Raise kv_remote_write_bytes_per_second if Redis and the network have room",
-                           self._rate.bytes_per_second if self._rate is not None else 0, level=logging.INFO)
+            self._log_once(
+                "put",
+                "rate",
+                "remote tier: the write cap (%d bytes/s) dropped records (counted in "
+                "dropped_puts). Raise kv_remote_write_bytes_per_second if Redis and the network have room",
+                self._rate.bytes_per_second if self._rate is not None else 0,
+                level=logging.INFO,
+            )
         return batches
 
     def _touch(self, pipe: Any, name: bytes) -> None:

@@ -5,7 +5,16 @@ dashboard's what-if panel); imports only cache/ (the keys a trace's blocks chain
 """
 
 from .agents import AgentTraceConfig, generate_agent_trace, parse_agent_knobs
-from .mooncake import BUILT_IN_TRACES, TRACE_SCOPE, Trace, TraceFormatError, TraceRequest, block_keys, load_mooncake, load_trace
+from .mooncake import (
+    BUILT_IN_TRACES,
+    TRACE_SCOPE,
+    Trace,
+    TraceFormatError,
+    TraceRequest,
+    block_keys,
+    load_mooncake,
+    load_trace,
+)
 
 __all__ = [
     "AgentTraceConfig",

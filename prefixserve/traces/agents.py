@@ -79,8 +79,13 @@ class AgentTraceConfig:
             raise ValueError("agent trace needs block_size >= 1, num_sessions >= 0, num_system_prompts >= 1")
         if not self.session_rate > 0 or not math.isfinite(self.session_rate):
             raise ValueError(f"session_rate must be a positive number, got {self.session_rate}")
-        for name in ("system_prompt_skew", "tool_schema_tokens", "turn_gap_seconds", "think_time_mean_seconds",
-                     "max_prompt_tokens"):
+        for name in (
+            "system_prompt_skew",
+            "tool_schema_tokens",
+            "turn_gap_seconds",
+            "think_time_mean_seconds",
+            "max_prompt_tokens",
+        ):
             value = getattr(self, name)
             if not 0 <= value < math.inf:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
@@ -96,14 +101,18 @@ class AgentTraceConfig:
         """`load` x the traffic: `load` x the sessions, started `load` x as fast (the same span of time)."""
         if not load > 0 or not math.isfinite(load):
             raise ValueError(f"a load factor must be a positive number, got {load}")
-        return replace(self, num_sessions=max(1, round(self.num_sessions * load)),
-                       session_rate=self.session_rate * load)
+        return replace(
+            self, num_sessions=max(1, round(self.num_sessions * load)), session_rate=self.session_rate * load
+        )
 
     def describe(self) -> str:
         """The knobs that differ from the defaults, as `--agent` takes them ('' for the default workload)."""
         default = AgentTraceConfig()
-        changed = [item.name for item in fields(self)
-                   if item.name != "seed" and getattr(self, item.name) != getattr(default, item.name)]
+        changed = [
+            item.name
+            for item in fields(self)
+            if item.name != "seed" and getattr(self, item.name) != getattr(default, item.name)
+        ]
         return ",".join(f"{name}={_format_knob(getattr(self, name))}" for name in changed)
 
 
@@ -172,7 +181,7 @@ class _Transcript:
         """Id i names (id i-1, the exact runs inside block i): equal ids <=> equal prefixes. Ids are
         interned in block order when a request first reads them, so a trace's ids do not depend on
         what its sessions append after their last request."""
-        for pieces in self.full_blocks[len(self.ids):]:
+        for pieces in self.full_blocks[len(self.ids) :]:
             self.ids.append(self._intern(self.ids[-1] if self.ids else -1, pieces))
         if not self.pieces:
             return list(self.ids)
@@ -208,9 +217,9 @@ def generate_agent_trace(config: AgentTraceConfig = AgentTraceConfig()) -> Trace
             # Past the context the session has ended; its draws go on, so other sessions stay as they were.
             fits = not config.max_prompt_tokens or transcript.num_tokens <= config.max_prompt_tokens
             if transcript.num_tokens and fits:  # an empty prompt is no request
-                requests.append(TraceRequest(
-                    arrival, transcript.num_tokens, output_length,
-                    transcript.block_ids(), session))
+                requests.append(
+                    TraceRequest(arrival, transcript.num_tokens, output_length, transcript.block_ids(), session)
+                )
             transcript.append(("answer", session, turn), output_length)
             transcript.append(("tool_result", session, turn), rng.randint(*config.tool_result_tokens))
             arrival += config.turn_gap_seconds + draw_gap(rng, config.think_times, config.think_time_mean_seconds)

@@ -86,8 +86,9 @@ def block_keys(trace: Trace) -> list[list[bytes]]:
     return [keyer.keys(scope, request.hash_ids[: request.input_length // size]) for request in trace.requests]
 
 
-def load_trace(name_or_path: str | Path, limit: Optional[int] = None, seed: int = 0,
-               agent: Optional["AgentTraceConfig"] = None) -> Trace:
+def load_trace(
+    name_or_path: str | Path, limit: Optional[int] = None, seed: int = 0, agent: Optional["AgentTraceConfig"] = None
+) -> Trace:
     """A built-in trace by name (`conversation`, `synthetic`: shipped Mooncake files; `agent`: generated
     from `agent`'s knobs, default ones, with `seed`), else a Mooncake JSONL file, plain or gzip. Built-in
     names win over files of that name (write ./agent for a file called agent)."""
@@ -96,8 +97,10 @@ def load_trace(name_or_path: str | Path, limit: Optional[int] = None, seed: int 
     if limit is not None and limit < 1:
         raise ValueError(f"limit (--limit) must be at least 1, got {limit}")
     if agent is not None and name_or_path != "agent":
-        raise ValueError(f"agent trace knobs (--agent) shape the generated agent trace; give --trace agent "
-                         f"(got --trace {name_or_path})")
+        raise ValueError(
+            f"agent trace knobs (--agent) shape the generated agent trace; give --trace agent "
+            f"(got --trace {name_or_path})"
+        )
     if name_or_path == "agent":
         trace = generate_agent_trace(replace(agent or AgentTraceConfig(), seed=seed))
         return Trace(trace.requests[:limit], trace.block_size, trace.name) if limit is not None else trace
@@ -155,7 +158,11 @@ def _parse_mooncake_line(line: str, where: str, block_size: int) -> TraceRequest
     if missing:
         raise TraceFormatError(f"{where}: missing field(s) {', '.join(missing)}")
     timestamp, input_length, output_length, hash_ids = (
-        row["timestamp"], row["input_length"], row["output_length"], row["hash_ids"])
+        row["timestamp"],
+        row["input_length"],
+        row["output_length"],
+        row["hash_ids"],
+    )
     if not isinstance(timestamp, (int, float)) or isinstance(timestamp, bool) or timestamp < 0:
         raise TraceFormatError(f"{where}: timestamp must be a non-negative number of milliseconds, got {timestamp!r}")
     for name, value in (("input_length", input_length), ("output_length", output_length)):

@@ -41,9 +41,13 @@ class DashboardMetrics(ServerMetrics):
 
     def __init__(self, snapshot: Callable, model_name: str, cache_info: dict[str, str]) -> None:
         super().__init__(snapshot, model_name, cache_info)
-        self.ttft_by_cache = Histogram(TTFT_BY_CACHE,
-                                       "Time to first token, by whether the prompt reused cached blocks.",
-                                       ["cache"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.ttft_by_cache = Histogram(
+            TTFT_BY_CACHE,
+            "Time to first token, by whether the prompt reused cached blocks.",
+            ["cache"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         for outcome in ("hit", "miss"):
             self.ttft_by_cache.labels(outcome)  # both series exist from the start
         self.tenants: dict[str, TenantCounts] = {}

@@ -36,7 +36,8 @@ async def dashboard_static(name: str):
 
 
 @dashboard_api_routes.get("/dashboard/api/snapshot")
-async def dashboard_snapshot(request: Request, tree: bool = True,
-                             max_nodes: int = Query(DEFAULT_MAX_NODES, ge=2, le=MAX_TREE_NODES)):
+async def dashboard_snapshot(
+    request: Request, tree: bool = True, max_nodes: int = Query(DEFAULT_MAX_NODES, ge=2, le=MAX_TREE_NODES)
+):
     """Counters as /metrics has them, pool pressure, TTFT by hit/miss, tenants and (with tree=true) the radix tree."""
     return await build_snapshot(request.app.state.server, include_tree=tree, max_nodes=max_nodes)

@@ -65,9 +65,13 @@ def histogram_quantile(q: float, cumulative: Sequence[tuple[float, float]]) -> O
 
 def latency_summary(series: Sequence[tuple[float, float]], samples: dict, count_key: str, sum_key: str) -> dict:
     """Count, sum, p50 and p99 since start, and the cumulative buckets (the page takes windows of them)."""
-    return {"count": samples.get(count_key, 0.0), "sum": samples.get(sum_key, 0.0),
-            "p50": histogram_quantile(0.5, series), "p99": histogram_quantile(0.99, series),
-            "buckets": [[upper if math.isfinite(upper) else "+Inf", count] for upper, count in series]}
+    return {
+        "count": samples.get(count_key, 0.0),
+        "sum": samples.get(sum_key, 0.0),
+        "p50": histogram_quantile(0.5, series),
+        "p99": histogram_quantile(0.99, series),
+        "buckets": [[upper if math.isfinite(upper) else "+Inf", count] for upper, count in series],
+    }
 
 
 def scope_names(core, tenants) -> dict[bytes, str]:
@@ -82,19 +86,29 @@ def read_engine(core, tenant_ids: list[str], include_tree: bool, max_nodes: int)
     """Pool gauges and the tree view, read on the engine thread between steps."""
     cache = core.cache
     usage = cache.usage()
-    pool = {"num_blocks": usage.num_blocks, "free": usage.num_free_blocks,
-            "cached": usage.num_cached_unreferenced_blocks, "in_use": usage.num_referenced_blocks,
-            "pinned": usage.num_pinned_blocks, "reclaimable": cache.num_reclaimable_blocks,
-            "usage": usage.usage,
-            # what eviction could not free right now: 1.0 means the next admission must wait
-            "pressure": 1.0 - (usage.num_free_blocks + cache.num_reclaimable_blocks) / usage.num_blocks}
+    pool = {
+        "num_blocks": usage.num_blocks,
+        "free": usage.num_free_blocks,
+        "cached": usage.num_cached_unreferenced_blocks,
+        "in_use": usage.num_referenced_blocks,
+        "pinned": usage.num_pinned_blocks,
+        "reclaimable": cache.num_reclaimable_blocks,
+        "usage": usage.usage,
+        # what eviction could not free right now: 1.0 means the next admission must wait
+        "pressure": 1.0 - (usage.num_free_blocks + cache.num_reclaimable_blocks) / usage.num_blocks,
+    }
     if not include_tree:
         return {"pool": pool}
     tiers = core.tiers.tiers.values() if core.tiers is not None else ()
     tier_keys = {tier.name: tier.keys() for tier in tiers if not tier.traits.shared}  # a shared tier is not listed
-    view = build_tree_view(map(cache.get, cache.keys()), cache.block_size, max_nodes=max_nodes,
-                           scope_names=scope_names(core, tenant_ids),
-                           tier_keys=tier_keys, now=cache.clock())
+    view = build_tree_view(
+        map(cache.get, cache.keys()),
+        cache.block_size,
+        max_nodes=max_nodes,
+        scope_names=scope_names(core, tenant_ids),
+        tier_keys=tier_keys,
+        now=cache.clock(),
+    )
     tree = asdict(view)
     tree["max_nodes"] = max_nodes
     return {"pool": pool, "tree": tree}
@@ -108,19 +122,36 @@ async def build_snapshot(state, include_tree: bool = True, max_nodes: int = DEFA
     ttft = {"all": latency_summary(buckets.get(TTFT, []), samples, TTFT + "_count", TTFT + "_sum")}
     for outcome in ("hit", "miss"):
         labels = sample_key("", {"cache": outcome})
-        ttft[outcome] = latency_summary(buckets.get(TTFT_BY_CACHE + labels, []), samples,
-                                        TTFT_BY_CACHE + "_count" + labels, TTFT_BY_CACHE + "_sum" + labels)
+        ttft[outcome] = latency_summary(
+            buckets.get(TTFT_BY_CACHE + labels, []),
+            samples,
+            TTFT_BY_CACHE + "_count" + labels,
+            TTFT_BY_CACHE + "_sum" + labels,
+        )
     held = engine_view["tree"]["blocks_by_scope"] if include_tree else {}
     recorded = getattr(metrics, "tenants", {})
     tenants = []
     for tenant in sorted(set(tenant_ids) | set(recorded)):
         counts = recorded.get(tenant)
         scope = SHARED_SCOPE if tenant == NO_KEY else tenant
-        tenants.append({"tenant": tenant, "num_requests": counts.num_requests if counts else 0,
-                        "prompt_tokens": counts.num_prompt_tokens if counts else 0,
-                        "cached_tokens": counts.num_cached_tokens if counts else 0,
-                        "hit_rate": counts.hit_rate if counts else 0.0,
-                        "blocks_held": held.get(scope, 0) if include_tree else None})
-    return {"mode": "server", "time": time.time(), "model": state.settings.served_model_name,
-            "block_size": state.engine.engine.config.block_size, "metrics": samples, "ttft": ttft,
-            "pool": engine_view["pool"], "tenants": tenants, "tree": engine_view.get("tree")}
+        tenants.append(
+            {
+                "tenant": tenant,
+                "num_requests": counts.num_requests if counts else 0,
+                "prompt_tokens": counts.num_prompt_tokens if counts else 0,
+                "cached_tokens": counts.num_cached_tokens if counts else 0,
+                "hit_rate": counts.hit_rate if counts else 0.0,
+                "blocks_held": held.get(scope, 0) if include_tree else None,
+            }
+        )
+    return {
+        "mode": "server",
+        "time": time.time(),
+        "model": state.settings.served_model_name,
+        "block_size": state.engine.engine.config.block_size,
+        "metrics": samples,
+        "ttft": ttft,
+        "pool": engine_view["pool"],
+        "tenants": tenants,
+        "tree": engine_view.get("tree"),
+    }

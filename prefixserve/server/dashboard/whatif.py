@@ -25,19 +25,25 @@ from typing import NamedTuple, Optional
 from fastapi import APIRouter, Request
 
 from ...engine.kv_tiers import DEFAULT_PREFILL_SECONDS_PER_TOKEN
+from ...http import APIError
 from ...metric_names import TTFT, TTFT_BY_CACHE
 from ...plan.capacity import capacity_sweep, requests_from_trace, working_set_blocks
 from ...plan.gap_readers import distribution_from_stats
-from ...plan.price import (PRICE_TABLE_NOTE, check_inputs, estimated_ttft, fixed_seconds_from_measured, price_json,
-                           price_table)
+from ...plan.price import (
+    PRICE_TABLE_NOTE,
+    check_inputs,
+    estimated_ttft,
+    fixed_seconds_from_measured,
+    price_json,
+    price_table,
+)
 from ...plan.tiers import Profile, crossovers
 from ...plan.ttl import DEFAULT_TTLS_SECONDS, plan_ttl
-from ...traces.mooncake import BUILT_IN_TRACES, load_trace
 from ...tiers import TierCost
 from ...tiers.disk import DISK_READ_COST
 from ...tiers.host import HOST_READ_COST
 from ...tiers.record import DTYPE_SIZES
-from ...http import APIError
+from ...traces.mooncake import BUILT_IN_TRACES, load_trace
 
 whatif_routes = APIRouter()
 
@@ -74,17 +80,27 @@ def engine_costs(core) -> EngineCosts:
     runner = core.runner
     block_bytes = math.prod(runner.block_shape) * DTYPE_SIZES[runner.dtype_name]
     if tiers is None:
-        return EngineCosts(core.config.block_size, block_bytes, core.cache.pool.num_blocks,
-                           DEFAULT_PREFILL_SECONDS_PER_TOKEN,
-                           "default (this server has no KV tiers, so nothing learns its prefill cost)",
-                           {"host": _copy(HOST_READ_COST), "disk": _copy(DISK_READ_COST)},
-                           "the tiers' start-up priors (this server has no KV tiers)")
+        return EngineCosts(
+            core.config.block_size,
+            block_bytes,
+            core.cache.pool.num_blocks,
+            DEFAULT_PREFILL_SECONDS_PER_TOKEN,
+            "default (this server has no KV tiers, so nothing learns its prefill cost)",
+            {"host": _copy(HOST_READ_COST), "disk": _copy(DISK_READ_COST)},
+            "the tiers' start-up priors (this server has no KV tiers)",
+        )
     learnt = tiers.prefill_seconds_per_token != DEFAULT_PREFILL_SECONDS_PER_TOKEN
-    return EngineCosts(core.config.block_size, block_bytes, core.cache.pool.num_blocks, tiers.prefill_seconds_per_token,
-                       "measured: the engine's moving average over prefill-heavy steps" if learnt
-                       else "default (no prefill-heavy step measured yet)",
-                       {name: _copy(tier.read_cost) for name, tier in tiers.tiers.items()},
-                       "measured: each tier's fit of its own reads (start-up priors until it has read)")
+    return EngineCosts(
+        core.config.block_size,
+        block_bytes,
+        core.cache.pool.num_blocks,
+        tiers.prefill_seconds_per_token,
+        "measured: the engine's moving average over prefill-heavy steps"
+        if learnt
+        else "default (no prefill-heavy step measured yet)",
+        {name: _copy(tier.read_cost) for name, tier in tiers.tiers.items()},
+        "measured: each tier's fit of its own reads (start-up priors until it has read)",
+    )
 
 
 def _copy(cost: TierCost) -> TierCost:
@@ -120,8 +136,12 @@ def _list(request: Request, name: str, parse, default, high: float = math.inf):
         values = []
     if not values or len(values) > MAX_SIZES or any(not (0 < value <= high) or math.isinf(value) for value in values):
         bound = f" of at most {high:g}" if high < math.inf else ""
-        raise APIError(400, f"{name} must be up to {MAX_SIZES} comma-separated positive numbers{bound}, got {text!r}",
-                       param=name, code="invalid_value")
+        raise APIError(
+            400,
+            f"{name} must be up to {MAX_SIZES} comma-separated positive numbers{bound}, got {text!r}",
+            param=name,
+            code="invalid_value",
+        )
     return values
 
 
@@ -140,8 +160,7 @@ def _measured_ttft(metrics) -> dict:
 
     out["mean_ttft_seconds"] = mean(TTFT)
     for outcome in ("hit", "miss"):
-        out[f"mean_ttft_{outcome}_seconds"] = mean(TTFT_BY_CACHE,
-                                                   {"cache": outcome})
+        out[f"mean_ttft_{outcome}_seconds"] = mean(TTFT_BY_CACHE, {"cache": outcome})
     return out
 
 
@@ -157,29 +176,47 @@ async def price(request: Request):
         return stats.token_hit_rate, stats.num_query_tokens, stats.num_queries, engine_costs(core)
 
     state, (measured_hit_rate, num_query_tokens, num_queries, costs) = await _admin_engine(request, read)
-    measured = {"hit_rate": measured_hit_rate if num_queries else None,
-                "mean_prompt_tokens": num_query_tokens / num_queries if num_queries else None,
-                "num_requests": num_queries, **_measured_ttft(state.metrics)}
+    measured = {
+        "hit_rate": measured_hit_rate if num_queries else None,
+        "mean_prompt_tokens": num_query_tokens / num_queries if num_queries else None,
+        "num_requests": num_queries,
+        **_measured_ttft(state.metrics),
+    }
     measured_or_default = "measured" if num_queries else "default (none measured)"
-    sources = {"hit_rate": "query" if hit_rate is not None else measured_or_default,
-               "prompt_tokens": "query" if prompt_tokens is not None else
-               ("measured" if num_queries else f"default ({DEFAULT_PROMPT_TOKENS:,} tokens, none measured)"),
-               "prefill_seconds_per_token": costs.prefill_source}
+    sources = {
+        "hit_rate": "query" if hit_rate is not None else measured_or_default,
+        "prompt_tokens": "query"
+        if prompt_tokens is not None
+        else ("measured" if num_queries else f"default ({DEFAULT_PROMPT_TOKENS:,} tokens, none measured)"),
+        "prefill_seconds_per_token": costs.prefill_source,
+    }
     hit_rate = hit_rate if hit_rate is not None else (measured_hit_rate if num_queries else 0.0)
-    prompt_tokens = prompt_tokens if prompt_tokens is not None else (measured["mean_prompt_tokens"]
-                                                                    or DEFAULT_PROMPT_TOKENS)
+    prompt_tokens = (
+        prompt_tokens if prompt_tokens is not None else (measured["mean_prompt_tokens"] or DEFAULT_PROMPT_TOKENS)
+    )
     check_inputs(hit_rate, prompt_tokens)
     fixed = 0.0
     if measured["mean_ttft_seconds"] is not None and num_queries:
-        fixed = fixed_seconds_from_measured(measured["mean_ttft_seconds"], measured_hit_rate,
-                                            measured["mean_prompt_tokens"], costs.prefill_seconds_per_token)
+        fixed = fixed_seconds_from_measured(
+            measured["mean_ttft_seconds"],
+            measured_hit_rate,
+            measured["mean_prompt_tokens"],
+            costs.prefill_seconds_per_token,
+        )
         sources["fixed_ttft_seconds"] = "measured: mean TTFT less the prefill the model charges at the measured point"
     else:
         sources["fixed_ttft_seconds"] = "none measured: 0"
     ttft = estimated_ttft(hit_rate, prompt_tokens, costs.prefill_seconds_per_token, fixed)
     body = price_json(price_table(hit_rate, prompt_tokens), ttft)
-    return {"object": "dashboard.price", "hit_rate": hit_rate, "prompt_tokens": prompt_tokens,
-            "measured": measured, "sources": sources, **body, "note": PRICE_TABLE_NOTE}
+    return {
+        "object": "dashboard.price",
+        "hit_rate": hit_rate,
+        "prompt_tokens": prompt_tokens,
+        "measured": measured,
+        "sources": sources,
+        **body,
+        "note": PRICE_TABLE_NOTE,
+    }
 
 
 # ------------------------------------------------------------------------------------------- tiers
@@ -188,8 +225,9 @@ async def tiers(request: Request):
     """Per tier: fetch and recompute seconds at prefix lengths up to `max_tokens`, and the crossover."""
     max_tokens = _float(request, "max_tokens", 1.0, MAX_CURVE_TOKENS)
     _, costs = await _admin_engine(request, engine_costs)
-    profile = Profile("this server", costs.block_size, costs.block_bytes, costs.prefill_seconds_per_token,
-                      costs.read_costs)
+    profile = Profile(
+        "this server", costs.block_size, costs.block_bytes, costs.prefill_seconds_per_token, costs.read_costs
+    )
     rows = crossovers(profile)
     if max_tokens is None:  # three times the furthest finite crossover, within [64 blocks, the curve cap]
         finite = [row.crossover_tokens for row in rows if math.isfinite(row.crossover_tokens)]
@@ -198,18 +236,26 @@ async def tiers(request: Request):
     lengths = list(range(step, int(max_tokens) + 1, step)) or [costs.block_size]
     per_token = profile.bytes_per_token
     return {
-        "object": "dashboard.tiers", "block_size": costs.block_size, "block_bytes": costs.block_bytes,
-        "bytes_per_token": per_token, "prefill_seconds_per_token": costs.prefill_seconds_per_token,
+        "object": "dashboard.tiers",
+        "block_size": costs.block_size,
+        "block_bytes": costs.block_bytes,
+        "bytes_per_token": per_token,
+        "prefill_seconds_per_token": costs.prefill_seconds_per_token,
         "sources": {"prefill_seconds_per_token": costs.prefill_source, "read_costs": costs.read_source},
         "prefix_tokens": lengths,
         "recompute_seconds": [tokens * costs.prefill_seconds_per_token for tokens in lengths],
-        "tiers": [{
-            "tier": row.tier, "latency_seconds": row.latency_seconds, "bytes_per_second": row.bytes_per_second,
-            "fetch_seconds": [costs.read_costs[row.tier].seconds(tokens * per_token) for tokens in lengths],
-            "crossover_tokens": row.crossover_tokens if math.isfinite(row.crossover_tokens) else None,
-            "crossover_blocks": row.crossover_blocks,  # the smallest run the engine's planner fetches
-            "break_even_bytes_per_second": row.break_even_bytes_per_second,
-        } for row in rows],
+        "tiers": [
+            {
+                "tier": row.tier,
+                "latency_seconds": row.latency_seconds,
+                "bytes_per_second": row.bytes_per_second,
+                "fetch_seconds": [costs.read_costs[row.tier].seconds(tokens * per_token) for tokens in lengths],
+                "crossover_tokens": row.crossover_tokens if math.isfinite(row.crossover_tokens) else None,
+                "crossover_blocks": row.crossover_blocks,  # the smallest run the engine's planner fetches
+                "break_even_bytes_per_second": row.break_even_bytes_per_second,
+            }
+            for row in rows
+        ],
     }
 
 
@@ -224,34 +270,65 @@ async def ttl(request: Request):
 
     def read(core):
         log = core.outputs.request_log.snapshot()
-        return (core.reuse_gaps.stats_body(), engine_costs(core), [entry.arrival_time for entry in log if entry.finished])
+        return (
+            core.reuse_gaps.stats_body(),
+            engine_costs(core),
+            [entry.arrival_time for entry in log if entry.finished],
+        )
 
     _, (stats, costs, finished_arrivals) = await _admin_engine(request, read)
     by_tenant = stats["reuse_gaps"].get("by_tenant", {})
     if tenant is not None and tenant not in by_tenant:
         known = ", ".join(sorted(by_tenant)) or "none"
-        raise APIError(400, f"tenant {tenant!r} has no reuse gaps yet; tenants with gaps: {known}",
-                       param="tenant", code="invalid_value")
+        raise APIError(
+            400,
+            f"tenant {tenant!r} has no reuse gaps yet; tenants with gaps: {known}",
+            param="tenant",
+            code="invalid_value",
+        )
     histogram = by_tenant[tenant] if tenant is not None else stats["reuse_gaps"]["overall"]
     if not histogram.get("num_releases"):
-        return {"object": "dashboard.ttl", "available": False,
-                "reason": "no prefix has been released yet: the TTL panel needs finished requests"}
+        return {
+            "object": "dashboard.ttl",
+            "available": False,
+            "reason": "no prefix has been released yet: the TTL panel needs finished requests",
+        }
     distribution = distribution_from_stats(stats, tenant)
     span = max(finished_arrivals, default=0.0) - min(finished_arrivals, default=0.0)
-    rate, rate_source = ((len(finished_arrivals) / span, "measured: finished requests in the request log / their span")
-                         if span > 0 else (1.0, "stated: 1 a second (too few finished requests to measure)"))
+    rate, rate_source = (
+        (len(finished_arrivals) / span, "measured: finished requests in the request log / their span")
+        if span > 0
+        else (1.0, "stated: 1 a second (too few finished requests to measure)")
+    )
     mean_prefix = stats["mean_reused_prefix_tokens"]
     tokens = prefix_tokens or mean_prefix or DEFAULT_PROMPT_TOKENS
-    plan = plan_ttl(distribution, ttls, prefix_tokens=tokens, prefill_seconds_per_token=costs.prefill_seconds_per_token,
-                    kv_bytes_per_token=costs.block_bytes / costs.block_size, releases_per_second=rate)
-    return {"object": "dashboard.ttl", "available": True, "tenant": tenant,
-            "prefix_tokens": tokens, "releases_per_second": rate, "num_releases": plan.num_releases,
-            "return_fraction": plan.return_fraction,
-            "range_end_seconds": plan.range_end if math.isfinite(plan.range_end) else None,
-            "sources": {"prefix_tokens": "query" if prefix_tokens else
-                        ("measured: mean reused prefix" if mean_prefix else "default (none reused yet)"),
-                        "releases_per_second": rate_source, "prefill_seconds_per_token": costs.prefill_source},
-            "rows": [row._asdict() for row in plan.rows], "recommended": plan.recommended._asdict()}
+    plan = plan_ttl(
+        distribution,
+        ttls,
+        prefix_tokens=tokens,
+        prefill_seconds_per_token=costs.prefill_seconds_per_token,
+        kv_bytes_per_token=costs.block_bytes / costs.block_size,
+        releases_per_second=rate,
+    )
+    return {
+        "object": "dashboard.ttl",
+        "available": True,
+        "tenant": tenant,
+        "prefix_tokens": tokens,
+        "releases_per_second": rate,
+        "num_releases": plan.num_releases,
+        "return_fraction": plan.return_fraction,
+        "range_end_seconds": plan.range_end if math.isfinite(plan.range_end) else None,
+        "sources": {
+            "prefix_tokens": "query"
+            if prefix_tokens
+            else ("measured: mean reused prefix" if mean_prefix else "default (none reused yet)"),
+            "releases_per_second": rate_source,
+            "prefill_seconds_per_token": costs.prefill_source,
+        },
+        "rows": [row._asdict() for row in plan.rows],
+        "recommended": plan.recommended._asdict(),
+    }
 
 
 # ---------------------------------------------------------------------------------------- capacity
@@ -262,8 +339,13 @@ async def capacity(request: Request):
     sizes = _list(request, "sizes", int, None, MAX_POOL_BLOCKS)
     trace_name = request.query_params.get("trace") or None
     if trace_name is not None and trace_name not in BUILT_IN_TRACES:
-        raise APIError(400, f"trace must be one of {', '.join(BUILT_IN_TRACES)}, got {trace_name!r}; omit it to "
-                            "replay this server's request log", param="trace", code="invalid_value")
+        raise APIError(
+            400,
+            f"trace must be one of {', '.join(BUILT_IN_TRACES)}, got {trace_name!r}; omit it to "
+            "replay this server's request log",
+            param="trace",
+            code="invalid_value",
+        )
     limit = _float(request, "limit", 1, MAX_TRACE_REQUESTS)
 
     def read(core):
@@ -278,8 +360,11 @@ async def capacity(request: Request):
     pool_blocks = costs.num_pool_blocks * costs.block_size // block_size
     sizes = sizes or sorted({max(1, round(pool_blocks * fraction)) for fraction in POOL_FRACTIONS})
     if not log:
-        return {"object": "dashboard.capacity", "available": False,
-                "reason": "the request log is empty: the capacity panel replays requests this server has served"}
+        return {
+            "object": "dashboard.capacity",
+            "available": False,
+            "reason": "the request log is empty: the capacity panel replays requests this server has served",
+        }
     working_set = working_set_blocks(log)
     largest_request = max(len(entry.prompt_keys) + len(entry.output_keys) + 1 for entry in log)
     # A pool that holds every block ever cached plus one request never evicts: larger ones replay the same.
@@ -287,9 +372,18 @@ async def capacity(request: Request):
     replayed = sorted({min(size, never_evicts) for size in sizes})
     results = await asyncio.to_thread(capacity_sweep, log, replayed, block_size, costs.prefill_seconds_per_token)
     by_size = {result.pool_blocks: result for result in results}
-    rows = [{**by_size[min(size, never_evicts)].to_dict(), "pool_blocks": size, "pool_tokens": size * block_size}
-            for size in sizes]
-    return {"object": "dashboard.capacity", "available": True, "block_size": block_size,
-            "current_pool_blocks": pool_blocks, "num_requests": len(log), "working_set_blocks": working_set,
-            "prefill_seconds_per_token": costs.prefill_seconds_per_token,
-            "sources": {"requests": source, "prefill_seconds_per_token": costs.prefill_source}, "sizes": rows}
+    rows = [
+        {**by_size[min(size, never_evicts)].to_dict(), "pool_blocks": size, "pool_tokens": size * block_size}
+        for size in sizes
+    ]
+    return {
+        "object": "dashboard.capacity",
+        "available": True,
+        "block_size": block_size,
+        "current_pool_blocks": pool_blocks,
+        "num_requests": len(log),
+        "working_set_blocks": working_set,
+        "prefill_seconds_per_token": costs.prefill_seconds_per_token,
+        "sources": {"requests": source, "prefill_seconds_per_token": costs.prefill_source},
+        "sizes": rows,
+    }
