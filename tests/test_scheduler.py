@@ -153,7 +153,7 @@ def pinned_pool(num_pinned_blocks):
     """8 blocks of 4 tokens, `num_pinned_blocks` of them held by a pinned cached prefix."""
     s = make(num_blocks=8, budget=64)
     cache = s.cache
-    cache.max_pinned_blocks = num_pinned_blocks
+    cache.pins.max_blocks = num_pinned_blocks
     owner = request("owner", range(500, 500 + 4 * num_pinned_blocks + 1), max_tokens=1)
     s.add_request(owner)
     run(s)

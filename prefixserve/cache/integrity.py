@@ -59,8 +59,8 @@ def check_integrity(cache: "RadixCache") -> None:
     assert num_free + num_cached_unreferenced + num_referenced == len(blocks), "blocks unaccounted for"
     assert len(cache._index) == sum(1 for b in blocks if b.key is not None), "index holds stale keys"
     assert num_cached_unreferenced == cache._num_cached_unreferenced, "cached-unreferenced count is off"
-    assert num_reclaimable == cache._num_reclaimable, "reclaimable count is off"
-    assert num_pinned == cache._num_pinned <= cache.max_pinned_blocks, "pinned count is off"
+    assert num_reclaimable == cache.num_reclaimable_blocks, "reclaimable count is off"
+    assert num_pinned == cache.pins.num_pinned <= cache.pins.max_blocks, "pinned count is off"
     in_heap = {block_id for last, block_id in order.lru_heap if order.lru_entry_valid(blocks[block_id], last)}
     assert in_heap == evictable, f"LRU heap holds {sorted(in_heap)}, evictable leaves are {sorted(evictable)}"
     for expire_at, last, block_id in order.expiry_heap:

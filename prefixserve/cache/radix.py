@@ -1,4 +1,4 @@
-"""The radix index over cached blocks: longest match, insert, leaf-first LRU eviction, TTL, pins.
+"""The radix index over cached blocks: longest match, insert, references, leaf-first LRU eviction, TTL.
 
 Blocks are the nodes. Each cached block links to its parent (the block before
 it in the prompt, or the scope digest for block 0), so the cached blocks of all
@@ -14,6 +14,11 @@ collision is a miss. Only unreferenced, unpinned *leaves* are evictable
 prefixes outlive one-off tails. Evictable leaves sit in a heap ordered by last
 access (lazy deletion: a stale entry is skipped when popped), O(log n) a step.
 
+A block leaves only as an unreferenced, unpinned leaf (or all at once in a
+clear, where a block a request still holds turns private and is freed on
+release); its parent may then become a leaf. The eviction order (eviction.py)
+and the pins (pin_counts.py) are objects of the index, each owning its state.
+
 Invariant that keeps `num_reclaimable_blocks` exact: whoever holds a cached
 block holds its ancestors too (a request acquires a matched prefix path; a
 block computed twice is merged into the cached copy), and pins cover paths.
@@ -25,12 +30,11 @@ import time
 from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 from .block_pool import Block, BlockPool
-from .events import BlockStored, EventQueue
+from .events import AllBlocksCleared, BlockRemoved, BlockStored, EventQueue
 from .eviction import EvictionOrder
 from .integrity import check_integrity
 from .keys import max_hit_blocks, pack_tokens
-from .radix_pins import RadixPins
-from .radix_removal import RadixRemoval
+from .pin_counts import PinCounts
 from .stats import CacheStats, CacheUsage
 
 Parent = Union[Block, bytes]
@@ -45,9 +49,8 @@ class MatchResult(NamedTuple):
     num_tokens: int
 
 
-class RadixCache(RadixRemoval, RadixPins):
-    """The index: lookup, references, allocation and insert here; removals in radix_removal.py, pins in
-    radix_pins.py."""
+class RadixCache:
+    """The index: lookup, references, allocation, insert, removal; pins through `pins`."""
 
     def __init__(
         self,
@@ -60,16 +63,13 @@ class RadixCache(RadixRemoval, RadixPins):
     ) -> None:
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
-        # Pins may never take the whole pool, or running requests could starve.
-        self.max_pinned_blocks = num_blocks // 2 if max_pinned_blocks is None else max_pinned_blocks
+        self.pins = PinCounts(num_blocks // 2 if max_pinned_blocks is None else max_pinned_blocks)
         self.clock = clock
         self.events = events
         self.stats = CacheStats()
         self._index: dict[bytes, Block] = {}
         self._order = EvictionOrder(self.pool.blocks, clock)
         self._num_cached_unreferenced = 0
-        self._num_reclaimable = 0  # cached, unreferenced, unpinned
-        self._num_pinned = 0
         # Hooks for the tiers below the pool (engine/kv_tiers.py): a block just cached, and a cold
         # block about to leave by LRU eviction while its KV is still intact in its slot.
         self.on_insert: Optional[Callable[[Block], None]] = None
@@ -132,8 +132,7 @@ class RadixCache(RadixRemoval, RadixPins):
             assert block.key is not None, f"acquire expects cached blocks, got {block}"
             if block.ref_count == 0:
                 self._num_cached_unreferenced -= 1
-                if block.pin_count == 0:
-                    self._num_reclaimable -= 1
+                self.pins.referenced(block)
             block.ref_count += 1
             self._order.touch(block)
             if block.ttl is not None and ttl is not None:
@@ -152,21 +151,20 @@ class RadixCache(RadixRemoval, RadixPins):
                 self.pool.free(block)
                 continue
             self._num_cached_unreferenced += 1
-            if block.pin_count == 0:
-                self._num_reclaimable += 1
+            self.pins.unreferenced(block)
             self._order.touch(block)
             if block.ttl is not None:
                 block.expire_at = now + block.ttl  # the TTL counts from the last use
-            self._order.push_if_evictable(block, self._num_reclaimable)
+            self._order.push_if_evictable(block, self.num_reclaimable_blocks)
 
     # ------------------------------------------------------------- allocation
     @property
     def num_reclaimable_blocks(self) -> int:
         """Cached blocks eviction could free right now (unreferenced, unpinned)."""
-        return self._num_reclaimable
+        return self._num_cached_unreferenced - self.pins.num_unreferenced
 
     def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= self.pool.num_free_blocks + self._num_reclaimable
+        return num_blocks <= self.pool.num_free_blocks + self.num_reclaimable_blocks
 
     def allocate(self, num_blocks: int) -> list[Block]:
         """`num_blocks` private blocks (ref 1), evicting cold leaves if the free list is short."""
@@ -252,6 +250,109 @@ class RadixCache(RadixRemoval, RadixPins):
             self.events.publish(BlockStored([key], parent_key, list(token_ids), self.block_size, scope=block.scope))
         return block
 
+    # ---------------------------------------------------------------- removal
+    def evict(self, num_blocks: int) -> int:
+        """Free up to `num_blocks`: expired leaves first, then least recently used leaves."""
+        num_evicted = 0
+        while num_evicted < num_blocks:
+            block = self._pop_expired()
+            if block is None:
+                block = self._pop_lru()
+                if block is None:
+                    break
+                if self.on_evict is not None:  # an expired block is dropped; a cold one may spill below
+                    self.on_evict(block)
+            self._uncache(block)
+            num_evicted += 1
+        return num_evicted
+
+    def expire(self) -> int:
+        """Reclaim every expired, unreferenced prefix now (leaves first, up the chain)."""
+        num_expired = 0
+        while (block := self._pop_expired()) is not None:
+            self._uncache(block)
+            num_expired += 1
+        return num_expired
+
+    def _pop_expired(self) -> Optional[Block]:
+        block = self._order.pop_expired()
+        if block is not None:
+            self.stats.num_expired_blocks += 1
+        return block
+
+    def _pop_lru(self) -> Optional[Block]:
+        block = self._order.pop_lru()
+        if block is not None:
+            self.stats.num_evicted_blocks += 1
+            self.stats.num_evicted_tokens += self.block_size
+        return block
+
+    def _uncache(self, block: Block, publish: bool = True) -> None:
+        """Drop a block from the index; it is freed now if unreferenced, else on release."""
+        del self._index[block.key]
+        if publish and self.events is not None:
+            self.events.publish(BlockRemoved([block.key]))
+        self.pins.forget(block)
+        block.key = None
+        block.token_bytes = None
+        parent = block.parent
+        block.parent = block.scope = None
+        block.device_only = False
+        block.num_children = 0
+        if block.ref_count == 0:
+            self._num_cached_unreferenced -= 1
+            self.pool.free(block)
+        if isinstance(parent, Block) and parent.key is not None:
+            parent.num_children -= 1
+            self._order.push_if_evictable(parent, self.num_reclaimable_blocks)
+
+    def clear(self, scope_digest: Optional[bytes] = None) -> int:
+        """Forget every cached block (of one scope, or all); referenced blocks turn private."""
+        if scope_digest is None:
+            victims = list(self._index.values())
+        else:
+            roots: dict[int, bytes] = {}
+            victims = [b for b in self._index.values() if self._scope_of(b, roots) == scope_digest]
+        for block in victims:
+            self._uncache(block, publish=scope_digest is not None)
+        if scope_digest is None and self.events is not None:
+            self.events.publish(AllBlocksCleared())
+        self._order.compact()
+        return len(victims)
+
+    def _scope_of(self, block: Block, memo: dict[int, bytes]) -> bytes:
+        chain: list[Block] = []
+        node: Parent = block
+        while isinstance(node, Block) and node.block_id not in memo:
+            chain.append(node)
+            node = node.parent
+        scope = memo[node.block_id] if isinstance(node, Block) else node
+        for visited in chain:
+            memo[visited.block_id] = scope
+        return scope
+
+    # ------------------------------------------------------------------- pins
+    def pin(self, keys: Sequence[bytes]) -> int:
+        """Protect the cached prefix along `keys` from eviction and expiry; returns blocks pinned (ValueError
+        past the pin cap, `max_pinned_blocks`)."""
+        return self.pins.pin(self._cached_path(keys))
+
+    def unpin(self, keys: Sequence[bytes]) -> int:
+        """Undo one `pin` of the cached prefix along `keys`; returns blocks unpinned."""
+        unpinned = self.pins.unpin(self._cached_path(keys))
+        for block in unpinned:
+            self._order.push_if_evictable(block, self.num_reclaimable_blocks)
+        return len(unpinned)
+
+    def _cached_path(self, keys: Sequence[bytes]) -> list[Block]:
+        path: list[Block] = []
+        for key in keys:
+            block = self._index.get(key)
+            if block is None or (path and block.parent is not path[-1]):
+                break
+            path.append(block)
+        return path
+
     # ------------------------------------------------------------ inspection
     @property
     def num_cached_blocks(self) -> int:
@@ -265,7 +366,7 @@ class RadixCache(RadixRemoval, RadixPins):
             num_free_blocks=num_free,
             num_cached_unreferenced_blocks=self._num_cached_unreferenced,
             num_referenced_blocks=num_blocks - num_free - self._num_cached_unreferenced,
-            num_pinned_blocks=self._num_pinned,
+            num_pinned_blocks=self.pins.num_pinned,
             num_cached_blocks=len(self._index),
         )
 

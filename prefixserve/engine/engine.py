@@ -66,7 +66,7 @@ class LLMEngine:
         self.reuse_gaps = ReuseGapTracker(config.block_size)
         self.hot_prefixes = (
             HotPrefixPolicy(
-                config.hot_prefix_min_requests, config.hot_prefix_window, max_blocks=self.cache.max_pinned_blocks // 2
+                config.hot_prefix_min_requests, config.hot_prefix_window, max_blocks=self.cache.pins.max_blocks // 2
             )
             if config.hot_prefix_min_requests and config.enable_prefix_caching
             else None
