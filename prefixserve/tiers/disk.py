@@ -19,6 +19,7 @@ each server's start-up removes temporary files and reclaims other scopes' record
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -27,18 +28,20 @@ from typing import Optional, Sequence, Union
 
 from .base import KVTier, TierTraits
 from .disk_files import NotARecordFile, read_file, record_path, remove_quietly, scan, write_temp_file
-from .disk_startup import DiskStartup
+from .disk_startup import HeaderRead, RebuildReport, open_directory
 from .lru import Entry
 from .policy import TierCost
 from .record import BlockRecord
 from .seal import Sealer
 from .writer import BackgroundWriter
 
+logger = logging.getLogger("prefixserve.tiers")
+
 DISK_READ_COST = TierCost(latency_seconds=1e-4, bytes_per_second=1e9)  # a prior until reads are observed
 DEFAULT_MAX_PENDING_BYTES = 256 << 20
 
 
-class DiskTier(DiskStartup, KVTier):
+class DiskTier(KVTier):
     name = "disk"
     traits = TierTraits(synchronous=False, write_through=True, shared=False, event_medium="DISK")
 
@@ -57,11 +60,17 @@ class DiskTier(DiskStartup, KVTier):
         )
         self.directory = Path(directory)
         self.expect_scope = expect_scope
-        self._lock_fd: Optional[int] = None
-        self._can_write = True  # False when another process serves the directory
         self._closed = False
         self._queued: dict[bytes, BlockRecord] = {}  # accepted by put_async, file not written yet: under `_lock`
-        self.rebuild_report = self._open()
+        start = time.perf_counter()
+        opened = open_directory(self.directory, expect_scope, self._fault, self._rejected_at_start)
+        self._lock_fd = opened.lock_fd
+        self._can_write = opened.can_write  # False when another process serves the directory
+        self.rebuild_report = opened.report
+        if opened.found is not None:
+            self._index_at_start(opened.found, opened.report)
+            opened.report.seconds = time.perf_counter() - start
+            self._log_start(opened.report)
         self._writer = BackgroundWriter(self._write_batch, max_pending_bytes, "prefixserve-disk-writer")
         self._readers = ThreadPoolExecutor(num_read_threads, thread_name_prefix="prefixserve-disk-reader")
 
@@ -241,6 +250,43 @@ class DiskTier(DiskStartup, KVTier):
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as error:
             self._fault("open", error)
+
+    def _index_at_start(self, found: list[HeaderRead], report: RebuildReport) -> None:
+        """Index the records start-up found, oldest first, evicting (and deleting) what exceeds the capacity."""
+        with self._lock:
+            for read in found:
+                header = read.header
+                admission = self._lru.insert_and_evict(
+                    header.key, header.parent_key, read.file_size, self.capacity_bytes
+                )
+                for victim in admission.evicted:
+                    self._unlink_locked(victim.key)
+                if not admission.admitted:
+                    self._unlink_locked(header.key)
+                report.num_evicted += len(admission.evicted) + (not admission.admitted)
+            self._count_locked(rejected_records=report.num_rejected, reclaimed_records=report.num_reclaimed)
+            report.num_records, report.num_bytes = len(self._lru), self._lru.used_bytes
+
+    def _log_start(self, report: RebuildReport) -> None:
+        logger.info(
+            "disk tier %s: %d records (%d bytes) indexed from headers in %.3f s; removed %d temporary, "
+            "%d damaged, %d of another scope, %d over capacity",
+            self.directory,
+            report.num_records,
+            report.num_bytes,
+            report.seconds,
+            report.num_temp_removed,
+            report.num_rejected,
+            report.num_reclaimed,
+            report.num_evicted,
+        )
+
+    def _rejected_at_start(self, path: Path, reason: str, error: Optional[OSError]) -> None:
+        if error is not None:
+            self._fault("read", error)
+        self._log_once(
+            "startup", reason, "disk tier: deleted damaged records at start-up (first: %s, %s)", path, reason
+        )
 
     def _unlink_locked(self, key: bytes) -> None:
         try:

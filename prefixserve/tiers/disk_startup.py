@@ -5,15 +5,14 @@ header), never a payload, so a restart over N records costs 2N small reads. A
 record is kept only when its header is sound, its file name is its key, its file
 is exactly as long as its header says (a torn or truncated write fails this) and,
 when the tier expects a scope, it is of that scope: a new model version or
-tokenizer reclaims the old records before serving. DiskStartup, mixed into DiskTier,
-runs these steps and indexes what fits the tier's capacity.
+tokenizer reclaims the old records before serving. `open_directory` runs these
+steps and returns what it found; DiskTier indexes what fits its capacity.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -97,73 +96,43 @@ def read_headers(
     return found
 
 
-class DiskStartup:
-    """DiskTier's start-up (a mixin of it): lock the directory, read the headers, index what fits.
+@dataclass
+class OpenedDirectory:
+    """What `open_directory` leaves for the tier: the lock it holds, whether it may write, the records found."""
 
-    It works on what DiskTier and KVTier hold: `directory`, `expect_scope`,
-    `capacity_bytes`, `_lock`, `_lru`, `_lock_fd`, `_can_write`, the counters, and the
-    tier's `_fault`, `_unlink_locked` and `_log_once`.
-    """
+    lock_fd: Optional[int]  # the flock's descriptor (None: no flock on this system, or not taken)
+    can_write: bool  # False when another process serves the directory
+    found: Optional[list[HeaderRead]]  # sound records of this scope, oldest first; None when it could not be read
+    report: RebuildReport
 
-    def _open(self) -> RebuildReport:
-        """Create or lock the directory, remove crash leftovers, index the headers of this scope's records."""
-        start = time.perf_counter()
-        report = RebuildReport()
+
+def open_directory(
+    directory: Path,
+    expect_scope: Optional[bytes],
+    on_fault: Callable[[str, OSError], None],
+    on_rejected: OnRejected,
+) -> OpenedDirectory:
+    """Create or lock the directory, remove crash leftovers, read the headers of this scope's records.
+
+    A directory another process serves is refused (nothing read, nothing written); one without flock is served
+    unguarded; a fault is handed to `on_fault` (operation, error) and leaves nothing found."""
+    report = RebuildReport()
+    lock_fd = None
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            if not self._lock_directory():
-                self._can_write = False
-                return report
-            found = read_headers(self.directory, self.expect_scope, report, self._rejected_at_start)
-        except OSError as error:
-            self._fault("open", error)
-            return report
-        with self._lock:
-            for read in found:
-                header = read.header
-                admission = self._lru.insert_and_evict(
-                    header.key, header.parent_key, read.file_size, self.capacity_bytes
-                )
-                for victim in admission.evicted:
-                    self._unlink_locked(victim.key)
-                if not admission.admitted:
-                    self._unlink_locked(header.key)
-                report.num_evicted += len(admission.evicted) + (not admission.admitted)
-            self._count_locked(rejected_records=report.num_rejected, reclaimed_records=report.num_reclaimed)
-            report.num_records, report.num_bytes = len(self._lru), self._lru.used_bytes
-        report.seconds = time.perf_counter() - start
-        logger.info(
-            "disk tier %s: %d records (%d bytes) indexed from headers in %.3f s; removed %d temporary, "
-            "%d damaged, %d of another scope, %d over capacity",
-            self.directory,
-            report.num_records,
-            report.num_bytes,
-            report.seconds,
-            report.num_temp_removed,
-            report.num_rejected,
-            report.num_reclaimed,
-            report.num_evicted,
-        )
-        return report
-
-    def _lock_directory(self) -> bool:
-        """Hold the directory's flock; False when another process (or DiskTier) serves it."""
-        try:
-            self._lock_fd = lock_directory(self.directory)
+            lock_fd = lock_directory(directory)
         except BlockingIOError:
             logger.error(
                 "disk tier: %s is already served by another process (or another DiskTier); this one stores "
                 "nothing. Fix: give each server its own kv_disk_cache_dir.",
-                self.directory,
+                directory,
             )
-            return False
+            return OpenedDirectory(None, False, None, report)
         except OSError as error:  # a read-only directory or a file system without flock: serve unguarded
-            self._fault("lock", error)
-        return True
-
-    def _rejected_at_start(self, path: Path, reason: str, error: Optional[OSError]) -> None:
-        if error is not None:
-            self._fault("read", error)
-        self._log_once(
-            "startup", reason, "disk tier: deleted damaged records at start-up (first: %s, %s)", path, reason
-        )
+            on_fault("lock", error)
+        found = read_headers(directory, expect_scope, report, on_rejected)
+    except OSError as error:
+        on_fault("open", error)
+        return OpenedDirectory(lock_fd, True, None, report)
+    return OpenedDirectory(lock_fd, True, found, report)
