@@ -35,7 +35,7 @@ def stored_on(cluster, scope=SCOPE) -> dict[int, int]:
 def test_the_tier_finds_the_cluster_and_spreads_a_models_records_over_every_master(redis_cluster):
     tier = RedisTier(redis_cluster.servers[1].url, scope_digest=SCOPE)  # any node's URL will do
     try:
-        assert tier._nodes.is_cluster
+        assert tier.is_cluster
         chain = make_chain(48)
         tier.put(chain)
         assert tier.contains(keys_of(chain)) == 48
@@ -90,10 +90,10 @@ def test_a_client_that_took_the_cluster_for_one_server_switches_at_the_first_mov
     )
     tier = RedisTier(redis_cluster.url, scope_digest=SCOPE)
     try:
-        assert not tier._nodes.is_cluster
+        assert not tier.is_cluster
         chain = make_chain(24)
         tier.put(chain)  # most keys belong to other masters: MOVED, counted, dropped; the tier switches
-        assert tier._nodes.is_cluster and tier.stats.errors > 0
+        assert tier.is_cluster and tier.stats.errors > 0
         tier.put(chain)
         assert tier.contains(keys_of(chain)) == 24
     finally:

@@ -28,11 +28,11 @@ from .base import KVTier, TierTraits
 from .policy import TierCost
 from .record import BlockRecord
 from .redis_backoff import Backoff
-from .redis_calls import BACKOFF_SECONDS, MemoryInfo, RemoteCalls
+from .redis_calls import BACKOFF_SECONDS, MemoryInfo, RedisCommands
 from .redis_client import connect, memory_advice, redacted, require_redis
 from .redis_nodes import connect_nodes
 from .redis_rate import TokenBucket
-from .redis_writes import RemoteWrites
+from .redis_writes import RedisWriter
 from .seal import Sealer
 from .writer import BackgroundWriter
 
@@ -46,13 +46,14 @@ DEFAULT_MAX_PENDING_BYTES = 64 << 20
 KEY_PREFIX = b"pskv:"
 
 
-class RedisTier(RemoteCalls, RemoteWrites, KVTier):
+class RedisTier(KVTier):
     """No write cap by default: on this machine Redis takes about 0.85 GB/s of put_async, a CPU replica at full
     prefill makes about 47 MB/s of KV, and the bounded queue already drops what Redis cannot take. A fleet of GPU
     replicas, whose write-through can fill the link its reads need, should set max_write_bytes_per_second."""
 
     name = "remote"
     traits = TierTraits(synchronous=False, write_through=True, shared=True)
+    _memory = MemoryInfo(0, 0, float("-inf"))  # Redis's used and max memory, replaced by INFO at most once a second
 
     def __init__(
         self,
@@ -69,7 +70,6 @@ class RedisTier(RemoteCalls, RemoteWrites, KVTier):
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         redis = require_redis()
-        self._memory = MemoryInfo(0, 0, float("-inf"))  # before super().__init__, which sets capacity_bytes
         super().__init__(0, TierCost(REMOTE_READ_COST.latency_seconds, REMOTE_READ_COST.bytes_per_second), sealer)
         if ttl_seconds is not None and ttl_seconds <= 0:
             raise ValueError(f"ttl_seconds must be positive (or None: no expiry), got {ttl_seconds}")
@@ -79,32 +79,49 @@ class RedisTier(RemoteCalls, RemoteWrites, KVTier):
         self.scope_digest = scope_digest
         self.ttl_ms = None if ttl_seconds is None else max(1, round(ttl_seconds * 1000))
         self._prefix = KEY_PREFIX + scope_digest.hex().encode() + b":"
-        self._faults: tuple[type[BaseException], ...] = (redis.RedisError, OSError)  # end a call: an episode
-        self._out_of_memory = redis.exceptions.OutOfMemoryError  # one command refused: Redis is full
         self._response_error = redis.exceptions.ResponseError
-        self._backoff = Backoff(BACKOFF_SECONDS, clock)  # tests step an injected clock past a back-off
-        self._connect = (url, connect_timeout, read_timeout, clock)
-        self._nodes = connect_nodes(
+        backoff = Backoff(BACKOFF_SECONDS, clock)  # tests step an injected clock past a back-off
+        nodes = connect_nodes(
             connect(url, connect_timeout, read_timeout),
             url,
             connect_timeout,
             read_timeout,
-            self._backoff,
+            backoff,
             f"Redis at {self.url}",
             clock,
         )
-        self._rate = None if max_write_bytes_per_second is None else TokenBucket(max_write_bytes_per_second)
+        self._commands = RedisCommands(
+            nodes,
+            self.url,
+            (url, connect_timeout, read_timeout, clock),
+            backoff,
+            (redis.RedisError, OSError),  # a call that raises these opens a back-off episode
+            redis.exceptions.OutOfMemoryError,  # one command refused: Redis is full
+            self._count,
+            self._log_once,
+        )
+        rate = None if max_write_bytes_per_second is None else TokenBucket(max_write_bytes_per_second)
+        self._writes = RedisWriter(
+            self._commands, self._name, self.encode, self.ttl_ms, rate, self._count, self._log_once
+        )
         self._pending_bytes = 0  # accepted by put_async, not yet written or dropped
         self._writer = BackgroundWriter(self._write_batch, max_pending_bytes, "prefixserve-remote-writer")
         self._readers = ThreadPoolExecutor(num_read_threads, thread_name_prefix="prefixserve-remote-reader")
         self._check_server()
+
+    @property
+    def is_cluster(self) -> bool:
+        """Whether the URL's server is a Redis Cluster node (found by asking it, or by a MOVED reply)."""
+        return self._commands.is_cluster
 
     # ------------------------------------------------------------------ reads
     def contains(self, keys: Sequence[bytes]) -> int:
         """Length of the leading run of `keys` in Redis: one pipelined round trip, whatever the length."""
         if not keys:
             return 0
-        replies = self._pipeline("contains", [self._name(key) for key in keys], lambda pipe, name: pipe.exists(name))
+        replies = self._commands.pipeline(
+            "contains", [self._name(key) for key in keys], lambda pipe, name: pipe.exists(name)
+        )
         run = 0
         for reply in replies or ():
             if reply != 1:  # 0, or an error reply: absent either way
@@ -118,7 +135,7 @@ class RedisTier(RemoteCalls, RemoteWrites, KVTier):
         results: list[Optional[bytes]] = [None] * len(keys)
         for offset in range(0, len(keys), GET_BATCH_KEYS):
             batch = keys[offset : offset + GET_BATCH_KEYS]
-            replies = self._pipeline("get", [self._name(key) for key in batch], self._read)
+            replies = self._commands.pipeline("get", [self._name(key) for key in batch], self._read)
             if replies is None:  # a fault: the rest would only wait for the same timeout
                 break
             for index, reply in enumerate(replies):
@@ -130,7 +147,7 @@ class RedisTier(RemoteCalls, RemoteWrites, KVTier):
 
     def keys(self) -> list[bytes]:
         """Every key of this scope in Redis (SCAN: this replica's and every other's)."""
-        names = self._scan("keys", self._prefix)
+        names = self._commands.scan("keys", self._prefix)
         return [bytes.fromhex(name[len(self._prefix) :].decode("ascii")) for name in names or ()]
 
     @property
@@ -149,15 +166,23 @@ class RedisTier(RemoteCalls, RemoteWrites, KVTier):
 
     # ----------------------------------------------------------------- writes
     def put(self, records: Sequence[BlockRecord]) -> None:
-        self._write(list(records))
+        self._writes.write(list(records))
 
     def _put_one(self, record: BlockRecord) -> bool:
-        return self._write([record]) == 1
+        return self._writes.write([record]) == 1
+
+    def _write_batch(self, records: list[BlockRecord]) -> None:
+        """The writer thread's batch: written, then no longer pending whatever happened."""
+        try:
+            self._writes.write(records)
+        finally:
+            with self._lock:
+                self._pending_bytes -= sum(len(record.payload) for record in records)
 
     def put_async(self, records: Sequence[BlockRecord]) -> None:
         """Queue records for the writer thread; never blocks. Dropped (and counted): what does not fit the
         queue, and everything while Redis is backing off."""
-        backing_off = self._nodes.all_backing_off
+        backing_off = self._commands.all_backing_off
         num_accepted = 0 if backing_off else self._writer.submit(records)
         with self._lock:
             self._pending_bytes += sum(len(record.payload) for record in records[:num_accepted])
@@ -178,7 +203,7 @@ class RedisTier(RemoteCalls, RemoteWrites, KVTier):
     def delete(self, keys: Sequence[bytes]) -> None:
         for offset in range(0, len(keys), GET_BATCH_KEYS):
             batch = keys[offset : offset + GET_BATCH_KEYS]  # DEL per key: a multi-key DEL is CROSSSLOT on a cluster
-            self._pipeline("delete", [self._name(key) for key in batch], lambda pipe, name: pipe.delete(name))
+            self._commands.pipeline("delete", [self._name(key) for key in batch], lambda pipe, name: pipe.delete(name))
 
     def purge_scope(self, scope_digest: bytes) -> int:
         """Delete every record of another scope (an old model version no replica serves any more);
@@ -186,10 +211,10 @@ class RedisTier(RemoteCalls, RemoteWrites, KVTier):
         if scope_digest == self.scope_digest:
             raise ValueError("purge_scope deletes another scope's records, not the one this tier serves")
         prefix = KEY_PREFIX + scope_digest.hex().encode() + b":"
-        names = self._scan("purge", prefix) or []
+        names = self._commands.scan("purge", prefix) or []
         for offset in range(0, len(names), GET_BATCH_KEYS):
             batch = names[offset : offset + GET_BATCH_KEYS]  # DEL per key: a multi-key DEL is CROSSSLOT on a cluster
-            self._pipeline("purge", batch, lambda pipe, name: pipe.delete(name))
+            self._commands.pipeline("purge", batch, lambda pipe, name: pipe.delete(name))
         return len(names)
 
     def rescope(self, scope_digest: bytes) -> Optional[int]:
@@ -203,7 +228,7 @@ class RedisTier(RemoteCalls, RemoteWrites, KVTier):
     def close(self) -> None:
         self._writer.close()
         self._readers.shutdown(wait=True)
-        self._nodes.close()
+        self._commands.close()
 
     def check_integrity(self) -> None:
         """What can be checked here (Redis holds the rest): counters non-negative, nothing left to write.
@@ -228,6 +253,14 @@ class RedisTier(RemoteCalls, RemoteWrites, KVTier):
             self._memory = memory._replace(read_at=time.monotonic())  # one asker per second, even on a fault
         info = self._read_memory("info")
         return memory if info is None else self._memory
+
+    def _read_memory(self, operation: str) -> Optional[dict]:
+        """INFO memory of every server, summed; remembered as the tier's used and maximum bytes."""
+        total = self._commands.read_memory(operation)
+        if total is not None:
+            with self._lock:
+                self._memory = MemoryInfo(total["used_memory"], total["maxmemory"], time.monotonic())
+        return total
 
     def _check_server(self) -> None:
         """Warn about Redis settings that make it a poor cache (a Redis that is down opens an episode instead)."""

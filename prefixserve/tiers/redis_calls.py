@@ -1,13 +1,13 @@
-"""How RedisTier's commands reach Redis (RemoteCalls, a mixin of RedisTier): per server, one pipelined round trip,
+"""How the remote tier's commands reach Redis (RedisCommands): per server, one pipelined round trip,
 through that server's back-off (redis_backoff.py); on a cluster, a server per master (redis_nodes.py), and a MOVED
 reply refreshes the slot map, or switches a single-server client to the cluster's."""
 
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
+from .redis_backoff import Backoff
 from .redis_nodes import NodeGroup, cluster_nodes, is_moved
 
 logger = logging.getLogger("prefixserve.tiers")
@@ -21,11 +21,43 @@ class MemoryInfo(NamedTuple):
     read_at: float
 
 
-class RemoteCalls:
-    """RedisTier's calls. It works on what RedisTier and KVTier hold: `url`, `_nodes`, `_connect`, `_backoff`,
-    `_faults`, `_out_of_memory`, `_lock`, `_memory`, the counters and `_log_once`."""
+class RedisCommands:
+    """The tier's connection to Redis: the servers (one, or a cluster's masters, swapped for a cluster's when a
+    single-server client meets MOVED), their back-offs, and the calls through them. Faults and refusals are
+    counted and logged through the tier's `count` and `log_once`; none reaches the caller."""
 
-    def _pipeline(
+    def __init__(
+        self,
+        nodes: Any,
+        url: str,
+        connect: tuple[str, float, float, Callable[[], float]],
+        backoff: Backoff,
+        faults: tuple[type[BaseException], ...],
+        out_of_memory: type[BaseException],
+        count: Callable[..., None],
+        log_once: Callable[..., None],
+    ) -> None:
+        self.url = url  # redacted: for logs
+        self._nodes = nodes
+        self._connect = connect  # (the URL as given, connect timeout, read timeout, clock): to reach a cluster
+        self._backoff = backoff
+        self._faults = faults  # a call that raises one of these opens or extends a back-off episode
+        self._out_of_memory = out_of_memory
+        self._count = count
+        self._log_once = log_once
+
+    @property
+    def is_cluster(self) -> bool:
+        return self._nodes.is_cluster
+
+    @property
+    def all_backing_off(self) -> bool:
+        return self._nodes.all_backing_off
+
+    def close(self) -> None:
+        self._nodes.close()
+
+    def pipeline(
         self, operation: str, names: Sequence[bytes], queue: Callable[[Any, bytes], object], per_name: int = 1
     ) -> Optional[list[Any]]:
         """`queue(pipe, name)` queues `per_name` commands for each name; they run in one round trip per server
@@ -107,7 +139,7 @@ class RemoteCalls:
         old, self._nodes = self._nodes, nodes
         old.close()
 
-    def _scan(self, operation: str, prefix: bytes) -> Optional[list[bytes]]:
+    def scan(self, operation: str, prefix: bytes) -> Optional[list[bytes]]:
         """Every name starting with `prefix`, on every server (SCAN); None when none answered."""
         found, answered = [], False
         for group in self._nodes.every_node():
@@ -151,7 +183,7 @@ class RemoteCalls:
             )
         return result
 
-    def _read_memory(self, operation: str) -> Optional[dict]:
+    def read_memory(self, operation: str) -> Optional[dict]:
         """INFO memory of every server, summed (a cluster's masters; 0 maxmemory if any has none)."""
         infos = [
             info
@@ -169,6 +201,4 @@ class RemoteCalls:
                 infos[0].get("maxmemory_policy", ""),
             ),
         }
-        with self._lock:
-            self._memory = MemoryInfo(total["used_memory"], total["maxmemory"], time.monotonic())
         return total

@@ -1,4 +1,4 @@
-"""The remote tier's write path (RemoteWrites, a mixin of RedisTier): store what Redis lacks, within the cap.
+"""The remote tier's write path (RedisWriter): store what Redis lacks, within the write cap.
 
 One pipelined round trip asks which records Redis already holds (TYPE, and with a
 TTL PEXPIRE, which renews a present record's TTL); the rest are encoded, passed
@@ -9,32 +9,45 @@ A record the cap refuses is dropped, and so is every record whose parent was.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable, Optional
 
 from .record import BlockRecord
+from .redis_calls import RedisCommands
+from .redis_rate import TokenBucket
 
 PUT_BATCH_BYTES = 8 << 20
 
 
-class RemoteWrites:
-    """RedisTier's writes. It works on what RedisTier and KVTier hold: `ttl_ms`, `_rate`, `_pending_bytes`,
-    `_lock`, the counters, and the tier's `_pipeline`, `_name`, `encode` and `_log_once`. On a cluster a master
-    that does not answer leaves None replies: its records are neither found nor stored (counted dropped)."""
+class RedisWriter:
+    """Writes records through the tier's commands: `name_of` a key (the tier's current scope), `encode` (sealed
+    where the tier seals), the TTL, the rate cap. On a cluster a master that does not answer leaves None
+    replies: its records are neither found nor stored (counted dropped)."""
 
-    def _write_batch(self, records: list[BlockRecord]) -> None:
-        try:
-            self._write(records)
-        finally:
-            with self._lock:
-                self._pending_bytes -= sum(len(record.payload) for record in records)
+    def __init__(
+        self,
+        commands: RedisCommands,
+        name_of: Callable[[bytes], bytes],
+        encode: Callable[[BlockRecord], bytes],
+        ttl_ms: Optional[int],
+        rate: Optional[TokenBucket],
+        count: Callable[..., None],
+        log_once: Callable[..., None],
+    ) -> None:
+        self._commands = commands
+        self._name = name_of
+        self.encode = encode
+        self.ttl_ms = ttl_ms
+        self._rate = rate
+        self._count = count
+        self._log_once = log_once
 
-    def _write(self, records: list[BlockRecord]) -> int:
+    def write(self, records: list[BlockRecord]) -> int:
         """Store what Redis lacks, within the rate cap; returns how many of `records` Redis now holds."""
         if not records:
             return 0
         # TYPE (and with a TTL PEXPIRE, which renews a present record's TTL): one round trip. A key holding
         # another type (a list planted under a record's name) is written over: SET replaces any type.
-        replies = self._pipeline(
+        replies = self._commands.pipeline(
             "put", [self._name(record.key) for record in records], self._touch, per_name=1 if self.ttl_ms is None else 2
         )
         if replies is None:
@@ -46,7 +59,7 @@ class RemoteWrites:
         batches = self._encode_within_cap(missing)
         for index, batch in enumerate(batches):
             data_of = dict(batch)
-            replies = self._pipeline(
+            replies = self._commands.pipeline(
                 "put",
                 [name for name, _ in batch],
                 lambda pipe, name, data_of=data_of: pipe.set(name, data_of[name], px=self.ttl_ms),
