@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
@@ -22,8 +22,8 @@ from ..engine.limits import (
     MAX_STOP_TOKEN_IDS,
     RANGES,
 )
-from .structured_fields import StructuredFields
-from .tool_protocol import ToolCall, ToolFields
+from .structured_fields import MAX_CHOICES, ResponseFormat, StructuredOutputsBody
+from .tool_protocol import MAX_TOOLS, NamedToolChoice, Tool, ToolCall
 
 StopString = Annotated[str, StringConstraints(max_length=MAX_STOP_STRING_CHARS)]
 
@@ -65,9 +65,17 @@ class StreamOptions(OpenAIBody):
     include_usage: bool = False
 
 
-class SamplingFields(StructuredFields, OpenAIBody):
-    """Fields both endpoints share; bounds here give 422s that name the field. The structured-output
-    fields (response_format, structured_outputs, guided_*) are structured_fields.py's."""
+class SamplingFields(OpenAIBody):
+    """Fields both endpoints share; bounds here give 422s that name the field. What the structured-output
+    fields (response_format, structured_outputs, guided_*) ask for, structured_fields.py reads."""
+
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputsBody] = None
+    guided_json: Union[dict[str, Any], str, None] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = Field(default=None, max_length=MAX_CHOICES)
+    guided_grammar: Optional[str] = None
+    guided_decoding_backend: Optional[Literal["auto", "guidance", "llguidance"]] = None  # the one we have
 
     model: Optional[str] = None
     max_tokens: Optional[int] = Field(default=None, **RANGES["max_tokens"].field())
@@ -131,8 +139,11 @@ class ChatMessage(OpenAIBody):
         return "".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(ToolFields, SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: Optional[list[Tool]] = Field(default=None, max_length=MAX_TOOLS)  # tool_protocol.py
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: Optional[bool] = None  # None: true, as OpenAI's default
     max_completion_tokens: Optional[int] = Field(default=None, **RANGES["max_tokens"].field())
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(default=None, **RANGES["logprobs"].field())

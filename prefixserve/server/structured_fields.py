@@ -44,19 +44,7 @@ class StructuredOutputsBody(BaseModel):
     json_object: Optional[bool] = None
 
 
-class StructuredFields(BaseModel):
-    """Mixed into the request bodies (protocol.SamplingFields)."""
-
-    response_format: Optional[ResponseFormat] = None
-    structured_outputs: Optional[StructuredOutputsBody] = None
-    guided_json: Union[dict[str, Any], str, None] = None
-    guided_regex: Optional[str] = None
-    guided_choice: Optional[list[str]] = Field(default=None, max_length=MAX_CHOICES)
-    guided_grammar: Optional[str] = None
-    guided_decoding_backend: Optional[Literal["auto", "guidance", "llguidance"]] = None  # the one we have
-
-
-def _asked(body: StructuredFields) -> list[tuple[str, dict]]:
+def _asked(body: Any) -> list[tuple[str, dict]]:
     """(field name, StructuredOutputs arguments) of every field of the body that asks for structure."""
     asked = []
     response_format = body.response_format
@@ -81,7 +69,7 @@ def _asked(body: StructuredFields) -> list[tuple[str, dict]]:
     return asked
 
 
-def structured_outputs_of(body: StructuredFields) -> Optional[StructuredOutputs]:
+def structured_outputs_of(body: Any) -> Optional[StructuredOutputs]:
     """The one constraint the body asks for, or None; an APIError (400) naming the field otherwise."""
     asked = _asked(body)
     if not asked:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -44,11 +44,3 @@ class ToolCall(ToolBody):
     id: str = Field(min_length=1, max_length=256)
     type: Literal["function"] = "function"
     function: ToolCallFunction
-
-
-class ToolFields(BaseModel):
-    """Mixed into ChatCompletionRequest."""
-
-    tools: Optional[list[Tool]] = Field(default=None, max_length=MAX_TOOLS)
-    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
-    parallel_tool_calls: Optional[bool] = None  # None: true, as OpenAI's default
