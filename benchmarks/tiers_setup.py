@@ -118,7 +118,11 @@ def fetch_seconds(llm, source: str, prompt: list[int], num_blocks: int, director
     for index, (key, data) in enumerate(zip(keys, tier.get(keys))):
         assert data is not None, f"block {index} is not in the {source} tier"
         expect = RecordExpectation(
-            key, tiers.scope_digest, tuple(prompt[index * size : (index + 1) * size]), tiers.dtype, tiers.shape
+            key,
+            tiers.context.scope_digest,
+            tuple(prompt[index * size : (index + 1) * size]),
+            tiers.context.dtype,
+            tiers.context.shape,
         )
         payloads.append(decode_record(data, expect).payload)
     blocks = engine_.cache.admit([], num_blocks)

@@ -33,7 +33,7 @@ class LLM:
         its records leave the host and disk tiers (and the remote tier with `purge_remote`, once no
         other replica serves the old version). Returns the ReloadReport."""
         tiers = self.engine.tiers
-        if purge_remote and (tiers is None or tiers.shared is None):
+        if purge_remote and tiers.shared is None:
             raise ValueError("purge_remote needs a remote tier (kv_remote_url); leave it out")
         report = self.engine.reload(model)
         self.tokenizer = self.engine.tokenizer

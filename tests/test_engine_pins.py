@@ -116,7 +116,7 @@ def test_pins_survive_a_restart_with_a_disk_tier(tmp_path):
     restarted = make_llm(**options)
     assert [entry["id"] for entry in restarted.pins()] == [pin["id"]]
     assert restarted.engine.cache.usage().num_pinned_blocks == pin["num_blocks"]
-    assert restarted.engine.tiers.hit_tokens["disk"] > 0  # warmed from disk, not recomputed
+    assert restarted.engine.tiers.reader.hit_tokens["disk"] > 0  # warmed from disk, not recomputed
     flood(restarted)
     assert system_hit_tokens(restarted) == pin["num_blocks"] * 16
     assert restarted.unpin(pin["id"])

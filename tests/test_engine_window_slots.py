@@ -146,7 +146,9 @@ def test_a_tier_brings_back_the_window_layers_a_match_lacks(window_model, tmp_pa
     cold = [llm.generate([prompt], PARAMS, use_tqdm=False)[0] for prompt in prompts]
     assert llm.engine.window_slots.num_reused > 0
     again = llm.generate([prompts[0]], PARAMS, use_tqdm=False)[0]
-    assert llm.engine.tiers.hit_tokens["disk"] > 0 and again.num_cached_tokens >= len(again.prompt_token_ids) - 16
+    assert (
+        llm.engine.tiers.reader.hit_tokens["disk"] > 0 and again.num_cached_tokens >= len(again.prompt_token_ids) - 16
+    )
     assert again.token_ids == cold[0].token_ids
     reference = transformers_greedy(window_model, [out.prompt_token_ids for out in cold], NUM_TOKENS)
     assert [out.token_ids for out in cold] == reference

@@ -84,3 +84,34 @@ def test_every_module_says_its_one_concept_in_its_first_line():
             unexplained.append(f"{name}: {source.count(chr(10))} lines")
     assert not unnamed, f"modules whose docstring's first line does not name their concept: {unnamed}"
     assert not unexplained, f"over 400 lines, and the first line does not say why it is one concept: {unexplained}"
+
+
+def test_no_class_inherits_two_of_the_packages_own_classes():
+    """docs/style.md: an object owns its state; a mixin that reads another class's fields is one class in two
+    files. Collaborators are fields, not bases."""
+    import ast
+
+    trees = {path: ast.parse(path.read_text()) for path in sorted((ROOT / "prefixserve").rglob("*.py"))}
+    ours = {node.name for tree in trees.values() for node in ast.walk(tree) if isinstance(node, ast.ClassDef)}
+    mixed = []
+    for path, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                bases = [base.id if isinstance(base, ast.Name) else getattr(base, "attr", "") for base in node.bases]
+                if sum(base in ours for base in bases) > 1:
+                    mixed.append(f"{path.relative_to(ROOT)}: {node.name}({', '.join(bases)})")
+    assert not mixed, mixed
+
+
+def test_an_engine_without_tiers_holds_an_empty_one_never_none():
+    """A pool with nothing below it has an empty TieredKV (docs/style.md: an absent part is an object that does
+    nothing), so no caller branches on `tiers is None`."""
+    import re
+
+    branches = [
+        f"{path.relative_to(ROOT)}:{number}"
+        for path in sorted((ROOT / "prefixserve").rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"\btiers is (not )?None\b", line)
+    ]
+    assert not branches, branches

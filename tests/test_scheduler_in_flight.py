@@ -4,7 +4,7 @@ from test_scheduler import BS, make, request, run, step
 
 from prefixserve.cache import CacheScope
 from prefixserve.engine.in_flight import IN_FLIGHT_MIN_TOKENS
-from prefixserve.engine.request import Request
+from prefixserve.engine.request import Request, RequestStatus
 from prefixserve.engine.sampling_params import SamplingParams
 
 SHARED = list(range(1000, 1000 + 10 * BS + 2))  # 10 full blocks and 2 tokens: well over IN_FLIGHT_MIN_TOKENS
@@ -32,7 +32,7 @@ def test_a_prompt_longer_than_the_budget_is_waited_for_while_enough_of_it_is_lef
     first, second = request("first", long_prompt + [1]), request("second", long_prompt + [2])
     s.add_request(first)
     s.add_request(second)
-    while second.num_cached_tokens < 0:
+    while not second.was_admitted:
         left = len(long_prompt) - first.num_computed_tokens  # shared tokens nobody has computed yet
         plan, _ = step(s)
         if left >= IN_FLIGHT_MIN_TOKENS:
@@ -99,7 +99,7 @@ def test_requests_fetching_from_a_tier_are_passed_however_many_lead_the_queue():
     s = make(num_blocks=256, budget=64, max_num_seqs=128)
     fetching = [request(f"f{i}", range(10 * i, 10 * i + 5)) for i in range(70)]  # more than LPM_WINDOW
     for r in fetching:
-        r.is_fetching = True
+        r.status = RequestStatus.WAITING_FOR_KV
         s.add_request(r)
     s.add_request(request("ready", range(9000, 9005)))
     plan, _ = step(s)

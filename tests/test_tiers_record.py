@@ -8,7 +8,7 @@ import zlib
 import pytest
 
 from prefixserve.cache import BlockKeyer
-from prefixserve.engine.tier_reads import payload_is_finite
+from prefixserve.engine.tier_reader import payload_is_finite
 from prefixserve.tiers.record import (
     FIXED_HEADER_SIZE,
     REASONS,

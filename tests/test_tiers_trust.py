@@ -381,7 +381,7 @@ def test_every_tier_seals_what_it_stores(tmp_path):
 def test_the_finite_check_finds_one_nan_or_infinity_in_any_dtype(dtype):
     import torch
 
-    from prefixserve.engine.tier_reads import TORCH_DTYPES, payload_is_finite
+    from prefixserve.engine.tier_reader import TORCH_DTYPES, payload_is_finite
 
     values = torch.linspace(-1e3, 1e3, 4096).to(TORCH_DTYPES[dtype])
     assert payload_is_finite(values.view(torch.uint8).numpy().tobytes(), dtype)

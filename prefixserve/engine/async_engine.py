@@ -68,7 +68,7 @@ class EngineSnapshot:
             num_prompt_tokens=engine.counters.num_prompt_tokens,
             num_generation_tokens=engine.counters.num_generation_tokens,
             num_finished_by_reason=dict(engine.scheduler.num_finished_by_reason),
-            tiers=engine.tiers.snapshot() if engine.tiers is not None else {},
+            tiers=engine.tiers.snapshot(),
             reuse_gaps=engine.reuse_gaps.snapshot(),
         )
 

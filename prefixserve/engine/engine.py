@@ -22,7 +22,6 @@ from .device import check_exact, resolve_device, resolve_dtype
 from .input_processor import InputProcessor, PromptType
 from .kv_event_publisher import kv_event_queue, make_kv_event_publisher
 from .kv_pool_size import size_kv_pool, startup_summary, window_slots_for
-from .kv_tiers import empty_breakdown
 from .limits import RANGES
 from .model_version import CurrentVersion, ModelVersion, load_version, weight_format
 from .numerics import numerics_fingerprint
@@ -253,14 +252,14 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         self.kv_events.step_done()  # what the last step stored and removed goes out (kv_event_publisher.py)
         self._maintain_pins()
-        if self.tiers is not None:  # bring back what lower tiers hold for waiting requests
-            self.tiers.collect()
-            self.tiers.prepare(self.scheduler.waiting, self.config.enable_prefix_caching)
+        reader = self.tiers.reader  # bring back what lower tiers hold for waiting requests
+        reader.collect()
+        reader.prepare(self.scheduler.waiting, self.config.enable_prefix_caching)
         output = self.scheduler.schedule()
         outputs = [self._detokenized_output(request) for request in output.finished]
         if output.is_empty:
-            if self.tiers is not None and self.tiers.has_pending_fetches:
-                self.tiers.wait_for_fetches()  # only requests waiting for a read: do not spin
+            if reader.has_pending_fetches:
+                reader.wait_for_fetches()  # only requests waiting for a read: do not spin
             return outputs
         self.counters.scheduled(output.scheduled)
         began = time.perf_counter()
@@ -268,11 +267,9 @@ class LLMEngine:
             result = self.runner.execute(output.scheduled)
         except Exception as error:  # one bad step must not stop the engine
             return outputs + self._fail_step(output, error)
-        if self.tiers is not None:
-            self.tiers.observe_step(output.scheduled, time.perf_counter() - began)
+        self.tiers.context.observe_step(output.scheduled, time.perf_counter() - began)
         updated = self.scheduler.update(output, result.token_ids, result.logprobs)
-        if self.tiers is not None:
-            self.tiers.write_through()
+        self.tiers.writer.write_through()
         self.counters.produced(updated)
         return outputs + [self._detokenized_output(request) for request in updated]
 
@@ -302,12 +299,9 @@ class LLMEngine:
 
     def _make_output(self, request: Request) -> RequestOutput:
         output = self.outputs.make_output(request)
-        if self.tiers is not None:
-            output.cached_tokens_by_tier = self.tiers.tokens_by_tier(request)
-            if request.is_finished:
-                self.tiers.forget(request.request_id)
-        else:
-            output.cached_tokens_by_tier = empty_breakdown(output.num_cached_tokens)
+        output.cached_tokens_by_tier = self.tiers.tokens_by_tier(request)
+        if request.is_finished:
+            self.tiers.reader.forget(request.request_id)
         return output
 
     def load_version(self, model: Optional[str] = None) -> ModelVersion:
@@ -333,6 +327,5 @@ class LLMEngine:
 
     def close(self) -> None:
         """Flush what the tiers still have to write, publish the last KV events (a clean shutdown); idempotent."""
-        if self.tiers is not None:
-            self.tiers.close()
+        self.tiers.close()
         self.kv_events.shutdown()

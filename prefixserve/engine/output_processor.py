@@ -52,7 +52,7 @@ class OutputProcessor:
             prompt_token_ids=request.prompt_token_ids,
             token_ids=output_ids,
             text=texts.emitted_text,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_cached_tokens=request.num_cached_tokens,
             finished=finished,
             finish_reason=request.finish_reason,
             stop_reason=request.stop_reason,

@@ -79,7 +79,7 @@ def check_swappable(engine, version: ModelVersion) -> None:
 def purge_previous_remote(engine, report: ReloadReport) -> int:
     """Delete the previous version's records from the fleet's remote tier: for the operator to ask once
     no replica serves that version any more (the last step of a rolling deploy). Returns how many."""
-    remote = engine.tiers.shared if engine.tiers is not None else None
+    remote = engine.tiers.shared
     if remote is None:
         raise ValueError("this server has no remote tier (--kv-remote-url): there is nothing to purge")
     return remote.purge_scope(report.previous_scope_digest)
@@ -96,7 +96,7 @@ def swap_model(engine, version: ModelVersion) -> ReloadReport:
     previous = engine.current.swap(successor).scope  # the one swap: every reader sees the new version now
     engine.scheduler.long_rope_after = successor.config.long_rope_after
     num_blocks = engine.cache.clear()  # every pooled block is the old scope's: none can match again
-    records = engine.tiers.rescope(engine.scope.digest) if engine.tiers is not None else {}
+    records = engine.tiers.rescope(engine.scope.digest)
     engine.num_reloads += 1
     if engine.hot_prefixes is not None:
         engine.hot_prefixes.reset()  # the clear dropped its pins with the blocks

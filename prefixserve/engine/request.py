@@ -22,7 +22,8 @@ from .structured_output import Grammar
 
 
 class RequestStatus(enum.Enum):
-    WAITING = "waiting"
+    WAITING = "waiting"  # queued for admission (again, after a preemption)
+    WAITING_FOR_KV = "waiting_for_kv"  # its prefix is being read back from a lower tier: not admitted meanwhile
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -30,6 +31,7 @@ class RequestStatus(enum.Enum):
 @dataclass
 class RequestMetrics:
     arrival_time: float
+    first_scheduled_time: Optional[float] = None  # its first admission (None: never admitted yet)
     first_token_time: Optional[float] = None
     finished_time: Optional[float] = None
     last_token_time: Optional[float] = None
@@ -77,14 +79,13 @@ class Request:
     grammar: Optional[Grammar] = None  # sampling_params.structured_outputs' matcher, past the output so far
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    num_cached_tokens: int = -1  # set at first admission; -1 = not yet looked up
+    num_cached_tokens: int = 0  # prompt tokens found cached at its first admission
     blocks: list[Block] = field(default_factory=list)
     block_keys: list[bytes] = field(default_factory=list)
     num_inserted_blocks: int = 0  # leading blocks registered in the radix index
     window_start: int = 0  # blocks from here on are attached in the window layers' pool (cache/window_slots.py)
     long_rope: bool = False  # LongRoPE: rotated with the long factors (model/rope.py), keyed in their own scope
     num_preemptions: int = 0
-    is_fetching: bool = False  # its prefix is being read back from a lower tier: not admitted meanwhile
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "error"
     stop_reason: Optional[object] = None  # the stop string or token id that ended it
@@ -134,6 +135,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def was_admitted(self) -> bool:
+        """Admitted at least once (it may be waiting again after a preemption)."""
+        return self.metrics.first_scheduled_time is not None
 
     def append_output_token(self, token_id: int, logprob: Optional[object] = None) -> None:
         """Add a sampled token (and its TokenLogprob, when asked); whether it ends the request is

@@ -49,7 +49,7 @@ class RequestLog:
         The scheduler keeps `request.block_keys` = the keys of the full blocks it has computed, so at the
         first output they are exactly the prompt's, and at finish the rest are the output's.
         """
-        if request.num_cached_tokens < 0:  # never admitted (ended before it ran): it never touched the cache
+        if not request.was_admitted:  # ended before it ran: it never touched the cache
             return
         with self._lock:
             entry = self._entries.get(request.request_id)

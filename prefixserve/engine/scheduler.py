@@ -22,6 +22,7 @@ cached match is cut to what it holds (request_windows.py).
 
 from __future__ import annotations
 
+import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from itertools import islice
@@ -171,7 +172,8 @@ class Scheduler:
             request.blocks = blocks
             request.num_computed_tokens = num_cached
             self.windows.admitted(request, window_start)
-            if request.num_cached_tokens < 0:
+            if not request.was_admitted:
+                request.metrics.first_scheduled_time = time.monotonic()
                 request.num_cached_tokens = num_cached
                 self.cache.stats.record_query(request.num_prompt_tokens, num_cached)
                 if self.reuse_gaps is not None and self.enable_prefix_caching:
@@ -188,7 +190,7 @@ class Scheduler:
         are not fetching their prefix from a lower tier; None when each of those waits for a running request
         to compute the prefix they share (in_flight.py). Fetching and waiting requests are passed by others."""
         candidates = []
-        ready = (request for request in self.waiting if not request.is_fetching)
+        ready = (request for request in self.waiting if request.status is RequestStatus.WAITING)
         for index, request in enumerate(islice(ready, LPM_WINDOW)):
             hit = self._match(request)
             if self.enable_prefix_caching and waits_for_in_flight(request, len(hit), self.running, self.block_size):

@@ -13,13 +13,11 @@ from .kv_tiers import TieredKV
 logger = logging.getLogger("prefixserve")
 
 
-def tiered_kv(engine) -> Optional[TieredKV]:
-    """The tiers below `engine`'s pool, driven as one TieredKV; None when the configuration asks for none."""
+def tiered_kv(engine) -> TieredKV:
+    """The tiers below `engine`'s pool, driven as one TieredKV (empty when the configuration asks for none)."""
     config = engine.config
     tiers = build_tiers(config, engine.scope.digest)
-    if not tiers:
-        return None
-    if config.log_stats:
+    if tiers and config.log_stats:
         logger.info(
             "KV tiers below the pool: "
             + ", ".join(f"{tier.name} {tier.capacity_bytes / 2**20:.0f} MiB" for tier in tiers)

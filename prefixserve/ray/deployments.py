@@ -67,7 +67,7 @@ class EngineReplica:
     def record_routing_stats(self) -> dict:
         """The keys its pool and its own tiers hold (8-byte prefixes) and its queue, for every router."""
         core = self.engine.engine
-        tiers = core.tiers.tier_keys() if core.tiers is not None else {}
+        tiers = core.tiers.tier_keys()
         usage = self.engine.snapshot.usage
         return {
             "cache_keys": pack_keys(core.cache.keys()),

@@ -54,7 +54,7 @@ async def cache_keys(request: Request):
     core = state.engine.engine
     cursor = core.events.next_seq if core.events is not None else None
     keys = core.cache.keys()
-    tiers = core.tiers.tier_keys() if core.tiers is not None else {}
+    tiers = core.tiers.tier_keys()
     return {
         "keys": [key.hex() for key in keys],
         "tiers": {medium: [key.hex() for key in found] for medium, found in tiers.items()},

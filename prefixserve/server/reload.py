@@ -104,7 +104,7 @@ async def reload_model(request: Request):
     state = request.app.state.server
     model, purge_remote = await _reload_body(request)
     tiers = state.engine.engine.tiers
-    if purge_remote and (tiers is None or tiers.shared is None):
+    if purge_remote and tiers.shared is None:
         raise APIError(
             400,
             "purge_remote needs a remote tier (--kv-remote-url); leave it out",

@@ -99,7 +99,7 @@ def read_engine(core, tenant_ids: list[str], include_tree: bool, max_nodes: int)
     }
     if not include_tree:
         return {"pool": pool}
-    tiers = core.tiers.tiers.values() if core.tiers is not None else ()
+    tiers = core.tiers.tiers.values()
     tier_keys = {tier.name: tier.keys() for tier in tiers if not tier.traits.shared}  # a shared tier is not listed
     view = build_tree_view(
         map(cache.get, cache.keys()),

@@ -24,7 +24,7 @@ from typing import NamedTuple, Optional
 
 from fastapi import APIRouter, Request
 
-from ...engine.kv_tiers import DEFAULT_PREFILL_SECONDS_PER_TOKEN
+from ...engine.tier_context import DEFAULT_PREFILL_SECONDS_PER_TOKEN
 from ...http import APIError
 from ...metric_names import TTFT, TTFT_BY_CACHE
 from ...plan.capacity import capacity_sweep, requests_from_trace, working_set_blocks
@@ -76,30 +76,26 @@ class EngineCosts(NamedTuple):
 def engine_costs(core) -> EngineCosts:
     """Prefill per token as the engine's tier planner learns it from prefill-heavy steps; each tier's read
     cost as its own reads taught it (the tiers' start-up priors when the server runs without tiers)."""
-    tiers = getattr(core, "tiers", None)
+    tiers = core.tiers
     runner = core.runner
     block_bytes = math.prod(runner.block_shape) * DTYPE_SIZES[runner.dtype_name]
-    if tiers is None:
-        return EngineCosts(
-            core.config.block_size,
-            block_bytes,
-            core.cache.pool.num_blocks,
-            DEFAULT_PREFILL_SECONDS_PER_TOKEN,
-            "default (this server has no KV tiers, so nothing learns its prefill cost)",
-            {"host": _copy(HOST_READ_COST), "disk": _copy(DISK_READ_COST)},
-            "the tiers' start-up priors (this server has no KV tiers)",
-        )
-    learnt = tiers.prefill_seconds_per_token != DEFAULT_PREFILL_SECONDS_PER_TOKEN
+    prefill = tiers.context.prefill_seconds_per_token
+    if tiers.tiers:
+        read_costs = {name: _copy(tier.read_cost) for name, tier in tiers.tiers.items()}
+        read_source = "measured: each tier's fit of its own reads (start-up priors until it has read)"
+    else:
+        read_costs = {"host": _copy(HOST_READ_COST), "disk": _copy(DISK_READ_COST)}
+        read_source = "the tiers' start-up priors (this server has no KV tiers)"
     return EngineCosts(
         core.config.block_size,
         block_bytes,
         core.cache.pool.num_blocks,
-        tiers.prefill_seconds_per_token,
+        prefill,
         "measured: the engine's moving average over prefill-heavy steps"
-        if learnt
+        if prefill != DEFAULT_PREFILL_SECONDS_PER_TOKEN
         else "default (no prefill-heavy step measured yet)",
-        {name: _copy(tier.read_cost) for name, tier in tiers.tiers.items()},
-        "measured: each tier's fit of its own reads (start-up priors until it has read)",
+        read_costs,
+        read_source,
     )
 
 

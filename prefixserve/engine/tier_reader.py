@@ -1,4 +1,4 @@
-"""Reading KV back from the tiers below the pool, as the engine drives it (TieredKV's read side).
+"""Reading KV back from the tiers below one engine's pool into it, for requests waiting to be admitted.
 
     a waiting request: device match ─> host run ─> disk run ─> remote run ─> fetch or recompute
                        (tiers/policy.py: find_run, then choose_fetch under kv_fetch_policy)
@@ -10,8 +10,8 @@ before its bytes reach the pool; a bad one is deleted, counted and recomputed, n
 that takes longer than the tier deadline is given up: the request recomputes, the tier is counted
 slow, and it is not asked again until that read has returned.
 
-TierReads is TieredKV's half that reads (kv_tiers.py holds the half that writes, and the state
-both share: the tiers, the pool, the keyer, the scope, the measured prefill cost).
+TierReader owns the lookups in flight and the read counters; what it shares with the writer (the
+tiers, the pool, the keyer, the scope, the measured prefill cost) is their TierContext.
 """
 
 from __future__ import annotations
@@ -26,12 +26,17 @@ from typing import Optional, Sequence
 import torch
 
 from ..cache import max_hit_blocks
+from ..cache.stats import LatencyHistogram
 from ..tiers import RecordError, RecordExpectation, choose_fetch, decode_record, find_run
 from .device import TORCH_DTYPES
-from .request import Request
+from .request import Request, RequestStatus
+from .tier_context import TierContext
+from .tier_writer import TierWriter
 
 logger = logging.getLogger("prefixserve")
 FETCH_WAIT_SECONDS = 0.005  # an idle engine waits this long for a disk read before stepping again
+FETCH_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+DEFAULT_TIER_DEADLINE = 0.5  # EngineConfig.kv_tier_deadline
 
 
 @dataclass
@@ -48,11 +53,24 @@ class TierFetch:
     pending_since: float = 0.0
 
 
-class TierReads:
-    """Looks waiting requests up below the pool and promotes what it reads into the pool (a mixin of
-    TieredKV, whose __init__ sets what these methods read: tiers, cache, keyer, runner, block_size,
-    scope_digest, shape, dtype, block_bytes, prefill_seconds_per_token, hit_tokens, fetch_latency,
-    fetches, stalled, deadline, fetch_policy, _promoting_from)."""
+class TierReader:
+    """Looks waiting requests up below the pool and promotes what it reads into the pool."""
+
+    def __init__(
+        self,
+        context: TierContext,
+        writer: TierWriter,
+        fetch_policy: str = "cost",
+        deadline: float = DEFAULT_TIER_DEADLINE,
+    ) -> None:
+        self.context = context
+        self.writer = writer  # told where promoted blocks came from, so they are not written back there
+        self.fetch_policy = fetch_policy  # EngineConfig.kv_fetch_policy
+        self.deadline = deadline  # seconds a request waits for a tier read before it recomputes
+        self.stalled: dict[str, concurrent.futures.Future] = {}  # tier -> a read given up on, still running
+        self.fetches: dict[str, TierFetch] = {}  # request id -> its lookup
+        self.hit_tokens: dict[str, int] = {name: 0 for name in context.tiers}
+        self.fetch_latency = {name: LatencyHistogram(FETCH_BUCKETS) for name in context.tiers}
 
     def prepare(self, waiting: Sequence[Request], enable_prefix_caching: bool) -> None:
         """Look newly waiting requests up in the tiers once; promote host blocks now, start disk reads.
@@ -61,19 +79,23 @@ class TierReads:
         promoting for a whole burst at once would have the burst's blocks evict one another before
         any of its requests is admitted.
         """
-        if not enable_prefix_caching:
+        context = self.context
+        if not enable_prefix_caching or not context.tiers:
             return
-        room = self.cache.pool.num_free_blocks + self.cache.num_reclaimable_blocks
+        cache, block_size = context.cache, context.block_size
+        room = cache.pool.num_free_blocks + cache.num_reclaimable_blocks
         for request in waiting:
-            room -= -(-request.num_prompt_tokens // self.block_size)
+            room -= -(-request.num_prompt_tokens // block_size)
             if room < 0:
                 return  # it would not be admitted this step: look it up when its turn comes
-            if request.request_id in self.fetches or request.num_cached_tokens >= 0:
+            if request.request_id in self.fetches or request.was_admitted:
                 continue  # looked up already, or admitted before (a preempted request)
-            keys = self.keyer.extend(request.block_keys, request.scope_digest, request.token_ids, request.private_from)
-            limit = max_hit_blocks(request.num_prompt_tokens, self.block_size, len(keys))
-            hit = self.cache.match(request.scope_digest, keys, request.token_ids, record_stats=False).blocks
-            slots = self.runner.window_slots
+            keys = context.keyer.extend(
+                request.block_keys, request.scope_digest, request.token_ids, request.private_from
+            )
+            limit = max_hit_blocks(request.num_prompt_tokens, block_size, len(keys))
+            hit = cache.match(request.scope_digest, keys, request.token_ids, record_stats=False).blocks
+            slots = context.runner.window_slots
             if slots is not None:  # past where the window layers still hold the last window, a tier's record
                 hit = hit[: slots.usable_hit(hit)]  # brings their K/V back (the cached copy takes its slot)
             fetch = self.fetches[request.request_id] = TierFetch(request, start=len(hit))
@@ -81,8 +103,9 @@ class TierReads:
 
     def _plan_and_fetch(self, fetch: TierFetch, keys: list[bytes]) -> None:
         """The consecutive run through the tiers, the planner's cut, then the reads (fast tiers now)."""
+        context = self.context
         available = []
-        for name, tier in self.tiers.items():
+        for name, tier in context.tiers.items():
             if self._is_stalled(name):
                 break  # a read given up on has not returned: this tier (and the run past it) is out for now
             available.append(tier)
@@ -92,9 +115,9 @@ class TierReads:
         num_fetch = choose_fetch(
             self.fetch_policy,
             runs,
-            self.block_bytes,
-            self.prefill_seconds_per_token,
-            self.block_size,
+            context.block_bytes,
+            context.prefill_seconds_per_token,
+            context.block_size,
             {tier.name: tier.read_cost for tier in available},
         ).num_fetch_blocks_by_tier
         start = fetch.start
@@ -103,14 +126,13 @@ class TierReads:
             if not count:
                 return  # the planner stops here: what follows is recomputed
             chunk = keys[start : start + count]
-            if not self.tiers[name].traits.synchronous:
-                fetch.pending, fetch.pending_keys, fetch.pending_start = self.tiers[name].fetch(chunk), chunk, start
+            tier = context.tiers[name]
+            if not tier.traits.synchronous:
+                fetch.pending, fetch.pending_keys, fetch.pending_start = tier.fetch(chunk), chunk, start
                 fetch.pending_tier, fetch.pending_since = name, time.perf_counter()
-                fetch.request.is_fetching = True
+                fetch.request.status = RequestStatus.WAITING_FOR_KV
                 return
-            promoted = self._promote(
-                fetch.request, name, start, chunk, self.tiers[name].get(chunk), time.perf_counter()
-            )
+            promoted = self._promote(fetch.request, name, start, chunk, tier.get(chunk), time.perf_counter())
             start += promoted
             if promoted < count:
                 return
@@ -134,7 +156,7 @@ class TierReads:
                     self._give_up(fetch)
                 continue
             future, fetch.pending = fetch.pending, None
-            fetch.request.is_fetching = False
+            self._done_waiting(fetch.request)
             try:
                 encoded = future.result()
             except Exception:  # a tier's bug: recompute
@@ -151,12 +173,18 @@ class TierReads:
                 )
 
     def _give_up(self, fetch: TierFetch) -> None:
-        tier = self.tiers[fetch.pending_tier]
+        tier = self.context.tiers[fetch.pending_tier]
         self.stalled[fetch.pending_tier] = fetch.pending
         fetch.pending.cancel()  # still queued: never runs; running: its result is dropped
         fetch.pending = None
-        fetch.request.is_fetching = False
+        self._done_waiting(fetch.request)
         tier.count_slow_read(self.deadline)
+
+    @staticmethod
+    def _done_waiting(request: Request) -> None:
+        """Its read came back or was given up on: the request may be admitted (unless it finished meanwhile)."""
+        if request.status is RequestStatus.WAITING_FOR_KV:
+            request.status = RequestStatus.WAITING
 
     def wait_for_fetches(self) -> None:
         """Nothing could be scheduled: wait briefly for a disk read instead of spinning."""
@@ -167,6 +195,12 @@ class TierReads:
     @property
     def has_pending_fetches(self) -> bool:
         return any(fetch.pending is not None for fetch in self.fetches.values())
+
+    def forget(self, request_id: str) -> None:
+        """A request finished: drop its lookup (a read still queued for it never runs)."""
+        fetch = self.fetches.pop(request_id, None)
+        if fetch is not None and fetch.pending is not None:
+            fetch.pending.cancel()
 
     def _promote(
         self,
@@ -182,8 +216,9 @@ class TierReads:
         Nothing happens (0) unless the request's first `start` blocks are cached on the device now: a
         promoted block must hang from its parent.
         """
-        tier, size = self.tiers[tier_name], self.block_size
-        prefix = self.cache.match(
+        context = self.context
+        cache, tier, size = context.cache, context.tiers[tier_name], context.block_size
+        prefix = cache.match(
             request.scope_digest, request.block_keys[:start], request.token_ids, record_stats=False
         ).blocks
         if len(prefix) != start:
@@ -195,15 +230,15 @@ class TierReads:
             index = start + offset
             expect = RecordExpectation(
                 key=key,
-                scope_digest=self.scope_digest,
+                scope_digest=context.scope_digest,
                 token_ids=tuple(request.token_ids[index * size : (index + 1) * size]),
-                dtype=self.dtype,
-                shape=self.shape,
+                dtype=context.dtype,
+                shape=context.shape,
                 tenant_scope=request.block_scope(index),
             )
             try:
                 payload = decode_record(data, expect, tier.sealer).payload
-                if not payload_is_finite(payload, self.dtype):
+                if not payload_is_finite(payload, context.dtype):
                     raise RecordError("nonfinite", "the KV holds NaN or infinity")
             except RecordError as error:
                 tier.reject(key, error.reason)
@@ -212,17 +247,16 @@ class TierReads:
         if not payloads:
             return 0
         # Admitting holds the device prefix while allocating, so eviction cannot break the chain under us.
-        blocks = self.cache.admit(prefix, len(payloads))
+        blocks = cache.admit(prefix, len(payloads))
         if blocks is None:
             return 0  # the pool is held by running requests: recompute
         fresh = blocks[start:]
-        self.runner.write_blocks([block.block_id for block in fresh], payloads)
+        context.runner.write_blocks([block.block_id for block in fresh], payloads)
         parent = prefix[-1] if prefix else request.scope_digest
-        self._promoting_from = tier_name
-        try:
+        with self.writer.promoting(tier_name):
             for offset, block in enumerate(fresh):
                 index = start + offset
-                cached = self.cache.insert(
+                cached = cache.insert(
                     block,
                     keys[offset],
                     request.token_ids[index * size : (index + 1) * size],
@@ -231,9 +265,7 @@ class TierReads:
                 )
                 blocks[start + offset] = cached
                 parent = cached
-        finally:
-            self._promoting_from = None
-        self.cache.release(blocks)
+        cache.release(blocks)
         fetch = self.fetches.get(request.request_id)
         if fetch is not None:
             fetch.num_blocks[tier_name] = fetch.num_blocks.get(tier_name, 0) + len(payloads)
