@@ -20,7 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 # Screenshots go to a temporary folder, so a test run leaves the checkout clean;
-# PREFIXSERVE_SCREENSHOTS=docs/screenshots regenerates the README's.
+# PREFIXSERVE_SCREENSHOTS=docs/screenshots regenerates the docs' (docs/dashboard.md).
 SCREENSHOTS = Path(os.environ.get("PREFIXSERVE_SCREENSHOTS") or Path(tempfile.gettempdir()) / "prefixserve-screenshots")
 WAIT_MS = 30_000  # the longest a page condition may take to become true
 
@@ -42,8 +42,9 @@ def browser_page(width: int = 1400, height: int = 1000) -> Iterator[object]:
     with sync_api.sync_playwright() as playwright:
         # --no-sandbox: CI runs as root, where chromium's sandbox refuses to start;
         # --disable-dev-shm-usage: containers often have a tiny /dev/shm, which crashes renderers
-        browser = playwright.chromium.launch(executable_path=path, headless=True,
-                                             args=["--no-sandbox", "--disable-dev-shm-usage"])
+        browser = playwright.chromium.launch(
+            executable_path=path, headless=True, args=["--no-sandbox", "--disable-dev-shm-usage"]
+        )
         try:
             page = browser.new_page(viewport={"width": width, "height": height})
             page.set_default_timeout(WAIT_MS)
@@ -93,8 +94,13 @@ def save_screenshot(page, name: str, selector: Optional[str] = None) -> Path:
 class Traffic:
     """A background client sending `make_body(i)` to /v1/completions, at most `max_requests` times, until stopped."""
 
-    def __init__(self, url: str, make_body: Callable[[int], dict], headers: Optional[Callable[[int], dict]] = None,
-                 max_requests: int = 400) -> None:
+    def __init__(
+        self,
+        url: str,
+        make_body: Callable[[int], dict],
+        headers: Optional[Callable[[int], dict]] = None,
+        max_requests: int = 400,
+    ) -> None:
         self.url, self.make_body, self.headers = url, make_body, headers or (lambda i: {})
         self.max_requests = max_requests
         self.num_sent = 0
@@ -127,12 +133,16 @@ class LiveRouter:
 
     def __init__(self, replica_urls: list[str], admin_api_key: Optional[str]) -> None:
         import uvicorn
-
-        from prefixserve.router.app import RouterSettings, build_router_app
         from server_helpers import free_port
 
-        settings = RouterSettings(replicas=tuple(f"r{i}={url}" for i, url in enumerate(replica_urls)),
-                                  admin_api_key=admin_api_key, health_interval=0.3, sync_interval=0.1)
+        from prefixserve.router.app import RouterSettings, build_router_app
+
+        settings = RouterSettings(
+            replicas=tuple(f"r{i}={url}" for i, url in enumerate(replica_urls)),
+            admin_api_key=admin_api_key,
+            health_interval=0.3,
+            sync_interval=0.1,
+        )
         self.app = build_router_app(settings)
         self.url = f"http://127.0.0.1:{free_port()}"
         port = int(self.url.rsplit(":", 1)[1])
@@ -146,7 +156,8 @@ class LiveRouter:
             try:
                 response = httpx.get(self.url + "/health", timeout=1)
                 if response.status_code == 200 and len(response.json()["healthy_replicas"]) == len(
-                        self.app.state.router.replicas):
+                    self.app.state.router.replicas
+                ):
                     return self
             except httpx.HTTPError:
                 pass

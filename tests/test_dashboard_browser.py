@@ -1,7 +1,7 @@
 """The dashboard in a real browser (Debian's chromium via Playwright) against live servers under traffic.
 
 Every wait is for a condition on the page (a count of drawn snapshots, an element, a changed value),
-bounded by Playwright's timeout; traffic loops are bounded too. The README's screenshots come from here:
+bounded by Playwright's timeout; traffic loops are bounded too. The docs' screenshots come from here:
 PREFIXSERVE_SCREENSHOTS=docs/screenshots python -m pytest tests/test_dashboard_browser.py
 """
 
@@ -11,14 +11,20 @@ from dataclasses import asdict
 
 import httpx
 import pytest
+from browser_helpers import (
+    LiveRouter,
+    Traffic,
+    browser_page,
+    enter_admin_key,
+    metrics_samples,
+    save_screenshot,
+    wait_for_updates,
+)
+from server_helpers import LiveServer
 
 from prefixserve.cache import BlockKeyer, RadixCache
 from prefixserve.cache.scoping import compose_salt
 from prefixserve.cache.tree_view import build_tree_view
-
-from browser_helpers import (LiveRouter, Traffic, browser_page, enter_admin_key, metrics_samples, save_screenshot,
-                             wait_for_updates)
-from server_helpers import LiveServer
 
 ADMIN_KEY = "dash-browser-admin"
 TENANT_KEYS = {"key-a": "tenant-a", "key-b": "tenant-b"}
@@ -62,11 +68,15 @@ def mismatches_with_metrics(page, url: str, attempts: int = 5) -> list:
     """
     for _ in range(attempts):
         expected = metrics_samples(url)
-        shown = page.eval_on_selector_all("#totals td[data-metric]",
-                                          "cells => cells.map(c => [c.dataset.metric, c.textContent])")
+        shown = page.eval_on_selector_all(
+            "#totals td[data-metric]", "cells => cells.map(c => [c.dataset.metric, c.textContent])"
+        )
         assert len(shown) >= 20
-        mismatches = [(metric, text, expected.get(metric)) for metric, text in shown
-                      if metric not in expected or float(text) != expected[metric]]
+        mismatches = [
+            (metric, text, expected.get(metric))
+            for metric, text in shown
+            if metric not in expected or float(text) != expected[metric]
+        ]
         if not mismatches:
             return []
         wait_for_updates(page, 1)
@@ -105,8 +115,12 @@ def test_the_page_shows_metrics_equal_to_prometheus_and_the_shared_prefix_under_
 
 def test_the_price_sliders_change_the_what_if_outputs(server):
     for i in range(4):  # something measured, so every panel has data
-        assert httpx.post(server.url + "/v1/completions", json=prompt(i), headers=tenant_header(i),
-                          timeout=120).status_code == 200
+        assert (
+            httpx.post(
+                server.url + "/v1/completions", json=prompt(i), headers=tenant_header(i), timeout=120
+            ).status_code
+            == 200
+        )
     server.wait_idle()
     with browser_page() as page:
         page.goto(server.url + "/dashboard")
@@ -118,8 +132,9 @@ def test_the_price_sliders_change_the_what_if_outputs(server):
         def changes_to(selector: str, value: str) -> str:
             before = page.inner_text(first)
             page.fill(selector, value)
-            page.wait_for_function("([cell, before]) => document.querySelector(cell).textContent !== before",
-                                   arg=[first, before])
+            page.wait_for_function(
+                "([cell, before]) => document.querySelector(cell).textContent !== before", arg=[first, before]
+            )
             return page.inner_text(first)
 
         none_cached = changes_to("#price-hit-rate", "0")
@@ -149,7 +164,7 @@ def big_tree(num_blocks: int = 100_000) -> dict:
         for i, key in enumerate(keys):
             block = cache.get(key)
             if block is None:
-                block = cache.insert(cache.allocate(1)[0], key, tokens[i * size:(i + 1) * size], parent)
+                block = cache.insert(cache.allocate(1)[0], key, tokens[i * size : (i + 1) * size], parent)
                 cache.release([block])
             parent = block
     tree = asdict(build_tree_view(map(cache.get, cache.keys()), size))
@@ -160,12 +175,15 @@ def big_tree(num_blocks: int = 100_000) -> dict:
 def test_a_pool_of_100000_blocks_draws_at_most_300_bars(server):
     """The page against the largest tree the server sends (the snapshot intercepted, its tree replaced)."""
     with browser_page() as page:  # first: it skips the test when there is no browser
-        snapshot = httpx.get(server.url + "/dashboard/api/snapshot",
-                             headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()
+        snapshot = httpx.get(
+            server.url + "/dashboard/api/snapshot", headers={"Authorization": f"Bearer {ADMIN_KEY}"}
+        ).json()
         snapshot["tree"] = big_tree()
         assert snapshot["tree"]["num_blocks"] >= 100_000
-        page.route("**/dashboard/api/snapshot*", lambda route: route.fulfill(
-            status=200, content_type="application/json", body=json.dumps(snapshot)))
+        page.route(
+            "**/dashboard/api/snapshot*",
+            lambda route: route.fulfill(status=200, content_type="application/json", body=json.dumps(snapshot)),
+        )
         page.goto(server.url + "/dashboard")
         enter_admin_key(page, ADMIN_KEY)
         wait_for_updates(page, 2, tree=True)
@@ -191,8 +209,12 @@ def test_the_page_says_how_to_turn_the_data_on_and_refuses_a_tenant_key(server):
 
 def test_the_router_page_has_one_row_per_replica_and_the_fleet_totals():
     args = ("--admin-api-key", ADMIN_KEY, "--enable-kv-events")
-    with LiveServer(*args) as first, LiveServer(*args) as second, \
-            LiveRouter([first.url, second.url], ADMIN_KEY) as router, browser_page() as page:
+    with (
+        LiveServer(*args) as first,
+        LiveServer(*args) as second,
+        LiveRouter([first.url, second.url], ADMIN_KEY) as router,
+        browser_page() as page,
+    ):
         page.goto(router.url + "/dashboard")
         enter_admin_key(page, ADMIN_KEY)
         page.wait_for_selector('#replicas tbody tr[data-replica="r1"]')

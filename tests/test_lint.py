@@ -54,11 +54,18 @@ def chat(system: str, question: str, model: str = "m", tools: list[dict] = ()) -
 
 
 def tool(name: str, properties: dict) -> dict:
-    return {"type": "function", "function": {"name": name, "description": f"The {name} tool.",
-                                             "parameters": {"type": "object", "properties": properties}}}
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": f"The {name} tool.",
+            "parameters": {"type": "object", "properties": properties},
+        },
+    }
 
 
 # ---- the replay ------------------------------------------------------------------------------------------
+
 
 def test_replay_counts_whole_blocks_and_recomputes_the_last_token():
     assert replay([list(range(32)), list(range(32))], 16) == HitRate(16, 64)  # block 2 holds the last token
@@ -69,6 +76,7 @@ def test_replay_counts_whole_blocks_and_recomputes_the_last_token():
 
 # ---- crafted logs with known answers -----------------------------------------------------------------------
 
+
 def test_timestamp_on_the_first_line_of_the_system_prompt():
     times = [f"2026-01-0{day}T10:00:00Z" for day in range(1, 5)]
     bodies = [chat(f"Time: {time}\n{RULES}", question) for time, question in zip(times, QUESTIONS)]
@@ -78,32 +86,48 @@ def test_timestamp_on_the_first_line_of_the_system_prompt():
     assert family.stable_prefix_chars == family.stable_prefix_tokens == len(HEAD + "Time: 2026-01-0") == 51
     (finding,) = family.findings
     assert (finding.kind, finding.location.part, finding.location.line, finding.location.column) == (
-        "timestamp", "messages[0] (system)", 1, 7)
-    assert finding.line_text[finding.mark_start:finding.mark_end] == "2026-01-01T10:00:00Z"
+        "timestamp",
+        "messages[0] (system)",
+        1,
+        7,
+    )
+    assert finding.line_text[finding.mark_start : finding.mark_end] == "2026-01-01T10:00:00Z"
     assert finding.examples == ("2026-01-01T10:00:00Z", "2026-01-02T10:00:00Z")
-    assert finding.suggestion == ("move the timestamp on line 1 of the system message (messages[0]) to the end of "
-                                  "the last user message")
-    today = [chat_text([("system", f"Time: {time}\n{RULES}"), ("user", question)])
-             for time, question in zip(times, QUESTIONS)]
-    fixed = [chat_text([("system", f"Time: \n{RULES}"), ("user", f"{question}\n{time}")])
-             for time, question in zip(times, QUESTIONS)]
+    assert finding.suggestion == (
+        "move the timestamp on line 1 of the system message (messages[0]) to the end of the last user message"
+    )
+    today = [
+        chat_text([("system", f"Time: {time}\n{RULES}"), ("user", question)])
+        for time, question in zip(times, QUESTIONS)
+    ]
+    fixed = [
+        chat_text([("system", f"Time: \n{RULES}"), ("user", f"{question}\n{time}")])
+        for time, question in zip(times, QUESTIONS)
+    ]
     assert family.today == report.today == expected_hits(today) == HitRate(144, 975)  # 3 x 48: 14.8%
     assert family.after_fix == expected_hits(fixed) == HitRate(480, 979)  # 3 x 160: 49.0%
     assert family.stable_prefix_chars_after_fix == len(HEAD + f"Time: \n{RULES}<|im_end|>\n<|im_start|>user\n") == 170
 
 
 def test_uuid_request_id_then_hex_request_id():
-    ids = [("3b0f6a4e-8c1d-4f2a-9e7b-1a2b3c4d5e6f", "9f3a2b1c7d"),
-           ("c47d2e19-0b5a-4e8f-8d6c-6f5e4d3c2b1a", "0b1c2d3e4f")]
-    bodies = [chat(f"{RULES}\nRequest: {uuid}\nTrace: {trace}\nBe brief.", question)
-              for (uuid, trace), question in zip(ids, QUESTIONS)]
+    ids = [
+        ("3b0f6a4e-8c1d-4f2a-9e7b-1a2b3c4d5e6f", "9f3a2b1c7d"),
+        ("c47d2e19-0b5a-4e8f-8d6c-6f5e4d3c2b1a", "0b1c2d3e4f"),
+    ]
+    bodies = [
+        chat(f"{RULES}\nRequest: {uuid}\nTrace: {trace}\nBe brief.", question)
+        for (uuid, trace), question in zip(ids, QUESTIONS)
+    ]
     (family,) = lint_bodies(bodies).families
     assert [(finding.kind, finding.location.line, finding.location.column) for finding in family.findings] == [
-        ("uuid", 4, 10), ("request id", 5, 8)]
+        ("uuid", 4, 10),
+        ("request id", 5, 8),
+    ]
     assert family.findings[1].examples == ("9f3a2b1c7d", "0b1c2d3e4f")
-    fixed = [chat_text([("system", f"{RULES}\nRequest: \nTrace: \nBe brief."),
-                        ("user", f"{question}\n{uuid}\n{trace}")])
-             for (uuid, trace), question in zip(ids, QUESTIONS)]
+    fixed = [
+        chat_text([("system", f"{RULES}\nRequest: \nTrace: \nBe brief."), ("user", f"{question}\n{uuid}\n{trace}")])
+        for (uuid, trace), question in zip(ids, QUESTIONS)
+    ]
     assert family.after_fix == expected_hits(fixed)
 
 
@@ -113,26 +137,37 @@ def test_user_name_early_in_the_system_prompt():
     (family,) = lint_bodies(bodies).families
     (finding,) = family.findings
     assert (finding.kind, finding.location.line, finding.location.column, finding.examples) == (
-        "user name", 1, 7, ("Alice", "Bob"))
+        "user name",
+        1,
+        7,
+        ("Alice", "Bob"),
+    )
     assert family.stable_prefix_chars == len(HEAD + "User: ")
-    today = [chat_text([("system", f"User: {name}\n{RULES}"), ("user", question)])
-             for name, question in zip(names, QUESTIONS)]
-    fixed = [chat_text([("system", f"User: \n{RULES}"), ("user", f"{question}\n{name}")])
-             for name, question in zip(names, QUESTIONS)]
+    today = [
+        chat_text([("system", f"User: {name}\n{RULES}"), ("user", question)])
+        for name, question in zip(names, QUESTIONS)
+    ]
+    fixed = [
+        chat_text([("system", f"User: \n{RULES}"), ("user", f"{question}\n{name}")])
+        for name, question in zip(names, QUESTIONS)
+    ]
     assert (family.today, family.after_fix) == (expected_hits(today), expected_hits(fixed))
     assert (family.today, family.after_fix) == (HitRate(64, 690), HitRate(320, 693))  # 2 x 32, 2 x 160
 
 
 def test_shuffled_tool_order():
-    tools = [tool("search", {"query": {"type": "string"}}), tool("get_invoice", {"id": {"type": "string"}}),
-             tool("open_ticket", {"summary": {"type": "string"}})]
+    tools = [
+        tool("search", {"query": {"type": "string"}}),
+        tool("get_invoice", {"id": {"type": "string"}}),
+        tool("open_ticket", {"summary": {"type": "string"}}),
+    ]
     orders = [[0, 1, 2], [2, 0, 1], [1, 2, 0]]
     bodies = [chat(RULES, question, tools=[tools[i] for i in order]) for order, question in zip(orders, QUESTIONS)]
     (family,) = lint_bodies(bodies).families
     (finding,) = family.findings
     assert (finding.kind, finding.location.part, finding.location.line) == ("tool order", "tools", 1)
     assert finding.examples == ("search, get_invoice, open_ticket", "open_ticket, search, get_invoice")
-    assert finding.line_text[finding.mark_start:finding.mark_end] == '"search"'
+    assert finding.line_text[finding.mark_start : finding.mark_end] == '"search"'
     assert finding.suggestion.startswith("sort the tools by name")
     assert family.stable_prefix_chars == len(BOS + '<|im_start|>tools\n{"type": "function", "function": {"name": "')
     by_name = sorted(tools, key=lambda item: item["function"]["name"])
@@ -142,61 +177,90 @@ def test_shuffled_tool_order():
 
 
 def test_json_key_order_in_tool_schemas_and_in_a_message():
-    schemas = [{"city": {"type": "string"}, "days": {"type": "integer"}},
-               {"days": {"type": "integer"}, "city": {"type": "string"}}]
+    schemas = [
+        {"city": {"type": "string"}, "days": {"type": "integer"}},
+        {"days": {"type": "integer"}, "city": {"type": "string"}},
+    ]
     bodies = [chat(RULES, question, tools=[tool("forecast", schema)]) for schema, question in zip(schemas, QUESTIONS)]
     (family,) = lint_bodies(bodies).families
     (finding,) = family.findings
     assert (finding.kind, finding.examples) == ("key order", ("city, days", "days, city"))
-    assert finding.line_text[finding.mark_start:finding.mark_end] == '"city"'
+    assert finding.line_text[finding.mark_start : finding.mark_end] == '"city"'
     assert finding.suggestion.startswith("serialize the tool schemas with sort_keys=True")
-    fixed = [chat_text([("system", RULES), ("user", question)], [json.loads(json.dumps(tool("forecast", schema),
-                                                                                      sort_keys=True))])
-             for schema, question in zip(schemas, QUESTIONS)]
+    fixed = [
+        chat_text(
+            [("system", RULES), ("user", question)], [json.loads(json.dumps(tool("forecast", schema), sort_keys=True))]
+        )
+        for schema, question in zip(schemas, QUESTIONS)
+    ]
     assert family.after_fix == expected_hits(fixed)
 
     contexts = ['{"plan": "pro", "region": "eu"}', '{"region": "eu", "plan": "pro"}']
-    bodies = [chat(f"{RULES}\nAccount: {context}\nThank the user.", question)
-              for context, question in zip(contexts, QUESTIONS)]
+    bodies = [
+        chat(f"{RULES}\nAccount: {context}\nThank the user.", question)
+        for context, question in zip(contexts, QUESTIONS)
+    ]
     (family,) = lint_bodies(bodies).families
     (finding,) = family.findings
     assert (finding.kind, finding.location.line, finding.location.column) == ("key order", 4, 11)
-    assert finding.suggestion == ("serialize the JSON on line 4 of the system message (messages[0]) with "
-                                  "json.dumps(..., sort_keys=True)")
+    assert finding.suggestion == (
+        "serialize the JSON on line 4 of the system message (messages[0]) with json.dumps(..., sort_keys=True)"
+    )
     canonical = '{"plan": "pro", "region": "eu"}'
     assert family.stable_prefix_chars_after_fix == len(
-        HEAD + f"{RULES}\nAccount: {canonical}\nThank the user.<|im_end|>\n<|im_start|>user\n")
+        HEAD + f"{RULES}\nAccount: {canonical}\nThank the user.<|im_end|>\n<|im_start|>user\n"
+    )
 
 
-@pytest.mark.parametrize("first, second, kind, value", [
-    ("Today is March 3, 2025.", "Today is March 4, 2025.", "date", "March 3, 2025"),
-    ("Today is 03/11/2025.", "Today is 04/11/2025.", "date", "03/11/2025"),
-    ("Sent Mon, 3 Mar 2025 10:15:00 +0000", "Sent Tue, 4 Mar 2025 08:00:00 +0000", "timestamp",
-     "Mon, 3 Mar 2025 10:15:00 +0000"),
-    ("Epoch 1740996900", "Epoch 1741083300", "timestamp", "1740996900"),
-    ("Call id: req_8f2k1m9q", "Call id: req_7d3n0p2r", "request id", "req_8f2k1m9q"),
-    ('Profile: {"username": "ann.lee", "tier": 2}', 'Profile: {"username": "bo.chan", "tier": 2}', "user name",
-     "ann.lee"),
-    ("Visitors online: 1234", "Visitors online: 987", "number", "1234"),
-])
+@pytest.mark.parametrize(
+    "first, second, kind, value",
+    [
+        ("Today is March 3, 2025.", "Today is March 4, 2025.", "date", "March 3, 2025"),
+        ("Today is 03/11/2025.", "Today is 04/11/2025.", "date", "03/11/2025"),
+        (
+            "Sent Mon, 3 Mar 2025 10:15:00 +0000",
+            "Sent Tue, 4 Mar 2025 08:00:00 +0000",
+            "timestamp",
+            "Mon, 3 Mar 2025 10:15:00 +0000",
+        ),
+        ("Epoch 1740996900", "Epoch 1741083300", "timestamp", "1740996900"),
+        ("Call id: req_8f2k1m9q", "Call id: req_7d3n0p2r", "request id", "req_8f2k1m9q"),
+        (
+            'Profile: {"username": "ann.lee", "tier": 2}',
+            'Profile: {"username": "bo.chan", "tier": 2}',
+            "user name",
+            "ann.lee",
+        ),
+        ("Visitors online: 1234", "Visitors online: 987", "number", "1234"),
+    ],
+)
 def test_detectors_name_what_varies(first, second, kind, value):
     bodies = [chat(f"{RULES}\n{line}\nThank you.", "Hi") for line in (first, second)]
     (family,) = lint_bodies(bodies).families
     finding = family.findings[0]
-    assert (finding.kind, finding.location.line, finding.line_text[finding.mark_start:finding.mark_end]) == (
-        kind, 4, value)
+    assert (finding.kind, finding.location.line, finding.line_text[finding.mark_start : finding.mark_end]) == (
+        kind,
+        4,
+        value,
+    )
     assert finding.examples[0] == value and finding.examples[1] in second
-    fixed = [chat_text([("system", f"{RULES}\n{line.replace(moved, '', 1)}\nThank you."), ("user", f"Hi\n{moved}")])
-             for line, moved in zip((first, second), finding.examples)]
+    fixed = [
+        chat_text([("system", f"{RULES}\n{line.replace(moved, '', 1)}\nThank you."), ("user", f"Hi\n{moved}")])
+        for line, moved in zip((first, second), finding.examples)
+    ]
     assert family.after_fix == expected_hits(fixed)
 
 
 def test_two_variable_parts_are_found_in_order():
-    bodies = [chat(f"Now: 2026-03-0{day} 09:30\n{RULES}\nName: {name}\nEnd.", question)
-              for day, name, question in [(1, "Ann", QUESTIONS[0]), (2, "Ben", QUESTIONS[1])]]
+    bodies = [
+        chat(f"Now: 2026-03-0{day} 09:30\n{RULES}\nName: {name}\nEnd.", question)
+        for day, name, question in [(1, "Ann", QUESTIONS[0]), (2, "Ben", QUESTIONS[1])]
+    ]
     (family,) = lint_bodies(bodies).families
     assert [(finding.kind, finding.location.line) for finding in family.findings] == [
-        ("timestamp", 1), ("user name", 5)]
+        ("timestamp", 1),
+        ("user name", 5),
+    ]
 
 
 def test_a_clean_log_has_no_finding_and_its_hit_rate_is_already_high():
@@ -214,17 +278,26 @@ def test_plain_text_that_differs_in_the_template_is_reported_and_not_rewritten()
     (family,) = lint_bodies(bodies).families
     (finding,) = family.findings
     assert (finding.kind, finding.location.line, finding.location.column, finding.examples) == (
-        "text", 4, 7, ("French.", "German."))
+        "text",
+        4,
+        7,
+        ("French.", "German."),
+    )
     assert family.after_fix == family.today
 
 
 def test_different_template_roles_are_a_structure_finding():
-    bodies = [chat(RULES, "Hi"), {"model": "m", "messages": [{"role": "developer", "content": RULES},
-                                                             {"role": "user", "content": "Hi"}]}]
+    bodies = [
+        chat(RULES, "Hi"),
+        {"model": "m", "messages": [{"role": "developer", "content": RULES}, {"role": "user", "content": "Hi"}]},
+    ]
     (family,) = lint_bodies(bodies).families
     (finding,) = family.findings
     assert (finding.kind, finding.location.offset, finding.examples) == (
-        "structure", len(BOS + "<|im_start|>"), (BOS + "<|im_start|>system", BOS + "<|im_start|>developer"))
+        "structure",
+        len(BOS + "<|im_start|>"),
+        (BOS + "<|im_start|>system", BOS + "<|im_start|>developer"),
+    )
     assert family.after_fix == family.today
 
 
@@ -236,29 +309,44 @@ def test_a_date_in_a_tool_description_after_the_tool_order():
     bodies = [chat(RULES, question, tools=tools) for tools, question in zip(tool_lists, QUESTIONS)]
     (family,) = lint_bodies(bodies).families
     assert [(finding.kind, finding.location.part, finding.location.line) for finding in family.findings] == [
-        ("tool order", "tools", 1), ("date", "tools", 1)]
-    assert family.findings[1].suggestion == ("take the date out of the tool block (line 1 of the tool block); send "
-                                             "it at the end of the last user message")
-    fixed = [chat_text([("system", RULES), ("user", f"{question}\n2026-01-{day}")],
-                       [{"type": "function", "function": {"name": "a", "description": "Prices as of ."}},
-                        described("b", "09")]) for day, question in zip(["01", "02"], QUESTIONS)]
+        ("tool order", "tools", 1),
+        ("date", "tools", 1),
+    ]
+    assert family.findings[1].suggestion == (
+        "take the date out of the tool block (line 1 of the tool block); send it at the end of the last user message"
+    )
+    fixed = [
+        chat_text(
+            [("system", RULES), ("user", f"{question}\n2026-01-{day}")],
+            [{"type": "function", "function": {"name": "a", "description": "Prices as of ."}}, described("b", "09")],
+        )
+        for day, question in zip(["01", "02"], QUESTIONS)
+    ]
     assert family.after_fix == expected_hits(fixed)
 
 
 def test_completions_bodies_and_a_prompt_list():
-    prompts = [f"Date: 2026-05-1{day}\nTranslate into French.\nText: {text}"
-               for day, text in [(1, "hello"), (2, "bye")]]
+    prompts = [
+        f"Date: 2026-05-1{day}\nTranslate into French.\nText: {text}" for day, text in [(1, "hello"), (2, "bye")]
+    ]
     report = lint_bodies([{"model": "m", "prompt": prompts}, {"model": "m", "prompt": "Summarize: a report"}])
     first, second = report.families
     assert (first.kind, first.num_requests, second.num_requests) == ("completion", 2, 1)
     (finding,) = first.findings
     assert (finding.kind, finding.location.part, finding.location.line, finding.location.column) == (
-        "date", "prompt", 1, 7)
+        "date",
+        "prompt",
+        1,
+        7,
+    )
     assert finding.suggestion == "move the date on line 1 of the prompt to the end of the prompt"
     assert first.stable_prefix_chars == len("Date: 2026-05-1")
     fixed = [prompt.replace(date, "") + "\n" + date for prompt, date in zip(prompts, ["2026-05-11", "2026-05-12"])]
-    assert (first.today, first.after_fix) == (expected_hits(prompts), expected_hits(fixed)) == (
-        HitRate(0, 100), HitRate(32, 102))
+    assert (
+        (first.today, first.after_fix)
+        == (expected_hits(prompts), expected_hits(fixed))
+        == (HitRate(0, 100), HitRate(32, 102))
+    )
 
 
 def test_families_split_on_model_and_on_the_template_not_on_its_values():
@@ -272,13 +360,15 @@ def test_families_split_on_model_and_on_the_template_not_on_its_values():
 def test_tokens_come_from_the_encoder_given():
     class Pairs:  # one token per two characters
         def encode(self, text: str, add_special_tokens: bool = True) -> list:
-            return [text[index:index + 2] for index in range(0, len(text), 2)]
+            return [text[index : index + 2] for index in range(0, len(text), 2)]
 
     bodies = [chat(f"Time: 2026-01-0{day}T10:00:00Z\n{RULES}", "Hi") for day in (1, 2)]
     (family,) = lint_bodies(bodies, Pairs(), block_size=4).families
     assert (family.stable_prefix_chars, family.stable_prefix_tokens) == (51, 25)
-    assert family.today.num_prompt == sum((len(chat_text([("system", f"Time: 2026-01-0{day}T10:00:00Z\n{RULES}"),
-                                                          ("user", "Hi")])) + 1) // 2 for day in (1, 2))
+    assert family.today.num_prompt == sum(
+        (len(chat_text([("system", f"Time: 2026-01-0{day}T10:00:00Z\n{RULES}"), ("user", "Hi")])) + 1) // 2
+        for day in (1, 2)
+    )
 
 
 def test_the_lint_renders_chats_as_the_built_in_template_does():
@@ -287,16 +377,27 @@ def test_the_lint_renders_chats_as_the_built_in_template_does():
     from prefixserve.plan.lint_input import prompts_from_bodies
 
     tokenizer = _builtin_tokenizer()
-    messages = [{"role": "system", "content": RULES}, {"role": "user", "content": [{"type": "text", "text": "Hi "},
-                                                                                    {"type": "text", "text": "there"}]}]
+    messages = [
+        {"role": "system", "content": RULES},
+        {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]},
+    ]
     (prompt,) = prompts_from_bodies([{"messages": messages}])
     joined = [messages[0], {"role": "user", "content": "Hi there"}]
     assert _encode(prompt, tokenizer) == tokenizer.encode_chat(joined)
 
 
 def test_batch_api_lines_and_log_line_numbers():
-    lines = [json.dumps({"custom_id": f"r{day}", "method": "POST", "url": "/v1/chat/completions",
-                         "body": chat(f"Time: 2026-01-0{day}T10:00:00Z\n{RULES}", "Hi")}) for day in (1, 2)]
+    lines = [
+        json.dumps(
+            {
+                "custom_id": f"r{day}",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": chat(f"Time: 2026-01-0{day}T10:00:00Z\n{RULES}", "Hi"),
+            }
+        )
+        for day in (1, 2)
+    ]
     report = lint_bodies(bodies_from_jsonl([lines[0], "", lines[1]]))
     (family,) = report.families
     assert (family.line_numbers, family.findings[0].kind) == ((1, 3), "timestamp")
@@ -304,19 +405,27 @@ def test_batch_api_lines_and_log_line_numbers():
 
 # ---- bad input ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("body, message", [
-    ([1, 2], "request 1 is a JSON array, not an object"),
-    ({"model": "m"}, "request 1 has neither 'messages' (chat completions) nor 'prompt' (completions)"),
-    ({"messages": "hi"}, "request 1: 'messages' is a JSON string (\"hi\"); it must be a non-empty list"),
-    ({"messages": []}, "request 1: 'messages' is a JSON array ([]); it must be a non-empty list"),
-    ({"messages": ["hi"]}, "request 1: messages[0] is a JSON string (\"hi\"); each message must be an object"),
-    ({"messages": [{"role": "user", "content": 5}]}, "request 1: messages[0].content is a JSON number (5); it must be "
-                                                     "a string or a list of content parts"),
-    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]},
-     "request 1: messages[0].content[0] has no string 'text'"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": {"a": 1}}, "request 1: 'tools' is a JSON object"),
-    ({"prompt": [1, 2, 3]}, "request 1: 'prompt' is a JSON array ([1, 2, 3]); the lint reads text prompts"),
-])
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ([1, 2], "request 1 is a JSON array, not an object"),
+        ({"model": "m"}, "request 1 has neither 'messages' (chat completions) nor 'prompt' (completions)"),
+        ({"messages": "hi"}, "request 1: 'messages' is a JSON string (\"hi\"); it must be a non-empty list"),
+        ({"messages": []}, "request 1: 'messages' is a JSON array ([]); it must be a non-empty list"),
+        ({"messages": ["hi"]}, 'request 1: messages[0] is a JSON string ("hi"); each message must be an object'),
+        (
+            {"messages": [{"role": "user", "content": 5}]},
+            "request 1: messages[0].content is a JSON number (5); it must be a string or a list of content parts",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+            "request 1: messages[0].content[0] has no string 'text'",
+        ),
+        ({"messages": [{"role": "user", "content": "x"}], "tools": {"a": 1}}, "request 1: 'tools' is a JSON object"),
+        ({"prompt": [1, 2, 3]}, "request 1: 'prompt' is a JSON array ([1, 2, 3]); the lint reads text prompts"),
+    ],
+)
 def test_wrong_shapes_name_the_cause_and_the_fix(body, message):
     with pytest.raises(LintInputError) as raised:
         lint_bodies([body])
@@ -324,14 +433,18 @@ def test_wrong_shapes_name_the_cause_and_the_fix(body, message):
 
 
 def test_a_line_that_is_not_json_is_named():
-    with pytest.raises(LintInputError, match=r"^line 2 is not JSON \(Expecting value at column 1\); the file must be "
-                                             r"JSONL: one OpenAI request body per line$"):
+    with pytest.raises(
+        LintInputError,
+        match=r"^line 2 is not JSON \(Expecting value at column 1\); the file must be "
+        r"JSONL: one OpenAI request body per line$",
+    ):
         bodies_from_jsonl(['{"prompt": "a"}', "not json"])
     with pytest.raises(LintInputError, match="^no requests: the input is empty"):
         bodies_from_jsonl(["", "  "])
 
 
 # ---- the command -------------------------------------------------------------------------------------------
+
 
 def write_log(path: Path, bodies: list) -> Path:
     path.write_text("".join(json.dumps(body) + "\n" for body in bodies))
@@ -344,8 +457,20 @@ def test_cli_prints_the_report_and_writes_json(tmp_path, capsys):
     assert main(["lint", str(log), "--no-tokenizer", "--json", str(tmp_path / "out.json")]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == f"prefixserve lint {log}: 4 requests in 1 prompt family, lengths in characters"
-    assert out[3].split() == ["family", "requests", "stable", "prefix", "first", "variable", "part", "hit", "rate",
-                              "today", "after", "fix"]
+    assert out[3].split() == [
+        "family",
+        "requests",
+        "stable",
+        "prefix",
+        "first",
+        "variable",
+        "part",
+        "hit",
+        "rate",
+        "today",
+        "after",
+        "fix",
+    ]
     assert out[4].split() == ["1", "m", "chat", "4", "51", "timestamp", "at", "messages[0]", "1:7", "14.8%", "49.0%"]
     assert out[5].split() == ["all", "4", "14.8%", "49.0%"]
     assert "       Time: 2026-01-01T10:00:00Z" in out and "             ^^^^^^^^^^^^^^^^^^^^" in out
@@ -367,20 +492,35 @@ def test_cli_reads_stdin_and_takes_the_block_size(monkeypatch, capsys):
     assert out[4].split()[-3:] == ["none", "63.7%", "63.7%"]
 
 
-@pytest.mark.parametrize("content, message", [
-    (None, "prefixserve lint: error: {path}: no such file; give the path of a JSONL request log, or '-' for stdin"),
-    ('{"prompt": "a"}\n{oops\n', "prefixserve lint: error: line 2 is not JSON (Expecting property name enclosed in "
-                                 "double quotes at column 2); the file must be JSONL: one OpenAI request body per "
-                                 "line"),
-    ('"just a string"\n', "prefixserve lint: error: line 1 is a JSON string, not an object; each line must be one "
-                          "OpenAI request body, like {\"model\": ..., \"messages\": [...]}"),
-    ('{"model": "m", "input": "hi"}\n', "prefixserve lint: error: line 1 has neither 'messages' (chat completions) "
-                                        "nor 'prompt' (completions); give the request body as sent to "
-                                        "/v1/chat/completions or /v1/completions"),
-    ('{"messages": {"role": "user"}}\n', "prefixserve lint: error: line 1: 'messages' is a JSON object "
-                                         "({\"role\": \"user\"}); it must be a non-empty list of {\"role\", "
-                                         "\"content\"} objects"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, "prefixserve lint: error: {path}: no such file; give the path of a JSONL request log, or '-' for stdin"),
+        (
+            '{"prompt": "a"}\n{oops\n',
+            "prefixserve lint: error: line 2 is not JSON (Expecting property name enclosed in "
+            "double quotes at column 2); the file must be JSONL: one OpenAI request body per "
+            "line",
+        ),
+        (
+            '"just a string"\n',
+            "prefixserve lint: error: line 1 is a JSON string, not an object; each line must be one "
+            'OpenAI request body, like {"model": ..., "messages": [...]}',
+        ),
+        (
+            '{"model": "m", "input": "hi"}\n',
+            "prefixserve lint: error: line 1 has neither 'messages' (chat completions) "
+            "nor 'prompt' (completions); give the request body as sent to "
+            "/v1/chat/completions or /v1/completions",
+        ),
+        (
+            '{"messages": {"role": "user"}}\n',
+            "prefixserve lint: error: line 1: 'messages' is a JSON object "
+            '({"role": "user"}); it must be a non-empty list of {"role", '
+            '"content"} objects',
+        ),
+    ],
+)
 def test_cli_bad_input_exits_2_with_one_line(tmp_path, capsys, content, message):
     path = tmp_path / "log.jsonl"
     if content is not None:
@@ -391,8 +531,9 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path, capsys, content, message)
 
 
 def test_readme_example_prints_what_the_readme_shows(capsys, monkeypatch):
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Prompt cacheability lint"):]
+    from docs_text import section as docs_section
+
+    section = docs_section("Prompt cacheability lint")
     command = re.search(r"```bash\n(prefixserve lint [^\n]+)\n```", section).group(1)
     shown = re.search(r"```\n(prefixserve lint .*?\n)```", section, flags=re.S).group(1)
     monkeypatch.chdir(ROOT)

