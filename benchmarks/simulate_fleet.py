@@ -17,8 +17,8 @@ from pathlib import Path
 from prefixserve.cli import HelpFormatter
 from prefixserve.router.costs import CostModel
 from prefixserve.router.policies import POLICIES
-from prefixserve.router.report import format_table, plot_capacity_sweep, plot_policies, results_to_json
-from prefixserve.router.simulate import SimulationConfig, capacity_sweep, compare_policies, prepare_routes
+from prefixserve.simulator.replay import SimulationConfig, capacity_sweep, compare_policies, prepare_routes
+from prefixserve.simulator.report import format_table, plot_capacity_sweep, plot_policies, results_to_json
 from prefixserve.traces.mooncake import BUILT_IN_TRACES, load_trace
 
 ROOT = Path(__file__).resolve().parent

@@ -26,9 +26,9 @@ from pathlib import Path
 
 from prefixserve.cli import HelpFormatter
 from prefixserve.router.costs import CostModel
-from prefixserve.router.report import _align
-from prefixserve.router.simulate import SimulationConfig, prepare_routes, working_set_blocks
-from prefixserve.router.simulate_pd import fleet_roles, simulate_steps
+from prefixserve.simulator.pd_replay import fleet_roles, simulate_steps
+from prefixserve.simulator.replay import SimulationConfig, prepare_routes, working_set_blocks
+from prefixserve.simulator.report import _align
 from prefixserve.traces.mooncake import load_trace
 
 ROOT = Path(__file__).resolve().parent

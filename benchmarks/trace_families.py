@@ -27,8 +27,8 @@ from pathlib import Path
 from prefixserve.cli import HelpFormatter
 from prefixserve.router.gateway_policies import GATEWAY_POLICIES
 from prefixserve.router.policies import POLICIES
-from prefixserve.router.report import BOUND_NAME
-from prefixserve.router.simulate import SimulationConfig, compare_policies, uncached_utilization
+from prefixserve.simulator.replay import SimulationConfig, compare_policies, uncached_utilization
+from prefixserve.simulator.report import BOUND_NAME
 from prefixserve.traces.agents import GAP_DISTRIBUTIONS, AgentTraceConfig, generate_agent_trace
 
 ROOT = Path(__file__).resolve().parent

@@ -2,8 +2,8 @@
 
 One parser for every command: each flag shows its help and its default, and no flag may be
 abbreviated (argparse would otherwise take `--replica 8` for `--replicas 8` without a word).
-`serve` and `route` keep their flags beside the servers they build (server/launch.py,
-router/launch.py); `simulate` and `plan` keep theirs in commands/ (they glue the router's replay,
+`serve` and `route` keep their flags beside the servers they build (server/serve_launch.py,
+router/route_launch.py); `simulate` and `plan` keep theirs in commands/ (they glue the router's replay,
 the engine's calibration and the planners together, which no one package may import).
 """
 
@@ -13,11 +13,11 @@ import argparse
 import sys
 from typing import Optional
 
-from .commands.lint import LINT_SUMMARY, add_lint_arguments, lint
+from .commands.lint_command import LINT_SUMMARY, add_lint_arguments, lint
 from .commands.plan import add_plan_arguments, plan
 from .commands.simulate import add_simulate_arguments, simulate
-from .router.launch import add_route_arguments, route
-from .server.launch import add_serve_arguments, serve
+from .router.route_launch import add_route_arguments, route
+from .server.serve_launch import add_serve_arguments, serve
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -10,7 +10,7 @@ import httpx
 import uvicorn
 
 from prefixserve.http_protocol import HEADER_TIMEOUT_SECONDS, uvicorn_config
-from prefixserve.server.launch import add_serve_arguments, build_server
+from prefixserve.server.serve_launch import add_serve_arguments, build_server
 
 
 def free_port() -> int:

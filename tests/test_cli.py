@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from prefixserve.cli import build_parser, main
-from prefixserve.server import launch
+from prefixserve.server import serve_launch as launch
 
 NO_DEFAULT_BY_NATURE = {"--trace", "--calibrate"}  # a required-unless input, and an action of its own
 
@@ -400,7 +400,7 @@ def test_model_that_does_not_exist_is_named_on_the_command_line():
 def test_successful_polls_stay_out_of_the_access_log_at_info():
     import logging
 
-    from prefixserve.server.launch import QuietPolls
+    from prefixserve.server.serve_launch import QuietPolls
 
     def record(path, status):
         return logging.LogRecord(

@@ -115,3 +115,14 @@ def test_an_engine_without_tiers_holds_an_empty_one_never_none():
         if re.search(r"\btiers is (not )?None\b", line)
     ]
     assert not branches, branches
+
+
+def test_no_two_modules_share_a_file_name():
+    """docs/style.md: a file name says which concept it holds, so it names one module in the package."""
+    from collections import defaultdict
+
+    where = defaultdict(list)
+    for path in sorted((ROOT / "prefixserve").rglob("*.py")):
+        if path.name != "__init__.py":
+            where[path.name].append(str(path.parent.relative_to(ROOT)))
+    assert not {name: dirs for name, dirs in where.items() if len(dirs) > 1}

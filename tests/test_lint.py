@@ -372,7 +372,7 @@ def test_tokens_come_from_the_encoder_given():
 
 
 def test_the_lint_renders_chats_as_the_built_in_template_does():
-    from prefixserve.commands.lint import _builtin_tokenizer
+    from prefixserve.commands.lint_command import _builtin_tokenizer
     from prefixserve.plan.lint import _encode
     from prefixserve.plan.lint_input import prompts_from_bodies
 

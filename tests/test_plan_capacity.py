@@ -6,7 +6,7 @@ import hashlib
 import pytest
 
 from prefixserve.plan.capacity import ReplayRequest, capacity_sweep, replay, requests_from_trace, working_set_blocks
-from prefixserve.router.simulate import SimulationConfig, simulate
+from prefixserve.simulator.replay import SimulationConfig, simulate
 from prefixserve.traces.mooncake import Trace, TraceRequest, load_trace
 
 BLOCK_SIZE = 4

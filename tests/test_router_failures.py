@@ -17,7 +17,7 @@ from router_fakes import ADMIN_KEY, Failure, assert_only_down_for, fake_fleet, p
 
 from prefixserve.model import Tokenizer
 from prefixserve.router.inbound import read_request
-from prefixserve.router.launch import add_route_arguments, configure_logging, settings_from_args
+from prefixserve.router.route_launch import add_route_arguments, configure_logging, settings_from_args
 
 OPENAI_ERROR_KEYS = {"message", "type", "param", "code"}
 

@@ -9,7 +9,7 @@ import pytest
 
 from prefixserve.router.gateway_policies import LLMDDefault, VLLMRouterCacheAware
 from prefixserve.router.policies import RouteRequest, make_policy
-from prefixserve.router.simulate import SimulationConfig, compare_policies
+from prefixserve.simulator.replay import SimulationConfig, compare_policies
 from prefixserve.traces.agents import AgentTraceConfig
 from prefixserve.traces.mooncake import load_trace
 

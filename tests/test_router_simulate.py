@@ -8,8 +8,7 @@ import math
 import pytest
 
 from prefixserve.cli import main
-from prefixserve.router.report import BOUND_NAME, format_table, results_to_json
-from prefixserve.router.simulate import (
+from prefixserve.simulator.replay import (
     CostModel,
     SimulationConfig,
     compare_policies,
@@ -17,6 +16,7 @@ from prefixserve.router.simulate import (
     prepare_routes,
     simulate,
 )
+from prefixserve.simulator.report import BOUND_NAME, format_table, results_to_json
 from prefixserve.traces.agents import AgentTraceConfig, generate_agent_trace
 from prefixserve.traces.mooncake import TRACE_DIR, Trace, TraceFormatError, TraceRequest, load_mooncake, load_trace
 

@@ -11,8 +11,8 @@ import pytest
 
 from prefixserve.cli import main
 from prefixserve.router.policies import POLICIES
-from prefixserve.router.report import BOUND_NAME, format_load_sweep
-from prefixserve.router.simulate import SimulationConfig, load_sweep
+from prefixserve.simulator.replay import SimulationConfig, load_sweep
+from prefixserve.simulator.report import BOUND_NAME, format_load_sweep
 
 LOADS = (0.5, 1.0, 2.0, 4.0)  # x the default agent trace's sessions (160) and their start rate (0.25/s)
 

@@ -8,9 +8,9 @@ import pytest
 
 from prefixserve.cli import main
 from prefixserve.router.costs import CostModel
-from prefixserve.router.sim_steps import last_block_tokens
-from prefixserve.router.simulate import SimulationConfig, prepare_routes
-from prefixserve.router.simulate_pd import fleet_roles, parse_pd, simulate_steps
+from prefixserve.simulator.pd_replay import fleet_roles, parse_pd, simulate_steps
+from prefixserve.simulator.replay import SimulationConfig, prepare_routes
+from prefixserve.simulator.steps import last_block_tokens
 from prefixserve.traces.mooncake import Trace, TraceRequest, load_trace
 
 # 1 ms a prompt token, no attention term or overhead; a 10 ms decode step plus nothing for KV reads;

@@ -7,16 +7,16 @@ import pytest
 
 from prefixserve.cli import main
 from prefixserve.router.costs import CostModel
-from prefixserve.router.report import BOUND_NAME
-from prefixserve.router.sim_replica import SimulatedReplica, SimulationClock
-from prefixserve.router.sim_tiers import ReplicaTiers, SimulatedTier
-from prefixserve.router.simulate import (
+from prefixserve.simulator.replay import (
     SimulationConfig,
     infinite_cache_bound,
     prepare_routes,
     simulate,
     working_set_blocks,
 )
+from prefixserve.simulator.replica import SimulatedReplica, SimulationClock
+from prefixserve.simulator.report import BOUND_NAME
+from prefixserve.simulator.tier_model import ReplicaTiers, SimulatedTier
 from prefixserve.traces.mooncake import Trace, TraceRequest, load_trace
 
 # 1 ms a prompt token (0.512 s a 512-token block), no attention or overhead. 1,000 KV bytes a token,

@@ -14,8 +14,8 @@ from dataclasses import replace
 import pytest
 
 from prefixserve.router.policies import POLICIES
-from prefixserve.router.report import BOUND_NAME
-from prefixserve.router.simulate import SimulationConfig, compare_policies, uncached_utilization
+from prefixserve.simulator.replay import SimulationConfig, compare_policies, uncached_utilization
+from prefixserve.simulator.report import BOUND_NAME
 from prefixserve.traces.agents import generate_agent_trace, parse_agent_knobs
 
 FAMILIES = {

@@ -1,4 +1,4 @@
-"""`prefixserve simulate`: replay a trace over simulated replicas (router/simulate.py) and report,
+"""`prefixserve simulate`: replay a trace over simulated replicas (simulator/replay.py) and report,
 or `--calibrate` this engine's costs for the replay (engine/calibrate.py, and the tier reads that
 `prefixserve plan tiers` times)."""
 
@@ -21,14 +21,14 @@ from .tier_reads import add_remote_arguments, measure_tier_reads
 
 if TYPE_CHECKING:  # the router's modules load only when a replay runs
     from ..router.policies import RouteRequest
-    from ..router.simulate import SimulationConfig
+    from ..simulator.replay import SimulationConfig
     from ..traces.agents import AgentTraceConfig
     from ..traces.mooncake import Trace
 
 
 def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     from ..router.policies import POLICIES
-    from ..router.simulate import DEFAULT_CAPACITY_BLOCKS
+    from ..simulator.replay import DEFAULT_CAPACITY_BLOCKS
 
     parser.add_argument(
         "--trace",
@@ -234,7 +234,7 @@ def _float_list(text: str, flag: str) -> list[float]:
 def _replay(args: argparse.Namespace) -> int:
     from ..router.costs import CostModel
     from ..router.policies import make_policy
-    from ..router.simulate import SimulationConfig, prepare_routes
+    from ..simulator.replay import SimulationConfig, prepare_routes
     from ..traces.agents import AgentTraceConfig, parse_agent_knobs
     from ..traces.mooncake import load_trace
 
@@ -300,8 +300,8 @@ def _compare(
     lift_plot: Optional[Path],
 ) -> list[Path]:
     """The policy table (twice with a remote tier: local only, then with it); returns the files written."""
-    from ..router.report import format_table, plot_policies, plot_tier_lift, results_to_json
-    from ..router.simulate import compare_policies, working_set_blocks
+    from ..simulator.replay import compare_policies, working_set_blocks
+    from ..simulator.report import format_table, plot_policies, plot_tier_lift, results_to_json
 
     began = time.perf_counter()
     results = compare_policies(trace, policies, config, routes)
@@ -341,8 +341,8 @@ def _compare(
 def _capacity_sweep(
     trace: Trace, policies: list[str], capacities: list[int], config: SimulationConfig, sweep_plot: Optional[Path]
 ) -> list[Path]:
-    from ..router.report import plot_capacity_sweep
-    from ..router.simulate import capacity_sweep
+    from ..simulator.replay import capacity_sweep
+    from ..simulator.report import plot_capacity_sweep
 
     sweep = capacity_sweep(trace, policies, capacities, config)
     for capacity, rows in sweep.items():
@@ -360,8 +360,8 @@ def _load_sweep(
     agent: "AgentTraceConfig",
     sweep_plot: Optional[Path],
 ) -> list[Path]:
-    from ..router.report import format_load_sweep, plot_load_sweep
-    from ..router.simulate import load_sweep
+    from ..simulator.replay import load_sweep
+    from ..simulator.report import format_load_sweep, plot_load_sweep
 
     began = time.perf_counter()
     sweep = load_sweep(policies, loads, config, agent)

@@ -14,7 +14,7 @@ from .paths import output_path
 
 if TYPE_CHECKING:
     from ..router.policies import RouteRequest
-    from ..router.simulate import SimulationConfig
+    from ..simulator.replay import SimulationConfig
     from ..traces.mooncake import Trace
 
 
@@ -59,7 +59,7 @@ def add_pd_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_splits(text: str, num_replicas: int) -> list[tuple[int, int]]:
-    from ..router.simulate_pd import parse_pd
+    from ..simulator.pd_replay import parse_pd
 
     splits = [parse_pd(part.strip()) for part in text.split(",") if part.strip()]
     if not splits:
@@ -82,9 +82,9 @@ def run_pd(
 ) -> list[Path]:
     """Replay the whole fleet and each split; print the table and the comparisons; return the files written."""
     from ..router.policies import make_policy
-    from ..router.report_pd import compare_line, format_pd_table, plot_pd
-    from ..router.simulate import working_set_blocks
-    from ..router.simulate_pd import fleet_roles, simulate_steps, trails_to_rows
+    from ..simulator.pd_replay import fleet_roles, simulate_steps, trails_to_rows
+    from ..simulator.pd_report import compare_line, format_pd_table, plot_pd
+    from ..simulator.replay import working_set_blocks
 
     make_policy(args.pd_policy)  # an unknown name fails before any replay
     splits = parse_splits(args.pd, config.num_replicas)

@@ -79,7 +79,7 @@ class RayAppArgs:
 
 
 def serve_parser() -> argparse.ArgumentParser:
-    from ..server.launch import add_serve_arguments
+    from ..server.serve_launch import add_serve_arguments
 
     parser = argparse.ArgumentParser(prog="prefixserve.ray:build_app", add_help=False, exit_on_error=False)
     add_serve_arguments(parser)
@@ -121,7 +121,7 @@ def check_serve_flags(argv: list[str]) -> None:
     """The engine's and the server's settings as `serve` checks them before its model loads; the model path is
     left to the replicas (it must exist on their nodes, not necessarily on the one running `serve run`)."""
     from ..server.engine_flags import engine_config_from_args, with_flag_names
-    from ..server.launch import server_settings_from_args
+    from ..server.serve_launch import server_settings_from_args
 
     try:
         namespace = serve_parser().parse_args(argv)

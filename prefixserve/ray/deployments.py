@@ -48,7 +48,7 @@ class EngineReplica:
     """One engine and its HTTP app, without a socket: Serve's proxy and the ingress stand in front."""
 
     def __init__(self, serve_argv: tuple) -> None:
-        from ..server.launch import build_server, check_model_dir  # here: the ingress process needs no engine
+        from ..server.serve_launch import build_server, check_model_dir  # here: the ingress process needs no engine
 
         args = serve_parser().parse_args(list(serve_argv))
         if args.model is not None:

@@ -5,7 +5,7 @@ so its block keys equal theirs; asks the routing policy which replica should
 serve it (kv_aware: the one that holds the longest prefix, unless that one is
 overloaded); and passes the request through (forward.py). A replica that stops
 answering is taken out and the request retried elsewhere; a stream it was
-serving is continued elsewhere (streams.py; an Anthropic Messages stream is
+serving is continued elsewhere (stream_relay.py; an Anthropic Messages stream is
 replayed if nothing of it was sent yet, message_streams.py); health checks bring
 it back.
 

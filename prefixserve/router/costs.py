@@ -41,7 +41,7 @@ class CostModel:
     disk_bytes_per_second: float = GPU_DISK_COST.bytes_per_second
     remote_latency_seconds: float = REMOTE_COST.latency_seconds
     remote_bytes_per_second: float = REMOTE_COST.bytes_per_second
-    # The step-level replay (`simulate --pd`, sim_steps.py) runs decode steps: each costs decode_seconds_per_token
+    # The step-level replay (`simulate --pd`, simulator/steps.py) runs decode steps: each costs decode_seconds_per_token
     # plus reading every running sequence's KV at decode_bytes_per_second (H100 HBM3, about 75% of 3.35 TB/s),
     # and a step that carries a chunk of prefill (chunked prefill, vLLM's and SGLang's default) also computes
     # prefill_chunk_tokens of it (8,192: both engines' default chunk on an 80 GB GPU).

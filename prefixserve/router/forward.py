@@ -31,7 +31,7 @@ from .message_streams import MessageStreamRelay
 from .policies import RouteRequest
 from .progress import Stalled, has_beats, post_to, read_answer, unwrap_beats
 from .replicas import Replica
-from .streams import StreamRelay, Upstream
+from .stream_relay import StreamRelay, Upstream
 
 logger = logging.getLogger("prefixserve.router")
 

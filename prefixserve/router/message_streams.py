@@ -1,7 +1,7 @@
 """Relaying an Anthropic Messages stream (POST /v1/messages with "stream": true).
 
 Its events carry no token ids, so such a stream cannot be continued on another
-replica as an OpenAI one is (streams.py). What the router can do, it does:
+replica as an OpenAI one is (stream_relay.py). What the router can do, it does:
 
     replica fails before the stream's first event   -> the request is replayed on another replica
       (the first event, message_start, comes with the first token: the wait for a
@@ -28,7 +28,7 @@ from .fleet import Router
 from .inbound import ClientRequest
 from .policies import RouteRequest
 from .progress import Stalled, has_beats, post_to, unless_down
-from .streams import Upstream
+from .stream_relay import Upstream
 
 logger = logging.getLogger("prefixserve.router")
 STOP_EVENTS = (b"message_stop", b"error")  # after either, the stream is complete

@@ -20,13 +20,13 @@ from ..http_body import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
 from .admin import admin_routes
 from .anthropic_routes import anthropic_routes
 from .auth import Authenticator, admin_only
+from .dashboard.dashboard_routes import dashboard_api_routes, dashboard_routes
 from .dashboard.recorder import DashboardMetrics, TenantContext
-from .dashboard.routes import dashboard_api_routes, dashboard_routes
 from .dashboard.whatif import whatif_routes
 from .errors import install_error_handlers
 from .inputs import RequestBuilder
-from .pins import pin_routes
-from .reload import ReloadGate, reload_routes
+from .pin_routes import pin_routes
+from .reload_routes import ReloadGate, reload_routes
 from .responses import TokenTexts
 from .routes import routes
 from .tokenize import tokenize_routes

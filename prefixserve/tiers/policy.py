@@ -1,6 +1,6 @@
 """Fetch or recompute: where a prompt's run continues below the pool, and how much of it to read back.
 
-The engine (engine/kv_tiers.py) and the fleet simulator (router/sim_tiers.py) both call find_run
+The engine (engine/kv_tiers.py) and the fleet simulator (simulator/tier_model.py) both call find_run
 and choose_fetch, so the simulator predicts what a replica does.
 
 find_run: the tiers are asked nearest first; each one's leading run continues where the tier

@@ -7,8 +7,8 @@ key_{-1} = the digest of one fixed CacheScope. So capacity is counted in trace
 blocks, and the cache keeps its own rules: the partial tail block is never
 cached, and the last block is never a hit (the engine recomputes the last token).
 
-A replica (sim_replica.py) runs one prefill at a time and decodes in a batch; below its pool it may
-have a host and a disk tier, and the fleet may share a remote tier (sim_tiers.py). This file is one
+A replica (replica.py) runs one prefill at a time and decodes in a batch; below its pool it may
+have a host and a disk tier, and the fleet may share a remote tier (tier_model.py). This file is one
 concept (the replay; tables and plots are in report.py; `prefixserve simulate` is in commands/).
 """
 
@@ -24,14 +24,14 @@ from tqdm import tqdm
 
 from ..cache import max_hit_blocks
 from ..config import FETCH_POLICIES
+from ..router.costs import TIER_NAMES, CostModel, policy_options_for
+from ..router.policies import RouteRequest, RoutingPolicy, make_policy
+from ..router.policy_options import PolicyOptions
 from ..traces.agents import AgentTraceConfig, generate_agent_trace
 from ..traces.mooncake import TRACE_SCOPE, Trace, block_keys
-from .costs import TIER_NAMES, CostModel, policy_options_for
-from .policies import RouteRequest, RoutingPolicy, make_policy
-from .policy_options import PolicyOptions
+from .replica import Job, SimulatedReplica, SimulationClock
 from .report import BOUND_NAME
-from .sim_replica import Job, SimulatedReplica, SimulationClock
-from .sim_tiers import ReplicaTiers, SimulatedTier
+from .tier_model import ReplicaTiers, SimulatedTier
 
 # Llama-3-8B in bf16 keeps 128 KiB of KV per token; an 80 GB H100 has about 64 GiB left after
 # weights and activations: 512 Ki tokens, i.e. about 1,000 blocks of 512 tokens per replica.

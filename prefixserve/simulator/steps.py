@@ -1,6 +1,6 @@
 """A simulated replica whose decode runs in steps that prefill slows down: the replica of `simulate --pd`.
 
-The policy replay (sim_replica.py) lets decoding overlap prefill for free. Here a decode step costs
+The policy replay (replica.py) lets decoding overlap prefill for free. Here a decode step costs
 
     step = decode_seconds_per_token + KV of the running sequences / decode_bytes_per_second
 
@@ -27,9 +27,9 @@ import itertools
 import math
 from typing import Optional
 
+from ..router.policies import RouteRequest
 from ..traces.mooncake import TraceRequest
-from .policies import RouteRequest
-from .sim_replica import Job, SimulatedReplica
+from .replica import Job, SimulatedReplica
 
 ROLES = ("both", "prefill", "decode")
 # The engine's own block (EngineConfig.block_size): a trace block of 512 tokens is 32 of them. Between a prefill

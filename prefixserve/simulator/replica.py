@@ -9,7 +9,7 @@ Replica model: one prefill at a time, decode in a batch.
 
     TTFT = queue wait + prefill seconds; blocks are held from prefill start to done.
 
-With tiers below the pool (sim_tiers.py), admission continues the pool's hit
+With tiers below the pool (tier_model.py), admission continues the pool's hit
 through host, disk and the shared remote; the engine's planner (choose_fetch,
 under the fleet's kv_fetch_policy) picks how much of that run to read back, and the prefill then costs the fetch
 plus the computation of the rest. Fetching holds the prefill slot (no overlap
@@ -33,10 +33,10 @@ from typing import Optional
 from prefixserve.cache import Block, RadixCache, max_hit_blocks
 from prefixserve.tiers.policy import FetchPlan, choose_fetch
 
+from ..router.costs import CostModel
+from ..router.policies import RouteRequest
 from ..traces.mooncake import TraceRequest
-from .costs import CostModel
-from .policies import RouteRequest
-from .sim_tiers import ReplicaTiers
+from .tier_model import ReplicaTiers
 
 NO_FETCH = FetchPlan({}, 0, 0.0, 0.0)
 
@@ -76,7 +76,7 @@ class SimulationClock:
 class SimulatedReplica:
     """One replica: the real cache, an FCFS prefill queue and a decode batch. A `ReplicaView`."""
 
-    job_type = Job  # what enqueue makes (sim_steps.StepJob adds the step-level replay's progress)
+    job_type = Job  # what enqueue makes (steps.StepJob adds the step-level replay's progress)
 
     def __init__(
         self,

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence
 
 if TYPE_CHECKING:
-    from .simulate import SimulationResult
+    from .replay import SimulationResult
 
 
 BOUND_NAME = "infinite_cache_bound"  # the row of one infinite shared cache: what no routing can beat

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Sequence
 from .report import _align, _seconds
 
 if TYPE_CHECKING:
-    from .simulate_pd import StepResult
+    from .pd_replay import StepResult
 
 
 def format_pd_table(results: Sequence[StepResult]) -> str:

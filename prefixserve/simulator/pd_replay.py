@@ -7,7 +7,7 @@
                       read what its pool lacks from the shared tier, compute the tail, decode
 
 With `both` replicas the first arrow is the whole story. Both fleets run the same step-level replica
-(sim_steps.py), the same cost model, the same shared tier and the same policy, so the comparison at
+(steps.py), the same cost model, the same shared tier and the same policy, so the comparison at
 equal hardware is the roles alone. Every request leaves a `RequestTrail`: the seed's questions
 (which worker had the prefix, how many bytes moved, what reuse saved, how long it queued where).
 """
@@ -22,11 +22,11 @@ from typing import Optional, Sequence
 
 from tqdm import tqdm
 
+from ..router.policies import RouteRequest, make_policy
 from ..traces.mooncake import Trace
-from .policies import RouteRequest, make_policy
-from .sim_replica import SimulationClock
-from .sim_steps import StepJob, StepReplica, last_block_tokens
-from .simulate import SimulationConfig, _percentile, json_ready, prepare_routes
+from .replay import SimulationConfig, _percentile, json_ready, prepare_routes
+from .replica import SimulationClock
+from .steps import StepJob, StepReplica, last_block_tokens
 
 
 def fleet_roles(num_prefill: int, num_decode: int) -> list[str]:
