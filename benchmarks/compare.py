@@ -68,6 +68,8 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import llama_cpp_peer  # noqa: E402
+import serve_bench  # noqa: E402
+from engine_setup import RESULTS, cap_and_reexecute, resolve_model_dir  # noqa: E402
 from workloads import Completion, Turn, build_workloads, drive, random_tokens  # noqa: E402
 
 ENGINES = ("prefixserve", "prefixserve-nocache", "transformers", "vllm", "vllm-nocache", "llama.cpp")
@@ -77,7 +79,6 @@ CACHING_OFF = {
     "vllm": "vllm-nocache",
     "vllm-nocache": "vllm-nocache",
 }  # whose tokens "same tok" compares with
-RESULTS = Path(__file__).resolve().parent / "results"
 VLLM_CAPS = Path(__file__).resolve().parent / "vllm_caps"  # on vLLM's PYTHONPATH under --cpu-isa
 PROBE = {"prefix_len": 2000, "suffix_len": 20, "repeats": 5}
 HF_BATCH = 8
@@ -470,34 +471,6 @@ def plot(dtype: str, runs: dict, names: list[str], path: Path, model: str) -> No
     fig.savefig(path, dpi=120)
 
 
-def cap_and_reexecute(variant: str) -> None:
-    """Run this script again with the caps of `variant` in the environment (ATen and oneDNN read them
-    once, at start), unless they are set already."""
-    from prefixserve.model.kernel_variants import capped_environment, variants_for
-
-    names = [candidate.name for candidate in variants_for()]
-    if variant not in names:
-        raise SystemExit(f"--cpu-isa {variant!r}: this machine's variants are {', '.join(names)}")
-    wanted = capped_environment(variant)
-    if all(os.environ.get(name) == value for name, value in wanted.items()):
-        return
-    env = {**os.environ, **wanted}
-    print("running as a " + variant + " CPU: " + " ".join(f"{k}={v}" for k, v in wanted.items()), flush=True)
-    os.execve(sys.executable, [sys.executable, *sys.argv], env)
-
-
-def resolve_model_dir(model: Optional[str]) -> Path:
-    """The checkpoint directory every engine loads: the built-in model, or --model resolved (a GGUF is
-    converted once), so prefixserve, transformers and vLLM read the very same weights."""
-    if model is None:
-        from prefixserve.model import ensure_default_model
-
-        return ensure_default_model()
-    from prefixserve.model.named_models import resolve_model
-
-    return resolve_model(model)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
@@ -646,8 +619,6 @@ def main() -> None:
         plot(dtype, runs, names, stem.with_suffix(".png"), Path(args.model or "prefixserve-tiny").name)
         print(f"wrote {stem.with_suffix('.png')}")
         if args.serve_bench:
-            import serve_bench
-
             served, table_lines = serve_bench.run(
                 model_dir,
                 Path(args.model or "prefixserve-tiny").name,

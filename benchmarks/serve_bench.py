@@ -32,6 +32,10 @@ from typing import Optional
 import httpx
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from engine_setup import RESULTS, cap_and_reexecute, resolve_model_dir  # noqa: E402
+
 DATASETS = {
     "prefix": [
         "--dataset-name",
@@ -277,9 +281,6 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--vllm-python", default="/tmp/vllm-peer/bin/python")
     parser.add_argument("--cpu-isa", default=None, help="run both servers as a CPU of this variant's class")
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(HERE))
-    from compare import RESULTS, cap_and_reexecute, resolve_model_dir
-
     if args.cpu_isa:
         cap_and_reexecute(args.cpu_isa)
     model_dir = resolve_model_dir(args.model)

@@ -126,3 +126,18 @@ def test_no_two_modules_share_a_file_name():
         if path.name != "__init__.py":
             where[path.name].append(str(path.parent.relative_to(ROOT)))
     assert not {name: dirs for name, dirs in where.items() if len(dirs) > 1}
+
+
+def test_no_two_modules_import_each_other():
+    """A cycle of two modules is one concept in two files, or a part in the wrong one; a function-local import
+    hides it from the layers contract, not from this graph (grimp, import-linter's, sees every import)."""
+    import grimp
+
+    graph = grimp.build_graph("prefixserve", exclude_type_checking_imports=True)
+    cycles = sorted(
+        (first, second)
+        for first in graph.modules
+        for second in graph.find_modules_directly_imported_by(first)
+        if first < second and first in graph.find_modules_directly_imported_by(second)
+    )
+    assert not cycles, cycles

@@ -7,7 +7,8 @@ import pytest
 
 from prefixserve.plan.capacity import ReplayRequest, capacity_sweep, replay, requests_from_trace, working_set_blocks
 from prefixserve.simulator.replay import SimulationConfig, simulate
-from prefixserve.traces.mooncake import Trace, TraceRequest, load_trace
+from prefixserve.traces.mooncake import Trace, TraceRequest
+from prefixserve.traces.named import load_trace
 
 BLOCK_SIZE = 4
 

@@ -104,7 +104,7 @@ def test_histogram_and_samples_agree_at_the_bucket_bounds():
 
 
 def test_a_trace_binned_into_the_server_histogram_survives_alike_at_every_bound():
-    from prefixserve.traces.mooncake import load_trace
+    from prefixserve.traces.named import load_trace
 
     trace = load_trace("conversation", limit=3000)
     found = gaps_from_trace(trace.requests, trace.block_size)

@@ -8,10 +8,11 @@ from dataclasses import dataclass
 import pytest
 
 from prefixserve.router.gateway_policies import LLMDDefault, VLLMRouterCacheAware
-from prefixserve.router.policies import RouteRequest, make_policy
+from prefixserve.router.policies import RouteRequest
+from prefixserve.router.policy_registry import make_policy
 from prefixserve.simulator.replay import SimulationConfig, compare_policies
 from prefixserve.traces.agents import AgentTraceConfig
-from prefixserve.traces.mooncake import load_trace
+from prefixserve.traces.named import load_trace
 
 
 @dataclass

@@ -6,8 +6,9 @@ from dataclasses import dataclass
 import pytest
 
 from prefixserve.cache import BlockKeyer, CacheScope, EventQueue, RadixCache
-from prefixserve.router.policies import POLICIES, ConsistentHash, KVAware, RouteRequest, make_policy
+from prefixserve.router.policies import POLICIES, ConsistentHash, KVAware, RouteRequest
 from prefixserve.router.policy_options import PolicyOptions
+from prefixserve.router.policy_registry import make_policy
 from prefixserve.router.prefix_mirror import PrefixMirror
 from prefixserve.tiers import TierCost
 

@@ -6,7 +6,8 @@ import asyncio
 
 from prefixserve.cache import BlockKeyer, CacheScope
 from prefixserve.router.costs import CostModel, policy_options_for
-from prefixserve.router.policies import RouteRequest, make_policy
+from prefixserve.router.policies import RouteRequest
+from prefixserve.router.policy_registry import make_policy
 from prefixserve.router.replicas import Replica
 from prefixserve.tiers import BlockRecord
 from prefixserve.tiers.redis import RedisTier

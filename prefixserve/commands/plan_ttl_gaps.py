@@ -26,7 +26,7 @@ class GapSource(NamedTuple):
 
 def read_gaps(args: argparse.Namespace) -> GapSource:
     if args.trace:
-        from ..traces.mooncake import load_trace
+        from ..traces.named import load_trace
 
         trace = load_trace(args.trace)
         found = gaps_from_trace(trace.requests, trace.block_size)

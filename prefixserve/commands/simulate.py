@@ -233,10 +233,10 @@ def _float_list(text: str, flag: str) -> list[float]:
 
 def _replay(args: argparse.Namespace) -> int:
     from ..router.costs import CostModel
-    from ..router.policies import make_policy
+    from ..router.policy_registry import make_policy
     from ..simulator.replay import SimulationConfig, prepare_routes
     from ..traces.agents import AgentTraceConfig, parse_agent_knobs
-    from ..traces.mooncake import load_trace
+    from ..traces.named import load_trace
 
     policies = [name.strip() for name in args.policies.split(",") if name.strip()]
     if not policies:

@@ -81,7 +81,7 @@ def run_pd(
     plot_path: Optional[Path],
 ) -> list[Path]:
     """Replay the whole fleet and each split; print the table and the comparisons; return the files written."""
-    from ..router.policies import make_policy
+    from ..router.policy_registry import make_policy
     from ..simulator.pd_replay import fleet_roles, simulate_steps, trails_to_rows
     from ..simulator.pd_report import compare_line, format_pd_table, plot_pd
     from ..simulator.replay import working_set_blocks

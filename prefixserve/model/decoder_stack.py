@@ -40,29 +40,16 @@ def _compiled_projection(layer) -> bool:
     return isinstance(layer, QuantizedLinear) or (isinstance(layer, Linear) and layer.kernel_weight is not None)
 
 
-def _plain(layer) -> bool:
-    from .llama import MLP, Attention, DecoderLayer, RMSNorm  # llama.py imports this module
-
+def _fits_kernel(layer) -> bool:
+    """What the compiled stack needs of a plain Llama layer (the model says which layers are plain): projections
+    our kernels run, float32 norms on the CPU, head sizes and widths the kernel's tiles divide."""
     attention, mlp = layer.self_attn, layer.mlp
     projections = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     return (
-        type(layer) is DecoderLayer
-        and type(attention) is Attention
-        and type(mlp) is MLP
-        and all(
-            type(norm) is RMSNorm and norm.weight.dtype == torch.float32 and norm.weight.device.type == "cpu"
-            for norm in norms
-        )
+        all(norm.weight.dtype == torch.float32 and norm.weight.device.type == "cpu" for norm in norms)
         and all(_compiled_projection(projection) for projection in projections)
-        and attention.q_norm is None
-        and attention.uses_rope
-        and attention.rotary_dim == attention.head_dim
-        and attention.window is None
-        and attention.softcap is None
-        and not attention.is_local
         and attention.head_dim % 32 == 0
-        and mlp.activation == "silu"
         and mlp.intermediate_size % 16 == 0
     )
 
@@ -73,7 +60,9 @@ def build(model) -> Optional[object]:
     if compiled is None or not compiled.has_rowwise or compiled.decoder_stack is None:
         return None
     layers = list(model.layers)
-    if not layers or not all(_plain(layer) for layer in layers) or model.config.hidden_size % 16:
+    if not layers or not model.has_plain_layers() or not all(_fits_kernel(layer) for layer in layers):
+        return None
+    if model.config.hidden_size % 16:
         return None
     attention = layers[0].self_attn
     specs = [

@@ -217,6 +217,25 @@ class DecoderLayer(nn.Module):
         return x.add_(self.mlp(self.post_attention_layernorm.add_and_norm(x, attended)))
 
 
+def is_plain_layer(layer: nn.Module) -> bool:
+    """A layer of Llama's plain shape, which decoder_stack.py's compiled stack runs: these exact classes, RMSNorm,
+    rotary over the whole head, no q/k norm, no window, cap or local attention, SiLU."""
+    attention, mlp = layer.self_attn, layer.mlp
+    return (
+        type(layer) is DecoderLayer
+        and type(attention) is Attention
+        and type(mlp) is MLP
+        and all(type(norm) is RMSNorm for norm in (layer.input_layernorm, layer.post_attention_layernorm))
+        and attention.q_norm is None
+        and attention.uses_rope
+        and attention.rotary_dim == attention.head_dim
+        and attention.window is None
+        and attention.softcap is None
+        and not attention.is_local
+        and mlp.activation == "silu"
+    )
+
+
 class LlamaForCausalLM(nn.Module):
     layer_class: type = DecoderLayer  # a family's own layer and norm (gemma.py)
     norm_class: type = RMSNorm
@@ -237,6 +256,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
         self._decoder_stack = _UNBUILT  # decoder_stack.py's compiled layers, built at the first step
+
+    def has_plain_layers(self) -> bool:
+        return all(is_plain_layer(layer) for layer in self.layers)
 
     def forget_decoder_stack(self) -> None:
         """Drop the compiled stack of the layers: call after replacing layers or their weights."""

@@ -22,7 +22,7 @@ from ray.serve.request_router import (
 )
 
 from ..router.costs import CostModel, policy_options_for
-from ..router.policies import make_policy
+from ..router.policy_registry import make_policy
 from .asgi_call import ForwardedRequest
 from .replica_views import ReplicaCacheView, RouteEstimate, ranked
 

@@ -33,7 +33,8 @@ from ..metric_names import (
 )
 from .cache_key import keyed_replica
 from .costs import policy_options_for
-from .policies import RouteRequest, make_policy
+from .policies import RouteRequest
+from .policy_registry import make_policy
 from .progress import ProgressClock, Stalled
 from .replicas import Replica
 from .route_keys import RouteKeys

@@ -267,17 +267,3 @@ class KVAware(RoutingPolicy):
 POLICIES: dict[str, Callable[[PolicyOptions], RoutingPolicy]] = {
     policy.name: policy for policy in (RoundRobin, LeastLoaded, PowerOfTwo, ConsistentHash, KVAware)
 }
-
-
-def make_policy(name: str, options: Optional[PolicyOptions] = None) -> RoutingPolicy:
-    """Ours by name, or a gateway's scorer for the simulator (gateway_policies.py, which builds on this
-    module, hence imported here and not at the top)."""
-    from .gateway_policies import GATEWAY_POLICIES
-
-    factory = POLICIES.get(name) or GATEWAY_POLICIES.get(name)
-    if factory is None:
-        raise ValueError(
-            f"unknown routing policy {name!r}; choose one of {', '.join(POLICIES)}, or for the "
-            f"simulator one of the gateways' {', '.join(GATEWAY_POLICIES)}"
-        )
-    return factory(options or PolicyOptions())

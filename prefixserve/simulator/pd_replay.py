@@ -22,7 +22,8 @@ from typing import Optional, Sequence
 
 from tqdm import tqdm
 
-from ..router.policies import RouteRequest, make_policy
+from ..router.policies import RouteRequest
+from ..router.policy_registry import make_policy
 from ..traces.mooncake import Trace
 from .replay import SimulationConfig, _percentile, json_ready, prepare_routes
 from .replica import SimulationClock

@@ -25,8 +25,9 @@ from tqdm import tqdm
 from ..cache import max_hit_blocks
 from ..config import FETCH_POLICIES
 from ..router.costs import TIER_NAMES, CostModel, policy_options_for
-from ..router.policies import RouteRequest, RoutingPolicy, make_policy
+from ..router.policies import RouteRequest, RoutingPolicy
 from ..router.policy_options import PolicyOptions
+from ..router.policy_registry import make_policy
 from ..traces.agents import AgentTraceConfig, generate_agent_trace
 from ..traces.mooncake import TRACE_SCOPE, Trace, block_keys
 from .replica import Job, SimulatedReplica, SimulationClock

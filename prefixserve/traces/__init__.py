@@ -1,4 +1,5 @@
-"""Request traces in block-id form: Mooncake JSONL files (mooncake.py) and generated agent sessions (agents.py).
+"""Request traces in block-id form: Mooncake JSONL files (mooncake.py), generated agent sessions (agents.py), and
+which of them a name means (named.py).
 
 Below plan/, router/ and server/, which all read them (the capacity planner, the simulator, the
 dashboard's what-if panel); imports only cache/ (the keys a trace's blocks chain to).
@@ -13,8 +14,8 @@ from .mooncake import (
     TraceRequest,
     block_keys,
     load_mooncake,
-    load_trace,
 )
+from .named import load_trace
 
 __all__ = [
     "AgentTraceConfig",

@@ -20,12 +20,9 @@ import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional, TextIO
+from typing import Optional, TextIO
 
 from ..cache import BlockKeyer, CacheScope
-
-if TYPE_CHECKING:
-    from .agents import AgentTraceConfig
 
 MOONCAKE_BLOCK_SIZE = 512
 _MAX_BLOCK_ID = 2**32 - 1  # block ids travel as uint32 "tokens" through the cache core
@@ -84,30 +81,6 @@ def block_keys(trace: Trace) -> list[list[bytes]]:
     simulator and the capacity planner match, so both see the same hits."""
     keyer, scope, size = BlockKeyer(1), TRACE_SCOPE.digest, trace.block_size
     return [keyer.keys(scope, request.hash_ids[: request.input_length // size]) for request in trace.requests]
-
-
-def load_trace(
-    name_or_path: str | Path, limit: Optional[int] = None, seed: int = 0, agent: Optional["AgentTraceConfig"] = None
-) -> Trace:
-    """A built-in trace by name (`conversation`, `synthetic`: shipped Mooncake files; `agent`: generated
-    from `agent`'s knobs, default ones, with `seed`), else a Mooncake JSONL file, plain or gzip. Built-in
-    names win over files of that name (write ./agent for a file called agent)."""
-    from .agents import AgentTraceConfig, generate_agent_trace  # agents.py builds on this file
-
-    if limit is not None and limit < 1:
-        raise ValueError(f"limit (--limit) must be at least 1, got {limit}")
-    if agent is not None and name_or_path != "agent":
-        raise ValueError(
-            f"agent trace knobs (--agent) shape the generated agent trace; give --trace agent "
-            f"(got --trace {name_or_path})"
-        )
-    if name_or_path == "agent":
-        trace = generate_agent_trace(replace(agent or AgentTraceConfig(), seed=seed))
-        return Trace(trace.requests[:limit], trace.block_size, trace.name) if limit is not None else trace
-    if name_or_path in BUILT_IN_TRACES:
-        trace = load_mooncake(TRACE_DIR / f"{name_or_path}.jsonl.gz", limit)
-        return Trace(trace.requests, trace.block_size, name=str(name_or_path))
-    return load_mooncake(name_or_path, limit)
 
 
 def load_mooncake(path: str | Path, limit: Optional[int] = None, block_size: int = MOONCAKE_BLOCK_SIZE) -> Trace:

@@ -43,7 +43,8 @@ from ...tiers import TierCost
 from ...tiers.disk import DISK_READ_COST
 from ...tiers.host import HOST_READ_COST
 from ...tiers.record import DTYPE_SIZES
-from ...traces.mooncake import BUILT_IN_TRACES, load_trace
+from ...traces.mooncake import BUILT_IN_TRACES
+from ...traces.named import load_trace
 
 whatif_routes = APIRouter()
 
