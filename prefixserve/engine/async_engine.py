@@ -28,6 +28,7 @@ from ..config import EngineConfig
 from .engine import LLMEngine, PromptType
 from .model_version import ModelVersion
 from .outputs import RequestOutput
+from .queries import EngineQueries
 from .reload import swap_model
 from .request import Request
 from .sampling_params import SamplingParams
@@ -76,6 +77,7 @@ class EngineSnapshot:
 class AsyncLLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.engine = LLMEngine(config)
+        self.queries = EngineQueries(self.engine)  # what the event loop may read (queries.py)
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()

@@ -66,12 +66,11 @@ class EngineReplica:
 
     def record_routing_stats(self) -> dict:
         """The keys its pool and its own tiers hold (8-byte prefixes) and its queue, for every router."""
-        core = self.engine.engine
-        tiers = core.tiers.tier_keys()
+        cached = self.engine.queries.cached_keys()
         usage = self.engine.snapshot.usage
         return {
-            "cache_keys": pack_keys(core.cache.keys()),
-            "tier_keys": {medium: pack_keys(keys) for medium, keys in tiers.items()},
+            "cache_keys": pack_keys(cached.pool),
+            "tier_keys": {medium: pack_keys(keys) for medium, keys in cached.tiers.items()},
             "num_requests_waiting": self.engine.num_waiting,
             "num_requests_running": self.engine.snapshot.num_running,
             "kv_cache_usage": usage.usage,

@@ -30,7 +30,7 @@ def _admin_state(request: Request):
 @admin_routes.get("/v1/kv_events")
 async def kv_events(request: Request, since: int = 0):
     """KV events numbered >= `since`; `complete: false` means some were dropped: resync from /v1/cache/keys."""
-    queue = _admin_state(request).engine.engine.events
+    queue = _admin_state(request).engine.queries.events
     if queue is None:
         raise APIError(
             404,
@@ -47,18 +47,12 @@ async def cache_keys(request: Request):
     """Every cached block key (hex) and the event cursor it is current to, read without waiting for the
     engine's step (a router polls this; busy must never look like down).
 
-    The cursor is read first, then the keys (each set copied at once: `list` of a dict runs in C, with no
-    other thread between). Events from the cursor on are set additions and removals replayed in order,
-    so applying them to keys read a little later still ends at the engine's state."""
-    state = _admin_state(request)
-    core = state.engine.engine
-    cursor = core.events.next_seq if core.events is not None else None
-    keys = core.cache.keys()
-    tiers = core.tiers.tier_keys()
+    The cursor is read first, then the keys (engine/queries.py says why that is consistent)."""
+    cached = _admin_state(request).engine.queries.cached_keys()
     return {
-        "keys": [key.hex() for key in keys],
-        "tiers": {medium: [key.hex() for key in found] for medium, found in tiers.items()},
-        "next": cursor,
+        "keys": [key.hex() for key in cached.pool],
+        "tiers": {medium: [key.hex() for key in found] for medium, found in cached.tiers.items()},
+        "next": cached.next_event,
     }
 
 
@@ -96,18 +90,18 @@ async def cache_info(request: Request):
 
 def cache_info_body(state) -> dict:
     """/v1/cache/info's body for a server's state (a Ray replica hands it to its ingress the same way)."""
-    settings = state.settings
-    core = state.engine.engine
-    scope = core.scope  # one version's: a reload swaps the whole object
+    settings, queries = state.settings, state.engine.queries
+    version = queries.version  # one object: a reload swaps the whole of it
+    scope = version.scope
     return {
         "model_fingerprint": scope.model_fingerprint,
         "tokenizer_fingerprint": scope.tokenizer_fingerprint,
         "adapter_id": scope.adapter_id,
         "numerics": scope.numerics,
-        "block_size": core.config.block_size,
-        "prefix_hash": core.config.prefix_hash,
-        "shared_prefixes": [list(prefix) for prefix in list(core.scoper.shared_prefixes)],
-        "max_model_len": core.max_model_len,
+        "block_size": queries.block_size,
+        "prefix_hash": queries.prefix_hash,
+        "shared_prefixes": queries.shared_prefixes(),
+        "max_model_len": version.max_model_len,
         "served_model_name": settings.served_model_name,
         "default_max_tokens": settings.default_max_tokens,
     }

@@ -64,7 +64,7 @@ async def _breakpoints(state, conversation, prompt_ids: list[int]) -> list[tuple
 
 
 async def _keep(state, prompt_ids: list[int], places, options) -> None:
-    block_size = state.engine.engine.config.block_size
+    block_size = state.engine.queries.block_size
     for place, ttl in places:
         if place < block_size:
             continue

@@ -109,7 +109,7 @@ class ServerState:
     @property
     def texts(self) -> TokenTexts:
         """Token texts for logprobs, of the served version's tokenizer (a reload swaps the version)."""
-        tokenizer = self.engine.engine.version.tokenizer
+        tokenizer = self.engine.queries.version.tokenizer
         if self._texts is None or self._texts.tokenizer is not tokenizer:
             self._texts = TokenTexts(tokenizer)
         return self._texts
@@ -122,7 +122,9 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
         engine=engine,
         auth=Authenticator(settings.api_keys, settings.admin_api_key),
         builder=RequestBuilder(engine, settings.default_max_tokens),
-        metrics=DashboardMetrics(lambda: engine.snapshot, settings.served_model_name, cache_config_info(engine.engine)),
+        metrics=DashboardMetrics(
+            lambda: engine.snapshot, settings.served_model_name, cache_config_info(engine.queries)
+        ),
     )
     app.state.server = state
     app.state.engine = engine

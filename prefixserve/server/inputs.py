@@ -182,11 +182,11 @@ class RequestBuilder:
     # Read from the served version each time: a hot reload swaps it (never while a request is being built).
     @property
     def tokenizer(self):
-        return self.engine.engine.version.tokenizer
+        return self.engine.queries.version.tokenizer
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.engine.version.max_model_len
+        return self.engine.queries.version.max_model_len
 
     @property
     def max_prompt_chars(self) -> int:

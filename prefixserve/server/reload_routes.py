@@ -103,8 +103,7 @@ async def reload_model(request: Request):
     """Load `model` (default: the served path again) and swap it in; answers once new requests use it."""
     state = request.app.state.server
     model, purge_remote = await _reload_body(request)
-    tiers = state.engine.engine.tiers
-    if purge_remote and tiers.shared is None:
+    if purge_remote and not state.engine.queries.has_shared_tier:
         raise APIError(
             400,
             "purge_remote needs a remote tier (--kv-remote-url); leave it out",

@@ -51,7 +51,7 @@ def check_version(state, model) -> None:
     """A request pinned to a model version ('name@fp_...') runs only on that version; call it inside the
     reload gate, where the version cannot change before the request is queued."""
     version = split_model(model)[1] if model is not None else None
-    fingerprint = state.engine.engine.scope.model_fingerprint
+    fingerprint = state.engine.queries.version.scope.model_fingerprint
     if version is not None and not fingerprint.startswith(version):
         raise APIError(
             404,
@@ -142,7 +142,7 @@ def shape_options(state, body) -> dict:
     return {
         "return_token_ids": body.return_token_ids,
         "num_logprobs": body.num_logprobs,
-        "system_fingerprint": "fp_" + state.engine.engine.scope.model_fingerprint[:16],
+        "system_fingerprint": "fp_" + state.engine.queries.version.scope.model_fingerprint[:16],
     }
 
 

@@ -197,13 +197,12 @@ class VLLMLatencies:
             self.inter_token_latency.observe(interval)
 
 
-def cache_config_info(engine) -> dict[str, str]:
-    """vllm:cache_config_info's labels for this engine (vLLM's CacheConfig field names, as strings)."""
-    config = engine.config
+def cache_config_info(queries) -> dict[str, str]:
+    """vllm:cache_config_info's labels for an engine (EngineQueries; vLLM's CacheConfig field names, as strings)."""
     return {
-        "block_size": str(config.block_size),
-        "num_gpu_blocks": str(engine.cache.pool.num_blocks),
-        "enable_prefix_caching": str(config.enable_prefix_caching),
+        "block_size": str(queries.block_size),
+        "num_gpu_blocks": str(queries.num_blocks),
+        "enable_prefix_caching": str(queries.enable_prefix_caching),
         "cache_dtype": "auto",
-        "prefix_caching_hash_algo": config.prefix_hash,
+        "prefix_caching_hash_algo": queries.prefix_hash,
     }

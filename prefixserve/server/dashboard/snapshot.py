@@ -148,7 +148,7 @@ async def build_snapshot(state, include_tree: bool = True, max_nodes: int = DEFA
         "mode": "server",
         "time": time.time(),
         "model": state.settings.served_model_name,
-        "block_size": state.engine.engine.config.block_size,
+        "block_size": state.engine.queries.block_size,
         "metrics": samples,
         "ttft": ttft,
         "pool": engine_view["pool"],
