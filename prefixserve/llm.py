@@ -10,7 +10,8 @@ from tqdm import tqdm
 
 from .chat_tools import render_chat, template_reads_tools
 from .config import EngineConfig
-from .engine.engine import LLMEngine, PromptType
+from .engine.assembly import build_engine
+from .engine.engine import PromptType
 from .engine.outputs import RequestOutput
 from .engine.reload import purge_previous_remote
 from .engine.sampling_params import SamplingParams
@@ -21,7 +22,7 @@ PROGRESS_THRESHOLD = 4  # more prompts than this get a progress bar (on a termin
 
 class LLM:
     def __init__(self, model: Optional[str] = None, **options: Any) -> None:
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **options))
+        self.engine = build_engine(EngineConfig.from_kwargs(model=model, **options))
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0
         # Flush the KV tiers' pending disk writes when this LLM goes away, or at exit at the latest.

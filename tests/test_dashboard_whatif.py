@@ -15,6 +15,7 @@ from test_plan_capacity import chain
 from prefixserve.cache import RadixCache
 from prefixserve.cache.reuse_gaps import ReuseGapTracker
 from prefixserve.engine.request_log import RequestLog, RequestLogEntry
+from prefixserve.engine.tier_context import DEFAULT_PREFILL_SECONDS_PER_TOKEN
 from prefixserve.plan.price import VENDOR_PRICES
 from prefixserve.server.api import admin_router
 from prefixserve.server.auth import Authenticator
@@ -36,7 +37,15 @@ class FakeEngine:
         return function(self.core)
 
 
+def fake_tiers(prefill_seconds_per_token=DEFAULT_PREFILL_SECONDS_PER_TOKEN, tiers=None):
+    """What the what-if panel reads of an engine's TieredKV: its tiers (none: an empty one) and the learnt prefill."""
+    return SimpleNamespace(
+        tiers=tiers or {}, context=SimpleNamespace(prefill_seconds_per_token=prefill_seconds_per_token)
+    )
+
+
 def make_core(tiers=None):
+    tiers = fake_tiers() if tiers is None else tiers
     return SimpleNamespace(
         config=SimpleNamespace(block_size=BLOCK_SIZE),
         cache=RadixCache(6, BLOCK_SIZE),
@@ -126,11 +135,8 @@ def test_price_defaults_to_the_measured_hit_rate_and_prompt_length():
 def test_tiers_curves_and_crossover_from_the_engines_costs():
     prefill = 2.0**-9
     host, disk = TierCost(0.0, 2.0**20), TierCost(1e-3, 2.0**16)
-    fake_tiers = SimpleNamespace(
-        prefill_seconds_per_token=prefill,
-        tiers={"host": SimpleNamespace(read_cost=host), "disk": SimpleNamespace(read_cost=disk)},
-    )
-    client, _ = make_client(make_core(fake_tiers))
+    tiers = fake_tiers(prefill, {"host": SimpleNamespace(read_cost=host), "disk": SimpleNamespace(read_cost=disk)})
+    client, _ = make_client(make_core(tiers))
     body = client.get("/dashboard/api/tiers?max_tokens=64", headers=ADMIN).json()
     assert body["bytes_per_token"] == 128 and body["prefill_seconds_per_token"] == prefill
     assert body["sources"]["prefill_seconds_per_token"].startswith("measured")

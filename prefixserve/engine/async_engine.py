@@ -25,6 +25,7 @@ from typing import AsyncIterator, Optional
 
 from ..cache.stats import CacheStats, CacheUsage
 from ..config import EngineConfig
+from .assembly import build_engine
 from .engine import LLMEngine, PromptType
 from .model_version import ModelVersion
 from .outputs import RequestOutput
@@ -76,7 +77,7 @@ class EngineSnapshot:
 
 class AsyncLLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        self.engine = LLMEngine(config)
+        self.engine = build_engine(config)
         self.queries = EngineQueries(self.engine)  # what the event loop may read (queries.py)
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}

@@ -15,6 +15,7 @@ from typing import Any
 from tqdm import tqdm
 
 from ..config import EngineConfig
+from .assembly import build_engine
 from .engine import LLMEngine
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
@@ -80,7 +81,7 @@ def measure_costs(progress: bool = False, **engine_options: Any) -> dict[str, fl
     options = {"kv_cache_memory_bytes": 256 << 20, "max_num_batched_tokens": LONG, "log_stats": False, **engine_options}
     steps = _StepProgress(progress)
     steps.begin(STEPS[0])
-    engine = LLMEngine(EngineConfig.from_kwargs(**options))
+    engine = build_engine(EngineConfig.from_kwargs(**options))
     rng = random.Random(0)
     steps.begin(STEPS[1])
     _median_ttft(engine, 64, rng, repeats=1)

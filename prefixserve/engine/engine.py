@@ -13,106 +13,38 @@ import logging
 import time
 from typing import Callable, Optional
 
-from ..cache import BlockKeyer, RadixCache
-from ..cache.hot_prefixes import HotPrefixPolicy
-from ..cache.reuse_gaps import ReuseGapTracker
 from ..cache.scoping import PromptScoper
-from ..config import EngineConfig
-from .device import check_exact, resolve_device, resolve_dtype
-from .input_processor import InputProcessor, PromptType
-from .kv_event_publisher import kv_event_queue, make_kv_event_publisher
-from .kv_pool_size import size_kv_pool, startup_summary, window_slots_for
+from .engine_parts import EngineParts
+from .input_processor import PromptType
 from .limits import RANGES
-from .model_version import CurrentVersion, ModelVersion, load_version, weight_format
-from .numerics import numerics_fingerprint
-from .output_processor import OutputProcessor
+from .model_version import ModelVersion, load_version, weight_format
 from .outputs import RequestOutput
-from .pins import Pin, PinTable, restore_pins
+from .pins import Pin, restore_pins
 from .reload import ReloadReport, check_swappable, swap_model
 from .request import Request
-from .runner import ModelRunner
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler, SchedulerOutput
+from .scheduler import SchedulerOutput
 from .step_counters import StepCounters
-from .tier_setup import tiered_kv
 
 logger = logging.getLogger("prefixserve")
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
-        self.config = config
-        self.device = resolve_device(config.device)
-        self.weights = weight_format(config.model, config.quantize, config.dequantize, self.device)  # "float", ...
-        self.dtype = resolve_dtype(config.dtype, self.device, quantized=self.weights != "float")
-        check_exact(self.dtype, self.device, config.batch_invariant)
-        self.numerics = numerics_fingerprint(self.dtype, self.device, config.batch_invariant)
-        loaded_version = load_version(
-            config.model, self.dtype, self.device, self.numerics, config.block_size, weights=self.weights
-        )
-        loaded = loaded_version.loaded
-        pool = size_kv_pool(config, loaded, self.device, self.dtype)
-        num_blocks = pool.num_blocks
-        self.current = CurrentVersion(loaded_version.within(pool.max_model_len))
-        self.num_reloads = 0  # hot reloads so far (reload.py); requests made before one are refused after it
+    """The step over parts built once and handed in (assembly.py's build_engine makes them from a config)."""
 
-        self.events = kv_event_queue(config)
-        self.cache = RadixCache(
-            num_blocks, config.block_size, max_pinned_blocks=config.max_pinned_blocks, events=self.events
-        )
-        self.window_slots = window_slots_for(self.cache, pool, loaded.config)
-        self.keyer = BlockKeyer(config.block_size, config.prefix_hash)
-        self.reuse_gaps = ReuseGapTracker(config.block_size)
-        self.hot_prefixes = (
-            HotPrefixPolicy(
-                config.hot_prefix_min_requests, config.hot_prefix_window, max_blocks=self.cache.pins.max_blocks // 2
-            )
-            if config.hot_prefix_min_requests and config.enable_prefix_caching
-            else None
-        )
-        self.scheduler = Scheduler(
-            self.cache,
-            self.keyer,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            enable_prefix_caching=config.enable_prefix_caching,
-            policy=config.scheduling_policy,
-            reuse_gaps=self.reuse_gaps,
-            hot_prefixes=self.hot_prefixes,
-            window_slots=self.window_slots,
-            long_rope_after=loaded.config.long_rope_after,
-        )
-        # float32 weights to our kernel, the others laid out for oneDNN once, sized for a full step's token
-        # budget (CPU only).
-        self._log_progress("packing weights for this CPU ...")
-        loaded.model.pack_linear_weights(batch_size_hint=config.max_num_batched_tokens)
-        self._log_progress(f"allocating the KV pool: {num_blocks} blocks ({pool.num_bytes / 2**20:.0f} MiB) ...")
-        self.runner = ModelRunner(
-            self.current,
-            num_blocks,
-            config.block_size,
-            self.dtype,
-            self.device,
-            config.max_num_batched_tokens,
-            config.max_num_seqs,
-            config.seed,
-            batch_invariant=config.batch_invariant,
-            window_slots=self.window_slots,
-        )
-        self.tiers = tiered_kv(self)
-        self.inputs = InputProcessor(self.current, config.prefix_ttl)
-        self.outputs = OutputProcessor(self.current)
-        self.pins = PinTable(
-            self.cache, self.keyer, config.block_size, config.kv_disk_cache_dir, self.tokenizer.fingerprint
-        )
+    def __init__(self, parts: EngineParts) -> None:
+        self.config = parts.config
+        self.device, self.dtype, self.weights, self.numerics = parts.device, parts.dtype, parts.weights, parts.numerics
+        self.current = parts.current  # the served version, behind the one reference a reload swaps
+        self.events = parts.events
+        self.cache, self.keyer, self.window_slots = parts.cache, parts.keyer, parts.window_slots
+        self.reuse_gaps, self.hot_prefixes = parts.reuse_gaps, parts.hot_prefixes
+        self.scheduler, self.runner, self.tiers = parts.scheduler, parts.runner, parts.tiers
+        self.inputs, self.outputs, self.pins = parts.inputs, parts.outputs, parts.pins
+        self.kv_events = parts.kv_events
+        self.startup_summary = parts.startup_summary
         self.counters = StepCounters()
-        # vLLM-format KV events over ZMQ (a null object unless asked for); last, so a failed start binds nothing
-        self.kv_events = make_kv_event_publisher(config.kv_events_config, self.events)
-        self.startup_summary = startup_summary(self, pool)
-        if config.log_stats:
-            logger.info(self.startup_summary)
-        if self.pins.to_restore:  # pins saved by the last run: warm them (from the disk tier) and pin
-            self.restore_pins()
+        self.num_reloads = 0  # hot reloads so far (reload.py); requests made before one are refused after it
 
     # ------------------------------------------------ the served version
     # Read through the one reference a reload swaps (reload.py): never copied into an attribute.
@@ -137,10 +69,6 @@ class LLMEngine:
         return self.current.version.scoper
 
     # ------------------------------------------------------------- set-up
-    def _log_progress(self, message: str) -> None:
-        if self.config.log_stats:
-            logger.info(message)
-
     # ----------------------------------------------------------- requests
     def add_request(
         self,

@@ -132,23 +132,22 @@ def _window_note(pool: PoolSize) -> str:
     return f", the sliding-window layers' K/V in {pool.num_window_slots} blocks of their own"
 
 
-def startup_summary(engine, pool: PoolSize) -> str:
+def startup_summary(config, version, dtype: torch.dtype, device: torch.device, numerics: str, pool: PoolSize) -> str:
     """The start-up line: model, dtype, device, weights, KV pool, max_model_len."""
-    config, version = engine.config, engine.version
     block_size, num_blocks = config.block_size, pool.num_blocks
     memory = weight_memory(version.model)
     quantized = version.weights != "float"  # float32 activations by design (model/quantized_linear.py)
     summary = (
-        f"model {version.name} ({version.config.architecture}), {engine.dtype} on {engine.device}; "
+        f"model {version.name} ({version.config.architecture}), {dtype} on {device}; "
         f"{memory.describe()}; KV {pool.bytes_per_token} bytes/token; "
         f"{num_blocks} blocks x {block_size} = {num_blocks * block_size} tokens fit "
         f"({pool.num_bytes / 2**20:.0f} MiB{_window_note(pool)}); "
         f"max_model_len {version.max_model_len}{pool.note}; "
-        f"prefix caching {'on' if config.enable_prefix_caching else 'off'}; numerics {engine.numerics}"
+        f"prefix caching {'on' if config.enable_prefix_caching else 'off'}; numerics {numerics}"
     )
-    if engine.device.type == "cpu":
+    if device.type == "cpu":
         summary += "; " + kernels.describe()
-    if engine.dtype == torch.float32 and engine.device.type == "cpu" and cpu_has_fast_bfloat16() and not quantized:
+    if dtype == torch.float32 and device.type == "cpu" and cpu_has_fast_bfloat16() and not quantized:
         summary += (
             "; this CPU has bf16 instructions: dtype bfloat16 runs the workload suite 1.25-1.6x faster, and cache "
             "hits never change its greedy outputs either (batch-invariant; the default on such CPUs)"

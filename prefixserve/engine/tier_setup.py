@@ -13,10 +13,9 @@ from .kv_tiers import TieredKV
 logger = logging.getLogger("prefixserve")
 
 
-def tiered_kv(engine) -> TieredKV:
-    """The tiers below `engine`'s pool, driven as one TieredKV (empty when the configuration asks for none)."""
-    config = engine.config
-    tiers = build_tiers(config, engine.scope.digest)
+def tiered_kv(config, scope_digest: bytes, runner, cache, keyer) -> TieredKV:
+    """The tiers below an engine's pool, driven as one TieredKV (empty when the configuration asks for none)."""
+    tiers = build_tiers(config, scope_digest)
     if tiers and config.log_stats:
         logger.info(
             "KV tiers below the pool: "
@@ -24,10 +23,10 @@ def tiered_kv(engine) -> TieredKV:
         )
     return TieredKV(
         tiers,
-        engine.runner,
-        engine.cache,
-        engine.keyer,
-        engine.scope.digest,
+        runner,
+        cache,
+        keyer,
+        scope_digest,
         config.kv_fetch_policy,
         config.kv_tier_deadline,
         shared_writes_wait=config.role == "prefill",

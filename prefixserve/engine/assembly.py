@@ -1,0 +1,119 @@
+"""build_engine: an LLMEngine assembled from a config, each part built once and handed in.
+
+device, dtype, numerics -> the model version -> the KV pool's size -> cache, keyer, window slots
+    -> scheduler -> runner (weights packed, pool allocated) -> the tiers below the pool
+    -> input and output processing, pins -> KV event publisher (last: a failed start binds nothing)
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ..cache import BlockKeyer, RadixCache
+from ..cache.hot_prefixes import HotPrefixPolicy
+from ..cache.reuse_gaps import ReuseGapTracker
+from ..config import EngineConfig
+from .device import check_exact, resolve_device, resolve_dtype
+from .engine import LLMEngine
+from .engine_parts import EngineParts
+from .input_processor import InputProcessor
+from .kv_event_publisher import kv_event_queue, make_kv_event_publisher
+from .kv_pool_size import size_kv_pool, startup_summary, window_slots_for
+from .model_version import CurrentVersion, load_version, weight_format
+from .numerics import numerics_fingerprint
+from .output_processor import OutputProcessor
+from .pins import PinTable
+from .runner import ModelRunner
+from .scheduler import Scheduler
+from .tier_setup import tiered_kv
+
+logger = logging.getLogger("prefixserve")
+
+
+def build_engine(config: EngineConfig) -> LLMEngine:
+    """The engine `config` describes; pins saved by the last run are warmed (from the disk tier) and restored."""
+    device = resolve_device(config.device)
+    weights = weight_format(config.model, config.quantize, config.dequantize, device)  # "float", ...
+    dtype = resolve_dtype(config.dtype, device, quantized=weights != "float")
+    check_exact(dtype, device, config.batch_invariant)
+    numerics = numerics_fingerprint(dtype, device, config.batch_invariant)
+    loaded_version = load_version(config.model, dtype, device, numerics, config.block_size, weights=weights)
+    loaded = loaded_version.loaded
+    pool = size_kv_pool(config, loaded, device, dtype)
+    current = CurrentVersion(loaded_version.within(pool.max_model_len))
+
+    events = kv_event_queue(config)
+    cache = RadixCache(pool.num_blocks, config.block_size, max_pinned_blocks=config.max_pinned_blocks, events=events)
+    window_slots = window_slots_for(cache, pool, loaded.config)
+    keyer = BlockKeyer(config.block_size, config.prefix_hash)
+    reuse_gaps = ReuseGapTracker(config.block_size)
+    hot_prefixes = (
+        HotPrefixPolicy(config.hot_prefix_min_requests, config.hot_prefix_window, max_blocks=cache.pins.max_blocks // 2)
+        if config.hot_prefix_min_requests and config.enable_prefix_caching
+        else None
+    )
+    scheduler = Scheduler(
+        cache,
+        keyer,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        enable_prefix_caching=config.enable_prefix_caching,
+        policy=config.scheduling_policy,
+        reuse_gaps=reuse_gaps,
+        hot_prefixes=hot_prefixes,
+        window_slots=window_slots,
+        long_rope_after=loaded.config.long_rope_after,
+    )
+    # float32 weights to our kernel, the others laid out for oneDNN once, sized for a full step's token
+    # budget (CPU only).
+    _progress(config, "packing weights for this CPU ...")
+    loaded.model.pack_linear_weights(batch_size_hint=config.max_num_batched_tokens)
+    _progress(config, f"allocating the KV pool: {pool.num_blocks} blocks ({pool.num_bytes / 2**20:.0f} MiB) ...")
+    runner = ModelRunner(
+        current,
+        pool.num_blocks,
+        config.block_size,
+        dtype,
+        device,
+        config.max_num_batched_tokens,
+        config.max_num_seqs,
+        config.seed,
+        batch_invariant=config.batch_invariant,
+        window_slots=window_slots,
+    )
+    version = current.version
+    summary = startup_summary(config, version, dtype, device, numerics, pool)
+    parts = EngineParts(
+        config=config,
+        device=device,
+        dtype=dtype,
+        weights=weights,
+        numerics=numerics,
+        current=current,
+        events=events,
+        cache=cache,
+        keyer=keyer,
+        window_slots=window_slots,
+        reuse_gaps=reuse_gaps,
+        hot_prefixes=hot_prefixes,
+        scheduler=scheduler,
+        runner=runner,
+        tiers=tiered_kv(config, version.scope.digest, runner, cache, keyer),
+        inputs=InputProcessor(current, config.prefix_ttl),
+        outputs=OutputProcessor(current),
+        pins=PinTable(cache, keyer, config.block_size, config.kv_disk_cache_dir, version.tokenizer.fingerprint),
+        # vLLM-format KV events over ZMQ (a null object unless asked for); last, so a failed start binds nothing
+        kv_events=make_kv_event_publisher(config.kv_events_config, events),
+        startup_summary=summary,
+    )
+    engine = LLMEngine(parts)
+    if config.log_stats:
+        logger.info(summary)
+    if engine.pins.to_restore:  # pins saved by the last run: warm them (from the disk tier) and pin
+        engine.restore_pins()
+    return engine
+
+
+def _progress(config: EngineConfig, message: str) -> None:
+    if config.log_stats:
+        logger.info(message)
