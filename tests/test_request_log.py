@@ -16,12 +16,18 @@ def make_request(request_id: str, num_prompt_tokens: int = 40, tenant=None) -> R
     return request
 
 
+def admit(request: Request, num_cached_tokens: int = 0) -> None:
+    """What the scheduler's first admission of `request` sets."""
+    request.metrics.first_scheduled_time = 8.0
+    request.num_cached_tokens = num_cached_tokens
+
+
 def test_first_output_records_the_prompt_keys_and_finish_the_output_keys():
     log = RequestLog()
     request = make_request("r1", tenant="acme")
-    log.observe(request)  # not admitted yet (num_cached_tokens -1): nothing recorded
+    log.observe(request)  # not admitted yet: nothing recorded
     assert len(log) == 0
-    request.num_cached_tokens = 16
+    admit(request, 16)
     request.block_keys = [b"k0", b"k1"]  # the prompt's full blocks, as the scheduler keys them
     log.observe(request)
     request.block_keys += [b"k2"]  # decoding filled another block
@@ -36,7 +42,8 @@ def test_first_output_records_the_prompt_keys_and_finish_the_output_keys():
 def test_a_request_finished_on_its_first_output_has_no_output_keys():
     log = RequestLog()
     request = make_request("r1")
-    request.num_cached_tokens, request.block_keys, request.status = 0, [b"k0"], RequestStatus.FINISHED
+    admit(request)
+    request.block_keys, request.status = [b"k0"], RequestStatus.FINISHED
     log.observe(request)
     assert log.snapshot() == [RequestLogEntry(7.0, None, (b"k0",), 40, (), finished=True)]
 
@@ -45,7 +52,7 @@ def test_the_oldest_entries_go_first_beyond_the_bound():
     log = RequestLog(max_entries=3)
     for i in range(5):
         request = make_request(f"r{i}", num_prompt_tokens=i + 1)
-        request.num_cached_tokens = 0
+        admit(request)
         log.observe(request)
     assert [entry.num_prompt_tokens for entry in log.snapshot()] == [3, 4, 5]
     with pytest.raises(ValueError, match="at least 1 entry"):
@@ -58,7 +65,7 @@ def test_concurrent_recording_and_reading_keep_the_bound():
     def record(offset: int) -> None:
         for i in range(500):
             request = make_request(f"{offset}-{i}")
-            request.num_cached_tokens = 0
+            admit(request)
             request.status = RequestStatus.FINISHED
             log.observe(request)
 
