@@ -40,7 +40,9 @@ from typing import Callable, Optional
 
 import torch
 
-from prefixserve.model import AttentionMetadata, attention_plan, ensure_default_model, llama, load_model
+from prefixserve.model import AttentionMetadata, ensure_default_model, load_model  # noqa: E402
+from prefixserve.model.attention import step_plan as attention_plan  # noqa: E402
+from prefixserve.model.families import llama  # noqa: E402
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 160

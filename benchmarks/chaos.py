@@ -12,7 +12,7 @@ replica serves). Over the run, at fixed fractions of it:
     25%  SIGSTOP r1 for 20 s, then SIGCONT          70%  SIGSTOP r2 for 20 s, then SIGCONT
     40%  SIGTERM r2 (drains), restarted on B        85%  SIGTERM r0 (drains), restarted on B
 
-Version B is the same checkpoint with seeded noise on every weight (prefixserve.model.versions), so the
+Version B is the same checkpoint with seeded noise on every weight (prefixserve.model.weights.versions), so the
 run ends as a finished rolling deploy. A good request counts as served when it is a 200 whose whole text
 equals the reference of the version its system_fingerprint names (computed up front on each version
 directly, cold); anything else is a client-visible failure, as is a hostile request answered other than
@@ -298,7 +298,7 @@ def main() -> int:
     parser.add_argument("--max-requests", type=int, default=12000, help="bound on all requests sent")
     args = parser.parse_args()
     from prefixserve.model import ensure_default_model
-    from prefixserve.model.versions import write_model_version
+    from prefixserve.model.weights.versions import write_model_version
 
     requests = good_requests()
     work = Path(tempfile.mkdtemp(prefix="chaos-"))

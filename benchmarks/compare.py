@@ -525,7 +525,7 @@ def main() -> None:
     model_dir = resolve_model_dir(args.model)
     tag = "" if args.model is None else f"{Path(args.model).stem}_"
     print(f"model: {args.model or 'prefixserve-tiny'} ({model_dir})")
-    from prefixserve.model.named_models import gguf_file_of
+    from prefixserve.model.weights.named_models import gguf_file_of
 
     gguf = gguf_file_of(args.model)
     prefixserve_model = args.model if gguf else str(model_dir)  # a GGUF served as LLM(name) serves it

@@ -34,6 +34,6 @@ def resolve_model_dir(model: Optional[str]) -> Path:
         from prefixserve.model import ensure_default_model
 
         return ensure_default_model()
-    from prefixserve.model.named_models import resolve_model
+    from prefixserve.model.weights.named_models import resolve_model
 
     return resolve_model(model)

@@ -240,7 +240,7 @@ def prepare(sdist: Optional[Path], model: Optional[Path], engines_gguf: Optional
     (`engines_gguf`), else SmolLM2-135M-Instruct's."""
     try:
         if model is None:
-            from prefixserve.model.named_models import named_model_file
+            from prefixserve.model.weights.named_models import named_model_file
 
             model = engines_gguf or named_model_file("smollm2-135m-instruct")
         if not model.is_file() or model.suffix.lower() != ".gguf":

@@ -23,7 +23,7 @@ from quantized_matmul import cpu_name
 
 from prefixserve import LLM, SamplingParams
 from prefixserve.model import kernels
-from prefixserve.model.quantized_model import weight_memory
+from prefixserve.model.weights.quantized_model import weight_memory
 
 FORMATS = {
     "float32": dict(dequantize=True, dtype="float32"),

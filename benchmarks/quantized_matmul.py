@@ -28,7 +28,7 @@ import torch
 
 from prefixserve.model import kernels
 from prefixserve.model.linear import Linear
-from prefixserve.model.quantized import quantize
+from prefixserve.model.weights.quantized import quantize
 
 BASELINE = "oneDNN float32"
 SHAPES = {"gate_up 576->3072": (3072, 576), "down 1536->576": (576, 1536), "lm_head 576->49152": (49152, 576)}

@@ -19,7 +19,8 @@ from prefixserve.router.costs import CostModel
 from prefixserve.router.policies import POLICIES
 from prefixserve.simulator.replay import SimulationConfig, capacity_sweep, compare_policies, prepare_routes
 from prefixserve.simulator.report import format_table, plot_capacity_sweep, plot_policies, results_to_json
-from prefixserve.traces.mooncake import BUILT_IN_TRACES, load_trace
+from prefixserve.traces.mooncake import BUILT_IN_TRACES  # noqa: E402
+from prefixserve.traces.named import load_trace  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
 SWEEP_CAPACITIES = (250, 500, 1000, 2000, 4000, 8000, 16000)

@@ -29,7 +29,7 @@ from prefixserve.router.costs import CostModel
 from prefixserve.simulator.pd_replay import fleet_roles, simulate_steps
 from prefixserve.simulator.replay import SimulationConfig, prepare_routes, working_set_blocks
 from prefixserve.simulator.report import _align
-from prefixserve.traces.mooncake import load_trace
+from prefixserve.traces.named import load_trace
 
 ROOT = Path(__file__).resolve().parent
 

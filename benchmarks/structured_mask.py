@@ -26,7 +26,7 @@ from prefixserve import LLM, SamplingParams, StructuredOutputs
 from prefixserve.engine.model_version import resolve_model_path
 from prefixserve.model.cpu_caps import cpu_name
 from prefixserve.model.default import default_tokenizer_dir
-from prefixserve.model.tokenizer import Tokenizer
+from prefixserve.model.tokenizers.tokenizer import Tokenizer
 
 SCHEMA = {
     "type": "object",

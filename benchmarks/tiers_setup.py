@@ -43,7 +43,7 @@ def random_tokens(rng: random.Random, length: int) -> list[int]:
 def kv_bytes_per_token(dtype: str) -> int:
     """The built-in model's K and V of every layer for one token."""
     from prefixserve.model import ModelConfig, ensure_default_model
-    from prefixserve.model.loader import read_config_dict
+    from prefixserve.model.weights.hf_loader import read_config_dict
     from prefixserve.plan.tiers import kv_bytes_per_token as per_token
 
     config = ModelConfig.from_hf_dict(read_config_dict(ensure_default_model()))

@@ -17,7 +17,7 @@ SCHEDULING_POLICIES = ("fcfs", "lpm")
 CACHE_RETENTIONS = ("device", "none")  # a request's or tenant's cache_retention; absent: cached as usual
 FETCH_POLICIES = ("cost", "always")  # how lower-tier hits are fetched: see kv_fetch_policy
 ROLES = ("both", "prefill", "decode")  # a replica's part in prefill/decode disaggregation: see role
-QUANTIZE = ("int8", "int4")  # --quantize: model/quantized.py
+QUANTIZE = ("int8", "int4")  # --quantize: model/weights/quantized.py
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
 DEFAULT_MAX_CACHE_TTL = 3600.0  # seconds: the server's cap on a requested cache_ttl (Anthropic's longest, 1 hour)
 DEFAULT_DISK_CACHE_BYTES = 16 << 30
@@ -209,7 +209,7 @@ class EngineConfig:
     # Compute every token the same way whatever else is in the batch, so a cache hit never changes an
     # output: linear layers are called only with row counts measured to round each row alike
     # (model/row_calls.py). False makes every matmul one call of its own rows and, on the pure-PyTorch
-    # path (no compiled kernel), drops the invariant attention (model/invariant_attention.py); greedy
+    # path (no compiled kernel), drops the invariant attention (model/attention/invariant.py); greedy
     # outputs may then depend on batching and cache hits.
     batch_invariant: bool = option(
         True,

@@ -88,7 +88,8 @@ def kernel_variant(request, monkeypatch):
 @pytest.fixture(params=["compiled", "reference"])
 def attention_path(request, monkeypatch):
     """Run a test with attention on the compiled kernels and on the pure-PyTorch reference paths."""
-    from prefixserve.model import attention, kernels
+    from prefixserve.model import kernels
+    from prefixserve.model.attention import paged as attention
 
     if request.param == "compiled":
         if kernels.compiled is None:

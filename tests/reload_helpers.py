@@ -6,7 +6,7 @@ from pathlib import Path
 
 from conftest import make_llm
 
-from prefixserve.model.versions import write_model_version
+from prefixserve.model.weights.versions import write_model_version
 
 
 def two_versions(

@@ -26,7 +26,7 @@ from server_helpers import free_port
 
 from prefixserve.http import BEATS, PROGRESS_HEADER
 from prefixserve.http_protocol import HEADER_TIMEOUT_SECONDS, uvicorn_config
-from prefixserve.model.tokenizer import IncrementalDecoder
+from prefixserve.model.tokenizers.tokenizer import IncrementalDecoder
 from prefixserve.router.app import RouterSettings, build_router_app
 
 ADMIN_KEY = "admin-key"

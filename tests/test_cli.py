@@ -241,7 +241,7 @@ def test_shared_prefix_must_be_utf8(tmp_path):
 def test_shared_prefix_logs_tokens_and_blocks_of_both_forms(default_model_dir, caplog):
     from prefixserve.cache.keys import CacheScope
     from prefixserve.cache.scoping import PromptScoper
-    from prefixserve.model.tokenizer import Tokenizer
+    from prefixserve.model.tokenizers.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_dir(default_model_dir)
     scoper = PromptScoper(CacheScope("model", "tokenizer"), 16)

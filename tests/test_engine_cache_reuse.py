@@ -94,7 +94,7 @@ def bfloat16_case(seed: int, prefix_len: int, num_prompts: int, max_tokens: int)
 
 
 def skip_unmeasured(attention_path: str) -> None:
-    from prefixserve.model import invariant_attention
+    from prefixserve.model.attention import invariant as invariant_attention
 
     if attention_path == "reference" and not invariant_attention.measured_here():
         pytest.skip(
@@ -105,7 +105,7 @@ def skip_unmeasured(attention_path: str) -> None:
 
 # attention_path: the compiled kernel (csrc/paged_causal.cpp) and invariant_attention.py
 def test_bfloat16_cache_hits_keep_outputs(attention_path):
-    """bfloat16 too: attention's batch-invariant path (compiled, or model/invariant_attention.py) and the
+    """bfloat16 too: attention's batch-invariant path (compiled, or model/attention/invariant.py) and the
     measured row calls of the linear layers (model/row_calls.py) keep a token's numbers the same in any
     batch, chunk split or decode.
     Without them 0-15% of such requests kept their tokens (benchmarks/bf16_cache_agreement.py)."""
@@ -133,7 +133,8 @@ def test_bfloat16_shared_segments_keep_outputs(attention_path):
 def test_bfloat16_without_kernels_is_refused_where_unmeasured(monkeypatch):
     """No compiled kernel and a CPU (or library caps) the invariant path was not measured on: a ValueError
     naming --dtype float32, never an engine whose cache hits may change outputs. Opting out is allowed."""
-    from prefixserve.model import invariant_attention, kernels
+    from prefixserve.model import kernels
+    from prefixserve.model.attention import invariant as invariant_attention
 
     monkeypatch.setattr(kernels, "compiled", None)
     monkeypatch.setattr(invariant_attention, "measured_here", lambda: False)
@@ -149,7 +150,7 @@ def test_batch_invariant_false_takes_the_faster_bfloat16_path(monkeypatch):
     """batch_invariant=False (--no-batch-invariant) is the opt-out: no one-row Linear rule and, on the
     pure-PyTorch path, no invariant attention call; the default takes both. (The compiled kernel's
     attention is batch-invariant either way. Whether outputs then differ depends on the CPU.)"""
-    import prefixserve.model.attention as attention
+    import prefixserve.model.attention.paged as attention
     from prefixserve.model.linear import Linear
 
     if attention._CPU_FLASH is None:

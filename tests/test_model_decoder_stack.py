@@ -1,4 +1,4 @@
-"""The compiled decoder stack (model/decoder_stack.py, csrc/decoder_stack.cpp): every layer of a step in one
+"""The compiled decoder stack (model/families/decoder_stack.py, csrc/decoder_stack.cpp): every layer of a step in one
 call gives the bits of llama.py's layer-by-layer path, on every variant, prefill rows and decodes alike; it
 runs only where those layers would take exactly its kernels; what Python hands it is checked."""
 
@@ -9,8 +9,9 @@ import torch
 from gguf_helpers import Q, gguf_tensors, random_hf_weights, tiny_llama_config, train_tokenizer, write_gguf
 
 from prefixserve import LLM, SamplingParams
-from prefixserve.model import decoder_stack, kernels
-from prefixserve.model.attention_metadata import AttentionMetadata
+from prefixserve.model import kernels
+from prefixserve.model.attention.metadata import AttentionMetadata
+from prefixserve.model.families import decoder_stack
 
 BLOCK_SIZE = 16
 

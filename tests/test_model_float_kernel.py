@@ -8,9 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from prefixserve.model import decoder_stack, linear
+from prefixserve.model import linear
+from prefixserve.model.families import decoder_stack
 from prefixserve.model.linear import Linear, pack_linears
-from prefixserve.model.quantized import float32_kernel_arguments
+from prefixserve.model.weights.quantized import float32_kernel_arguments
 
 EMPTY = torch.empty(0)
 NO_LEVELS = torch.empty(0, dtype=torch.int8)

@@ -28,9 +28,9 @@ from model_helpers import PagedSequences
 from safetensors.numpy import load_file
 
 from prefixserve.model import Tokenizer, load_model
-from prefixserve.model import gguf as gguf_module
-from prefixserve.model.gguf import SOURCE_FILE, convert_gguf, gguf_fingerprint, read_gguf_source
-from prefixserve.model.gguf_checkpoint import SUPPORTED_TENSOR_TYPES, TensorPlan, load_tensor
+from prefixserve.model.weights import gguf as gguf_module
+from prefixserve.model.weights.gguf import SOURCE_FILE, convert_gguf, gguf_fingerprint, read_gguf_source
+from prefixserve.model.weights.gguf_checkpoint import SUPPORTED_TENSOR_TYPES, TensorPlan, load_tensor
 
 CPU = torch.device("cpu")
 

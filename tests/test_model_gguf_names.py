@@ -8,9 +8,9 @@ import shutil
 import pytest
 from gguf_helpers import SMOLLM2_FILE, write_tiny_llama_gguf
 
-from prefixserve.model import named_models
-from prefixserve.model.gguf import convert_gguf
-from prefixserve.model.named_models import resolve_model
+from prefixserve.model.weights import named_models
+from prefixserve.model.weights.gguf import convert_gguf
+from prefixserve.model.weights.named_models import resolve_model
 
 
 @pytest.fixture(scope="module")

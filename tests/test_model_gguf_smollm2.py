@@ -9,9 +9,9 @@ from gguf_helpers import smollm2_gguf, transformers_gguf_model
 from safetensors.torch import load_file
 
 from prefixserve import LLM, SamplingParams
-from prefixserve.model.gguf import convert_gguf
-from prefixserve.model.named_models import resolve_model
-from prefixserve.model.quantized_model import weight_memory
+from prefixserve.model.weights.gguf import convert_gguf
+from prefixserve.model.weights.named_models import resolve_model
+from prefixserve.model.weights.quantized_model import weight_memory
 
 GGUF_PATH = smollm2_gguf()
 pytestmark = pytest.mark.skipif(

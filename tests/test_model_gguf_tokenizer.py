@@ -11,9 +11,9 @@ from gguf import GGUFReader, GGUFValueType
 from gguf_helpers import CHATML_TEMPLATE, smollm2_gguf, tiny_llama_config, train_tokenizer, write_gguf
 
 from prefixserve.model import Tokenizer
-from prefixserve.model.gguf import convert_gguf
-from prefixserve.model.gguf_checkpoint import read_metadata
-from prefixserve.model.gguf_tokenizer import build_tokenizer_files, write_tokenizer_files
+from prefixserve.model.tokenizers.gguf_tokenizer import build_tokenizer_files, write_tokenizer_files
+from prefixserve.model.weights.gguf import convert_gguf
+from prefixserve.model.weights.gguf_checkpoint import read_metadata
 
 # No digits here: for "smollm", transformers' GGUF tokenizer keeps GPT-2's digit runs where llama.cpp
 # (and SmolLM's own tokenizer.json) split off every digit; see test_smollm_splits_every_digit...

@@ -13,7 +13,8 @@ import torch
 from model_helpers import gemma2_config, phi3_config, phi4_mini_config, qwen2_config, write_random_checkpoint
 from safetensors.torch import load_file, save_file
 
-from prefixserve.model import ModelConfig, ensure_default_model, load_generation_eos, load_model, loader
+from prefixserve.model import ModelConfig, ensure_default_model, load_generation_eos, load_model
+from prefixserve.model.weights import hf_loader as loader
 
 CPU = torch.device("cpu")
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from model_helpers import PagedSequences
 
-from prefixserve.model import attention as attention_module
 from prefixserve.model import kernels, load_model
-from prefixserve.model.attention_metadata import AttentionMetadata, OutputRows
+from prefixserve.model.attention import paged as attention_module
+from prefixserve.model.attention.metadata import AttentionMetadata, OutputRows
 
 TABLES = {"A": [4, 9, 1, 12], "B": [7, 2, 15], "C": [0, 13, 6, 3]}
 

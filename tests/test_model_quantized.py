@@ -1,4 +1,4 @@
-"""Weights kept quantized (model/quantized.py, quantized_linear.py, csrc/quantized_matmul.cpp): the GGUF blocks
+"""Weights kept quantized (model/weights/quantized.py, quantized_linear.py, csrc/quantized_matmul.cpp): the GGUF blocks
 decode as the format's reference reader decodes them, the compiled matmul keeps each row's bits its own on every
 variant, and an engine serving a GGUF quantized agrees with the float reference of the same weights."""
 
@@ -25,10 +25,10 @@ from k_quants import encode_iq4_xs, encode_q2_k, encode_q3_k, encode_q4_k, encod
 from prefixserve import LLM, SamplingParams
 from prefixserve.engine.model_version import weight_format
 from prefixserve.model import kernels
-from prefixserve.model.gguf_blocks import from_gguf_blocks
-from prefixserve.model.quantized import QuantizedWeight, quantize
-from prefixserve.model.quantized_linear import QuantizedLinear
-from prefixserve.model.quantized_model import serve_quantized, weight_memory
+from prefixserve.model.weights.gguf_blocks import from_gguf_blocks
+from prefixserve.model.weights.quantized import QuantizedWeight, quantize
+from prefixserve.model.weights.quantized_linear import QuantizedLinear
+from prefixserve.model.weights.quantized_model import serve_quantized, weight_memory
 
 Q = GGMLQuantizationType
 KINDS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS")

@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from prefixserve.model import llama as llama_module
-from prefixserve.model.llama import RMSNorm, rotate
+from prefixserve.model.families import llama as llama_module
+from prefixserve.model.families.llama import RMSNorm, rotate
 
 
 @pytest.fixture

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefixserve.model.attention_metadata import AttentionMetadata
-from prefixserve.model.windowed_attention import windowed_attention
+from prefixserve.model.attention.metadata import AttentionMetadata
+from prefixserve.model.attention.windowed import windowed_attention
 
 SPECS = [(0, 45), (30, 7), (70, 1), (5, 33), (0, 1), (100, 40), (64, 1)]  # (past, query_len) per sequence
 

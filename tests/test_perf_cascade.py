@@ -10,9 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefixserve.model import AttentionMetadata, attention_plan, paged_attention, write_kv
-from prefixserve.model import attention as attention_module
-from prefixserve.model.attention import plan_step
+from prefixserve.model import AttentionMetadata, paged_attention, write_kv
+from prefixserve.model.attention import paged as attention_module
+from prefixserve.model.attention import step_plan as attention_plan
+from prefixserve.model.attention.paged import plan_step
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 8, 2, 16, 4, 200
 SCALE = HEAD_DIM**-0.5

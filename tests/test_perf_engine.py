@@ -13,7 +13,7 @@ from model_helpers import PagedSequences
 from prefixserve import SamplingParams
 from prefixserve.engine import engine as engine_module
 from prefixserve.engine.engine import resolve_dtype
-from prefixserve.model import attention as attention_module
+from prefixserve.model.attention import paged as attention_module
 from prefixserve.model.linear import Linear, float_kernel, native_bfloat16_matmul
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)

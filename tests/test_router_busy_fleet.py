@@ -8,7 +8,7 @@ import time
 import httpx
 from router_fleet import Fleet, down_counts, down_reasons_since
 
-from prefixserve.model.tokenizer import Tokenizer
+from prefixserve.model.tokenizers.tokenizer import Tokenizer
 from prefixserve.router.settings import RouterSettings
 
 BUSY_SECONDS = 60.0

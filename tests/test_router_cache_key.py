@@ -14,7 +14,7 @@ from prefixserve.router.settings import RouterSettings
 @pytest.fixture(scope="module")
 def tokenizer():
     from prefixserve.model.default import default_tokenizer_dir
-    from prefixserve.model.tokenizer import Tokenizer
+    from prefixserve.model.tokenizers.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(default_tokenizer_dir())
 

@@ -11,7 +11,7 @@ import time
 import httpx
 from router_fleet import Fleet, wait_healthy
 
-from prefixserve.model.versions import write_model_version
+from prefixserve.model.weights.versions import write_model_version
 
 PROMPTS = [f"Rolling deploy request {i} asks about" for i in range(4)]
 MAX_REQUESTS = 200  # bound on the requests sent while the deploy runs

@@ -183,7 +183,7 @@ def test_a_template_that_reads_tools_renders_them_as_transformers_does(default_m
     from transformers import AutoTokenizer
 
     from prefixserve.chat_tools import render_chat
-    from prefixserve.model.tokenizer import Tokenizer
+    from prefixserve.model.tokenizers.tokenizer import Tokenizer
 
     directory = tmp_path / "tokenizer"
     directory.mkdir()

@@ -27,7 +27,7 @@ def compose_salt(tenant: Optional[str], cache_salt: Optional[str]) -> Optional[s
 
 
 def long_rope_scope(digest: bytes) -> bytes:
-    """The scope of a LongRoPE sequence rotated with the long factors (model/rope.py): its K/V differs from the
+    """The scope of a LongRoPE sequence rotated with the long factors (model/families/rope.py): its K/V differs from the
     same tokens' under the short ones, so its keys must too."""
     return hashlib.sha256(b"prefixserve long rope\0" + digest).digest()
 

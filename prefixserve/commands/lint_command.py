@@ -78,6 +78,7 @@ def _read_lines(file: str) -> list[str]:
 def _builtin_tokenizer():
     """The built-in model's tokenizer, read from the package data the model directory is made from: the same
     tokens as the server's, without generating the model's weights."""
-    from ..model import tokenizer
+    from ..model import default
+    from ..model.tokenizers.tokenizer import Tokenizer
 
-    return tokenizer.Tokenizer.from_dir(Path(tokenizer.__file__).parent / "data")
+    return Tokenizer.from_dir(Path(default.__file__).parent / "data")

@@ -81,7 +81,7 @@ def _plan_tiers(args: argparse.Namespace) -> int:
     from ..config import EngineConfig
     from ..engine.device import resolve_device, resolve_dtype
     from ..model import DEFAULT_MODEL_NAME, ModelConfig
-    from ..model.loader import read_config_dict
+    from ..model.weights.hf_loader import read_config_dict
     from ..plan.tiers import (
         REFERENCE_PREFIX_TOKENS,
         Profile,
@@ -159,6 +159,6 @@ def _model_dir(model: Optional[str]) -> Path:
         from ..model import ensure_default_model
 
         return ensure_default_model()
-    from ..model.named_models import resolve_model
+    from ..model.weights.named_models import resolve_model
 
     return resolve_model(model)

@@ -202,7 +202,7 @@ def _measure_tiers(remote_url: Optional[str], secret_file: Optional[str]) -> dic
     from ..config import EngineConfig
     from ..engine.device import resolve_device, resolve_dtype
     from ..model import ModelConfig, ensure_default_model
-    from ..model.loader import read_config_dict
+    from ..model.weights.hf_loader import read_config_dict
     from ..plan.tiers import kv_bytes_per_token
 
     config = EngineConfig()  # what measure_costs ran: the built-in model, the engine's dtype

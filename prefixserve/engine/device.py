@@ -44,7 +44,7 @@ def resolve_dtype(name: str, device: torch.device, quantized: bool = False) -> t
     of benchmarks/compare.py's requests (vLLM's CPU build: 64%). On a CPU with bf16 instructions bf16
     runs the suite 1.25-1.6x faster than float32 (AVX-512 BF16, measured on an AMD EPYC). Without
     them (AVX2) bf16's matmuls run in float32 and cost more than float32 itself, so auto is float32.
-    Quantized weights multiply float32 activations (model/quantized_linear.py): auto is float32 there.
+    Quantized weights multiply float32 activations (model/weights/quantized_linear.py): auto is float32 there.
     """
     if name != "auto":
         return TORCH_DTYPES[name]
@@ -58,7 +58,8 @@ def resolve_dtype(name: str, device: torch.device, quantized: bool = False) -> t
 def check_exact(dtype: torch.dtype, device: torch.device, batch_invariant: bool) -> None:
     """Refuse a batch-invariant bfloat16 engine that cannot keep its promise: on CPU without the
     compiled kernel, bf16 attention is exact only through invariant_attention.py, measured on AVX-512."""
-    from ..model import invariant_attention, kernels
+    from ..model import kernels
+    from ..model.attention import invariant as invariant_attention
 
     if dtype != torch.bfloat16 or device.type != "cpu" or not batch_invariant or kernels.compiled is not None:
         return

@@ -21,7 +21,7 @@ import torch
 from ..cache.window_slots import WindowSlots
 from ..config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from ..model import kernels
-from ..model.quantized_model import weight_memory
+from ..model.weights.quantized_model import weight_memory
 from .device import cpu_has_fast_bfloat16, measure_cuda_kv_budget
 from .runner import kv_bytes_per_token
 
@@ -136,7 +136,7 @@ def startup_summary(config, version, dtype: torch.dtype, device: torch.device, n
     """The start-up line: model, dtype, device, weights, KV pool, max_model_len."""
     block_size, num_blocks = config.block_size, pool.num_blocks
     memory = weight_memory(version.model)
-    quantized = version.weights != "float"  # float32 activations by design (model/quantized_linear.py)
+    quantized = version.weights != "float"  # float32 activations by design (model/weights/quantized_linear.py)
     summary = (
         f"model {version.name} ({version.config.architecture}), {dtype} on {device}; "
         f"{memory.describe()}; KV {pool.bytes_per_token} bytes/token; "

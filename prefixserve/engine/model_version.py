@@ -19,7 +19,7 @@ import torch
 from ..cache import CacheScope
 from ..cache.scoping import PromptScoper
 from ..model import DEFAULT_MODEL_NAME, Tokenizer, ensure_default_model, load_generation_eos, load_model
-from ..model.loader import LoadedModel
+from ..model.weights.hf_loader import LoadedModel
 
 logger = logging.getLogger("prefixserve")
 
@@ -96,7 +96,7 @@ def resolve_model_path(model: Optional[str]) -> Path:
     or a directory holding one (converted once), or a model name such as smollm2-135m-instruct."""
     if model is None:
         return ensure_default_model()
-    from ..model.named_models import resolve_model  # imports the gguf reader only when asked
+    from ..model.weights.named_models import resolve_model  # imports the gguf reader only when asked
 
     path = resolve_model(model)
     if not path.is_dir():
@@ -121,8 +121,8 @@ def weight_format(
         return quantize
     if device is not None and device.type != "cpu":
         return "float"
-    from ..model.named_models import gguf_file_of
-    from ..model.quantized_model import holds_quantized_weights
+    from ..model.weights.named_models import gguf_file_of
+    from ..model.weights.quantized_model import holds_quantized_weights
 
     source = None if dequantize else gguf_file_of(model)
     return "gguf" if source is not None and holds_quantized_weights(source) else "float"
@@ -144,11 +144,11 @@ def load_version(
     loaded = load_model(path, dtype, device)
     gguf = None
     if model is not None:
-        from ..model.named_models import gguf_file_of
+        from ..model.weights.named_models import gguf_file_of
 
         gguf = gguf_file_of(model)
     if weights != "float":
-        from ..model.quantized_model import serve_quantized
+        from ..model.weights.quantized_model import serve_quantized
 
         loaded = serve_quantized(loaded, weights, gguf, device)
     tokenizer = Tokenizer.from_dir(path)

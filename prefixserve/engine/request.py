@@ -84,7 +84,7 @@ class Request:
     block_keys: list[bytes] = field(default_factory=list)
     num_inserted_blocks: int = 0  # leading blocks registered in the radix index
     window_start: int = 0  # blocks from here on are attached in the window layers' pool (cache/window_slots.py)
-    long_rope: bool = False  # LongRoPE: rotated with the long factors (model/rope.py), keyed in their own scope
+    long_rope: bool = False  # LongRoPE: rotated with the long factors (model/families/rope.py), keyed apart
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "error"

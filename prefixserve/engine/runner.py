@@ -148,7 +148,7 @@ class ModelRunner:
 
     def _rotary_positions(self, meta: AttentionMetadata, scheduled: Sequence[ScheduledRequest]) -> torch.Tensor:
         """The rows of the rotary table each row reads: its position, past `long_offset` for a sequence that
-        rotates with LongRoPE's long factors (model/rope.py)."""
+        rotates with LongRoPE's long factors (model/families/rope.py)."""
         offset = self.model.rotary.long_offset
         if offset is None or not any(request.long_rope for request, _ in scheduled):
             return meta.positions

@@ -73,7 +73,7 @@ class Scheduler:
     ) -> None:
         self.cache = cache
         self.windows = RequestWindows(window_slots)
-        # LongRoPE (model/rope.py): a sequence growing past this many tokens is recomputed with the long factors
+        # LongRoPE (model/families/rope.py): a sequence growing past this many tokens is recomputed with long factors
         self.long_rope_after = long_rope_after
         self.reuse_gaps = reuse_gaps  # measures release -> next use of prefixes, for TTL planning
         self.hot_prefixes = hot_prefixes  # counts reuse of cached prefixes; the engine ticks it to pin

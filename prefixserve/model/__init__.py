@@ -1,7 +1,7 @@
 """Model side of prefixserve: the Llama family over a paged KV cache, loading, tokenization.
 
 The torch parts load on first use of a name that needs them (PEP 562 `__getattr__`), so the
-tokenizer (`prefixserve.model.tokenizer`, `model_config`, `default.default_tokenizer_dir`) imports
+tokenizer (`prefixserve.model.tokenizers.tokenizer`, `model_config`, `default.default_tokenizer_dir`) imports
 without torch: a router box needs no PyTorch. Never imports prefixserve.engine or prefixserve.cache.
 """
 
@@ -11,19 +11,19 @@ import importlib
 from typing import TYPE_CHECKING
 
 _EXPORTS = {  # name -> submodule that defines it
-    "AttentionMetadata": "attention_metadata",
-    "paged_attention": "attention",
-    "write_kv": "attention",
+    "AttentionMetadata": "attention.metadata",
+    "paged_attention": "attention.paged",
+    "write_kv": "attention.paged",
     "DEFAULT_MODEL_NAME": "default",
     "ensure_default_model": "default",
-    "LlamaForCausalLM": "llama",
-    "LoadedModel": "loader",
-    "load_generation_eos": "loader",
-    "load_model": "loader",
-    "SUPPORTED_ARCHITECTURES": "model_config",
-    "ModelConfig": "model_config",
-    "IncrementalDecoder": "tokenizer",
-    "Tokenizer": "tokenizer",
+    "LlamaForCausalLM": "families.llama",
+    "LoadedModel": "weights.hf_loader",
+    "load_generation_eos": "weights.hf_loader",
+    "load_model": "weights.hf_loader",
+    "SUPPORTED_ARCHITECTURES": "families.model_config",
+    "ModelConfig": "families.model_config",
+    "IncrementalDecoder": "tokenizers.tokenizer",
+    "Tokenizer": "tokenizers.tokenizer",
 }
 
 __all__ = [  # = sorted(_EXPORTS); a literal so linters see the re-exports below
@@ -43,13 +43,13 @@ __all__ = [  # = sorted(_EXPORTS); a literal so linters see the re-exports below
 ]
 
 if TYPE_CHECKING:
-    from .attention import paged_attention, write_kv
-    from .attention_metadata import AttentionMetadata
+    from .attention.metadata import AttentionMetadata
+    from .attention.paged import paged_attention, write_kv
     from .default import DEFAULT_MODEL_NAME, ensure_default_model
-    from .llama import LlamaForCausalLM
-    from .loader import LoadedModel, load_generation_eos, load_model
-    from .model_config import SUPPORTED_ARCHITECTURES, ModelConfig
-    from .tokenizer import IncrementalDecoder, Tokenizer
+    from .families.llama import LlamaForCausalLM
+    from .families.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
+    from .tokenizers.tokenizer import IncrementalDecoder, Tokenizer
+    from .weights.hf_loader import LoadedModel, load_generation_eos, load_model
 
 
 def __getattr__(name: str):

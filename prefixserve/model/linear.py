@@ -33,8 +33,8 @@ from torch import nn
 
 from . import kernels
 from .cpu_caps import cpu_features, onednn_allows
-from .quantized import float32_kernel_arguments
 from .row_calls import RowCalls, probe_once
+from .weights.quantized import float32_kernel_arguments
 
 KERNEL_BACKENDS = ("avx512", "avx2")  # where our float32 tiles were measured against oneDNN's
 

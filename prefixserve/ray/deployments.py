@@ -93,7 +93,7 @@ class Ingress:
         from ..model.default import (
             default_tokenizer_dir,  # the tokenizer only: no torch, no weights
         )
-        from ..model.tokenizer import Tokenizer
+        from ..model.tokenizers.tokenizer import Tokenizer
 
         args = serve_parser().parse_args(list(serve_argv))
         self.engine = engine

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..model.tokenizer import IncrementalDecoder, Tokenizer
+from ..model.tokenizers.tokenizer import IncrementalDecoder, Tokenizer
 from .inbound import ClientRequest
 
 # Fields of the original body that shape sampling; a continuation carries them unchanged.

@@ -87,7 +87,7 @@ class RouterMetrics:
 class Router:
     def __init__(self, settings: RouterSettings) -> None:
         from ..model.default import default_tokenizer_dir  # the tokenizer only: no torch, no weights
-        from ..model.tokenizer import Tokenizer
+        from ..model.tokenizers.tokenizer import Tokenizer
 
         self.settings = settings
         self.replicas = [

@@ -204,7 +204,7 @@ def served_name_of(model: Optional[str]) -> str:
 
 
 def check_model_dir(model: str) -> None:
-    from ..model.named_models import NAMED_MODELS, named_model_file
+    from ..model.weights.named_models import NAMED_MODELS, named_model_file
 
     path = Path(model)
     if not path.exists() and model.lower() in NAMED_MODELS:

@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import kernels
+from .. import kernels
+from ..row_calls import RowCalls, probe_once
 from .quantized import QuantizedWeight, stack_rows
-from .row_calls import RowCalls, probe_once
 
 _DECODE_ROWS = 4096  # weight rows the reference decodes at a time (a 4096 x 4096 slice is 64 MiB)
 

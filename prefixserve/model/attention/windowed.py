@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from .attention_metadata import AttentionMetadata
+from .metadata import AttentionMetadata
 
 
 def windowed_attention(

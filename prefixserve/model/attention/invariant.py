@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import torch
 
-from .cpu_caps import AVX512, aten_capability, cpu_features, mkl_allows_avx512, onednn_allows
+from ..cpu_caps import AVX512, aten_capability, cpu_features, mkl_allows_avx512, onednn_allows
 from .invariant_plan import SEGMENT_KEYS, InvariantCall, InvariantPlan, SegmentCall
 
 

@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .gemma import GemmaForCausalLM
+from ..families.gemma import GemmaForCausalLM
+from ..families.llama import LlamaForCausalLM
+from ..families.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, load_generation_eos
 from .gguf_source import gguf_fingerprint
-from .llama import LlamaForCausalLM
-from .model_config import SUPPORTED_ARCHITECTURES, ModelConfig, load_generation_eos
 
 __all__ = ["LoadedModel", "load_model", "load_generation_eos", "model_fingerprint", "find_weight_files"]
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 if TYPE_CHECKING:
-    from .attention_metadata import AttentionMetadata
+    from .metadata import AttentionMetadata
 
 # When a separate attention call (plus the log-sum-exp merge, about 100-250 us on a CPU) pays for
 # itself: gathering a key costs about 90 ns in float32 and 28 ns in bfloat16 per K or V row.

@@ -28,13 +28,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..attention.metadata import AttentionMetadata, OutputRows
+from ..attention.paged import paged_attention, plan_step, write_kv
+from ..attention.step_plan import StepPlan
+from ..kernels import rowwise_for
+from ..linear import Linear, pack_linears
+from ..weights.hf_weights import load_hf_weights
 from . import decoder_stack
-from .attention import paged_attention, plan_step, write_kv
-from .attention_metadata import AttentionMetadata, OutputRows
-from .attention_plan import StepPlan
-from .hf_weights import load_hf_weights
-from .kernels import rowwise_for
-from .linear import Linear, pack_linears
 from .model_config import ModelConfig
 from .rope import RotaryEmbedding
 

@@ -22,10 +22,10 @@ from typing import Optional
 
 import torch
 
-from . import kernels
-from .attention_metadata import AttentionMetadata
-from .linear import Linear
-from .quantized_linear import QuantizedLinear
+from .. import kernels
+from ..attention.metadata import AttentionMetadata
+from ..linear import Linear
+from ..weights.quantized_linear import QuantizedLinear
 
 ENABLED = True  # tests switch it off to compare against the layer-by-layer path
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .model_families import family_fields
+from .family_fields import family_fields
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",

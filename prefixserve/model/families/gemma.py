@@ -19,8 +19,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .attention_metadata import AttentionMetadata, OutputRows
-from .attention_plan import StepPlan
+from ..attention.metadata import AttentionMetadata, OutputRows
+from ..attention.step_plan import StepPlan
 from .llama import MLP, Attention, KVCache, LlamaForCausalLM, Rotary
 from .model_config import ModelConfig
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from .llama import LlamaForCausalLM
+    from ..families.llama import LlamaForCausalLM
 
 FUSED_ON_DISK = ("Phi3ForCausalLM",)  # families whose checkpoints store qkv_proj and gate_up_proj
 

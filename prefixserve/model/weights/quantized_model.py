@@ -26,9 +26,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..linear import Linear
 from .gguf_blocks import from_gguf_blocks
-from .linear import Linear
-from .loader import LoadedModel
+from .hf_loader import LoadedModel
 from .quantized import QuantizedWeight, quantize
 from .quantized_linear import QuantizedEmbedding, QuantizedLinear
 

@@ -5,7 +5,7 @@ committed as package data, and ``default.py`` copies those files into the genera
 directory. Re-running it changes the tokenizer (and so the tokenizer fingerprint), so only do
 that together with a new default-model version (``prefixserve-tiny-v2``).
 
-    python -m prefixserve.model.make_tokenizer [OUTPUT_DIR]
+    python -m prefixserve.model.tokenizers.make_tokenizer [OUTPUT_DIR]
 
 Training text: the English prose of the Python documentation topics (``pydoc_data/topics.py``)
 and the top-level standard-library modules of the running interpreter, in sorted order, so the
@@ -92,7 +92,7 @@ def tokenizer_config() -> dict:
 
 
 def main(argv: list[str]) -> None:
-    out_dir = Path(argv[0]) if argv else Path(__file__).parent / "data"
+    out_dir = Path(argv[0]) if argv else Path(__file__).parents[1] / "data"
     out_dir.mkdir(parents=True, exist_ok=True)
     train().save(str(out_dir / "tokenizer.json"), pretty=False)
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2) + "\n")

@@ -43,12 +43,12 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .attention_metadata import AttentionMetadata
-from .attention_plan import StepPlan, build_plan
-from .invariant_attention import invariant_attention
+from ..kernels import causal_kernel_for
+from .invariant import invariant_attention
 from .invariant_plan import invariant_calls
-from .kernels import causal_kernel_for
-from .windowed_attention import windowed_attention
+from .metadata import AttentionMetadata
+from .step_plan import StepPlan, build_plan
+from .windowed import windowed_attention
 
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 # Dtypes whose CPU attention takes the batch-invariant path (invariant_attention.py): in bfloat16

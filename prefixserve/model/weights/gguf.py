@@ -26,10 +26,10 @@ from typing import Any
 import numpy as np
 from gguf import GGUFReader
 
-from .default import default_cache_root
+from ..default import default_cache_root
+from ..tokenizers.gguf_tokenizer import build_tokenizer_files, write_tokenizer_files
 from .gguf_checkpoint import TensorPlan, hf_config, load_tensor, plan_tensors, read_metadata
 from .gguf_source import SOURCE_FILE, gguf_fingerprint, read_gguf_source, read_json_object
-from .gguf_tokenizer import build_tokenizer_files, write_tokenizer_files
 
 __all__ = ["CONVERTER_VERSION", "SOURCE_FILE", "convert_gguf", "find_gguf_file", "gguf_fingerprint", "read_gguf_source"]
 

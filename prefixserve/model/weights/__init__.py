@@ -1,0 +1,1 @@
+"""Weight formats: Hugging Face checkpoints, GGUF files, and weights kept quantized in memory."""
