@@ -12,7 +12,7 @@ from model_helpers import PagedSequences
 
 from prefixserve import SamplingParams
 from prefixserve.engine import engine as engine_module
-from prefixserve.engine.engine import resolve_dtype
+from prefixserve.engine.device import resolve_dtype
 from prefixserve.model.attention import paged as attention_module
 from prefixserve.model.linear import Linear, float_kernel, native_bfloat16_matmul
 

@@ -15,7 +15,7 @@ from prefixserve.traces.agents import (
     generate_agent_trace,
     parse_agent_knobs,
 )
-from prefixserve.traces.mooncake import load_trace
+from prefixserve.traces.named import load_trace
 
 
 def sessions_of(trace):

@@ -18,7 +18,8 @@ from prefixserve.simulator.replay import (
 )
 from prefixserve.simulator.report import BOUND_NAME, format_table, results_to_json
 from prefixserve.traces.agents import AgentTraceConfig, generate_agent_trace
-from prefixserve.traces.mooncake import TRACE_DIR, Trace, TraceFormatError, TraceRequest, load_mooncake, load_trace
+from prefixserve.traces.mooncake import TRACE_DIR, Trace, TraceFormatError, TraceRequest, load_mooncake
+from prefixserve.traces.named import load_trace
 
 CONVERSATION = TRACE_DIR / "conversation.jsonl.gz"  # shipped in the package: no test reads outside the clone
 # 1 ms a prompt token, 10 ms an output token, no attention term or overhead, no decode batching.

@@ -11,7 +11,8 @@ from prefixserve.router.costs import CostModel
 from prefixserve.simulator.pd_replay import fleet_roles, parse_pd, simulate_steps
 from prefixserve.simulator.replay import SimulationConfig, prepare_routes
 from prefixserve.simulator.steps import last_block_tokens
-from prefixserve.traces.mooncake import Trace, TraceRequest, load_trace
+from prefixserve.traces.mooncake import Trace, TraceRequest
+from prefixserve.traces.named import load_trace
 
 # 1 ms a prompt token, no attention term or overhead; a 10 ms decode step plus nothing for KV reads;
 # chunks of 512 tokens (0.512 s); 1,000 KV bytes a token and a shared tier at 512 MB/s (1 ms a 512-token block).

@@ -17,7 +17,8 @@ from prefixserve.simulator.replay import (
 from prefixserve.simulator.replica import SimulatedReplica, SimulationClock
 from prefixserve.simulator.report import BOUND_NAME
 from prefixserve.simulator.tier_model import ReplicaTiers, SimulatedTier
-from prefixserve.traces.mooncake import Trace, TraceRequest, load_trace
+from prefixserve.traces.mooncake import Trace, TraceRequest
+from prefixserve.traces.named import load_trace
 
 # 1 ms a prompt token (0.512 s a 512-token block), no attention or overhead. 1,000 KV bytes a token,
 # 512,000 a block: host 1 ms a block, disk 10 ms, remote 100 ms, plus a latency of one block's read.
