@@ -12,8 +12,8 @@ from .chat_tools import render_chat, template_reads_tools
 from .config import EngineConfig
 from .engine.assembly import build_engine
 from .engine.engine import PromptType
+from .engine.operations.reload import purge_previous_remote
 from .engine.outputs import RequestOutput
-from .engine.reload import purge_previous_remote
 from .engine.sampling_params import SamplingParams
 from .prompts import split_prompts
 

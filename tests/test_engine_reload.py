@@ -71,7 +71,7 @@ def test_reloading_back_serves_the_first_version_again_from_a_cold_cache(version
 def test_a_reload_that_cannot_work_changes_nothing(versions, tmp_path):
     from model_helpers import qwen2_config, write_random_checkpoint
 
-    from prefixserve.engine.reload import IncompatibleModelError
+    from prefixserve.engine.operations.reload import IncompatibleModelError
 
     path_a, _, cold_a, _ = versions
     llm = make_llm(model=str(path_a))

@@ -109,7 +109,7 @@ def _plan_tiers(args: argparse.Namespace) -> int:
     read_costs = measure_tier_reads(block_shape, dtype, args.disk_dir, args.kv_remote_url, args.kv_tier_secret_file)
     prefill, source = args.prefill_seconds_per_token, "given"
     if prefill is None:
-        from ..engine.calibrate import measure_costs  # loads the model and runs it: the slow part
+        from ..engine.operations.calibrate import measure_costs  # loads the model and runs it: the slow part
 
         logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
         costs = measure_costs(progress=not args.no_progress, model=args.model, dtype=dtype)

@@ -1,5 +1,5 @@
 """`prefixserve simulate`: replay a trace over simulated replicas (simulator/replay.py) and report,
-or `--calibrate` this engine's costs for the replay (engine/calibrate.py, and the tier reads that
+or `--calibrate` this engine's costs for the replay (engine/operations/calibrate.py, and the tier reads that
 `prefixserve plan tiers` times)."""
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ def simulate(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from ..engine.calibrate import measure_costs  # the one path here that needs torch
+    from ..engine.operations.calibrate import measure_costs  # the one path here that needs torch
     from ..router.costs import CostModel
 
     path = output_path("--calibrate", args.calibrate)

@@ -21,8 +21,8 @@ from .kv_event_publisher import kv_event_queue, make_kv_event_publisher
 from .kv_pool_size import size_kv_pool, startup_summary, window_slots_for
 from .model_version import CurrentVersion, load_version, weight_format
 from .numerics import numerics_fingerprint
+from .operations.pins import PinTable
 from .output_processor import OutputProcessor
-from .pins import PinTable
 from .runner import ModelRunner
 from .scheduler import Scheduler
 from .tier_setup import tiered_kv

@@ -28,9 +28,9 @@ from ..config import EngineConfig
 from .assembly import build_engine
 from .engine import LLMEngine, PromptType
 from .model_version import ModelVersion
+from .operations.reload import swap_model
 from .outputs import RequestOutput
 from .queries import EngineQueries
-from .reload import swap_model
 from .request import Request
 from .sampling_params import SamplingParams
 

@@ -18,9 +18,9 @@ from .engine_parts import EngineParts
 from .input_processor import PromptType
 from .limits import RANGES
 from .model_version import ModelVersion, load_version, weight_format
+from .operations.pins import Pin, restore_pins
+from .operations.reload import ReloadReport, check_swappable, swap_model
 from .outputs import RequestOutput
-from .pins import Pin, restore_pins
-from .reload import ReloadReport, check_swappable, swap_model
 from .request import Request
 from .sampling_params import SamplingParams
 from .scheduler import SchedulerOutput

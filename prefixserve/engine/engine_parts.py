@@ -16,8 +16,8 @@ from ..config import EngineConfig
 from .input_processor import InputProcessor
 from .kv_tiers import TieredKV
 from .model_version import CurrentVersion
+from .operations.pins import PinTable
 from .output_processor import OutputProcessor
-from .pins import PinTable
 from .runner import ModelRunner
 from .scheduler import Scheduler
 

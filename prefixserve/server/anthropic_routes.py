@@ -2,7 +2,7 @@
 
 Auth as on the OpenAI endpoints (x-api-key or a Bearer key, mapped to tenants alike); every error is
 Anthropic's body. The prefix up to each cache_control breakpoint is pinned for its TTL once the request has
-computed it (engine/pins.py's keep: a later request with the same breakpoint pushes the expiry out), so it
+computed it (engine/operations/pins.py's keep: a later request with the same breakpoint pushes the expiry out), so it
 stays in the pool, and so in every tier below, for at least that long.
 """
 

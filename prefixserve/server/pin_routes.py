@@ -1,7 +1,7 @@
 """Operator pins over HTTP: POST /v1/cache/pin, GET /v1/cache/pins, DELETE /v1/cache/pins/{id}.
 
 A pin keeps a prompt's full blocks resident in one tenant's scope (or the public one), for
-`ttl` seconds or until removed; with a disk tier it survives restarts (engine/pins.py).
+`ttl` seconds or until removed; with a disk tier it survives restarts (engine/operations/pins.py).
 The prompt is tokenized exactly as a request of that tenant would be (a chat is rendered by
 the chat template), run once (a one-token generation: a hit when cached, else a prefill),
 then pinned, all inside the reload gate so that a reload cannot slip in between.

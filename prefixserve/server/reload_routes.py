@@ -2,7 +2,7 @@
 
 A request is tokenized with the current tokenizer and queued inside `ReloadGate.admitting`;
 a reload loads the new weights first (requests keep flowing), then holds the gate shut
-while the engine drains what was queued on the old version and swaps (engine/reload.py).
+while the engine drains what was queued on the old version and swaps (engine/operations/reload.py).
 Requests that arrive meanwhile wait at the gate and run on the new version: none fails.
 """
 
@@ -16,7 +16,7 @@ from typing import Optional
 from fastapi import APIRouter, Request
 
 from ..engine.async_engine import EngineDeadError
-from ..engine.reload import IncompatibleModelError, purge_previous_remote
+from ..engine.operations.reload import IncompatibleModelError, purge_previous_remote
 from ..http import APIError
 from ..http_body import parse_json_body
 from .generation import engine_dead

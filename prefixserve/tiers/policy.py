@@ -11,7 +11,7 @@ kv_fetch_policy "always": fetch the whole run. "cost" (the default):
 
 A read of n blocks from a tier costs `latency + n * block_bytes / bandwidth`; recomputing
 them costs `n * block_size * prefill_seconds_per_token`. Both are measured: each tier
-keeps a TierCost current from its own reads, and engine/calibrate.py measures prefill.
+keeps a TierCost current from its own reads, and engine/operations/calibrate.py measures prefill.
 
 Per-token prefill is taken as constant, which undercounts attention's growth with
 position, so the model errs towards recomputing long prefixes: the safe side.

@@ -200,7 +200,7 @@ def restore_pins(engine) -> int:
     """Warm `engine`'s pins waiting to be restored (a one-token generation each: a hit from the disk
     tier after a restart, a prefill after a reload) and pin them again; call with no request in
     flight. Returns how many were restored; one that cannot be is logged and dropped."""
-    from .sampling_params import SamplingParams
+    from ..sampling_params import SamplingParams
 
     table = engine.pins
     waiting, table.to_restore = table.to_restore, []

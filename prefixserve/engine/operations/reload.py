@@ -23,7 +23,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from .model_version import ModelVersion
+from ..model_version import ModelVersion
 
 logger = logging.getLogger("prefixserve")
 

@@ -14,11 +14,11 @@ from typing import Any
 
 from tqdm import tqdm
 
-from ..config import EngineConfig
-from .assembly import build_engine
-from .engine import LLMEngine
-from .outputs import RequestOutput
-from .sampling_params import SamplingParams
+from ...config import EngineConfig
+from ..assembly import build_engine
+from ..engine import LLMEngine
+from ..outputs import RequestOutput
+from ..sampling_params import SamplingParams
 
 SHORT, LONG = 512, 2048  # two prompt lengths separate the linear and the quadratic (attention) terms
 DECODE_BATCH = 16
