@@ -11,7 +11,7 @@ from conftest import make_llm
 from model_helpers import PagedSequences
 
 from prefixserve import SamplingParams
-from prefixserve.engine import engine as engine_module
+from prefixserve.engine import assembly
 from prefixserve.engine.device import resolve_dtype
 from prefixserve.model.attention import paged as attention_module
 from prefixserve.model.linear import Linear, float_kernel, native_bfloat16_matmul
@@ -105,4 +105,4 @@ def test_auto_dtype_is_bfloat16_where_the_cpu_scores_and_multiplies_bf16_nativel
     assert resolve_dtype("bfloat16", cpu) == torch.bfloat16
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
     assert resolve_dtype("float32", cpu) == torch.float32  # what the reference tests ask for
-    assert engine_module.resolve_dtype is resolve_dtype
+    assert assembly.resolve_dtype is resolve_dtype  # the one build_engine calls
