@@ -38,10 +38,10 @@ class FakeEngine:
 
 
 def fake_tiers(prefill_seconds_per_token=DEFAULT_PREFILL_SECONDS_PER_TOKEN, tiers=None):
-    """What the what-if panel reads of an engine's TieredKV: its tiers (none: an empty one) and the learnt prefill."""
-    return SimpleNamespace(
-        tiers=tiers or {}, context=SimpleNamespace(prefill_seconds_per_token=prefill_seconds_per_token)
-    )
+    """What the what-if panel reads of an engine's TieredKV: its tiers (none: an empty one), the learnt prefill
+    and a block's bytes."""
+    context = SimpleNamespace(prefill_seconds_per_token=prefill_seconds_per_token, block_bytes=BLOCK_BYTES)
+    return SimpleNamespace(tiers=tiers or {}, context=context)
 
 
 def make_core(tiers=None):

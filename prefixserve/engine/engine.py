@@ -68,7 +68,6 @@ class LLMEngine:
     def scoper(self) -> PromptScoper:
         return self.current.version.scoper
 
-    # ------------------------------------------------------------- set-up
     # ----------------------------------------------------------- requests
     def add_request(
         self,

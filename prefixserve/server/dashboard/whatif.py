@@ -42,7 +42,6 @@ from ...plan.ttl import DEFAULT_TTLS_SECONDS, plan_ttl
 from ...tiers import TierCost
 from ...tiers.disk import DISK_READ_COST
 from ...tiers.host import HOST_READ_COST
-from ...tiers.record import DTYPE_SIZES
 from ...traces.mooncake import BUILT_IN_TRACES
 from ...traces.named import load_trace
 
@@ -78,8 +77,6 @@ def engine_costs(core) -> EngineCosts:
     """Prefill per token as the engine's tier planner learns it from prefill-heavy steps; each tier's read
     cost as its own reads taught it (the tiers' start-up priors when the server runs without tiers)."""
     tiers = core.tiers
-    runner = core.runner
-    block_bytes = math.prod(runner.block_shape) * DTYPE_SIZES[runner.dtype_name]
     prefill = tiers.context.prefill_seconds_per_token
     if tiers.tiers:
         read_costs = {name: _copy(tier.read_cost) for name, tier in tiers.tiers.items()}
@@ -89,7 +86,7 @@ def engine_costs(core) -> EngineCosts:
         read_source = "the tiers' start-up priors (this server has no KV tiers)"
     return EngineCosts(
         core.config.block_size,
-        block_bytes,
+        tiers.context.block_bytes,  # a pool block's KV, every layer: what a tier record's payload holds
         core.cache.pool.num_blocks,
         prefill,
         "measured: the engine's moving average over prefill-heavy steps"
