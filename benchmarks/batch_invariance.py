@@ -42,6 +42,9 @@ import torch
 
 from prefixserve.model import AttentionMetadata, ensure_default_model, load_model  # noqa: E402
 from prefixserve.model.attention import step_plan as attention_plan  # noqa: E402
+from prefixserve.model.attention.cascade import CascadeAttention  # noqa: E402
+from prefixserve.model.attention.compiled import CompiledAttention  # noqa: E402
+from prefixserve.model.attention.invariant import InvariantAttention  # noqa: E402
 from prefixserve.model.families import llama  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -105,7 +108,7 @@ class Recorder:
 
 @contextmanager
 def instrumented(model, recorder_of: Callable[[], Recorder]):
-    """Hooks on every op of `model`; the functions rotate and paged_attention are wrapped."""
+    """Hooks on every op of `model`; rotate and the attention backends' forward are wrapped."""
     handles = []
     config = model.config
     q_size = config.num_attention_heads * config.head_dim
@@ -157,7 +160,9 @@ def instrumented(model, recorder_of: Callable[[], Recorder]):
     handles.append(model.norm.register_forward_hook(module_hook(["final_norm"], whole, lambda: 0)))
     handles.append(model.lm_head.register_forward_hook(module_hook(["logits"], whole, lambda: 0)))
 
-    original_rotate, original_attention = llama.rotate, llama.paged_attention
+    original_rotate = llama.rotate
+    backends = (CompiledAttention, InvariantAttention, CascadeAttention)
+    original_forwards = [backend.forward for backend in backends]
     num_heads = config.num_attention_heads
 
     def rotate(x, cos, sin):
@@ -167,16 +172,23 @@ def instrumented(model, recorder_of: Callable[[], Recorder]):
         )
         return out
 
-    def paged_attention(q, *args, **kwargs):
-        out = original_attention(q, *args, **kwargs)
-        recorder_of().observe(["attention"], current_layer(), out, whole)
-        return out
+    def observed(forward):
+        def attention(self, q, *args, **kwargs):
+            out = forward(self, q, *args, **kwargs)
+            recorder_of().observe(["attention"], current_layer(), out, whole)
+            return out
 
-    llama.rotate, llama.paged_attention = rotate, paged_attention
+        return attention
+
+    llama.rotate = rotate
+    for backend, forward in zip(backends, original_forwards):
+        backend.forward = observed(forward)
     try:
         yield
     finally:
-        llama.rotate, llama.paged_attention = original_rotate, original_attention
+        llama.rotate = original_rotate
+        for backend, forward in zip(backends, original_forwards):
+            backend.forward = forward
         for handle in handles:
             handle.remove()
 

@@ -6,6 +6,8 @@ import pytest
 from conftest import make_llm
 
 from prefixserve import SamplingParams
+from prefixserve.model.attention.cascade import CascadeAttention
+from prefixserve.model.attention.invariant import InvariantAttention
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -146,32 +148,45 @@ def test_bfloat16_without_kernels_is_refused_where_unmeasured(monkeypatch):
     make_llm(dtype="bfloat16")
 
 
+def _recording(forward, calls: list):
+    """A backend's forward that first notes the backend's name in `calls`."""
+
+    def recorded(self, *args, **kwargs):
+        calls.append(self.name)
+        return forward(self, *args, **kwargs)
+
+    return recorded
+
+
 def test_batch_invariant_false_takes_the_faster_bfloat16_path(monkeypatch):
     """batch_invariant=False (--no-batch-invariant) is the opt-out: no one-row Linear rule and, on the
     pure-PyTorch path, no invariant attention call; the default takes both. (The compiled kernel's
     attention is batch-invariant either way. Whether outputs then differ depends on the CPU.)"""
     import prefixserve.model.attention.paged as attention
+    from prefixserve.model.attention import partials
     from prefixserve.model.linear import Linear
 
-    if attention._CPU_FLASH is None:
+    if partials.CPU_FLASH is None:
         pytest.skip("this torch has no CPU flash attention: the invariant path is never taken")
     monkeypatch.setattr(attention, "causal_kernel_for", lambda k_cache: None)
     calls = []
-    real = attention.takes_invariant_path
-    monkeypatch.setattr(attention, "takes_invariant_path", lambda *args: calls.append(real(*args)) or calls[-1])
+    for backend in (CascadeAttention, InvariantAttention):
+        monkeypatch.setattr(backend, "forward", _recording(backend.forward, calls))
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     prompt = list(range(10, 90))
     fast = make_llm(dtype="bfloat16", batch_invariant=False)
+    assert fast.engine.runner.attention.name == "cascade"
     assert all(
         not module.batch_invariant for module in fast.engine.runner.model.modules() if isinstance(module, Linear)
     )
     fast.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
-    assert calls and not any(calls)
+    assert calls and set(calls) == {"cascade"}
     exact = make_llm(dtype="bfloat16")
+    assert exact.engine.runner.attention.name == "invariant"
     assert all(module.batch_invariant for module in exact.engine.runner.model.modules() if isinstance(module, Linear))
     calls.clear()
     exact.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
-    assert calls and all(calls)
+    assert calls and set(calls) == {"invariant"}
     fast.reload(None)  # a reloaded model keeps the engine's choice
     assert all(
         not module.batch_invariant for module in fast.engine.runner.model.modules() if isinstance(module, Linear)

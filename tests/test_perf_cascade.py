@@ -10,20 +10,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefixserve.model import AttentionMetadata, paged_attention, write_kv
-from prefixserve.model.attention import paged as attention_module
+from prefixserve.model import AttentionMetadata, write_kv
+from prefixserve.model.attention import partials
 from prefixserve.model.attention import step_plan as attention_plan
-from prefixserve.model.attention.paged import plan_step
+from prefixserve.model.attention.cascade import CascadeAttention
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 8, 2, 16, 4, 200
 SCALE = HEAD_DIM**-0.5
 
-
-@pytest.fixture(autouse=True)
-def pure_pytorch_attention(monkeypatch):
-    """The plan (cascade, views, gathers) is how the pure-PyTorch path reads the cache; the compiled
-    kernel reads every row in place and needs none (tests/test_model_kernels.py covers it)."""
-    monkeypatch.setattr(attention_module, "causal_kernel_for", lambda k_cache: None)
+# The plan (cascade, views, gathers) is how the cascade backend reads the cache; the compiled kernel reads
+# every row in place and needs none (tests/test_model_kernels.py covers it).
+CASCADE = CascadeAttention()
 
 
 def dense_attention(q, k, v):
@@ -81,8 +78,8 @@ class Scenario:
         new_v = torch.cat([v[cached:] for (_, cached, _), (_, v) in zip(self.specs, self.contexts)])
         write_kv(new_k, new_v, k_cache, v_cache, meta.slot_mapping)
         kv = (new_k, new_v) if pass_new_kv else (None, None)
-        plan = plan_step(meta, k_cache)
-        return paged_attention(self.q, k_cache, v_cache, meta, SCALE, *kv, plan=plan), plan
+        plan = CASCADE.plan(meta, k_cache)
+        return CASCADE.forward(self.q, k_cache, v_cache, meta, SCALE, plan, *kv), plan
 
     def expected(self):
         rows = torch.split(torch.arange(len(self.q)), [new for _, _, new in self.specs])
@@ -143,7 +140,7 @@ def test_many_decodes_share_one_read():
 
 def test_math_fallback_matches_dense(monkeypatch, eager_thresholds):
     """Off the CPU (no fused kernel with log-sum-exp) the parts are computed with plain matmuls."""
-    monkeypatch.setattr(attention_module, "_CPU_FLASH", None)
+    monkeypatch.setattr(partials, "CPU_FLASH", None)
     scenario = Scenario(shared_scenario(), seed=7)
     out, _ = scenario.run()
     torch.testing.assert_close(out, scenario.expected(), atol=1e-5, rtol=1e-5)

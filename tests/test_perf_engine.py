@@ -13,6 +13,7 @@ from model_helpers import PagedSequences
 from prefixserve import SamplingParams
 from prefixserve.engine import assembly
 from prefixserve.engine.device import resolve_dtype
+from prefixserve.model.attention import cascade
 from prefixserve.model.attention import paged as attention_module
 from prefixserve.model.linear import Linear, float_kernel, native_bfloat16_matmul
 
@@ -31,13 +32,13 @@ def test_shared_prefix_batch_reads_the_prefix_once_and_keeps_outputs(monkeypatch
     those of an engine without the cache."""
     monkeypatch.setattr(attention_module, "causal_kernel_for", lambda k_cache: None)
     plans = []
-    build_plan = attention_module.build_plan
+    build_plan = cascade.build_plan
 
     def recording_build_plan(*args):
         plans.append(build_plan(*args))
         return plans[-1]
 
-    monkeypatch.setattr(attention_module, "build_plan", recording_build_plan)
+    monkeypatch.setattr(cascade, "build_plan", recording_build_plan)
     prompts = shared_prompts()
     cached = make_llm()
     cached.generate([prompts[0][:300] + [7]], GREEDY, use_tqdm=False)  # caches the prefix

@@ -7,7 +7,7 @@
 //   paged_causal   every row of a step (prefill chunks and decodes), a row at position p over keys
 //                  [0, p + 1) (or its sliding window's last keys), read in place from the paged KV cache,
 //                  each row's bits its own whatever else is in the call. Kernel: paged_causal.cpp.
-//                  Reference: attention.py's plan path (float32) and invariant_attention.py (bf16).
+//                  Reference: model/attention/cascade.py (float32) and invariant.py (bf16).
 //   rms_norm, add_rms_norm_, rotate_heads_, silu_mul
 //                  the decoder layer's row-wise work in float32 or bf16, one pass each (variants with
 //                  a fused multiply-add: all but portable).

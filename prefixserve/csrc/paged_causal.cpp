@@ -1,8 +1,8 @@
 // Causal attention of every row of a step, read in place from the paged cache: a row at position p
 // attends to keys [0, p + 1), or with a sliding window of w keys to [first, p + 1), first = max(0, p + 1 - w);
 // with a soft cap c (Gemma 2) each score s becomes c tanh(s / c) before the softmax.
-// Every row of every step, prefill chunks and decodes, float32 and bf16 (attention.py calls nothing else
-// where the kernel is built).
+// Every row of every step, prefill chunks and decodes, float32 and bf16 (model/attention/compiled.py: an engine
+// whose pool the kernel takes calls nothing else).
 //
 // Written once over simd.h and compiled once per CPU variant (W float32 lanes: 16 on AVX-512, 8 on
 // AVX2, 4 on NEON and portable). A work item is up to ROWS consecutive rows of one sequence and one

@@ -82,7 +82,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         window_slots=window_slots,
     )
     version = current.version
-    summary = startup_summary(config, version, dtype, device, numerics, pool)
+    summary = startup_summary(config, version, dtype, device, numerics, pool, runner.attention.name)
     parts = EngineParts(
         config=config,
         device=device,

@@ -57,7 +57,7 @@ def resolve_dtype(name: str, device: torch.device, quantized: bool = False) -> t
 
 def check_exact(dtype: torch.dtype, device: torch.device, batch_invariant: bool) -> None:
     """Refuse a batch-invariant bfloat16 engine that cannot keep its promise: on CPU without the
-    compiled kernel, bf16 attention is exact only through invariant_attention.py, measured on AVX-512."""
+    compiled kernel, bf16 attention is exact only through model/attention/invariant.py, measured on AVX-512."""
     from ..model import kernels
     from ..model.attention import invariant as invariant_attention
 

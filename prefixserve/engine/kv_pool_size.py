@@ -132,8 +132,10 @@ def _window_note(pool: PoolSize) -> str:
     return f", the sliding-window layers' K/V in {pool.num_window_slots} blocks of their own"
 
 
-def startup_summary(config, version, dtype: torch.dtype, device: torch.device, numerics: str, pool: PoolSize) -> str:
-    """The start-up line: model, dtype, device, weights, KV pool, max_model_len."""
+def startup_summary(
+    config, version, dtype: torch.dtype, device: torch.device, numerics: str, pool: PoolSize, attention: str
+) -> str:
+    """The start-up line: model, dtype, device, weights, KV pool, max_model_len, the attention backend."""
     block_size, num_blocks = config.block_size, pool.num_blocks
     memory = weight_memory(version.model)
     quantized = version.weights != "float"  # float32 activations by design (model/weights/quantized_linear.py)
@@ -143,7 +145,7 @@ def startup_summary(config, version, dtype: torch.dtype, device: torch.device, n
         f"{num_blocks} blocks x {block_size} = {num_blocks * block_size} tokens fit "
         f"({pool.num_bytes / 2**20:.0f} MiB{_window_note(pool)}); "
         f"max_model_len {version.max_model_len}{pool.note}; "
-        f"prefix caching {'on' if config.enable_prefix_caching else 'off'}; numerics {numerics}"
+        f"prefix caching {'on' if config.enable_prefix_caching else 'off'}; numerics {numerics}; attention {attention}"
     )
     if device.type == "cpu":
         summary += "; " + kernels.describe()

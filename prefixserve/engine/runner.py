@@ -15,6 +15,7 @@ import torch
 
 from ..cache.window_slots import WindowSlots
 from ..model import AttentionMetadata, LlamaForCausalLM, ModelConfig
+from ..model.attention.paged import choose_backend
 from .kv_memory import zeroed_pool
 from .logits_processors import process_logits
 from .model_version import CurrentVersion
@@ -77,6 +78,8 @@ class ModelRunner:
                 config.head_dim,
             )
             self.kv_caches.append((zeroed_pool(shape, dtype, device), zeroed_pool(shape, dtype, device)))
+        # Attention reads the pool one way for this engine's life: compiled, invariant or cascade (model/attention/)
+        self.attention = choose_backend(self.kv_caches[0][0], batch_invariant)
         self.sampler = Sampler(seed)
 
     def prepare(self, model: LlamaForCausalLM) -> None:
@@ -174,7 +177,6 @@ class ModelRunner:
                 sample_rows.append(len(input_ids) - 1)
                 sampled_requests.append(request)
         meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size, self.device)
-        meta.batch_invariant = self.batch_invariant
         window_meta = None
         if self.window_slots is not None:  # the same step over the window layers' slots (-1: released below a window)
             slot_of = self.window_slots.slot_of
@@ -185,7 +187,6 @@ class ModelRunner:
                 self.block_size,
                 self.device,
             )
-            window_meta.batch_invariant = self.batch_invariant
         # Only the sampled rows' outputs are used: the last layer computes those alone (every row's
         # K/V is still written). A step of decodes samples every row.
         every_row = len(sample_rows) == len(input_ids)
@@ -196,6 +197,7 @@ class ModelRunner:
             meta,
             output_rows=None if every_row else sample_rows,
             window_meta=window_meta,
+            attention=self.attention,
         )
         if not sample_rows:
             return StepResult([None] * len(scheduled), [None] * len(scheduled))

@@ -1,9 +1,9 @@
 """prefixserve's compiled CPU kernels (prefixserve/csrc/, built by `pip install -e .`) in the variant
 this CPU runs best, or None.
 
-    paged_causal   every row of a step (prefill chunks and decodes),       reference: attention.py's plan
-                   read in place from the paged cache; a row at p reads    path (float32) and
-                   keys [0, p + 1), and its bits are its own whatever      invariant_attention.py (bf16)
+    paged_causal   every row of a step (prefill chunks and decodes),       reference: attention/'s
+                   read in place from the paged cache; a row at p reads    cascade.py (float32) and
+                   keys [0, p + 1), and its bits are its own whatever      invariant.py (bf16)
                    else is in the batch
     rms_norm, add_rms_norm_, rotate_heads_, silu_mul                       reference: llama.py's RMSNorm,
                    float32 and bf16 row-wise work of a decoder layer in    rotate and MLP

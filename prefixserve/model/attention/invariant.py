@@ -40,10 +40,17 @@ planned in invariant_plan.py; this module runs them and merges the parts.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Optional
+
 import torch
 
 from ..cpu_caps import AVX512, aten_capability, cpu_features, mkl_allows_avx512, onednn_allows
-from .invariant_plan import SEGMENT_KEYS, InvariantCall, InvariantPlan, SegmentCall
+from .backend import AttentionBackend
+from .invariant_plan import SEGMENT_KEYS, InvariantCall, InvariantPlan, SegmentCall, invariant_calls
+from .metadata import AttentionMetadata
+from .partials import attend
+from .windowed import MASKED_ROWS, needs_masked_rows, windowed_attention
 
 
 def measured_here() -> bool:
@@ -59,8 +66,64 @@ def measured_here() -> bool:
     )
 
 
+@dataclass
+class InvariantStep:
+    """A step's plan for one pool: its calls, planned by the first layer (which knows the heads a KV group has),
+    and their additive masks per dtype, both read by every later layer."""
+
+    meta: AttentionMetadata
+    block_size: int
+    calls: Optional[InvariantPlan] = None
+    masks: dict = field(default_factory=dict)
+
+    def calls_for(self, group: int) -> InvariantPlan:
+        if self.calls is None:
+            self.calls = invariant_calls(self.meta, self.block_size, group)
+        return self.calls
+
+
+class InvariantAttention(AttentionBackend):
+    """bf16 on the CPU without the compiled kernel, where the engine asks for batch invariance (the default):
+    exists because the cascade's rounding depends on the batch, and then a cache hit changes greedy tokens."""
+
+    name = "invariant"
+
+    def plan(
+        self,
+        meta: AttentionMetadata,
+        k_cache: torch.Tensor,
+        window: Optional[int] = None,
+        softcap: Optional[float] = None,
+    ) -> InvariantStep | str:
+        if needs_masked_rows(meta, window, softcap):
+            return MASKED_ROWS
+        return InvariantStep(meta, k_cache.shape[1])
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        plan: object = None,
+        k: Optional[torch.Tensor] = None,
+        v: Optional[torch.Tensor] = None,
+        window: Optional[int] = None,
+        softcap: Optional[float] = None,
+    ) -> torch.Tensor:
+        num_heads, num_kv_heads, head_dim = q.shape[1], k_cache.shape[2], k_cache.shape[3]
+        assert num_heads % num_kv_heads == 0, f"{num_heads} heads not a multiple of {num_kv_heads} KV heads"
+        if plan is None:
+            plan = self.plan(meta, k_cache, window, softcap)
+        if plan is MASKED_ROWS:
+            return windowed_attention(q, k_cache, v_cache, meta, scale, window, softcap)
+        flat_k, flat_v = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
+        return invariant_attention(q, flat_k, flat_v, plan.calls_for(num_heads // num_kv_heads), plan.masks, scale)
+
+
 def invariant_attention(
-    q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor, plan: InvariantPlan, masks: dict, scale: float, attend
+    q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor, plan: InvariantPlan, masks: dict, scale: float
 ) -> torch.Tensor:
     """Attention of q [T, heads, d] over the flat caches [slots, kv_heads, d] by `plan`."""
     num_heads, head_dim = q.shape[1], q.shape[2]

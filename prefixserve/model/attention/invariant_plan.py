@@ -1,10 +1,10 @@
-"""The calls of the batch-invariant attention path (invariant_attention.py), planned once per step.
+"""The calls of the batch-invariant attention path (invariant.py), planned once per step.
 
 Which q rows each call folds into its entries, which key slots it reads and which of them are
 visible, and which rows merge whole-segment partials with their tail: the shapes that keep a row's
-bits its own whatever else is in the step are measured and explained in invariant_attention.py's
+bits its own whatever else is in the step are measured and explained in invariant.py's
 docstring, and the constants here are those shapes. Planned on a step's first layer
-(attention.paged_attention) and kept in its StepPlan (`invariant_calls`) for the other layers.
+(InvariantStep.calls_for) and kept in the step's plan for the other layers.
 """
 
 from __future__ import annotations

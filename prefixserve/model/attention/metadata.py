@@ -1,8 +1,8 @@
 """The metadata of one attention step: where each input token's K/V go and which rows are sampled.
 
 Built once per step from the scheduler's Python lists (block tables, query and context lengths) and
-handed to every layer; paged attention (attention.py, whose docstring draws the cache layout and
-the rows of a step) and its plan (attention_plan.py) read it. OutputRows narrows a step to the rows
+handed to every layer; the attention backends (paged.py, whose docstring draws the cache layout and
+the rows of a step, and backend.py) and their plans read it. OutputRows narrows a step to the rows
 whose outputs are used, for the model's last layer.
 """
 
@@ -29,7 +29,6 @@ class AttentionMetadata:
     block_table_lists: list[list[int]]  # the unpadded lists given to build: sharing and runs are found here
     positions: Optional[torch.Tensor] = None  # int64 [num_tokens]: position of each row (for rotary)
     first_slot: Optional[int] = None  # set when the slot mapping is first_slot, first_slot + 1, ...
-    batch_invariant: bool = True  # bf16, pure-PyTorch path: invariant_attention.py (False: faster, rounding varies)
 
     def __post_init__(self) -> None:
         num_seqs = len(self.query_lens)
@@ -122,5 +121,4 @@ class OutputRows:
         one_row = None
         if rows:
             one_row = AttentionMetadata.build([1] * len(rows), [p + 1 for p in positions], tables, block_size, device)
-            one_row.batch_invariant = meta.batch_invariant
         return cls(index=torch.tensor(rows, dtype=torch.int64, device=device), meta=one_row)

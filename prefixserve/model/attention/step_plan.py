@@ -1,4 +1,4 @@
-"""The per-step attention plan: which key slots each query group reads, and how (see attention.py).
+"""The cascade's per-step plan: which key slots each query group reads, and how (see cascade.py).
 
 Built once per step from the metadata (block tables, lengths) and reused by every layer: shared
 prefixes read once per group, consecutive block runs read in place, the rest gathered.
@@ -64,7 +64,6 @@ class _Chunk:
     each other, after its whole past when `past` is set (then with `mask`)."""
 
     rows: slice
-    own_slots: torch.Tensor  # slots of its own tokens (read back when k/v are not given)
     past: Optional[_Keys] = None  # past + own keys together
     mask: Optional[torch.Tensor] = None  # bool [query_len, seq_len]
 
@@ -75,7 +74,6 @@ class _OwnBatch:
 
     query_len: int
     rows: torch.Tensor  # int64 [num_chunks * query_len], chunk by chunk
-    own_slots: torch.Tensor  # int64, the same order
     merge_ids: torch.Tensor
 
 
@@ -98,7 +96,6 @@ class StepPlan:
     merged_rows: Optional[torch.Tensor]  # int64 [num_merged]: rows of q assembled from parts
     merge_index: Optional[torch.Tensor] = None  # int64: merged id of each contribution, in order
     masks: dict = field(default_factory=dict)  # additive decode masks per dtype
-    invariant_calls: Optional[list] = None  # the batch-invariant path's calls (invariant_attention.py)
 
 
 def _ascending_run(table: list[int], start: int, end: int) -> int:
@@ -261,15 +258,13 @@ class _PlanBuilder:
             rows = self.rows_of(i)
             if not self.is_split[i]:
                 if past == 0:
-                    chunks.append(_Chunk(rows, meta.slot_mapping[rows]))
+                    chunks.append(_Chunk(rows))
                 else:  # one call over past + own keys, causal within the chunk
                     mask = (
                         torch.arange(seq_len, device=device)[None, :]
                         <= torch.arange(past, seq_len, device=device)[:, None]
                     )
-                    chunks.append(
-                        _Chunk(rows, meta.slot_mapping[rows], _Keys(slots=self._slots_of(i, 0, seq_len)), mask)
-                    )
+                    chunks.append(_Chunk(rows, _Keys(slots=self._slots_of(i, 0, seq_len)), mask))
                 continue
             split_by_len.setdefault(query_len, []).append(i)
             if self.covered[i] < past:  # the rest of the past: gathered, unmasked
@@ -278,7 +273,7 @@ class _PlanBuilder:
 
     def _own_batch(self, query_len: int, members: list[int]) -> _OwnBatch:
         rows = self.as_tensor([r for i in members for r in range(*self._row_range(i))])
-        return _OwnBatch(query_len, rows, self.meta.slot_mapping.index_select(0, rows), self._merge_ids(members))
+        return _OwnBatch(query_len, rows, self._merge_ids(members))
 
     def _decodes(self, decode_ids: list[int], split_decodes: bool) -> _Decodes:
         meta, block_size = self.meta, self.block_size
@@ -295,6 +290,3 @@ class _PlanBuilder:
         slots = tables.gather(1, positions // block_size) * block_size + positions % block_size
         merge_ids = self.as_tensor([self.merge_start[i] for i in decode_ids]) if split_decodes else None
         return _Decodes(self.as_tensor([self.starts[i] for i in decode_ids]), slots, valid[:, None, None, :], merge_ids)
-
-
-# ---- attention calls -----------------------------------------------------------------------------

@@ -19,6 +19,14 @@ import torch
 
 from .metadata import AttentionMetadata
 
+MASKED_ROWS = "masked rows"  # the plan of a step the pure-PyTorch backends answer here
+
+
+def needs_masked_rows(meta: AttentionMetadata, window: Optional[int], softcap: Optional[float]) -> bool:
+    """Whether a step's layer with this window and cap comes here: capped scores, or a row that cannot see
+    its whole context."""
+    return softcap is not None or (window is not None and max(meta.seq_lens_list, default=0) > window)
+
 
 def windowed_attention(
     q: torch.Tensor,

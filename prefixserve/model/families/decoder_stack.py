@@ -7,7 +7,8 @@ order on the same operands, so its bits are llama.py's (tests/test_model_decoder
 takes the calls out of Python.
 
 It runs where llama.py's layer would take exactly those kernels and nothing else:
-  * the compiled kernels with their row-wise ones, float32 activations and KV cache, on the CPU;
+  * an engine whose attention backend is the compiled kernel (attention/compiled.py) with its row-wise
+    kernels, float32 activations and KV cache, on the CPU;
   * plain Llama layers (DecoderLayer, Attention, MLP, RMSNorm, not a family's subclass): rotary over
     the whole head, no per-head q/k norm, no sliding window, no score cap, SiLU;
   * every projection a QuantizedLinear or a float32 Linear our kernel multiplies (linear.py's use_kernel;
@@ -23,6 +24,8 @@ from typing import Optional
 import torch
 
 from .. import kernels
+from ..attention.backend import AttentionBackend
+from ..attention.compiled import CompiledAttention
 from ..attention.metadata import AttentionMetadata
 from ..linear import Linear
 from ..weights.quantized_linear import QuantizedLinear
@@ -89,11 +92,13 @@ def build(model) -> Optional[object]:
     )
 
 
-def can_run(x: torch.Tensor, kv_caches: list, output_rows, window_meta) -> bool:
-    """Whether this step fits the stack (the model already does)."""
+def can_run(x: torch.Tensor, kv_caches: list, output_rows, window_meta, attention: AttentionBackend) -> bool:
+    """Whether this step fits the stack (the model already does): the engine's attention is the compiled kernel
+    the stack runs inside, every row's output is used, one pool, float32 on the CPU."""
     k_cache = kv_caches[0][0]
     return (
         ENABLED
+        and isinstance(attention, CompiledAttention)
         and output_rows is None
         and window_meta is None
         and x.dtype == torch.float32

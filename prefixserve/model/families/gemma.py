@@ -4,12 +4,12 @@
     RMSNorm          x / rms(x) * (1 + w), all in float32, rounded once at the end (Llama rounds before w)
     layer            h += post_attention_norm(attention(input_norm(h)))
                      h += post_feedforward_norm(mlp(pre_feedforward_norm(h)))
-    attention        scale query_pre_attn_scalar ** -0.5; Gemma 2: scores soft-capped (the attention paths);
+    attention        scale query_pre_attn_scalar ** -0.5; Gemma 2: scores soft-capped (the attention backends);
                      Gemma 3: q/k RMSNorm per head (the same (1 + w) norm), local (sliding-window) layers
                      rotate with their own rope base (llama.py's local_rotary)
     MLP              GeGLU: gelu_tanh(gate) * up
 
-The local layers' sliding window is the attention paths' (attention.py, csrc/paged_causal.cpp).
+The local layers' sliding window is the attention backends' (attention/backend.py, csrc/paged_causal.cpp).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..attention.metadata import AttentionMetadata, OutputRows
-from ..attention.step_plan import StepPlan
+from ..attention.backend import LayerStep
+from ..attention.metadata import OutputRows
 from .llama import MLP, Attention, KVCache, LlamaForCausalLM, Rotary
 from .model_config import ModelConfig
 
@@ -53,11 +53,10 @@ class GemmaDecoderLayer(nn.Module):
         x: torch.Tensor,
         rotary: Rotary,
         kv_cache: KVCache,
-        meta: AttentionMetadata,
-        plan: StepPlan,
+        step: LayerStep,
         output_rows: Optional[OutputRows] = None,
     ) -> torch.Tensor:
-        attended = self.self_attn(self.input_layernorm(x), rotary, kv_cache, meta, plan, output_rows)
+        attended = self.self_attn(self.input_layernorm(x), rotary, kv_cache, step, output_rows)
         if output_rows is not None:
             x = x.index_select(0, output_rows.index)
         x = x + self.post_attention_layernorm(attended)

@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..attention.backend import AttentionBackend, LayerStep
 from ..attention.metadata import AttentionMetadata, OutputRows
-from ..attention.paged import paged_attention, plan_step, write_kv
-from ..attention.step_plan import StepPlan
+from ..attention.paged import choose_backend, write_kv
 from ..kernels import rowwise_for
 from ..linear import Linear, pack_linears
 from ..weights.hf_weights import load_hf_weights
@@ -105,7 +105,7 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         self.uses_rope = config.uses_rope(layer_index)  # SmolLM3's NoPE layers attend without positions
         self.rotary_dim = config.rotary_dim  # Phi-4-mini rotates the first 3/4 of each head
-        self.window = config.window_of(layer_index)  # keys a row sees, None: all before it (attention.py)
+        self.window = config.window_of(layer_index)  # keys a row sees, None: all before it (attention/windowed.py)
         self.is_local = self.window is not None and config.local_rope_theta is not None  # Gemma 3's rope base
         # Qwen3 normalises each q and k head before the rotation (one weight per head_dim, shared by the heads)
         self.q_norm = norm_class(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
@@ -116,8 +116,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         rotary: Rotary,
         kv_cache: KVCache,
-        meta: AttentionMetadata,
-        plan: StepPlan,
+        step: LayerStep,
         output_rows: Optional[OutputRows] = None,
     ) -> torch.Tensor:
         """[T, hidden]; with `output_rows`, only those rows' [R, hidden] (every row's K/V is written)."""
@@ -143,13 +142,13 @@ class Attention(nn.Module):
             q, k = rotate(qk, *rotary).split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.first_slot)
+        write_kv(k, v, k_cache, v_cache, step.meta.slot_mapping, step.meta.first_slot)
         if output_rows is not None:
             if output_rows.meta is None:  # nothing is sampled: this layer's K/V were all that was needed
                 return x.new_empty((0, x.shape[1]))
             # Each kept row alone at its position reads the same keys as in the step (a row's sums are
             # its own on the compiled path, so its bits are too).
-            out = paged_attention(
+            out = step.backend.forward(
                 q.index_select(0, output_rows.index),
                 k_cache,
                 v_cache,
@@ -159,7 +158,7 @@ class Attention(nn.Module):
                 softcap=self.softcap,
             )
             return self.o_proj(out.reshape(len(output_rows.index), self.q_size))
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale, k, v, plan, self.window, self.softcap)
+        out = step.attend(q, k_cache, v_cache, self.scale, k, v, self.window, self.softcap)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
     def _norm_heads(self, qkv: torch.Tensor) -> None:
@@ -206,12 +205,11 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,
         rotary: Rotary,
         kv_cache: KVCache,
-        meta: AttentionMetadata,
-        plan: StepPlan,
+        step: LayerStep,
         output_rows: Optional[OutputRows] = None,
     ) -> torch.Tensor:
         # x is this step's residual stream (the embedding's output, then each layer's): updated in place.
-        attended = self.self_attn(self.input_layernorm(x), rotary, kv_cache, meta, plan, output_rows)
+        attended = self.self_attn(self.input_layernorm(x), rotary, kv_cache, step, output_rows)
         if output_rows is not None:
             x = x.index_select(0, output_rows.index)
         return x.add_(self.mlp(self.post_attention_layernorm.add_and_norm(x, attended)))
@@ -282,6 +280,7 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         output_rows: Optional[list[int]] = None,
         window_meta: Optional[AttentionMetadata] = None,
+        attention: Optional[AttentionBackend] = None,
     ) -> torch.Tensor:
         """Final-normed hidden states [T, hidden] of the flat tokens input_ids [T] at positions [T].
 
@@ -290,6 +289,8 @@ class LlamaForCausalLM(nn.Module):
         skips an eighth of the built-in model's work). Every row's K/V is written to the cache either way.
         `window_meta`, where the sliding-window layers keep their K/V in a pool of their own
         (cache/window_slots.py), is the step's metadata over that pool's slots: those layers read it.
+        `attention` is the engine's backend, chosen once (ModelRunner); without it, the one choose_backend
+        gives for these caches.
         """
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
@@ -303,24 +304,26 @@ class LlamaForCausalLM(nn.Module):
             kept = OutputRows.of(metas[last], list(output_rows), kv_caches[last][0].shape[1], input_ids.device)
         x = self.embed(input_ids)
         rotary = self.rotary(positions, x.dtype)
+        if attention is None:
+            attention = choose_backend(kv_caches[0][0])
         if self._decoder_stack is _UNBUILT:
             self._decoder_stack = decoder_stack.build(self)
-        if self._decoder_stack is not None and decoder_stack.can_run(x, kv_caches, output_rows, window_meta):
+        if self._decoder_stack is not None and decoder_stack.can_run(x, kv_caches, output_rows, window_meta, attention):
             return self.norm(decoder_stack.run(self._decoder_stack, x, rotary, kv_caches, meta))
         local_rotary = self.local_rotary(positions, x.dtype) if self.local_rotary is not None else rotary
-        plans = {}  # once per step and pool; every layer of a pool reads the same slots
+        steps = {}  # once per step, pool, window and cap: every layer reading the same slots the same way shares it
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            layer_meta = metas[index]
-            if id(layer_meta) not in plans:
-                # A window pool's rows past their windows go to windowed_attention: no plan over released blocks
-                released = layer_meta is window_meta and max(meta.seq_lens_list, default=0) > layer.self_attn.window
-                plans[id(layer_meta)] = None if released else plan_step(layer_meta, kv_cache[0])
+            attn = layer.self_attn
+            key = (id(metas[index]), attn.window, attn.softcap)
+            if key not in steps:
+                steps[key] = LayerStep(
+                    attention, metas[index], attention.plan(metas[index], kv_cache[0], attn.window, attn.softcap)
+                )
             x = layer(
                 x,
-                local_rotary if layer.self_attn.is_local else rotary,
+                local_rotary if attn.is_local else rotary,
                 kv_cache,
-                layer_meta,
-                plans[id(layer_meta)],
+                steps[key],
                 kept if index == last else None,
             )
         return self.norm(x)

@@ -90,7 +90,7 @@ class ModelConfig:
     @property
     def max_context_len(self) -> int:
         """Longest context this implementation computes exactly like the reference: the model's (the attention
-        paths compute sliding windows, attention.py)."""
+        backends compute sliding windows, attention/backend.py)."""
         return self.max_position_embeddings
 
     @classmethod
