@@ -1,8 +1,9 @@
 """build_engine: an LLMEngine assembled from a config, each part built once and handed in.
 
 device, dtype, numerics -> the model version -> the KV pool's size -> cache, keyer, window slots
-    -> scheduler -> runner (weights packed, pool allocated) -> the tiers below the pool
-    -> input and output processing, pins -> KV event publisher (last: a failed start binds nothing)
+    -> runner (weights packed, pool allocated) -> the tiers below the pool -> the prefix sources (device,
+    then tiers) -> scheduler -> input and output processing, pins -> KV event publisher (last: a failed start
+    binds nothing)
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from .model_version import CurrentVersion, load_version, weight_format
 from .numerics import numerics_fingerprint
 from .operations.pins import PinTable
 from .output_processor import OutputProcessor
+from .prefix_sources import PrefixSources
+from .request_windows import RequestWindows
 from .runner import ModelRunner
 from .scheduler import Scheduler
 from .tier_setup import tiered_kv
@@ -52,18 +55,6 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         if config.hot_prefix_min_requests and config.enable_prefix_caching
         else None
     )
-    scheduler = Scheduler(
-        cache,
-        keyer,
-        max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        enable_prefix_caching=config.enable_prefix_caching,
-        policy=config.scheduling_policy,
-        reuse_gaps=reuse_gaps,
-        hot_prefixes=hot_prefixes,
-        window_slots=window_slots,
-        long_rope_after=loaded.config.long_rope_after,
-    )
     # float32 weights to our kernel, the others laid out for oneDNN once, sized for a full step's token
     # budget (CPU only).
     _progress(config, "packing weights for this CPU ...")
@@ -82,6 +73,22 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         window_slots=window_slots,
     )
     version = current.version
+    tiers = tiered_kv(config, version.scope.digest, runner, cache, keyer)
+    # admission asks the device radix, then the tiers below it, through one interface
+    sources = PrefixSources(cache, keyer, RequestWindows(window_slots), config.enable_prefix_caching, tiers.reader)
+    scheduler = Scheduler(
+        cache,
+        keyer,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        enable_prefix_caching=config.enable_prefix_caching,
+        policy=config.scheduling_policy,
+        reuse_gaps=reuse_gaps,
+        hot_prefixes=hot_prefixes,
+        window_slots=window_slots,
+        long_rope_after=loaded.config.long_rope_after,
+        sources=sources,
+    )
     summary = startup_summary(config, version, dtype, device, numerics, pool, runner.attention.name)
     parts = EngineParts(
         config=config,
@@ -98,7 +105,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         hot_prefixes=hot_prefixes,
         scheduler=scheduler,
         runner=runner,
-        tiers=tiered_kv(config, version.scope.digest, runner, cache, keyer),
+        tiers=tiers,
         inputs=InputProcessor(current, config.prefix_ttl),
         outputs=OutputProcessor(current),
         pins=PinTable(cache, keyer, config.block_size, config.kv_disk_cache_dir, version.tokenizer.fingerprint),

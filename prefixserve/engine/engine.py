@@ -179,14 +179,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         self.kv_events.step_done()  # what the last step stored and removed goes out (kv_event_publisher.py)
         self._maintain_pins()
-        reader = self.tiers.reader  # bring back what lower tiers hold for waiting requests
-        reader.collect()
-        reader.prepare(self.scheduler.waiting, self.config.enable_prefix_caching)
         output = self.scheduler.schedule()
         outputs = [self._detokenized_output(request) for request in output.finished]
         if output.is_empty:
-            if reader.has_pending_fetches:
-                reader.wait_for_fetches()  # only requests waiting for a read: do not spin
+            self.scheduler.sources.wait_for_reads()  # only requests waiting for a tier read: do not spin
             return outputs
         self.counters.scheduled(output.scheduled)
         began = time.perf_counter()

@@ -3,8 +3,11 @@
 Each step has a token budget (`max_num_batched_tokens`). Running requests are
 served first, oldest first, so decodes never wait behind a long prompt; what
 is left of the budget admits waiting requests, whose cached prefix costs
-nothing; one whose prefix a running request is computing now waits for it
-(in_flight.py). A prompt longer than the budget is prefilled in chunks over several
+nothing: admission asks one interface, the prefix sources (prefix_sources.py:
+the device radix, then each tier below it), what a request's prefix holds and
+where, and a request whose prefix is being read back from a tier waits in
+RequestStatus.WAITING_FOR_KV; one whose prefix a running request is computing
+now waits for it (in_flight.py). A prompt longer than the budget is prefilled in chunks over several
 steps. When blocks run out, cold cached leaves are evicted (inside
 `RadixCache.allocate`); if that is not enough, the newest running request is
 preempted: its blocks are released and it is recomputed later, mostly from
@@ -25,7 +28,6 @@ from __future__ import annotations
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from itertools import islice
 from typing import NamedTuple, Optional, Sequence
 
 from ..cache import Block, BlockKeyer, RadixCache
@@ -33,6 +35,7 @@ from ..cache.hot_prefixes import HotPrefixPolicy
 from ..cache.reuse_gaps import ReuseGapTracker
 from ..cache.window_slots import WindowSlots
 from .in_flight import waits_for_in_flight
+from .prefix_sources import PrefixSources
 from .request import Request, RequestStatus
 from .request_windows import RequestWindows
 from .stopping import check_stop
@@ -70,9 +73,13 @@ class Scheduler:
         hot_prefixes: Optional[HotPrefixPolicy] = None,
         window_slots: Optional[WindowSlots] = None,
         long_rope_after: Optional[int] = None,
+        sources: Optional[PrefixSources] = None,
     ) -> None:
         self.cache = cache
         self.windows = RequestWindows(window_slots)
+        # Where a waiting request's prefix is held (the device, then the tiers): the engine hands in one over its
+        # tiers; built here over the device alone when none is given (a scheduler without an engine).
+        self.sources = sources or PrefixSources(cache, keyer, self.windows, enable_prefix_caching)
         # LongRoPE (model/families/rope.py): a sequence growing past this many tokens is recomputed with long factors
         self.long_rope_after = long_rope_after
         self.reuse_gaps = reuse_gaps  # measures release -> next use of prefixes, for TTL planning
@@ -112,6 +119,7 @@ class Scheduler:
 
     # ------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
+        self.sources.collect()  # tier reads that came back: their requests may be admitted again
         output = SchedulerOutput()
         budget = self.max_num_batched_tokens
         index = 0
@@ -186,30 +194,34 @@ class Scheduler:
             budget -= num_new
 
     def _next_waiting(self) -> Optional[tuple[Request, list[Block]]]:
-        """The request to admit next and its cached prefix, from the first LPM_WINDOW waiting requests that
-        are not fetching their prefix from a lower tier; None when each of those waits for a running request
-        to compute the prefix they share (in_flight.py). Fetching and waiting requests are passed by others."""
-        candidates = []
-        ready = (request for request in self.waiting if request.status is RequestStatus.WAITING)
-        for index, request in enumerate(islice(ready, LPM_WINDOW)):
-            hit = self._match(request)
+        """The request to admit next and its cached prefix, from the first LPM_WINDOW waiting requests that are
+        not waiting for a tier read; None when each of those waits for a running request to compute the prefix
+        they share (in_flight.py). Requests waiting for either are passed by others.
+
+        The tiers are asked only for requests whose prompts fit in the room the pool has now, counted from the
+        head of the queue: loading for a whole burst at once would have the burst's blocks evict one another
+        before any of its requests is admitted."""
+        candidates, num_considered = [], 0
+        room = self.cache.pool.num_free_blocks + self.cache.num_reclaimable_blocks
+        for request in self.waiting:
+            room -= self._blocks_for(request.num_prompt_tokens)
+            if request.status is not RequestStatus.WAITING:
+                continue
+            if num_considered == LPM_WINDOW:
+                break
+            num_considered += 1
+            hit = self.sources.ready_prefix(request, ask_lower=room >= 0)
+            if hit is None:  # its prefix is being read back from a tier
+                continue
             if self.enable_prefix_caching and waits_for_in_flight(request, len(hit), self.running, self.block_size):
                 continue
             if self.policy == "fcfs":
                 return request, hit
-            candidates.append((len(hit), -index, request, hit))
+            candidates.append((len(hit), -len(candidates), request, hit))
         if not candidates:
             return None
         _, _, request, hit = max(candidates, key=lambda item: (item[0], item[1]))
         return request, hit
-
-    def _match(self, request: Request) -> list[Block]:
-        if not self.enable_prefix_caching:
-            return []
-        self.keyer.extend(request.block_keys, request.scope_digest, request.token_ids, request.private_from)
-        return self.windows.usable(
-            self.cache.match(request.scope_digest, request.block_keys, request.token_ids, record_stats=False).blocks
-        )
 
     def _finish_unfittable(self, request: Request, num_needed: int, output: SchedulerOutput) -> None:
         if request.num_output_tokens > 0:

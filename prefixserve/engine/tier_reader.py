@@ -1,7 +1,8 @@
-"""Reading KV back from the tiers below one engine's pool into it, for requests waiting to be admitted.
+"""Reading KV back from the tiers below one engine's pool into it, for requests admission considers.
 
     a waiting request: device match ─> host run ─> disk run ─> remote run ─> fetch or recompute
                        (tiers/policy.py: find_run, then choose_fetch under kv_fetch_policy)
+    asked by admission through engine/prefix_sources.py: `find` the run and the planner's choice, `load` it
         a synchronous tier (host): read now, copied into fresh pool blocks and cached there
         the others (disk, remote): read on their threads; the request waits (not the engine), then the same
 
@@ -25,10 +26,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..cache import max_hit_blocks
 from ..cache.stats import LatencyHistogram
 from ..tiers import RecordError, RecordExpectation, choose_fetch, decode_record, find_run
 from .device import TORCH_DTYPES
+from .prefix_sources import SourceRun
 from .request import Request, RequestStatus
 from .tier_context import TierContext
 from .tier_writer import TierWriter
@@ -72,69 +73,51 @@ class TierReader:
         self.hit_tokens: dict[str, int] = {name: 0 for name in context.tiers}
         self.fetch_latency = {name: LatencyHistogram(FETCH_BUCKETS) for name in context.tiers}
 
-    def prepare(self, waiting: Sequence[Request], enable_prefix_caching: bool) -> None:
-        """Look newly waiting requests up in the tiers once; promote host blocks now, start disk reads.
-
-        Only requests near the head of the queue, whose prompts fit in the room the pool has now:
-        promoting for a whole burst at once would have the burst's blocks evict one another before
-        any of its requests is admitted.
-        """
+    def find(self, request: Request, keys: Sequence[bytes], start: int) -> tuple[list[SourceRun], float, float]:
+        """The run of keys[start:] through the tiers (nearest first; a stalled tier and what lies past it are out)
+        and what the planner reads of it: (runs, estimated fetch seconds, estimated recompute seconds). A request
+        is looked up once: asked again, it finds nothing."""
         context = self.context
-        if not enable_prefix_caching or not context.tiers:
-            return
-        cache, block_size = context.cache, context.block_size
-        room = cache.pool.num_free_blocks + cache.num_reclaimable_blocks
-        for request in waiting:
-            room -= -(-request.num_prompt_tokens // block_size)
-            if room < 0:
-                return  # it would not be admitted this step: look it up when its turn comes
-            if request.request_id in self.fetches or request.was_admitted:
-                continue  # looked up already, or admitted before (a preempted request)
-            keys = context.keyer.extend(
-                request.block_keys, request.scope_digest, request.token_ids, request.private_from
-            )
-            limit = max_hit_blocks(request.num_prompt_tokens, block_size, len(keys))
-            hit = cache.match(request.scope_digest, keys, request.token_ids, record_stats=False).blocks
-            slots = context.runner.window_slots
-            if slots is not None:  # past where the window layers still hold the last window, a tier's record
-                hit = hit[: slots.usable_hit(hit)]  # brings their K/V back (the cached copy takes its slot)
-            fetch = self.fetches[request.request_id] = TierFetch(request, start=len(hit))
-            self._plan_and_fetch(fetch, keys[:limit])
-
-    def _plan_and_fetch(self, fetch: TierFetch, keys: list[bytes]) -> None:
-        """The consecutive run through the tiers, the planner's cut, then the reads (fast tiers now)."""
-        context = self.context
+        if not context.tiers or request.request_id in self.fetches:
+            return [], 0.0, 0.0
+        self.fetches[request.request_id] = TierFetch(request, start=start)
         available = []
         for name, tier in context.tiers.items():
             if self._is_stalled(name):
                 break  # a read given up on has not returned: this tier (and the run past it) is out for now
             available.append(tier)
-        runs = find_run(available, keys, fetch.start)
-        if not runs:
-            return
-        num_fetch = choose_fetch(
+        held = find_run(available, keys, start)
+        if not held:
+            return [], 0.0, 0.0
+        plan = choose_fetch(
             self.fetch_policy,
-            runs,
+            held,
             context.block_bytes,
             context.prefill_seconds_per_token,
             context.block_size,
             {tier.name: tier.read_cost for tier in available},
-        ).num_fetch_blocks_by_tier
-        start = fetch.start
-        for name, _ in runs:
-            count = num_fetch.get(name, 0)
-            if not count:
+        )
+        runs = [SourceRun(name, count, plan.num_fetch_blocks_by_tier.get(name, 0)) for name, count in held]
+        return runs, plan.fetch_seconds, plan.recompute_seconds
+
+    def load(self, request: Request, keys: Sequence[bytes], start: int, runs: Sequence[SourceRun]) -> None:
+        """Read back what `find` chose, nearest tier first: a synchronous tier's blocks into the pool now; an
+        asynchronous tier's read starts and the request waits (RequestStatus.WAITING_FOR_KV) until `collect`."""
+        context = self.context
+        for run in runs:
+            if not run.num_chosen:
                 return  # the planner stops here: what follows is recomputed
-            chunk = keys[start : start + count]
-            tier = context.tiers[name]
+            chunk = keys[start : start + run.num_chosen]
+            tier = context.tiers[run.source]
             if not tier.traits.synchronous:
+                fetch = self.fetches[request.request_id]
                 fetch.pending, fetch.pending_keys, fetch.pending_start = tier.fetch(chunk), chunk, start
-                fetch.pending_tier, fetch.pending_since = name, time.perf_counter()
-                fetch.request.status = RequestStatus.WAITING_FOR_KV
+                fetch.pending_tier, fetch.pending_since = run.source, time.perf_counter()
+                request.status = RequestStatus.WAITING_FOR_KV
                 return
-            promoted = self._promote(fetch.request, name, start, chunk, tier.get(chunk), time.perf_counter())
+            promoted = self._promote(request, run.source, start, chunk, tier.get(chunk), time.perf_counter())
             start += promoted
-            if promoted < count:
+            if promoted < run.num_chosen:
                 return
 
     def _is_stalled(self, name: str) -> bool:
@@ -186,14 +169,14 @@ class TierReader:
         if request.status is RequestStatus.WAITING_FOR_KV:
             request.status = RequestStatus.WAITING
 
-    def wait_for_fetches(self) -> None:
+    def wait_for_reads(self) -> None:
         """Nothing could be scheduled: wait briefly for a disk read instead of spinning."""
         pending = [fetch.pending for fetch in self.fetches.values() if fetch.pending is not None]
         if pending:
             concurrent.futures.wait(pending, timeout=FETCH_WAIT_SECONDS, return_when=concurrent.futures.FIRST_COMPLETED)
 
     @property
-    def has_pending_fetches(self) -> bool:
+    def has_pending_reads(self) -> bool:
         return any(fetch.pending is not None for fetch in self.fetches.values())
 
     def forget(self, request_id: str) -> None:
