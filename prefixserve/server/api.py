@@ -27,6 +27,8 @@ from .errors import install_error_handlers
 from .inputs import RequestBuilder
 from .pin_routes import pin_routes
 from .reload_routes import ReloadGate, reload_routes
+from .response_routes import response_routes
+from .response_store import DEFAULT_MAX_STORED, DEFAULT_TTL, ResponseStore
 from .responses import TokenTexts
 from .routes import routes
 from .tokenize import tokenize_routes
@@ -48,6 +50,8 @@ class ServerSettings:
     # tenant -> "device" | "none" (privacy mode): its KV never leaves device memory / is never kept
     tenant_cache_retentions: Mapping[str, str] = field(default_factory=dict)
     tool_call_parser: str = "auto"  # how tool calls are read from output: auto (the template's), hermes, llama3_json
+    responses_max_stored: int = DEFAULT_MAX_STORED  # stored Responses API responses past which the oldest goes
+    responses_ttl: float = DEFAULT_TTL  # seconds a stored response is kept after its last use
 
     def __post_init__(self) -> None:
         """Every bad value named by its flag, before the model loads (launch.check_options builds one)."""
@@ -65,6 +69,7 @@ class ServerSettings:
             ("retry_after_seconds", None, 0),
             ("default_max_tokens", None, 1),
             ("max_request_bytes", "--max-request-bytes", 1),
+            ("responses_max_stored", "--responses-max-stored", 0),
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
@@ -77,6 +82,14 @@ class ServerSettings:
         ):
             raise ValueError(
                 f"max_cache_ttl (--max-cache-ttl) must be a positive number of seconds, got {self.max_cache_ttl!r}"
+            )
+        if not (
+            isinstance(self.responses_ttl, (int, float))
+            and math.isfinite(self.responses_ttl)
+            and self.responses_ttl > 0
+        ):
+            raise ValueError(
+                f"responses_ttl (--responses-ttl) must be a positive number of seconds, got {self.responses_ttl!r}"
             )
         for tenant, ttl in self.tenant_cache_ttls.items():  # above max_cache_ttl is capped per request
             if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not (math.isfinite(ttl) and ttl > 0):
@@ -103,6 +116,7 @@ class ServerState:
     auth: Authenticator
     builder: RequestBuilder
     metrics: DashboardMetrics  # ServerMetrics plus what the dashboard shows (TTFT by hit/miss, tenants)
+    responses: ResponseStore  # stored Responses API responses, each its tenant's own
     reload_gate: ReloadGate = field(default_factory=ReloadGate)
     _texts: Optional[TokenTexts] = field(default=None, init=False, repr=False)
 
@@ -122,6 +136,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
         engine=engine,
         auth=Authenticator(settings.api_keys, settings.admin_api_key),
         builder=RequestBuilder(engine, settings.default_max_tokens),
+        responses=ResponseStore(settings.responses_max_stored, settings.responses_ttl),
         metrics=DashboardMetrics(
             lambda: engine.snapshot, settings.served_model_name, cache_config_info(engine.queries)
         ),
@@ -140,6 +155,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
 
 OPEN_ROUTE_GROUPS = (
     routes,
+    response_routes,
     anthropic_routes,
     tokenize_routes,
     dashboard_routes,

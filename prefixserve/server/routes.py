@@ -207,22 +207,31 @@ async def chat_completions(request: Request):
     return await respond(request, state, body, shape, streams, role_chunks)
 
 
+def _model_card(state) -> dict:
+    return {
+        "id": state.settings.served_model_name,
+        "object": "model",
+        "created": now(),
+        "owned_by": "prefixserve",
+        "max_model_len": state.builder.max_model_len,
+    }
+
+
 @routes.get("/v1/models")
 async def models(request: Request):
     state = server_state(request)
     state.auth.tenant(request)
-    return {
-        "object": "list",
-        "data": [
-            {
-                "id": state.settings.served_model_name,
-                "object": "model",
-                "created": now(),
-                "owned_by": "prefixserve",
-                "max_model_len": state.builder.max_model_len,
-            }
-        ],
-    }
+    return {"object": "list", "data": [_model_card(state)]}
+
+
+@routes.get("/v1/models/{model:path}")
+async def model(request: Request, model: str):
+    """One model (the SDK's models.retrieve): the served one, also by a version pin (name@fp_...)."""
+    state = server_state(request)
+    state.auth.tenant(request)
+    check_model(state.settings, model)
+    check_version(state, model)
+    return _model_card(state)
 
 
 @routes.get("/health")

@@ -19,6 +19,7 @@ from ..config import CHECKPOINT_LAYOUT, DEFAULT_MAX_CACHE_TTL
 from ..http_body import DEFAULT_MAX_REQUEST_BYTES
 from ..http_keys import load_api_keys, load_tenant_cache_retentions, load_tenant_cache_ttls
 from .engine_flags import add_engine_arguments, engine_config_from_args, with_flag_names
+from .response_store import DEFAULT_MAX_STORED, DEFAULT_TTL
 
 logger = logging.getLogger("prefixserve.server")
 
@@ -83,6 +84,21 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="cap on the cache_ttl a request body or a tenant's keys-file entry asks for",
     )
     parser.add_argument(
+        "--responses-max-stored",
+        type=int,
+        metavar="N",
+        default=DEFAULT_MAX_STORED,
+        help="stored Responses API responses (store: true) kept for previous_response_id and GET; past it the "
+        "least recently used goes",
+    )
+    parser.add_argument(
+        "--responses-ttl",
+        type=float,
+        metavar="SECONDS",
+        default=DEFAULT_TTL,
+        help="seconds a stored Responses API response is kept after its last use",
+    )
+    parser.add_argument(
         "--tool-call-parser",
         default="auto",
         choices=("auto", "hermes", "llama3_json"),
@@ -130,6 +146,8 @@ def server_settings_from_args(args: argparse.Namespace):
             tenant_cache_ttls=load_tenant_cache_ttls(args.api_keys_file),
             tenant_cache_retentions=load_tenant_cache_retentions(args.api_keys_file),
             tool_call_parser=args.tool_call_parser,
+            responses_max_stored=args.responses_max_stored,
+            responses_ttl=args.responses_ttl,
         )
     except ValueError as error:
         raise SystemExit(f"prefixserve serve: {error}") from None

@@ -1,0 +1,208 @@
+"""OpenAI's Responses API: POST /v1/responses (whole or streamed), GET and DELETE /v1/responses/{id}, and
+GET /v1/responses/{id}/input_items.
+
+A request becomes the chat it is (response_render.py) and runs as /v1/chat/completions would (the same tool
+grammar, structured output, cache options). With previous_response_id the stored turn's prompt and output
+tokens are the new prompt's first tokens, exactly as computed, so the prefix cache holds everything through the
+last turn's output; only the new input is prefilled (response_store.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator, Optional
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+from pydantic import ValidationError
+
+from ..engine.async_engine import EngineDeadError
+from ..http import APIError
+from ..http_body import parse_json_body
+from .generation import collect, engine_dead, request_failed
+from .inputs import cache_options, read_body, sampling_params
+from .protocol import ChatCompletionRequest
+from .response_objects import ResponseShape, item_id
+from .response_protocol import UNSUPPORTED_RESPONSE_FIELDS, ResponsesCreate
+from .response_render import assistant_message, chat_body, input_items, input_messages
+from .response_store import StoredResponse
+from .routes import check_model, check_version, server_state, start, with_tool_choice
+from .tool_prompt import parser_for, template_input
+
+response_routes = APIRouter()
+
+CHAT_TO_RESPONSES = {  # a field of the chat body this request became -> the field the client sent
+    "messages": "input",
+    "max_tokens": "max_output_tokens",
+    "response_format": "text.format",
+}
+
+
+def _refuse_unsupported(payload: dict) -> None:
+    for name, value in payload.items():
+        no_ops = UNSUPPORTED_RESPONSE_FIELDS.get(name)
+        if no_ops is None or value is None or any(type(value) is type(no_op) and value == no_op for no_op in no_ops):
+            continue
+        hint = f" (or send {no_ops[0]!r}, which does nothing)" if no_ops else ""
+        raise APIError(
+            400,
+            f"{name} is not supported by this server yet; leave it out{hint}",
+            param=name,
+            code="unsupported_parameter",
+        )
+
+
+def _as_chat(body: ResponsesCreate, history: list[dict]) -> ChatCompletionRequest:
+    try:
+        return ChatCompletionRequest.model_validate(chat_body(body, history))
+    except ValidationError as error:
+        first = error.errors()[0]
+        loc = [str(part) for part in first["loc"]]
+        field = CHAT_TO_RESPONSES.get(loc[0], loc[0]) if loc else "input"
+        param = ".".join([field, *loc[1:]])
+        raise APIError(422, f"{param}: {first['msg']}", param=param, code="invalid_value") from None
+
+
+async def _prompt(state, chat: ChatCompletionRequest, previous: Optional[StoredResponse]) -> tuple[str, list[int]]:
+    """(rendered text, token ids) of the chat; after `previous`, its prompt and output tokens as they were."""
+    tokenizer = state.engine.queries.version.tokenizer
+    messages, tools = template_input(chat, tokenizer.chat_template)
+    state.builder.check_text_size(sum(len(message["content"]) for message in messages) + len(str(tools or "")), "input")
+    extra = {"tools": tools} if tools else {}
+    try:
+        text = await asyncio.to_thread(tokenizer.apply_chat_template, messages, True, **extra)
+    except Exception as error:  # a template may reject a conversation (e.g. role order)
+        raise APIError(
+            400, f"the chat template rejected this conversation: {error}", param="input", code="invalid_messages"
+        ) from None
+    if previous is not None and previous.tokenizer == tokenizer.fingerprint:
+        done = previous.prompt_text + tokenizer.decode(previous.output_ids, skip_special_tokens=False)
+        if text.startswith(done):
+            rest = await asyncio.to_thread(tokenizer.encode, text[len(done) :], False)
+            return text, previous.prompt_ids + previous.output_ids + rest
+    return text, await asyncio.to_thread(tokenizer.encode, text, False)
+
+
+def _echo(body: ResponsesCreate) -> dict:
+    """What the response object repeats of the request."""
+    return body.model_dump(
+        include={
+            "instructions",
+            "max_output_tokens",
+            "parallel_tool_calls",
+            "previous_response_id",
+            "temperature",
+            "top_p",
+            "tool_choice",
+            "tools",
+            "text",
+            "store",
+            "metadata",
+        },
+        exclude_none=True,
+        by_alias=True,
+    )
+
+
+@response_routes.post("/v1/responses")
+async def create_response(request: Request):
+    state = server_state(request)
+    tenant = state.auth.tenant(request)
+    body = await read_body(request, ResponsesCreate)
+    _refuse_unsupported(parse_json_body(await request.body()))
+    check_model(state.settings, body.model)
+    previous = None
+    if body.previous_response_id is not None:
+        previous = state.responses.get(body.previous_response_id, tenant, "previous_response_id")
+    history = previous.messages if previous is not None else []
+    chat = _as_chat(body, history)
+    parser = parser_for(state.builder.tokenizer.chat_template, state.settings.tool_call_parser)
+    async with state.reload_gate.admitting():  # rendered, tokenized and queued on one model version
+        check_version(state, body.model)
+        prompt_text, prompt_ids = await _prompt(state, chat, previous)
+        params = with_tool_choice(sampling_params(chat, None), chat, parser)
+        options = cache_options(state.settings, tenant, chat)
+        requests = await state.builder.build([prompt_ids], params, chat.requested_max_tokens, 1, options)
+        fingerprint = state.engine.queries.version.tokenizer.fingerprint
+        streams = start(state, requests)
+    reads_calls = bool(chat.tools) and chat.tool_choice != "none"
+    shape = ResponseShape(
+        item_id("resp"), state.settings.served_model_name, _echo(body), parser if reads_calls else None
+    )
+    turn = history + input_messages(body.input)
+
+    def keep(out) -> None:
+        if not body.store:
+            return
+        reply = assistant_message(shape.message_text, shape.calls)
+        state.responses.put(
+            shape.response_id,
+            StoredResponse(
+                tenant=tenant,
+                body=shape.finished_body,
+                input_items=input_items(body.input),
+                messages=turn + ([reply] if reply is not None else []),
+                prompt_text=prompt_text,
+                prompt_ids=list(prompt_ids),
+                output_ids=list(out.token_ids),
+                tokenizer=fingerprint,
+            ),
+        )
+
+    if body.stream:
+        return StreamingResponse(
+            _events(state, streams[0], shape, keep),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    finals = await collect(request, streams, state.metrics)
+    result = shape.final(finals[0])
+    keep(finals[0])
+    return result
+
+
+async def _events(state, stream: AsyncIterator, shape: ResponseShape, keep) -> AsyncIterator[str]:
+    for event in shape.opening():
+        yield event
+    try:
+        async for out in stream:
+            if out.finished and out.finish_reason == "error":
+                failure = request_failed(out)
+                yield shape.failed(failure.message, failure.code)
+                return
+            for event in shape.events(out):
+                yield event
+            if out.finished:
+                state.metrics.observe_finished(out)
+                keep(out)
+    except EngineDeadError as error:
+        failure = engine_dead(error)
+        yield shape.failed(failure.message, failure.code)
+    finally:
+        await stream.aclose()
+
+
+@response_routes.get("/v1/responses/{response_id}")
+async def get_response(request: Request, response_id: str):
+    state = server_state(request)
+    return state.responses.get(response_id, state.auth.tenant(request)).body
+
+
+@response_routes.delete("/v1/responses/{response_id}")
+async def delete_response(request: Request, response_id: str):
+    state = server_state(request)
+    state.responses.delete(response_id, state.auth.tenant(request))
+    return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+
+@response_routes.get("/v1/responses/{response_id}/input_items")
+async def get_input_items(request: Request, response_id: str):
+    state = server_state(request)
+    items = state.responses.get(response_id, state.auth.tenant(request)).input_items
+    return {
+        "object": "list",
+        "data": items,
+        "first_id": items[0]["id"] if items else None,
+        "last_id": items[-1]["id"] if items else None,
+        "has_more": False,
+    }
