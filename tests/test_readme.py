@@ -37,7 +37,7 @@ def test_openai_example_prints_the_numbers_shown(server):
     assert stdout.getvalue().split() == list(shown)
 
 
-@pytest.mark.parametrize("title", ["Structured output", "Tools", "Anthropic's Messages API"])
+@pytest.mark.parametrize("title", ["Structured output", "Tools", "Anthropic's Messages API", "Stored responses"])
 def test_agent_api_examples_print_what_is_shown(server, title):
     structured = section(title)
     code = fenced(structured, "python")[0].replace("http://127.0.0.1:8000", server.url)
