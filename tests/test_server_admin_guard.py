@@ -37,7 +37,8 @@ def test_admin_paths_live_only_in_the_guarded_groups():
 
 def test_the_app_serves_nothing_outside_those_groups(server):
     served = set(server.app.openapi()["paths"])
-    known = {route.path for route in routes_of(OPEN_ROUTE_GROUPS + ADMIN_ROUTE_GROUPS)}
+    # a {name:path} parameter appears as {name} in the schema
+    known = {route.path.replace(":path}", "}") for route in routes_of(OPEN_ROUTE_GROUPS + ADMIN_ROUTE_GROUPS)}
     assert served <= known, served - known  # a router included some other way would show here
 
 

@@ -141,8 +141,8 @@ HUGE_INT = b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}"
         (
             "/v1/chat/completions",
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
-            422,
-            None,
+            400,  # the models served take text only: said so, not "should be a valid string"
+            "messages.0.content.0.type",
         ),
         ("/v1/completions", {"prompt": "x", "max_tokens": True}, 422, "max_tokens"),
         ("/v1/completions", {"prompt": "x", "stream": "yes"}, 422, "stream"),

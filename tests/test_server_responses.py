@@ -171,10 +171,10 @@ def test_text_format_json_schema_parses(client):
     [
         (
             {"input": [{"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-            "input[0].content[0].type",
+            "input.0.content.0.type",
         ),
-        ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
-        ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"input": [{"type": "reasoning", "summary": []}]}, "input.0.type"),
+        ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools.0.type"),
         ({"input": "hi", "truncation": "auto"}, "truncation"),
         ({"input": "hi", "previous_response_id": "resp_missing"}, "previous_response_id"),
         ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),

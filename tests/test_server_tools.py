@@ -135,13 +135,20 @@ def test_auto_and_none_leave_the_text_alone_when_the_model_calls_nothing(client)
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
-        (
-            {
-                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
-                "tool_choice": "required",
-            },
-            "tools",
-        ),
+        *[
+            (
+                {
+                    "tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": parameters}}],
+                    **choice,
+                },
+                "tools.1.function.parameters",
+            )
+            for parameters in (
+                {"type": "nope"},  # not a schema
+                {"type": "object", "properties": {"x": {"$ref": "#"}}, "required": ["x"]},  # no finite call
+            )
+            for choice in ({"tool_choice": "required"}, {"tool_choice": "auto"}, {})  # auto may call it too
+        ],
     ],
 )
 def test_a_tool_request_that_cannot_be_served_is_a_400_naming_the_field(server, fields, param):

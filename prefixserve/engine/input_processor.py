@@ -52,6 +52,10 @@ def request_grammar(version: ModelVersion, token_ids: list[int], params: Samplin
     return compiler.grammar(params.structured_outputs, prior)
 
 
+class LogitBiasError(ValueError):
+    """logit_bias names a token the vocabulary does not have (the API names the field, not the prompt)."""
+
+
 class InputProcessor:
     def __init__(self, current: CurrentVersion, prefix_ttl: Optional[float]) -> None:
         self.current = current
@@ -91,10 +95,9 @@ class InputProcessor:
         bad = [t for t in token_ids if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size}); check the tokenizer")
-        if params.logit_bias and max(params.logit_bias) >= vocab_size:
-            raise ValueError(
-                f"logit_bias names token id {max(params.logit_bias)}, outside the vocabulary [0, {vocab_size})"
-            )
+        outside = [t for t in params.logit_bias or () if not 0 <= t < vocab_size]
+        if outside:
+            raise LogitBiasError(f"logit_bias names token id {outside[0]}, outside the vocabulary [0, {vocab_size})")
         max_tokens = fit_max_tokens(len(token_ids), params.max_tokens, version.max_model_len)
         return params if max_tokens == params.max_tokens else replace(params, max_tokens=max_tokens)
 

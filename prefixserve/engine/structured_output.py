@@ -25,6 +25,8 @@ import llguidance
 import numpy as np
 import torch
 
+from .schema_finite import admits_finite_value
+
 # JSON the model writes: compact (no free whitespace between tokens), so a random model's output ends.
 JSON_OPTIONS = {"whitespace_flexible": False}
 MAX_GRAMMAR_CHARS = 100_000
@@ -90,6 +92,11 @@ class StructuredOutputs:
             return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
         if self.json is not None:
             schema = self.json if isinstance(self.json, dict) else _parse_schema(self.json)
+            if not admits_finite_value(schema):
+                raise ValueError(
+                    "the schema admits no finite JSON value: every instance would have to contain itself through "
+                    "$ref; make the recursion optional (not required, anyOf with null, or minItems 0)"
+                )
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         if self.regex is not None:
             return llguidance.LLMatcher.grammar_from_regex(self.regex)

@@ -60,7 +60,7 @@ Block = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock], Field(discrim
 
 class Message(AnthropicBody):
     role: Literal["user", "assistant"]
-    content: Union[str, list[Block]]
+    content: Union[str, Annotated[list[Block], Field(min_length=1)]]  # [] is a 400, as Anthropic answers
 
 
 class AnthropicTool(AnthropicBody):
@@ -107,7 +107,7 @@ class MessagesCreate(MessagesRequest):
     output_config: Optional[OutputConfig] = None
     temperature: Optional[float] = Field(default=None, ge=0.0, le=1.0)  # Anthropic's range
     top_p: Optional[float] = Field(default=None, **RANGES["top_p"].field())
-    top_k: Optional[int] = Field(default=None, **RANGES["top_k"].field())
+    top_k: Optional[int] = Field(default=None, ge=0)  # Anthropic's: 0 or more (0: no limit, as no top_k)
     stop_sequences: Optional[
         Annotated[
             list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]],

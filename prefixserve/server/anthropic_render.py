@@ -48,6 +48,24 @@ def _ttl(block: Optional[dict]) -> Optional[float]:
     return TTL_SECONDS[control["ttl"]] if control is not None else None
 
 
+def _check_tool_results(number: int, message: dict, answerable: set[str]) -> None:
+    """Each tool_result must answer a tool_use of the message just before it (as Anthropic's API requires);
+    `answerable` becomes this message's tool_use ids."""
+    blocks = message["content"] if isinstance(message["content"], list) else []
+    for index, block in enumerate(blocks):
+        if block["type"] == "tool_result" and block["tool_use_id"] not in answerable:
+            raise APIError(
+                400,
+                f"messages.{number}.content.{index}: tool_result answers tool_use_id {block['tool_use_id']!r}, "
+                "which no tool_use block of the previous message has; each tool_result must answer a tool_use "
+                "of the message before it",
+                param=f"messages.{number}.content.{index}.tool_use_id",
+                code="invalid_request_error",
+            )
+    answerable.clear()
+    answerable.update(block["id"] for block in blocks if block["type"] == "tool_use")
+
+
 def conversation_of(body: MessagesRequest) -> Conversation:
     """The chat to render and the conversations up to each cache_control breakpoint (400 past four)."""
     messages: list[dict] = []
@@ -62,7 +80,9 @@ def conversation_of(body: MessagesRequest) -> Conversation:
             if _ttl(block) is not None:
                 cuts.append(([{"role": "system", "content": system_text(blocks[: index + 1])}], _ttl(block)))
         messages.append({"role": "system", "content": system_text(dumped["system"])})
-    for message in dumped["messages"]:
+    answerable: set[str] = set()  # tool_use ids of the message before: what a tool_result may answer
+    for number, message in enumerate(dumped["messages"]):
+        _check_tool_results(number, message, answerable)
         try:
             turns = turns_of(message["role"], message["content"])
         except ValueError as error:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from dataclasses import replace
 from typing import AsyncIterator
 
@@ -28,7 +29,6 @@ from .anthropic_responses import MessageStream, anthropic_error, error_event, me
 from .beats import SSE_BEAT, beating, beating_response, wants_beats
 from .generation import collect
 from .inputs import cache_options, read_body
-from .protocol import new_id
 from .routes import check_model, check_version, server_state, start
 from .tool_prompt import parser_for, tool_grammar
 
@@ -103,7 +103,7 @@ async def _create(request: Request):
     tool_choice, parallel = tool_choice_of(body)
     parser = parser_for(state.builder.tokenizer.chat_template, state.settings.tool_call_parser)
     params = _params(body)
-    grammar = tool_grammar(conversation.tools, tool_choice, parallel, parser)
+    grammar = tool_grammar(conversation.tools, tool_choice, parallel, parser, schema_field="input_schema")
     if grammar is not None and params.structured_outputs is not None:
         raise APIError(
             400, "tool_choice forces a tool call, which output_config.format would constrain too; send one of them"
@@ -118,7 +118,7 @@ async def _create(request: Request):
         streams = start(state, requests)
     reads_calls = parser if conversation.tools and tool_choice != "none" else None
     cache_until = max((place for place, _ in places), default=0)
-    message_id, beats = new_id("msg"), wants_beats(request)  # a router asks for beats (beats.py)
+    message_id, beats = f"msg_{uuid.uuid4().hex[:24]}", wants_beats(request)  # a router asks for beats (beats.py)
     if body.stream:
         shape = MessageStream(message_id, body.model, reads_calls, cache_until)
         events = _events(state, streams[0], shape, lambda: _keep(state, prompt_ids, places, options))

@@ -30,6 +30,17 @@ def param_of(location) -> str:
     return ".".join(parts)
 
 
+def most_specific(errors: list[dict]) -> dict:
+    """The error a client can act on: the deepest field (a union reports one error per member, and the member
+    the client meant is the one it got furthest into: `cache_control` inside a system block, not "system:
+    Input should be a valid string"), and at one depth a broken limit before a wrong type (ten thousand stop
+    strings are too many, not "not a string"); the first of equals."""
+    return max(
+        errors,
+        key=lambda error: (len(param_of(error["loc"]).split(".")), not error["type"].endswith("_type")),
+    )
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def on_query_error(_, error: RequestValidationError):  # query parameters, e.g. ?since=abc

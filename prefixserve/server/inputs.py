@@ -15,14 +15,14 @@ from pydantic import BaseModel, ValidationError
 
 from ..cache.scoping import compose_salt
 from ..engine.async_engine import AsyncLLMEngine
-from ..engine.input_processor import stricter_retention
+from ..engine.input_processor import LogitBiasError, stricter_retention
 from ..engine.limits import ContextLengthError, PromptTooLongError, fit_max_tokens
 from ..engine.request import Request as EngineRequest
 from ..engine.sampling_params import SamplingParams
 from ..http import APIError
 from ..http_body import parse_json_body
 from ..prompts import split_prompts
-from .errors import param_of
+from .errors import most_specific, param_of
 from .protocol import UNSUPPORTED_FIELDS, ChatCompletionRequest, SamplingFields, new_id
 from .structured_fields import structured_outputs_of
 from .tool_prompt import template_input
@@ -93,7 +93,7 @@ async def read_body(request: Request, model: type[BaseModel]):
     try:
         return model.model_validate(payload)
     except ValidationError as error:
-        first = error.errors()[0]
+        first = most_specific(error.errors())
         param = param_of(first["loc"])
         raise APIError(422, f"{param}: {first['msg']}", param=param, code="invalid_value") from None
 
@@ -122,7 +122,7 @@ def logit_bias_of(bias: Optional[dict[str, float]]) -> Optional[dict[int, float]
     if not bias:
         return None
     try:
-        return {int(token): value for token, value in bias.items()}
+        by_id = {int(token): value for token, value in bias.items()}
     except ValueError:
         raise APIError(
             400,
@@ -130,6 +130,18 @@ def logit_bias_of(bias: Optional[dict[str, float]]) -> Optional[dict[int, float]
             param="logit_bias",
             code="invalid_value",
         ) from None
+    if len(by_id) < len(bias):  # "01" and "1": one token given two biases
+        seen: dict[int, str] = {}
+        for token in bias:
+            if int(token) in seen:
+                raise APIError(
+                    400,
+                    f"logit_bias gives token {int(token)} twice ({seen[int(token)]!r} and {token!r}); give each once",
+                    param="logit_bias",
+                    code="invalid_value",
+                )
+            seen[int(token)] = token
+    return by_id
 
 
 def sampling_params(body: SamplingFields, num_logprobs: Optional[int]) -> SamplingParams:
@@ -250,6 +262,8 @@ class RequestBuilder:
             return make()
         except PromptTooLongError as error:
             raise APIError(413, str(error), param="prompt", code="context_length_exceeded") from None
+        except LogitBiasError as error:
+            raise APIError(400, str(error), param="logit_bias", code="invalid_value") from None
         except (ValueError, TypeError) as error:
             raise APIError(400, str(error), param="prompt", code="invalid_prompt") from None
 

@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from ..engine.limits import (
     MAX_BAD_WORDS,
@@ -119,8 +119,16 @@ class SamplingFields(OpenAIBody):
 
 
 class TextPart(OpenAIBody):
-    type: Literal["text"]
-    text: str
+    """A content part; only text ones are served (template_input refuses the others by name, with a 400)."""
+
+    type: str
+    text: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _text_has_text(self) -> "TextPart":
+        if self.type == "text" and self.text is None:
+            raise ValueError("a text part needs its text (a string)")
+        return self
 
 
 class ChatMessage(OpenAIBody):
@@ -136,7 +144,7 @@ class ChatMessage(OpenAIBody):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text or "" for part in self.content if part.type == "text")
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -8,7 +8,7 @@ text.format to response_format; and a turn's output items back to the assistant 
     {"type": "function_call_output", "call_id": "call_1", "output": "42"}
         -> {"role": "tool", "tool_call_id": "call_1", "content": "42"}
 
-Every refusal names the field as the client wrote it (input[2].content[0].type, tools[1].type, ...).
+Every refusal names the field as the client wrote it (input.2.content.0.type, tools.1.type, ...).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any, Optional
 from pydantic import BaseModel, ValidationError
 
 from ..http import APIError
+from .errors import most_specific
 from .response_objects import item_id
 from .response_protocol import (
     FunctionCallItem,
@@ -39,7 +40,7 @@ def _parse(model: type[BaseModel], value: Any, param: str) -> Any:
     try:
         return model.model_validate(value)
     except ValidationError as error:
-        first = error.errors()[0]
+        first = most_specific(error.errors())
         where = ".".join(str(part) for part in (param, *first["loc"]))
         raise _invalid(where, first["msg"]) from None
 
@@ -52,13 +53,13 @@ def _text_of(content, param: str) -> str:
         if part.type not in TEXT_PARTS:
             raise APIError(
                 400,
-                f"{param}[{index}].type: {part.type!r} parts are not supported: this model takes text only "
+                f"{param}.{index}.type: {part.type!r} parts are not supported: this model takes text only "
                 "(send input_text parts)",
-                param=f"{param}[{index}].type",
+                param=f"{param}.{index}.type",
                 code="unsupported_content",
             )
         if part.text is None:
-            raise _invalid(f"{param}[{index}].text", "a text part needs its text")
+            raise _invalid(f"{param}.{index}.text", "a text part needs its text")
         texts.append(part.text)
     return "".join(texts)
 
@@ -71,7 +72,7 @@ def input_messages(input_value) -> list[dict]:
         raise _invalid("input", "give at least one item (or a string)")
     messages: list[dict] = []
     for index, raw in enumerate(input_value):
-        param = f"input[{index}]"
+        param = f"input.{index}"
         kind = raw.get("type", "message") if isinstance(raw, dict) else None
         if kind == "message":
             item = _parse(MessageItem, raw, param)
@@ -131,11 +132,11 @@ def chat_tools(tools: Optional[list[dict]]) -> Optional[list[dict]]:
         if kind != "function":
             raise APIError(
                 400,
-                f"tools[{index}].type: {kind!r} tools are not supported by this server; send function tools",
-                param=f"tools[{index}].type",
+                f"tools.{index}.type: {kind!r} tools are not supported by this server; send function tools",
+                param=f"tools.{index}.type",
                 code="unsupported_tool",
             )
-        tool = _parse(FunctionTool, raw, f"tools[{index}]")
+        tool = _parse(FunctionTool, raw, f"tools.{index}")
         function = {"name": tool.name, "description": tool.description, "parameters": tool.parameters}
         if tool.strict is not None:
             function["strict"] = tool.strict

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from ..engine.async_engine import EngineDeadError
 from ..http import APIError
 from ..http_body import parse_json_body
+from .errors import most_specific
 from .generation import collect, engine_dead, request_failed
 from .inputs import cache_options, read_body, sampling_params
 from .protocol import ChatCompletionRequest
@@ -56,7 +57,7 @@ def _as_chat(body: ResponsesCreate, history: list[dict]) -> ChatCompletionReques
     try:
         return ChatCompletionRequest.model_validate(chat_body(body, history))
     except ValidationError as error:
-        first = error.errors()[0]
+        first = most_specific(error.errors())
         loc = [str(part) for part in first["loc"]]
         field = CHAT_TO_RESPONSES.get(loc[0], loc[0]) if loc else "input"
         param = ".".join([field, *loc[1:]])
@@ -120,7 +121,7 @@ async def create_response(request: Request):
     async with state.reload_gate.admitting():  # rendered, tokenized and queued on one model version
         check_version(state, body.model)
         prompt_text, prompt_ids = await _prompt(state, chat, previous)
-        params = with_tool_choice(sampling_params(chat, None), chat, parser)
+        params = with_tool_choice(sampling_params(chat, None), chat, parser, schema_field="parameters")
         options = cache_options(state.settings, tenant, chat)
         requests = await state.builder.build([prompt_ids], params, chat.requested_max_tokens, 1, options)
         fingerprint = state.engine.queries.version.tokenizer.fingerprint

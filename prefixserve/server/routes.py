@@ -75,9 +75,9 @@ def check_batch(settings, num_requests: int) -> None:
         )
 
 
-def with_tool_choice(params, body, parser: str):
+def with_tool_choice(params, body, parser: str, schema_field: str = "function.parameters"):
     """The params with tool_choice's grammar ("required" or a named function); a 400 beside another constraint."""
-    grammar = tool_grammar(body.tools, body.tool_choice, body.parallel_tool_calls, parser)
+    grammar = tool_grammar(body.tools, body.tool_choice, body.parallel_tool_calls, parser, schema_field)
     if grammar is None:
         return params
     if params.structured_outputs is not None:

@@ -12,13 +12,14 @@ them); authenticated like the generation routes. Tokenizing runs off the event l
 from __future__ import annotations
 
 import asyncio
-from typing import Optional, Union
+from typing import Optional
 
 from fastapi import APIRouter, Request
-from pydantic import Field, RootModel
+from pydantic import Field
 
 from ..engine.limits import MAX_TOKENIZE_IDS
 from ..http import APIError
+from ..http_body import parse_json_body
 from .inputs import chat_messages, read_body
 from .protocol import ChatMessage, OpenAIBody
 from .routes import check_model, server_state
@@ -40,13 +41,27 @@ class TokenizeChat(OpenAIBody):
     return_token_strs: bool = False
 
 
-class TokenizeBody(RootModel[Union[TokenizeChat, TokenizeCompletion]]):
-    """Either form: `messages` makes it a chat, `prompt` a completion prompt."""
-
-
 class Detokenize(OpenAIBody):
     model: Optional[str] = None
     tokens: list[int] = Field(max_length=MAX_TOKENIZE_IDS)
+
+
+async def _tokenize_form(request: Request) -> type:
+    """Either form: `messages` makes it a chat, `prompt` a completion prompt; a body with neither is told so."""
+    try:
+        payload = parse_json_body(await request.body())
+    except ValueError:
+        return TokenizeCompletion  # read_body names the JSON error
+    if isinstance(payload, dict) and "messages" in payload:
+        return TokenizeChat
+    if isinstance(payload, dict) and "prompt" not in payload:
+        raise APIError(
+            422,
+            "give prompt (a string, tokenized as a completion prompt) or messages (a chat, through its template)",
+            param="prompt",
+            code="invalid_value",
+        )
+    return TokenizeCompletion
 
 
 def _token_strs(tokenizer, ids: list[int]) -> list[str]:
@@ -57,7 +72,7 @@ def _token_strs(tokenizer, ids: list[int]) -> list[str]:
 async def tokenize(request: Request):
     state = server_state(request)
     state.auth.tenant(request)
-    body = (await read_body(request, TokenizeBody)).root
+    body = await read_body(request, await _tokenize_form(request))
     check_model(state.settings, body.model)
     builder = state.builder
     tokenizer = builder.tokenizer

@@ -9,6 +9,7 @@ the next prompt hits the cache.
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any, Optional
 
@@ -33,9 +34,28 @@ def parser_for(template: Optional[str], choice: str) -> str:
     return "hermes"
 
 
+def refuse_non_text(messages) -> None:
+    """A 400 naming the first content part that is not text (an image, audio, a file): the models served read
+    text only, and a part dropped silently would change what the model was asked."""
+    for index, message in enumerate(messages):
+        if isinstance(message.content, str) or message.content is None:
+            continue
+        for number, part in enumerate(message.content):
+            if part.type != "text":
+                where = f"messages.{index}.content.{number}"
+                raise APIError(
+                    400,
+                    f"{where}: {part.type!r} parts are not supported: this model takes text only "
+                    '(send {"type": "text", "text": ...} parts)',
+                    param=where + ".type",
+                    code="unsupported_content",
+                )
+
+
 def template_input(body, template: Optional[str]) -> tuple[list[dict[str, Any]], Optional[list[dict]]]:
     """(messages, tools) of a body with messages (a chat's, a pin's) for this template; a 400 for calls that are
     not JSON."""
+    refuse_non_text(body.messages)
     messages = [message.model_dump(exclude_none=True) for message in body.messages]
     offered = getattr(body, "tools", None)  # a pin's body has none
     tools = [tool.model_dump(exclude_none=True) for tool in offered] if offered else None
@@ -56,10 +76,41 @@ def _call_schema(tool: Tool, parser: str) -> dict:
     }
 
 
+@functools.lru_cache(maxsize=1024)
+def _parameters_problem(parameters_json: str) -> Optional[str]:
+    """Why a function's parameters are not a schema a call can follow (None: they are); by their JSON text, so
+    an agent's tools, sent with every turn, compile once."""
+    parameters = json.loads(parameters_json)
+    if parameters is None:
+        return None  # no arguments: {}
+    if not isinstance(parameters, dict):
+        return "must be a JSON schema object"
+    try:
+        StructuredOutputs(json=parameters)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
 def tool_grammar(
-    tools: Optional[list[Tool]], choice, parallel: Optional[bool], parser: str
+    tools: Optional[list[Tool]],
+    choice,
+    parallel: Optional[bool],
+    parser: str,
+    schema_field: str = "function.parameters",
 ) -> Optional[StructuredOutputs]:
-    """The grammar of tool_choice "required" or a named function; None for auto / none."""
+    """The grammar of tool_choice "required" or a named function; None for auto / none. Every tool's parameters
+    must be a schema a call can follow, whatever the choice: under auto the model may call any of them (a 400
+    names `tools.N.<schema_field>`, the schema's place in the API the client used)."""
+    for index, tool in enumerate(tools or ()):
+        problem = _parameters_problem(json.dumps(tool.function.parameters, sort_keys=True))
+        if problem is not None:
+            raise APIError(
+                400,
+                f"tools.{index}.{schema_field} ({tool.function.name}): {problem}",
+                param=f"tools.{index}.{schema_field}",
+                code="invalid_value",
+            )
     if choice is None or choice in ("auto", "none"):
         return None
     if not tools:
