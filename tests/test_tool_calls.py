@@ -9,6 +9,8 @@ import pytest
 
 from prefixserve.server.tool_calls import ToolCallStream, parse
 
+CALL_F = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+
 HERMES = (
     'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
     '<tool_call>\n[{"name": "a", "arguments": {}}, {"name": "b", "arguments": {"x": [1, 2]}}]\n</tool_call>'
@@ -84,3 +86,23 @@ def test_offline_chat_takes_tools_as_the_server_renders_them(default_model_dir):
     rendered, _ = render_chat(messages, tools, reads_tools=False)
     assert with_tools.prompt_token_ids == llm.tokenizer.encode_chat(rendered)
     assert len(with_tools.prompt_token_ids) > len(plain.prompt_token_ids)
+
+
+@pytest.mark.parametrize(
+    "parser, text, calls",
+    [
+        ("hermes", CALL_F + "\n<tool_call>\n", ["f"]),  # cut right after the next call's marker and newline
+        ("hermes", CALL_F + '\n<tool_call>\n{"name": "g", "argu', ["f"]),
+        ("hermes", "Sure. <tool_c", []),  # cut inside the marker
+        ("llama3_json", '{"name": "f", "parameters": {}}; {"name": "g", "par', ["f"]),
+    ],
+)
+def test_a_cut_keeps_the_finished_calls_and_drops_the_rest(parser, text, calls):
+    content, parsed = parse(parser, text, cut=True)
+    assert [call.name for call in parsed] == calls
+    assert "<tool" not in (content or "") and '"g"' not in (content or "")
+    stream = ToolCallStream(parser)
+    pushed = [stream.push(text[i : i + 5]) for i in range(0, len(text), 5)]
+    finished = stream.finish(cut=True)
+    sent = "".join(content for content, _ in pushed) + finished[0]
+    assert "<tool" not in sent and [call.name for call in stream.calls] == calls

@@ -59,7 +59,7 @@ def tool_use_block(call: ParsedCall) -> dict:
 
 
 def message_body(message_id: str, model: str, out: RequestOutput, parser: Optional[str], cache_until: int) -> dict:
-    content_text, calls = parse(parser, out.text) if parser else (out.text, [])
+    content_text, calls = parse(parser, out.text, out.finish_reason == "length") if parser else (out.text, [])
     content = ([{"type": "text", "text": content_text}] if content_text else []) + [tool_use_block(c) for c in calls]
     stop_reason, stop_sequence = stop_reason_of(out, bool(calls))
     return {
@@ -114,7 +114,7 @@ class MessageStream:
             )
         text, calls = self.tools.push(out.delta_text) if self.tools else (out.delta_text, [])
         if out.finished and self.tools:
-            more_text, more_calls = self.tools.finish()
+            more_text, more_calls = self.tools.finish(out.finish_reason == "length")
             text, calls = text + more_text, calls + more_calls
         if text:
             events += self._text(text)

@@ -92,7 +92,8 @@ class ResponseShape:
 
     def final(self, out: RequestOutput) -> dict:
         """The finished object of a whole (unstreamed) output."""
-        content, calls = parse(self.tool_parser, out.text) if self.tool_parser else (out.text, [])
+        cut = out.finish_reason == "length"
+        content, calls = parse(self.tool_parser, out.text, cut) if self.tool_parser else (out.text, [])
         output = []
         self.message_text = content or ""
         if content:
@@ -147,7 +148,7 @@ class ResponseShape:
         if self._stream is not None:
             content, calls = self._stream.push(out.delta_text)
             if out.finished:
-                more_content, more_calls = self._stream.finish()
+                more_content, more_calls = self._stream.finish(out.finish_reason == "length")
                 content, calls = content + more_content, calls + more_calls
         else:
             content, calls = out.delta_text, []

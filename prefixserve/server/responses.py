@@ -208,7 +208,7 @@ class ChatShape(_Shape):
         stream = self._tool_streams.setdefault(index, ToolCallStream(self.tool_parser))
         content, calls = stream.push(out.delta_text)
         if out.finished:
-            more_content, more_calls = stream.finish()
+            more_content, more_calls = stream.finish(out.finish_reason == "length")
             content, calls = content + more_content, calls + more_calls
         delta: dict = {"content": content} if content else {}
         if calls:
@@ -219,7 +219,7 @@ class ChatShape(_Shape):
     def _message(self, out: RequestOutput) -> tuple[dict, Optional[str]]:
         if self.tool_parser is None:
             return {"role": "assistant", "content": out.text}, out.finish_reason
-        content, calls = parse(self.tool_parser, out.text)
+        content, calls = parse(self.tool_parser, out.text, out.finish_reason == "length")
         message = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = [call.as_openai() for call in calls]

@@ -21,7 +21,7 @@ from ..chat_tools import HERMES_CLOSE, HERMES_OPEN
 
 PARSERS = ("hermes", "llama3_json")
 PYTHON_TAG = "<|python_tag|>"
-_HERMES_BLOCK = re.compile(re.escape(HERMES_OPEN) + r"(.*?)(?:" + re.escape(HERMES_CLOSE) + r"|$)", re.S)
+_HERMES_BLOCK = re.compile(re.escape(HERMES_OPEN) + r"(.*?)(?:" + re.escape(HERMES_CLOSE) + r"|\Z)", re.S)
 
 
 @dataclass(frozen=True)
@@ -57,10 +57,16 @@ def _hermes_block(body: str) -> Optional[list[ParsedCall]]:
     return calls if calls and all(calls) else None
 
 
-def _parse_hermes(text: str) -> tuple[Optional[str], list[ParsedCall]]:
+def _parse_hermes(text: str, cut: bool = False) -> tuple[Optional[str], list[ParsedCall]]:
     calls, content, last = [], [], 0
+    if cut:  # a call max_tokens ended inside, or the start of its marker: never content
+        text = text[: len(text) - _held_back(text, HERMES_OPEN)]
     for match in _HERMES_BLOCK.finditer(text):
         parsed = _hermes_block(match.group(1).strip())
+        if parsed is None and cut and match.end() == len(text) and not match.group(0).endswith(HERMES_CLOSE):
+            content.append(text[last : match.start()])
+            last = match.end()
+            break
         if parsed is None:
             continue
         content.append(text[last : match.start()])
@@ -68,10 +74,12 @@ def _parse_hermes(text: str) -> tuple[Optional[str], list[ParsedCall]]:
         last = match.end()
     content.append(text[last:])
     joined = "".join(content).strip()
+    if cut and not calls:
+        return "".join(content), calls
     return (joined or None) if calls else text, calls
 
 
-def _parse_llama3(text: str) -> tuple[Optional[str], list[ParsedCall]]:
+def _parse_llama3(text: str, cut: bool = False) -> tuple[Optional[str], list[ParsedCall]]:
     body = text.strip()
     body = body[len(PYTHON_TAG) :].lstrip() if body.startswith(PYTHON_TAG) else body
     if not body.startswith("{"):
@@ -81,6 +89,8 @@ def _parse_llama3(text: str) -> tuple[Optional[str], list[ParsedCall]]:
         try:
             value, position = decoder.raw_decode(body, position)
         except ValueError:
+            if cut:  # max_tokens ended inside this call: the finished ones only, never the cut JSON
+                return None, calls
             return text, []
         call = _call_of(value, "parameters")
         if call is None:
@@ -93,9 +103,10 @@ def _parse_llama3(text: str) -> tuple[Optional[str], list[ParsedCall]]:
     return None, calls
 
 
-def parse(parser: str, text: str) -> tuple[Optional[str], list[ParsedCall]]:
-    """(content, calls) of a whole output: content None when the output was calls alone."""
-    return _parse_hermes(text) if parser == "hermes" else _parse_llama3(text)
+def parse(parser: str, text: str, cut: bool = False) -> tuple[Optional[str], list[ParsedCall]]:
+    """(content, calls) of a whole output: content None when the output was calls alone. `cut`: the output
+    ended at max_tokens, and a call it ended inside is dropped (the finished calls stay), never sent as text."""
+    return _parse_hermes(text, cut) if parser == "hermes" else _parse_llama3(text, cut)
 
 
 def _held_back(text: str, marker: str) -> int:
@@ -151,12 +162,13 @@ class ToolCallStream:
         content, self._pending = self._pending, ""
         return self._sent(content, [])
 
-    def finish(self) -> tuple[str, list[ParsedCall]]:
-        """What is left at the end: calls parsed from it, or content."""
+    def finish(self, cut: bool = False) -> tuple[str, list[ParsedCall]]:
+        """What is left at the end: calls parsed from it, or content; `cut` (max_tokens) drops a call it ended
+        inside."""
         rest, self._pending = self._pending, ""
         if not rest:
             return "", []
-        content, calls = parse(self.parser, rest)
+        content, calls = parse(self.parser, rest, cut)
         if self._sent_any and content:  # content already began: keep its spacing
             content = rest if not calls else content
         return self._sent(content or "", calls)
