@@ -106,3 +106,21 @@ def test_a_cut_keeps_the_finished_calls_and_drops_the_rest(parser, text, calls):
     finished = stream.finish(cut=True)
     sent = "".join(content for content, _ in pushed) + finished[0]
     assert "<tool" not in sent and [call.name for call in stream.calls] == calls
+
+
+@pytest.mark.parametrize(
+    "parser, text",
+    [
+        ("hermes", CALL_F + "\n" + CALL_F),
+        ("llama3_json", '{"name": "f", "parameters": {}}; {"name": "f", "parameters": {}}'),
+    ],
+)
+def test_parallel_tool_calls_false_keeps_the_first_call_only(parser, text):
+    """parallel_tool_calls false (Anthropic's disable_parallel_tool_use) with tool_choice auto, where no grammar
+    limits the calls: the first is the answer, later ones are dropped, never sent as text."""
+    content, calls = parse(parser, text, max_calls=1)
+    assert len(calls) == 1 and "<tool" not in (content or "") and '"f"' not in (content or "")
+    stream = ToolCallStream(parser, max_calls=1)
+    sent = [stream.push(text[i : i + 7]) for i in range(0, len(text), 7)] + [stream.finish()]
+    assert len(stream.calls) == 1 and sum(len(calls) for _, calls in sent) == 1
+    assert "<tool" not in "".join(content for content, _ in sent)

@@ -58,8 +58,16 @@ def tool_use_block(call: ParsedCall) -> dict:
     }
 
 
-def message_body(message_id: str, model: str, out: RequestOutput, parser: Optional[str], cache_until: int) -> dict:
-    content_text, calls = parse(parser, out.text, out.finish_reason == "length") if parser else (out.text, [])
+def message_body(
+    message_id: str,
+    model: str,
+    out: RequestOutput,
+    parser: Optional[str],
+    cache_until: int,
+    max_calls: Optional[int] = None,
+) -> dict:
+    cut = out.finish_reason == "length"
+    content_text, calls = parse(parser, out.text, cut, max_calls) if parser else (out.text, [])
     content = ([{"type": "text", "text": content_text}] if content_text else []) + [tool_use_block(c) for c in calls]
     stop_reason, stop_sequence = stop_reason_of(out, bool(calls))
     return {
@@ -82,9 +90,11 @@ class MessageStream:
     """Anthropic's stream events for one output: message_start, a text block's deltas, one block per tool call
     (its input as one input_json_delta), message_delta with the stop reason and usage, message_stop."""
 
-    def __init__(self, message_id: str, model: str, parser: Optional[str], cache_until: int) -> None:
+    def __init__(
+        self, message_id: str, model: str, parser: Optional[str], cache_until: int, max_calls: Optional[int] = None
+    ) -> None:
         self.message_id, self.model, self.cache_until = message_id, model, cache_until
-        self.tools = ToolCallStream(parser) if parser else None
+        self.tools = ToolCallStream(parser, max_calls) if parser else None
         self.started = False
         self.blocks = 0  # content blocks opened so far
         self.text_open = False

@@ -117,10 +117,11 @@ async def _create(request: Request):
         requests = await state.builder.build([prompt_ids], params, body.max_tokens, 1, options)
         streams = start(state, requests)
     reads_calls = parser if conversation.tools and tool_choice != "none" else None
+    max_calls = 1 if parallel is False else None  # disable_parallel_tool_use
     cache_until = max((place for place, _ in places), default=0)
     message_id, beats = f"msg_{uuid.uuid4().hex[:24]}", wants_beats(request)  # a router asks for beats (beats.py)
     if body.stream:
-        shape = MessageStream(message_id, body.model, reads_calls, cache_until)
+        shape = MessageStream(message_id, body.model, reads_calls, cache_until, max_calls)
         events = _events(state, streams[0], shape, lambda: _keep(state, prompt_ids, places, options))
         if beats:
             return StreamingResponse(
@@ -133,7 +134,7 @@ async def _create(request: Request):
     async def whole() -> dict:
         finals = await collect(None if beats else request, streams, state.metrics)
         await _keep(state, prompt_ids, places, options)
-        return message_body(message_id, body.model, finals[0], reads_calls, cache_until)
+        return message_body(message_id, body.model, finals[0], reads_calls, cache_until, max_calls)
 
     return beating_response(whole, state.engine, _error_body) if beats else await whole()
 

@@ -50,12 +50,15 @@ def _event(kind: str, sequence: int, **fields) -> str:
 class ResponseShape:
     """The response object of one turn; `request` is what the object echoes (tools, text, metadata, ...)."""
 
-    def __init__(self, response_id: str, model: str, request: dict, tool_parser: Optional[str]) -> None:
+    def __init__(
+        self, response_id: str, model: str, request: dict, tool_parser: Optional[str], max_calls: Optional[int] = None
+    ) -> None:
         self.response_id, self.model, self.request = response_id, model, request
         self.tool_parser = tool_parser
+        self.max_calls = max_calls  # 1 under parallel_tool_calls false
         self.created_at = int(time.time())
         self.message_id = item_id("msg")
-        self._stream = ToolCallStream(tool_parser) if tool_parser else None
+        self._stream = ToolCallStream(tool_parser, max_calls) if tool_parser else None
         self._sequence = 0
         self.message_text = ""  # the message's text (streamed: sent so far)
         self.finished_body: Optional[dict] = None  # the object once the output finished
@@ -93,7 +96,7 @@ class ResponseShape:
     def final(self, out: RequestOutput) -> dict:
         """The finished object of a whole (unstreamed) output."""
         cut = out.finish_reason == "length"
-        content, calls = parse(self.tool_parser, out.text, cut) if self.tool_parser else (out.text, [])
+        content, calls = parse(self.tool_parser, out.text, cut, self.max_calls) if self.tool_parser else (out.text, [])
         output = []
         self.message_text = content or ""
         if content:

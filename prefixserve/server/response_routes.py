@@ -128,7 +128,11 @@ async def create_response(request: Request):
         streams = start(state, requests)
     reads_calls = bool(chat.tools) and chat.tool_choice != "none"
     shape = ResponseShape(
-        item_id("resp"), state.settings.served_model_name, _echo(body), parser if reads_calls else None
+        item_id("resp"),
+        state.settings.served_model_name,
+        _echo(body),
+        parser if reads_calls else None,
+        max_calls=1 if body.parallel_tool_calls is False else None,
     )
     turn = history + input_messages(body.input)
 

@@ -173,9 +173,10 @@ class ChatShape(_Shape):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
-    def __init__(self, *args, tool_parser: Optional[str] = None, **kwargs) -> None:
+    def __init__(self, *args, tool_parser: Optional[str] = None, max_calls: Optional[int] = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.tool_parser = tool_parser
+        self.max_calls = max_calls  # 1 under parallel_tool_calls false
         self._tool_streams: dict[int, ToolCallStream] = {}
 
     def role_chunk(self, index: int, prompt_token_ids: list[int]) -> dict:
@@ -205,7 +206,7 @@ class ChatShape(_Shape):
         finish_reason = out.finish_reason if out.finished else None
         if self.tool_parser is None:
             return ({"content": out.delta_text} if out.delta_text else {}), finish_reason
-        stream = self._tool_streams.setdefault(index, ToolCallStream(self.tool_parser))
+        stream = self._tool_streams.setdefault(index, ToolCallStream(self.tool_parser, self.max_calls))
         content, calls = stream.push(out.delta_text)
         if out.finished:
             more_content, more_calls = stream.finish(out.finish_reason == "length")
@@ -219,7 +220,7 @@ class ChatShape(_Shape):
     def _message(self, out: RequestOutput) -> tuple[dict, Optional[str]]:
         if self.tool_parser is None:
             return {"role": "assistant", "content": out.text}, out.finish_reason
-        content, calls = parse(self.tool_parser, out.text, out.finish_reason == "length")
+        content, calls = parse(self.tool_parser, out.text, out.finish_reason == "length", self.max_calls)
         message = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = [call.as_openai() for call in calls]

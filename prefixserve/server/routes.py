@@ -200,6 +200,7 @@ async def chat_completions(request: Request):
             state.settings.served_model_name,
             state.texts,
             tool_parser=parser if reads_calls else None,
+            max_calls=1 if body.parallel_tool_calls is False else None,
             **shape_options(state, body),
         )
         streams = start(state, requests)

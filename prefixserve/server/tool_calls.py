@@ -103,10 +103,14 @@ def _parse_llama3(text: str, cut: bool = False) -> tuple[Optional[str], list[Par
     return None, calls
 
 
-def parse(parser: str, text: str, cut: bool = False) -> tuple[Optional[str], list[ParsedCall]]:
+def parse(
+    parser: str, text: str, cut: bool = False, max_calls: Optional[int] = None
+) -> tuple[Optional[str], list[ParsedCall]]:
     """(content, calls) of a whole output: content None when the output was calls alone. `cut`: the output
-    ended at max_tokens, and a call it ended inside is dropped (the finished calls stay), never sent as text."""
-    return _parse_hermes(text, cut) if parser == "hermes" else _parse_llama3(text, cut)
+    ended at max_tokens, and a call it ended inside is dropped (the finished calls stay), never sent as text.
+    `max_calls` (1 under parallel_tool_calls false): calls past it are dropped, never sent as text either."""
+    content, calls = _parse_hermes(text, cut) if parser == "hermes" else _parse_llama3(text, cut)
+    return content, calls if max_calls is None else calls[:max_calls]
 
 
 def _held_back(text: str, marker: str) -> int:
@@ -120,8 +124,9 @@ def _held_back(text: str, marker: str) -> int:
 class ToolCallStream:
     """One streamed choice: push() each delta of text, get (content delta, new calls); finish() the rest."""
 
-    def __init__(self, parser: str) -> None:
+    def __init__(self, parser: str, max_calls: Optional[int] = None) -> None:
         self.parser = parser
+        self.max_calls = max_calls  # 1 under parallel_tool_calls false: later calls are dropped
         self._pending = ""  # text not yet sent: a possible call, or its start
         self._sent_any = False
         self.calls: list[ParsedCall] = []
@@ -174,6 +179,8 @@ class ToolCallStream:
         return self._sent(content or "", calls)
 
     def _sent(self, content: str, calls: list[ParsedCall]) -> tuple[str, list[ParsedCall]]:
+        if self.max_calls is not None:
+            calls = calls[: max(self.max_calls - len(self.calls), 0)]
         self._sent_any = self._sent_any or bool(content) or bool(calls)
         self.calls += calls
         return content, calls
