@@ -29,6 +29,7 @@ from ..http_body import BodySizeLimit
 from .dashboard import fleet_admin_routes, fleet_dashboard_routes
 from .fleet import Router
 from .forward import ask_any_replica, forward
+from .response_affinity import RESPONSES_PATH, ResponseOwners, create_response, stored_response
 from .settings import RouterSettings
 
 __all__ = ["Router", "RouterSettings", "build_router_app"]
@@ -40,6 +41,7 @@ logger = logging.getLogger("prefixserve.router")
 PLACED_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/messages")
 ANY_REPLICA_ROUTES = (
     ("GET", "/v1/models"),
+    ("GET", "/v1/models/{model:path}"),
     ("POST", "/v1/messages/count_tokens"),
     ("POST", "/tokenize"),
     ("POST", "/detokenize"),
@@ -55,7 +57,7 @@ def _add_relayed_routes(app: FastAPI, router: Router) -> None:
 
     def any_replica(path: str):
         async def endpoint(request: Request):
-            return await ask_any_replica(router, request, path)
+            return await ask_any_replica(router, request, request.url.path)  # the path as asked: /v1/models/NAME
 
         return endpoint
 
@@ -63,6 +65,18 @@ def _add_relayed_routes(app: FastAPI, router: Router) -> None:
         app.add_api_route(path, placed(path), methods=["POST"])
     for method, path in ANY_REPLICA_ROUTES:
         app.add_api_route(path, any_replica(path), methods=[method])
+
+    owners = ResponseOwners()  # which replica holds each stored response (response_affinity.py)
+
+    async def new_response(request: Request):
+        return await create_response(router, owners, request)
+
+    async def one_response(request: Request):
+        return await stored_response(router, owners, request, request.url.path)
+
+    app.add_api_route(RESPONSES_PATH, new_response, methods=["POST"])
+    app.add_api_route(RESPONSES_PATH + "/{response_id}", one_response, methods=["GET", "DELETE"])
+    app.add_api_route(RESPONSES_PATH + "/{response_id}/input_items", one_response, methods=["GET"])
 
 
 def build_router_app(settings: RouterSettings) -> FastAPI:

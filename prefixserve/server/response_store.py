@@ -6,7 +6,8 @@ prefix a `previous_response_id` continues from.
 
 Another tenant's id answers as a missing one (404), never with its content. Past `max_stored` the least recently
 used response goes; past `ttl` seconds after its last use a response is gone. The store is this replica's own
-(in memory): a router sends a previous_response_id back to the replica that answered it (not built yet).
+(in memory): `prefixserve route` sends a request naming a response to the replica that answered it
+(router/response_affinity.py).
 """
 
 from __future__ import annotations
