@@ -215,12 +215,13 @@ class RequestBuilder:
                 code="context_length_exceeded",
             )
 
-    async def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+    async def chat_prompt(self, body: ChatCompletionRequest, template_kwargs: Optional[dict] = None) -> list[int]:
+        """The chat's token ids; `template_kwargs` are the template's other variables (a thinking switch)."""
         tokenizer = self.tokenizer
         messages, tools = template_input(body, tokenizer.chat_template)  # with its tools and tool calls
         self.check_text_size(sum(len(message["content"]) for message in messages) + len(str(tools or "")), "messages")
         try:
-            return await asyncio.to_thread(tokenizer.encode_chat, messages, True, tools)
+            return await asyncio.to_thread(tokenizer.encode_chat, messages, True, tools, **(template_kwargs or {}))
         except Exception as error:  # a template may reject a conversation (e.g. role order)
             raise APIError(
                 400, f"the chat template rejected these messages: {error}", param="messages", code="invalid_messages"

@@ -41,7 +41,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "audio": (),
     "modalities": (["text"],),
     "prediction": (),
-    "reasoning_effort": (),
     "web_search_options": (),
     "logits_processors": (),
     "allowed_token_ids": (),
@@ -153,6 +152,8 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[bool] = None  # None: true, as OpenAI's default
     max_completion_tokens: Optional[int] = Field(default=None, **RANGES["max_tokens"].field())
+    # a reasoning model's thinking switch (server/reasoning.py); a model without one refuses it
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high"]] = None
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(default=None, **RANGES["logprobs"].field())
 

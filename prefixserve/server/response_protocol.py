@@ -27,7 +27,6 @@ UNSUPPORTED_RESPONSE_FIELDS: dict[str, tuple] = {
     "include": ([],),
     "max_tool_calls": (),
     "prompt": (),
-    "reasoning": (),
     "service_tier": ("auto", "default"),
     "top_logprobs": (0,),
     "truncation": ("disabled",),
@@ -94,6 +93,11 @@ class TextFormat(ResponsesBody):
     strict: Optional[bool] = None
 
 
+class ReasoningOptions(ResponsesBody):
+    effort: Optional[Literal["none", "minimal", "low", "medium", "high"]] = None  # the thinking switch (reasoning.py)
+    summary: None = None  # reasoning comes back whole, as a reasoning item's text: no summary is written
+
+
 class TextOptions(ResponsesBody):
     format: Optional[TextFormat] = None
     verbosity: Optional[Literal["medium"]] = None  # the one a model without the switch has
@@ -110,6 +114,7 @@ class ResponsesCreate(ResponsesBody):
     tool_choice: Union[Literal["auto", "required", "none"], NamedFunctionChoice, None] = None
     parallel_tool_calls: Optional[bool] = None
     text: Optional[TextOptions] = None
+    reasoning: Optional[ReasoningOptions] = None
     store: bool = True
     previous_response_id: Optional[str] = Field(default=None, min_length=1, max_length=256)
     metadata: Optional[dict[str, str]] = Field(default=None, max_length=16)

@@ -178,6 +178,7 @@ def chat_body(body: ResponsesCreate, history: list[dict]) -> dict:
         "temperature": body.temperature,
         "top_p": body.top_p,
         "response_format": response_format(body),
+        "reasoning_effort": body.reasoning.effort if body.reasoning is not None else None,
         "stream": body.stream,
         "prompt_cache_key": body.prompt_cache_key,
         "prompt_cache_retention": body.prompt_cache_retention,

@@ -23,6 +23,7 @@ from .errors import most_specific
 from .generation import collect, engine_dead, request_failed
 from .inputs import cache_options, read_body, sampling_params
 from .protocol import ChatCompletionRequest
+from .reasoning import thinking_of
 from .response_objects import ResponseShape, item_id
 from .response_protocol import UNSUPPORTED_RESPONSE_FIELDS, ResponsesCreate
 from .response_render import assistant_message, chat_body, input_items, input_messages
@@ -64,12 +65,14 @@ def _as_chat(body: ResponsesCreate, history: list[dict]) -> ChatCompletionReques
         raise APIError(422, f"{param}: {first['msg']}", param=param, code="invalid_value") from None
 
 
-async def _prompt(state, chat: ChatCompletionRequest, previous: Optional[StoredResponse]) -> tuple[str, list[int]]:
+async def _prompt(
+    state, chat: ChatCompletionRequest, previous: Optional[StoredResponse], thinking: dict
+) -> tuple[str, list[int]]:
     """(rendered text, token ids) of the chat; after `previous`, its prompt and output tokens as they were."""
     tokenizer = state.engine.queries.version.tokenizer
     messages, tools = template_input(chat, tokenizer.chat_template)
     state.builder.check_text_size(sum(len(message["content"]) for message in messages) + len(str(tools or "")), "input")
-    extra = {"tools": tools} if tools else {}
+    extra = {**thinking, **({"tools": tools} if tools else {})}
     try:
         text = await asyncio.to_thread(tokenizer.apply_chat_template, messages, True, **extra)
     except Exception as error:  # a template may reject a conversation (e.g. role order)
@@ -97,6 +100,7 @@ def _echo(body: ResponsesCreate) -> dict:
             "tool_choice",
             "tools",
             "text",
+            "reasoning",
             "store",
             "metadata",
         },
@@ -120,7 +124,13 @@ async def create_response(request: Request):
     parser = parser_for(state.builder.tokenizer.chat_template, state.settings.tool_call_parser)
     async with state.reload_gate.admitting():  # rendered, tokenized and queued on one model version
         check_version(state, body.model)
-        prompt_text, prompt_ids = await _prompt(state, chat, previous)
+        thinking, reads_reasoning = thinking_of(
+            state.builder.tokenizer.chat_template,
+            chat.reasoning_effort,
+            state.settings.served_model_name,
+            "reasoning.effort",
+        )
+        prompt_text, prompt_ids = await _prompt(state, chat, previous, thinking)
         params = with_tool_choice(sampling_params(chat, None), chat, parser, schema_field="parameters")
         options = cache_options(state.settings, tenant, chat)
         requests = await state.builder.build([prompt_ids], params, chat.requested_max_tokens, 1, options)
@@ -133,6 +143,7 @@ async def create_response(request: Request):
         _echo(body),
         parser if reads_calls else None,
         max_calls=1 if body.parallel_tool_calls is False else None,
+        reasoning=reads_reasoning,
     )
     turn = history + input_messages(body.input)
 

@@ -14,6 +14,7 @@ from typing import Optional
 from ..engine.outputs import RequestOutput, TokenLogprob
 from ..model import Tokenizer
 from .protocol import Usage
+from .reasoning import ReasoningStream, split_reasoning
 from .tool_calls import ToolCallStream, parse
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; a token the model rules out reports this (as vLLM does)
@@ -168,16 +169,27 @@ class CompletionShape(_Shape):
 
 class ChatShape(_Shape):
     """With `tool_parser` (tool_calls.py's PARSERS), tool calls in the output become message.tool_calls (streamed:
-    tool_calls deltas, each call whole) and finish_reason "tool_calls"."""
+    tool_calls deltas, each call whole) and finish_reason "tool_calls". With `reasoning` (a thinking turn of a
+    reasoning model, reasoning.py), the text before </think> is message.reasoning_content (streamed:
+    delta.reasoning_content), and calls are read from the rest."""
 
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
-    def __init__(self, *args, tool_parser: Optional[str] = None, max_calls: Optional[int] = None, **kwargs) -> None:
+    def __init__(
+        self,
+        *args,
+        tool_parser: Optional[str] = None,
+        max_calls: Optional[int] = None,
+        reasoning: bool = False,
+        **kwargs,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.tool_parser = tool_parser
         self.max_calls = max_calls  # 1 under parallel_tool_calls false
+        self.reasoning = reasoning
         self._tool_streams: dict[int, ToolCallStream] = {}
+        self._reasoning_streams: dict[int, ReasoningStream] = {}
 
     def role_chunk(self, index: int, prompt_token_ids: list[int]) -> dict:
         choice = {
@@ -204,24 +216,34 @@ class ChatShape(_Shape):
 
     def _delta(self, index: int, out: RequestOutput) -> tuple[dict, Optional[str]]:
         finish_reason = out.finish_reason if out.finished else None
+        reasoning, text = "", out.delta_text
+        if self.reasoning:
+            thinking = self._reasoning_streams.setdefault(index, ReasoningStream())
+            reasoning, text = thinking.push(text)
+            if out.finished:
+                more_reasoning, more_text = thinking.finish()
+                reasoning, text = reasoning + more_reasoning, text + more_text
+        thought = {"reasoning_content": reasoning} if reasoning else {}
         if self.tool_parser is None:
-            return ({"content": out.delta_text} if out.delta_text else {}), finish_reason
+            return ({**thought, "content": text} if text else thought), finish_reason
         stream = self._tool_streams.setdefault(index, ToolCallStream(self.tool_parser, self.max_calls))
-        content, calls = stream.push(out.delta_text)
+        content, calls = stream.push(text)
         if out.finished:
             more_content, more_calls = stream.finish(out.finish_reason == "length")
             content, calls = content + more_content, calls + more_calls
-        delta: dict = {"content": content} if content else {}
+        delta: dict = {**thought, "content": content} if content else thought
         if calls:
             first = len(stream.calls) - len(calls)
             delta["tool_calls"] = [call.as_openai(first + i) for i, call in enumerate(calls)]
         return delta, _tool_finish(finish_reason, bool(stream.calls))
 
     def _message(self, out: RequestOutput) -> tuple[dict, Optional[str]]:
+        reasoning, text = split_reasoning(out.text) if self.reasoning else (None, out.text)
+        thought = {"reasoning_content": reasoning} if self.reasoning else {}
         if self.tool_parser is None:
-            return {"role": "assistant", "content": out.text}, out.finish_reason
-        content, calls = parse(self.tool_parser, out.text, out.finish_reason == "length", self.max_calls)
-        message = {"role": "assistant", "content": content}
+            return {"role": "assistant", "content": text, **thought}, out.finish_reason
+        content, calls = parse(self.tool_parser, text, out.finish_reason == "length", self.max_calls)
+        message = {"role": "assistant", "content": content, **thought}
         if calls:
             message["tool_calls"] = [call.as_openai() for call in calls]
         return message, _tool_finish(out.finish_reason, bool(calls))

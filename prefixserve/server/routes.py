@@ -18,6 +18,7 @@ from .beats import beating_response, wants_beats
 from .generation import collect, engine_dead, stream_response
 from .inputs import cache_options, completion_prompts, read_body, sampling_params
 from .protocol import ChatCompletionRequest, CompletionRequest, new_id, now
+from .reasoning import thinking_of
 from .responses import ChatShape, CompletionShape, usage_of
 from .tool_prompt import parser_for, tool_grammar
 
@@ -187,8 +188,12 @@ async def chat_completions(request: Request):
     check_batch(state.settings, body.n)
     async with state.reload_gate.admitting():  # tokenized and queued on one model version
         check_version(state, body.model)
-        prompt_ids = await state.builder.chat_prompt(body)
-        parser = parser_for(state.builder.tokenizer.chat_template, state.settings.tool_call_parser)
+        template = state.builder.tokenizer.chat_template
+        thinking, reads_reasoning = thinking_of(
+            template, body.reasoning_effort, state.settings.served_model_name, "reasoning_effort"
+        )
+        prompt_ids = await state.builder.chat_prompt(body, thinking)
+        parser = parser_for(template, state.settings.tool_call_parser)
         params = with_tool_choice(sampling_params(body, body.num_logprobs), body, parser)
         requests = await state.builder.build(
             [prompt_ids], params, body.requested_max_tokens, body.n, cache_options(state.settings, tenant, body)
@@ -201,6 +206,7 @@ async def chat_completions(request: Request):
             state.texts,
             tool_parser=parser if reads_calls else None,
             max_calls=1 if body.parallel_tool_calls is False else None,
+            reasoning=reads_reasoning,
             **shape_options(state, body),
         )
         streams = start(state, requests)

@@ -197,9 +197,12 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        **template_kwargs: Any,
     ) -> list[int]:
-        """Token ids of a rendered chat (`tools` as transformers passes them). The template supplies any BOS."""
-        text = self.apply_chat_template(messages, add_generation_prompt, **({"tools": tools} if tools else {}))
+        """Token ids of a rendered chat (`tools` as transformers passes them; other variables, such as a thinking
+        switch, as `template_kwargs`). The template supplies any BOS."""
+        extra = {**template_kwargs, **({"tools": tools} if tools else {})}
+        text = self.apply_chat_template(messages, add_generation_prompt, **extra)
         return self.encode(text, add_special_tokens=False)
 
     def _token_id(self, token: str | None) -> int | None:
