@@ -1,6 +1,7 @@
 """The Responses API as agent frameworks call it by default, on the real SmolLM2 model: the openai SDK's
 responses.create (plain, streamed, a tool round trip, text.format), the openai-agents SDK with its default
-(Responses) model, pydantic-ai's OpenAIResponsesModel, langchain's ChatOpenAI(use_responses_api=True).
+(Responses) model, pydantic-ai's OpenAIResponsesModel, langchain's ChatOpenAI(use_responses_api=True); and the
+anthropic SDK's messages.create, whose default path is the Messages API.
 
 Greedy (temperature 0) where a framework would otherwise sample: a 135M model sampling at 1.0 may ramble past
 its max_output_tokens, and the agents SDK rightly treats a cut response as an error."""
@@ -157,3 +158,16 @@ def test_langchain_use_responses_api(server):
     streamed = "".join(chunk.text for chunk in chat.stream("Say hello."))
     assert streamed == whole.text
     assert asyncio.run(chat.ainvoke("Say hello.")).text == whole.text
+
+
+def test_anthropic_sdk_messages(server):
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    reply = client.messages.create(
+        model=MODEL,
+        max_tokens=64,
+        messages=[{"role": "user", "content": "Say hello in five words."}],
+        extra_body={"temperature": 0.0},
+    )
+    assert reply.id.startswith("msg_") and reply.stop_reason == "end_turn" and reply.content[0].text.strip()

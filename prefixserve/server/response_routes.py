@@ -131,7 +131,13 @@ async def create_response(request: Request):
             "reasoning.effort",
         )
         prompt_text, prompt_ids = await _prompt(state, chat, previous, thinking)
-        params = with_tool_choice(sampling_params(chat, None), chat, parser, schema_field="parameters")
+        try:
+            params = with_tool_choice(sampling_params(chat, None), chat, parser, schema_field="parameters")
+        except APIError as error:  # the chat's response_format is this request's text.format
+            if error.param != "response_format":
+                raise
+            message = error.message.replace("response_format", "text.format", 1)
+            raise APIError(error.status, message, param="text.format", code=error.code) from None
         options = cache_options(state.settings, tenant, chat)
         requests = await state.builder.build([prompt_ids], params, chat.requested_max_tokens, 1, options)
         fingerprint = state.engine.queries.version.tokenizer.fingerprint
