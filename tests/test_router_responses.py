@@ -2,6 +2,7 @@
 holds it (and so its cache), stored responses are found there, and a stream is relayed with its owner learnt."""
 
 import json
+import time
 
 import httpx
 import pytest
@@ -74,3 +75,21 @@ def test_stored_responses_are_found_where_they_live(fleet):
 def test_models_retrieve_through_the_router(fleet):
     response = httpx.get(f"{fleet.url}/v1/models/{MODEL}", timeout=30)
     assert response.status_code == 200 and response.json()["id"] == MODEL
+
+
+def test_a_conversation_survives_its_replica():
+    """The replica holding a conversation is killed: the router sends the next turn, the whole conversation as
+    input, to the other replica, which answers it (prefilling what it lacks) and holds it from then on."""
+    with Fleet(num_replicas=2) as fleet:
+        answer, home = turn(fleet, "Name a color.")
+        answer, again = turn(fleet, "Another one.", answer["id"])
+        assert again == home
+        fleet.kill(int(home.rsplit("-", 1)[1]))
+        deadline = time.monotonic() + 30
+        while any(r.healthy for r in fleet.router.replicas if r.name == home):  # the router notices
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        moved, elsewhere = turn(fleet, "And a third.", answer["id"])
+        assert elsewhere != home and moved["usage"]["input_tokens"] > answer["usage"]["total_tokens"]
+        following, stays = turn(fleet, "And a fourth.", moved["id"])
+        assert stays == elsewhere and following["usage"]["input_tokens_details"]["cached_tokens"] > 0

@@ -29,7 +29,7 @@ from ..http_body import BodySizeLimit
 from .dashboard import fleet_admin_routes, fleet_dashboard_routes
 from .fleet import Router
 from .forward import ask_any_replica, forward
-from .response_affinity import RESPONSES_PATH, ResponseOwners, create_response, stored_response
+from .response_affinity import RESPONSES_PATH, ResponseLedger, create_response, stored_response
 from .settings import RouterSettings
 
 __all__ = ["Router", "RouterSettings", "build_router_app"]
@@ -66,13 +66,13 @@ def _add_relayed_routes(app: FastAPI, router: Router) -> None:
     for method, path in ANY_REPLICA_ROUTES:
         app.add_api_route(path, any_replica(path), methods=[method])
 
-    owners = ResponseOwners()  # which replica holds each stored response (response_affinity.py)
+    ledger = ResponseLedger()  # each stored response's replica and conversation (response_affinity.py)
 
     async def new_response(request: Request):
-        return await create_response(router, owners, request)
+        return await create_response(router, ledger, request)
 
     async def one_response(request: Request):
-        return await stored_response(router, owners, request, request.url.path)
+        return await stored_response(router, ledger, request, request.url.path)
 
     app.add_api_route(RESPONSES_PATH, new_response, methods=["POST"])
     app.add_api_route(RESPONSES_PATH + "/{response_id}", one_response, methods=["GET", "DELETE"])

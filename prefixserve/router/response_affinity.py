@@ -1,16 +1,20 @@
 """OpenAI's Responses API through the router: a stored response lives on the replica that answered it, so every
-request that names one goes there.
+request that names one goes there; and the router keeps each conversation, so it survives that replica.
 
     POST /v1/responses              with a previous_response_id the router saw answered: that replica, while it
-                                    is healthy; otherwise placed by the policy as a chat is (its prompt_cache_key
-                                    kept, by load: the input is not tokenized here yet)
+                                    is healthy (its cache holds the conversation); when it is gone, any replica,
+                                    the request rewritten to carry the whole conversation as input (slower: that
+                                    replica prefills what it lacks); otherwise placed by the policy as a chat is
+                                    (its prompt_cache_key kept, by load: the input is not tokenized here yet)
     GET | DELETE /v1/responses/ID   (and .../input_items) the replica that answered ID; one the router never saw
                                     (it restarted) is asked of each healthy replica until one does not answer 404
 
-Owners are learnt from the answers: a body's id, a stream's response.created event; the newest `max_entries`
-are kept. A stored response is its replica's alone: when that replica is gone, a request naming it gets the
-404 another replica answers (the conversation must be sent again as input). A stream is relayed as it comes and
-not continued elsewhere: a replica that dies mid-stream ends it with a response.failed event.
+The ledger learns from the answers (a body, a stream's response.created and closing events): which replica
+answered each stored response, its tenant (the router's keys, as the replicas'), the response it continued, its
+input items and its output items (a reasoning item left out: no replica takes one back). The newest
+`max_entries` are kept; a conversation whose older turns left the ledger cannot be rebuilt, and a request naming
+it gets the 404 a replica answers. A stream is relayed as it comes and not continued elsewhere: a replica that
+dies mid-stream ends it with a response.failed event.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
 
 import httpx
@@ -37,27 +42,63 @@ RESPONSES_PATH = "/v1/responses"
 DEFAULT_MAX_ENTRIES = 100_000
 
 
-class ResponseOwners:
-    """response id -> the name of the replica that answered it, newest `max_entries` kept."""
+@dataclass
+class Turn:
+    """One stored response as the router saw it."""
+
+    replica: str
+    tenant: Optional[str]
+    previous: Optional[str]  # the response it continued
+    input_items: list
+    output_items: list = field(default_factory=list)
+
+
+class ResponseLedger:
+    """response id -> its Turn, newest `max_entries` kept."""
 
     def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES) -> None:
         self.max_entries = max_entries
-        self._owners: OrderedDict[str, str] = OrderedDict()
+        self._turns: OrderedDict[str, Turn] = OrderedDict()
 
-    def learn(self, response_id: object, replica: Replica) -> None:
+    def learn(self, response_id: object, turn: Turn) -> None:
         if isinstance(response_id, str) and response_id:
-            self._owners[response_id] = replica.name
-            self._owners.move_to_end(response_id)
-            while len(self._owners) > self.max_entries:
-                self._owners.popitem(last=False)
+            self._turns[response_id] = turn
+            self._turns.move_to_end(response_id)
+            while len(self._turns) > self.max_entries:
+                self._turns.popitem(last=False)
+
+    def answered(self, response_id: object, output: object) -> None:
+        """A response's output items, once it finished."""
+        turn = self._turns.get(response_id) if isinstance(response_id, str) else None
+        if turn is not None and isinstance(output, list):
+            turn.output_items = [item for item in output if isinstance(item, dict) and item.get("type") != "reasoning"]
 
     def owner(self, router: Router, response_id: object) -> Optional[Replica]:
         """The healthy replica that answered `response_id`, or None."""
-        name = self._owners.get(response_id) if isinstance(response_id, str) else None
-        return next((r for r in router.replicas if r.name == name and r.healthy), None)
+        turn = self._turns.get(response_id) if isinstance(response_id, str) else None
+        return next((r for r in router.replicas if turn is not None and r.name == turn.replica and r.healthy), None)
+
+    def conversation(self, response_id: object, tenant: Optional[str]) -> Optional[list]:
+        """Every item through `response_id`'s output, oldest first, if the ledger holds the whole chain and it is
+        `tenant`'s; else None."""
+        chain, current = [], response_id
+        while current is not None:
+            turn = self._turns.get(current) if isinstance(current, str) else None
+            if turn is None or turn.tenant != tenant:
+                return None
+            chain.append(turn)
+            current = turn.previous
+        return [item for turn in reversed(chain) for item in turn.input_items + turn.output_items]
 
 
-async def create_response(router: Router, owners: ResponseOwners, request: Request) -> Response:
+def _items_of(input_value: object) -> list:
+    """A request's input as items (a string is one user message)."""
+    if isinstance(input_value, str):
+        return [{"type": "message", "role": "user", "content": input_value}]
+    return list(input_value) if isinstance(input_value, list) else []
+
+
+async def create_response(router: Router, ledger: ResponseLedger, request: Request) -> Response:
     try:
         credentials = credentials_of(request.headers)
         check_content_type(request.headers.get("content-type"))
@@ -72,7 +113,15 @@ async def create_response(router: Router, owners: ResponseOwners, request: Reque
         return error_response(400, str(error), code="invalid_json")
     if not isinstance(body, dict):
         return error_response(400, "the request body must be a JSON object", code="invalid_json")
-    owner = owners.owner(router, body.get("previous_response_id"))
+    tenant, previous = router.tenant_of(credentials), body.get("previous_response_id")
+    owner = ledger.owner(router, previous)
+    rebuilt = None  # the request carrying the whole conversation, for a replica that does not hold it
+    conversation = ledger.conversation(previous, tenant) if previous is not None else None
+    if conversation is not None:
+        rest = {key: value for key, value in body.items() if key != "previous_response_id"}
+        rebuilt = json.dumps({**rest, "input": conversation + _items_of(body.get("input"))}).encode()
+    stored = body.get("store") is not False
+    turn = Turn("", tenant, previous if isinstance(previous, str) else None, _items_of(body.get("input")))
     cache_key = body.get("prompt_cache_key") if isinstance(body.get("prompt_cache_key"), str) else None
     headers = forwarded_headers(credentials)
     tried: set[str] = set()
@@ -81,16 +130,18 @@ async def create_response(router: Router, owners: ResponseOwners, request: Reque
         if replica is None:
             break
         tried.add(replica.name)
+        payload = raw if replica is owner or rebuilt is None else rebuilt
         ticket = router.record_route(replica, None, None)
         try:
-            upstream = await post_to(router.client, replica, RESPONSES_PATH, raw, headers)
+            upstream = await post_to(router.client, replica, RESPONSES_PATH, payload, headers)
         except (httpx.TransportError, Stalled) as failure:
             router.release(replica, ticket)
             router.fail_over(replica, failure, f"on {RESPONSES_PATH}")
             continue
+        turn.replica = replica.name
         if body.get("stream") is True and upstream.status_code == 200:
             return StreamingResponse(
-                _relay(router, owners, replica, ticket, upstream),
+                _relay(router, ledger if stored else None, turn, replica, ticket, upstream),
                 media_type="text/event-stream",
                 headers={**passthrough_headers(upstream.headers, replica), "cache-control": "no-cache"},
             )
@@ -102,42 +153,44 @@ async def create_response(router: Router, owners: ResponseOwners, request: Reque
         finally:
             await upstream.aclose()
             router.release(replica, ticket)
-        if upstream.status_code == 200:
-            owners.learn(_id_of(content), replica)
+        if upstream.status_code == 200 and stored:
+            answer = _json_of(content)
+            ledger.learn(answer.get("id"), turn)
+            ledger.answered(answer.get("id"), answer.get("output"))
         return relay_response(router, replica, upstream.status_code, upstream.headers, content)
     return error_response(
         503, "no healthy replica can take the request; retry shortly", "server_error", code="no_replica"
     )
 
 
-def _id_of(content: bytes) -> Optional[str]:
+def _json_of(content: bytes) -> dict:
     try:
         answer = json.loads(content)
     except ValueError:
-        return None
-    return answer.get("id") if isinstance(answer, dict) else None
+        return {}
+    return answer if isinstance(answer, dict) else {}
 
 
 async def _relay(
-    router: Router, owners: ResponseOwners, replica: Replica, ticket: int, upstream: httpx.Response
+    router: Router,
+    ledger: Optional[ResponseLedger],
+    turn: Turn,
+    replica: Replica,
+    ticket: int,
+    upstream: httpx.Response,
 ) -> AsyncIterator[bytes]:
-    """The replica's events as they come; the first (response.created) names the response's owner."""
+    """The replica's events as they come; the ledger (when the response is stored) learns the response from its
+    response.created event and its output from the closing one."""
     pending = b""
-    learnt = False
     try:
         async for chunk in upstream.aiter_raw():
             yield chunk
-            if not learnt:
-                pending += chunk
-                for line in pending.split(b"\n"):
-                    if line.startswith(b"data:") and b"response.created" in line:
-                        try:
-                            owners.learn(json.loads(line[5:])["response"]["id"], replica)
-                        except (ValueError, KeyError, TypeError):
-                            pass
-                        learnt = True
-                        break
-                pending = b"" if learnt else pending[-65536:]
+            if ledger is None:
+                continue
+            pending += chunk
+            *events, pending = pending.split(b"\n\n")
+            for event in events:
+                _learn_from(ledger, turn, event)
     except httpx.TransportError as failure:
         router.fail_over(replica, failure, f"streaming {RESPONSES_PATH}")
         failed = {
@@ -153,14 +206,26 @@ async def _relay(
         router.release(replica, ticket)
 
 
-async def stored_response(router: Router, owners: ResponseOwners, request: Request, path: str) -> Response:
+def _learn_from(ledger: ResponseLedger, turn: Turn, event: bytes) -> None:
+    for line in event.split(b"\n"):
+        if not line.startswith(b"data:"):
+            continue
+        payload = _json_of(line[5:])
+        response = payload.get("response") if isinstance(payload.get("response"), dict) else {}
+        if payload.get("type") == "response.created":
+            ledger.learn(response.get("id"), turn)
+        elif payload.get("type") in ("response.completed", "response.incomplete"):
+            ledger.answered(response.get("id"), response.get("output"))
+
+
+async def stored_response(router: Router, ledger: ResponseLedger, request: Request, path: str) -> Response:
     """GET or DELETE of a stored response (or its input items): its owner, else each healthy replica in turn."""
     try:
         credentials = credentials_of(request.headers)
     except AmbiguousAuthorization as error:
         return error_response(400, str(error), code="ambiguous_authorization")
     response_id = request.path_params["response_id"]
-    owner = owners.owner(router, response_id)
+    owner = ledger.owner(router, response_id)
     replicas = [owner] if owner is not None else [r for r in router.replicas if r.healthy]
     last = None
     for replica in replicas:
@@ -176,8 +241,6 @@ async def stored_response(router: Router, owners: ResponseOwners, request: Reque
             continue
         last = (replica, answer)
         if answer.status_code != 404:
-            if answer.status_code == 200 and request.method == "GET":
-                owners.learn(response_id, replica)
             break
     if last is None:
         return error_response(503, "no healthy replica; retry shortly", "server_error", code="no_replica")
