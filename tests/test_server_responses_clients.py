@@ -1,7 +1,8 @@
 """The Responses API as agent frameworks call it by default, on the real SmolLM2 model: the openai SDK's
 responses.create (plain, streamed, a tool round trip, text.format), the openai-agents SDK with its default
 (Responses) model, pydantic-ai's OpenAIResponsesModel, langchain's ChatOpenAI(use_responses_api=True); and the
-anthropic SDK's messages.create, whose default path is the Messages API.
+anthropic SDK's messages.create, whose default path is the Messages API, and instructor's, chat completions
+with a tool call as the structure.
 
 Greedy (temperature 0) where a framework would otherwise sample: a 135M model sampling at 1.0 may ramble past
 its max_output_tokens, and the agents SDK rightly treats a cut response as an error."""
@@ -171,3 +172,25 @@ def test_anthropic_sdk_messages(server):
         extra_body={"temperature": 0.0},
     )
     assert reply.id.startswith("msg_") and reply.stop_reason == "end_turn" and reply.content[0].text.strip()
+
+
+def test_instructor_default_mode(server):
+    needs("instructor", "instructor (.ci/run installs it with --no-deps)")
+    import instructor
+    from openai import OpenAI
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        name: str
+        country: str
+
+    client = instructor.from_openai(OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0))
+    city = client.chat.completions.create(
+        model=MODEL,
+        response_model=City,
+        messages=[{"role": "user", "content": "Paris is the capital of France. Extract the city."}],
+        temperature=0,
+        max_tokens=64,
+        max_retries=0,
+    )
+    assert (city.name, city.country) == ("Paris", "France")
