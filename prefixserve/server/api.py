@@ -75,22 +75,10 @@ class ServerSettings:
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 where = f"{name} ({flag})" if flag else name
                 raise ValueError(f"{where} must be an integer >= {low}, got {value!r}")
-        if not (
-            isinstance(self.max_cache_ttl, (int, float))
-            and math.isfinite(self.max_cache_ttl)
-            and self.max_cache_ttl > 0
-        ):
-            raise ValueError(
-                f"max_cache_ttl (--max-cache-ttl) must be a positive number of seconds, got {self.max_cache_ttl!r}"
-            )
-        if not (
-            isinstance(self.responses_ttl, (int, float))
-            and math.isfinite(self.responses_ttl)
-            and self.responses_ttl > 0
-        ):
-            raise ValueError(
-                f"responses_ttl (--responses-ttl) must be a positive number of seconds, got {self.responses_ttl!r}"
-            )
+        for name, flag in (("max_cache_ttl", "--max-cache-ttl"), ("responses_ttl", "--responses-ttl")):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} ({flag}) must be a positive number of seconds, got {value!r}")
         for tenant, ttl in self.tenant_cache_ttls.items():  # above max_cache_ttl is capped per request
             if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not (math.isfinite(ttl) and ttl > 0):
                 raise ValueError(f"tenant {tenant!r}: cache_ttl must be a positive number of seconds, got {ttl!r}")

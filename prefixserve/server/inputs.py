@@ -98,14 +98,17 @@ async def read_body(request: Request, model: type[BaseModel]):
         raise APIError(422, f"{param}: {first['msg']}", param=param, code="invalid_value") from None
 
 
-def refuse_unsupported(payload: dict, model: type[BaseModel]) -> None:
+def refuse_unsupported(payload: dict, model: type[BaseModel], unsupported: Optional[dict] = None) -> None:
     """A field of OpenAI's or vLLM's API that this server does not implement is refused by name (400),
     never ignored: a client must be able to tell its tools or schema did nothing. A no-op value
-    (null, response_format text, best_of 1, no tools) passes."""
-    if not issubclass(model, SamplingFields):
-        return
+    (null, response_format text, best_of 1, no tools) passes. `unsupported`: the API's table of such fields
+    and their no-op values (chat and completions': protocol.UNSUPPORTED_FIELDS)."""
+    if unsupported is None:
+        if not issubclass(model, SamplingFields):
+            return
+        unsupported = UNSUPPORTED_FIELDS
     for name, value in payload.items():
-        no_ops = None if name in model.model_fields else UNSUPPORTED_FIELDS.get(name)  # chat has tools
+        no_ops = None if name in model.model_fields else unsupported.get(name)  # chat has tools
         if no_ops is None or value is None or any(type(value) is type(no_op) and value == no_op for no_op in no_ops):
             continue
         hint = f" (or send {no_ops[0]!r}, which does nothing)" if no_ops else ""

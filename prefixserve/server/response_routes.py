@@ -21,7 +21,7 @@ from ..http import APIError
 from ..http_body import parse_json_body
 from .errors import most_specific
 from .generation import collect, engine_dead, request_failed
-from .inputs import cache_options, read_body, sampling_params
+from .inputs import cache_options, read_body, refuse_unsupported, sampling_params
 from .protocol import ChatCompletionRequest
 from .reasoning import thinking_of
 from .response_objects import ResponseShape, item_id
@@ -38,20 +38,6 @@ CHAT_TO_RESPONSES = {  # a field of the chat body this request became -> the fie
     "max_tokens": "max_output_tokens",
     "response_format": "text.format",
 }
-
-
-def _refuse_unsupported(payload: dict) -> None:
-    for name, value in payload.items():
-        no_ops = UNSUPPORTED_RESPONSE_FIELDS.get(name)
-        if no_ops is None or value is None or any(type(value) is type(no_op) and value == no_op for no_op in no_ops):
-            continue
-        hint = f" (or send {no_ops[0]!r}, which does nothing)" if no_ops else ""
-        raise APIError(
-            400,
-            f"{name} is not supported by this server yet; leave it out{hint}",
-            param=name,
-            code="unsupported_parameter",
-        )
 
 
 def _as_chat(body: ResponsesCreate, history: list[dict]) -> ChatCompletionRequest:
@@ -114,7 +100,7 @@ async def create_response(request: Request):
     state = server_state(request)
     tenant = state.auth.tenant(request)
     body = await read_body(request, ResponsesCreate)
-    _refuse_unsupported(parse_json_body(await request.body()))
+    refuse_unsupported(parse_json_body(await request.body()), ResponsesCreate, UNSUPPORTED_RESPONSE_FIELDS)
     check_model(state.settings, body.model)
     previous = None
     if body.previous_response_id is not None:
