@@ -94,6 +94,17 @@ def test_previous_response_id_continues_from_the_cached_tokens(server, client):
     items = client.responses.input_items.list(second.id).data
     assert [(item.type, item.role) for item in items] == [("message", "user")]
     assert items[0].content[0].text == "Name another one."
+    many = create(
+        client,
+        [{"role": "user", "content": f"Part {i}."} for i in range(5)],
+        max_output_tokens=1,
+    )
+    newest = client.responses.input_items.list(many.id, limit=2)
+    assert [item.content[0].text for item in newest.data] == ["Part 4.", "Part 3."] and newest.has_more
+    rest = client.responses.input_items.list(many.id, limit=10, after=newest.last_id, order="desc")
+    assert [item.content[0].text for item in rest.data] == ["Part 2.", "Part 1.", "Part 0."] and not rest.has_more
+    oldest = client.responses.input_items.list(many.id, order="asc", limit=1).data
+    assert oldest[0].content[0].text == "Part 0."
 
 
 def test_stored_responses_are_their_tenants_own_and_can_be_deleted(server, client):

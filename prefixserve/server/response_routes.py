@@ -10,9 +10,9 @@ last turn's output; only the new input is prefilled (response_store.py).
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Literal, Optional
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
@@ -204,13 +204,28 @@ async def delete_response(request: Request, response_id: str):
 
 
 @response_routes.get("/v1/responses/{response_id}/input_items")
-async def get_input_items(request: Request, response_id: str):
+async def get_input_items(
+    request: Request,
+    response_id: str,
+    limit: int = Query(default=20, ge=1, le=100),
+    order: Literal["asc", "desc"] = "desc",
+    after: Optional[str] = None,
+):
+    """The response's input items as OpenAI lists them: newest first unless `order` is asc, `limit` a page, from
+    the item after `after`."""
     state = server_state(request)
     items = state.responses.get(response_id, state.auth.tenant(request)).input_items
+    ordered = items if order == "asc" else items[::-1]
+    if after is not None:
+        ids = [item["id"] for item in ordered]
+        if after not in ids:
+            raise APIError(400, f"after: no input item {after!r} in this response", param="after", code="invalid_value")
+        ordered = ordered[ids.index(after) + 1 :]
+    page = ordered[:limit]
     return {
         "object": "list",
-        "data": items,
-        "first_id": items[0]["id"] if items else None,
-        "last_id": items[-1]["id"] if items else None,
-        "has_more": False,
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(ordered) > limit,
     }
