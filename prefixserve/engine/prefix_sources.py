@@ -40,6 +40,7 @@ class PrefixFind:
 
     device: list[Block]
     lower: list[SourceRun] = field(default_factory=list)  # nearest tier first; empty: none, or asked before
+    keys: list[bytes] = field(default_factory=list)  # the keys a hit may cover (when the tiers were asked)
     fetch_seconds: float = 0.0  # the planner's estimate for the chosen blocks
     recompute_seconds: float = 0.0  # and for computing the run's blocks it did not choose
 
@@ -120,9 +121,9 @@ class PrefixSources:
         run past it and the planner's choice."""
         found = PrefixFind(self.device_match(request))
         if self.enable_prefix_caching and ask_lower and not request.was_admitted:
-            keys = self._hit_keys(request)
+            found.keys = self._hit_keys(request)
             found.lower, found.fetch_seconds, found.recompute_seconds = self.lower.find(
-                request, keys, len(found.device)
+                request, found.keys, len(found.device)
             )
         return found
 
@@ -132,7 +133,7 @@ class PrefixSources:
         found = self.find(request, ask_lower)
         if not found.num_chosen_blocks:
             return found.device
-        self.lower.load(request, self._hit_keys(request), len(found.device), found.lower)
+        self.lower.load(request, found.keys, len(found.device), found.lower)
         if request.status is RequestStatus.WAITING_FOR_KV:
             return None
         return self.device_match(request)  # what was loaded now hangs from the device's match
@@ -147,5 +148,5 @@ class PrefixSources:
             self.lower.wait_for_reads()
 
     def _hit_keys(self, request: Request) -> list[bytes]:
-        keys = self.keyer.extend(request.block_keys, request.scope_digest, request.token_ids, request.private_from)
+        keys = request.block_keys  # extended by device_match
         return keys[: max_hit_blocks(request.num_prompt_tokens, self.cache.block_size, len(keys))]

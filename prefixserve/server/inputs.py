@@ -72,8 +72,9 @@ def cache_options(settings, tenant: Optional[str], body: SamplingFields) -> Cach
     return CacheOptions(compose_salt(tenant, body.cache_salt), ttl, tenant, retention)
 
 
-async def read_body(request: Request, model: type[BaseModel]):
-    """The body as `model`: 415 for a non-JSON content type, 400 for unreadable JSON, 422 naming a bad field."""
+async def read_body(request: Request, model: type[BaseModel], unsupported: Optional[dict] = None):
+    """The body as `model`: 415 for a non-JSON content type, 400 for unreadable JSON, 400 for a field the API has
+    and this server does not implement (`unsupported`: refuse_unsupported's table), 422 naming a bad field."""
     media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if media_type and media_type not in JSON_MEDIA_TYPES and not media_type.endswith("+json"):
         raise APIError(
@@ -89,7 +90,7 @@ async def read_body(request: Request, model: type[BaseModel]):
         raise APIError(
             400, f"the request body must be a JSON object, not {type(payload).__name__}", code="invalid_json"
         )
-    refuse_unsupported(payload, model)
+    refuse_unsupported(payload, model, unsupported)
     try:
         return model.model_validate(payload)
     except ValidationError as error:
@@ -220,14 +221,22 @@ class RequestBuilder:
 
     async def chat_prompt(self, body: ChatCompletionRequest, template_kwargs: Optional[dict] = None) -> list[int]:
         """The chat's token ids; `template_kwargs` are the template's other variables (a thinking switch)."""
+        text = await self.chat_text(body, template_kwargs or {})
+        return await asyncio.to_thread(self.tokenizer.encode, text, False)
+
+    async def chat_text(
+        self, body: ChatCompletionRequest, template_kwargs: dict, param: str = "messages", what: str = "these messages"
+    ) -> str:
+        """The chat as its template renders it (with its tools and tool calls); a refusal names `param`."""
         tokenizer = self.tokenizer
-        messages, tools = template_input(body, tokenizer.chat_template)  # with its tools and tool calls
-        self.check_text_size(sum(len(message["content"]) for message in messages) + len(str(tools or "")), "messages")
+        messages, tools = template_input(body, tokenizer.chat_template)
+        self.check_text_size(sum(len(message["content"]) for message in messages) + len(str(tools or "")), param)
+        extra = {**template_kwargs, **({"tools": tools} if tools else {})}
         try:
-            return await asyncio.to_thread(tokenizer.encode_chat, messages, True, tools, **(template_kwargs or {}))
+            return await asyncio.to_thread(tokenizer.apply_chat_template, messages, True, **extra)
         except Exception as error:  # a template may reject a conversation (e.g. role order)
             raise APIError(
-                400, f"the chat template rejected these messages: {error}", param="messages", code="invalid_messages"
+                400, f"the chat template rejected {what}: {error}", param=param, code="invalid_messages"
             ) from None
 
     async def build(

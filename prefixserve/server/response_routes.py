@@ -18,10 +18,9 @@ from pydantic import ValidationError
 
 from ..engine.async_engine import EngineDeadError
 from ..http import APIError
-from ..http_body import parse_json_body
 from .errors import most_specific
 from .generation import collect, engine_dead, request_failed
-from .inputs import cache_options, read_body, refuse_unsupported, sampling_params
+from .inputs import cache_options, read_body, sampling_params
 from .protocol import ChatCompletionRequest
 from .reasoning import thinking_of
 from .response_objects import ResponseShape, item_id
@@ -29,7 +28,7 @@ from .response_protocol import UNSUPPORTED_RESPONSE_FIELDS, ResponsesCreate
 from .response_render import assistant_message, chat_body, input_items, input_messages
 from .response_store import StoredResponse
 from .routes import check_model, check_version, server_state, start, with_tool_choice
-from .tool_prompt import parser_for, template_input
+from .tool_prompt import parser_for
 
 response_routes = APIRouter()
 
@@ -56,15 +55,7 @@ async def _prompt(
 ) -> tuple[str, list[int]]:
     """(rendered text, token ids) of the chat; after `previous`, its prompt and output tokens as they were."""
     tokenizer = state.engine.queries.version.tokenizer
-    messages, tools = template_input(chat, tokenizer.chat_template)
-    state.builder.check_text_size(sum(len(message["content"]) for message in messages) + len(str(tools or "")), "input")
-    extra = {**thinking, **({"tools": tools} if tools else {})}
-    try:
-        text = await asyncio.to_thread(tokenizer.apply_chat_template, messages, True, **extra)
-    except Exception as error:  # a template may reject a conversation (e.g. role order)
-        raise APIError(
-            400, f"the chat template rejected this conversation: {error}", param="input", code="invalid_messages"
-        ) from None
+    text = await state.builder.chat_text(chat, thinking, param="input", what="this conversation")
     if previous is not None and previous.tokenizer == tokenizer.fingerprint:
         done = previous.prompt_text + tokenizer.decode(previous.output_ids, skip_special_tokens=False)
         if text.startswith(done):
@@ -99,8 +90,7 @@ def _echo(body: ResponsesCreate) -> dict:
 async def create_response(request: Request):
     state = server_state(request)
     tenant = state.auth.tenant(request)
-    body = await read_body(request, ResponsesCreate)
-    refuse_unsupported(parse_json_body(await request.body()), ResponsesCreate, UNSUPPORTED_RESPONSE_FIELDS)
+    body = await read_body(request, ResponsesCreate, UNSUPPORTED_RESPONSE_FIELDS)
     check_model(state.settings, body.model)
     previous = None
     if body.previous_response_id is not None:
