@@ -1,7 +1,9 @@
-"""API keys the server and the router share: the Authorization header, tenant keys, the admin key, the keys file.
+"""API keys the server and the router share: a request's key headers, tenant keys, the operator's keys, the keys file.
 
 Both front doors face hostile clients, so both compare keys in constant time (as
-SHA-256 digests) and read a request's one Authorization header the same way.
+SHA-256 digests) and read a request's key the same way: x-api-key's (Anthropic's
+header), else the Authorization header's Bearer token (`Credentials.key`), for a
+tenant and for the operator alike.
 """
 
 from __future__ import annotations
@@ -89,76 +91,176 @@ class KeyTable:
         return len(self._entries)
 
     def lookup(self, key: str) -> Optional[str]:
-        digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+        digest = _digest(key)
         found = None
         for stored, tenant in self._entries:
             if hmac.compare_digest(stored, digest):
                 found = tenant
         return found
 
+    def tenant_of(self, credentials: Credentials) -> Optional[str]:
+        """The tenant of a request's key, x-api-key's or its Bearer token (None: no key, or an unknown one).
+        The one way server, router and dashboard tell who is asking."""
+        return self.lookup(credentials.key)
 
-class AdminRefusal(NamedTuple):
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+
+
+def _credentials_or_400(headers) -> Credentials:
+    try:
+        return credentials_of(headers)
+    except AmbiguousAuthorization as error:
+        raise APIError(400, str(error), code="ambiguous_authorization") from None
+
+
+def _raise(refusal: Optional["Refusal"]) -> None:
+    if refusal is not None:
+        raise APIError(refusal.status, refusal.message, refusal.type, code=refusal.code)
+
+
+class Refusal(NamedTuple):
+    """Why a request may not read an operator endpoint, as the error to answer."""
+
     status: int
     message: str
     type: str
     code: str
 
 
+class OperatorKey:
+    """One of the operator's keys (admin, metrics), compared in constant time as a SHA-256 digest."""
+
+    def __init__(self, key: Optional[str]) -> None:
+        self._digest = _digest(key) if key else None
+
+    @property
+    def is_configured(self) -> bool:
+        return self._digest is not None
+
+    def matches(self, key: str) -> bool:
+        """Whether `key` is this key (constant time; never when none is configured)."""
+        return self._digest is not None and hmac.compare_digest(_digest(key), self._digest)
+
+
 class AdminKey:
     """The operator's key (server or router), compared in constant time as a SHA-256 digest.
 
     Endpoints that reveal cache or fleet state answer it only: without one configured they are
-    off (404), a missing key is 401, any other key (a tenant's) 403.
+    off (404), a missing key is 401, any other key (a tenant's) 403. It is read as a tenant's
+    key is (`Credentials.key`), so an operator on Anthropic's SDK sends it as x-api-key.
     """
 
     def __init__(self, key: Optional[str], owner: str) -> None:
-        self._digest = hashlib.sha256(key.encode()).digest() if key else None
+        self.key = OperatorKey(key)
         self.owner = owner  # "server" or "router": where --admin-api-key is given
 
     def require(self, headers, tenants: Optional[KeyTable] = None) -> None:
-        """Raise APIError unless the request's one Authorization header (Starlette's Headers) carries the
-        admin key: 400 for two headers, else `refusal`'s answer. The server's and the router's guard."""
-        try:
-            authorization = authorization_of(headers)
-        except AmbiguousAuthorization as error:
-            raise APIError(400, str(error), code="ambiguous_authorization") from None
-        refusal = self.refusal(authorization, tenants)
-        if refusal is not None:
-            raise APIError(refusal.status, refusal.message, refusal.type, code=refusal.code)
+        """Raise APIError unless the request (Starlette's Headers) carries the admin key: 400 for two keys,
+        else `refusal`'s answer. The server's and the router's guard."""
+        _raise(self.refusal(_credentials_or_400(headers), tenants))
 
-    def refusal(self, authorization: Optional[str], tenants: Optional[KeyTable] = None) -> Optional[AdminRefusal]:
-        """None when `authorization` carries the admin key; else why not, as an error to answer: 401 for
+    def refusal(self, credentials: Credentials, tenants: Optional[KeyTable] = None) -> Optional[Refusal]:
+        """None when `credentials` carry the admin key; else why not, as an error to answer: 401 for
         a missing or unknown key, 403 for a tenant's key (one of `tenants`)."""
-        if self._digest is None:
-            return AdminRefusal(
+        if not self.key.is_configured:
+            return Refusal(
                 404,
                 f"this endpoint is off; start the {self.owner} with --admin-api-key to enable it",
                 "not_found_error",
                 "admin_disabled",
             )
-        key = bearer_token(authorization)
+        key = credentials.key
         if not key:
-            return AdminRefusal(
+            return Refusal(
                 401,
-                "this endpoint needs the admin API key; send 'Authorization: Bearer <admin key>'",
+                "this endpoint needs the admin API key; send 'Authorization: Bearer <admin key>' "
+                "or 'x-api-key: <admin key>'",
                 "authentication_error",
                 "invalid_api_key",
             )
-        if not hmac.compare_digest(hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest(), self._digest):
+        if not self.key.matches(key):
             if tenants is not None and tenants.lookup(key) is not None:
-                return AdminRefusal(
+                return Refusal(
                     403,
                     "this endpoint needs the operator's admin API key, not a tenant key",
                     "permission_error",
                     "admin_only",
                 )
-            return AdminRefusal(
+            return Refusal(
                 401,
                 "this endpoint needs the admin API key; the key sent is not it",
                 "authentication_error",
                 "invalid_api_key",
             )
         return None
+
+
+class MetricsReaders:
+    """Who may read /metrics: anyone where there are no tenant keys (as before); where there are, the operator's
+    admin key or its metrics key (--metrics-api-key, for a Prometheus scraper: it opens /metrics only).
+
+    The prefix-cache counters rise by each request's prompt and hit sizes, so a tenant reading them
+    between its own requests would learn what another tenant sends and shares, with no clock needed.
+    Without an admin or a metrics key configured, a keyed /metrics is off (404), as admin endpoints are;
+    a missing or unknown key is 401, a tenant's key 403. Both operator keys are compared on every read.
+    """
+
+    def __init__(self, tenants: KeyTable, admin: AdminKey, metrics_key: Optional[str]) -> None:
+        self.tenants = tenants
+        self.owner = admin.owner
+        self.admin_key, self.metrics_key = admin.key, OperatorKey(metrics_key)
+
+    @property
+    def is_open(self) -> bool:
+        return not self.tenants
+
+    def require(self, headers) -> None:
+        """Raise APIError unless the request may read /metrics (Starlette's Headers): 400 for two keys, else
+        `refusal`'s answer. The server's and the router's guard."""
+        if self.is_open:
+            return
+        _raise(self.refusal(_credentials_or_400(headers)))
+
+    def refusal(self, credentials: Credentials) -> Optional[Refusal]:
+        if self.is_open:
+            return None
+        owner = self.owner
+        if not (self.admin_key.is_configured or self.metrics_key.is_configured):
+            return Refusal(
+                404,
+                f"/metrics is off on a {owner} with tenant API keys (its counters would show one tenant "
+                f"another's traffic); start the {owner} with --metrics-api-key (a Prometheus scraper's key) "
+                "or --admin-api-key, and send that key",
+                "not_found_error",
+                "metrics_disabled",
+            )
+        key = credentials.key
+        if not key:
+            return Refusal(
+                401,
+                f"/metrics needs the {owner}'s metrics or admin API key where tenants have keys; send "
+                "'Authorization: Bearer <metrics key>' (Prometheus: authorization.credentials_file)",
+                "authentication_error",
+                "invalid_api_key",
+            )
+        is_admin, is_metrics = self.admin_key.matches(key), self.metrics_key.matches(key)  # both: no early exit
+        if is_admin or is_metrics:
+            return None
+        if self.tenants.lookup(key) is not None:
+            return Refusal(
+                403,
+                f"/metrics needs the {owner}'s metrics or admin API key, not a tenant key",
+                "permission_error",
+                "operator_only",
+            )
+        return Refusal(
+            401,
+            f"/metrics needs the {owner}'s metrics or admin API key; the key sent is neither",
+            "authentication_error",
+            "invalid_api_key",
+        )
 
 
 def is_valid_tenant_id(tenant: str) -> bool:

@@ -56,10 +56,14 @@ def browser_page(width: int = 1400, height: int = 1000) -> Iterator[object]:
             browser.close()
 
 
-def metrics_samples(url: str) -> dict:
-    """/metrics as {'name{label="v",...}': value}, histogram buckets and _created left out."""
+def metrics_samples(url: str, key: Optional[str] = None) -> dict:
+    """/metrics as {'name{label="v",...}': value}, histogram buckets and _created left out; `key` (the admin or
+    metrics key) where tenants have keys."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     out = {}
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+    response = httpx.get(url + "/metrics", headers=headers)
+    assert response.status_code == 200, response.text
+    for family in text_string_to_metric_families(response.text):
         for sample in family.samples:
             if sample.name.endswith(("_created", "_bucket")):
                 continue

@@ -73,7 +73,7 @@ def test_counters_equal_metrics_and_tenants_and_ttft_split_add_up(server):
     usages["tenant-b"].append(complete(server.url, SHARED + [2000] * 20, "key-b"))
     server.wait_idle()
     snapshot = httpx.get(server.url + "/dashboard/api/snapshot", headers=ADMIN).json()
-    metrics = metrics_samples(server.url)
+    metrics = metrics_samples(server.url, "dash-admin")
     assert snapshot["metrics"] == {key: metrics[key] for key in snapshot["metrics"]}
     assert "prefixserve:prefix_cache_hits_total" in snapshot["metrics"]
     assert 'prefixserve:kv_blocks{state="free"}' in snapshot["metrics"]
@@ -116,6 +116,26 @@ def test_a_streamed_request_counts_for_the_tenant_of_its_key(server):
         assert "[DONE]" in "".join(response.iter_text())
     server.wait_idle()
     assert tenant_b_requests() == before + 1
+
+
+def test_an_x_api_key_request_counts_for_its_tenant_not_as_no_key(server):
+    """Anthropic's API takes the key as x-api-key: the dashboard reads a request's tenant as its handler does."""
+
+    def counts():
+        snapshot = httpx.get(server.url + "/dashboard/api/snapshot?tree=false", headers=ADMIN).json()
+        return {row["tenant"]: row["num_requests"] for row in snapshot["tenants"]}
+
+    before = counts()
+    body = {"model": "prefixserve-tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "count me"}]}
+    headers = {"x-api-key": "key-b", "anthropic-version": "2023-06-01"}
+    assert httpx.post(server.url + "/v1/messages", json=body, headers=headers, timeout=120).status_code == 200
+    completion = {"model": "prefixserve-tiny", "prompt": "count me too", "max_tokens": 2}
+    response = httpx.post(server.url + "/v1/completions", json=completion, headers={"x-api-key": "key-b"}, timeout=120)
+    assert response.status_code == 200, response.text
+    server.wait_idle()
+    after = counts()
+    assert after.get("tenant-b", 0) == before.get("tenant-b", 0) + 2
+    assert after.get("(no key)", 0) == before.get("(no key)", 0)
 
 
 def test_the_tree_shows_a_shared_prefix_and_never_tokens_or_text(server):

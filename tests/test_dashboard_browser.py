@@ -67,7 +67,7 @@ def mismatches_with_metrics(page, url: str, attempts: int = 5) -> list:
     the page's snapshot and our read of /metrics, so a disagreement gets another redraw to settle.
     """
     for _ in range(attempts):
-        expected = metrics_samples(url)
+        expected = metrics_samples(url, ADMIN_KEY)
         shown = page.eval_on_selector_all(
             "#totals td[data-metric]", "cells => cells.map(c => [c.dataset.metric, c.textContent])"
         )

@@ -1,5 +1,7 @@
-"""The router's fleet dashboard: one row per replica (health, load, hit rate, routed share) and the totals."""
+"""The router's fleet dashboard: one row per replica (health, load, hit rate, routed share) and the totals. The
+replicas have tenant keys, so their /metrics answers the router's admin key only."""
 
+import json
 import time
 
 import httpx
@@ -9,11 +11,14 @@ from server_helpers import LiveServer, assert_openai_error
 
 KEY = "fleet-dash-admin"
 ADMIN = {"Authorization": f"Bearer {KEY}"}
+TENANT = {"Authorization": "Bearer fleet-tenant-key"}
 
 
 @pytest.fixture(scope="module")
-def fleet():
-    args = ("--admin-api-key", KEY, "--enable-kv-events")
+def fleet(tmp_path_factory):
+    keys = tmp_path_factory.mktemp("fleet-keys") / "keys.json"
+    keys.write_text(json.dumps({"fleet-tenant-key": "acme"}))
+    args = ("--admin-api-key", KEY, "--enable-kv-events", "--api-keys-file", str(keys))
     with LiveServer(*args) as first, LiveServer(*args) as second, LiveRouter([first.url, second.url], KEY) as router:
         yield router, [first, second]
 
@@ -30,6 +35,7 @@ def test_fleet_rows_and_totals_follow_the_replicas(fleet):
         response = httpx.post(
             router.url + "/v1/completions",
             timeout=120,
+            headers=TENANT,
             json={"model": "prefixserve-tiny", "prompt": prompt, "max_tokens": 2},
         )
         assert response.status_code == 200, response.text
@@ -48,6 +54,7 @@ def test_fleet_rows_and_totals_follow_the_replicas(fleet):
     for name, replica in zip(("r0", "r1"), replicas):
         row = rows[name]
         assert row["healthy"] and row["in_flight"] == 0
+        assert httpx.get(replica.url + "/metrics").status_code == 401  # read with the router's admin key
         queried, hit = replica_hits(replica.url)
         assert (row["prompt_tokens"], row["hit_tokens"]) == (queried, hit)
     totals = body["totals"]

@@ -58,7 +58,7 @@ def test_requests_sharing_a_prefix_land_where_it_is_cached(fleet):
     events, done = read_stream(streamed)
     assert streamed.status_code == 200 and done
     assert all("token_ids" not in c and "prompt_token_ids" not in c for e in events for c in e["choices"])
-    metrics = httpx.get(fleet.url + "/metrics", timeout=10).text
+    metrics = httpx.get(fleet.url + "/metrics", headers={"authorization": f"Bearer {ADMIN_KEY}"}, timeout=10).text
     assert 'prefixserve_router:routed_requests_total{replica="replica-' in metrics
     assert "prefixserve_router:predicted_hit_tokens_total" in metrics and "127.0.0.1" not in metrics
 

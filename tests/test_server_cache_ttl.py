@@ -92,7 +92,7 @@ def test_reuse_gaps_are_measured_per_tenant_and_exposed_to_the_operator_only(ser
     assert len(gaps["overall"]["counts"]) == len(gaps["bucket_upper_bounds"]) + 1
     assert stats["max_cache_ttl"] == 600.0
     assert stats["mean_reused_prefix_tokens"] > 0
-    metrics = httpx.get(server.url + "/metrics", timeout=30).text
+    metrics = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30).text
     assert "prefixserve:prefix_reuse_gap_seconds_count " in metrics and "prefixserve:prefix_releases_total " in metrics
     assert "acme" not in metrics  # per tenant only behind the admin key
 

@@ -57,7 +57,8 @@ def add_plan_price_arguments(actions, formatter_class: type) -> None:
     price.add_argument(
         "--admin-api-key",
         metavar="KEY",
-        help="sent as a bearer token with --url, for a /metrics behind the operator's key",
+        help="sent as a bearer token with --url: the server's admin or metrics key, which its /metrics "
+        "needs where tenants have keys",
     )
     price.add_argument(
         "--prefill-seconds-per-token",

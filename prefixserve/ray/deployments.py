@@ -136,7 +136,7 @@ class Ingress:
             )
         except (AmbiguousAuthorization, BadRequest):
             return None
-        tenant = self.keys.lookup(credentials.key) if self.keys else None
+        tenant = self.keys.tenant_of(credentials)
         cache_salt = client.body.get("cache_salt")
         salt = compose_salt(tenant, cache_salt if isinstance(cache_salt, str) else None)
         route = self.route_keys.route_request(client.token_ids, salt) if self.route_keys is not None else None

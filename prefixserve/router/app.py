@@ -20,12 +20,13 @@ from __future__ import annotations
 import logging
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..http import error_response, install_base_error_handlers
 from ..http_body import BodySizeLimit
+from ..http_keys import MetricsReaders
 from .dashboard import fleet_admin_routes, fleet_dashboard_routes
 from .fleet import Router
 from .forward import ask_any_replica, forward
@@ -79,6 +80,12 @@ def _add_relayed_routes(app: FastAPI, router: Router) -> None:
     app.add_api_route(RESPONSES_PATH + "/{response_id}/input_items", one_response, methods=["GET"])
 
 
+async def metrics_readers_only(request: Request) -> None:
+    """The dependency the router's /metrics is mounted under: open without tenant keys, else the router's admin
+    or metrics key (MetricsReaders), checked before the handler runs."""
+    request.app.state.metrics_readers.require(request.headers)
+
+
 def build_router_app(settings: RouterSettings) -> FastAPI:
     router = Router(settings)
 
@@ -90,6 +97,8 @@ def build_router_app(settings: RouterSettings) -> FastAPI:
 
     app = FastAPI(title="prefixserve router", lifespan=lifespan)
     app.state.router = router
+    # per-replica routed requests and predicted hit tokens rise by each tenant's traffic: the operator's only
+    app.state.metrics_readers = MetricsReaders(router.keys, router.admin, settings.metrics_api_key)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
 
     install_base_error_handlers(app, logger, "router", code="router_error")
@@ -107,7 +116,7 @@ def build_router_app(settings: RouterSettings) -> FastAPI:
         # A fleet serving two model versions at once (a rolling deploy under way) says so.
         return {"status": "ok", "healthy_replicas": healthy, "model_versions": versions, "mixed": len(versions) > 1}
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=[Depends(metrics_readers_only)])
     async def metrics():
         router.refresh_gauges()
         return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,9 +1,9 @@
 """The router's /dashboard: the server's page in fleet mode, and GET /dashboard/api/fleet (router admin key).
 
 One row per replica: health, in-flight requests and estimated load, its token hit rate (read from
-the replica's own /metrics, which needs no key) and the share of requests routed to it; and the
-fleet's totals. The page's files are read from package data by path, so the router imports
-nothing from server/ (see docs/design.md).
+the replica's own /metrics with the router's admin key, which a replica with tenant keys asks for)
+and the share of requests routed to it; and the fleet's totals. The page's files are read from
+package data by path, so the router imports nothing from server/ (see docs/design.md).
 """
 
 from __future__ import annotations
@@ -55,10 +55,12 @@ async def fleet_static(name: str):
     return Response(path.read_bytes(), media_type=MEDIA_TYPES[name.rsplit(".", 1)[1]], headers=NO_CACHE)
 
 
-async def replica_hits(client: httpx.AsyncClient, url: str, timeout: float) -> Optional[tuple[float, float]]:
+async def replica_hits(
+    client: httpx.AsyncClient, url: str, headers: dict, timeout: float
+) -> Optional[tuple[float, float]]:
     """(prompt tokens looked up, tokens hit) from a replica's /metrics; None when it does not answer them."""
     try:
-        response = await client.get(url + "/metrics", timeout=timeout)
+        response = await client.get(url + "/metrics", headers=headers, timeout=timeout)
     except httpx.TransportError:
         return None
     if response.status_code != 200:
@@ -77,9 +79,10 @@ async def replica_hits(client: httpx.AsyncClient, url: str, timeout: float) -> O
 async def fleet_snapshot(request: Request):
     router = request.app.state.router
     replicas = router.replicas
+    headers = router.control_headers()  # the replicas' admin key: a replica with tenant keys asks for it
     answers = await asyncio.gather(
         *(
-            replica_hits(router.client, r.url, router.settings.control_timeout) if r.healthy else _nothing()
+            replica_hits(router.client, r.url, headers, router.settings.control_timeout) if r.healthy else _nothing()
             for r in replicas
         )
     )

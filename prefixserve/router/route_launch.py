@@ -71,7 +71,13 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
         "--admin-api-key",
         default=None,
         help="the replicas' --admin-api-key, sent on the router's own calls (KV events, cache keys); "
-        "without it the router routes by load only",
+        "without it the router routes by load only. It opens the router's /metrics and dashboard too",
+    )
+    parser.add_argument(
+        "--metrics-api-key",
+        default=None,
+        help="a Prometheus scraper's key for the router's /metrics, and nothing else: with "
+        "--api-keys-file, /metrics answers only this key or --admin-api-key (default: none)",
     )
     parser.add_argument(
         "--max-request-bytes",
@@ -141,6 +147,7 @@ def settings_from_args(args: argparse.Namespace):
             model=args.model,
             api_keys=load_api_keys(args.api_keys_file),
             admin_api_key=args.admin_api_key,
+            metrics_api_key=args.metrics_api_key,
             cost=CostModel.load(args.costs) if args.costs else CostModel(),
             max_attempts=args.max_attempts,
             health_failure_threshold=args.health_failure_threshold,

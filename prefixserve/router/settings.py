@@ -26,6 +26,7 @@ class RouterSettings:
     model: Optional[str] = None  # checkpoint directory whose tokenizer the replicas use; None: built-in
     api_keys: Mapping[str, str] = field(default_factory=dict)  # key -> tenant, as the replicas have it
     admin_api_key: Optional[str] = None  # sent on the router's own calls (KV events, cache keys and info)
+    metrics_api_key: Optional[str] = None  # a scraper's key for the router's /metrics (needed with api_keys)
     cost: CostModel = field(default_factory=CostModel)
     health_interval: float = 1.0
     sync_interval: float = 0.2
@@ -57,6 +58,8 @@ class RouterSettings:
         bad = [tenant for tenant in self.api_keys.values() if not is_valid_tenant_id(tenant)]
         if bad:
             raise ValueError(f"tenant ids must be 1 to 256 printable characters; {bad[0]!r} is not")
+        if self.metrics_api_key is not None and self.metrics_api_key in self.api_keys:
+            raise ValueError("the --metrics-api-key is also a tenant key; give the scraper a key of its own")
         if self.progress_timeout is not None and not self.progress_timeout > 0:
             raise ValueError("--progress-timeout must be positive seconds")
         if self.health_failure_threshold < 1:

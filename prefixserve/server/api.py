@@ -19,7 +19,7 @@ from ..engine.async_engine import AsyncLLMEngine
 from ..http_body import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimit
 from .admin import admin_routes
 from .anthropic_routes import anthropic_routes
-from .auth import Authenticator, admin_only
+from .auth import Authenticator, admin_only, metrics_readers_only
 from .dashboard.dashboard_routes import dashboard_api_routes, dashboard_routes
 from .dashboard.recorder import DashboardMetrics, TenantContext
 from .dashboard.whatif import whatif_routes
@@ -30,7 +30,7 @@ from .reload_routes import ReloadGate, reload_routes
 from .response_routes import response_routes
 from .response_store import DEFAULT_MAX_STORED, DEFAULT_TTL, ResponseStore
 from .responses import TokenTexts
-from .routes import routes
+from .routes import metrics_routes, routes
 from .tokenize import tokenize_routes
 from .tool_calls import PARSERS
 from .vllm_metrics import cache_config_info
@@ -41,6 +41,7 @@ class ServerSettings:
     served_model_name: str = "prefixserve-tiny"
     api_keys: Mapping[str, str] = field(default_factory=dict)  # key -> tenant; empty: no auth
     admin_api_key: Optional[str] = None  # the operator's key for /v1/kv_events and /v1/cache/*; None: those are off
+    metrics_api_key: Optional[str] = None  # a scraper's key: /metrics only, which needs one where tenants have keys
     max_waiting: int = 256  # waiting requests past which new ones get 429
     retry_after_seconds: int = 1
     default_max_tokens: int = 256  # when a request gives none (capped by the room its prompt leaves)
@@ -87,6 +88,12 @@ class ServerSettings:
                 f"tool_call_parser (--tool-call-parser) must be one of auto, {', '.join(PARSERS)}, "
                 f"got {self.tool_call_parser!r}"
             )
+        for name, flag, holder in (
+            ("admin_api_key", "--admin-api-key", "the operator"),
+            ("metrics_api_key", "--metrics-api-key", "the scraper"),
+        ):
+            if getattr(self, name) is not None and getattr(self, name) in self.api_keys:
+                raise ValueError(f"{name} ({flag}) is also a tenant key; give {holder} a key of its own")
         for tenant, retention in self.tenant_cache_retentions.items():
             if retention not in CACHE_RETENTIONS:
                 raise ValueError(
@@ -122,7 +129,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     state = ServerState(
         settings=settings,
         engine=engine,
-        auth=Authenticator(settings.api_keys, settings.admin_api_key),
+        auth=Authenticator(settings.api_keys, settings.admin_api_key, settings.metrics_api_key),
         builder=RequestBuilder(engine, settings.default_max_tokens),
         responses=ResponseStore(settings.responses_max_stored, settings.responses_ttl),
         metrics=DashboardMetrics(
@@ -137,6 +144,7 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     app.add_middleware(TenantContext)  # outermost: the tenant of each request's key, for the dashboard
     for group in OPEN_ROUTE_GROUPS:
         app.include_router(group)
+    app.include_router(metrics_router())
     app.include_router(admin_router())
     return app
 
@@ -149,6 +157,16 @@ OPEN_ROUTE_GROUPS = (
     dashboard_routes,
 )  # a tenant's key (or none, with auth off)
 ADMIN_ROUTE_GROUPS = (admin_routes, reload_routes, pin_routes, dashboard_api_routes, whatif_routes)
+METRICS_ROUTE_GROUPS = (metrics_routes,)  # open without tenant keys; else the admin or the metrics key
+
+
+def metrics_router() -> APIRouter:
+    """/metrics, mounted under one dependency: where tenants have keys, its counters (each tenant's prompt and
+    hit sizes, summed) answer the operator's admin or metrics key only, checked before the handler runs."""
+    guarded = APIRouter(dependencies=[Depends(metrics_readers_only)])
+    for group in METRICS_ROUTE_GROUPS:
+        guarded.include_router(group)
+    return guarded
 
 
 def admin_router() -> APIRouter:

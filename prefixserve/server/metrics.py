@@ -93,8 +93,8 @@ class EngineCollector:
 
 def reuse_gap_families(reuse_gaps: dict):
     """The release -> next use gap of prefixes over all tenants (the TTL planner's input), and releases.
-    Per tenant they are in GET /v1/cache/stats, behind the admin key: /metrics answers anyone, and a
-    tenant's activity over time is no one else's business."""
+    Per tenant they are in GET /v1/cache/stats, behind the admin key: /metrics answers anyone where tenants
+    have no keys (a scraper's key where they do), and a tenant's activity over time is no one else's business."""
     if not reuse_gaps:
         return
     overall = reuse_gaps["overall"]

@@ -1,4 +1,4 @@
-"""The OpenAI endpoints: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+"""The OpenAI endpoints: /v1/completions, /v1/chat/completions, /v1/models, /health; and /metrics (its own group).
 
 Routes are plain functions over the app's ServerState (`request.app.state.server`), so
 each helper can be called and tested alone.
@@ -23,6 +23,7 @@ from .responses import ChatShape, CompletionShape, usage_of
 from .tool_prompt import parser_for, tool_grammar
 
 routes = APIRouter()
+metrics_routes = APIRouter()  # /metrics: mounted under the metrics readers' guard (api.metrics_router)
 
 
 def server_state(request: Request):
@@ -248,6 +249,6 @@ async def health(request: Request):
     return {"status": "ok"}
 
 
-@routes.get("/metrics")
+@metrics_routes.get("/metrics")
 async def prometheus_metrics(request: Request):
     return Response(generate_latest(server_state(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -55,8 +55,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--admin-api-key",
         metavar="KEY",
         default=None,
-        help="the operator's key for /v1/kv_events and /v1/cache/* (what a router reads) "
-        "(default: none, and those endpoints are off)",
+        help="the operator's key for /v1/kv_events and /v1/cache/* (what a router reads), which are off "
+        "without it; it opens /metrics too (default: none)",
+    )
+    parser.add_argument(
+        "--metrics-api-key",
+        metavar="KEY",
+        default=None,
+        help="a Prometheus scraper's key: it opens /metrics and nothing else. With --api-key or "
+        "--api-keys-file, /metrics answers only this key or --admin-api-key (default: none)",
     )
     parser.add_argument(
         "--max-request-bytes",
@@ -140,6 +147,7 @@ def server_settings_from_args(args: argparse.Namespace):
             served_model_name=args.served_model_name or served_name_of(args.model),
             api_keys=load_api_keys(args.api_keys_file, args.api_key),
             admin_api_key=args.admin_api_key,
+            metrics_api_key=args.metrics_api_key,
             max_waiting=args.max_waiting,
             max_request_bytes=args.max_request_bytes,
             max_cache_ttl=args.max_cache_ttl,

@@ -2,11 +2,12 @@
 
 Both are observed where every finished request already passes (ServerMetrics.observe_finished).
 The TTFT split is a Prometheus histogram in the server's own registry, so /metrics and the
-dashboard read the same numbers. Per-tenant counts are not exported to /metrics (which answers
-without a key): only the admin-keyed snapshot shows them, by tenant id.
+dashboard read the same numbers. Per-tenant counts are not exported to /metrics (a scraper's key
+reads it): only the admin-keyed snapshot shows them, by tenant id.
 
 A finished output does not name its tenant, so `TenantContext` (ASGI middleware) notes the
-tenant of each HTTP request's API key in a context variable that the handlers' tasks inherit.
+tenant of each HTTP request's API key (x-api-key's or its Bearer token, as the handlers read it)
+in a context variable that the handlers' tasks inherit.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from prometheus_client import Histogram
+from starlette.datastructures import Headers
 
-from ...http_keys import bearer_token
+from ...http_keys import AmbiguousAuthorization, credentials_of
 from ...metric_names import TTFT_BY_CACHE
 from ..metrics import LATENCY_BUCKETS, ServerMetrics
 
@@ -80,8 +82,10 @@ class TenantContext:
         state = getattr(scope.get("app"), "state", None)
         server = getattr(state, "server", None)
         if server is not None and server.auth.tenants:
-            header = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
-            tenant = server.auth.tenants.lookup(bearer_token(header.decode("latin-1")))
+            try:
+                tenant = server.auth.tenants.tenant_of(credentials_of(Headers(scope=scope)))
+            except AmbiguousAuthorization:
+                pass  # the handler answers 400: the request is never counted
         token = current_tenant.set(tenant)
         try:
             await self.app(scope, receive, send)
