@@ -10,6 +10,14 @@ from dataclasses import dataclass, field, fields
 from typing import Optional, Union
 
 from .cache.keys import HASH_FUNCTIONS
+from .cache.tenant_shares import (
+    DEFAULT_PIN_SHARE,
+    Share,
+    TenantShares,
+    parse_tenant_shares,
+    share_from,
+    tenant_shares_of,
+)
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -195,6 +203,34 @@ class EngineConfig:
     hot_prefix_window: float = option(
         60.0, "the window in which --hot-prefix-min-requests reuses make a prefix hot", metavar="SECONDS"
     )
+    # Fair shares between tenants (cache/tenant_shares.py): the server-wide default for a tenant that sets none,
+    # and per-tenant shares (the server adds its keys file's).
+    tenant_pin_share: float = option(
+        DEFAULT_PIN_SHARE,
+        "the fraction of the pin cap one tenant's pins (cache_control, hot prefixes) may hold, for tenants "
+        "whose keys-file entry sets no pin_share",
+        metavar="FRACTION",
+    )
+    tenant_min_kv_share: float = option(
+        0.0,
+        "the fraction of the KV pool (and of each host/disk tier) a tenant keeps against other tenants' "
+        "traffic, for tenants whose keys-file entry sets no min_kv_share",
+        metavar="FRACTION",
+    )
+    tenant_max_kv_share: float = option(
+        1.0,
+        "the most of the KV pool (and of each host/disk tier) one tenant's cached blocks may hold, for tenants "
+        "whose keys-file entry sets no max_kv_share (past it: served, not cached)",
+        metavar="FRACTION",
+    )
+    tenant_shares: Optional[dict] = option(
+        None,
+        'per-tenant shares as JSON, e.g. {"acme": {"pin_share": 0.5, "min_kv_share": 0.2, "max_kv_share": 0.6}} '
+        "(default: none; serve reads them from --api-keys-file entries too, and the --tenant-*-share flags fill "
+        "what a tenant leaves out)",
+        metavar="JSON",
+        parse=parse_tenant_shares,
+    )
     enable_kv_events: bool = option(False, "keep KV events for GET /v1/kv_events (for a router; needs --admin-api-key)")
     # vLLM's KV events over ZMQ (engine/kv_event_publisher.py), for vllm-router, llm-d, Dynamo: JSON text,
     # a dict or a KVEventsConfig, kept as the KVEventsConfig.
@@ -300,6 +336,8 @@ class EngineConfig:
                 raise ValueError(message)
 
         object.__setattr__(self, "kv_events_config", KVEventsConfig.parse(self.kv_events_config))
+        object.__setattr__(self, "tenant_shares", parse_tenant_shares(self.tenant_shares))
+        self.shares()  # raises ValueError naming a share that cannot hold
         require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         require(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
         require(
@@ -393,6 +431,19 @@ class EngineConfig:
             self.kv_disk_cache_bytes is None or self.kv_disk_cache_dir is not None,
             "kv_disk_cache_bytes needs kv_disk_cache_dir (the directory the disk tier writes to)",
         )
+
+    def shares(self) -> TenantShares:
+        """The tenants' shares: tenant_shares over the tenant_*_share defaults."""
+        default = share_from(
+            {
+                "pin_share": self.tenant_pin_share,
+                "min_kv_share": self.tenant_min_kv_share,
+                "max_kv_share": self.tenant_max_kv_share,
+            },
+            Share(),
+            "tenant_pin_share / tenant_min_kv_share / tenant_max_kv_share",
+        )
+        return tenant_shares_of(self.tenant_shares, default)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

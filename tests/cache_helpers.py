@@ -16,6 +16,7 @@ class FakeRequest:
     blocks: list[Block] = field(default_factory=list)
     keys: list[bytes] = field(default_factory=list)
     num_cached_tokens: int = 0
+    owner: Optional[str] = None  # the tenant whose shares its blocks count against
 
 
 def admit(
@@ -26,7 +27,7 @@ def admit(
     hit = cache.match(request.scope_digest, request.keys, request.token_ids)
     total_slots = len(request.token_ids) + num_output_slots
     num_needed = -(-total_slots // cache.block_size) - len(hit.blocks)
-    blocks = cache.admit(hit.blocks, num_needed, ttl)
+    blocks = cache.admit(hit.blocks, num_needed, ttl, request.owner)
     if blocks is None:
         raise OutOfBlocksError(f"cannot admit: {num_needed} new blocks plus the hit do not fit")
     request.blocks = blocks
@@ -40,7 +41,7 @@ def insert_full_blocks(cache: RadixCache, request: FakeRequest, ttl: Optional[fl
     for i, key in enumerate(request.keys):
         parent = request.blocks[i - 1] if i else request.scope_digest
         request.blocks[i] = cache.insert(
-            request.blocks[i], key, request.token_ids[i * size : (i + 1) * size], parent, ttl
+            request.blocks[i], key, request.token_ids[i * size : (i + 1) * size], parent, ttl, owner=request.owner
         )
 
 

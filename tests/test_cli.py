@@ -98,7 +98,9 @@ def test_every_engine_config_field_is_a_serve_flag_with_its_default():
         if kind is bool:
             assert getattr(parser.parse_args([flag]), item.name) is (not item.default), flag
         elif "parse" in item.metadata:  # a JSON flag: the field holds what the parser made of it
-            text = '{"enable_kv_cache_events": true}'
+            text = {"tenant_shares": '{"acme": {"min_kv_share": 0.2}}'}.get(
+                item.name, '{"enable_kv_cache_events": true}'
+            )
             assert getattr(parser.parse_args([flag, text]), item.name) == item.metadata["parse"](text), flag
         else:
             value = other_value(item, kind)

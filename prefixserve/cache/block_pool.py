@@ -23,6 +23,7 @@ class Block:
         "token_bytes",
         "parent",
         "scope",
+        "owner",
         "device_only",
         "num_children",
         "pin_count",
@@ -44,6 +45,9 @@ class Block:
         # The scope digest its tenant's chain hangs from (a private scope past a shared prefix): what a
         # tier's encryption key for this block commits to.
         self.scope: Optional[bytes] = None
+        # The tenant whose share it counts against (tenant_shares.py): the tenant of its private scope; None for
+        # a public prefix's block or an untenanted request's.
+        self.owner: Optional[str] = None
         # Its KV never leaves the device pool (cache_retention "device"): never spilled, never written down.
         self.device_only = False
         self.num_children = 0  # cached children
@@ -136,7 +140,7 @@ class BlockPool:
     def free(self, block: Block) -> None:
         """Return an uncached, unreferenced block to the free list."""
         assert block.ref_count == 0 and block.key is None, f"cannot free {block}"
-        block.parent = block.scope = None
+        block.parent = block.scope = block.owner = None
         block.device_only = False
         block.token_bytes = None
         block.ttl = block.expire_at = None

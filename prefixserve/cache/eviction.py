@@ -1,9 +1,10 @@
 """The order in which cached blocks leave: expired leaves first, then least recently used leaves.
 
 Only unreferenced, unpinned leaves are candidates, so a shared prefix outlives its
-one-off tails. Candidates sit in two heaps (by last access, and by expiry time when
-they have one) with lazy deletion: an entry whose block changed since it was pushed
-is skipped when popped, and the heaps are rebuilt once stale entries dominate.
+one-off tails. Candidates sit in two orders (by last access, one heap per owning
+tenant: leaf_heaps.py; and by expiry time when they have one) with lazy deletion: an
+entry whose block changed since it was pushed is skipped when popped, and the heaps
+are rebuilt once stale entries dominate.
 """
 
 from __future__ import annotations
@@ -12,8 +13,7 @@ import heapq
 from typing import Callable, Optional, Sequence
 
 from .block_pool import Block
-
-STALE_SLACK = 64  # stale heap entries tolerated beyond twice the live ones before a rebuild
+from .leaf_heaps import STALE_SLACK, LeafHeaps
 
 
 def is_evictable(block: Block) -> bool:
@@ -24,7 +24,7 @@ class EvictionOrder:
     def __init__(self, blocks: Sequence[Block], clock: Callable[[], float]) -> None:
         self._blocks = blocks
         self.clock = clock
-        self.lru_heap: list[tuple[int, int]] = []  # (last_access, block_id)
+        self.lru = LeafHeaps(self._lru_entry_live)  # (last_access, block_id) by owning tenant
         self.expiry_heap: list[tuple[float, int, int]] = []  # (expire_at, last_access, block_id)
         self._tick = 0
 
@@ -37,19 +37,22 @@ class EvictionOrder:
         """Offer a block that may have become an evictable leaf; `num_live` sizes the stale-entry bound."""
         if not is_evictable(block):
             return
-        heapq.heappush(self.lru_heap, (block.last_access, block.block_id))
         if block.expire_at is not None:
             heapq.heappush(self.expiry_heap, (block.expire_at, block.last_access, block.block_id))
-        if len(self.lru_heap) > 2 * num_live + STALE_SLACK:
+        self.lru.push(block.owner, block.last_access, block.block_id, num_live)
+        if len(self.expiry_heap) > 2 * num_live + STALE_SLACK:
             self.compact()
 
     def compact(self) -> None:
-        """Drop stale entries (and duplicates) from both heaps."""
+        """Drop stale entries (and duplicates) from both orders."""
         blocks = self._blocks
-        self.lru_heap = [e for e in set(self.lru_heap) if self.lru_entry_valid(blocks[e[1]], e[0])]
-        heapq.heapify(self.lru_heap)
+        self.lru.compact()
         self.expiry_heap = [e for e in set(self.expiry_heap) if self.expiry_entry_valid(blocks[e[2]], e[0], e[1])]
         heapq.heapify(self.expiry_heap)
+
+    def _lru_entry_live(self, owner: Optional[str], last_access: int, block_id: int) -> bool:
+        block = self._blocks[block_id]
+        return block.owner == owner and self.lru_entry_valid(block, last_access)
 
     @staticmethod
     def lru_entry_valid(block: Block, last_access: int) -> bool:
@@ -60,7 +63,7 @@ class EvictionOrder:
         return block.expire_at == expire_at and cls.lru_entry_valid(block, last_access)
 
     def pop_expired(self) -> Optional[Block]:
-        """The next evictable leaf whose TTL has run out, or None."""
+        """The next evictable leaf whose TTL has run out, or None (a tenant's minimum does not keep it)."""
         now = self.clock()
         heap = self.expiry_heap
         while heap and heap[0][0] <= now:
@@ -70,12 +73,12 @@ class EvictionOrder:
                 return block
         return None
 
-    def pop_lru(self) -> Optional[Block]:
-        """The least recently used evictable leaf, or None."""
-        heap = self.lru_heap
-        while heap:
-            last_access, block_id = heapq.heappop(heap)
-            block = self._blocks[block_id]
-            if self.lru_entry_valid(block, last_access):
-                return block
-        return None
+    def pop_lru(self, may_evict: Callable[[Optional[str]], bool] = lambda owner: True) -> Optional[Block]:
+        """The least recently used evictable leaf of an owner `may_evict` allows, or None."""
+        block_id = self.lru.pop(lambda owner, block_id: may_evict(owner))
+        return None if block_id is None else self._blocks[block_id]
+
+    def pop_lru_of(self, owner: Optional[str]) -> Optional[Block]:
+        """`owner`'s least recently used evictable leaf, or None."""
+        block_id = self.lru.pop_of(owner)
+        return None if block_id is None else self._blocks[block_id]

@@ -25,6 +25,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
+from .tenant_pins import TenantPins
+
 DEFAULT_TICK_SECONDS = 1.0
 DEFAULT_MAX_TRACKED = 50_000
 
@@ -34,6 +36,7 @@ class _Tracked:
     parent: Optional[bytes]  # the key before it on its path (None for block 0)
     hits: deque  # admission times within the window
     pinned_path: tuple[bytes, ...] = ()  # what this key's pin holds (empty: not pinned by us)
+    pinned_for: Optional[str] = None  # the tenant whose pin_share the pin counts against (None: nobody's)
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,7 @@ class HotPrefixPolicy:
         clock: Callable[[], float] = time.monotonic,
         tick_seconds: float = DEFAULT_TICK_SECONDS,
         max_tracked: int = DEFAULT_MAX_TRACKED,
+        tenant_pins: Optional[TenantPins] = None,
     ) -> None:
         if min_requests < 2:
             raise ValueError(f"min_requests must be at least 2 (one request is not sharing), got {min_requests}")
@@ -65,6 +69,8 @@ class HotPrefixPolicy:
         self.clock = clock
         self.tick_seconds = tick_seconds
         self.max_tracked = max_tracked
+        # A tenant's private hot prefix is pinned within its pin_share (tenant_pins.py); a public one, nobody's.
+        self.tenant_pins = tenant_pins
         self._tracked: OrderedDict[bytes, _Tracked] = OrderedDict()  # block key -> its reuse, least recent first
         self._next_tick = float("-inf")
         self.num_pinned_blocks = 0
@@ -127,20 +133,31 @@ class HotPrefixPolicy:
     def _pin(self, cache, tracked: _Tracked, path: tuple[bytes, ...]) -> bool:
         if self.num_pinned_blocks + len(path) > self.max_blocks:
             return False
+        deepest = cache.get(path[-1])
+        owner = deepest.owner if deepest is not None else None
+        if self.tenant_pins is not None and not self.tenant_pins.has_room(owner, len(path)):
+            return False  # its tenant's pins hold their share already
         try:
             num_blocks = cache.pin(path)
         except ValueError:  # the cache's own cap (operator pins count too)
             return False
         if num_blocks == 0:  # evicted since its last reuse: nothing to protect
             return False
-        tracked.pinned_path = path[:num_blocks]
+        if self.tenant_pins is not None:
+            self.tenant_pins.claim(owner, num_blocks)
+        tracked.pinned_path, tracked.pinned_for = path[:num_blocks], owner
         self.num_pinned_blocks += num_blocks
         return True
 
     def _unpin(self, cache, tracked: _Tracked) -> None:
         cache.unpin(tracked.pinned_path)
+        self._unclaim(tracked)
+
+    def _unclaim(self, tracked: _Tracked) -> None:
+        if self.tenant_pins is not None:
+            self.tenant_pins.release(tracked.pinned_for, len(tracked.pinned_path))
         self.num_pinned_blocks -= len(tracked.pinned_path)
-        tracked.pinned_path = ()
+        tracked.pinned_path, tracked.pinned_for = (), None
 
     def unpin_all(self, cache) -> int:
         """Give every policy pin back (the pool is too tight for a request); returns blocks unpinned."""
@@ -152,6 +169,9 @@ class HotPrefixPolicy:
 
     def reset(self) -> None:
         """The cache was cleared (a reload): its pins are gone, and so are the counts."""
+        for tracked in self._tracked.values():
+            if tracked.pinned_path:
+                self._unclaim(tracked)
         self._tracked.clear()
         self.num_pinned_blocks = 0
 

@@ -20,6 +20,9 @@ def check_integrity(cache: "RadixCache") -> None:
     assert len(free_ids) == cache.pool.num_free_blocks, "free list length is off"
     children = [0] * len(blocks)
     num_free = num_cached_unreferenced = num_referenced = num_reclaimable = num_pinned = 0
+    held: dict = {}
+    unreferenced_by_owner: dict = {}
+    pinned_unreferenced_by_owner: dict = {}
     evictable: set[int] = set()
     for block in blocks:
         assert block.ref_count >= 0, f"negative ref count: {block}"
@@ -47,11 +50,17 @@ def check_integrity(cache: "RadixCache") -> None:
             assert isinstance(parent, bytes), f"{block} has no parent or scope"
         if block.pin_count:
             num_pinned += 1
+        if block.owner is not None:
+            held[block.owner] = held.get(block.owner, 0) + 1
         if block.ref_count:
             num_referenced += 1
         else:
             num_cached_unreferenced += 1
             num_reclaimable += block.pin_count == 0
+            owner = block.owner
+            unreferenced_by_owner[owner] = unreferenced_by_owner.get(owner, 0) + 1
+            if block.pin_count:
+                pinned_unreferenced_by_owner[owner] = pinned_unreferenced_by_owner.get(owner, 0) + 1
     for block in blocks:
         assert block.num_children == children[block.block_id], f"{block} child count is off"
         if is_evictable(block):
@@ -61,7 +70,12 @@ def check_integrity(cache: "RadixCache") -> None:
     assert num_cached_unreferenced == cache._num_cached_unreferenced, "cached-unreferenced count is off"
     assert num_reclaimable == cache.num_reclaimable_blocks, "reclaimable count is off"
     assert num_pinned == cache.pins.num_pinned <= cache.pins.max_blocks, "pinned count is off"
-    in_heap = {block_id for last, block_id in order.lru_heap if order.lru_entry_valid(blocks[block_id], last)}
+    assert held == cache.tenants.holdings.held, f"tenants hold {held}, counted {cache.tenants.holdings.held}"
+    counted = {owner: n for owner, n in cache.tenants.unreferenced.items() if n}
+    assert unreferenced_by_owner == counted, f"unreferenced by tenant {unreferenced_by_owner}, counted {counted}"
+    counted = {owner: n for owner, n in cache.pins.unreferenced_by_owner.items() if n}
+    assert pinned_unreferenced_by_owner == counted, "pinned-unreferenced by tenant is off"
+    in_heap = {block_id for last, block_id in order.lru.live()}
     assert in_heap == evictable, f"LRU heap holds {sorted(in_heap)}, evictable leaves are {sorted(evictable)}"
     for expire_at, last, block_id in order.expiry_heap:
         if order.expiry_entry_valid(blocks[block_id], expire_at, last):

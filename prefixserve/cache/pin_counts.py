@@ -13,25 +13,31 @@ from typing import Sequence
 from .block_pool import Block
 
 
+class PinCapError(ValueError):
+    """A pin past max_pinned_blocks: the message names the cap."""
+
+
 class PinCounts:
     def __init__(self, max_blocks: int) -> None:
         self.max_blocks = max_blocks  # pins may never take the whole pool, or running requests could starve
         self.num_pinned = 0
         self.num_unreferenced = 0  # pinned blocks no request holds
+        self.unreferenced_by_owner: dict = {}  # the same, by owning tenant (Block.owner)
 
     def pin(self, path: Sequence[Block]) -> int:
         """Pin every block of a cached path once more; returns the blocks pinned. Past the cap, nothing changes
         and ValueError names the cap."""
         num_new = sum(1 for block in path if block.pin_count == 0)
         if self.num_pinned + num_new > self.max_blocks:
-            raise ValueError(
+            raise PinCapError(
                 f"pinning {num_new} more blocks would exceed max_pinned_blocks={self.max_blocks} "
                 f"({self.num_pinned} already pinned); unpin other prefixes or raise the cap"
             )
         for block in path:
             if block.pin_count == 0:
                 self.num_pinned += 1
-                self.num_unreferenced += block.ref_count == 0
+                if block.ref_count == 0:
+                    self._count_unreferenced(block, 1)
             block.pin_count += 1
         return len(path)
 
@@ -43,22 +49,31 @@ class PinCounts:
             block.pin_count -= 1
             if block.pin_count == 0:
                 self.num_pinned -= 1
-                self.num_unreferenced -= block.ref_count == 0
+                if block.ref_count == 0:
+                    self._count_unreferenced(block, -1)
         return unpinned
 
     def referenced(self, block: Block) -> None:
         """`block` just gained its first reference."""
         if block.pin_count:
-            self.num_unreferenced -= 1
+            self._count_unreferenced(block, -1)
 
     def unreferenced(self, block: Block) -> None:
         """`block` just lost its last reference."""
         if block.pin_count:
-            self.num_unreferenced += 1
+            self._count_unreferenced(block, 1)
 
     def forget(self, block: Block) -> None:
         """`block` leaves the index: its pins go with it."""
         if block.pin_count:
             self.num_pinned -= 1
-            self.num_unreferenced -= block.ref_count == 0
+            if block.ref_count == 0:
+                self._count_unreferenced(block, -1)
             block.pin_count = 0
+
+    def unreferenced_of(self, owner) -> int:
+        return self.unreferenced_by_owner.get(owner, 0)
+
+    def _count_unreferenced(self, block: Block, delta: int) -> None:
+        self.num_unreferenced += delta
+        self.unreferenced_by_owner[block.owner] = self.unreferenced_by_owner.get(block.owner, 0) + delta

@@ -1,4 +1,6 @@
-"""The radix index over cached blocks: longest match, insert, references, leaf-first LRU eviction, TTL.
+"""The radix index over cached blocks, one concept: every change of a cached block's state passes here.
+
+Longest match, insert, references, leaf-first LRU eviction, TTL, pins, and each tenant's share of them.
 
 Blocks are the nodes. Each cached block links to its parent (the block before
 it in the prompt, or the scope digest for block 0), so the cached blocks of all
@@ -36,6 +38,8 @@ from .integrity import check_integrity
 from .keys import max_hit_blocks, pack_tokens
 from .pin_counts import PinCounts
 from .stats import CacheStats, CacheUsage
+from .tenant_blocks import TenantBlocks
+from .tenant_shares import NO_SHARES, TenantShares
 
 Parent = Union[Block, bytes]
 
@@ -60,6 +64,7 @@ class RadixCache:
         max_pinned_blocks: Optional[int] = None,
         clock: Callable[[], float] = time.monotonic,
         events: Optional[EventQueue] = None,
+        shares: TenantShares = NO_SHARES,
     ) -> None:
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
@@ -70,6 +75,7 @@ class RadixCache:
         self._index: dict[bytes, Block] = {}
         self._order = EvictionOrder(self.pool.blocks, clock)
         self._num_cached_unreferenced = 0
+        self.tenants = TenantBlocks(shares, num_blocks)  # whose the cached blocks are, against their shares
         # Hooks for the tiers below the pool (engine/kv_tiers.py): a block just cached, and a cold
         # block about to leave by LRU eviction while its KV is still intact in its slot.
         self.on_insert: Optional[Callable[[Block], None]] = None
@@ -131,7 +137,7 @@ class RadixCache:
         for block in blocks:
             assert block.key is not None, f"acquire expects cached blocks, got {block}"
             if block.ref_count == 0:
-                self._num_cached_unreferenced -= 1
+                self._count_unreferenced(block, -1)
                 self.pins.referenced(block)
             block.ref_count += 1
             self._order.touch(block)
@@ -150,12 +156,16 @@ class RadixCache:
             if block.key is None:
                 self.pool.free(block)
                 continue
-            self._num_cached_unreferenced += 1
+            self._count_unreferenced(block, 1)
             self.pins.unreferenced(block)
             self._order.touch(block)
             if block.ttl is not None:
                 block.expire_at = now + block.ttl  # the TTL counts from the last use
             self._order.push_if_evictable(block, self.num_reclaimable_blocks)
+
+    def _count_unreferenced(self, block: Block, delta: int) -> None:
+        self._num_cached_unreferenced += delta
+        self.tenants.count_unreferenced(block.owner, delta)
 
     # ------------------------------------------------------------- allocation
     @property
@@ -163,35 +173,59 @@ class RadixCache:
         """Cached blocks eviction could free right now (unreferenced, unpinned)."""
         return self._num_cached_unreferenced - self.pins.num_unreferenced
 
-    def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= self.pool.num_free_blocks + self.num_reclaimable_blocks
+    def num_reclaimable_for(self, requester: Optional[str]) -> int:
+        """The reclaimable blocks `requester`'s need may evict: all but another tenant's below its minimum."""
+        return self.num_reclaimable_blocks - self.tenants.guarded_for(requester, self.pins)
 
-    def allocate(self, num_blocks: int) -> list[Block]:
-        """`num_blocks` private blocks (ref 1), evicting cold leaves if the free list is short."""
+    def can_allocate(self, num_blocks: int, requester: Optional[str] = None, guard_minimums: bool = True) -> bool:
+        reclaimable = self.num_reclaimable_for(requester) if guard_minimums else self.num_reclaimable_blocks
+        return num_blocks <= self.pool.num_free_blocks + reclaimable
+
+    def allocate(self, num_blocks: int, requester: Optional[str] = None) -> list[Block]:
+        """`num_blocks` private blocks (ref 1) for `requester` (a tenant, or None), evicting cold leaves if the
+        free list is short: never another tenant's below its minimum, unless nothing else is left to keep a
+        request that `can_allocate` let in running (a public prefix above a guarded tenant's chain is counted
+        reclaimable but cannot leave first; such a breach is counted, `num_min_share_overrides`)."""
         shortfall = num_blocks - self.pool.num_free_blocks
-        if shortfall > 0 and self.evict(shortfall) < shortfall:
+        if shortfall > 0:
+            shortfall -= self.evict(shortfall, requester)
+            if shortfall > 0:
+                overridden = self.evict(shortfall, requester, guard_minimums=False)
+                self.stats.num_min_share_overrides += overridden
+                shortfall -= overridden
+        if shortfall > 0:
             raise OutOfBlocksError(
                 f"need {num_blocks} KV blocks but only {self.pool.num_free_blocks} can be freed; "
                 "running requests and pins hold the rest (raise the KV memory budget or lower max_num_seqs)"
             )
         return [self.pool.allocate() for _ in range(num_blocks)]
 
-    def can_admit(self, hit: Sequence[Block], num_new_blocks: int) -> bool:
+    def can_admit(
+        self, hit: Sequence[Block], num_new_blocks: int, requester: Optional[str] = None, guard_minimums: bool = True
+    ) -> bool:
         """Whether `admit(hit, num_new_blocks)` would succeed now (it changes nothing)."""
         num_cold_hits = sum(1 for block in hit if block.ref_count == 0 and block.pin_count == 0)
-        return self.can_allocate(num_new_blocks + num_cold_hits)
+        return self.can_allocate(num_new_blocks + num_cold_hits, requester, guard_minimums)
 
-    def admit(self, hit: Sequence[Block], num_new_blocks: int, ttl: Optional[float] = None) -> Optional[list[Block]]:
-        """The one admission step: acquire a matched prefix and allocate `num_new_blocks` after it.
+    def admit(
+        self,
+        hit: Sequence[Block],
+        num_new_blocks: int,
+        ttl: Optional[float] = None,
+        requester: Optional[str] = None,
+        guard_minimums: bool = True,
+    ) -> Optional[list[Block]]:
+        """The one admission step: acquire a matched prefix and allocate `num_new_blocks` after it, for
+        `requester` (whose share decides what it may evict).
 
         Returns hit + new blocks, or None (nothing changed) when they cannot all be had. Acquiring
         a cold hit takes it out of the reclaimable pool, so it is counted against the free room:
         checking `can_allocate(num_new_blocks)` alone would over-promise.
         """
-        if not self.can_admit(hit, num_new_blocks):
+        if not self.can_admit(hit, num_new_blocks, requester, guard_minimums):
             return None
         self.acquire(hit, ttl)
-        return list(hit) + self.allocate(num_new_blocks)
+        return list(hit) + self.allocate(num_new_blocks, requester)
 
     # ---------------------------------------------------------------- insert
     def insert(
@@ -203,12 +237,15 @@ class RadixCache:
         ttl: Optional[float] = None,
         scope: Optional[bytes] = None,
         device_only: bool = False,
+        owner: Optional[str] = None,
     ) -> Block:
         """Register a full block whose KV is written; returns the block the caller should hold.
 
         `parent` is the caller's previous block (or the scope digest for block 0); `scope` the tenant
         scope the block belongs to (Request.block_scope), by default its parent's; `device_only` keeps
-        its KV in the pool (a child of such a block is device-only too).
+        its KV in the pool (a child of such a block is device-only too); `owner` the tenant whose share it counts
+        against: at its maximum, its own coldest leaf leaves to make room, else the block stays private (served,
+        not cached).
         If the same block was cached meanwhile by another request, the caller's
         copy is released and the cached one returned (referenced for the caller),
         so duplicates never linger and reference counts stay exact. A private
@@ -232,11 +269,16 @@ class RadixCache:
             self.release([block])
             self.stats.num_merged_blocks += 1
             return existing
+        if owner is not None and self.tenants.holdings.over_maximum(owner, 1) and not self._make_room_within(owner):
+            self.stats.count_over_share(owner)
+            return block
         block.key = key
         block.token_bytes = token_bytes
         block.parent = parent
         block.scope = scope if scope is not None else (parent.scope if isinstance(parent, Block) else parent)
         block.device_only = device_only or (isinstance(parent, Block) and parent.device_only)
+        block.owner = owner
+        self.tenants.holdings.add(owner, 1)
         block.ttl = ttl
         block.expire_at = None if ttl is None else self.clock() + ttl
         if isinstance(parent, Block):
@@ -251,20 +293,40 @@ class RadixCache:
         return block
 
     # ---------------------------------------------------------------- removal
-    def evict(self, num_blocks: int) -> int:
-        """Free up to `num_blocks`: expired leaves first, then least recently used leaves."""
+    def evict(self, num_blocks: int, requester: Optional[str] = None, guard_minimums: bool = True) -> int:
+        """Free up to `num_blocks` for `requester`: expired leaves first, then least recently used leaves, passing
+        over another tenant's while it holds no more than its minimum (unless `guard_minimums` is off)."""
+        holdings = self.tenants.holdings
+        guarded = guard_minimums and holdings.shares.guards_minimums
         num_evicted = 0
         while num_evicted < num_blocks:
             block = self._pop_expired()
             if block is None:
-                block = self._pop_lru()
+                block = (
+                    self._pop_lru(lambda owner: holdings.evictable_by(owner, requester)) if guarded else self._pop_lru()
+                )
                 if block is None:
                     break
-                if self.on_evict is not None:  # an expired block is dropped; a cold one may spill below
-                    self.on_evict(block)
-            self._uncache(block)
+                self._spill_and_uncache(block)
+            else:
+                self._uncache(block)
             num_evicted += 1
         return num_evicted
+
+    def _make_room_within(self, owner: str) -> bool:
+        """Evict `owner`'s own coldest leaf (it is at its maximum); whether there was one."""
+        block = self._order.pop_lru_of(owner)
+        if block is None:
+            return False
+        self.stats.num_evicted_blocks += 1
+        self.stats.num_evicted_tokens += self.block_size
+        self._spill_and_uncache(block)
+        return True
+
+    def _spill_and_uncache(self, block: Block) -> None:
+        if self.on_evict is not None:  # an expired block is dropped; a cold one may spill below
+            self.on_evict(block)
+        self._uncache(block)
 
     def expire(self) -> int:
         """Reclaim every expired, unreferenced prefix now (leaves first, up the chain)."""
@@ -280,8 +342,8 @@ class RadixCache:
             self.stats.num_expired_blocks += 1
         return block
 
-    def _pop_lru(self) -> Optional[Block]:
-        block = self._order.pop_lru()
+    def _pop_lru(self, may_evict=lambda owner: True) -> Optional[Block]:
+        block = self._order.pop_lru(may_evict)
         if block is not None:
             self.stats.num_evicted_blocks += 1
             self.stats.num_evicted_tokens += self.block_size
@@ -293,14 +355,16 @@ class RadixCache:
         if publish and self.events is not None:
             self.events.publish(BlockRemoved([block.key]))
         self.pins.forget(block)
+        self.tenants.holdings.remove(block.owner, 1)
+        if block.ref_count == 0:
+            self._count_unreferenced(block, -1)
         block.key = None
         block.token_bytes = None
         parent = block.parent
-        block.parent = block.scope = None
+        block.parent = block.scope = block.owner = None
         block.device_only = False
         block.num_children = 0
         if block.ref_count == 0:
-            self._num_cached_unreferenced -= 1
             self.pool.free(block)
         if isinstance(parent, Block) and parent.key is not None:
             parent.num_children -= 1

@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field, replace
+from typing import Optional
+
+
+@dataclass
+class TenantCounters:
+    """One tenant's monotonic counters: the operator's view (never shown to another tenant)."""
+
+    queries: int = 0
+    hit_queries: int = 0
+    query_tokens: int = 0
+    hit_tokens: int = 0
+    over_share_refusals: int = 0  # a block left uncached (with the rest of its prompt): at its max_kv_share
 
 
 @dataclass
@@ -19,13 +31,37 @@ class CacheStats:
     num_evicted_blocks: int = 0
     num_evicted_tokens: int = 0
     num_expired_blocks: int = 0
+    num_min_share_overrides: int = 0  # a tenant's blocks below its minimum evicted to keep a request running
+    by_tenant: dict[str, TenantCounters] = field(default_factory=dict)
 
-    def record_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+    def record_query(self, num_query_tokens: int, num_hit_tokens: int, tenant: Optional[str] = None) -> None:
         self.num_queries += 1
         self.num_query_tokens += num_query_tokens
         self.num_hit_tokens += num_hit_tokens
         if num_hit_tokens:
             self.num_hit_queries += 1
+        if tenant is not None:
+            counters = self.tenant(tenant)
+            counters.queries += 1
+            counters.query_tokens += num_query_tokens
+            counters.hit_tokens += num_hit_tokens
+            counters.hit_queries += bool(num_hit_tokens)
+
+    def count_over_share(self, tenant: str) -> None:
+        self.tenant(tenant).over_share_refusals += 1
+
+    def tenant(self, tenant: str) -> TenantCounters:
+        counters = self.by_tenant.get(tenant)
+        if counters is None:
+            counters = self.by_tenant[tenant] = TenantCounters()
+        return counters
+
+    def snapshot(self) -> "CacheStats":
+        """A copy another thread may read while the engine counts on."""
+        return replace(self, by_tenant={tenant: replace(counters) for tenant, counters in self.by_tenant.items()})
+
+    def tenants_dict(self) -> dict[str, dict]:
+        return {tenant: asdict(counters) for tenant, counters in sorted(self.by_tenant.items())}
 
     @property
     def token_hit_rate(self) -> float:

@@ -13,6 +13,7 @@ import logging
 from ..cache import BlockKeyer, RadixCache
 from ..cache.hot_prefixes import HotPrefixPolicy
 from ..cache.reuse_gaps import ReuseGapTracker
+from ..cache.tenant_pins import TenantPins
 from ..config import EngineConfig
 from .device import check_exact, resolve_device, resolve_dtype
 from .engine import LLMEngine
@@ -46,12 +47,21 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     current = CurrentVersion(loaded_version.within(pool.max_model_len))
 
     events = kv_event_queue(config)
-    cache = RadixCache(pool.num_blocks, config.block_size, max_pinned_blocks=config.max_pinned_blocks, events=events)
+    shares = config.shares()
+    cache = RadixCache(
+        pool.num_blocks, config.block_size, max_pinned_blocks=config.max_pinned_blocks, events=events, shares=shares
+    )
     window_slots = window_slots_for(cache, pool, loaded.config)
     keyer = BlockKeyer(config.block_size, config.prefix_hash)
     reuse_gaps = ReuseGapTracker(config.block_size)
+    tenant_pins = TenantPins(shares, cache.pins.max_blocks)
     hot_prefixes = (
-        HotPrefixPolicy(config.hot_prefix_min_requests, config.hot_prefix_window, max_blocks=cache.pins.max_blocks // 2)
+        HotPrefixPolicy(
+            config.hot_prefix_min_requests,
+            config.hot_prefix_window,
+            max_blocks=cache.pins.max_blocks // 2,
+            tenant_pins=tenant_pins,
+        )
         if config.hot_prefix_min_requests and config.enable_prefix_caching
         else None
     )
@@ -108,7 +118,15 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         tiers=tiers,
         inputs=InputProcessor(current, config.prefix_ttl),
         outputs=OutputProcessor(current),
-        pins=PinTable(cache, keyer, config.block_size, config.kv_disk_cache_dir, version.tokenizer.fingerprint),
+        pins=PinTable(
+            cache,
+            keyer,
+            config.block_size,
+            config.kv_disk_cache_dir,
+            version.tokenizer.fingerprint,
+            tenant_pins=tenant_pins,
+            soft_pins=hot_prefixes,
+        ),
         # vLLM-format KV events over ZMQ (a null object unless asked for); last, so a failed start binds nothing
         kv_events=make_kv_event_publisher(config.kv_events_config, events),
         startup_summary=summary,

@@ -152,6 +152,7 @@ class InputProcessor:
             max_model_len=version.max_model_len,
             prefix_ttl=self.prefix_ttl if prefix_ttl is None else prefix_ttl,
             tenant=tenant,
+            owner=tenant if salt else None,
             cache_retention=retention,
             bad_words_token_ids=bad_words_token_ids(version, params),
             grammar=request_grammar(version, token_ids, params),

@@ -70,6 +70,9 @@ class Request:
     max_model_len: int = 4096
     prefix_ttl: Optional[float] = None
     tenant: Optional[str] = None  # who asked: labels statistics (reuse gaps), never part of a key
+    # The tenant whose shares (cache/tenant_shares.py) its private blocks count against and whose need it evicts
+    # for: its tenant when its prompt is keyed in a private (salted) scope, else None.
+    owner: Optional[str] = None
     # None: cached as usual; "device": its KV never leaves the device pool (no host, disk or remote tier);
     # "none": nothing of it is kept once it finishes (its blocks are never cached).
     cache_retention: Optional[str] = None
@@ -115,6 +118,12 @@ class Request:
         if self.private_from is not None and index >= self.private_from[0]:
             return self.private_from[1]
         return self.scope_digest
+
+    def block_owner(self, index: int) -> Optional[str]:
+        """The tenant block `index` counts against: nobody's within a declared public prefix."""
+        if self.private_from is not None and index < self.private_from[0]:
+            return None
+        return self.owner
 
     @property
     def num_prompt_tokens(self) -> int:

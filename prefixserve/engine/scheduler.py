@@ -137,15 +137,16 @@ class Scheduler:
                 continue
             needed = self._blocks_for(request.num_computed_tokens + num_new) - len(request.blocks)
             self.windows.slide(request)
-            while not self._fits(needed) and self.running[-1] is not request:
+            while not self._fits(needed, request.owner) and self.running[-1] is not request:
                 output.preempted.append(self._preempt(self.running[-1]))
-            if not self._fits(needed):
+            if not self._fits(needed, request.owner) and not (index == 0 and self._fits(needed, request.owner, False)):
+                # (alone, it may go below another tenant's minimum rather than never finish: allocate counts it)
                 if index == 0:  # alone, and still no room: waiting would never end
                     self._finish_unfittable(request, needed, output)
                 else:  # older requests hold the blocks; they will finish
                     output.preempted.append(self._preempt(request))
                 continue
-            new_blocks = self.cache.allocate(needed)
+            new_blocks = self.cache.allocate(needed, request.owner)
             request.blocks += new_blocks
             self.windows.allocated(new_blocks)
             output.scheduled.append(ScheduledRequest(request, num_new))
@@ -168,14 +169,17 @@ class Scheduler:
             window_start = self.windows.start_of(num_cached)
             if not self.windows.can_admit(hit, window_start, needed):
                 break  # the window layers' pool is held by running requests: they will move on
-            blocks = self.cache.admit(hit, needed, request.prefix_ttl)
+            blocks = self.cache.admit(hit, needed, request.prefix_ttl, request.owner)
             if blocks is None:
                 if self.running or output.scheduled:
                     break  # running requests will free blocks
                 if self.hot_prefixes is not None and self.hot_prefixes.unpin_all(self.cache):
                     continue  # policy pins are soft: a request that needs the room comes first
-                self._finish_unfittable(request, needed, output)  # nothing holds blocks but pins: it never fits
-                continue
+                # Alone, it may go below another tenant's minimum rather than wait for ever (allocate counts it).
+                blocks = self.cache.admit(hit, needed, request.prefix_ttl, request.owner, guard_minimums=False)
+                if blocks is None:
+                    self._finish_unfittable(request, needed, output)  # nothing holds blocks but pins: never fits
+                    continue
             self.waiting.remove(request)
             request.blocks = blocks
             request.num_computed_tokens = num_cached
@@ -183,7 +187,7 @@ class Scheduler:
             if not request.was_admitted:
                 request.metrics.first_scheduled_time = time.monotonic()
                 request.num_cached_tokens = num_cached
-                self.cache.stats.record_query(request.num_prompt_tokens, num_cached)
+                self.cache.stats.record_query(request.num_prompt_tokens, num_cached, request.tenant)
                 if self.reuse_gaps is not None and self.enable_prefix_caching:
                     self.reuse_gaps.admitted(request.tenant, request.block_keys)
                 if self.hot_prefixes is not None and hit:
@@ -249,9 +253,9 @@ class Scheduler:
         self.num_preemptions += 1
         return request
 
-    def _fits(self, num_blocks: int) -> bool:
-        """Room for `num_blocks` new blocks, in the pool and in the window layers' pool."""
-        return self.cache.can_allocate(num_blocks) and self.windows.fits(num_blocks)
+    def _fits(self, num_blocks: int, requester: Optional[str] = None, guard_minimums: bool = True) -> bool:
+        """Room for `num_blocks` new blocks for `requester`, in the pool and in the window layers' pool."""
+        return self.cache.can_allocate(num_blocks, requester, guard_minimums) and self.windows.fits(num_blocks)
 
     def _release(self, request: Request) -> None:
         self.windows.released(request)
@@ -313,6 +317,7 @@ class Scheduler:
                 request.prefix_ttl,
                 request.block_scope(i),
                 device_only=request.cache_retention == "device",
+                owner=request.block_owner(i),
             )
         request.num_inserted_blocks = num_full
 

@@ -46,6 +46,7 @@ class TierContext:
             shape=self.shape,
             payload=payload,
             tenant_scope=block.scope or b"",
+            owner=block.owner,
         )
 
     def observe_step(self, scheduled, seconds: float) -> None:

@@ -230,7 +230,7 @@ class TierReader:
         if not payloads:
             return 0
         # Admitting holds the device prefix while allocating, so eviction cannot break the chain under us.
-        blocks = cache.admit(prefix, len(payloads))
+        blocks = cache.admit(prefix, len(payloads), requester=request.owner)
         if blocks is None:
             return 0  # the pool is held by running requests: recompute
         fresh = blocks[start:]
@@ -245,6 +245,7 @@ class TierReader:
                     request.token_ids[index * size : (index + 1) * size],
                     parent,
                     scope=request.block_scope(index),
+                    owner=request.block_owner(index),
                 )
                 blocks[start + offset] = cached
                 parent = cached

@@ -46,10 +46,14 @@ def build_tiers(config, scope_digest: bytes) -> list[KVTier]:
     sealer = tier_sealer(config)
     tiers: list[KVTier] = []
     if config.kv_host_cache_bytes:
-        tiers.append(HostTier(config.kv_host_cache_bytes, sealer=sealer))
+        tiers.append(HostTier(config.kv_host_cache_bytes, sealer=sealer, shares=config.shares()))
     if config.kv_disk_cache_dir:
         capacity = config.kv_disk_cache_bytes or DEFAULT_DISK_CACHE_BYTES
-        tiers.append(DiskTier(config.kv_disk_cache_dir, capacity, expect_scope=scope_digest, sealer=sealer))
+        tiers.append(
+            DiskTier(
+                config.kv_disk_cache_dir, capacity, expect_scope=scope_digest, sealer=sealer, shares=config.shares()
+            )
+        )
     if config.kv_remote_url:
         from ..tiers.redis import RedisTier  # imports redis only when a remote tier is configured
 

@@ -18,6 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Callable, Optional, Sequence
 
+from ..cache.tenant_shares import NO_SHARES, TenantHoldings, TenantShares
 from .lru import LeafFirstLRU
 from .policy import TierCost
 from .record import BlockRecord, encode_record
@@ -57,7 +58,13 @@ class KVTier(abc.ABC):
     name: str = ""  # a label for statistics, metrics and logs
     traits: TierTraits
 
-    def __init__(self, capacity_bytes: int, read_cost: TierCost, sealer: Optional[Sealer] = None) -> None:
+    def __init__(
+        self,
+        capacity_bytes: int,
+        read_cost: TierCost,
+        sealer: Optional[Sealer] = None,
+        shares: TenantShares = NO_SHARES,
+    ) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"a {self.name} tier needs capacity_bytes >= 0, got {capacity_bytes}")
         self.sealer = sealer  # None: records carry a CRC only (anyone who can write the tier can forge them)
@@ -69,7 +76,8 @@ class KVTier(abc.ABC):
         self._stats = TierStats()
         self._rejections: dict[str, int] = {}  # rejected_records by RecordError.reason
         self._logged_failures: set[tuple[str, str]] = set()
-        self._lru = LeafFirstLRU()  # every key present, with sizes, recency and children: under `_lock`
+        # Every key present, with sizes, recency, children and owners (against `shares`): under `_lock`.
+        self._lru = LeafFirstLRU(TenantHoldings(shares, capacity_bytes))
         self._readers: Optional[ThreadPoolExecutor] = None  # set by tiers whose reads are slow (disk, remote)
 
     # ---------------------------------------------------------------- interface
@@ -128,6 +136,11 @@ class KVTier(abc.ABC):
         """Assert every invariant of the tier; call while no operation is in flight."""
 
     # ---------------------------------------------------- shared conveniences
+    def tenant_holdings(self) -> dict:
+        """tenant -> {held, min, max} in bytes of this tier (TenantHoldings.report)."""
+        with self._lock:
+            return self._lru.holdings.report()
+
     @property
     def stats(self) -> TierStats:
         """A consistent snapshot of the counters."""

@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
+from ..cache.tenant_shares import NO_SHARES, TenantShares
 from .base import KVTier, TierTraits
 from .disk_files import NotARecordFile, read_file, record_path, remove_quietly, scan, write_temp_file
 from .disk_startup import HeaderRead, RebuildReport, open_directory
@@ -54,9 +55,13 @@ class DiskTier(KVTier):
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
         num_read_threads: int = 2,
         sealer: Optional[Sealer] = None,
+        shares: TenantShares = NO_SHARES,
     ) -> None:
         super().__init__(
-            capacity_bytes, TierCost(DISK_READ_COST.latency_seconds, DISK_READ_COST.bytes_per_second), sealer
+            capacity_bytes,
+            TierCost(DISK_READ_COST.latency_seconds, DISK_READ_COST.bytes_per_second),
+            sealer,
+            shares,
         )
         self.directory = Path(directory)
         self.expect_scope = expect_scope
@@ -158,6 +163,7 @@ class DiskTier(KVTier):
                 return False
             entry = self._lru.get(record.key)
             if entry is not None:  # same key, same KV: refresh instead of writing again
+                self._lru.claim(entry, record.owner)
                 self._lru.touch(entry)
                 return True
         data = self.encode(record)
@@ -183,7 +189,9 @@ class DiskTier(KVTier):
                 self._fault("write", error)
                 self._count_locked(dropped_puts=1)
                 return False
-            admission = self._lru.insert_and_evict(record.key, record.parent_key, len(data), self.capacity_bytes)
+            admission = self._lru.insert_and_evict(
+                record.key, record.parent_key, len(data), self.capacity_bytes, record.owner
+            )
             for victim in admission.evicted:
                 self._unlink_locked(victim.key)
             self._count_locked(evictions=len(admission.evicted))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from typing import Optional, Sequence
 
+from ..cache.tenant_shares import NO_SHARES, TenantHoldings, TenantShares
 from .base import KVTier, TierTraits
 from .lru import LeafFirstLRU
 from .policy import TierCost
@@ -22,9 +23,12 @@ class HostTier(KVTier):
     name = "host"
     traits = TierTraits(synchronous=True, write_through=False, shared=False, event_medium="CPU")
 
-    def __init__(self, capacity_bytes: int, sealer: Optional[Sealer] = None) -> None:
+    def __init__(self, capacity_bytes: int, sealer: Optional[Sealer] = None, shares: TenantShares = NO_SHARES) -> None:
         super().__init__(
-            capacity_bytes, TierCost(HOST_READ_COST.latency_seconds, HOST_READ_COST.bytes_per_second), sealer
+            capacity_bytes,
+            TierCost(HOST_READ_COST.latency_seconds, HOST_READ_COST.bytes_per_second),
+            sealer,
+            shares,
         )
         self._records: dict[bytes, bytes] = {}
 
@@ -43,11 +47,14 @@ class HostTier(KVTier):
         with self._lock:
             entry = self._lru.get(record.key)
             if entry is not None:  # same key, same KV: refresh instead of copying again
+                self._lru.claim(entry, record.owner)
                 self._lru.touch(entry)
                 return True
         data = self.encode(record)  # outside the lock: the checksum or seal pass is the slow part
         with self._lock:
-            admission = self._lru.insert_and_evict(record.key, record.parent_key, len(data), self.capacity_bytes)
+            admission = self._lru.insert_and_evict(
+                record.key, record.parent_key, len(data), self.capacity_bytes, record.owner
+            )
             for victim in admission.evicted:
                 del self._records[victim.key]
             self._count_locked(evictions=len(admission.evicted))
@@ -68,7 +75,7 @@ class HostTier(KVTier):
     def close(self) -> None:
         with self._lock:
             self._records.clear()
-            self._lru = LeafFirstLRU()
+            self._lru = LeafFirstLRU(TenantHoldings(self._lru.holdings.shares, self.capacity_bytes))
 
     def check_integrity(self) -> None:
         with self._lock:

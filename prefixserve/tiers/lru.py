@@ -15,15 +15,19 @@ records may arrive in any order. Leaves sit in a heap by last access (a logical
 clock, so no ties) with lazy deletion: a popped entry whose record was touched,
 removed or gained a child since is skipped. O(log n) per operation, amortised.
 Not thread-safe: each tier calls it under its own lock.
+
+Each record may belong to a tenant (its block's owner, cache/tenant_shares.py), whose bytes here count
+against its share of the tier: past its max_kv_share its own coldest leaves make room (else the record is
+not stored), and while it holds no more than its min_kv_share, another tenant's record never evicts it.
 """
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Sequence
 
-STALE_SLACK = 64  # stale heap entries tolerated beyond twice the live records before a rebuild
+from ..cache.leaf_heaps import LeafHeaps
+from ..cache.tenant_shares import NO_SHARES, TenantHoldings
 
 
 @dataclass(eq=False)
@@ -32,6 +36,7 @@ class Entry:
     parent_key: Optional[bytes]
     size: int
     last_access: int = 0
+    owner: Optional[str] = None  # the tenant whose share its bytes count against (None: nobody's)
 
 
 @dataclass
@@ -41,10 +46,11 @@ class Admission:
 
 
 class LeafFirstLRU:
-    def __init__(self) -> None:
+    def __init__(self, holdings: Optional[TenantHoldings] = None) -> None:
         self._entries: dict[bytes, Entry] = {}
         self._num_children: dict[bytes, int] = {}  # parent key -> children present (only counts > 0)
-        self._heap: list[tuple[int, bytes]] = []  # (last access, key) of leaves, lazily deleted
+        self._leaves: LeafHeaps[bytes] = LeafHeaps(self._valid)  # (last access, key) of leaves, by owner
+        self.holdings = holdings if holdings is not None else TenantHoldings(NO_SHARES, 0)
         self._tick = 0
         self.used_bytes = 0
         # Told of every key that enters or leaves (KV events of the tier's medium); called under the tier's lock.
@@ -73,12 +79,13 @@ class LeafFirstLRU:
     def is_leaf(self, key: bytes) -> bool:
         return key not in self._num_children
 
-    def add(self, key: bytes, parent_key: Optional[bytes], size: int) -> Entry:
+    def add(self, key: bytes, parent_key: Optional[bytes], size: int, owner: Optional[str] = None) -> Entry:
         """Insert (or replace) a record as the most recently used."""
         self.remove(key)
-        entry = Entry(key, parent_key, size)
+        entry = Entry(key, parent_key, size, owner=owner)
         self._entries[key] = entry
         self.used_bytes += size
+        self.holdings.add(owner, size)
         if parent_key is not None:
             self._num_children[parent_key] = self._num_children.get(parent_key, 0) + 1
         self.touch(entry)
@@ -98,6 +105,7 @@ class LeafFirstLRU:
         if self.on_removed is not None:
             self.on_removed(key)
         self.used_bytes -= entry.size
+        self.holdings.remove(entry.owner, entry.size)
         parent_key = entry.parent_key
         if parent_key is not None:
             remaining = self._num_children[parent_key] - 1
@@ -110,38 +118,62 @@ class LeafFirstLRU:
                     self._push_if_leaf(parent)  # its last child left: it is a candidate again
         return entry
 
+    def claim(self, entry: Entry, owner: Optional[str]) -> None:
+        """A record of nobody's (indexed at start-up) written again by `owner`: its bytes count against it now."""
+        if entry.owner is None and owner is not None:
+            entry.owner = owner
+            self.holdings.add(owner, entry.size)
+            self._push_if_leaf(entry)
+
     def pop_lru_leaf(self) -> Optional[Entry]:
         """Remove and return the least recently used leaf; None when there is none."""
-        heap = self._heap
-        while heap:
-            last_access, key = heapq.heappop(heap)
-            entry = self._entries.get(key)
-            if entry is not None and entry.last_access == last_access and self.is_leaf(key):
-                self.remove(key)
-                return entry
-        return None
+        key = self._leaves.pop()
+        return None if key is None else self.remove(key)
 
-    def insert_and_evict(self, key: bytes, parent_key: Optional[bytes], size: int, capacity: int) -> Admission:
-        """Add a record, then evict LRU leaves until `capacity` holds.
+    def insert_and_evict(
+        self, key: bytes, parent_key: Optional[bytes], size: int, capacity: int, owner: Optional[str] = None
+    ) -> Admission:
+        """Add `owner`'s record, then evict LRU leaves until its share and `capacity` hold.
 
-        The record goes in before anything leaves, so its parent is no longer a
-        leaf and cannot be evicted to make room for its own child.
+        The record goes in before anything leaves, so its parent is no longer a leaf and cannot be
+        evicted to make room for its own child. Past its maximum, only its owner's leaves leave; for
+        the capacity, another tenant's leaves leave only while it holds more than its minimum.
         """
         if size > capacity:
             return Admission(False)
-        self.add(key, parent_key, size)
+        self.add(key, parent_key, size, owner)
         admission = Admission(True)
+        holdings = self.holdings
+        maximum = holdings.maximum(owner)
+        while maximum is not None and holdings.held.get(owner, 0) > maximum:
+            if not self._evict_for(admission, key, self._leaves.pop_of(owner)):
+                return admission
+        guarded = holdings.shares.guards_minimums
         while self.used_bytes > capacity:
-            victim = self.pop_lru_leaf()
-            if victim is None:  # only a parent cycle leaves no leaf; give the room back
-                self.remove(key)
-                admission.admitted = False
+            victim = self._leaves.pop(self._evictable_for(owner)) if guarded else self._leaves.pop()
+            if not self._evict_for(admission, key, victim):
                 break
-            if victim.key == key:  # the newest record was the only leaf left
-                admission.admitted = False
-                break
-            admission.evicted.append(victim)
         return admission
+
+    def _evictable_for(self, requester: Optional[str]):
+        """Whether `requester`'s record may evict a leaf (owner, key): another tenant's only as far as it keeps
+        its minimum in bytes."""
+        entries, holdings = self._entries, self.holdings
+        return lambda owner, key: holdings.evictable_by(owner, requester, entries[key].size)
+
+    def _evict_for(self, admission: Admission, key: bytes, victim: Optional[bytes]) -> bool:
+        """Evict `victim` to make room for `key`; False (and `key` not admitted) when there was none, or it was
+        `key` itself (the newest record was the only leaf left that could go)."""
+        if victim is None:  # only a parent cycle, or others' minimums, leave no leaf; give the room back
+            self.remove(key)
+            admission.admitted = False
+            return False
+        entry = self.remove(victim)
+        if victim == key:
+            admission.admitted = False
+            return False
+        admission.evicted.append(entry)
+        return True
 
     def entries(self) -> Iterable[Entry]:
         return self._entries.values()
@@ -155,18 +187,19 @@ class LeafFirstLRU:
             if entry.parent_key is not None:
                 children[entry.parent_key] = children.get(entry.parent_key, 0) + 1
         assert children == self._num_children, "child counts are off"
-        live = {key for last, key in self._heap if self._valid(last, key)}
+        live = {key for last, key in self._leaves.live()}
         leaves = {key for key in self._entries if self.is_leaf(key)}
         assert live == leaves, f"heap holds {len(live)} live leaves, there are {len(leaves)}"
+        held: dict = {}
+        for entry in self._entries.values():
+            if entry.owner is not None:
+                held[entry.owner] = held.get(entry.owner, 0) + entry.size
+        assert held == self.holdings.held, f"tenants hold {held}, counted {self.holdings.held}"
 
-    def _valid(self, last_access: int, key: bytes) -> bool:
+    def _valid(self, owner: Optional[str], last_access: int, key: bytes) -> bool:
         entry = self._entries.get(key)
-        return entry is not None and entry.last_access == last_access and self.is_leaf(key)
+        return entry is not None and entry.owner == owner and entry.last_access == last_access and self.is_leaf(key)
 
     def _push_if_leaf(self, entry: Entry) -> None:
-        if not self.is_leaf(entry.key):
-            return
-        heapq.heappush(self._heap, (entry.last_access, entry.key))
-        if len(self._heap) > 2 * len(self._entries) + STALE_SLACK:
-            self._heap = [item for item in set(self._heap) if self._valid(*item)]
-            heapq.heapify(self._heap)
+        if self.is_leaf(entry.key):
+            self._leaves.push(entry.owner, entry.last_access, entry.key, len(self._entries))

@@ -76,6 +76,9 @@ class BlockRecord:
     # The scope its tenant's chain hangs from (a request's salted scope, or the private one past a shared
     # prefix): what a GCM seal's key commits to. Not stored; the reader supplies its own.
     tenant_scope: bytes = b""
+    # The tenant whose share of a tier it counts against (its block's owner). Not stored either: a record a
+    # disk tier indexes at start-up is nobody's until its tenant writes it again.
+    owner: Optional[str] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "token_ids", tuple(self.token_ids))

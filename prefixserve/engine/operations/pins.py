@@ -1,4 +1,9 @@
-"""Operator pins: prefixes an operator keeps resident (POST /v1/cache/pin, LLM.pin), with an optional TTL.
+"""Pins: prefixes kept resident, with an optional TTL. Two kinds: the operator's (POST /v1/cache/pin, LLM.pin)
+and a tenant's retention pins (Anthropic's cache_control breakpoints: `keep`).
+
+A retention pin counts against its tenant's pin_share (cache/tenant_pins.py) and the operator's never fail
+for lack of tenant room: when the cap is reached, the hot-prefix policy's pins go first, then retention
+pins, oldest first, until the operator's fits.
 
 A pin names a prompt's full blocks in one scope (a tenant's, or the public one). Making
 one takes two steps, because a prefix can only be pinned once its blocks are cached:
@@ -23,8 +28,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
+from ...cache.pin_counts import PinCapError
+from ...cache.tenant_pins import TenantPins
+
 logger = logging.getLogger("prefixserve")
 PINS_FILE = "pins.json"
+OPERATOR, RETENTION = "operator", "retention"  # Pin.kind
 
 
 @dataclass
@@ -36,6 +45,7 @@ class Pin:
     num_blocks: int  # blocks pinned in the pool (0 while waiting to be warmed again)
     created_at: float  # unix seconds
     expires_at: Optional[float]  # unix seconds; None: until unpinned
+    kind: str = "operator"  # "operator" | "retention" (a tenant's cache_control: counts against its pin_share)
 
     def public(self) -> dict:
         """What an operator sees: never the token ids."""
@@ -43,6 +53,7 @@ class Pin:
             "id": self.pin_id,
             "object": "cache.pin",
             "tenant": self.tenant,
+            "kind": self.kind,
             "num_tokens": len(self.token_ids),
             "num_blocks": self.num_blocks,
             "created_at": self.created_at,
@@ -59,6 +70,8 @@ class PinTable:
         directory: Optional[str] = None,
         tokenizer_fingerprint: str = "",
         wall_clock=time.time,
+        tenant_pins: Optional[TenantPins] = None,
+        soft_pins=None,
     ) -> None:
         self.cache = cache
         self.keyer = keyer
@@ -66,6 +79,8 @@ class PinTable:
         self.path = Path(directory) / PINS_FILE if directory else None
         self.tokenizer_fingerprint = tokenizer_fingerprint
         self.wall_clock = wall_clock
+        self.tenant_pins = tenant_pins  # retention pins within their tenant's pin_share
+        self.soft_pins = soft_pins  # the hot-prefix policy (unpin_all(cache)): its pins give way to any pin here
         self.pins: dict[str, Pin] = {}
         self.to_restore: list[Pin] = self._load()  # saved pins not yet warmed again
 
@@ -79,16 +94,27 @@ class PinTable:
         ttl: Optional[float],
         pin_id: Optional[str] = None,
         created_at: Optional[float] = None,
+        kind: str = "operator",
     ) -> Pin:
-        """Pin the cached full blocks of `token_ids` in its scope; raises ValueError naming the fix."""
+        """Pin the cached full blocks of `token_ids` in its scope; raises ValueError naming the fix (PinShareError
+        past a retention pin's tenant share, PinCapError past the cap when nothing can give way)."""
         keys = self._keys(scoper, token_ids, salt)
         if not keys:
             raise ValueError(
                 f"the prompt has {len(token_ids)} tokens, less than one block of {self.block_size}; pin a longer prefix"
             )
-        num_blocks = self.cache.pin(keys)  # raises ValueError past max_pinned_blocks
+        claimant = tenant if kind == RETENTION else None
+        if self.tenant_pins is not None:
+            self.tenant_pins.claim(claimant, len(keys))
+        try:
+            num_blocks = self._pin_keys(keys, kind, scoper)
+        except ValueError:
+            self._unclaim(claimant, len(keys))
+            raise
+        self._unclaim(claimant, len(keys) - num_blocks)
         if num_blocks < len(keys):
             self.cache.unpin(keys[:num_blocks])
+            self._unclaim(claimant, num_blocks)
             raise ValueError(
                 f"only {num_blocks} of the prompt's {len(keys)} blocks are cached (the pool is too "
                 "busy to keep it); retry, or raise kv_cache_memory_bytes"
@@ -102,10 +128,31 @@ class PinTable:
             num_blocks,
             now if created_at is None else created_at,
             None if ttl is None else now + ttl,
+            kind,
         )
         self.pins[pin.pin_id] = pin
         self._save()
         return pin
+
+    def _pin_keys(self, keys: list[bytes], kind: str, scoper) -> int:
+        """cache.pin(keys), making room at the cap: the hot-prefix policy's pins give way to any pin, and for
+        the operator's, retention pins too, oldest first."""
+        while True:
+            try:
+                return self.cache.pin(keys)
+            except PinCapError:
+                if self.soft_pins is not None and self.soft_pins.unpin_all(self.cache):
+                    continue
+                retention = [pin for pin in self.pins.values() if pin.kind == RETENTION and pin.num_blocks]
+                if kind != OPERATOR or not retention:
+                    raise
+                oldest = min(retention, key=lambda pin: pin.created_at)
+                logger.info("pin %s (tenant %r) gives way to an operator pin at the cap", oldest.pin_id, oldest.tenant)
+                self.unpin(oldest.pin_id, scoper)
+
+    def _unclaim(self, claimant: Optional[str], num_blocks: int) -> None:
+        if self.tenant_pins is not None:
+            self.tenant_pins.release(claimant, num_blocks)
 
     def keep(self, scoper, token_ids: list[int], tenant: Optional[str], salt: Optional[str], ttl: float) -> Pin:
         """Keep `token_ids` pinned for at least `ttl` seconds more: the pin of this very prefix has its expiry
@@ -116,7 +163,7 @@ class PinTable:
                     pin.expires_at = max(pin.expires_at, self.wall_clock() + ttl)
                     self._save()
                 return pin
-        return self.pin(scoper, token_ids, tenant, salt, ttl)
+        return self.pin(scoper, token_ids, tenant, salt, ttl, kind=RETENTION)
 
     def unpin(self, pin_id: str, scoper) -> Optional[Pin]:
         pin = self.pins.pop(pin_id, None)
@@ -140,6 +187,7 @@ class PinTable:
     def _release(self, pin: Pin, scoper) -> None:
         if pin.num_blocks:
             self.cache.unpin(self._keys(scoper, pin.token_ids, pin.salt)[: pin.num_blocks])
+            self._unclaim(pin.tenant if pin.kind == RETENTION else None, pin.num_blocks)
 
     def _keys(self, scoper, token_ids: list[int], salt: Optional[str]) -> list[bytes]:
         """The block keys of `token_ids` in the scope a request with this salt gets."""
@@ -157,6 +205,7 @@ class PinTable:
             pins = []
         self.tokenizer_fingerprint = tokenizer_fingerprint
         for pin in pins:
+            self._unclaim(pin.tenant if pin.kind == RETENTION else None, pin.num_blocks)
             pin.num_blocks = 0
         self.to_restore = pins + self.to_restore
         self._save()
@@ -213,7 +262,7 @@ def restore_pins(engine) -> int:
         if ttl is not None and ttl <= 0:
             continue
         try:
-            table.pin(engine.scoper, pin.token_ids, pin.tenant, pin.salt, ttl, pin.pin_id, pin.created_at)
+            table.pin(engine.scoper, pin.token_ids, pin.tenant, pin.salt, ttl, pin.pin_id, pin.created_at, pin.kind)
             num_restored += 1
         except ValueError as error:
             logger.warning("could not restore pin %s: %s", pin.pin_id, error)
