@@ -13,6 +13,7 @@ import hmac
 import json
 from typing import Mapping, NamedTuple, Optional
 
+from .cache.tenant_shares import SHARE_FIELDS, Share, share_from
 from .config import CACHE_RETENTIONS
 from .http import APIError
 
@@ -272,11 +273,16 @@ class KeyEntry(NamedTuple):
     tenant: str
     cache_ttl: Optional[float]  # the tenant's default cache TTL (seconds); None: the server's
     cache_retention: Optional[str]  # "device" | "none": the tenant's KV never leaves the device / is never kept
+    shares: Optional[dict] = None  # the share fields it gives (pin_share, min_kv_share, max_kv_share): fractions
+
+
+ENTRY_FIELDS = ("tenant", "cache_ttl", "cache_retention", *SHARE_FIELDS)
 
 
 def _read_keys_file(api_keys_file: str) -> dict[str, KeyEntry]:
     """key -> KeyEntry from a JSON object whose values are a tenant id or {"tenant": id, "cache_ttl":
-    seconds, "cache_retention": "device" | "none"} (both optional)."""
+    seconds, "cache_retention": "device" | "none", "pin_share" / "min_kv_share" / "max_kv_share": fractions}
+    (all but the tenant optional; cache/tenant_shares.py says what the shares do)."""
     import math
     from pathlib import Path
 
@@ -291,15 +297,22 @@ def _read_keys_file(api_keys_file: str) -> dict[str, KeyEntry]:
     for key, value in loaded.items():
         if not key:
             raise SystemExit(f"--api-keys-file {path}: an API key is empty; give every tenant a non-empty key")
-        ttl = retention = None
+        ttl = retention = shares = None
         if isinstance(value, dict):
-            unknown = set(value) - set(KeyEntry._fields)
+            unknown = set(value) - set(ENTRY_FIELDS)
             if unknown or "tenant" not in value:
                 raise SystemExit(
                     f"--api-keys-file {path}: a key's entry is a tenant name or an object with "
-                    f"'tenant' and optional 'cache_ttl' (seconds) and 'cache_retention' "
-                    f"({' or '.join(CACHE_RETENTIONS)}); got fields {sorted(value)}"
+                    f"'tenant' and optional 'cache_ttl' (seconds), 'cache_retention' "
+                    f"({' or '.join(CACHE_RETENTIONS)}) and {', '.join(map(repr, SHARE_FIELDS))} (fractions "
+                    f"from 0 to 1); got fields {sorted(value)}"
                 )
+            shares = {name: value[name] for name in SHARE_FIELDS if name in value} or None
+            if shares:
+                try:
+                    share_from(shares, Share(min_kv_share=0.0, max_kv_share=1.0), f"tenant {value['tenant']!r}")
+                except ValueError as error:
+                    raise SystemExit(f"--api-keys-file {path}: {error}") from None
             tenant, ttl, retention = value["tenant"], value.get("cache_ttl"), value.get("cache_retention")
             if ttl is not None and (
                 isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not math.isfinite(ttl) or ttl <= 0
@@ -322,7 +335,7 @@ def _read_keys_file(api_keys_file: str) -> dict[str, KeyEntry]:
                 f"--api-keys-file {path}: tenant id {tenant!r} must be 1 to 256 printable characters "
                 "(no control characters such as NUL or newlines)"
             )
-        entries[key] = KeyEntry(tenant, None if ttl is None else float(ttl), retention)
+        entries[key] = KeyEntry(tenant, None if ttl is None else float(ttl), retention, shares)
     return entries
 
 
@@ -357,6 +370,11 @@ def _tenant_settings(api_keys_file: Optional[str], field: str) -> dict:
 def load_tenant_cache_ttls(api_keys_file: Optional[str]) -> dict[str, float]:
     """tenant -> default cache TTL (seconds) for the tenants whose keys-file entry gives one."""
     return _tenant_settings(api_keys_file, "cache_ttl")
+
+
+def load_tenant_shares(api_keys_file: Optional[str]) -> dict[str, dict]:
+    """tenant -> the share fields its keys-file entry gives (EngineConfig.tenant_shares' form)."""
+    return _tenant_settings(api_keys_file, "shares")
 
 
 def load_tenant_cache_retentions(api_keys_file: Optional[str]) -> dict[str, str]:

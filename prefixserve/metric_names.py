@@ -27,6 +27,8 @@ def total(counter: str) -> str:
 
 
 # read by more than the module that defines them
+TENANT_KV_BLOCKS = server_metric("tenant_kv_blocks")  # gauge {tenant, state=held|min|max|pinned|pin_limit}
+TENANT_TIER_BYTES = server_metric("tenant_kv_tier_bytes")  # gauge {tenant, tier}: bytes of a tier a tenant holds
 PREFIX_CACHE_QUERIES = server_metric("prefix_cache_queries")  # counter: prompt tokens looked up
 PREFIX_CACHE_HITS = server_metric("prefix_cache_hits")  # counter: prompt tokens served from the cache
 PREFIX_CACHE_REQUESTS = server_metric("prefix_cache_requests")  # counter: requests looked up

@@ -31,7 +31,8 @@ def system(ttl="5m"):
 
 @pytest.fixture(scope="module")
 def server():
-    with LiveServer("--api-key", KEY, "--admin-api-key", ADMIN) as live:
+    # One tenant pins every breakpoint here: its pins may take the whole cap (the default share is a quarter).
+    with LiveServer("--api-key", KEY, "--admin-api-key", ADMIN, "--tenant-pin-share", "1") as live:
         yield live
 
 

@@ -94,7 +94,10 @@ def test_reuse_gaps_are_measured_per_tenant_and_exposed_to_the_operator_only(ser
     assert stats["mean_reused_prefix_tokens"] > 0
     metrics = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30).text
     assert "prefixserve:prefix_reuse_gap_seconds_count " in metrics and "prefixserve:prefix_releases_total " in metrics
-    assert "acme" not in metrics  # per tenant only behind the admin key
+    # The reuse-gap histograms are per tenant only in /v1/cache/stats; /metrics (the operator's keys alone read
+    # it where tenants have keys) carries each tenant's cache counters and holdings, never its gaps.
+    assert 'prefix_reuse_gap_seconds_count{tenant="acme"}' not in metrics
+    assert 'prefixserve:tenant_prefix_cache_requests_total{tenant="acme"}' in metrics
 
 
 def test_cache_stats_refuses_tenants_and_missing_keys(server):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import copy
 import logging
 import queue
 import threading
@@ -33,6 +32,7 @@ from .outputs import RequestOutput
 from .queries import EngineQueries
 from .request import Request
 from .sampling_params import SamplingParams
+from .tenant_report import tenant_report
 
 logger = logging.getLogger("prefixserve")
 MAX_CONSECUTIVE_STEP_FAILURES = 3  # steps in a row that raise, with none succeeding, before the engine is dead
@@ -57,11 +57,12 @@ class EngineSnapshot:
     num_finished_by_reason: dict  # finish reason -> requests (vllm:request_success_total)
     tiers: dict = field(default_factory=dict)  # tier name -> kv_tiers.TierSnapshot
     reuse_gaps: dict = field(default_factory=dict)  # ReuseGapTracker.snapshot(): read-only
+    tenants: dict = field(default_factory=dict)  # tenant_report(): each tenant's shares, holdings and counters
 
     @classmethod
     def of(cls, engine: LLMEngine) -> "EngineSnapshot":
         return cls(
-            stats=copy.copy(engine.cache.stats),
+            stats=engine.cache.stats.snapshot(),
             usage=engine.cache.usage(),
             num_running=len(engine.scheduler.running),
             num_waiting=len(engine.scheduler.waiting),
@@ -72,6 +73,7 @@ class EngineSnapshot:
             num_finished_by_reason=dict(engine.scheduler.num_finished_by_reason),
             tiers=engine.tiers.snapshot(),
             reuse_gaps=engine.reuse_gaps.snapshot(),
+            tenants=tenant_report(engine)["tenants"],
         )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from ..cache.events import event_to_dict
+from ..engine.tenant_report import tenant_report
 from ..http import APIError
 
 
@@ -59,7 +60,8 @@ async def cache_keys(request: Request):
 @admin_routes.get("/v1/cache/stats")
 async def cache_stats(request: Request):
     """What the TTL planner takes: the reuse-gap histograms (overall and per tenant), the TTL settings,
-    pool usage."""
+    pool usage; and the tenants' shares with what each holds against them (pool blocks, pins, tier bytes)
+    and its cache counters."""
     state = _admin_state(request)
 
     def stats(core):
@@ -75,7 +77,9 @@ async def cache_stats(request: Request):
                 "num_free_blocks": usage.num_free_blocks,
                 "num_cached_blocks": usage.num_cached_blocks,
                 "num_pinned_blocks": usage.num_pinned_blocks,
+                "num_min_share_overrides": core.cache.stats.num_min_share_overrides,
             },
+            **tenant_report(core),
         }
 
     return await state.engine.call(stats)

@@ -24,6 +24,8 @@ from ..metric_names import (
     KV_TIER_REJECTIONS,
     KV_TIER_USED_BYTES,
     PREFIX_REUSE_GAP,
+    TENANT_KV_BLOCKS,
+    TENANT_TIER_BYTES,
     TTFT,
     server_metric,
 )
@@ -89,6 +91,7 @@ class EngineCollector:
         )
         yield from tier_families(snapshot.tiers)
         yield from reuse_gap_families(snapshot.reuse_gaps)
+        yield from tenant_families(snapshot.tenants)
 
 
 def reuse_gap_families(reuse_gaps: dict):
@@ -122,6 +125,50 @@ TIER_COUNTERS = (  # (metric name, TierStats field, help)
     ("kv_tier_errors", "errors", "I/O faults of a KV tier."),
     ("kv_tier_slow_reads", "slow_reads", "Reads given up on after the tier deadline (the request recomputed)."),
 )
+
+
+TENANT_COUNTERS = (  # (name, TenantCounters field, documentation)
+    ("tenant_prefix_cache_queries", "query_tokens", "A tenant's prompt tokens looked up in the prefix cache."),
+    ("tenant_prefix_cache_hits", "hit_tokens", "A tenant's prompt tokens served from the prefix cache."),
+    ("tenant_prefix_cache_requests", "queries", "A tenant's requests looked up in the prefix cache."),
+    (
+        "tenant_over_share_refusals",
+        "over_share_refusals",
+        "Times a tenant's prompt was left uncached from a block on: it was at its max_kv_share.",
+    ),
+)
+
+
+def tenant_families(tenants: dict):
+    """Per-tenant families, labelled tenant=...: its cache counters, the pool blocks it holds and pins, against
+    its shares. Only the operator's keys read them (/metrics is private where tenants have keys)."""
+    if not tenants:
+        return
+    counters = [
+        (CounterMetricFamily(server_metric(name), doc, labels=["tenant"]), field)
+        for name, field, doc in TENANT_COUNTERS
+    ]
+    held = GaugeMetricFamily(
+        TENANT_KV_BLOCKS, "KV pool blocks a tenant holds, pins and may hold.", labels=["tenant", "state"]
+    )
+    tier_bytes = GaugeMetricFamily(TENANT_TIER_BYTES, "Bytes of a KV tier a tenant holds.", labels=["tenant", "tier"])
+    for tenant, report in tenants.items():
+        for family, field in counters:
+            family.add_metric([tenant], report["counters"].get(field, 0))
+        pool, pins = report["pool"], report["pins"]
+        held.add_metric([tenant, "held"], pool["held"])
+        held.add_metric([tenant, "min"], pool["min"])
+        if pool["max"] is not None:
+            held.add_metric([tenant, "max"], pool["max"])
+        held.add_metric([tenant, "pinned"], pins["pinned"])
+        if pins["limit"] is not None:
+            held.add_metric([tenant, "pin_limit"], pins["limit"])
+        for tier, tier_report in report["tiers"].items():
+            tier_bytes.add_metric([tenant, tier], tier_report["held"])
+    for family, _ in counters:
+        yield family
+    yield held
+    yield tier_bytes
 
 
 def tier_families(tiers: dict):

@@ -17,7 +17,7 @@ from typing import Optional
 
 from ..config import CHECKPOINT_LAYOUT, DEFAULT_MAX_CACHE_TTL
 from ..http_body import DEFAULT_MAX_REQUEST_BYTES
-from ..http_keys import load_api_keys, load_tenant_cache_retentions, load_tenant_cache_ttls
+from ..http_keys import load_api_keys, load_tenant_cache_retentions, load_tenant_cache_ttls, load_tenant_shares
 from .engine_flags import add_engine_arguments, engine_config_from_args, with_flag_names
 from .response_store import DEFAULT_MAX_STORED, DEFAULT_TTL
 
@@ -131,11 +131,28 @@ def build_server(args: argparse.Namespace):
     from ..engine.async_engine import AsyncLLMEngine
     from .api import build_app
 
-    config = engine_config_from_args(args)
+    config = with_keys_file_shares(engine_config_from_args(args), args.api_keys_file)
     engine = AsyncLLMEngine(config)
     if args.shared_prefix:
         declare_shared_prefix(engine.engine, args.shared_prefix, read_shared_prefix(args.shared_prefix))
     return engine, build_app(engine, server_settings_from_args(args))
+
+
+def with_keys_file_shares(config, api_keys_file: Optional[str]):
+    """`config` with the shares the keys file's entries give (pin_share, min_kv_share, max_kv_share) beside
+    --tenant-shares; SystemExit when both name one tenant or the shares cannot hold."""
+    from dataclasses import replace
+
+    from_file = load_tenant_shares(api_keys_file)
+    if not from_file:
+        return config
+    both = sorted(set(from_file) & set(config.tenant_shares or {}))
+    if both:
+        raise SystemExit(f"prefixserve serve: --tenant-shares and --api-keys-file both give shares of {both}; give one")
+    try:
+        return replace(config, tenant_shares={**(config.tenant_shares or {}), **from_file})
+    except ValueError as error:
+        raise SystemExit(f"prefixserve serve: --api-keys-file {api_keys_file}: {error}") from None
 
 
 def server_settings_from_args(args: argparse.Namespace):

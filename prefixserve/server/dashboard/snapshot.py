@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 
 from ...cache.scoping import compose_salt
 from ...cache.tree_view import DEFAULT_MAX_NODES, build_tree_view
+from ...engine.tenant_report import tenant_report
 from ...metric_names import TTFT, TTFT_BY_CACHE
 from .recorder import NO_KEY
 
@@ -97,8 +98,9 @@ def read_engine(core, tenant_ids: list[str], include_tree: bool, max_nodes: int)
         # what eviction could not free right now: 1.0 means the next admission must wait
         "pressure": 1.0 - (usage.num_free_blocks + cache.num_reclaimable_blocks) / usage.num_blocks,
     }
+    shares = tenant_report(core)["tenants"]  # each tenant's share of the pool and of the pin cap
     if not include_tree:
-        return {"pool": pool}
+        return {"pool": pool, "shares": shares}
     tiers = core.tiers.tiers.values()
     tier_keys = {tier.name: tier.keys() for tier in tiers if not tier.traits.shared}  # a shared tier is not listed
     view = build_tree_view(
@@ -111,7 +113,7 @@ def read_engine(core, tenant_ids: list[str], include_tree: bool, max_nodes: int)
     )
     tree = asdict(view)
     tree["max_nodes"] = max_nodes
-    return {"pool": pool, "tree": tree}
+    return {"pool": pool, "shares": shares, "tree": tree}
 
 
 async def build_snapshot(state, include_tree: bool = True, max_nodes: int = DEFAULT_MAX_NODES) -> dict:
@@ -133,6 +135,7 @@ async def build_snapshot(state, include_tree: bool = True, max_nodes: int = DEFA
     tenants = []
     for tenant in sorted(set(tenant_ids) | set(recorded)):
         counts = recorded.get(tenant)
+        share = engine_view["shares"].get(tenant)
         scope = SHARED_SCOPE if tenant == NO_KEY else tenant
         tenants.append(
             {
@@ -141,6 +144,10 @@ async def build_snapshot(state, include_tree: bool = True, max_nodes: int = DEFA
                 "prompt_tokens": counts.num_prompt_tokens if counts else 0,
                 "cached_tokens": counts.num_cached_tokens if counts else 0,
                 "hit_rate": counts.hit_rate if counts else 0.0,
+                # its share of the pool: blocks of its private scopes it holds, its minimum and maximum (None:
+                # no maximum), and the pins held against its pin_share; None for "(no key)"
+                "kv_share": share["pool"] if share else None,
+                "pins": share["pins"] if share else None,
                 "blocks_held": held.get(scope, 0) if include_tree else None,
             }
         )

@@ -132,8 +132,22 @@ function renderTenants(tenants) {
   Dash.fillRows(tbody, tenants.map((t) => el("tr", { dataset: { tenant: t.tenant } },
     el("td", {}, t.tenant), el("td", {}, fmt.int(t.num_requests)), el("td", {}, fmt.int(t.prompt_tokens)),
     el("td", {}, fmt.int(t.cached_tokens)), el("td", {}, fmt.pct(t.hit_rate)),
+    el("td", {}, shareText(t.kv_share)), el("td", {}, pinsText(t.pins)),
     // blocks held come with the tree (every other poll): keep the last count in between
     el("td", {}, t.blocks_held === null ? held.get(t.tenant) || "–" : fmt.int(t.blocks_held)))));
+}
+
+// A tenant's share of the pool: "held (min N, max M)"; of the pin cap: "pinned / limit".
+function shareText(share) {
+  if (!share) return "–";
+  const bounds = [share.min ? `min ${fmt.int(share.min)}` : "", share.max === null ? "" : `max ${fmt.int(share.max)}`];
+  const said = bounds.filter(Boolean).join(", ");
+  return fmt.int(share.held) + (said ? ` (${said})` : "");
+}
+
+function pinsText(pins) {
+  if (!pins) return "–";
+  return pins.limit === null ? fmt.int(pins.pinned) : `${fmt.int(pins.pinned)} / ${fmt.int(pins.limit)}`;
 }
 
 function renderTotals(metrics) {
