@@ -28,13 +28,26 @@ def split_model(model: str) -> tuple[str, Optional[str]]:
     name, separator, version = model.partition("@")
     if not separator:
         return model, None
-    digits = version.lower().removeprefix("fp_")
-    if len(digits) < MIN_VERSION_DIGITS or not set(digits) <= _HEX:
+    digits = _version_digits(version)
+    if digits is None:
         raise ValueError(
             f"model {model!r}: after '@' give the model version as a response's system_fingerprint "
             f"names it, e.g. '{name}@fp_0123456789abcdef' (at least {MIN_VERSION_DIGITS} hex digits)"
         )
     return name, digits
+
+
+def fingerprint_version(system_fingerprint: object) -> Optional[str]:
+    """The version a response's `system_fingerprint` names ('fp_' + hex digits), as the lower-case digits a
+    pin takes; None when it names none (absent, or not of that form)."""
+    if not isinstance(system_fingerprint, str) or not system_fingerprint.startswith("fp_"):
+        return None
+    return _version_digits(system_fingerprint)
+
+
+def _version_digits(version: str) -> Optional[str]:
+    digits = version.lower().removeprefix("fp_")
+    return digits if len(digits) >= MIN_VERSION_DIGITS and set(digits) <= _HEX else None
 
 
 def error_body(

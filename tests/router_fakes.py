@@ -3,7 +3,9 @@
 The fake speaks the replica contract the router relies on: `return_token_ids`
 (token ids in every chunk, prompt ids in a choice's first chunk), seeded output
 keyed by absolute position (token at position p is WORDS[(p + seed) % len]),
-error events, /health, and the admin-key control calls. A test tells it how to
+error events, /health, the admin-key control calls, and model versions as the
+server names and checks them (system_fingerprint "fp_" + 16 hex digits; a body's
+'name@fp_...' pin refused with 404 model_not_found on another version). A test tells it how to
 fail: reset the connection, end without [DONE], report engine_dead or the
 request's own failure, after a given number of output tokens.
 """
@@ -24,12 +26,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from server_helpers import free_port
 
-from prefixserve.http import BEATS, PROGRESS_HEADER
+from prefixserve.http import BEATS, PROGRESS_HEADER, split_model
 from prefixserve.http_protocol import HEADER_TIMEOUT_SECONDS, uvicorn_config
 from prefixserve.model.tokenizers.tokenizer import IncrementalDecoder
 from prefixserve.router.app import RouterSettings, build_router_app
 
 ADMIN_KEY = "admin-key"
+FAKE_FINGERPRINT = "fa4e" * 16  # the version a fake serves unless told otherwise
 WORDS_TEXT = " alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau"
 
 
@@ -72,7 +75,9 @@ class FakeReplica:
     engine_dead: bool = False
     requests: list = field(default_factory=list)  # (path, body, authorization) of generation requests
     control_auth: list = field(default_factory=list)  # (path, authorization) of control calls
-    model_fingerprint: str = "fake-model"  # what /v1/cache/info says it serves (a rolling deploy changes it)
+    model_fingerprint: str = FAKE_FINGERPRINT  # what /v1/cache/info says it serves (a rolling deploy changes it)
+    # A reload landing right after the next /v1/cache/info answer: the version it serves from then on.
+    reload_after_info: Optional[str] = None
     num_health_checks: int = 0  # /health calls answered: a test waits on it instead of sleeping
     api_keys: list = field(default_factory=list)  # the x-api-key header of each /v1/messages request
 
@@ -122,8 +127,14 @@ class FakeReplica:
 
         @app.get("/v1/cache/info")
         async def info(request: Request):
-            return control(request) or {
-                "model_fingerprint": self.model_fingerprint,
+            refused = control(request)
+            if refused is not None:
+                return refused
+            fingerprint = self.model_fingerprint
+            if self.reload_after_info is not None:
+                self.model_fingerprint, self.reload_after_info = self.reload_after_info, None
+            return {
+                "model_fingerprint": fingerprint,
                 "tokenizer_fingerprint": self.tokenizer.fingerprint,
                 "adapter_id": "",
                 "block_size": 16,
@@ -160,6 +171,19 @@ class FakeReplica:
             if self.failure is not None and self.failure.how == "status_500":
                 return JSONResponse(
                     {"error": {"message": "boom", "type": "server_error", "param": None, "code": None}}, status_code=500
+                )
+            version = split_model(body["model"])[1] if isinstance(body.get("model"), str) else None
+            if version is not None and not self.model_fingerprint.startswith(version):
+                return JSONResponse(
+                    {
+                        "error": {
+                            "message": f"this replica serves version fp_{self.model_fingerprint[:16]}, not {version}",
+                            "type": "not_found_error",
+                            "param": "model",
+                            "code": "model_not_found",
+                        }
+                    },
+                    status_code=404,
                 )
             prompt_ids = self.prompt_ids(path, body)
             if (
@@ -259,7 +283,7 @@ class FakeReplica:
             "object": "chat.completion.chunk" if chat else "text_completion",
             "created": 1000 + len(self.requests),
             "model": "fake",
-            "system_fingerprint": self.model_fingerprint,
+            "system_fingerprint": "fp_" + self.model_fingerprint[:16],
         }
         seed = body.get("seed") or 0
         n = body.get("n", 1)
@@ -401,7 +425,7 @@ def message_events(tokenizer, ids: list[int], input_tokens: int) -> list[str]:
 @contextmanager
 def fake_fleet(tokenizer, num_replicas=2, names=None, fingerprints=None, **options):
     """Fake replicas behind a real router (least_loaded: the first request goes to replica-0, a retry to replica-1),
-    each serving the model version `fingerprints` gives it (default: all "fake-model")."""
+    each serving the model version `fingerprints` gives it (default: all FAKE_FINGERPRINT)."""
     options = {
         "policy": "least_loaded",
         "admin_api_key": ADMIN_KEY,

@@ -6,7 +6,16 @@ every break happens at an exact token and every expectation is exact.
 
 import httpx
 import pytest
-from router_fakes import Failure, assert_only_down_for, fake_fleet, post, read_stream, texts_of, wait_until
+from router_fakes import (
+    FAKE_FINGERPRINT,
+    Failure,
+    assert_only_down_for,
+    fake_fleet,
+    post,
+    read_stream,
+    texts_of,
+    wait_until,
+)
 
 from prefixserve.model import Tokenizer
 
@@ -104,6 +113,7 @@ def test_nothing_sent_yet_replays_the_original_request(tokenizer):
         events, done = read_stream(response)
         assert done and texts_of(events) == fakes[1].reference(tokenizer.encode("letters"), 6)[1]
         assert fakes[1].requests[0][1]["prompt"] == "letters"
+        assert "model" not in fakes[1].requests[0][1]  # nothing of a version reached the client: any version goes
 
 
 def test_the_requests_own_failure_is_relayed_not_retried(tokenizer):
@@ -149,22 +159,24 @@ def test_a_stream_is_continued_only_on_a_replica_of_the_same_model_version(token
         wait_until(lambda: replica.healthy and replica.model_fingerprint == fingerprint)
 
     with fake_fleet(tokenizer) as (url, fakes, router):
-        restart_on(fakes[1], router.replicas[1], "other-model")
+        other = "07e4" * 16
+        restart_on(fakes[1], router.replicas[1], other)
         health = httpx.get(url + "/health", timeout=10).json()
-        assert health["mixed"] and sorted(health["model_versions"]) == ["fake-model", "other-model"]
+        assert health["mixed"] and sorted(health["model_versions"]) == sorted([FAKE_FINGERPRINT[:12], other[:12]])
         fakes[0].failure = Failure("reset", after_tokens=2)
         response = post(url, "/v1/completions", {"prompt": "letters", "max_tokens": 6, "stream": True})
         events, done = read_stream(response)
         assert done and events[-1]["error"]["code"] == "stream_interrupted"
         assert "model version" in events[-1]["error"]["message"]
         assert [path for path, _, _ in fakes[1].requests] == []  # never asked to continue it
-        restart_on(fakes[1], router.replicas[1], "fake-model")
+        restart_on(fakes[1], router.replicas[1], FAKE_FINGERPRINT)
         assert not httpx.get(url + "/health", timeout=10).json()["mixed"]
         wait_until(lambda: router.replicas[0].healthy)
         response = post(url, "/v1/completions", {"prompt": "letters", "max_tokens": 6, "stream": True})
         events, done = read_stream(response)
         assert done and texts_of(events) == fakes[1].reference(tokenizer.encode("letters"), 6)[1]
-        assert {e["system_fingerprint"] for e in events} == {"fake-model"}  # the continued chunks too
+        assert {e["system_fingerprint"] for e in events} == {"fp_" + FAKE_FINGERPRINT[:16]}  # the continued chunks too
+        assert fakes[1].requests[-1][1]["model"] == "fake@fp_" + FAKE_FINGERPRINT[:16]  # pinned to that version
 
 
 def test_a_stream_that_stops_making_progress_is_continued_elsewhere_with_the_same_text(tokenizer):

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from ..http import split_model
 from ..model.tokenizers.tokenizer import IncrementalDecoder, Tokenizer
 from .inbound import ClientRequest
 
@@ -104,6 +105,25 @@ def continuation_body(request: ClientRequest, progress: ChoiceProgress, include_
     if include_usage:
         continued["stream_options"] = {"include_usage": True}
     return continued
+
+
+def pinned_model(client_model: object, served_name: object, version: str) -> Optional[str]:
+    """The `model` of a request that must run on `version` (the hex digits a stream's system_fingerprint gave):
+    'name@fp_<digits>', the name the client asked for (else the name the stream's chunks carry), and the
+    client's own pin instead when it names more digits (it is a prefix of the same fingerprint: the replica
+    that began the stream checked it). A replica of any other version answers 404 model_not_found
+    (server/routes.py check_version, inside its reload gate). None when no name is known."""
+    name, digits = None, version
+    if isinstance(client_model, str):
+        try:
+            name, client_version = split_model(client_model)
+        except ValueError:  # the router refused such a body before it got here
+            return None
+        if client_version is not None and len(client_version) > len(digits):
+            digits = client_version
+    if name is None and isinstance(served_name, str):
+        name = served_name
+    return f"{name}@fp_{digits}" if name else None
 
 
 class ContinuedText:

@@ -266,26 +266,18 @@ class Router:
         self,
         route: Optional[RouteRequest],
         exclude: set[str],
-        model_fingerprint: Optional[str] = None,
         version: Optional[str] = None,
         cache_key: Optional[str] = None,
         role: str = "generate",
     ) -> Optional[Replica]:
         """The replica for a request, among the healthy ones not in `exclude` that serve what it needs: given a
-        fingerprint (a stream's continuation), only replicas known to serve exactly that model version; given a
-        version (a request for 'name@fp_...'), those whose fingerprint begins with it, or failing any, those whose
-        version the router could not read (the replica checks it and answers 404 if it differs). Given a
-        prompt_cache_key, the replica that key belongs to unless it is overloaded (cache_key.py). `role` "generate"
-        takes the replicas that answer requests ("both" and "decode"), "prefill" the prefill replicas."""
+        version (a request for 'name@fp_...', a stream's continuation), those whose fingerprint begins with it, or
+        failing any, those whose version the router could not read (the replica checks it and answers 404 if it
+        differs). Given a prompt_cache_key, the replica that key belongs to unless it is overloaded (cache_key.py).
+        `role` "generate" takes the replicas that answer requests ("both" and "decode"), "prefill" the prefill
+        replicas."""
         roles = ("prefill",) if role == "prefill" else ("both", "decode")
-        candidates = [
-            r
-            for r in self.replicas
-            if r.healthy
-            and r.name not in exclude
-            and r.role in roles
-            and (model_fingerprint is None or r.model_fingerprint == model_fingerprint)
-        ]
+        candidates = [r for r in self.replicas if r.healthy and r.name not in exclude and r.role in roles]
         if version is not None:
             candidates = [r for r in candidates if r.version_matches(version)] or [
                 r for r in candidates if r.version_matches(version) is None
@@ -300,6 +292,31 @@ class Router:
         if route is None:
             return min(candidates, key=lambda r: r.load)
         return candidates[self.policy.choose(route, candidates)]
+
+    async def read_model_fingerprints(self, exclude: set[str]) -> None:
+        """Read again the model version each healthy replica not in `exclude` serves (/v1/cache/info): a stream
+        is continued only after this, as a reload may have changed a version since the last refresh (up to
+        SCOPE_REFRESH_SECONDS ago). A replica that does not answer keeps the version last read (busy) or none
+        (no admin key); the pinned request it may get next is its own check."""
+        await asyncio.gather(
+            *(self._read_model_fingerprint(r) for r in self.replicas if r.healthy and r.name not in exclude)
+        )
+
+    async def _read_model_fingerprint(self, replica: Replica) -> None:
+        try:
+            response = await self.client.get(
+                replica.url + "/v1/cache/info", headers=self.control_headers(), timeout=self.settings.control_timeout
+            )
+            fingerprint = response.json().get("model_fingerprint") if response.status_code == 200 else None
+        except httpx.TimeoutException:
+            return
+        except httpx.TransportError as failure:
+            replica.mark_down(f"transport failure reading cache info: {failure!r}")
+            return
+        except (ValueError, AttributeError):  # an answer the router cannot read
+            return
+        if isinstance(fingerprint, str) and fingerprint:
+            replica.model_fingerprint = fingerprint
 
     def serves_version(self, version: str) -> bool:
         """Whether a healthy replica serves (or may serve: its version unread) this model version."""

@@ -183,7 +183,7 @@ async def _send_to_replicas(
             router.fail_over(replica, failure, f"on {path}")
             continue
         if client_request.streaming and upstream.status_code == 200:
-            first = Upstream(replica, upstream, ticket, replica.model_fingerprint)
+            first = Upstream(replica, upstream, ticket)
             relay = (
                 MessageStreamRelay(router, client_request, route, raw, headers, tried, first)
                 if client_request.is_messages

@@ -161,5 +161,5 @@ class MessageStreamRelay:
                     self.router.check_soon(replica)
                 continue
             logger.info("message stream replayed on replica %s", replica.name)
-            return Upstream(replica, response, ticket, replica.model_fingerprint)
+            return Upstream(replica, response, ticket)
         return None

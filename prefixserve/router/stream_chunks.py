@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Iterator, Optional
 
+from ..http import fingerprint_version
 from .continuation import ChoiceProgress, ContinuedText, reshape_chunk, usage_of
 from .inbound import ClientRequest
 from .sse import sse
@@ -31,6 +32,13 @@ class ClientChunks:
         self.usage_sent = False
         self.continued: Optional[ContinuedText] = None  # set once choice 0 is produced by a continuation
         self.stopped_here = False  # the router found a stop string the continuing replica could not see
+
+    @property
+    def version(self) -> Optional[str]:
+        """The model version the stream began on, as its first chunk's system_fingerprint names it (the replica
+        writes the version that serves the request, read inside its reload gate); None before any chunk, or when
+        the replica named none. The router's own record of the replica's version may be older than the stream."""
+        return fingerprint_version(self.envelope.get("system_fingerprint")) if self.envelope is not None else None
 
     def _pieces(self, chunk: dict) -> Iterator[bytes]:
         if self.envelope is None:

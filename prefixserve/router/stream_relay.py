@@ -11,6 +11,12 @@ After a break:
     nothing sent yet        -> replay the original request on another replica
     one choice, ids known   -> continue it there (continuation.py), same id/created/model
     otherwise               -> an OpenAI-style error event, then [DONE]; never a bare disconnect
+
+Once a chunk reached the client, what goes on runs on the model version that chunk named
+(system_fingerprint), never the router's record of the replica (a reload may have come since):
+the body is pinned to it ('name@fp_...', refused by a replica of another version inside its
+reload gate) and the replicas' versions are read again right before one is asked. Where none
+serves it, the stream ends with `stream_interrupted`: a client gets one model's text or an error.
 """
 
 from __future__ import annotations
@@ -20,12 +26,13 @@ import logging
 import time
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import AsyncIterator, Optional, Union
+from typing import AsyncIterator, Union
 
 import anyio
 import httpx
 
-from .continuation import ChoiceProgress, ContinuedText, continuation_body, usage_of
+from ..http import split_model
+from .continuation import ChoiceProgress, ContinuedText, continuation_body, pinned_model, usage_of
 from .fleet import Router
 from .inbound import ClientRequest
 from .progress import Stalled, has_beats, post_to, unless_down
@@ -41,9 +48,6 @@ class Upstream:
     replica: Replica
     response: httpx.Response
     ticket: int
-    # The model version the stream began on (its first replica's, when the stream started): a continuation
-    # must be of the same, or the client would get text of two models. None: unknown, any replica goes.
-    model_fingerprint: Optional[str] = None
 
 
 @dataclass
@@ -174,6 +178,13 @@ class StreamRelay(ClientChunks):
             )
         progress = self.choices.setdefault(0, ChoiceProgress())
         if progress.prompt_token_ids is not None:
+            if self.version is None:
+                return _error(
+                    "the replica serving this stream failed and its chunks did not name the model version "
+                    "(system_fingerprint) they came from, so the stream cannot be continued without risking "
+                    "two models' text; retry the request",
+                    "stream_interrupted",
+                )
             if self.continued is None:
                 self.continued = ContinuedText(self.router.tokenizer, progress, request.body)
             body = continuation_body(request, progress, self.include_usage)
@@ -189,11 +200,27 @@ class StreamRelay(ClientChunks):
                 "cannot be continued; retry the request",
                 "stream_interrupted",
             )
+        # Once a chunk reached the client, what goes on must be of the version that chunk named, or the client
+        # gets text of two models: the body is pinned to it (the replica refuses it on any other version), and
+        # each replica's version is read again right before it is asked (a reload since the router last read
+        # it). Before any chunk, the whole request is replayed on any version, as it would be placed anew.
+        version = request.model_version
+        if self.version is not None:
+            pinned = pinned_model(request.body.get("model"), self.envelope.get("model"), self.version)
+            if pinned is None:
+                return _error(
+                    "the replica serving this stream failed and its chunks named no model, so the stream cannot "
+                    "be pinned to its model version elsewhere; retry the request",
+                    "stream_interrupted",
+                )
+            body["model"], version = pinned, split_model(pinned)[1]
         route = await self.router.with_remote_run(self.router.route_request(prompt_ids, request.salt))
         max_tokens = body.get("max_tokens") if isinstance(body.get("max_tokens"), int) else request.max_tokens
-        fingerprint = self.upstream.model_fingerprint
+        pin_refused = False  # a replica reloaded between the read and the request refused the pin
         while len(self.tried) < self.router.settings.max_attempts:
-            replica = self.router.choose(route, self.tried, fingerprint, request.model_version)
+            if self.version is not None:  # what each may be asked serves now, not at the router's last refresh
+                await self.router.read_model_fingerprints(self.tried)
+            replica = self.router.choose(route, self.tried, version=version)
             if replica is None:
                 break
             self.tried.add(replica.name)
@@ -205,21 +232,28 @@ class StreamRelay(ClientChunks):
                 self.router.fail_over(replica, failure, "continuing a stream")
                 continue
             if response.status_code != 200:
-                return await self._refused(replica, response, ticket)
+                error = await self._error_of(replica, response, ticket)
+                if response.status_code == 404 and error.get("code") == "model_not_found" and self.version is not None:
+                    replica.model_fingerprint = None  # read anew by the health loop
+                    pin_refused = True
+                    continue
+                return _refused(replica, response.status_code, error)
             self.router.metrics.continued.labels(replica.name).inc()
             logger.info(
                 "stream continues on replica %s after %d output tokens", replica.name, len(progress.output_token_ids)
             )
-            return Upstream(replica, response, ticket, fingerprint)
-        if (
-            fingerprint is not None
-            and len(self.tried) < self.router.settings.max_attempts
-            and any(r.healthy and r.name not in self.tried for r in self.router.replicas)
+            return Upstream(replica, response, ticket)
+        if self.version is not None and (
+            pin_refused
+            or (
+                len(self.tried) < self.router.settings.max_attempts
+                and any(r.healthy and r.name not in self.tried for r in self.router.replicas)
+            )
         ):
             return _error(
                 "the replica serving this stream failed and no healthy replica serves the model version it "
-                f"began on ({fingerprint[:12]}; a rolling deploy?), so it cannot be continued without mixing "
-                "two models' text; retry the request",
+                f"began on (fp_{version}; a reload or a rolling deploy?), so it cannot be continued without "
+                "mixing two models' text; retry the request",
                 "stream_interrupted",
             )
         return _error(
@@ -228,8 +262,8 @@ class StreamRelay(ClientChunks):
             "no_replica",
         )
 
-    async def _refused(self, replica: Replica, response: httpx.Response, ticket: int) -> Ending:
-        """The continuation got an answer other than a stream: end with its error."""
+    async def _error_of(self, replica: Replica, response: httpx.Response, ticket: int) -> dict:
+        """The error body of an answer other than a stream ({} when unreadable); the replica released."""
         try:
             await response.aread()
             error = response.json().get("error")
@@ -240,9 +274,13 @@ class StreamRelay(ClientChunks):
             self.router.release(replica, ticket)
         if response.status_code >= 500:
             self.router.check_soon(replica)
-        message = error.get("message") if isinstance(error, dict) else None
-        return _error(
-            f"the stream's replica failed and continuing it on {replica.name} was refused "
-            f"({response.status_code}: {message or 'no message'}); retry the request",
-            "stream_interrupted",
-        )
+        return error if isinstance(error, dict) else {}
+
+
+def _refused(replica: Replica, status: int, error: dict) -> Ending:
+    """The continuation got an answer other than a stream: end with its error."""
+    return _error(
+        f"the stream's replica failed and continuing it on {replica.name} was refused "
+        f"({status}: {error.get('message') or 'no message'}); retry the request",
+        "stream_interrupted",
+    )
