@@ -238,7 +238,7 @@ class Router:
         return self.max_prompt_tokens * self.max_chars_per_token
 
     def tenant_of(self, credentials: Credentials) -> Optional[str]:
-        return self.keys.lookup(credentials.key) if self.keys else None
+        return self.keys.tenant_of(credentials) if self.keys else None
 
     def _open_remote(self, scope_digest: bytes) -> None:
         """Look requests up in the replicas' shared remote tier (read only: the router never writes)."""
