@@ -192,3 +192,39 @@ def test_the_host_tier_keeps_a_tenants_minimum_against_anothers_records():
         assert held["a"]["held"] == 3 * size  # its minimum of 3 records (0.3 of 10) kept through both floods
         assert "b" not in held  # B has no minimum: nobody's records evicted it
         assert tier.contains([record(b"a0", "a").key]) == 1
+
+
+def test_leaf_heaps_pop_the_coldest_live_leaf_an_owner_filter_allows():
+    """Against a brute-force model: random pushes (re-pushes make old entries stale), removals, pops for an
+    owner, and pops that may not take some owners' leaves."""
+    from prefixserve.cache.leaf_heaps import LeafHeaps
+
+    rng = random.Random(1)
+    live: dict[int, tuple[int, object]] = {}  # ident -> (last access, owner)
+    heaps = LeafHeaps(lambda owner, last, ident: live.get(ident) == (last, owner))
+    owners = [None, "a", "b", "c"]
+    tick = 0
+    for _ in range(4000):
+        action = rng.random()
+        if action < 0.5:
+            tick += 1
+            ident, owner = rng.randrange(200), rng.choice(owners)
+            live[ident] = (tick, owner)
+            heaps.push(owner, tick, ident, len(live))
+        elif action < 0.6 and live:
+            del live[rng.choice(list(live))]  # no longer a leaf: its entries go stale
+        elif action < 0.75:
+            owner = rng.choice(owners)
+            mine = [(last, ident) for ident, (last, o) in live.items() if o == owner]
+            got = heaps.pop_of(owner)
+            assert got == (min(mine)[1] if mine else None)
+            if got is not None:
+                del live[got]
+        else:
+            barred = set(rng.sample(owners, rng.randrange(len(owners))))
+            allowed = [(last, ident) for ident, (last, o) in live.items() if o not in barred]
+            got = heaps.pop(lambda owner, ident, barred=barred: owner not in barred)
+            assert got == (min(allowed)[1] if allowed else None)
+            if got is not None:
+                del live[got]
+    assert heaps.live() == {(last, ident) for ident, (last, _) in live.items()}
