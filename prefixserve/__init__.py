@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-__all__ = ["LLM", "EngineConfig", "RequestOutput", "SamplingParams", "StructuredOutputs"]
+__all__ = ["LLM", "EngineConfig", "LoRARequest", "RequestOutput", "SamplingParams", "StructuredOutputs"]
 __version__ = "0.1.0"
 
 # Imported on first use, so `prefixserve.cache` and `prefixserve.router` (plain Python) load
@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "LLM": "prefixserve.llm",
     "EngineConfig": "prefixserve.config",
+    "LoRARequest": "prefixserve.lora.lora_request",
     "RequestOutput": "prefixserve.engine.outputs",
     "SamplingParams": "prefixserve.engine.sampling_params",
     "StructuredOutputs": "prefixserve.engine.structured_output",
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     from .engine.sampling_params import SamplingParams
     from .engine.structured_output import StructuredOutputs
     from .llm import LLM
+    from .lora.lora_request import LoRARequest
 
 
 def __getattr__(name: str):

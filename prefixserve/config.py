@@ -231,6 +231,15 @@ class EngineConfig:
         metavar="JSON",
         parse=parse_tenant_shares,
     )
+    # LoRA adapters on the base model (prefixserve/lora/): vLLM's options
+    enable_lora: bool = option(False, "serve LoRA adapters (PEFT directories) on the base model")
+    max_loras: int = option(4, "the most LoRA adapters one step runs (requests of others wait)", metavar="N")
+    max_lora_rank: int = option(
+        16, "the highest LoRA rank an adapter may have (a higher one is refused at load)", metavar="R"
+    )
+    max_cpu_loras: Optional[int] = option(
+        None, "LoRA adapters kept loaded, least recently used dropped first (default: --max-loras)", metavar="N"
+    )
     enable_kv_events: bool = option(False, "keep KV events for GET /v1/kv_events (for a router; needs --admin-api-key)")
     # vLLM's KV events over ZMQ (engine/kv_event_publisher.py), for vllm-router, llm-d, Dynamo: JSON text,
     # a dict or a KVEventsConfig, kept as the KVEventsConfig.
@@ -338,6 +347,12 @@ class EngineConfig:
         object.__setattr__(self, "kv_events_config", KVEventsConfig.parse(self.kv_events_config))
         object.__setattr__(self, "tenant_shares", parse_tenant_shares(self.tenant_shares))
         self.shares()  # raises ValueError naming a share that cannot hold
+        require(self.max_loras >= 1, f"max_loras must be at least 1, got {self.max_loras}")
+        require(self.max_lora_rank >= 1, f"max_lora_rank must be at least 1, got {self.max_lora_rank}")
+        require(
+            self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+            f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})",
+        )
         require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         require(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
         require(

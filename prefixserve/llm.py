@@ -15,6 +15,7 @@ from .engine.engine import PromptType
 from .engine.operations.reload import purge_previous_remote
 from .engine.outputs import RequestOutput
 from .engine.sampling_params import SamplingParams
+from .lora.lora_request import LoRARequest
 from .prompts import split_prompts
 
 PROGRESS_THRESHOLD = 4  # more prompts than this get a progress bar (on a terminal only)
@@ -72,9 +73,19 @@ class LLM:
         prompts: Union[PromptType, Sequence[PromptType]],
         params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
         use_tqdm: bool = True,
+        lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None,
     ) -> list[RequestOutput]:
-        """Outputs in prompt order; a prompt with n > 1 gives n outputs in a row."""
+        """Outputs in prompt order; a prompt with n > 1 gives n outputs in a row. `lora_request` (vLLM's): one
+        adapter for every prompt, or one (or None: the base) per prompt; needs LLM(..., enable_lora=True)."""
         prompt_list = split_prompts(prompts)
+        if isinstance(lora_request, (list, tuple)):
+            if len(lora_request) != len(prompt_list):
+                raise ValueError(
+                    f"got {len(lora_request)} lora_requests for {len(prompt_list)} prompts; give one or one each"
+                )
+            lora_list = list(lora_request)
+        else:
+            lora_list = [lora_request] * len(prompt_list)
         if isinstance(params, (list, tuple)):
             if len(params) != len(prompt_list):
                 raise ValueError(
@@ -84,9 +95,11 @@ class LLM:
         else:
             param_list = [params or SamplingParams()] * len(prompt_list)
         order: list[str] = []
-        for prompt, param in zip(prompt_list, param_list):
+        for prompt, param, lora in zip(prompt_list, param_list, lora_list):
             for sample in range(param.n):
-                request = self.engine.add_request(prompt, param.for_sample(sample), request_id=str(self._next_id))
+                request = self.engine.add_request(
+                    prompt, param.for_sample(sample), request_id=str(self._next_id), lora_request=lora
+                )
                 order.append(request.request_id)
                 self._next_id += 1
         return self._run(order, use_tqdm and len(order) > PROGRESS_THRESHOLD)

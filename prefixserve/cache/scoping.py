@@ -9,6 +9,7 @@ tenant's chain forks right after it (see BlockKeyer.extend).
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 from typing import Optional, Sequence
 
 from .keys import CacheScope, PrivateFrom
@@ -51,12 +52,17 @@ class PromptScoper:
             self.shared_prefixes.sort(key=len, reverse=True)
         return num_blocks
 
-    def scope_for(self, token_ids: Sequence[int], salt: Optional[str]) -> tuple[bytes, Optional[PrivateFrom]]:
-        """(digest that block 0 chains from, where the private chain forks or None)."""
+    def scope_for(
+        self, token_ids: Sequence[int], salt: Optional[str], adapter_id: str = ""
+    ) -> tuple[bytes, Optional[PrivateFrom]]:
+        """(digest that block 0 chains from, where the private chain forks or None). Under a LoRA adapter
+        (`adapter_id`: its weights' fingerprint) every block, a public prefix's too, is keyed in that adapter's
+        scope: its K/V differs from the base's."""
+        scope = replace(self.scope, adapter_id=adapter_id) if adapter_id else self.scope
         if not salt:
-            return self.scope.digest, None
-        private_digest = self.scope.with_salt(salt).digest
+            return scope.digest, None
+        private_digest = scope.with_salt(salt).digest
         for prefix in self.shared_prefixes:
             if list(token_ids[: len(prefix)]) == prefix:
-                return self.scope.digest, (len(prefix) // self.block_size, private_digest)
+                return scope.digest, (len(prefix) // self.block_size, private_digest)
         return private_digest, None

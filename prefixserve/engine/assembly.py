@@ -9,12 +9,14 @@ device, dtype, numerics -> the model version -> the KV pool's size -> cache, key
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 from ..cache import BlockKeyer, RadixCache
 from ..cache.hot_prefixes import HotPrefixPolicy
 from ..cache.reuse_gaps import ReuseGapTracker
 from ..cache.tenant_pins import TenantPins
 from ..config import EngineConfig
+from ..lora.registry import AdapterRegistry
 from .device import check_exact, resolve_device, resolve_dtype
 from .engine import LLMEngine
 from .engine_parts import EngineParts
@@ -81,6 +83,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         config.seed,
         batch_invariant=config.batch_invariant,
         window_slots=window_slots,
+        enable_lora=config.enable_lora,
     )
     version = current.version
     tiers = tiered_kv(config, version.scope.digest, runner, cache, keyer)
@@ -98,6 +101,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         window_slots=window_slots,
         long_rope_after=loaded.config.long_rope_after,
         sources=sources,
+        max_loras=config.max_loras if config.enable_lora else None,
     )
     summary = startup_summary(config, version, dtype, device, numerics, pool, runner.attention.name)
     parts = EngineParts(
@@ -116,7 +120,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         scheduler=scheduler,
         runner=runner,
         tiers=tiers,
-        inputs=InputProcessor(current, config.prefix_ttl),
+        inputs=InputProcessor(current, config.prefix_ttl, adapter_registry(config, current)),
         outputs=OutputProcessor(current),
         pins=PinTable(
             cache,
@@ -142,3 +146,11 @@ def build_engine(config: EngineConfig) -> LLMEngine:
 def _progress(config: EngineConfig, message: str) -> None:
     if config.log_stats:
         logger.info(message)
+
+
+def adapter_registry(config: EngineConfig, current: CurrentVersion) -> Optional[AdapterRegistry]:
+    """The engine's LoRA adapters (lora/registry.py), None unless enable_lora: loaded on first use, checked
+    against the base model's shapes and max_lora_rank, at most max_cpu_loras kept."""
+    if not config.enable_lora:
+        return None
+    return AdapterRegistry(current, config.max_lora_rank, config.max_cpu_loras or config.max_loras)

@@ -14,6 +14,7 @@ import time
 from typing import Callable, Optional
 
 from ..cache.scoping import PromptScoper
+from ..lora.lora_request import LoRARequest
 from .engine_parts import EngineParts
 from .input_processor import PromptType
 from .limits import RANGES
@@ -79,9 +80,10 @@ class LLMEngine:
         prefix_ttl: Optional[float] = None,
         tenant: Optional[str] = None,
         cache_retention: Optional[str] = None,
+        lora_request: Optional[LoRARequest] = None,
     ) -> Request:
         request = self.make_request(
-            prompt, params, request_id, cache_salt, arrival_time, prefix_ttl, tenant, cache_retention
+            prompt, params, request_id, cache_salt, arrival_time, prefix_ttl, tenant, cache_retention, lora_request
         )
         self.submit(request)
         return request
@@ -96,11 +98,12 @@ class LLMEngine:
         prefix_ttl: Optional[float] = None,
         tenant: Optional[str] = None,
         cache_retention: Optional[str] = None,
+        lora_request: Optional[LoRARequest] = None,
     ) -> Request:
         """Tokenize and validate (raises ValueError with the fix); does not touch engine state."""
         version = self.num_reloads
         request = self.inputs.make_request(
-            prompt, params, request_id, cache_salt, arrival_time, prefix_ttl, tenant, cache_retention
+            prompt, params, request_id, cache_salt, arrival_time, prefix_ttl, tenant, cache_retention, lora_request
         )
         request.model_version = version
         return request

@@ -11,6 +11,9 @@ from dataclasses import replace
 from typing import Any, Optional, Union
 
 from ..config import CACHE_RETENTIONS
+from ..lora.adapter import LoRAAdapter
+from ..lora.registry import AdapterRegistry
+from ..lora.lora_request import LoRARequest
 from ..prompts import is_token_ids
 from .limits import MAX_NAME_CHARS, RANGES, fit_max_tokens
 from .model_version import CurrentVersion, ModelVersion
@@ -57,9 +60,12 @@ class LogitBiasError(ValueError):
 
 
 class InputProcessor:
-    def __init__(self, current: CurrentVersion, prefix_ttl: Optional[float]) -> None:
+    def __init__(
+        self, current: CurrentVersion, prefix_ttl: Optional[float], adapters: Optional[AdapterRegistry] = None
+    ) -> None:
         self.current = current
         self.prefix_ttl = prefix_ttl
+        self.adapters = adapters  # the LoRA adapters (None: enable_lora is off)
 
     @staticmethod
     def tokenize(version: ModelVersion, prompt: PromptType) -> tuple[Optional[str], list[int], Optional[str]]:
@@ -108,6 +114,14 @@ class InputProcessor:
                 f"cache_salt must be a string of 1 to {MAX_NAME_CHARS} characters (or None), got {salt!r:.80}"
             )
 
+    def adapter_of(self, lora_request: Optional[LoRARequest]) -> Optional[LoRAAdapter]:
+        """The adapter a request runs with (None: the base); ValueError (AdapterError) naming the cause."""
+        if lora_request is None:
+            return None
+        if self.adapters is None:
+            raise ValueError("a lora_request needs an engine started with enable_lora=True (serve --enable-lora)")
+        return self.adapters.resolve(lora_request)
+
     def make_request(
         self,
         prompt: PromptType,
@@ -118,6 +132,7 @@ class InputProcessor:
         prefix_ttl: Optional[float] = None,
         tenant: Optional[str] = None,
         cache_retention: Optional[str] = None,
+        lora_request: Optional[LoRARequest] = None,
     ) -> Request:
         """Tokenize and validate (raises ValueError / TypeError with the fix).
 
@@ -140,7 +155,8 @@ class InputProcessor:
         self.check_salt(salt)
         if prefix_ttl is not None and not RANGES["ttl"].admits(prefix_ttl):
             raise ValueError(RANGES["ttl"].problem("prefix_ttl (a request's cache_ttl)", prefix_ttl))
-        scope_digest, private_from = version.scoper.scope_for(token_ids, salt)
+        adapter = self.adapter_of(lora_request)
+        scope_digest, private_from = version.scoper.scope_for(token_ids, salt, adapter.fingerprint if adapter else "")
         request = Request(
             request_id=request_id or uuid.uuid4().hex,
             prompt_token_ids=token_ids,
@@ -153,6 +169,7 @@ class InputProcessor:
             prefix_ttl=self.prefix_ttl if prefix_ttl is None else prefix_ttl,
             tenant=tenant,
             owner=tenant if salt else None,
+            lora=adapter,
             cache_retention=retention,
             bad_words_token_ids=bad_words_token_ids(version, params),
             grammar=request_grammar(version, token_ids, params),

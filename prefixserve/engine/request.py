@@ -17,6 +17,7 @@ from typing import Optional
 
 from ..cache import Block
 from ..cache.scoping import long_rope_scope
+from ..lora.adapter import LoRAAdapter
 from .sampling_params import SamplingParams
 from .structured_output import Grammar
 
@@ -76,6 +77,7 @@ class Request:
     # None: cached as usual; "device": its KV never leaves the device pool (no host, disk or remote tier);
     # "none": nothing of it is kept once it finishes (its blocks are never cached).
     cache_retention: Optional[str] = None
+    lora: Optional[LoRAAdapter] = None  # the LoRA adapter it runs with (its fingerprint is in scope_digest)
     model_version: int = 0  # the engine's num_reloads when it was made: a request of an older version is refused
     # sampling_params.bad_words as token-id sequences of the version's tokenizer (with and without a leading space)
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()

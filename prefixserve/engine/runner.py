@@ -14,6 +14,8 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 
 from ..cache.window_slots import WindowSlots
+from ..lora.step import LoRAStep
+from ..lora.step import attach as attach_lora
 from ..model import AttentionMetadata, LlamaForCausalLM, ModelConfig
 from ..model.attention.paged import choose_backend
 from .kv_memory import zeroed_pool
@@ -50,8 +52,11 @@ class ModelRunner:
         seed: int = 0,
         batch_invariant: bool = True,
         window_slots: Optional[WindowSlots] = None,
+        enable_lora: bool = False,
     ) -> None:
         self.batch_invariant = batch_invariant
+        # Each step's rows by LoRA adapter, read by every adapted layer (lora/step.py); None: no adapters served.
+        self.lora_step = LoRAStep() if enable_lora else None
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.current = current
         self.prepare(current.version.model)
@@ -86,6 +91,8 @@ class ModelRunner:
         """Ready `model` to run here (at start-up, and a hot reload's before the swap), with this engine's
         batch-invariance choice: each linear layer's row calls are measured for the step sizes it makes."""
         model.plan_rows(self.batch_invariant, self.max_num_batched_tokens, self.max_num_seqs)
+        if self.lora_step is not None:
+            attach_lora(model, self.lora_step)
 
     @property
     def model(self) -> LlamaForCausalLM:
@@ -165,9 +172,11 @@ class ModelRunner:
         input_ids: list[int] = []
         query_lens, seq_lens, block_tables = [], [], []
         sample_rows, sampled_requests = [], []
+        segments = []  # (adapter, first row, end row) per request: which rows an adapter updates
         for request, num_new in scheduled:
             start = request.num_computed_tokens
             end = start + num_new
+            segments.append((request.lora, len(input_ids), len(input_ids) + num_new))
             input_ids += request.token_ids[start:end]
             query_lens.append(num_new)
             seq_lens.append(end)
@@ -190,6 +199,8 @@ class ModelRunner:
         # Only the sampled rows' outputs are used: the last layer computes those alone (every row's
         # K/V is still written). A step of decodes samples every row.
         every_row = len(sample_rows) == len(input_ids)
+        if self.lora_step is not None:
+            self.lora_step.begin(segments, len(input_ids), None if every_row else sample_rows, self.device)
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.int64, device=self.device),
             self._rotary_positions(meta, scheduled),

@@ -74,8 +74,10 @@ class Scheduler:
         window_slots: Optional[WindowSlots] = None,
         long_rope_after: Optional[int] = None,
         sources: Optional[PrefixSources] = None,
+        max_loras: Optional[int] = None,
     ) -> None:
         self.cache = cache
+        self.max_loras = max_loras  # the most LoRA adapters among running requests (None: no adapters served)
         self.windows = RequestWindows(window_slots)
         # Where a waiting request's prefix is held (the device, then the tiers): the engine hands in one over its
         # tiers; built here over the device alone when none is given (a scheduler without an engine).
@@ -163,6 +165,8 @@ class Scheduler:
             if chosen is None:
                 break
             request, hit = chosen
+            if not self._adapter_fits(request):
+                break  # its adapter would be one too many in the batch: it waits for one to finish, as in vLLM
             num_cached = len(hit) * self.block_size
             num_new = min(request.num_tokens - num_cached, budget)
             needed = self._blocks_for(num_cached + num_new) - len(hit)
@@ -252,6 +256,12 @@ class Scheduler:
         self.waiting.appendleft(request)
         self.num_preemptions += 1
         return request
+
+    def _adapter_fits(self, request: Request) -> bool:
+        if request.lora is None or self.max_loras is None:
+            return True
+        running = {r.lora.fingerprint for r in self.running if r.lora is not None}
+        return request.lora.fingerprint in running or len(running) < self.max_loras
 
     def _fits(self, num_blocks: int, requester: Optional[str] = None, guard_minimums: bool = True) -> bool:
         """Room for `num_blocks` new blocks for `requester`, in the pool and in the window layers' pool."""

@@ -91,6 +91,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class Attention(nn.Module):
+    lora = None  # lora/step.py's LayerLoRA when the engine serves adapters: each projection's per-row updates
+
     def __init__(self, config: ModelConfig, layer_index: int = 0, norm_class: type = None):
         super().__init__()
         norm_class = norm_class or RMSNorm
@@ -122,6 +124,8 @@ class Attention(nn.Module):
         """[T, hidden]; with `output_rows`, only those rows' [R, hidden] (every row's K/V is written)."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
+        if self.lora is not None:
+            self.lora.apply("qkv", x, qkv)
         qk_size = self.q_size + self.kv_size
         if self.q_norm is not None:
             self._norm_heads(qkv)
@@ -157,9 +161,15 @@ class Attention(nn.Module):
                 window=self.window,
                 softcap=self.softcap,
             )
-            return self.o_proj(out.reshape(len(output_rows.index), self.q_size))
+            return self._project(out.reshape(len(output_rows.index), self.q_size))
         out = step.attend(q, k_cache, v_cache, self.scale, k, v, self.window, self.softcap)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self._project(out.reshape(num_tokens, self.q_size))
+
+    def _project(self, attended: torch.Tensor) -> torch.Tensor:
+        out = self.o_proj(attended)
+        if self.lora is not None:
+            self.lora.apply("o", attended, out)
+        return out
 
     def _norm_heads(self, qkv: torch.Tensor) -> None:
         """RMSNorm over each q head and each k head, written back into qkv's columns (rows stay apart)."""
@@ -173,6 +183,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    lora = None  # as Attention's
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.intermediate_size = config.intermediate_size
@@ -182,14 +194,23 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if self.lora is not None:
+            self.lora.apply("gate_up", x, gate_up)
+        hidden = self._activate(gate_up)
+        out = self.down_proj(hidden)
+        if self.lora is not None:
+            self.lora.apply("down", hidden, out)
+        return out
+
+    def _activate(self, gate_up: torch.Tensor) -> torch.Tensor:
         compiled = rowwise_for(gate_up) if self.intermediate_size % 16 == 0 and self.activation == "silu" else None
         if compiled is not None:
-            return self.down_proj(compiled.silu_mul(gate_up))
+            return compiled.silu_mul(gate_up)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         if self.activation == "gelu_tanh":
-            return self.down_proj(F.gelu(gate, approximate="tanh").mul_(up))
+            return F.gelu(gate, approximate="tanh").mul_(up)
         # silu writes a contiguous [T, I] that mul_ reuses: the matmul then needs no copy of a view.
-        return self.down_proj(F.silu(gate).mul_(up))
+        return F.silu(gate).mul_(up)
 
 
 class DecoderLayer(nn.Module):
@@ -237,6 +258,7 @@ def is_plain_layer(layer: nn.Module) -> bool:
 class LlamaForCausalLM(nn.Module):
     layer_class: type = DecoderLayer  # a family's own layer and norm (gemma.py)
     norm_class: type = RMSNorm
+    lora_step = None  # lora/step.py's LoRAStep when the engine serves adapters
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -308,7 +330,12 @@ class LlamaForCausalLM(nn.Module):
             attention = choose_backend(kv_caches[0][0])
         if self._decoder_stack is _UNBUILT:
             self._decoder_stack = decoder_stack.build(self)
-        if self._decoder_stack is not None and decoder_stack.can_run(x, kv_caches, output_rows, window_meta, attention):
+        adapted = self.lora_step is not None and self.lora_step.active  # the compiled stack knows no adapters
+        if (
+            self._decoder_stack is not None
+            and not adapted
+            and decoder_stack.can_run(x, kv_caches, output_rows, window_meta, attention)
+        ):
             return self.norm(decoder_stack.run(self._decoder_stack, x, rotary, kv_caches, meta))
         local_rotary = self.local_rotary(positions, x.dtype) if self.local_rotary is not None else rotary
         steps = {}  # once per step, pool, window and cap: every layer reading the same slots the same way shares it
