@@ -24,6 +24,7 @@ from typing import AsyncIterator, Optional
 
 from ..cache.stats import CacheStats, CacheUsage
 from ..config import EngineConfig
+from ..lora.lora_request import LoRARequest
 from .assembly import build_engine
 from .engine import LLMEngine, PromptType
 from .model_version import ModelVersion
@@ -117,9 +118,10 @@ class AsyncLLMEngine:
         prefix_ttl: Optional[float] = None,
         tenant: Optional[str] = None,
         cache_retention: Optional[str] = None,
+        lora_request: Optional[LoRARequest] = None,
     ) -> Request:
-        """Tokenize and validate in the caller (thread-safe: reads only what is fixed at start-up);
-        raises ValueError / TypeError on bad input."""
+        """Tokenize and validate in the caller (thread-safe: reads only what is fixed at start-up, and the
+        locked adapter registry); raises ValueError / TypeError on bad input."""
         return self.engine.make_request(
             prompt,
             params,
@@ -128,6 +130,7 @@ class AsyncLLMEngine:
             prefix_ttl=prefix_ttl,
             tenant=tenant,
             cache_retention=cache_retention,
+            lora_request=lora_request,
         )
 
     def add(self, request: Request) -> AsyncIterator[RequestOutput]:

@@ -1,10 +1,11 @@
 """The adapters an engine holds: loaded on first use from their path, at most `max_cpu_loras` at once (the least
-recently used leaves first), in float32 as peft keeps them by default. Runs on the engine
-thread (a request is made there or under the engine's lock)."""
+recently used leaves first), in float32 as peft keeps them by default. Requests are made on the server's
+worker threads as well as the engine's, so it is locked."""
 
 from __future__ import annotations
 
 import os
+import threading
 from collections import OrderedDict
 
 from .adapter import AdapterError, LoRAAdapter, load_peft_adapter
@@ -16,13 +17,17 @@ class AdapterRegistry:
         self.current = current  # the served version (its config: what an adapter's shapes are checked against)
         self.max_rank = max_rank
         self.max_cpu_loras = max_cpu_loras
+        self._lock = threading.Lock()
         self._loaded: OrderedDict[str, tuple[tuple, LoRAAdapter]] = OrderedDict()  # name -> (file stamp, adapter)
 
     def resolve(self, lora_request: LoRARequest) -> LoRAAdapter:
         """The adapter `lora_request` names, loaded again when its files changed; AdapterError names the cause."""
         if not isinstance(lora_request, LoRARequest):
             raise TypeError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
-        name, path = lora_request.lora_name, lora_request.lora_path
+        with self._lock:
+            return self._resolve(lora_request.lora_name, lora_request.lora_path)
+
+    def _resolve(self, name: str, path: str) -> LoRAAdapter:
         version = self.current.version
         stamp = (version.scope.model_fingerprint, *self._stamp(name, path))  # a reload checks every adapter again
         held = self._loaded.get(name)
@@ -36,11 +41,12 @@ class AdapterRegistry:
         return adapter
 
     def loaded(self) -> list[dict]:
-        """What is loaded, most recently used last (for the start-up line and /v1/models)."""
-        return [
-            {"name": name, "path": adapter.path, "rank": adapter.rank, "fingerprint": adapter.fingerprint[:16]}
-            for name, (_, adapter) in self._loaded.items()
-        ]
+        """What is loaded, most recently used last."""
+        with self._lock:
+            return [
+                {"name": name, "path": adapter.path, "rank": adapter.rank, "fingerprint": adapter.fingerprint[:16]}
+                for name, (_, adapter) in self._loaded.items()
+            ]
 
     def _shrink(self) -> None:
         """Drop the least recently used adapters while more than max_cpu_loras are loaded (a request that holds

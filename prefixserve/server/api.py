@@ -25,6 +25,8 @@ from .dashboard.recorder import DashboardMetrics, TenantContext
 from .dashboard.whatif import whatif_routes
 from .errors import install_error_handlers
 from .inputs import RequestBuilder
+from .lora_modules import LoRAModules
+from .lora_routes import lora_routes
 from .pin_routes import pin_routes
 from .reload_routes import ReloadGate, reload_routes
 from .response_routes import response_routes
@@ -53,6 +55,8 @@ class ServerSettings:
     tool_call_parser: str = "auto"  # how tool calls are read from output: auto (the template's), hermes, llama3_json
     responses_max_stored: int = DEFAULT_MAX_STORED  # stored Responses API responses past which the oldest goes
     responses_ttl: float = DEFAULT_TTL  # seconds a stored response is kept after its last use
+    # LoRA adapters served by name (--lora-modules, and the admin's load/unload routes): a model name each
+    lora_modules: LoRAModules = field(default_factory=LoRAModules)
 
     def __post_init__(self) -> None:
         """Every bad value named by its flag, before the model loads (launch.check_options builds one)."""
@@ -94,6 +98,12 @@ class ServerSettings:
         ):
             if getattr(self, name) is not None and getattr(self, name) in self.api_keys:
                 raise ValueError(f"{name} ({flag}) is also a tenant key; give {holder} a key of its own")
+        for lora in self.lora_modules.requests():
+            if lora.lora_name == self.served_model_name or "@" in lora.lora_name:
+                raise ValueError(
+                    f"--lora-modules name {lora.lora_name!r} must differ from the served model's name and hold "
+                    "no '@' (a version pin)"
+                )
         for tenant, retention in self.tenant_cache_retentions.items():
             if retention not in CACHE_RETENTIONS:
                 raise ValueError(
@@ -156,7 +166,7 @@ OPEN_ROUTE_GROUPS = (
     tokenize_routes,
     dashboard_routes,
 )  # a tenant's key (or none, with auth off)
-ADMIN_ROUTE_GROUPS = (admin_routes, reload_routes, pin_routes, dashboard_api_routes, whatif_routes)
+ADMIN_ROUTE_GROUPS = (admin_routes, reload_routes, pin_routes, lora_routes, dashboard_api_routes, whatif_routes)
 METRICS_ROUTE_GROUPS = (metrics_routes,)  # open without tenant keys; else the admin or the metrics key
 
 

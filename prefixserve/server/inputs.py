@@ -19,8 +19,10 @@ from ..engine.input_processor import LogitBiasError, stricter_retention
 from ..engine.limits import ContextLengthError, PromptTooLongError, fit_max_tokens
 from ..engine.request import Request as EngineRequest
 from ..engine.sampling_params import SamplingParams
-from ..http import APIError
+from ..http import APIError, split_model
 from ..http_body import parse_json_body
+from ..lora.adapter import AdapterError
+from ..lora.lora_request import LoRARequest
 from ..prompts import split_prompts
 from .errors import most_specific, param_of
 from .protocol import UNSUPPORTED_FIELDS, ChatCompletionRequest, SamplingFields, new_id
@@ -40,6 +42,7 @@ class CacheOptions(NamedTuple):
     ttl: Optional[float]  # None: the engine's default (--prefix-ttl)
     tenant: Optional[str]
     retention: Optional[str] = None  # "device" | "none" | None (Request.cache_retention)
+    lora: Optional[LoRARequest] = None  # the adapter its model name names (None: the base model)
 
 
 def cache_options(settings, tenant: Optional[str], body: SamplingFields) -> CacheOptions:
@@ -69,7 +72,18 @@ def cache_options(settings, tenant: Optional[str], body: SamplingFields) -> Cach
     if ttl is not None:
         ttl = min(ttl, settings.max_cache_ttl)
     retention = stricter_retention(body.cache_retention, settings.tenant_cache_retentions.get(tenant))
-    return CacheOptions(compose_salt(tenant, body.cache_salt), ttl, tenant, retention)
+    lora = lora_of(settings, getattr(body, "model", None))
+    return CacheOptions(compose_salt(tenant, body.cache_salt), ttl, tenant, retention, lora)
+
+
+def lora_of(settings, model) -> Optional[LoRARequest]:
+    """The LoRA adapter a request's model name names (None: the base model, or a name check_model refuses)."""
+    if not isinstance(model, str) or not settings.lora_modules:
+        return None
+    try:
+        return settings.lora_modules.request_for(split_model(model)[0])
+    except ValueError:
+        return None
 
 
 async def read_body(request: Request, model: type[BaseModel], unsupported: Optional[dict] = None):
@@ -267,6 +281,7 @@ class RequestBuilder:
                 prefix_ttl=options.ttl,
                 tenant=options.tenant,
                 cache_retention=options.retention,
+                lora_request=options.lora,
             )
 
         try:  # tokenizing text and compiling a grammar take time: off the event loop
@@ -277,6 +292,8 @@ class RequestBuilder:
             raise APIError(413, str(error), param="prompt", code="context_length_exceeded") from None
         except LogitBiasError as error:
             raise APIError(400, str(error), param="logit_bias", code="invalid_value") from None
+        except AdapterError as error:  # its files changed under its name into something that cannot be served
+            raise APIError(400, str(error), param="model", code="invalid_lora_adapter") from None
         except (ValueError, TypeError) as error:
             raise APIError(400, str(error), param="prompt", code="invalid_prompt") from None
 

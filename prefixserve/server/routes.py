@@ -39,10 +39,11 @@ def check_model(settings, model) -> None:
         name, _ = split_model(model)
     except ValueError as error:
         raise APIError(400, str(error), param="model", code="invalid_value") from None
-    if name != settings.served_model_name:
+    if name != settings.served_model_name and settings.lora_modules.request_for(name) is None:
+        adapters = "".join(f", {lora.lora_name!r}" for lora in settings.lora_modules.requests())
         raise APIError(
             404,
-            f"model {name!r} does not exist; this server serves {settings.served_model_name!r}",
+            f"model {name!r} does not exist; this server serves {settings.served_model_name!r}{adapters}",
             "not_found_error",
             param="model",
             code="model_not_found",
@@ -215,6 +216,16 @@ async def chat_completions(request: Request):
     return await respond(request, state, body, shape, streams, role_chunks)
 
 
+def _adapter_card(state, lora) -> dict:
+    """A LoRA adapter as vLLM lists one: its own model id, the base as its parent, its path as its root."""
+    return {
+        **_model_card(state),
+        "id": lora.lora_name,
+        "root": lora.lora_path,
+        "parent": state.settings.served_model_name,
+    }
+
+
 def _model_card(state) -> dict:
     return {
         "id": state.settings.served_model_name,
@@ -229,7 +240,8 @@ def _model_card(state) -> dict:
 async def models(request: Request):
     state = server_state(request)
     state.auth.tenant(request)
-    return {"object": "list", "data": [_model_card(state)]}
+    adapters = [_adapter_card(state, lora) for lora in state.settings.lora_modules.requests()]
+    return {"object": "list", "data": [_model_card(state), *adapters]}
 
 
 @routes.get("/v1/models/{model:path}")
@@ -239,7 +251,8 @@ async def model(request: Request, model: str):
     state.auth.tenant(request)
     check_model(state.settings, model)
     check_version(state, model)
-    return _model_card(state)
+    lora = state.settings.lora_modules.request_for(split_model(model)[0])
+    return _model_card(state) if lora is None else _adapter_card(state, lora)
 
 
 @routes.get("/health")

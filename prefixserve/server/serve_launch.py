@@ -112,6 +112,21 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="how tool calls are read from a chat's output (vLLM's names); auto: the chat template's "
         "format, hermes when the template knows no tools (the server teaches it hermes)",
     )
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=_lora_module,
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT directories) served under these model names, as vLLM takes them: name=path or "
+        'JSON {"name": ..., "path": ...}; needs --enable-lora (default: none)',
+    )
+    parser.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="open POST /v1/load_lora_adapter and /v1/unload_lora_adapter to the admin key (vLLM's "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING)",
+    )
     parser.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="engine and uvicorn logging")
     add_engine_arguments(parser.add_argument_group("engine (each flag an EngineConfig field)"))
 
@@ -132,10 +147,23 @@ def build_server(args: argparse.Namespace):
     from .api import build_app
 
     config = with_keys_file_shares(engine_config_from_args(args), args.api_keys_file)
+    settings = server_settings_from_args(args)
+    if (settings.lora_modules or args.allow_runtime_lora_updating) and not config.enable_lora:
+        raise SystemExit("prefixserve serve: --lora-modules and --allow-runtime-lora-updating need --enable-lora")
     engine = AsyncLLMEngine(config)
+    for lora in settings.lora_modules.requests():  # a bad adapter stops the start, naming the cause
+        try:
+            engine.engine.inputs.adapter_of(lora)
+        except ValueError as error:
+            raise SystemExit(f"prefixserve serve: --lora-modules: {error}") from None
+    if settings.lora_modules:
+        loaded = engine.engine.inputs.adapters.loaded()
+        logging.getLogger("prefixserve").info(
+            "LoRA adapters: %s", ", ".join(f"{a['name']} (rank {a['rank']}, {a['fingerprint']})" for a in loaded)
+        )
     if args.shared_prefix:
         declare_shared_prefix(engine.engine, args.shared_prefix, read_shared_prefix(args.shared_prefix))
-    return engine, build_app(engine, server_settings_from_args(args))
+    return engine, build_app(engine, settings)
 
 
 def with_keys_file_shares(config, api_keys_file: Optional[str]):
@@ -155,9 +183,19 @@ def with_keys_file_shares(config, api_keys_file: Optional[str]):
         raise SystemExit(f"prefixserve serve: --api-keys-file {api_keys_file}: {error}") from None
 
 
+def _lora_module(text: str) -> tuple[str, str]:
+    from .lora_modules import parse_lora_module
+
+    try:
+        return parse_lora_module(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def server_settings_from_args(args: argparse.Namespace):
     """The server's settings from its flags and keys file, validated: SystemExit names the flag at fault."""
     from .api import ServerSettings
+    from .lora_modules import LoRAModules
 
     try:
         return ServerSettings(
@@ -173,6 +211,7 @@ def server_settings_from_args(args: argparse.Namespace):
             tool_call_parser=args.tool_call_parser,
             responses_max_stored=args.responses_max_stored,
             responses_ttl=args.responses_ttl,
+            lora_modules=LoRAModules(args.lora_modules, args.allow_runtime_lora_updating),
         )
     except ValueError as error:
         raise SystemExit(f"prefixserve serve: {error}") from None
