@@ -12,8 +12,8 @@ from typing import Any, Optional, Union
 
 from ..config import CACHE_RETENTIONS
 from ..lora.adapter import LoRAAdapter
-from ..lora.registry import AdapterRegistry
 from ..lora.lora_request import LoRARequest
+from ..lora.registry import AdapterRegistry
 from ..prompts import is_token_ids
 from .limits import MAX_NAME_CHARS, RANGES, fit_max_tokens
 from .model_version import CurrentVersion, ModelVersion
