@@ -60,6 +60,7 @@ VLLM_LABELS = ("model_name", "engine")
 VLLM_NUM_REQUESTS_RUNNING = "vllm:num_requests_running"  # gauge
 VLLM_NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"  # gauge
 VLLM_KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"  # gauge, 0-1: blocks held by requests
+VLLM_LORA_REQUESTS_INFO = "vllm:lora_requests_info"  # gauge (a timestamp), labels max_lora, running/waiting names
 VLLM_CACHE_CONFIG_INFO = "vllm:cache_config_info"  # gauge 1, labels block_size, num_gpu_blocks, ...
 VLLM_PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries"  # counter, tokens
 VLLM_PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"  # counter, tokens

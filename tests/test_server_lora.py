@@ -64,6 +64,8 @@ def test_the_adapter_is_a_model_and_serves_what_the_offline_engine_does(server, 
         assert all(answer.status_code == 200 for answer in answers), (path, answers[0].text)
         written = [str(answer.json().get("content") or answer.json().get("output")) for answer in answers]
         assert written[0] != written[1], path  # the adapter wrote it
+    metrics = httpx.get(server.url + "/metrics", timeout=30).text
+    assert 'vllm:lora_requests_info{max_lora="4"' in metrics  # vLLM's gauge, with the adapters running and waiting
     unknown = httpx.post(server.url + "/v1/completions", json={"model": "lake", "prompt": "hi"}, timeout=30)
     assert unknown.status_code == 404 and "'sea'" in unknown.json()["error"]["message"]
 

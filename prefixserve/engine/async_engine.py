@@ -59,6 +59,9 @@ class EngineSnapshot:
     tiers: dict = field(default_factory=dict)  # tier name -> kv_tiers.TierSnapshot
     reuse_gaps: dict = field(default_factory=dict)  # ReuseGapTracker.snapshot(): read-only
     tenants: dict = field(default_factory=dict)  # tenant_report(): each tenant's shares, holdings and counters
+    # with enable_lora: (max_loras, names of the adapters running, names of those waiting); None: no adapters
+    lora: Optional[tuple] = None
+    time: float = 0.0  # unix seconds when it was taken
 
     @classmethod
     def of(cls, engine: LLMEngine) -> "EngineSnapshot":
@@ -75,7 +78,21 @@ class EngineSnapshot:
             tiers=engine.tiers.snapshot(),
             reuse_gaps=engine.reuse_gaps.snapshot(),
             tenants=tenant_report(engine)["tenants"],
+            lora=lora_names(engine),
+            time=time.time(),
         )
+
+
+def lora_names(engine: LLMEngine) -> Optional[tuple]:
+    """(max_loras, adapters running, adapters waiting) by name, for vllm:lora_requests_info; None without LoRA."""
+    if not engine.config.enable_lora:
+        return None
+    scheduler = engine.scheduler
+
+    def names(requests) -> list[str]:
+        return sorted({request.lora.name for request in requests if request.lora is not None})
+
+    return engine.config.max_loras, names(scheduler.running), names(scheduler.waiting)
 
 
 class AsyncLLMEngine:

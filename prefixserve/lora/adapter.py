@@ -51,13 +51,14 @@ class AdapterError(ValueError):
 
 
 @dataclass(frozen=True)
-class LoRAPiece:
-    """One adapted module's update: rows of the fused output [start, start + size) += (x @ A.T @ B.T) * scaling."""
+class FusedUpdate:
+    """Every adapted part of one fused projection in one layer, as one update: out += (x @ a.T @ b.T) * scaling,
+    where a stacks the parts' A ([sum of r, in]) and b places each part's B at its output columns and its A's
+    rows ([out, sum of r], zero elsewhere: a column no part adapts gains exactly 0). Per part that is peft's
+    (x @ A.T @ B.T) * scaling; one matmul pair serves q, k and v (or gate and up) at once."""
 
-    a: torch.Tensor  # [r, in]
-    b: torch.Tensor  # [size, r]
-    start: int
-    size: int
+    a: torch.Tensor
+    b: torch.Tensor
     scaling: float
 
 
@@ -67,7 +68,7 @@ class LoRAAdapter:
     path: str
     rank: int
     fingerprint: str  # hex digest of every tensor and scale: the cache scope's adapter_id
-    layers: list[dict[str, list[LoRAPiece]]] = field(default_factory=list)  # per layer: fused module -> pieces
+    layers: list[dict[str, FusedUpdate]] = field(default_factory=list)  # per layer: fused module -> its update
 
 
 def output_ranges(config) -> dict[str, tuple[str, int, int, int]]:
@@ -128,9 +129,10 @@ def load_peft_adapter(name: str, path: str, config, max_rank: int) -> LoRAAdapte
         found.setdefault((layer, module), {})[matched.group(3)] = tensor
     if not found:
         raise AdapterError(f"LoRA adapter {name!r}: {weights_file} holds no lora_A / lora_B tensors")
-    layers: list[dict[str, list[LoRAPiece]]] = [{} for _ in range(config.num_hidden_layers)]
+    parts: list[dict[str, list[tuple[torch.Tensor, torch.Tensor, int]]]] = [{} for _ in range(config.num_hidden_layers)]
     digest = hashlib.sha256(b"prefixserve lora\0")
     rank = 0
+    scalings = set()
     for (layer, module), pair in sorted(found.items()):
         if set(pair) != {"A", "B"}:
             raise AdapterError(f"LoRA adapter {name!r}: layer {layer} {module} has lora_{''.join(pair)} alone")
@@ -150,12 +152,34 @@ def load_peft_adapter(name: str, path: str, config, max_rank: int) -> LoRAAdapte
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise AdapterError(f"LoRA adapter {name!r}: layer {layer} {module} holds NaN or infinity")
         scaling = alpha / math.sqrt(r) if rslora else alpha / r
-        layers[layer].setdefault(fused, []).append(LoRAPiece(a, b, start, size, scaling))
+        parts[layer].setdefault(fused, []).append((a, b, start))
+        scalings.add(scaling)
         rank = max(rank, r)
         digest.update(f"{layer}.{module}:{scaling!r}:{tuple(a.shape)}:{tuple(b.shape)}".encode())
         digest.update(a.contiguous().numpy().tobytes())
         digest.update(b.contiguous().numpy().tobytes())
+    if len(scalings) > 1:  # one rank and alpha for every module (rank_pattern and alpha_pattern are refused)
+        raise AdapterError(f"LoRA adapter {name!r}: its modules have different ranks; give every module one rank")
+    (scaling,) = scalings
+    widths = {"qkv": ranges["qkv_proj"][2], "o": ranges["o_proj"][2], "gate_up": ranges["gate_up_proj"][2]}
+    widths["down"] = ranges["down_proj"][2]
+    layers = [
+        {module: fuse(pieces, widths[module], scaling) for module, pieces in layer_parts.items()}
+        for layer_parts in parts
+    ]
     return LoRAAdapter(name, str(directory), rank, digest.hexdigest(), layers)
+
+
+def fuse(pieces: list[tuple[torch.Tensor, torch.Tensor, int]], width: int, scaling: float) -> FusedUpdate:
+    """One FusedUpdate of a projection's adapted parts (A, B, first output column), `width` output columns."""
+    a = torch.cat([piece[0] for piece in pieces])
+    b = torch.zeros(width, a.shape[0])
+    offset = 0
+    for piece_a, piece_b, start in pieces:
+        rank = piece_a.shape[0]
+        b[start : start + piece_b.shape[0], offset : offset + rank] = piece_b
+        offset += rank
+    return FusedUpdate(a.contiguous(), b.contiguous(), scaling)
 
 
 def _read_settings(name: str, directory: Path) -> dict:

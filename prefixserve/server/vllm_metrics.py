@@ -31,6 +31,7 @@ from ..metric_names import (
     VLLM_INTER_TOKEN_LATENCY,
     VLLM_KV_CACHE_USAGE,
     VLLM_LABELS,
+    VLLM_LORA_REQUESTS_INFO,
     VLLM_NUM_PREEMPTIONS,
     VLLM_NUM_REQUESTS_RUNNING,
     VLLM_NUM_REQUESTS_WAITING,
@@ -169,6 +170,15 @@ class VLLMEngineCollector:
         )
         info.add_metric(list(self.cache_info.values()), 1)
         yield info
+        if snapshot.lora is not None:  # vLLM's: the adapters running and waiting, as comma-joined names
+            max_lora, running, waiting = snapshot.lora
+            lora = GaugeMetricFamily(
+                VLLM_LORA_REQUESTS_INFO,
+                "Running stats on lora requests.",
+                labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            )
+            lora.add_metric([str(max_lora), ",".join(waiting), ",".join(running)], snapshot.time)
+            yield lora
 
 
 class VLLMLatencies:
