@@ -192,3 +192,20 @@ def test_a_lora_request_needs_enable_lora():
     llm = LLM(dtype="float32", kv_cache_memory_bytes=8 << 20)
     with pytest.raises(ValueError, match="enable_lora=True"):
         llm.generate(["hi"], greedy(), use_tqdm=False, lora_request=LoRARequest("a", 1, "/nowhere"))
+
+
+def test_kv_events_name_the_adapter_that_computed_a_block(adapters):
+    from prefixserve.cache.events import BlockStored, event_to_dict
+    from prefixserve.engine.kv_event_wire import WireTranslator
+
+    llm = LLM(enable_lora=True, enable_kv_events=True, dtype="float32", kv_cache_memory_bytes=8 << 20)
+    llm.generate([PROMPTS[0]], greedy(), use_tqdm=False, lora_request=LoRARequest("alpha", 3, adapters["alpha"]))
+    llm.generate([PROMPTS[1]], greedy(), use_tqdm=False)
+    stored = [event for event in llm.engine.cache.events.drain() if isinstance(event, BlockStored)]
+    labels = {(event.lora_id, event.lora_name) for event in stored}
+    assert labels == {(3, "alpha"), (None, None)}
+    adapted = next(event for event in stored if event.lora_name == "alpha")
+    assert event_to_dict(adapted)["lora_name"] == "alpha"
+    assert "lora_name" not in event_to_dict(next(event for event in stored if event.lora_name is None))
+    wire = WireTranslator().event(adapted)
+    assert (wire.lora_id, wire.lora_name) == (3, "alpha")  # vLLM's BlockStored fields, as its decoder reads them

@@ -25,6 +25,9 @@ class BlockStored:
     # The scope digest the block's chain hangs from (model, or tenant past a shared prefix): the vLLM-format
     # publisher folds a digest of it into extra_keys. Not in the JSON form (/v1/kv_events never carried it).
     scope: Optional[bytes] = None
+    # The LoRA adapter whose K/V it holds (vLLM's lora_id and lora_name), None for the base model's.
+    lora_id: Optional[int] = None
+    lora_name: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,9 @@ def event_to_dict(event: KVEvent) -> dict:
     """JSON-ready form: keys as hex strings, plus the event type name (a block's scope left out)."""
     body = asdict(event)
     body.pop("scope", None)
+    for name in ("lora_id", "lora_name"):  # the base model's blocks read as they always have
+        if body.get(name, 0) is None:
+            del body[name]
     for name in ("keys",):
         if name in body:
             body[name] = [key.hex() for key in body[name]]

@@ -238,6 +238,7 @@ class RadixCache:
         scope: Optional[bytes] = None,
         device_only: bool = False,
         owner: Optional[str] = None,
+        lora: Optional[tuple[int, str]] = None,
     ) -> Block:
         """Register a full block whose KV is written; returns the block the caller should hold.
 
@@ -245,7 +246,7 @@ class RadixCache:
         scope the block belongs to (Request.block_scope), by default its parent's; `device_only` keeps
         its KV in the pool (a child of such a block is device-only too); `owner` the tenant whose share it counts
         against: at its maximum, its own coldest leaf leaves to make room, else the block stays private (served,
-        not cached).
+        not cached); `lora` the (id, name) of the LoRA adapter that computed it, for its KV event.
         If the same block was cached meanwhile by another request, the caller's
         copy is released and the cached one returned (referenced for the caller),
         so duplicates never linger and reference counts stay exact. A private
@@ -289,7 +290,18 @@ class RadixCache:
             self.on_insert(block)
         if self.events is not None:
             parent_key = parent.key if isinstance(parent, Block) else None
-            self.events.publish(BlockStored([key], parent_key, list(token_ids), self.block_size, scope=block.scope))
+            lora_id, lora_name = lora if lora is not None else (None, None)
+            self.events.publish(
+                BlockStored(
+                    [key],
+                    parent_key,
+                    list(token_ids),
+                    self.block_size,
+                    scope=block.scope,
+                    lora_id=lora_id,
+                    lora_name=lora_name,
+                )
+            )
         return block
 
     # ---------------------------------------------------------------- removal

@@ -170,6 +170,7 @@ class InputProcessor:
             tenant=tenant,
             owner=tenant if salt else None,
             lora=adapter,
+            lora_id=lora_request.lora_int_id if adapter is not None else None,
             cache_retention=retention,
             bad_words_token_ids=bad_words_token_ids(version, params),
             grammar=request_grammar(version, token_ids, params),

@@ -114,9 +114,9 @@ class WireTranslator:
                 parent_block_hash=None if event.parent_key is None else external_hash(event.parent_key),
                 token_ids=list(event.token_ids),
                 block_size=event.block_size,
-                lora_id=None,
+                lora_id=event.lora_id,
                 medium=MEDIA.get(event.medium, event.medium),
-                lora_name=None,
+                lora_name=event.lora_name,
                 extra_keys=self._extra_keys(event),
                 locality=LOCAL,
             )

@@ -78,6 +78,7 @@ class Request:
     # "none": nothing of it is kept once it finishes (its blocks are never cached).
     cache_retention: Optional[str] = None
     lora: Optional[LoRAAdapter] = None  # the LoRA adapter it runs with (its fingerprint is in scope_digest)
+    lora_id: Optional[int] = None  # its LoRARequest's lora_int_id (KV events name the adapter by it and by name)
     model_version: int = 0  # the engine's num_reloads when it was made: a request of an older version is refused
     # sampling_params.bad_words as token-id sequences of the version's tokenizer (with and without a leading space)
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
@@ -120,6 +121,11 @@ class Request:
         if self.private_from is not None and index >= self.private_from[0]:
             return self.private_from[1]
         return self.scope_digest
+
+    @property
+    def lora_label(self) -> Optional[tuple[int, str]]:
+        """(lora_int_id, name) of its adapter, for the KV events of its blocks; None for the base model."""
+        return None if self.lora is None else (self.lora_id, self.lora.name)
 
     def block_owner(self, index: int) -> Optional[str]:
         """The tenant block `index` counts against: nobody's within a declared public prefix."""

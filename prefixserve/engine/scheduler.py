@@ -328,6 +328,7 @@ class Scheduler:
                 request.block_scope(i),
                 device_only=request.cache_retention == "device",
                 owner=request.block_owner(i),
+                lora=request.lora_label,
             )
         request.num_inserted_blocks = num_full
 

@@ -246,6 +246,7 @@ class TierReader:
                     parent,
                     scope=request.block_scope(index),
                     owner=request.block_owner(index),
+                    lora=request.lora_label,
                 )
                 blocks[start + offset] = cached
                 parent = cached
