@@ -96,3 +96,18 @@ def test_lora_flags_are_checked_before_serving(adapter_dir, tmp_path):
         LiveServer("--lora-modules", f"sea={adapter_dir}")
     with pytest.raises(SystemExit, match="is not a directory"):
         LiveServer("--enable-lora", "--lora-modules", f"sea={tmp_path / 'nowhere'}")
+
+
+def test_a_router_keys_an_adapters_request_as_the_replica_does(server, adapter_dir):
+    """Adapter affinity: /v1/cache/info names each adapter's fingerprint, so a router's keys for a request naming
+    it are the replica's (and differ from the base's): it goes where that adapter's prefix is cached."""
+    from prefixserve.router.route_keys import RouteKeys
+
+    info = httpx.get(server.url + "/v1/cache/info", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30).json()
+    keys = RouteKeys.of(info)
+    engine = server.engine.engine
+    request = engine.make_request(PROMPT, SamplingParams(max_tokens=1), lora_request=LoRARequest("sea", 1, adapter_dir))
+    ours = engine.keyer.keys(request.scope_digest, request.prompt_token_ids, request.private_from)
+    routed = keys.route_request(request.prompt_token_ids, None, "sea")
+    assert routed.keys == ours and routed.scope_digest == request.scope_digest
+    assert keys.route_request(request.prompt_token_ids, None, BASE).keys != ours

@@ -139,7 +139,11 @@ class Ingress:
         tenant = self.keys.tenant_of(credentials)
         cache_salt = client.body.get("cache_salt")
         salt = compose_salt(tenant, cache_salt if isinstance(cache_salt, str) else None)
-        route = self.route_keys.route_request(client.token_ids, salt) if self.route_keys is not None else None
+        route = (
+            self.route_keys.route_request(client.token_ids, salt, client.model_name)
+            if self.route_keys is not None
+            else None
+        )
         return RouteEstimate(route, (client.max_tokens or self.default_max_tokens) * client.num_choices)
 
     async def __call__(self, request: Request) -> Response:

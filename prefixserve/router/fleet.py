@@ -259,8 +259,10 @@ class Router:
         num_remote = await asyncio.to_thread(self.remote.contains, route.keys[:limit])
         return dataclasses.replace(route, remote_blocks=num_remote)
 
-    def route_request(self, token_ids: list[int], salt: Optional[str]) -> Optional[RouteRequest]:
-        return self.route_keys.route_request(token_ids, salt) if self.route_keys is not None else None
+    def route_request(
+        self, token_ids: list[int], salt: Optional[str], model: Optional[str] = None
+    ) -> Optional[RouteRequest]:
+        return self.route_keys.route_request(token_ids, salt, model) if self.route_keys is not None else None
 
     def choose(
         self,

@@ -72,7 +72,9 @@ async def forward(router: Router, request: Request, path: str) -> Response:
     cache_salt = client_request.body.get("cache_salt")
     salt = compose_salt(router.tenant_of(credentials), cache_salt if isinstance(cache_salt, str) else None)
     client_request.salt = salt
-    route = await router.with_remote_run(router.route_request(client_request.token_ids, salt))
+    route = await router.with_remote_run(
+        router.route_request(client_request.token_ids, salt, client_request.model_name)
+    )
     headers = forwarded_headers(credentials)
     version = client_request.model_version
     if version is not None and not router.serves_version(version) and any(r.healthy for r in router.replicas):

@@ -51,6 +51,17 @@ class ClientRequest:
     cache_key: Optional[str] = None  # OpenAI's prompt_cache_key: keep requests sharing it on one replica
 
     @property
+    def model_name(self) -> Optional[str]:
+        """The model it names without a version pin (a LoRA adapter's name keys it in that adapter's scope)."""
+        model = self.body.get("model")
+        if not isinstance(model, str):
+            return None
+        try:
+            return split_model(model)[0]
+        except ValueError:
+            return None
+
+    @property
     def is_chat(self) -> bool:
         return self.path.endswith("/chat/completions")
 

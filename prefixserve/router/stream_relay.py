@@ -214,7 +214,9 @@ class StreamRelay(ClientChunks):
                     "stream_interrupted",
                 )
             body["model"], version = pinned, split_model(pinned)[1]
-        route = await self.router.with_remote_run(self.router.route_request(prompt_ids, request.salt))
+        route = await self.router.with_remote_run(
+            self.router.route_request(prompt_ids, request.salt, request.model_name)
+        )
         max_tokens = body.get("max_tokens") if isinstance(body.get("max_tokens"), int) else request.max_tokens
         pin_refused = False  # a replica reloaded between the read and the request refused the pin
         while len(self.tried) < self.router.settings.max_attempts:

@@ -108,4 +108,20 @@ def cache_info_body(state) -> dict:
         "max_model_len": version.max_model_len,
         "served_model_name": settings.served_model_name,
         "default_max_tokens": settings.default_max_tokens,
+        "lora_adapters": lora_fingerprints(state),
     }
+
+
+def lora_fingerprints(state) -> dict:
+    """LoRA model name -> its weights' fingerprint (the scope's adapter_id), for a router to key a request for an
+    adapter as this replica does. Adapters are read at start-up or by the load route: this reads the registry."""
+    adapters = state.engine.engine.inputs.adapters
+    if adapters is None:
+        return {}
+    fingerprints = {}
+    for lora in state.settings.lora_modules.requests():
+        try:
+            fingerprints[lora.lora_name] = adapters.resolve(lora).fingerprint
+        except ValueError:  # its files changed into something unservable: requests for it are refused
+            continue
+    return fingerprints
