@@ -78,22 +78,8 @@ class LLM:
         """Outputs in prompt order; a prompt with n > 1 gives n outputs in a row. `lora_request` (vLLM's): one
         adapter for every prompt, or one (or None: the base) per prompt; needs LLM(..., enable_lora=True)."""
         prompt_list = split_prompts(prompts)
-        if isinstance(lora_request, (list, tuple)):
-            if len(lora_request) != len(prompt_list):
-                raise ValueError(
-                    f"got {len(lora_request)} lora_requests for {len(prompt_list)} prompts; give one or one each"
-                )
-            lora_list = list(lora_request)
-        else:
-            lora_list = [lora_request] * len(prompt_list)
-        if isinstance(params, (list, tuple)):
-            if len(params) != len(prompt_list):
-                raise ValueError(
-                    f"got {len(params)} SamplingParams for {len(prompt_list)} prompts; give one or one each"
-                )
-            param_list = list(params)
-        else:
-            param_list = [params or SamplingParams()] * len(prompt_list)
+        lora_list = one_each(lora_request, len(prompt_list), "lora_requests")
+        param_list = one_each(SamplingParams() if params is None else params, len(prompt_list), "SamplingParams")
         order: list[str] = []
         for prompt, param, lora in zip(prompt_list, param_list, lora_list):
             for sample in range(param.n):
@@ -123,3 +109,12 @@ class LLM:
     def _run(self, order: list[str], show_progress: bool) -> list[RequestOutput]:
         with tqdm(total=len(order), desc="generating", disable=not (show_progress and sys.stderr.isatty())) as bar:
             return self.engine.run_until_finished(order, on_finish=lambda _output: bar.update(1))
+
+
+def one_each(given, num_prompts: int, what: str) -> list:
+    """`given` for every prompt, or a list or tuple of one per prompt (ValueError naming `what` otherwise)."""
+    if not isinstance(given, (list, tuple)):
+        return [given] * num_prompts
+    if len(given) != num_prompts:
+        raise ValueError(f"got {len(given)} {what} for {num_prompts} prompts; give one or one each")
+    return list(given)

@@ -364,3 +364,22 @@ def greedy_paged(model: LlamaForCausalLM, prompt: list[int], num_tokens: int, ta
         logits = runner.step([[output[-1]]], [context], [table])
         output.append(int(logits[-1].argmax()))
     return output
+
+
+def reference_greedy(model, prompt_ids, num_tokens: int) -> list[list[int]]:
+    """A transformers (or peft) model's greedy tokens after each prompt, exactly num_tokens each."""
+    outputs = []
+    with torch.inference_mode():
+        for ids in prompt_ids:
+            # An explicit mask: the BOS id may equal the pad id, which generate() would mask out.
+            input_ids = torch.tensor([ids])
+            generated = model.generate(
+                input_ids=input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                do_sample=False,
+                max_new_tokens=num_tokens,
+                min_new_tokens=num_tokens,
+                pad_token_id=0,
+            )
+            outputs.append(generated[0, len(ids) :].tolist())
+    return outputs

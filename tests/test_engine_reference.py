@@ -3,7 +3,7 @@
 import pytest
 import torch
 from conftest import make_llm
-from model_helpers import write_qwen2_checkpoint
+from model_helpers import reference_greedy, write_qwen2_checkpoint
 
 from prefixserve import SamplingParams
 from prefixserve.model import ensure_default_model
@@ -20,21 +20,7 @@ def transformers_greedy(model_dir, prompt_ids, num_tokens):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    outputs = []
-    with torch.inference_mode():
-        for ids in prompt_ids:
-            # An explicit mask: the BOS id may equal the pad id, which generate() would mask out.
-            input_ids = torch.tensor([ids])
-            generated = model.generate(
-                input_ids,
-                attention_mask=torch.ones_like(input_ids),
-                do_sample=False,
-                max_new_tokens=num_tokens,
-                min_new_tokens=num_tokens,
-                pad_token_id=0,
-            )
-            outputs.append(generated[0, len(ids) :].tolist())
-    return outputs
+    return reference_greedy(model, prompt_ids, num_tokens)
 
 
 def check_against_transformers(model_dir, llm):

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from model_helpers import reference_greedy
 
 from prefixserve import LLM, LoRARequest, SamplingParams
 from prefixserve.lora import AdapterError
@@ -58,20 +59,7 @@ def peft_greedy(adapter_path, prompt_ids, dtype=torch.float32):
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, adapter_path).eval()
-    outputs = []
-    with torch.inference_mode():
-        for ids in prompt_ids:
-            input_ids = torch.tensor([ids])
-            generated = model.generate(
-                input_ids=input_ids,
-                attention_mask=torch.ones_like(input_ids),
-                do_sample=False,
-                max_new_tokens=NUM_TOKENS,
-                min_new_tokens=NUM_TOKENS,
-                pad_token_id=0,
-            )
-            outputs.append(generated[0, len(ids) :].tolist())
-    return outputs
+    return reference_greedy(model, prompt_ids, NUM_TOKENS)
 
 
 @pytest.fixture(scope="module")
