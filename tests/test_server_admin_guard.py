@@ -18,7 +18,14 @@ from prefixserve.server.api import (
 from prefixserve.server.auth import admin_only, metrics_readers_only
 
 ADMIN = "guard-admin-key"
-ADMIN_PATHS = ("/v1/kv_events", "/v1/cache", "/v1/admin", "/dashboard/api/")
+ADMIN_PATHS = (
+    "/v1/kv_events",
+    "/v1/cache",
+    "/v1/admin",
+    "/dashboard/api/",
+    "/v1/load_lora_adapter",  # vLLM's names for the runtime LoRA routes
+    "/v1/unload_lora_adapter",
+)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,9 @@ scope (lora/adapter.py), so a name loaded again with new weights reads none of i
 
 from __future__ import annotations
 
+import argparse
 import json
+import logging
 import threading
 from typing import Iterable, Optional
 
@@ -31,6 +33,34 @@ def parse_lora_module(text: str) -> tuple[str, str]:
     if not equals or not name or not path:
         raise ValueError(f"--lora-modules {text!r}: give name=path (a PEFT adapter's directory)")
     return name, path
+
+
+def lora_module_flag(text: str) -> tuple[str, str]:
+    """`--lora-modules`' argparse type: parse_lora_module's error as argparse shows a bad value."""
+    try:
+        return parse_lora_module(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def check_lora_flags(modules: "LoRAModules", enable_lora: bool) -> None:
+    if (modules or modules.runtime_updates) and not enable_lora:
+        raise SystemExit("prefixserve serve: --lora-modules and --allow-runtime-lora-updating need --enable-lora")
+
+
+def load_lora_modules(modules: "LoRAModules", engine) -> None:
+    """Read and check every --lora-modules adapter before serving (a bad one stops the start, naming the cause),
+    and say in the start-up log what is loaded."""
+    for lora in modules.requests():
+        try:
+            engine.inputs.adapter_of(lora)
+        except ValueError as error:
+            raise SystemExit(f"prefixserve serve: --lora-modules: {error}") from None
+    if modules:
+        loaded = engine.inputs.adapters.loaded()
+        logging.getLogger("prefixserve").info(
+            "LoRA adapters: %s", ", ".join(f"{a['name']} (rank {a['rank']}, {a['fingerprint']})" for a in loaded)
+        )
 
 
 class LoRAModules:

@@ -19,6 +19,7 @@ from ..config import CHECKPOINT_LAYOUT, DEFAULT_MAX_CACHE_TTL
 from ..http_body import DEFAULT_MAX_REQUEST_BYTES
 from ..http_keys import load_api_keys, load_tenant_cache_retentions, load_tenant_cache_ttls, load_tenant_shares
 from .engine_flags import add_engine_arguments, engine_config_from_args, with_flag_names
+from .lora_modules import LoRAModules, check_lora_flags, load_lora_modules, lora_module_flag
 from .response_store import DEFAULT_MAX_STORED, DEFAULT_TTL
 
 logger = logging.getLogger("prefixserve.server")
@@ -115,7 +116,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--lora-modules",
         nargs="+",
-        type=_lora_module,
+        type=lora_module_flag,
         default=[],
         metavar="NAME=PATH",
         help="LoRA adapters (PEFT directories) served under these model names, as vLLM takes them: name=path or "
@@ -148,19 +149,9 @@ def build_server(args: argparse.Namespace):
 
     config = with_keys_file_shares(engine_config_from_args(args), args.api_keys_file)
     settings = server_settings_from_args(args)
-    if (settings.lora_modules or args.allow_runtime_lora_updating) and not config.enable_lora:
-        raise SystemExit("prefixserve serve: --lora-modules and --allow-runtime-lora-updating need --enable-lora")
+    check_lora_flags(settings.lora_modules, config.enable_lora)
     engine = AsyncLLMEngine(config)
-    for lora in settings.lora_modules.requests():  # a bad adapter stops the start, naming the cause
-        try:
-            engine.engine.inputs.adapter_of(lora)
-        except ValueError as error:
-            raise SystemExit(f"prefixserve serve: --lora-modules: {error}") from None
-    if settings.lora_modules:
-        loaded = engine.engine.inputs.adapters.loaded()
-        logging.getLogger("prefixserve").info(
-            "LoRA adapters: %s", ", ".join(f"{a['name']} (rank {a['rank']}, {a['fingerprint']})" for a in loaded)
-        )
+    load_lora_modules(settings.lora_modules, engine.engine)
     if args.shared_prefix:
         declare_shared_prefix(engine.engine, args.shared_prefix, read_shared_prefix(args.shared_prefix))
     return engine, build_app(engine, settings)
@@ -183,19 +174,9 @@ def with_keys_file_shares(config, api_keys_file: Optional[str]):
         raise SystemExit(f"prefixserve serve: --api-keys-file {api_keys_file}: {error}") from None
 
 
-def _lora_module(text: str) -> tuple[str, str]:
-    from .lora_modules import parse_lora_module
-
-    try:
-        return parse_lora_module(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-
-
 def server_settings_from_args(args: argparse.Namespace):
     """The server's settings from its flags and keys file, validated: SystemExit names the flag at fault."""
     from .api import ServerSettings
-    from .lora_modules import LoRAModules
 
     try:
         return ServerSettings(
