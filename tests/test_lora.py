@@ -9,7 +9,7 @@ import torch
 from model_helpers import reference_greedy
 
 from prefixserve import LLM, LoRARequest, SamplingParams
-from prefixserve.lora import AdapterError
+from prefixserve.lora.adapter import AdapterError
 from prefixserve.model import ensure_default_model
 
 pytest.importorskip("peft")

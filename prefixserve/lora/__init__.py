@@ -1,7 +1,4 @@
-"""LoRA adapters served from one base model: PEFT's files, vLLM's LoRARequest, a bounded adapter cache, and the
-per-row updates a step applies (each request's rows get its own adapter's, the base's rows none)."""
-
-from .adapter import AdapterError, LoRAAdapter
-from .lora_request import LoRARequest
-
-__all__ = ["AdapterError", "LoRAAdapter", "LoRARequest"]
+"""LoRA adapters served from one base model: PEFT's files (adapter.py), vLLM's LoRARequest (lora_request.py), a
+bounded adapter cache (registry.py), and the per-row updates a step applies (step.py): each request's rows get
+its own adapter's, the base's rows none. Nothing is imported here: the router imports the torch-free
+lora_request alone."""
