@@ -179,7 +179,7 @@ def fuse(pieces: list[tuple[torch.Tensor, torch.Tensor, int]], width: int, scali
         rank = piece_a.shape[0]
         b[start : start + piece_b.shape[0], offset : offset + rank] = piece_b
         offset += rank
-    return FusedUpdate(a.contiguous(), b.contiguous(), scaling)
+    return FusedUpdate(a.double().contiguous(), b.double().contiguous(), scaling)
 
 
 def _read_settings(name: str, directory: Path) -> dict:

@@ -4,8 +4,9 @@ The runner tells the step which rows belong to which request's adapter before th
 projection then adds, for each adapter in the step, (x @ A.T @ B.T) * scaling to that adapter's rows and
 columns (a segmented matmul: one per adapter and module, over its rows only). The base's rows and another
 adapter's are never written, so an adapter never changes another row's bits. As peft applies an adapter
-(its `autocast_adapter_dtype`, the default), the update is computed in float32 and added to the base
-output in float32, then rounded to the model's dtype.
+(its `autocast_adapter_dtype`, the default), the update is added to the base output in float32, then rounded
+to the model's dtype; it is computed in float64, so that its sums round alike whatever rows share the matmul
+(float32 sums did not on AVX2: bf16 cache on and off differed there).
 
 The last layer runs its attention output and MLP for the sampled rows only (llama.py: output_rows); a
 layer's input of that many rows reads the step's rows in that order.
@@ -88,7 +89,7 @@ class LoRAStep:
         for adapter, rows in self.groups if full else self.kept_groups:
             update = adapter.layers[layer].get(module)
             if update is not None:
-                delta = F.linear(F.linear(x.index_select(0, rows).float(), update.a), update.b).mul_(update.scaling)
+                delta = F.linear(F.linear(x.index_select(0, rows).double(), update.a), update.b).mul_(update.scaling)
                 _add(out, rows, delta)
 
     def _apply_batched(self, batched: Batched, layer: int, module: str, x: torch.Tensor, out: torch.Tensor) -> None:
@@ -96,7 +97,7 @@ class LoRAStep:
         if stacks is None:
             return
         a, b, scalings = stacks
-        inputs = x.index_select(0, batched.gather).float().view(len(batched.adapters), batched.per_group, -1)
+        inputs = x.index_select(0, batched.gather).double().view(len(batched.adapters), batched.per_group, -1)
         delta = torch.bmm(torch.bmm(inputs, a.transpose(1, 2)), b.transpose(1, 2)).mul_(scalings)
         delta = delta.view(-1, delta.shape[-1])
         if batched.valid is not None:
@@ -117,9 +118,10 @@ class LoRAStep:
             else:
                 rank = max(update.a.shape[0] for update in present)
                 width, in_features = present[0].b.shape[0], present[0].a.shape[1]
-                a = torch.zeros(len(adapters), rank, in_features, device=present[0].a.device)
-                b = torch.zeros(len(adapters), width, rank, device=present[0].a.device)
-                scalings = torch.zeros(len(adapters), 1, 1, device=present[0].a.device)
+                options = {"device": present[0].a.device, "dtype": present[0].a.dtype}
+                a = torch.zeros(len(adapters), rank, in_features, **options)
+                b = torch.zeros(len(adapters), width, rank, **options)
+                scalings = torch.zeros(len(adapters), 1, 1, **options)
                 for index, update in enumerate(updates):
                     if update is not None:
                         a[index, : update.a.shape[0]] = update.a
@@ -150,7 +152,10 @@ def _batch(grouped: list[tuple[LoRAAdapter, list[int]]], device: torch.device) -
 
 
 def _add(out: torch.Tensor, rows: torch.Tensor, delta: torch.Tensor) -> None:
-    """out[rows] += delta (float32), rounded once to out's dtype, as peft adds a float32 update to the base's."""
+    """out[rows] += delta, as peft adds its float32 update to the base's output: the update, computed in float64
+    (its sums then round alike whatever rows share the matmul, where float32 sums may not: batch invariance),
+    is rounded to float32 and added in float32, then rounded once to out's dtype."""
+    delta = delta.float()
     if out.dtype == torch.float32:
         out.index_add_(0, rows, delta)
     else:
