@@ -327,11 +327,9 @@ class RadixCache:
 
     def _make_room_within(self, owner: str) -> bool:
         """Evict `owner`'s own coldest leaf (it is at its maximum); whether there was one."""
-        block = self._order.pop_lru_of(owner)
+        block = self._counted_eviction(self._order.pop_lru_of(owner))
         if block is None:
             return False
-        self.stats.num_evicted_blocks += 1
-        self.stats.num_evicted_tokens += self.block_size
         self._spill_and_uncache(block)
         return True
 
@@ -355,7 +353,10 @@ class RadixCache:
         return block
 
     def _pop_lru(self, may_evict=lambda owner: True) -> Optional[Block]:
-        block = self._order.pop_lru(may_evict)
+        return self._counted_eviction(self._order.pop_lru(may_evict))
+
+    def _counted_eviction(self, block: Optional[Block]) -> Optional[Block]:
+        """`block` (None: nothing was popped), counted as an LRU eviction."""
         if block is not None:
             self.stats.num_evicted_blocks += 1
             self.stats.num_evicted_tokens += self.block_size

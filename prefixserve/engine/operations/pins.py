@@ -36,6 +36,11 @@ PINS_FILE = "pins.json"
 OPERATOR, RETENTION = "operator", "retention"  # Pin.kind
 
 
+def claimant_of(tenant: Optional[str], kind: str) -> Optional[str]:
+    """Whose pin_share a pin counts against: its tenant's for a retention pin; nobody's for the operator's."""
+    return tenant if kind == RETENTION else None
+
+
 @dataclass
 class Pin:
     pin_id: str
@@ -45,7 +50,7 @@ class Pin:
     num_blocks: int  # blocks pinned in the pool (0 while waiting to be warmed again)
     created_at: float  # unix seconds
     expires_at: Optional[float]  # unix seconds; None: until unpinned
-    kind: str = "operator"  # "operator" | "retention" (a tenant's cache_control: counts against its pin_share)
+    kind: str = OPERATOR  # OPERATOR | RETENTION (a tenant's cache_control: counts against its pin_share)
 
     def public(self) -> dict:
         """What an operator sees: never the token ids."""
@@ -94,7 +99,7 @@ class PinTable:
         ttl: Optional[float],
         pin_id: Optional[str] = None,
         created_at: Optional[float] = None,
-        kind: str = "operator",
+        kind: str = OPERATOR,
     ) -> Pin:
         """Pin the cached full blocks of `token_ids` in its scope; raises ValueError naming the fix (PinShareError
         past a retention pin's tenant share, PinCapError past the cap when nothing can give way)."""
@@ -103,7 +108,7 @@ class PinTable:
             raise ValueError(
                 f"the prompt has {len(token_ids)} tokens, less than one block of {self.block_size}; pin a longer prefix"
             )
-        claimant = tenant if kind == RETENTION else None
+        claimant = claimant_of(tenant, kind)
         if self.tenant_pins is not None:
             self.tenant_pins.claim(claimant, len(keys))
         try:
@@ -187,7 +192,7 @@ class PinTable:
     def _release(self, pin: Pin, scoper) -> None:
         if pin.num_blocks:
             self.cache.unpin(self._keys(scoper, pin.token_ids, pin.salt)[: pin.num_blocks])
-            self._unclaim(pin.tenant if pin.kind == RETENTION else None, pin.num_blocks)
+            self._unclaim(claimant_of(pin.tenant, pin.kind), pin.num_blocks)
 
     def _keys(self, scoper, token_ids: list[int], salt: Optional[str]) -> list[bytes]:
         """The block keys of `token_ids` in the scope a request with this salt gets."""
@@ -205,7 +210,7 @@ class PinTable:
             pins = []
         self.tokenizer_fingerprint = tokenizer_fingerprint
         for pin in pins:
-            self._unclaim(pin.tenant if pin.kind == RETENTION else None, pin.num_blocks)
+            self._unclaim(claimant_of(pin.tenant, pin.kind), pin.num_blocks)
             pin.num_blocks = 0
         self.to_restore = pins + self.to_restore
         self._save()
