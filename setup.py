@@ -32,6 +32,8 @@ HEADERS = [
         "attention_tiles.h",
         "binding.h",
         "kernels.h",
+        "lora.h",
+        "lora_slots.h",
         "peak.h",
         "quantized.h",
         "quantized_codes.h",
@@ -77,7 +79,7 @@ def extensions():
     modules = [
         CppExtension(
             "prefixserve._C",
-            [f"{CSRC}/module.cpp", f"{CSRC}/decoder_stack.cpp"],
+            [f"{CSRC}/module.cpp", f"{CSRC}/decoder_stack.cpp", f"{CSRC}/lora_slots.cpp"],
             depends=HEADERS,
             extra_compile_args=["-O2", "-g0"] + binding_flags,
         )
@@ -92,6 +94,7 @@ def extensions():
                     f"{CSRC}/rowwise.cpp",
                     f"{CSRC}/peak.cpp",
                     f"{CSRC}/quantized_matmul.cpp",
+                    f"{CSRC}/lora.cpp",
                 ],
                 depends=HEADERS,
                 # C++17: the kernel sources need nothing newer (the binding follows torch's headers).

@@ -4,13 +4,13 @@ scoped by the adapter's weights, not its name; bad adapters refused at load, nam
 
 import json
 
+import lora_helpers
 import pytest
 import torch
-from model_helpers import reference_greedy
+from lora_helpers import save_adapter
 
 from prefixserve import LLM, LoRARequest, SamplingParams
 from prefixserve.lora.adapter import AdapterError
-from prefixserve.model import ensure_default_model
 
 pytest.importorskip("peft")
 
@@ -20,26 +20,6 @@ PROMPTS = [  # each longer than two blocks of 16 tokens, so that a second run hi
     "In 1905, Albert Einstein published four papers that changed physics: on light quanta, on Brownian",
 ]
 NUM_TOKENS = 16
-ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def save_adapter(directory, seed, targets=ALL_TARGETS, rank=8, alpha=16, rslora=False, scale=1.0):
-    """A random PEFT adapter of the built-in model, as peft's save_pretrained writes it."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_pretrained(ensure_default_model(), dtype=torch.float32)
-    config = LoraConfig(
-        r=rank, lora_alpha=alpha, target_modules=targets, init_lora_weights=False, use_rslora=rslora, lora_dropout=0.0
-    )
-    model = get_peft_model(base, config)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "lora_" in name:
-                parameter.mul_(scale)
-    model.save_pretrained(str(directory))
-    return str(directory)
 
 
 @pytest.fixture(scope="module")
@@ -52,14 +32,7 @@ def adapters(tmp_path_factory):
 
 
 def peft_greedy(adapter_path, prompt_ids, dtype=torch.float32):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(ensure_default_model(), dtype=dtype).eval()
-    if adapter_path is not None:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, adapter_path).eval()
-    return reference_greedy(model, prompt_ids, NUM_TOKENS)
+    return lora_helpers.peft_greedy(adapter_path, prompt_ids, NUM_TOKENS, dtype)
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +63,24 @@ def test_a_batch_of_the_base_and_two_adapters_matches_peft_cold_and_warm(llm, ad
     warm = llm.generate(prompts, greedy(), use_tqdm=False, lora_request=[requests[n] for n in names])
     assert [out.token_ids for out in warm] == [out.token_ids for out in cold]
     assert all(out.num_cached_tokens > 0 for out in warm)  # each hit its own adapter's blocks
+
+
+def test_pytorchs_way_matches_peft_where_no_kernel_runs(adapters, monkeypatch):
+    """Without the LoRA kernel (no compiled build, or a GPU): each adapter's rows gathered into one float64 batched
+    matmul pair; the same tokens as peft, a row's tokens the same alone as in the mixed batch."""
+    from prefixserve.engine import runner
+
+    monkeypatch.setattr(runner, "lora_slots_for", lambda device: None)
+    llm = LLM(enable_lora=True, dtype="float32", kv_cache_memory_bytes=16 << 20, max_num_batched_tokens=32)
+    assert llm.engine.runner.lora_step.slots is None
+    requests = [None, LoRARequest("alpha", 1, adapters["alpha"]), LoRARequest("beta", 2, adapters["beta"])]
+    batch = llm.generate(PROMPTS, greedy(), use_tqdm=False, lora_request=requests)
+    for out, request in zip(batch, requests):
+        (expected,) = peft_greedy(request.path if request else None, [out.prompt_token_ids])
+        assert out.token_ids == expected
+    alone = llm.generate([PROMPTS[1]], greedy(), use_tqdm=False, lora_request=requests[2])[0]
+    mixed = llm.generate([PROMPTS[0], PROMPTS[1]], greedy(), use_tqdm=False, lora_request=[requests[1], requests[2]])
+    assert mixed[1].token_ids == alone.token_ids
 
 
 def test_the_cache_is_scoped_by_the_adapters_weights_not_its_name(llm, adapters, tmp_path):
@@ -149,7 +140,7 @@ def test_bad_adapters_are_refused_naming_the_cause_and_the_engine_keeps_serving(
         return {**tensors, key: change(tensors[key])}
 
     cases = {
-        "missing directory": (LoRARequest("gone", 3, str(tmp_path / "nowhere")), "is not a directory"),
+        "missing directory": (LoRARequest("gone", 3, str(tmp_path / "nowhere")), "is neither a directory"),
         "missing weights": (
             broken("noweights", drop="adapter_model.safetensors"),
             "adapter_model.safetensors is missing",

@@ -221,7 +221,12 @@ def test_a_built_variant_uses_no_instruction_set_above_its_own(name, forbidden):
 
 
 CROSS_COMPILER = "aarch64-linux-gnu-g++"
-QEMU_CHECKED_SOURCES = ["paged_causal.cpp", "rowwise.cpp", "quantized_matmul.cpp"]  # built and run under qemu below
+QEMU_CHECKED_SOURCES = [
+    "paged_causal.cpp",
+    "rowwise.cpp",
+    "quantized_matmul.cpp",
+    "lora.cpp",
+]  # built and run under qemu below
 
 
 @builds

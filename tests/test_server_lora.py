@@ -4,8 +4,8 @@ unload routes behind the admin key, a bad adapter refused while the server keeps
 
 import httpx
 import pytest
+from lora_helpers import save_adapter
 from server_helpers import LiveServer
-from test_lora import save_adapter
 
 from prefixserve import LLM, LoRARequest, SamplingParams
 
@@ -56,6 +56,7 @@ def test_the_adapter_is_a_model_and_serves_what_the_offline_engine_does(server, 
         timeout=60,
     )
     assert chat.status_code == 200, chat.text
+    assert chat.json()["model"] == adapted["model"] == "sea" and base["model"] == BASE  # as vLLM names them
     for path, body in (
         ("/v1/messages", {"max_tokens": 4, "messages": [{"role": "user", "content": "Hello"}]}),
         ("/v1/responses", {"max_output_tokens": 4, "input": "Hello"}),
@@ -64,6 +65,7 @@ def test_the_adapter_is_a_model_and_serves_what_the_offline_engine_does(server, 
         assert all(answer.status_code == 200 for answer in answers), (path, answers[0].text)
         written = [str(answer.json().get("content") or answer.json().get("output")) for answer in answers]
         assert written[0] != written[1], path  # the adapter wrote it
+        assert [answer.json()["model"] for answer in answers] == ["sea", BASE], path
     metrics = httpx.get(server.url + "/metrics", timeout=30).text
     assert 'vllm:lora_requests_info{max_lora="4"' in metrics  # vLLM's gauge, with the adapters running and waiting
     unknown = httpx.post(server.url + "/v1/completions", json={"model": "lake", "prompt": "hi"}, timeout=30)
@@ -83,7 +85,7 @@ def test_adapters_load_and_unload_at_run_time_behind_the_admin_key(server, adapt
         headers=admin,
         timeout=30,
     )
-    assert bad.status_code == 400 and "is not a directory" in bad.json()["error"]["message"]
+    assert bad.status_code == 400 and "is neither a directory" in bad.json()["error"]["message"]
     assert complete(server, "sea")  # still serving
     gone = httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "harbour"}, headers=admin, timeout=30)
     assert gone.status_code == 200
@@ -94,7 +96,7 @@ def test_adapters_load_and_unload_at_run_time_behind_the_admin_key(server, adapt
 def test_lora_flags_are_checked_before_serving(adapter_dir, tmp_path):
     with pytest.raises(SystemExit, match="need --enable-lora"):
         LiveServer("--lora-modules", f"sea={adapter_dir}")
-    with pytest.raises(SystemExit, match="is not a directory"):
+    with pytest.raises(SystemExit, match="is neither a directory"):
         LiveServer("--enable-lora", "--lora-modules", f"sea={tmp_path / 'nowhere'}")
 
 

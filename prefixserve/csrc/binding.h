@@ -1,4 +1,4 @@
-// What the binding's files (module.cpp, decoder_stack.cpp) share: reading a variant's kernel table and
+// What the binding's files (module.cpp, decoder_stack.cpp, lora_slots.cpp) share: reading a variant's kernel table and
 // checking what Python hands in before any kernel reads it.
 #pragma once
 
@@ -23,5 +23,8 @@ QuantizedWeight quantized_weight_of(const torch::Tensor& codes, const torch::Ten
 
 // prefixserve._C.DecoderStack (decoder_stack.cpp).
 void bind_decoder_stack(py::module& m);
+
+// prefixserve._C.LoRASlots (lora_slots.cpp).
+void bind_lora_slots(py::module& m);
 
 }  // namespace prefixserve::binding

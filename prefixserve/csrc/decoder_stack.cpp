@@ -8,10 +8,13 @@
 //   write k, v to their slots       a = paged_causal(q)      x += a Wo, h = rms_norm(x)   (add_rms_norm)
 //   g = silu_mul(h Wgate_up)        x += g Wdown
 //
+// each projection followed, where the step serves LoRA adapters, by its rows' adapters' updates (lora.h:
+// lora/step.py adds them after the same projections, through the same kernel),
 // so every bit equals llama.py's layer-by-layer path (tests/test_model_decoder_stack.py checks it), and a
 // row's bits stay its own whatever else is in the step. Everything Python hands in is checked first, as
 // module.cpp checks each kernel's arguments: every slot written and every block read exists.
 #include "binding.h"
+#include "lora_slots.h"
 
 #include <cstring>
 #include <vector>
@@ -70,7 +73,8 @@ class DecoderStack {
     torch::Tensor run(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
                       const std::vector<torch::Tensor>& k_caches, const std::vector<torch::Tensor>& v_caches,
                       const torch::Tensor& tables, const torch::Tensor& query_start, const torch::Tensor& seq_lens,
-                      const torch::Tensor& slot_mapping) {
+                      const torch::Tensor& slot_mapping, const py::object& lora,
+                      const c10::optional<torch::Tensor>& slot_of_row) {
         TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous() &&
                         x.size(1) == hidden_,
                     "x must be a contiguous float32 CPU tensor [rows, hidden]");
@@ -97,11 +101,36 @@ class DecoderStack {
         const auto& rowwise = kernels_->rowwise_float32;
         const int64_t block_size = k_caches[0].size(1), num_seqs = seq_lens.size(0);
 
+        // With adapters: each layer's and projection's weights per row, checked before any kernel runs.
+        std::vector<std::array<std::vector<const LoRAWeights*>, LORA_MODULES>> adapters;
+        if (!lora.is_none()) {
+            const auto& slots = lora.cast<const LoRASlots&>();
+            TORCH_CHECK(slot_of_row.has_value() && slot_of_row->numel() == rows,
+                        "with LoRA slots, slot_of_row names one slot per row of x");
+            TORCH_CHECK(slots.num_layers() == num_layers(), "the LoRA slots are for ", slots.num_layers(),
+                        " layers, the stack has ", num_layers());
+            const int64_t widths[LORA_MODULES][2] = {
+                {hidden_, qkv_width}, {q_size, hidden_}, {hidden_, 2 * intermediate_}, {intermediate_, hidden_}};
+            adapters.resize(layers_.size());
+            for (int64_t index = 0; index < num_layers(); ++index) {
+                for (int64_t m = 0; m < LORA_MODULES; ++m) {
+                    adapters[index][m] = slots.weights_of(index, m, *slot_of_row, widths[m][0], widths[m][1]);
+                }
+            }
+        }
+        // out += the rows' adapters' updates of projection m of layer `index` (in [rows, in_features])
+        auto adapt = [&](size_t index, int64_t m, const float* in, int64_t in_features, float* out, int64_t width) {
+            if (!adapters.empty()) {
+                kernels_->lora_float32(in, rows, in_features, in_features, adapters[index][m].data(), out, width);
+            }
+        };
+
         py::gil_scoped_release released;  // as every kernel call: the server's event loop runs meanwhile
         for (size_t index = 0; index < layers_.size(); ++index) {
             const Layer& layer = layers_[index];
             rowwise.rms_norm(residual, rows, hidden_, layer.input_norm, layer.input_eps, h);
             multiply(layer.qkv, h, rows, q);
+            adapt(index, 0, h, hidden_, q, qkv_width);
             rowwise.rotate_heads(q, rows, qkv_width, num_heads_ + num_kv_heads_, head_dim_, cos.data_ptr<float>(),
                                  sin.data_ptr<float>());
             float* k_cache = k_caches[index].data_ptr<float>();
@@ -117,10 +146,13 @@ class DecoderStack {
             kernels_->causal_float32(queries, kv, query_start.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
                                      num_seqs, scale_, 0, 0.f, a);
             multiply(layer.o, a, rows, p);
+            adapt(index, 1, a, q_size, p, hidden_);
             rowwise.add_rms_norm(residual, p, rows, hidden_, layer.post_norm, layer.post_eps, h);
             multiply(layer.gate_up, h, rows, gu);
+            adapt(index, 2, h, hidden_, gu, 2 * intermediate_);
             rowwise.silu_mul(gu, rows, intermediate_, g);
             multiply(layer.down, g, rows, p);
+            adapt(index, 3, g, intermediate_, p, hidden_);
             for (int64_t i = 0; i < rows * hidden_; ++i) residual[i] += p[i];  // x.add_(mlp(...)): one rounding each
         }
         return x;
@@ -242,7 +274,7 @@ void bind_decoder_stack(py::module& m) {
              py::arg("hidden"), py::arg("intermediate"), py::arg("scale"))
         .def("run", &DecoderStack::run, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("k_caches"),
              py::arg("v_caches"), py::arg("tables"), py::arg("query_start"), py::arg("seq_lens"),
-             py::arg("slot_mapping"))
+             py::arg("slot_mapping"), py::arg("lora") = py::none(), py::arg("slot_of_row") = py::none())
         .def_property_readonly("num_layers", &DecoderStack::num_layers);
 }
 

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "lora.h"
 #include "quantized.h"
 
 namespace prefixserve {
@@ -52,7 +53,7 @@ struct RowwiseKernels {
 
 // Bumped whenever the table's layout or a kernel's contract changes: module.cpp refuses a variant
 // built against another (a stale build left beside a new one).
-constexpr uint32_t KERNEL_TABLE_VERSION = 6;
+constexpr uint32_t KERNEL_TABLE_VERSION = 7;
 constexpr const char* KERNEL_TABLE_CAPSULE = "prefixserve.KernelTable";
 
 struct KernelTable {
@@ -71,6 +72,10 @@ struct KernelTable {
     // Weights kept quantized (quantized.h), float32 activations.
     void (*quantized_matmul)(const QuantizedWeight&, const float*, int64_t, int64_t, const float*, float*, int64_t);
     void (*dequantize_rows)(const QuantizedWeight&, int64_t, int64_t, float*);
+    // LoRA adapters' updates, each row its own adapter's (lora.h); every variant has them.
+    void (*lora_float32)(const float*, int64_t, int64_t, int64_t, const LoRAWeights* const*, float*, int64_t);
+    void (*lora_bfloat16)(const at::BFloat16*, int64_t, int64_t, int64_t, const LoRAWeights* const*, at::BFloat16*,
+                          int64_t);
 };
 
 }  // namespace prefixserve

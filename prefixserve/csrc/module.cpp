@@ -14,6 +14,7 @@
 //                  Kernels: rowwise.cpp. Reference: llama.py's RMSNorm, rotate and MLP.
 //   quantized_matmul, dequantize    weights kept quantized (quantized_matmul.cpp)
 //   DecoderStack   every decoder layer of a step in one call, through these same kernels (decoder_stack.cpp)
+//   LoRASlots      adapters installed once; each adapted projection's rows updated by their own (lora_slots.cpp)
 //
 // This file checks what a caller hands in (shapes, dtypes, every block id of every range read: a bad
 // table is an error, never a stray read) and dispatches on the dtype and the variant. The kernels run
@@ -374,4 +375,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("describe", &describe, "what a variant's kernel table says of itself");
     m.def("multiply_add_flops", &multiply_add_flops, "run the variant's multiply-add peak loop; its flops");
     bind_decoder_stack(m);
+    bind_lora_slots(m);
 }

@@ -5,6 +5,7 @@
 #include <Python.h>
 
 #include "kernels.h"
+#include "lora.h"
 #include "peak.h"
 #include "rowwise.h"
 #include "simd.h"
@@ -47,6 +48,8 @@ const prefixserve::KernelTable table = {
     &prefixserve::multiply_add_flops,
     &prefixserve::quantized_matmul,
     &prefixserve::dequantize_rows,
+    &prefixserve::lora_add_rows<float>,
+    &prefixserve::lora_add_rows<at::BFloat16>,
 };
 
 PyModuleDef module_def = {

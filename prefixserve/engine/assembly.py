@@ -84,6 +84,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         batch_invariant=config.batch_invariant,
         window_slots=window_slots,
         enable_lora=config.enable_lora,
+        max_loras=config.max_loras,
     )
     version = current.version
     tiers = tiered_kv(config, version.scope.digest, runner, cache, keyer)

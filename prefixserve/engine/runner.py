@@ -18,6 +18,7 @@ from ..lora.step import LoRAStep
 from ..lora.step import attach as attach_lora
 from ..model import AttentionMetadata, LlamaForCausalLM, ModelConfig
 from ..model.attention.paged import choose_backend
+from ..model.kernels import lora_slots_for
 from .kv_memory import zeroed_pool
 from .logits_processors import process_logits
 from .model_version import CurrentVersion
@@ -53,10 +54,11 @@ class ModelRunner:
         batch_invariant: bool = True,
         window_slots: Optional[WindowSlots] = None,
         enable_lora: bool = False,
+        max_loras: int = 1,
     ) -> None:
         self.batch_invariant = batch_invariant
         # Each step's rows by LoRA adapter, read by every adapted layer (lora/step.py); None: no adapters served.
-        self.lora_step = LoRAStep() if enable_lora else None
+        self.lora_step = LoRAStep(max_loras, lora_slots_for(device)) if enable_lora else None
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.current = current
         self.prepare(current.version.model)

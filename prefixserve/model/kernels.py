@@ -96,6 +96,8 @@ class CompiledKernels:
         self.decoder_stack = (
             functools.partial(binding.DecoderStack, self.table) if hasattr(binding, "DecoderStack") else None
         )
+        # LoRA adapters' slots and updates (lora/step.py); None from a binding built before them
+        self.lora_slots = functools.partial(binding.LoRASlots, self.table) if hasattr(binding, "LoRASlots") else None
         if self.has_rowwise:
             self.rms_norm = functools.partial(binding.rms_norm, self.table)
             self.add_rms_norm_ = functools.partial(binding.add_rms_norm_, self.table)
@@ -179,6 +181,11 @@ def _usable(k_cache: torch.Tensor) -> bool:
 def causal_kernel_for(k_cache: torch.Tensor):
     """The compiled paged_causal for this cache, or None."""
     return compiled.paged_causal if _usable(k_cache) else None
+
+
+def lora_slots_for(device: torch.device):
+    """The compiled kernels' LoRASlots maker (num_slots, num_layers) for a model on `device`, or None."""
+    return compiled.lora_slots if compiled is not None and device.type == "cpu" else None
 
 
 def rowwise_for(x: torch.Tensor):

@@ -1,8 +1,10 @@
 // paged_causal and the row-wise kernels built for aarch64 (the neon or portable backend), run under
 // qemu by test_model_kernel_variants.py: every row against attention in double precision, in float32
 // and with bf16 keys and values, without and with a sliding window and a soft cap on the scores, and each decode
-// alone bit for bit as in the batch. Exit 0 when all hold.
+// alone bit for bit as in the batch; the LoRA kernel's rows against double precision, each alone as in the
+// batch, the base's rows untouched. Exit 0 when all hold.
 #include "kernels.h"
+#include "lora.h"
 #include "quantized.h"
 #include "rowwise.h"
 #include "simd.h"
@@ -272,6 +274,67 @@ bool check_half_group_scales(std::mt19937& generator, int bits) {
     return same;
 }
 
+// Rows of three kinds (an adapter of one part of rank 3, one of two parts of ranks 20 and 4 as gate and up,
+// and none), 72 columns (each part's whole vectors and a tail): each adapted row against its update in double
+// precision, each row alone bit for bit as in the batch, the rest untouched.
+bool check_lora(std::mt19937& generator) {
+    constexpr int64_t ROWS = 6, IN = 40, WIDTH_OUT = 72;
+    std::normal_distribution<float> normal;
+    const int64_t padded[2] = {16, 32};
+    const std::vector<std::vector<int64_t>> ranks = {{3}, {20, 4}}, columns = {{0}, {0, 24}}, widths = {{72}, {24, 48}};
+    std::vector<float> a_t[2], b_t[2][2];
+    LoRAWeights weights[2];
+    for (int k = 0; k < 2; ++k) {
+        a_t[k].assign(IN * padded[k], 0.f);
+        weights[k] = {nullptr, padded[k], k == 0 ? 2.f : 0.5f, static_cast<int64_t>(ranks[k].size()), {}};
+        int64_t offset = 0;
+        for (size_t p = 0; p < ranks[k].size(); ++p) {
+            for (int64_t i = 0; i < IN; ++i)
+                for (int64_t j = offset; j < offset + ranks[k][p]; ++j) a_t[k][i * padded[k] + j] = normal(generator) / 8;
+            b_t[k][p].resize(ranks[k][p] * widths[k][p]);
+            for (float& value : b_t[k][p]) value = normal(generator);
+            weights[k].parts[p] = {b_t[k][p].data(), offset, ranks[k][p], columns[k][p], widths[k][p]};
+            offset += ranks[k][p];
+        }
+        weights[k].a_t = a_t[k].data();
+    }
+    const LoRAWeights* row_weights[ROWS] = {&weights[0], nullptr, &weights[1], &weights[1], nullptr, &weights[0]};
+    std::vector<float> x(ROWS * IN), base(ROWS * WIDTH_OUT);
+    for (float& value : x) value = normal(generator);
+    for (float& value : base) value = normal(generator);
+    std::vector<float> out = base;
+    lora_add_rows<float>(x.data(), ROWS, IN, IN, row_weights, out.data(), WIDTH_OUT);
+    double worst = 0;
+    bool same = true;
+    for (int64_t r = 0; r < ROWS; ++r) {
+        std::vector<float> alone(base.begin() + r * WIDTH_OUT, base.begin() + (r + 1) * WIDTH_OUT);
+        lora_add_rows<float>(x.data() + r * IN, 1, IN, IN, &row_weights[r], alone.data(), WIDTH_OUT);
+        same = same && std::memcmp(alone.data(), out.data() + r * WIDTH_OUT, WIDTH_OUT * sizeof(float)) == 0;
+        const LoRAWeights* w = row_weights[r];
+        if (w == nullptr) {
+            same = same && std::memcmp(base.data() + r * WIDTH_OUT, out.data() + r * WIDTH_OUT, WIDTH_OUT * 4) == 0;
+            continue;
+        }
+        for (int64_t p = 0; p < w->num_parts; ++p) {
+            const LoRAPart& part = w->parts[p];
+            for (int64_t c = 0; c < part.width; ++c) {
+                double sum = 0;
+                for (int64_t j = 0; j < part.rank; ++j) {
+                    double t = 0;
+                    for (int64_t i = 0; i < IN; ++i)
+                        t += double(x[r * IN + i]) * w->a_t[i * w->padded_rank + part.rank_offset + j];
+                    sum += t * part.b_t[j * part.width + c];
+                }
+                const int64_t at = r * WIDTH_OUT + part.column + c;
+                const double expected = base[at] + sum * w->scaling;
+                worst = std::max(worst, std::abs(out[at] - expected) / (1 + std::abs(expected)));
+            }
+        }
+    }
+    std::printf("lora: worst relative error %.3g, rows alone as in the batch: %s\n", worst, same ? "yes" : "NO");
+    return same && worst < 1e-5;
+}
+
 int main() {
     std::mt19937 generator(1);
     std::normal_distribution<float> normal;
@@ -286,7 +349,7 @@ int main() {
     for (int64_t n : QUERY_LENS) c.query_start.push_back(c.query_start.back() + n);
     c.queries.resize(c.query_start.back() * HEADS * HEAD_DIM);
     for (float& value : c.queries) value = normal(generator);
-    bool ok = check_rowwise() & check_quantized(generator) & check_levels(generator);
+    bool ok = check_rowwise() & check_quantized(generator) & check_levels(generator) & check_lora(generator);
     for (int bits : {6, 3, 2}) ok = check_half_group_scales(generator, bits) & ok;
     for (int64_t window : {0, 33}) {  // 33: windows that begin inside a 32-key step
         for (float softcap : {0.f, 1.5f}) {

@@ -13,7 +13,8 @@ It runs where llama.py's layer would take exactly those kernels and nothing else
     the whole head, no per-head q/k norm, no sliding window, no score cap, SiLU;
   * every projection a QuantizedLinear or a float32 Linear our kernel multiplies (linear.py's use_kernel;
     bf16 and oneDNN-packed Linear layers run from Python);
-  * a step whose every row's output is used (no `output_rows`) and one KV pool (no window pool).
+  * a step whose every row's output is used (no `output_rows`) and one KV pool (no window pool);
+  * LoRA adapters through the LoRA kernel's slots (lora/step.py), or none.
 Anything else keeps the layer-by-layer path, which stays the reference.
 """
 
@@ -109,10 +110,17 @@ def can_run(x: torch.Tensor, kv_caches: list, output_rows, window_meta, attentio
 
 
 def run(
-    stack, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], kv_caches: list, meta: AttentionMetadata
+    stack,
+    x: torch.Tensor,
+    rotary: tuple[torch.Tensor, torch.Tensor],
+    kv_caches: list,
+    meta: AttentionMetadata,
+    adapters: Optional[tuple] = None,
 ) -> torch.Tensor:
-    """x after every layer (updated in place), as the layer-by-layer loop gives it."""
+    """x after every layer (updated in place), as the layer-by-layer loop gives it; `adapters`: the step's LoRA
+    slots and each row's slot (lora/step.py's kernel_arguments), None without."""
     cos, sin = rotary
+    lora, slot_of_row = adapters if adapters is not None else (None, None)
     return stack.run(
         x,
         cos,
@@ -123,4 +131,6 @@ def run(
         meta.query_start_loc,
         meta.seq_lens,
         meta.slot_mapping,
+        lora,
+        slot_of_row,
     )

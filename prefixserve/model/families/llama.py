@@ -330,13 +330,14 @@ class LlamaForCausalLM(nn.Module):
             attention = choose_backend(kv_caches[0][0])
         if self._decoder_stack is _UNBUILT:
             self._decoder_stack = decoder_stack.build(self)
-        adapted = self.lora_step is not None and self.lora_step.active  # the compiled stack knows no adapters
+        # the compiled stack applies adapters through the LoRA kernel's slots (lora/step.py), not PyTorch's way
+        adapters = self.lora_step.kernel_arguments() if self.lora_step is not None and self.lora_step.active else None
         if (
             self._decoder_stack is not None
-            and not adapted
+            and adapters != ()
             and decoder_stack.can_run(x, kv_caches, output_rows, window_meta, attention)
         ):
-            return self.norm(decoder_stack.run(self._decoder_stack, x, rotary, kv_caches, meta))
+            return self.norm(decoder_stack.run(self._decoder_stack, x, rotary, kv_caches, meta, adapters))
         local_rotary = self.local_rotary(positions, x.dtype) if self.local_rotary is not None else rotary
         steps = {}  # once per step, pool, window and cap: every layer reading the same slots the same way shares it
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
