@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from .adapter_error import AdapterError
+
 # PEFT's module name -> (our fused module, the part of its output it updates; None: all of it)
 TARGETS = {
     "q_proj": ("qkv", "q"),
@@ -46,20 +48,18 @@ _REFUSED_OPTIONS = {
 }
 
 
-class AdapterError(ValueError):
-    """An adapter that cannot be served: the message names the file or field and the fix."""
-
-
 @dataclass(frozen=True)
 class FusedUpdate:
     """Every adapted part of one fused projection in one layer, as one update: out += (x @ a.T @ b.T) * scaling,
     where a stacks the parts' A ([sum of r, in]) and b places each part's B at its output columns and its A's
     rows ([out, sum of r], zero elsewhere: a column no part adapts gains exactly 0). Per part that is peft's
-    (x @ A.T @ B.T) * scaling; one matmul pair serves q, k and v (or gate and up) at once."""
+    (x @ A.T @ B.T) * scaling; one matmul pair serves q, k and v (or gate and up) at once. `parts` names each
+    part's block of b, (first row of a, rank, first output column, columns): what the kernel reads of it."""
 
     a: torch.Tensor
     b: torch.Tensor
     scaling: float
+    parts: tuple[tuple[int, int, int, int], ...]
 
 
 @dataclass
@@ -92,12 +92,23 @@ def output_ranges(config) -> dict[str, tuple[str, int, int, int]]:
     }
 
 
-def load_peft_adapter(name: str, path: str, config, max_rank: int) -> LoRAAdapter:
-    """The adapter saved at `path` (a PEFT directory) for the base `config`; AdapterError names what is wrong."""
+def load_adapter(name: str, path: str, config, max_rank: int) -> LoRAAdapter:
+    """The adapter at `path` for the base `config`: a PEFT directory, or a GGUF LoRA file as llama.cpp's
+    convert_lora_to_gguf.py writes it (gguf_adapter.py); AdapterError names what is wrong."""
+    if Path(path).is_file():
+        from .gguf_adapter import read_gguf_adapter
+
+        found, scaling_of = read_gguf_adapter(name, Path(path), config)
+    else:
+        found, scaling_of = _read_peft_adapter(name, Path(path))
+    return assemble(name, str(path), found, scaling_of, config, max_rank)
+
+
+def _read_peft_adapter(name: str, directory: Path):
+    """(PEFT module's (layer, name) -> {"A": tensor, "B": tensor}, rank -> scaling) of a PEFT directory."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    directory = Path(path)
     settings = _read_settings(name, directory)
     weights_file = directory / "adapter_model.safetensors"
     if not weights_file.is_file():
@@ -110,8 +121,6 @@ def load_peft_adapter(name: str, path: str, config, max_rank: int) -> LoRAAdapte
         tensors = load_file(str(weights_file))
     except (SafetensorError, OSError, ValueError) as error:
         raise AdapterError(f"LoRA adapter {name!r}: cannot read {weights_file} ({error})") from None
-    alpha, rslora = settings["lora_alpha"], bool(settings.get("use_rslora", False))
-    ranges = output_ranges(config)
     found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for tensor_name, tensor in tensors.items():
         matched = _TENSOR.match(tensor_name)
@@ -120,20 +129,29 @@ def load_peft_adapter(name: str, path: str, config, max_rank: int) -> LoRAAdapte
                 f"LoRA adapter {name!r}: tensor {tensor_name!r} adapts a module this server cannot: LoRA targets "
                 f"must be among {sorted(TARGETS)} (attention and MLP projections)"
             )
-        layer, module = int(matched.group(1)), matched.group(2)
-        if layer >= config.num_hidden_layers:
-            raise AdapterError(
-                f"LoRA adapter {name!r}: {tensor_name!r} names layer {layer}, but the base has "
-                f"{config.num_hidden_layers} layers: an adapter for another base model?"
-            )
-        found.setdefault((layer, module), {})[matched.group(3)] = tensor
+        found.setdefault((int(matched.group(1)), matched.group(2)), {})[matched.group(3)] = tensor
     if not found:
         raise AdapterError(f"LoRA adapter {name!r}: {weights_file} holds no lora_A / lora_B tensors")
+    alpha, rslora = settings["lora_alpha"], bool(settings.get("use_rslora", False))
+    return found, (lambda rank: alpha / math.sqrt(rank)) if rslora else (lambda rank: alpha / rank)
+
+
+def assemble(
+    name: str, path: str, found: dict[tuple[int, str], dict[str, torch.Tensor]], scaling_of, config, max_rank: int
+) -> LoRAAdapter:
+    """The adapter of `found` ((layer, PEFT module name) -> its A and B, in PEFT's layouts [r, in] and [out, r])
+    checked against the base `config`, each module scaled by scaling_of(its rank)."""
+    ranges = output_ranges(config)
     parts: list[dict[str, list[tuple[torch.Tensor, torch.Tensor, int]]]] = [{} for _ in range(config.num_hidden_layers)]
     digest = hashlib.sha256(b"prefixserve lora\0")
     rank = 0
     scalings = set()
     for (layer, module), pair in sorted(found.items()):
+        if layer >= config.num_hidden_layers:
+            raise AdapterError(
+                f"LoRA adapter {name!r}: it adapts layer {layer}, but the base has {config.num_hidden_layers} "
+                "layers: an adapter for another base model?"
+            )
         if set(pair) != {"A", "B"}:
             raise AdapterError(f"LoRA adapter {name!r}: layer {layer} {module} has lora_{''.join(pair)} alone")
         a, b = pair["A"].float(), pair["B"].float()
@@ -151,7 +169,7 @@ def load_peft_adapter(name: str, path: str, config, max_rank: int) -> LoRAAdapte
             )
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise AdapterError(f"LoRA adapter {name!r}: layer {layer} {module} holds NaN or infinity")
-        scaling = alpha / math.sqrt(r) if rslora else alpha / r
+        scaling = scaling_of(r)
         parts[layer].setdefault(fused, []).append((a, b, start))
         scalings.add(scaling)
         rank = max(rank, r)
@@ -167,19 +185,20 @@ def load_peft_adapter(name: str, path: str, config, max_rank: int) -> LoRAAdapte
         {module: fuse(pieces, widths[module], scaling) for module, pieces in layer_parts.items()}
         for layer_parts in parts
     ]
-    return LoRAAdapter(name, str(directory), rank, digest.hexdigest(), layers)
+    return LoRAAdapter(name, path, rank, digest.hexdigest(), layers)
 
 
 def fuse(pieces: list[tuple[torch.Tensor, torch.Tensor, int]], width: int, scaling: float) -> FusedUpdate:
     """One FusedUpdate of a projection's adapted parts (A, B, first output column), `width` output columns."""
     a = torch.cat([piece[0] for piece in pieces])
     b = torch.zeros(width, a.shape[0])
-    offset = 0
+    offset, parts = 0, []
     for piece_a, piece_b, start in pieces:
         rank = piece_a.shape[0]
         b[start : start + piece_b.shape[0], offset : offset + rank] = piece_b
+        parts.append((offset, rank, start, piece_b.shape[0]))
         offset += rank
-    return FusedUpdate(a.double().contiguous(), b.double().contiguous(), scaling)
+    return FusedUpdate(a.contiguous(), b.contiguous(), scaling, tuple(parts))
 
 
 def _read_settings(name: str, directory: Path) -> dict:

@@ -8,7 +8,7 @@ import os
 import threading
 from collections import OrderedDict
 
-from .adapter import AdapterError, LoRAAdapter, load_peft_adapter
+from .adapter import AdapterError, LoRAAdapter, load_adapter
 from .lora_request import LoRARequest
 
 
@@ -34,7 +34,7 @@ class AdapterRegistry:
         if held is not None and held[0] == stamp:
             self._loaded.move_to_end(name)
             return held[1]
-        adapter = load_peft_adapter(name, path, version.config, self.max_rank)
+        adapter = load_adapter(name, path, version.config, self.max_rank)
         self._loaded[name] = (stamp, adapter)
         self._loaded.move_to_end(name)
         self._shrink()
@@ -57,6 +57,9 @@ class AdapterRegistry:
     @staticmethod
     def _stamp(name: str, path: str) -> tuple:
         """What says an adapter's files changed under its name: their sizes and modification times."""
+        if os.path.isfile(path):  # a GGUF LoRA file
+            stat = os.stat(path)
+            return (path, (stat.st_size, stat.st_mtime_ns))
         stamps = []
         for file_name in ("adapter_config.json", "adapter_model.safetensors"):
             try:
@@ -66,5 +69,8 @@ class AdapterRegistry:
                 continue
             stamps.append((stat.st_size, stat.st_mtime_ns))
         if stamps == [None, None] and not os.path.isdir(path):
-            raise AdapterError(f"LoRA adapter {name!r}: {path!r} is not a directory (a PEFT adapter's save_pretrained)")
+            raise AdapterError(
+                f"LoRA adapter {name!r}: {path!r} is neither a directory (a PEFT adapter's save_pretrained) nor a "
+                "GGUF LoRA file (llama.cpp's convert_lora_to_gguf.py)"
+            )
         return (path, *stamps)

@@ -21,7 +21,7 @@ from ..engine.request import Request as EngineRequest
 from ..engine.sampling_params import SamplingParams
 from ..http import APIError, split_model
 from ..http_body import parse_json_body
-from ..lora.adapter import AdapterError
+from ..lora.adapter_error import AdapterError
 from ..lora.lora_request import LoRARequest
 from ..prompts import split_prompts
 from .errors import most_specific, param_of

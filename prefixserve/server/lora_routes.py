@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 
 from ..http import APIError
-from ..lora.adapter import AdapterError
+from ..lora.adapter_error import AdapterError
 from ..lora.lora_request import LoRARequest
 from .inputs import read_body
 from .protocol import OpenAIBody
