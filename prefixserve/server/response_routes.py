@@ -27,7 +27,7 @@ from .response_objects import ResponseShape, item_id
 from .response_protocol import UNSUPPORTED_RESPONSE_FIELDS, ResponsesCreate
 from .response_render import assistant_message, chat_body, input_items, input_messages
 from .response_store import StoredResponse
-from .routes import check_model, check_version, server_state, start, with_tool_choice
+from .routes import answering_model, check_model, check_version, server_state, start, with_tool_choice
 from .tool_prompt import parser_for
 
 response_routes = APIRouter()
@@ -121,7 +121,7 @@ async def create_response(request: Request):
     reads_calls = bool(chat.tools) and chat.tool_choice != "none"
     shape = ResponseShape(
         item_id("resp"),
-        state.settings.served_model_name,
+        answering_model(state.settings, body.model),
         _echo(body),
         parser if reads_calls else None,
         max_calls=1 if body.parallel_tool_calls is False else None,

@@ -50,6 +50,14 @@ def check_model(settings, model) -> None:
         )
 
 
+def answering_model(settings, model) -> str:
+    """The `model` a response names, as vLLM's do: the adapter's name where the request asked for one (checked by
+    check_model), else the served model's."""
+    name = split_model(model)[0] if model is not None else None
+    adapter = name is not None and settings.lora_modules.request_for(name) is not None
+    return name if adapter else settings.served_model_name
+
+
 def check_version(state, model) -> None:
     """A request pinned to a model version ('name@fp_...') runs only on that version; call it inside the
     reload gate, where the version cannot change before the request is queued."""
@@ -173,7 +181,7 @@ async def completions(request: Request):
         shape = CompletionShape(
             new_id("cmpl"),
             now(),
-            state.settings.served_model_name,
+            answering_model(state.settings, body.model),
             state.texts,
             echo=body.echo,
             **shape_options(state, body),
@@ -204,7 +212,7 @@ async def chat_completions(request: Request):
         shape = ChatShape(
             new_id("chatcmpl"),
             now(),
-            state.settings.served_model_name,
+            answering_model(state.settings, body.model),
             state.texts,
             tool_parser=parser if reads_calls else None,
             max_calls=1 if body.parallel_tool_calls is False else None,
