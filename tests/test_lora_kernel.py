@@ -153,3 +153,22 @@ def test_the_compiled_stack_applies_adapters_as_the_layers_do(kernel_variant, de
     assert not torch.equal(plain[:5], stacked[:5]) and torch.equal(
         plain[5], stacked[5]
     )  # adapters change their rows only
+
+
+def test_a_quantized_base_serves_adapters_alike_alone_batched_and_warm(default_model_dir, tmp_path):
+    """int4 projections (the compiled stack's path): the adapter's rows are its own whatever the batch, a cache hit
+    changes no token, and the base rows of a mixed batch are the base's."""
+    pytest.importorskip("peft")
+    from prefixserve import LLM, LoRARequest, SamplingParams
+
+    adapter = LoRARequest("q", 1, save_adapter(tmp_path / "q", 6))
+    llm = LLM(str(default_model_dir), quantize="int4", enable_lora=True, kv_cache_memory_bytes=8 << 20, log_stats=False)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    prompt = "A harbour at dusk: the boats come in one by one, their lamps lit, the gulls still circling over"
+    (alone,) = llm.generate([prompt], params, use_tqdm=False, lora_request=adapter)
+    mixed = llm.generate(
+        [prompt, prompt, "Another prompt entirely"], params, use_tqdm=False, lora_request=[None, adapter, adapter]
+    )
+    (base,) = llm.generate([prompt], params, use_tqdm=False)
+    assert mixed[1].token_ids == alone.token_ids and mixed[1].num_cached_tokens > 0
+    assert mixed[0].token_ids == base.token_ids != alone.token_ids
