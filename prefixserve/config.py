@@ -18,6 +18,7 @@ from .cache.tenant_shares import (
     share_from,
     tenant_shares_of,
 )
+from .speculative_config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -240,6 +241,15 @@ class EngineConfig:
     max_cpu_loras: Optional[int] = option(
         None, "LoRA adapters kept loaded, least recently used dropped first (default: --max-loras)", metavar="N"
     )
+    # Speculative decoding (engine/speculation.py): vLLM's speculative_config, kept as the SpeculativeConfig
+    speculative_config: Optional[SpeculativeConfig] = option(
+        None,
+        'speculative decoding as JSON with vLLM\'s fields, e.g. {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 5, "prompt_lookup_min": 2} (prompt lookup; greedy outputs are the same token for '
+        "token; default: off)",
+        metavar="JSON",
+        parse=SpeculativeConfig.parse,
+    )
     enable_kv_events: bool = option(False, "keep KV events for GET /v1/kv_events (for a router; needs --admin-api-key)")
     # vLLM's KV events over ZMQ (engine/kv_event_publisher.py), for vllm-router, llm-d, Dynamo: JSON text,
     # a dict or a KVEventsConfig, kept as the KVEventsConfig.
@@ -345,6 +355,7 @@ class EngineConfig:
                 raise ValueError(message)
 
         object.__setattr__(self, "kv_events_config", KVEventsConfig.parse(self.kv_events_config))
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         object.__setattr__(self, "tenant_shares", parse_tenant_shares(self.tenant_shares))
         self.shares()  # raises ValueError naming a share that cannot hold
         require(self.max_loras >= 1, f"max_loras must be at least 1, got {self.max_loras}")

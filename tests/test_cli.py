@@ -98,9 +98,10 @@ def test_every_engine_config_field_is_a_serve_flag_with_its_default():
         if kind is bool:
             assert getattr(parser.parse_args([flag]), item.name) is (not item.default), flag
         elif "parse" in item.metadata:  # a JSON flag: the field holds what the parser made of it
-            text = {"tenant_shares": '{"acme": {"min_kv_share": 0.2}}'}.get(
-                item.name, '{"enable_kv_cache_events": true}'
-            )
+            text = {
+                "tenant_shares": '{"acme": {"min_kv_share": 0.2}}',
+                "speculative_config": '{"method": "ngram", "num_speculative_tokens": 3}',
+            }.get(item.name, '{"enable_kv_cache_events": true}')
             assert getattr(parser.parse_args([flag, text]), item.name) == item.metadata["parse"](text), flag
         else:
             value = other_value(item, kind)

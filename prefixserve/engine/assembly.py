@@ -31,6 +31,7 @@ from .prefix_sources import PrefixSources
 from .request_windows import RequestWindows
 from .runner import ModelRunner
 from .scheduler import Scheduler
+from .speculation import Speculation
 from .tier_setup import tiered_kv
 
 logger = logging.getLogger("prefixserve")
@@ -103,6 +104,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         long_rope_after=loaded.config.long_rope_after,
         sources=sources,
         max_loras=config.max_loras if config.enable_lora else None,
+        speculation=Speculation(config.speculative_config) if config.speculative_config is not None else None,
     )
     summary = startup_summary(config, version, dtype, device, numerics, pool, runner.attention.name)
     parts = EngineParts(

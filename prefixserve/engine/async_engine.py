@@ -61,6 +61,8 @@ class EngineSnapshot:
     tenants: dict = field(default_factory=dict)  # tenant_report(): each tenant's shares, holdings and counters
     # with enable_lora: (max_loras, names of the adapters running, names of those waiting); None: no adapters
     lora: Optional[tuple] = None
+    # with speculative_config: a copy of engine/speculation.py's SpecDecodeStats; None: speculation off
+    spec_decode: Optional[object] = None
     time: float = 0.0  # unix seconds when it was taken
 
     @classmethod
@@ -79,8 +81,15 @@ class EngineSnapshot:
             reuse_gaps=engine.reuse_gaps.snapshot(),
             tenants=tenant_report(engine)["tenants"],
             lora=lora_names(engine),
+            spec_decode=spec_decode_stats(engine),
             time=time.time(),
         )
+
+
+def spec_decode_stats(engine: LLMEngine):
+    """A copy of the speculation's counters (vllm:spec_decode_*), None where speculation is off."""
+    speculation = engine.scheduler.speculation
+    return None if speculation is None else speculation.stats.copy()
 
 
 def lora_names(engine: LLMEngine) -> Optional[tuple]:

@@ -196,7 +196,7 @@ class LLMEngine:
         self.tiers.context.observe_step(output.scheduled, time.perf_counter() - began)
         updated = self.scheduler.update(output, result.token_ids, result.logprobs)
         self.tiers.writer.write_through()
-        self.counters.produced(updated)
+        self.counters.produced(updated, self.scheduler.num_output_tokens_last_step)
         return outputs + [self._detokenized_output(request) for request in updated]
 
     def _fail_step(self, output: SchedulerOutput, error: Exception) -> list[RequestOutput]:

@@ -85,6 +85,7 @@ class Request:
     grammar: Optional[Grammar] = None  # sampling_params.structured_outputs' matcher, past the output so far
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    draft: list[int] = field(default_factory=list)  # this step's speculated tokens past token_ids (speculation.py)
     num_cached_tokens: int = 0  # prompt tokens found cached at its first admission
     blocks: list[Block] = field(default_factory=list)
     block_keys: list[bytes] = field(default_factory=list)

@@ -28,8 +28,8 @@ from .scheduler import ScheduledRequest
 
 
 class StepResult(NamedTuple):
-    """Per scheduled request: the sampled token (None for a mid-prompt chunk) and its logprob
-    (None unless the request asked for logprobs)."""
+    """Per scheduled request: the sampled token (None for a mid-prompt chunk) and its logprob (None unless the
+    request asked for logprobs); for a drafted request, lists: one per row (engine/speculation.py)."""
 
     token_ids: list[Optional[int]]
     logprobs: list[Optional[TokenLogprob]]
@@ -173,20 +173,27 @@ class ModelRunner:
         """Run one step; a sampled token (and logprob) per request, None for mid-prompt chunks."""
         input_ids: list[int] = []
         query_lens, seq_lens, block_tables = [], [], []
-        sample_rows, sampled_requests = [], []
+        sample_rows, sampled_requests, positions = [], [], []  # positions: where each sampled token lands
+        rows_of = []  # per scheduled request, its sampled rows' indexes among sample_rows
         segments = []  # (adapter, first row, end row) per request: which rows an adapter updates
         for request, num_new in scheduled:
             start = request.num_computed_tokens
             end = start + num_new
             segments.append((request.lora, len(input_ids), len(input_ids) + num_new))
-            input_ids += request.token_ids[start:end]
+            # a drafted request (engine/speculation.py): its last token, then its drafts, every row sampled
+            input_ids += (
+                request.token_ids[start:end] if not request.draft else request.token_ids[start:] + request.draft
+            )
             query_lens.append(num_new)
             seq_lens.append(end)
             block_tables.append([block.block_id for block in request.blocks])
             # Logits only where the last known token was just computed: that row predicts the next.
-            if end == request.num_tokens:
-                sample_rows.append(len(input_ids) - 1)
+            num_sampled = len(request.draft) + 1 if end == request.num_tokens + len(request.draft) else 0
+            rows_of.append(range(len(sample_rows), len(sample_rows) + num_sampled))
+            for row in range(num_sampled):
+                sample_rows.append(len(input_ids) - num_sampled + row)
                 sampled_requests.append(request)
+                positions.append(request.num_tokens + row)
         meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size, self.device)
         window_meta = None
         if self.window_slots is not None:  # the same step over the window layers' slots (-1: released below a window)
@@ -218,12 +225,17 @@ class ModelRunner:
         sampled = self.sampler.sample(
             process_logits(logits, sampled_requests),
             [request.sampling_params for request in sampled_requests],
-            [request.num_tokens for request in sampled_requests],  # where each new token lands
+            positions,
             raw_logits=logits,  # logprobs from the model's own logits, as vLLM and OpenAI give them
         )
-        by_request = {id(request): i for i, request in enumerate(sampled_requests)}
-        rows_of = [by_request.get(id(request)) for request, _ in scheduled]
         return StepResult(
-            [None if i is None else sampled.token_ids[i] for i in rows_of],
-            [None if i is None else sampled.logprobs[i] for i in rows_of],
+            [_one_or_all(sampled.token_ids, rows, request) for (request, _), rows in zip(scheduled, rows_of)],
+            [_one_or_all(sampled.logprobs, rows, request) for (request, _), rows in zip(scheduled, rows_of)],
         )
+
+
+def _one_or_all(values: list, rows: range, request):
+    """A request's sampled value: None (no row), its one row's, or every row's for a drafted request."""
+    if not rows:
+        return None
+    return [values[row] for row in rows] if request.draft else values[rows[0]]

@@ -38,6 +38,7 @@ from .in_flight import waits_for_in_flight
 from .prefix_sources import PrefixSources
 from .request import Request, RequestStatus
 from .request_windows import RequestWindows
+from .speculation import Speculation
 from .stopping import check_stop
 
 LPM_WINDOW = 64  # waiting requests ranked by cached prefix per step under "lpm"
@@ -75,8 +76,11 @@ class Scheduler:
         long_rope_after: Optional[int] = None,
         sources: Optional[PrefixSources] = None,
         max_loras: Optional[int] = None,
+        speculation: Optional[Speculation] = None,
     ) -> None:
         self.cache = cache
+        self.speculation = speculation  # prompt-lookup drafts for decoding requests (speculation.py); None: off
+        self.num_output_tokens_last_step = 0  # tokens the last update() appended (more than one per request drafts)
         self.max_loras = max_loras  # the most LoRA adapters among running requests (None: no adapters served)
         self.windows = RequestWindows(window_slots)
         # Where a waiting request's prefix is held (the device, then the tiers): the engine hands in one over its
@@ -128,6 +132,8 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            request.draft = self._draft(request, budget) if num_new == 1 else []
+            num_new += len(request.draft)
             if (
                 self.long_rope_after is not None
                 and not request.long_rope
@@ -137,7 +143,7 @@ class Scheduler:
                 request.rotate_long()
                 output.preempted.append(self._preempt(request))
                 continue
-            needed = self._blocks_for(request.num_computed_tokens + num_new) - len(request.blocks)
+            needed = max(0, self._blocks_for(request.num_computed_tokens + num_new) - len(request.blocks))
             self.windows.slide(request)
             while not self._fits(needed, request.owner) and self.running[-1] is not request:
                 output.preempted.append(self._preempt(self.running[-1]))
@@ -158,6 +164,17 @@ class Scheduler:
         if not output.preempted:
             self._admit_waiting(output, budget)
         return output
+
+    def _draft(self, request: Request, budget: int) -> list[int]:
+        """Draft tokens for a decoding request (speculation.py), within the step's budget; never across the
+        LongRoPE switch (a draft must not make the request recompute with long factors earlier than one token
+        at a time would) nor with window pools (whose blocks slide one step at a time)."""
+        if self.speculation is None or request.num_tokens - request.num_computed_tokens != 1 or self.windows.slots:
+            return []
+        room = budget - 1
+        if self.long_rope_after is not None and not request.long_rope:
+            room = min(room, self.long_rope_after - request.num_tokens)
+        return self.speculation.draft(request, len(self.running), room)
 
     def _admit_waiting(self, output: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -251,6 +268,7 @@ class Scheduler:
         self.running.remove(request)
         self._release(request)
         request.num_computed_tokens = 0
+        request.draft = []
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
@@ -289,9 +307,14 @@ class Scheduler:
         Returns the requests that produced a token or finished this step.
         """
         updated = []
+        self.num_output_tokens_last_step = 0
         logprobs = logprobs or [None] * len(output.scheduled)
         for (request, num_new), token_id, logprob in zip(output.scheduled, sampled_token_ids, logprobs):
             if request.is_finished:  # aborted while the step ran
+                continue
+            if request.draft:  # every row sampled: a list of tokens (and of logprobs)
+                self._update_drafted(request, token_id, logprob)
+                updated.append(request)
                 continue
             request.num_computed_tokens += num_new
             if self.enable_prefix_caching:
@@ -299,6 +322,7 @@ class Scheduler:
             if token_id is None:
                 continue
             request.append_output_token(token_id, logprob)
+            self.num_output_tokens_last_step += 1
             updated.append(request)
             refused = request.grammar.accept(token_id) if request.grammar is not None else None
             if refused is not None:  # only a token the mask allowed is chosen: the grammar's own limits
@@ -308,6 +332,22 @@ class Scheduler:
             if ended is not None:
                 self.finish_request(request, *ended)
         return updated
+
+    def _update_drafted(self, request: Request, sampled: list[int], logprobs: Optional[list]) -> None:
+        """A drafted request's step: the kept tokens (speculation.accept) appended one at a time, each as its own
+        decode step would (the position before it counted computed, full blocks inserted, stops checked)."""
+        draft, request.draft = request.draft, []
+        kept = self.speculation.accepted(request, draft, sampled)
+        for position, token_id in enumerate(kept):
+            request.num_computed_tokens += 1
+            if self.enable_prefix_caching:
+                self._insert_full_blocks(request)
+            request.append_output_token(token_id, None if logprobs is None else logprobs[position])
+            self.num_output_tokens_last_step += 1
+            ended = check_stop(request)
+            if ended is not None:
+                self.finish_request(request, *ended)
+                return
 
     def _insert_full_blocks(self, request: Request) -> None:
         """Register blocks whose KV is now fully written, prompt and output alike."""
@@ -341,6 +381,9 @@ class Scheduler:
             self.num_finished_by_reason[request.finish_reason] -= 1
         self.num_finished_by_reason[reason] += 1
         request.finish(reason, stop_reason, error)
+        request.draft = []
+        if self.speculation is not None:
+            self.speculation.forget(request)
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:

@@ -25,9 +25,10 @@ class StepCounters:
                     num_new, request.num_prompt_tokens - request.num_computed_tokens
                 )
 
-    def produced(self, updated: list[Request]) -> None:
-        """Each of these requests got one output token in the step just run."""
-        self.num_generation_tokens += len(updated)
+    def produced(self, updated: list[Request], num_tokens: int) -> None:
+        """These requests got output tokens in the step just run, num_tokens in all (a drafted request more
+        than one)."""
+        self.num_generation_tokens += num_tokens
         now = time.monotonic()
         for request in updated:
             if request.metrics.first_token_time is None:

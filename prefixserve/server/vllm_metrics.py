@@ -10,6 +10,9 @@ them and Grafana's vLLM dashboards chart the rest; so each must mean what vLLM's
     prefix_cache_queries / hits      prompt tokens looked up / served from the device pool
     prompt_tokens / generation_tokens  whole prompts (at their first token) / output tokens
     request_success{finished_reason} finished requests by reason (stop, length, abort, error)
+    spec_decode_num_drafts / _num_draft_tokens / _num_accepted_tokens / _num_accepted_tokens_per_pos{position}
+                                     with speculative_config: drafts (one per drafted request and step),
+                                     tokens drafted, drafted tokens accepted, accepted at each draft position
 
 Counters and gauges are read from the engine snapshot at scrape time; the three latency histograms are
 observed per finished request with vLLM's default buckets (vllm/v1/metrics/buckets.py).
@@ -39,6 +42,10 @@ from ..metric_names import (
     VLLM_PREFIX_CACHE_QUERIES,
     VLLM_PROMPT_TOKENS,
     VLLM_REQUEST_SUCCESS,
+    VLLM_SPEC_DECODE_ACCEPTED_PER_POS,
+    VLLM_SPEC_DECODE_NUM_ACCEPTED_TOKENS,
+    VLLM_SPEC_DECODE_NUM_DRAFT_TOKENS,
+    VLLM_SPEC_DECODE_NUM_DRAFTS,
     VLLM_TTFT,
 )
 
@@ -179,6 +186,24 @@ class VLLMEngineCollector:
             )
             lora.add_metric([str(max_lora), ",".join(waiting), ",".join(running)], snapshot.time)
             yield lora
+        if snapshot.spec_decode is not None:  # vLLM's speculative-decoding counters
+            yield from self._spec_decode(snapshot.spec_decode)
+
+    def _spec_decode(self, spec):
+        counter = CounterMetricFamily
+        yield self._family(counter, VLLM_SPEC_DECODE_NUM_DRAFTS, "Number of spec decoding drafts.", spec.num_drafts)
+        yield self._family(counter, VLLM_SPEC_DECODE_NUM_DRAFT_TOKENS, "Number of draft tokens.", spec.num_draft_tokens)
+        yield self._family(
+            counter, VLLM_SPEC_DECODE_NUM_ACCEPTED_TOKENS, "Number of accepted tokens.", spec.num_accepted_tokens
+        )
+        per_position = CounterMetricFamily(
+            VLLM_SPEC_DECODE_ACCEPTED_PER_POS,
+            "Accepted tokens per draft position.",
+            labels=[*VLLM_LABELS, "position"],
+        )
+        for position, accepted in enumerate(spec.accepted_per_position):
+            per_position.add_metric([*self.labels, str(position)], accepted)
+        yield per_position
 
 
 class VLLMLatencies:

@@ -1,0 +1,157 @@
+"""Prompt-lookup speculation (vLLM's "ngram" method) that never changes a token.
+
+Each step, a decoding request that may speculate gets up to k draft tokens: those that followed the latest earlier
+occurrence of its last n tokens (n from prompt_lookup_max down to prompt_lookup_min; `NgramIndex` keeps each
+request's n-grams, so a lookup is a dict read). The step computes the request's last token and its drafts as one
+chunk of k + 1 rows, and samples every row: row j is the token that would follow the last token and the first j
+drafts. The compiled kernels give each row the bits it has alone in a decode step (a row's sums are its own
+whatever else is in the step: the batch invariance the cache already rests on), so greedy row j is exactly the
+token a plain decode would choose there. `accept` keeps row 0's token and each next row's while the draft before
+it was that token; the scheduler then appends the kept tokens one at a time, as single steps would, stopping
+where a stop condition does. A rejected draft's K/V lies past the request's computed tokens: never read (a row
+reads keys up to its own position), overwritten by the next step, never inserted in the radix or a tier.
+
+Who speculates: greedy requests whose next-token choice does not depend on earlier outputs beyond the tokens
+themselves (no penalties, bad words, grammar, pending min_tokens) and without stop strings (a stop string is
+checked on the text once per step). The rest of the batch decodes as usual in the same step. A request stops
+drafting while its drafts are mostly rejected (its acceptance rate, measured), and no request drafts in a step
+with more than MAX_BATCH running: there a step is bound by compute, not by reading the weights, and verifying
+drafts costs more than it saves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..speculative_config import SpeculativeConfig
+from .logits_processors import num_generated
+from .request import Request
+
+MAX_BATCH = 8  # running requests above which no request drafts
+MIN_ACCEPTANCE = 0.1  # a request whose drafts' tokens are accepted less than this often stops drafting
+PROBATION = 32  # drafted tokens before a request's acceptance rate is read
+
+
+class NgramIndex:
+    """For each n in [shortest, longest], each n-gram of a sequence -> where its latest occurrence ends, over the
+    tokens before the last one (so the last n tokens' own occurrence is never its own match)."""
+
+    def __init__(self, shortest: int, longest: int) -> None:
+        self.sizes = range(shortest, longest + 1)
+        self.ends: dict[tuple[int, ...], int] = {}
+        self.indexed = 0  # n-grams ending at or before this position are in `ends`
+
+    def propose(self, token_ids: list[int], num_tokens: int) -> list[int]:
+        """Up to num_tokens tokens that followed the latest earlier occurrence of the sequence's longest suffix
+        found (n from longest down); [] when none recurs."""
+        limit = len(token_ids) - 1
+        for end in range(self.indexed + 1, limit + 1):
+            for n in self.sizes:
+                if end >= n:
+                    self.ends[tuple(token_ids[end - n : end])] = end
+        self.indexed = max(self.indexed, limit)
+        for n in reversed(self.sizes):
+            if len(token_ids) > n:
+                end = self.ends.get(tuple(token_ids[-n:]))
+                if end is not None:
+                    return token_ids[end : end + num_tokens]
+        return []
+
+
+@dataclass
+class SpecDecodeStats:
+    """vLLM's spec-decode counters: drafts proposed, draft tokens, accepted draft tokens, accepted per position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def copy(self) -> "SpecDecodeStats":
+        return SpecDecodeStats(
+            self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, list(self.accepted_per_position)
+        )
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_drafted:
+            self.accepted_per_position += [0] * (num_drafted - len(self.accepted_per_position))
+        for position in range(num_accepted):
+            self.accepted_per_position[position] += 1
+
+
+@dataclass
+class RequestDrafts:
+    """One request's n-gram index and its drafts' record."""
+
+    index: NgramIndex
+    drafted: int = 0
+    accepted: int = 0
+
+
+class Speculation:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.stats = SpecDecodeStats()
+        self._requests: dict[str, RequestDrafts] = {}
+
+    def draft(self, request: Request, num_running: int, room: int) -> list[int]:
+        """The draft for a request about to decode (its last token not yet computed): at most `room` tokens."""
+        if num_running > MAX_BATCH or room <= 0 or not may_speculate(request):
+            return []
+        own = self._requests.get(request.request_id)
+        if own is None:
+            config = self.config
+            own = self._requests[request.request_id] = RequestDrafts(
+                NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max)
+            )
+        if own.drafted >= PROBATION and own.accepted < MIN_ACCEPTANCE * own.drafted:
+            return []
+        left = request.sampling_params.max_tokens - request.num_output_tokens - 1  # the last token's row adds one
+        return own.index.propose(request.token_ids, min(self.config.num_speculative_tokens, room, left))
+
+    def accepted(self, request: Request, draft: list[int], sampled: list[int]) -> list[int]:
+        """The tokens a step keeps (see the module's doc), recorded in the request's rate and the stats."""
+        kept = accept(draft, sampled)
+        own = self._requests.get(request.request_id)
+        if own is not None:
+            own.drafted += len(draft)
+            own.accepted += len(kept) - 1
+        self.stats.record(len(draft), len(kept) - 1)
+        return kept
+
+    def forget(self, request: Request) -> None:
+        self._requests.pop(request.request_id, None)
+
+
+def accept(draft: list[int], sampled: list[int]) -> list[int]:
+    """sampled[j] follows the last token and draft[:j]: keep sampled[0], then sampled[j] while draft[j - 1] was
+    sampled[j - 1]."""
+    kept = sampled[:1]
+    for j, token in enumerate(draft):
+        if token != sampled[j]:
+            break
+        kept.append(sampled[j + 1])
+    return kept
+
+
+def may_speculate(request: Request) -> bool:
+    params = request.sampling_params
+    return (
+        params.is_greedy
+        and not params.stop
+        and request.grammar is None
+        and not params.presence_penalty
+        and not params.frequency_penalty
+        and params.repetition_penalty == 1.0
+        and not request.bad_words_token_ids
+        and num_generated(request) >= params.min_tokens
+    )
+
+
+def draft_of(request: Request) -> Optional[list[int]]:
+    """The draft a request carries through this step (set by the scheduler), or None."""
+    return request.draft or None
