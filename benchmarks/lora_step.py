@@ -1,10 +1,11 @@
 """What LoRA adapters cost a decode step (a batch of 32 decodes on the base, then with 8 adapters in it), and
 what the cache saves under an adapter (the time to first token of a prompt sharing a long system prompt).
 
-    python benchmarks/lora_step.py [--model HF_DIR] [--adapters 8] [--batch 32] [--runs 3]
+    python benchmarks/lora_step.py [--model HF_DIR|GGUF|NAME] [--adapters 8] [--batch 32] [--runs 3]
                                    [--vllm /tmp/vllm-peer/bin/python]
 
-Random PEFT adapters (rank 16, every projection) are written to a temporary directory; each run times the decode
+Random PEFT adapters (rank 16, every projection; by peft for a Hugging Face directory, else from the model's
+shapes) are written to a temporary directory; each run times the decode
 of `--batch` requests (after a 2-token warm-up of the same batch: the wall time of generating `--tokens` tokens
 each, over `--tokens`) on the base, then with the batch spread evenly over `--adapters` adapters. Prints the
 per-step times and their ratio (the issue's goal: 8 adapters in a batch of 32 cost at most 1.3x the base's step);
@@ -58,6 +59,41 @@ def write_adapters(model_dir: str, count: int, rank: int, directory: Path) -> li
     return paths
 
 
+def write_random_adapters(config, count: int, rank: int, directory: Path) -> list[str]:
+    """Random adapters in PEFT's files for a base peft cannot load (a GGUF such as SmolLM2's): rank `rank` on
+    every projection, shaped from the engine's config."""
+    import torch
+    from safetensors.torch import save_file
+
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    hidden, inter = config.hidden_size, config.intermediate_size
+    shapes = {
+        "self_attn.q_proj": (hidden, q),
+        "self_attn.k_proj": (hidden, kv),
+        "self_attn.v_proj": (hidden, kv),
+        "self_attn.o_proj": (q, hidden),
+        "mlp.gate_proj": (hidden, inter),
+        "mlp.up_proj": (hidden, inter),
+        "mlp.down_proj": (inter, hidden),
+    }
+    paths = []
+    for index in range(count):
+        generator = torch.Generator().manual_seed(index)
+        tensors = {}
+        for layer in range(config.num_hidden_layers):
+            for module, (fan_in, fan_out) in shapes.items():
+                name = f"base_model.model.model.layers.{layer}.{module}"
+                tensors[f"{name}.lora_A.weight"] = torch.randn(rank, fan_in, generator=generator) / fan_in**0.5
+                tensors[f"{name}.lora_B.weight"] = torch.randn(fan_out, rank, generator=generator) * 0.01
+        path = directory / f"adapter{index}"
+        path.mkdir()
+        save_file(tensors, str(path / "adapter_model.safetensors"))
+        settings = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": sorted(shapes)}
+        (path / "adapter_config.json").write_text(json.dumps(settings))
+        paths.append(str(path))
+    return paths
+
+
 def decode_seconds_per_step(llm, prompts, lora_requests, num_tokens: int) -> float:
     from prefixserve import SamplingParams
 
@@ -70,7 +106,12 @@ def decode_seconds_per_step(llm, prompts, lora_requests, num_tokens: int) -> flo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="a Hugging Face directory (default: the built-in model)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="a Hugging Face directory, or a GGUF or model name such as smollm2-135m-instruct (random adapters "
+        "written from its shapes, no vLLM peer) (default: the built-in model)",
+    )
     parser.add_argument("--adapters", type=int, default=8)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--rank", type=int, default=16)
@@ -84,9 +125,13 @@ def main() -> None:
     from prefixserve.model import ensure_default_model
 
     model_dir = args.model or str(ensure_default_model())
+    hugging_face = (Path(model_dir) / "config.json").is_file()
     with tempfile.TemporaryDirectory() as scratch:
-        paths = write_adapters(model_dir, args.adapters, args.rank, Path(scratch))
         llm = LLM(model=model_dir, enable_lora=True, max_loras=args.adapters, max_num_seqs=args.batch, dtype="float32")
+        if hugging_face:
+            paths = write_adapters(model_dir, args.adapters, args.rank, Path(scratch))
+        else:
+            paths = write_random_adapters(llm.engine.version.config, args.adapters, args.rank, Path(scratch))
         prompts = [f"Request {index}: tell me about the number {index * 7}." for index in range(args.batch)]
         adapters = [LoRARequest(f"a{i}", i + 1, path) for i, path in enumerate(paths)]
         spread = [adapters[index % len(adapters)] for index in range(args.batch)]
@@ -102,7 +147,7 @@ def main() -> None:
             )
         ttfts = [first_token_seconds(llm, adapters[0], run, args.system_tokens) for run in range(args.runs)]
         llm.close()
-        if args.vllm:
+        if args.vllm and hugging_face:
             task = {"model": model_dir, "adapters": paths, "rank": args.rank, "prompts": prompts}
             peer = run_vllm(args.vllm, {**task, "tokens": args.tokens, "runs": args.runs})
     ratio = statistics.median(row["ratio"] for row in rows)
@@ -112,13 +157,14 @@ def main() -> None:
             f"under one adapter, {args.system_tokens}-token system prompt: TTFT cold {1e3 * cold:7.1f} ms, "
             f"hit {1e3 * warm:6.1f} ms ({warm / cold:.2f}x)"
         )
-    if args.vllm:
+    if args.vllm and hugging_face:
         print_peer(peer, rows, args.adapters)
     RESULTS.mkdir(exist_ok=True)
     report = {"args": vars(args), "rows": rows, "ttft": [{"cold_s": c, "hit_s": w} for c, w in ttfts]}
-    if args.vllm:
+    if args.vllm and hugging_face:
         report["vllm"] = peer
-    (RESULTS / "lora_step.json").write_text(json.dumps(report, indent=1))
+    name = "lora_step.json" if args.model is None else f"lora_step_{Path(model_dir).name}.json"
+    (RESULTS / name).write_text(json.dumps(report, indent=1))
 
 
 def run_vllm(python: str, task: dict) -> dict:
