@@ -186,3 +186,27 @@ def test_the_server_takes_the_flag_and_exports_vllms_counters(oracle):
         'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="prefixserve-tiny",position="0"}'
         in metrics
     )
+
+
+def test_sampled_requests_keep_the_target_distribution(oracle):
+    """Speculative sampling: drafts (the greedy continuation, accepted or not by chance) verified against each row's
+    distribution give outputs distributed as without speculation: the empirical distributions of the three tokens
+    (the second and third drafted) agree within sampling noise over 800 draws each (total variation under 0.08;
+    its noise is about 0.04; always keeping the drafts would put the greedy path's mass far above it)."""
+    from collections import Counter
+
+    prompt = PROMPTS[0]
+    (greedy_out,) = engine(None).generate([prompt], greedy(3), use_tqdm=False)
+    oracle[tuple(greedy_out.prompt_token_ids)] = greedy_out.token_ids
+    params = SamplingParams(max_tokens=3, temperature=1.0, top_k=2, ignore_eos=True)  # 8 outcomes in all
+    counts = {}
+    for spec in (None, NGRAM):
+        llm = engine(spec, max_num_seqs=8)  # drafting happens at up to 8 running
+        outputs = llm.generate([prompt] * 800, params, use_tqdm=False)
+        counts[spec is not None] = Counter(tuple(out.token_ids) for out in outputs)
+        if spec is not None:
+            stats = llm.engine.scheduler.speculation.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # drafts both kept and turned down
+    outcomes = set(counts[True]) | set(counts[False])
+    distance = sum(abs(counts[True][o] - counts[False][o]) for o in outcomes) / (2 * 800)
+    assert distance < 0.08, (distance, counts)

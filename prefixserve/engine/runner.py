@@ -23,8 +23,9 @@ from .kv_memory import zeroed_pool
 from .logits_processors import process_logits
 from .model_version import CurrentVersion
 from .outputs import TokenLogprob
-from .sampling import Sampler
+from .sampling import Sampler, compute_logprobs, row_probs
 from .scheduler import ScheduledRequest
+from .speculation import accept, verify_sampled
 
 
 class StepResult(NamedTuple):
@@ -222,20 +223,44 @@ class ModelRunner:
         if not sample_rows:
             return StepResult([None] * len(scheduled), [None] * len(scheduled))
         logits = self.model.compute_logits(hidden)
-        sampled = self.sampler.sample(
-            process_logits(logits, sampled_requests),
-            [request.sampling_params for request in sampled_requests],
-            positions,
-            raw_logits=logits,  # logprobs from the model's own logits, as vLLM and OpenAI give them
-        )
-        return StepResult(
-            [_one_or_all(sampled.token_ids, rows, request) for (request, _), rows in zip(scheduled, rows_of)],
-            [_one_or_all(sampled.logprobs, rows, request) for (request, _), rows in zip(scheduled, rows_of)],
+        processed = process_logits(logits, sampled_requests)
+        params = [request.sampling_params for request in sampled_requests]
+        # logprobs from the model's own logits, as vLLM and OpenAI give them
+        sampled = self.sampler.sample(processed, params, positions, raw_logits=logits)
+        tokens, logprobs = [], []
+        for (request, _), rows in zip(scheduled, rows_of):
+            if not rows:
+                tokens.append(None)
+                logprobs.append(None)
+            elif not request.draft:
+                tokens.append(sampled.token_ids[rows[0]])
+                logprobs.append(sampled.logprobs[rows[0]])
+            else:
+                kept = self._verify(request, rows, sampled.token_ids, processed, positions)
+                tokens.append(kept)
+                logprobs.append(self._kept_logprobs(request, rows, kept, sampled.logprobs, logits))
+        return StepResult(tokens, logprobs)
+
+    def _verify(self, request, rows: range, row_tokens: list[int], processed: torch.Tensor, positions) -> list[int]:
+        """The tokens a drafted request's step keeps (engine/speculation.py): greedy, its rows' argmax while the
+        drafts agree; sampled, by speculative sampling over its rows' distributions."""
+        params = request.sampling_params
+        if params.is_greedy:
+            return accept(request.draft, [row_tokens[row] for row in rows])
+        own = processed[rows.start : rows.stop].float().cpu()
+        return verify_sampled(
+            [row_probs(row, params) for row in own],
+            own.argmax(dim=-1).tolist(),
+            request.draft,
+            lambda j: self.sampler.generator_for(params, positions[rows.start + j]),
         )
 
-
-def _one_or_all(values: list, rows: range, request):
-    """A request's sampled value: None (no row), its one row's, or every row's for a drafted request."""
-    if not rows:
-        return None
-    return [values[row] for row in rows] if request.draft else values[rows[0]]
+    @staticmethod
+    def _kept_logprobs(request, rows: range, kept: list[int], row_logprobs: list, logits: torch.Tensor):
+        """Each kept token's logprob from its row (a sampled request's kept tokens may not be its rows' draws)."""
+        if request.sampling_params.logprobs is None:
+            return None
+        if request.sampling_params.is_greedy:
+            return [row_logprobs[row] for row in rows[: len(kept)]]
+        own = logits[rows.start : rows.start + len(kept)]
+        return compute_logprobs(own, [request.sampling_params] * len(kept), kept)

@@ -38,6 +38,13 @@ class Sampler:
         self._generator = torch.Generator().manual_seed(seed)
         self._seeded = torch.Generator()
 
+    def generator_for(self, param: SamplingParams, position: int) -> torch.Generator:
+        """The generator of a draw for the token at `position`: the shared one, or one seeded from (seed,
+        position) for a seeded request."""
+        if param.seed is None:
+            return self._generator
+        return self._seeded.manual_seed(position_seed(param.seed, position))
+
     def sample(
         self,
         logits: torch.Tensor,
@@ -53,16 +60,21 @@ class Sampler:
         if sampled_rows:
             rows = logits[sampled_rows].cpu()
             for row_logits, row in zip(rows, sampled_rows):
-                param = params[row]
-                generator = self._generator
-                if param.seed is not None:
-                    generator = self._seeded.manual_seed(position_seed(param.seed, positions[row]))
-                tokens[row] = sample_row(row_logits, param, generator)
+                tokens[row] = sample_row(row_logits, params[row], self.generator_for(params[row], positions[row]))
         return SamplerOutput(tokens, compute_logprobs(logits if raw_logits is None else raw_logits, params, tokens))
 
 
 def sample_row(logits: torch.Tensor, param: SamplingParams, generator: torch.Generator) -> int:
     """One draw from float32 `logits` (1-D) under the row's temperature, min-p, top-k and top-p."""
+    probs = row_probs(logits, param)
+    if probs is None:
+        return int(logits.argmax())
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def row_probs(logits: torch.Tensor, param: SamplingParams) -> Optional[torch.Tensor]:
+    """The distribution a sampled row draws from (float32 `logits`, 1-D, under temperature, min-p, top-k and
+    top-p); None where it comes out non-finite or all zero (the row then takes its argmax)."""
     # Shift first so the largest scaled logit is exactly 0: no overflow whatever the temperature.
     scaled = (logits - logits.max()) / param.temperature
     if param.min_p > 0.0:  # scaled is log(p / p_max) after temperature: keep p >= min_p x p_max
@@ -78,8 +90,8 @@ def sample_row(logits: torch.Tensor, param: SamplingParams, generator: torch.Gen
         sorted_probs[outside] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0.0:
-        return int(logits.argmax())
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+        return None
+    return probs
 
 
 def compute_logprobs(

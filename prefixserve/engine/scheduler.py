@@ -333,11 +333,12 @@ class Scheduler:
                 self.finish_request(request, *ended)
         return updated
 
-    def _update_drafted(self, request: Request, sampled: list[int], logprobs: Optional[list]) -> None:
-        """A drafted request's step: the kept tokens (speculation.accept) appended one at a time, each as its own
-        decode step would (the position before it counted computed, full blocks inserted, stops checked)."""
+    def _update_drafted(self, request: Request, kept: list[int], logprobs: Optional[list]) -> None:
+        """A drafted request's step: the kept tokens (the runner's verdict, speculation.py) appended one at a time,
+        each as its own decode step would (the position before it counted computed, full blocks inserted, stops
+        checked)."""
         draft, request.draft = request.draft, []
-        kept = self.speculation.accepted(request, draft, sampled)
+        self.speculation.record(request, draft, kept)
         for position, token_id in enumerate(kept):
             request.num_computed_tokens += 1
             if self.enable_prefix_caching:

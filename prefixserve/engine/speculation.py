@@ -7,13 +7,17 @@ chunk of k + 1 rows, and samples every row: row j is the token that would follow
 drafts. The compiled kernels give each row the bits it has alone in a decode step (a row's sums are its own
 whatever else is in the step: the batch invariance the cache already rests on), so greedy row j is exactly the
 token a plain decode would choose there. `accept` keeps row 0's token and each next row's while the draft before
-it was that token; the scheduler then appends the kept tokens one at a time, as single steps would, stopping
-where a stop condition does. A rejected draft's K/V lies past the request's computed tokens: never read (a row
-reads keys up to its own position), overwritten by the next step, never inserted in the radix or a tier.
+it was that token (the runner decides, engine/runner.py); the scheduler then appends the kept tokens one at a time,
+as single steps would, stopping where a stop condition does. A rejected draft's K/V lies past the request's
+computed tokens: never read (a row reads keys up to its own position), overwritten by the next step, never
+inserted in the radix or a tier.
 
-Who speculates: greedy requests whose next-token choice does not depend on earlier outputs beyond the tokens
-themselves (no penalties, bad words, grammar, pending min_tokens) and without stop strings (a stop string is
-checked on the text once per step). The rest of the batch decodes as usual in the same step. A request stops
+A sampled request's drafts are verified by speculative sampling (verify_sampled): its kept tokens follow the
+target model's distribution, though not the draws a plain run would make.
+
+Who speculates: requests whose next-token choice does not depend on earlier outputs beyond the tokens themselves
+(no penalties, bad words, grammar, pending min_tokens) and without stop strings (a stop string is checked on the
+text once per step). The rest of the batch decodes as usual in the same step. A request stops
 drafting once its drafts keep too few tokens to pay for their rows (measured per request: MIN_ACCEPTED), and no
 request drafts in a step with more than MAX_BATCH running: there a step is bound by compute, not by reading the
 weights, and verifying drafts costs more than it saves.
@@ -116,18 +120,47 @@ class Speculation:
         left = request.sampling_params.max_tokens - request.num_output_tokens - 1  # the last token's row adds one
         return own.index.propose(request.token_ids, min(self.config.num_speculative_tokens, room, left))
 
-    def accepted(self, request: Request, draft: list[int], sampled: list[int]) -> list[int]:
-        """The tokens a step keeps (see the module's doc), recorded in the request's rate and the stats."""
-        kept = accept(draft, sampled)
+    def record(self, request: Request, draft: list[int], kept: list[int]) -> None:
+        """A verified draft: `kept` the tokens its step keeps (the accepted drafts, then one more)."""
         own = self._requests.get(request.request_id)
         if own is not None:
             own.drafts += 1
             own.accepted += len(kept) - 1
         self.stats.record(len(draft), len(kept) - 1)
-        return kept
 
     def forget(self, request: Request) -> None:
         self._requests.pop(request.request_id, None)
+
+
+def verify_sampled(probs: list, argmax: list[int], draft: list[int], generator_of) -> list[int]:
+    """Speculative sampling (Leviathan et al.; vLLM's rejection sampler) for a draft proposed with certainty, as
+    prompt lookup proposes: draft[j] is kept with probability p_j(draft[j]); where it is not, the token is drawn
+    from p_j without it (renormalised) and the step ends; after every draft kept, one more is drawn from p_k. The
+    kept tokens are distributed as the target model's own draws. probs[j]: row j's distribution (sampling.py's
+    row_probs; None where the row takes its argmax, argmax[j]); generator_of(j): the generator of row j's draw."""
+    import torch
+
+    kept = []
+    for j, token in enumerate(draft):
+        if probs[j] is None:
+            kept.append(argmax[j])
+            if argmax[j] != token:
+                return kept
+            continue
+        generator = generator_of(j)
+        if float(torch.rand((), generator=generator)) < float(probs[j][token]):
+            kept.append(token)
+            continue
+        residual = probs[j].clone()
+        residual[token] = 0.0
+        kept.append(int(torch.multinomial(residual, 1, generator=generator).item()))
+        return kept
+    last = len(draft)
+    if probs[last] is None:
+        kept.append(argmax[last])
+    else:
+        kept.append(int(torch.multinomial(probs[last], 1, generator=generator_of(last)).item()))
+    return kept
 
 
 def accept(draft: list[int], sampled: list[int]) -> list[int]:
@@ -144,8 +177,7 @@ def accept(draft: list[int], sampled: list[int]) -> list[int]:
 def may_speculate(request: Request) -> bool:
     params = request.sampling_params
     return (
-        params.is_greedy
-        and not params.stop
+        not params.stop
         and request.grammar is None
         and not params.presence_penalty
         and not params.frequency_penalty
