@@ -41,8 +41,9 @@ def oracle(monkeypatch):
     reference: dict[tuple, list[int]] = {}
     drafts = [0]
 
-    def draft(self, request, num_running, room):
-        if not speculation.may_speculate(request) or room <= 0:
+    def draft(self, request, num_running, budget, long_rope_after=None, window_slots=None):
+        room = budget - 1
+        if not speculation.may_speculate(request) or room <= 0 or request.num_tokens - request.num_computed_tokens != 1:
             return []
         expected = reference[tuple(request.prompt_token_ids)]
         done = request.num_output_tokens
@@ -87,6 +88,16 @@ def test_stop_tokens_and_max_tokens_end_where_they_end_without_it(oracle):
     outputs = run(engine(NGRAM), PROMPTS, params)
     assert [(o.token_ids, o.finish_reason) for o in outputs] == [(o.token_ids, o.finish_reason) for o in expected]
     assert outputs[0].finish_reason == "stop" and len(outputs[0].token_ids) <= 10
+    # stop strings: read after each kept token, so the output ends on the token that completes one
+    strings = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=[free[1].text[12:16]])
+    expected = run(off, PROMPTS, strings)
+    outputs = run(engine(NGRAM), PROMPTS, strings)
+
+    def seen(outs):
+        return [(o.token_ids, o.text, o.finish_reason, o.stop_reason) for o in outs]
+
+    assert seen(outputs) == seen(expected)
+    assert outputs[1].finish_reason == "stop" and len(outputs[1].token_ids) < 30
 
 
 def test_the_radix_and_the_kv_events_are_the_same_either_way(oracle):

@@ -42,6 +42,8 @@ class LLMEngine:
         self.reuse_gaps, self.hot_prefixes = parts.reuse_gaps, parts.hot_prefixes
         self.scheduler, self.runner, self.tiers = parts.scheduler, parts.runner, parts.tiers
         self.inputs, self.outputs, self.pins = parts.inputs, parts.outputs, parts.pins
+        # a drafted request's kept tokens are read for stop strings one at a time (engine/speculation.py)
+        self.scheduler.stop_string = self._stop_string
         self.kv_events = parts.kv_events
         self.startup_summary = parts.startup_summary
         self.counters = StepCounters()
@@ -210,7 +212,21 @@ class LLMEngine:
                 outputs.append(self._make_output(request))
         return outputs
 
+    def _stop_string(self, request: Request) -> Optional[str]:
+        """The stop string the request's newest token completed, read as a plain step reads it; a request whose
+        text cannot be decoded finishes with "error"."""
+        try:
+            return self.outputs.detokenize(request)
+        except Exception as error:
+            logger.exception("detokenizing request %s failed; it finishes with 'error'", request.request_id)
+            self.scheduler.finish_request(
+                request, "error", error=f"the engine failed to detokenize this request ({type(error).__name__})"
+            )
+            return None
+
     def _detokenized_output(self, request: Request) -> RequestOutput:
+        if request.is_finished and request.finish_reason == "stop" and isinstance(request.stop_reason, str):
+            return self._make_output(request)  # its stop string was read token by token (_stop_string): text final
         try:
             stop = self.outputs.detokenize(request)
         except Exception as error:  # this request's text alone is broken

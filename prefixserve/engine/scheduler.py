@@ -28,7 +28,7 @@ from __future__ import annotations
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import NamedTuple, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 from ..cache import Block, BlockKeyer, RadixCache
 from ..cache.hot_prefixes import HotPrefixPolicy
@@ -81,6 +81,9 @@ class Scheduler:
         self.cache = cache
         self.speculation = speculation  # prompt-lookup drafts for decoding requests (speculation.py); None: off
         self.num_output_tokens_last_step = 0  # tokens the last update() appended (more than one per request drafts)
+        # the engine's reading of a request's text for stop strings after a token (a drafted request's kept tokens
+        # are read one at a time, as plain steps would): the stop string completed, or None
+        self.stop_string: Optional[Callable[[Request], Optional[str]]] = None
         self.max_loras = max_loras  # the most LoRA adapters among running requests (None: no adapters served)
         self.windows = RequestWindows(window_slots)
         # Where a waiting request's prefix is held (the device, then the tiers): the engine hands in one over its
@@ -132,7 +135,11 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            request.draft = self._draft(request, budget) if num_new == 1 else []
+            request.draft = (
+                self.speculation.draft(request, len(self.running), budget, self.long_rope_after, self.windows.slots)
+                if self.speculation is not None and num_new == 1
+                else []
+            )
             num_new += len(request.draft)
             if (
                 self.long_rope_after is not None
@@ -164,17 +171,6 @@ class Scheduler:
         if not output.preempted:
             self._admit_waiting(output, budget)
         return output
-
-    def _draft(self, request: Request, budget: int) -> list[int]:
-        """Draft tokens for a decoding request (speculation.py), within the step's budget; never across the
-        LongRoPE switch (a draft must not make the request recompute with long factors earlier than one token
-        at a time would) nor with window pools (whose blocks slide one step at a time)."""
-        if self.speculation is None or request.num_tokens - request.num_computed_tokens != 1 or self.windows.slots:
-            return []
-        room = budget - 1
-        if self.long_rope_after is not None and not request.long_rope:
-            room = min(room, self.long_rope_after - request.num_tokens)
-        return self.speculation.draft(request, len(self.running), room)
 
     def _admit_waiting(self, output: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -349,6 +345,12 @@ class Scheduler:
             if ended is not None:
                 self.finish_request(request, *ended)
                 return
+            if request.sampling_params.stop and self.stop_string is not None:
+                stop = self.stop_string(request)
+                if stop is not None:
+                    self.finish_request(request, "stop", stop)
+                if request.is_finished:
+                    return
 
     def _insert_full_blocks(self, request: Request) -> None:
         """Register blocks whose KV is now fully written, prompt and output alike."""

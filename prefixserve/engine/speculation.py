@@ -16,8 +16,9 @@ A sampled request's drafts are verified by speculative sampling (verify_sampled)
 target model's distribution, though not the draws a plain run would make.
 
 Who speculates: requests whose next-token choice does not depend on earlier outputs beyond the tokens themselves
-(no penalties, bad words, grammar, pending min_tokens) and without stop strings (a stop string is checked on the
-text once per step). The rest of the batch decodes as usual in the same step. A request stops
+(no penalties, bad words, grammar, pending min_tokens). Stop strings are read after each kept token (the engine's
+detokenizer, through Scheduler.stop_string), so an output ends on the token that completes one, as without drafts.
+The rest of the batch decodes as usual in the same step. A request stops
 drafting once its drafts keep too few tokens to pay for their rows (measured per request: MIN_ACCEPTED), and no
 request drafts in a step with more than MAX_BATCH running: there a step is bound by compute, not by reading the
 weights, and verifying drafts costs more than it saves.
@@ -105,8 +106,15 @@ class Speculation:
         self.stats = SpecDecodeStats()
         self._requests: dict[str, RequestDrafts] = {}
 
-    def draft(self, request: Request, num_running: int, room: int) -> list[int]:
-        """The draft for a request about to decode (its last token not yet computed): at most `room` tokens."""
+    def draft(self, request: Request, num_running: int, budget: int, long_rope_after=None, window_slots=None):
+        """The draft for a request about to decode (its last token not yet computed), within the step's token
+        budget; never across the LongRoPE switch (a draft must not make the request recompute with long factors
+        earlier than one token at a time would) nor with window pools (whose blocks slide one step at a time)."""
+        if request.num_tokens - request.num_computed_tokens != 1 or window_slots is not None:
+            return []
+        room = budget - 1
+        if long_rope_after is not None and not request.long_rope:
+            room = min(room, long_rope_after - request.num_tokens)
         if num_running > MAX_BATCH or room <= 0 or not may_speculate(request):
             return []
         own = self._requests.get(request.request_id)
@@ -177,8 +185,7 @@ def accept(draft: list[int], sampled: list[int]) -> list[int]:
 def may_speculate(request: Request) -> bool:
     params = request.sampling_params
     return (
-        not params.stop
-        and request.grammar is None
+        request.grammar is None
         and not params.presence_penalty
         and not params.frequency_penalty
         and params.repetition_penalty == 1.0
