@@ -5,7 +5,6 @@ Option names follow vLLM's where one exists, so a vLLM user's flags carry over.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, fields
 from typing import Optional, Union
 
@@ -18,6 +17,7 @@ from .cache.tenant_shares import (
     share_from,
     tenant_shares_of,
 )
+from .json_options import parse_option
 from .speculative_config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -93,23 +93,7 @@ class KVEventsConfig:
     @classmethod
     def parse(cls, value: Union[None, str, dict, "KVEventsConfig"]) -> Optional["KVEventsConfig"]:
         """From what a user gives: JSON text (the --kv-events-config flag), a dict, or the config itself."""
-        if value is None or isinstance(value, KVEventsConfig):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as error:
-                raise ValueError(
-                    f"kv_events_config is not valid JSON ({error.msg} at character {error.pos}); "
-                    'give e.g. {"enable_kv_cache_events": true}'
-                ) from None
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_events_config must be a JSON object, got {type(value).__name__}")
-        known = {item.name for item in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"kv_events_config: unknown field(s) {unknown}; the fields are {sorted(known)}")
-        return cls(**value)
+        return parse_option(cls, value, "kv_events_config", '{"enable_kv_cache_events": true}')
 
 
 def option(default, help: str, **flag):

@@ -10,9 +10,10 @@ until it is served. Plain Python: the CLI and the router read it without torch.
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Optional, Union
+
+from .json_options import parse_option
 
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -56,20 +57,4 @@ class SpeculativeConfig:
     @classmethod
     def parse(cls, value: Union[None, str, dict, "SpeculativeConfig"]) -> Optional["SpeculativeConfig"]:
         """From what a user gives: JSON text (the --speculative-config flag), a dict, or the config itself."""
-        if value is None or isinstance(value, SpeculativeConfig):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as error:
-                raise ValueError(
-                    f"speculative_config is not valid JSON ({error.msg} at character {error.pos}); "
-                    'give e.g. {"method": "ngram", "num_speculative_tokens": 4}'
-                ) from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
-        known = {item.name for item in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"speculative_config: unknown field(s) {unknown}; the fields are {sorted(known)}")
-        return cls(**value)
+        return parse_option(cls, value, "speculative_config", '{"method": "ngram", "num_speculative_tokens": 4}')
