@@ -130,21 +130,32 @@ class Router:
 
     async def _health_loop(self) -> None:
         while True:
-            await asyncio.gather(*(r.check_health(self.client, self.settings.control_timeout) for r in self.replicas))
-            # Learn the scope once, then again now and then (a replica's hot reload changes it), and at once
-            # when a replica came (back) up: it may serve another checkpoint now.
-            if (
-                self.route_keys is None
-                or time.monotonic() - self._scope_learned_at >= SCOPE_REFRESH_SECONDS
-                or any(r.healthy and r.can_mirror and r.model_fingerprint is None for r in self.replicas)
-            ):
-                await self._learn_scope()
+            try:
+                await self._check_health()
+            except Exception:  # one bad answer must not leave the router blind to every replica from then on
+                logger.exception("a health round failed; the next one runs in %.1f s", self.settings.health_interval)
             await asyncio.sleep(self.settings.health_interval)
+
+    async def _check_health(self) -> None:
+        await asyncio.gather(*(r.check_health(self.client, self.settings.control_timeout) for r in self.replicas))
+        # Learn the scope once, then again now and then (a replica's hot reload changes it), and at once
+        # when a replica came (back) up: it may serve another checkpoint now.
+        if (
+            self.route_keys is None
+            or time.monotonic() - self._scope_learned_at >= SCOPE_REFRESH_SECONDS
+            or any(r.healthy and r.can_mirror and r.model_fingerprint is None for r in self.replicas)
+        ):
+            await self._learn_scope()
 
     async def _sync_loop(self) -> None:
         while True:
             headers = self.control_headers()
-            await asyncio.gather(*(r.sync(self.client, headers, self.settings.control_timeout) for r in self.replicas))
+            try:
+                await asyncio.gather(
+                    *(r.sync(self.client, headers, self.settings.control_timeout) for r in self.replicas)
+                )
+            except Exception:  # as the health loop: the next round runs whatever this one met
+                logger.exception("a mirror sync round failed; the next one runs in %.1f s", self.settings.sync_interval)
             await asyncio.sleep(self.settings.sync_interval)
 
     def control_headers(self) -> dict:
