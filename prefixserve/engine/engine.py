@@ -213,8 +213,8 @@ class LLMEngine:
         return outputs
 
     def _stop_string(self, request: Request) -> Optional[str]:
-        """The stop string the request's newest token completed, read as a plain step reads it; a request whose
-        text cannot be decoded finishes with "error"."""
+        """The stop string the request's newest tokens completed (decoding them); a request whose text cannot be
+        decoded finishes with "error" (its text alone is broken)."""
         try:
             return self.outputs.detokenize(request)
         except Exception as error:
@@ -227,16 +227,9 @@ class LLMEngine:
     def _detokenized_output(self, request: Request) -> RequestOutput:
         if request.is_finished and request.finish_reason == "stop" and isinstance(request.stop_reason, str):
             return self._make_output(request)  # its stop string was read token by token (_stop_string): text final
-        try:
-            stop = self.outputs.detokenize(request)
-        except Exception as error:  # this request's text alone is broken
-            logger.exception("detokenizing request %s failed; it finishes with 'error'", request.request_id)
-            self.scheduler.finish_request(
-                request, "error", error=f"the engine failed to detokenize this request ({type(error).__name__})"
-            )
-        else:
-            if stop is not None:  # also at its length limit: the stop string wins, as in vLLM
-                self.scheduler.finish_request(request, "stop", stop)
+        stop = self._stop_string(request)
+        if stop is not None:  # also at its length limit: the stop string wins, as in vLLM
+            self.scheduler.finish_request(request, "stop", stop)
         return self._make_output(request)
 
     def _make_output(self, request: Request) -> RequestOutput:

@@ -182,9 +182,7 @@ class ModelRunner:
             end = start + num_new
             segments.append((request.lora, len(input_ids), len(input_ids) + num_new))
             # a drafted request (engine/speculation.py): its last token, then its drafts, every row sampled
-            input_ids += (
-                request.token_ids[start:end] if not request.draft else request.token_ids[start:] + request.draft
-            )
+            input_ids += request.token_ids[start:end] + request.draft
             query_lens.append(num_new)
             seq_lens.append(end)
             block_tables.append([block.block_id for block in request.blocks])

@@ -137,7 +137,7 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             request.draft = (
                 self.speculation.draft(request, len(self.running), budget, self.long_rope_after, self.windows.slots)
-                if self.speculation is not None and num_new == 1
+                if self.speculation is not None
                 else []
             )
             num_new += len(request.draft)

@@ -27,7 +27,8 @@ weights, and verifying drafts costs more than it saves.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+
+import torch
 
 from ..speculative_config import SpeculativeConfig
 from .logits_processors import num_generated
@@ -146,8 +147,6 @@ def verify_sampled(probs: list, argmax: list[int], draft: list[int], generator_o
     from p_j without it (renormalised) and the step ends; after every draft kept, one more is drawn from p_k. The
     kept tokens are distributed as the target model's own draws. probs[j]: row j's distribution (sampling.py's
     row_probs; None where the row takes its argmax, argmax[j]); generator_of(j): the generator of row j's draw."""
-    import torch
-
     kept = []
     for j, token in enumerate(draft):
         if probs[j] is None:
@@ -192,8 +191,3 @@ def may_speculate(request: Request) -> bool:
         and not request.bad_words_token_ids
         and num_generated(request) >= params.min_tokens
     )
-
-
-def draft_of(request: Request) -> Optional[list[int]]:
-    """The draft a request carries through this step (set by the scheduler), or None."""
-    return request.draft or None

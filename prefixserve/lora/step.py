@@ -101,7 +101,7 @@ class LoRAStep:
         self._kernel_slots = kernel_slots
         self.slots: Optional[KernelSlots] = None
         self.num_rows = 0
-        self.groups: list[tuple[LoRAAdapter, torch.Tensor]] = []  # (adapter, its rows of the step)
+        self.active = False  # some row of this step has an adapter
         # the kernel's way: each row's slot (-1: the base), and the same for the kept rows; None: PyTorch's way
         self.slot_rows: Optional[torch.Tensor] = None
         self.kept_slot_rows: Optional[torch.Tensor] = None
@@ -116,10 +116,6 @@ class LoRAStep:
     def attach_kernel(self, num_layers: int) -> None:
         if self._kernel_slots is not None and self.slots is None:
             self.slots = KernelSlots(self._kernel_slots(self.max_loras, num_layers), self.max_loras)
-
-    @property
-    def active(self) -> bool:
-        return bool(self.groups)
 
     def kernel_arguments(self) -> tuple:
         """(the compiled LoRASlots, each row's slot) for the compiled decoder stack, which applies the adapters
@@ -141,7 +137,7 @@ class LoRAStep:
                 rows.setdefault(adapter.fingerprint, (adapter, []))[1].extend(range(start, end))
         self.num_rows = num_rows
         grouped = list(rows.values())
-        self.groups = [(adapter, torch.tensor(r, dtype=torch.int64, device=device)) for adapter, r in grouped]
+        self.active = bool(grouped)
         self.slot_rows = self.kept_slot_rows = self.batched = self.kept_batched = None
         if not grouped:
             return
@@ -252,13 +248,13 @@ class LayerLoRA:
         self.layer = layer
 
     def apply(self, module: str, x: torch.Tensor, out: torch.Tensor) -> None:
-        if self.step.groups:
+        if self.step.active:
             self.step.apply(self.layer, module, x, out)
 
 
 def attach(model, step: LoRAStep) -> None:
-    """Give every layer of `model` (llama.py's) the step's updates, and keep its compiled decoder stack (which
-    knows no adapters) out of the steps that have any."""
+    """Give every layer of `model` (llama.py's) the step's updates, and the step the compiled kernel's slots (which
+    the compiled decoder stack applies too: kernel_arguments)."""
     step.attach_kernel(len(model.layers))
     for index, layer in enumerate(model.layers):
         layer.self_attn.lora = LayerLoRA(step, index)
